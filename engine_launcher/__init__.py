@@ -1,0 +1,1 @@
+"""Engine launcher, vLLM plugin and engine simulator for cachehit-router."""

@@ -1,0 +1,1 @@
+"""cachehit-router: the daemon."""

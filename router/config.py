@@ -1,0 +1,380 @@
+"""router.toml -> frozen dataclasses, validated at start.
+
+Every error names the key (dotted path, with list indexes) and what was expected, so
+`router check-config` and a failed start tell the user exactly what to fix.
+Defaults are safe: listen on loopback, bounded bodies, bounded concurrency, timeouts on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and what was expected."""
+
+
+ROLES = ("decode", "prefill", "both")
+ENGINE_ROLES = ("producer", "consumer", "both")
+ENGINE_KINDS = ("sim", "vllm")
+STRATEGIES = ("probe", "round_robin", "least_loaded", "prefix_tree")
+# An engine's role in the launcher maps to the router-side backend role.
+ENGINE_ROLE_TO_BACKEND_ROLE = {"producer": "prefill", "consumer": "decode", "both": "both"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Client keys (Authorization: Bearer). Empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    # Key for admin routes (/admin/*). Empty: admin routes disabled.
+    admin_api_key: str = ""
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Requests executing at once; past it, up to max_queued_requests wait queue_timeout_s.
+    max_concurrent_requests: int = 1024
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    tls_cert: str = ""
+    tls_key: str = ""
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    strategy: str = "probe"
+    # Fraction of the prompt an engine must already hold to accept a probe.
+    cache_hit_threshold: float = 0.5
+    # Threshold sent on decode legs (after a prefill, or when resuming); a small guard
+    # lets a decode engine that lost the cache (preemption) hand the request back.
+    decode_guard_threshold: float = 0.0
+    # Prompts shorter than this skip prefill/decode and run directly on a decode engine.
+    min_pd_prompt_tokens: int = 256
+    # Probe race deadline: engines that have not answered by then count as rejections.
+    probe_deadline_ms: float = 250.0
+    # Engines whose scraped waiting queue exceeds this are not probed (0: no bound).
+    max_probe_waiting: int = 0
+    max_resumes: int = 3
+    # Retries on another backend for failures before the first token.
+    max_retries: int = 2
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    connect_s: float = 5.0
+    first_token_s: float = 120.0
+    idle_s: float = 60.0
+    total_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    # Scrape of each backend's /metrics (load view) and /health (liveness).
+    scrape_interval_s: float = 1.0
+    check_interval_s: float = 2.0
+    # Circuit breaker: open after this many consecutive failures, half-open after cooldown.
+    failure_threshold: int = 3
+    cooldown_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    name: str
+    url: str
+    role: str = "decode"
+    # Served model names. Empty: discovered from the backend's /v1/models.
+    models: tuple[str, ...] = ()
+    # Sent upstream as Authorization: Bearer; never taken from clients.
+    api_key: str = ""
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in ("decode", "both")
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in ("prefill", "both")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine the launcher starts (kind sim or vllm)."""
+
+    name: str
+    kind: str
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    model: str = ""
+    served_model_name: str = ""
+    # NIXL side channel (vllm only); port 0: pick a free one.
+    nixl_side_channel_host: str = "127.0.0.1"
+    nixl_side_channel_port: int = 0
+    gpu_ids: tuple[int, ...] = ()
+    cpu_cores: tuple[int, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    # Also register as a router backend.
+    register: bool = True
+
+    @property
+    def backend_role(self) -> str:
+        return ENGINE_ROLE_TO_BACKEND_ROLE[self.role]
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    log_dir: str = "engine-logs"
+    startup_timeout_s: float = 300.0
+    max_restarts: int = 5
+    restart_backoff_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    backends: tuple[BackendConfig, ...] = ()
+    engines: tuple[EngineConfig, ...] = ()
+
+    def all_backends(self, engine_urls: dict[str, str] | None = None) -> tuple[BackendConfig, ...]:
+        """Backends declared directly plus registered engines.
+
+        engine_urls maps an engine name to its actual URL once the launcher picked a port.
+        """
+        out = list(self.backends)
+        for e in self.engines:
+            if not e.register:
+                continue
+            url = (engine_urls or {}).get(e.name) or f"http://{e.host}:{e.port}"
+            models = (e.served_model_name or e.model,) if (e.served_model_name or e.model) else ()
+            out.append(BackendConfig(name=e.name, url=url, role=e.backend_role, models=models))
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        # Secrets are never printed.
+        d["server"]["api_keys"] = ["***"] * len(self.server.api_keys)
+        if self.server.admin_api_key:
+            d["server"]["admin_api_key"] = "***"
+        for b in d["backends"]:
+            if b["api_key"]:
+                b["api_key"] = "***"
+        return d
+
+
+# --- validation helpers -------------------------------------------------------------
+
+def _type_name(t: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(t, str(t))
+
+
+def _check(key: str, value: Any, typ: type) -> Any:
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}")
+    return value
+
+
+def _str_list(key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _int_list(key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
+    return tuple(value)
+
+
+def _build(cls: type, key: str, raw: Any, special: dict[str, Any] | None = None) -> Any:
+    """Build dataclass `cls` from table `raw`, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: expected a table, got {raw!r}")
+    special = special or {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for k, v in raw.items():
+        sub = f"{key}.{k}" if key else k
+        if k not in fields:
+            raise ConfigError(f"{sub}: unknown key (expected one of: {', '.join(sorted(fields))})")
+        if k in special:
+            kwargs[k] = special[k](sub, v)
+            continue
+        default = fields[k].default
+        typ = type(default) if default is not dataclasses.MISSING else str
+        if isinstance(default, tuple):
+            kwargs[k] = _str_list(sub, v)
+        else:
+            kwargs[k] = _check(sub, v, typ)
+    missing = [n for n, f in fields.items()
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+               and n not in kwargs]
+    if missing:
+        raise ConfigError(f"{key}.{missing[0]}: required key is missing")
+    return cls(**kwargs)
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: expected a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
+
+
+def _fraction(key: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{key}: expected a number in [0, 1], got {value!r}")
+
+
+def _port(key: str, value: int, allow_zero: bool) -> None:
+    if not (0 if allow_zero else 1) <= value <= 65535:
+        raise ConfigError(f"{key}: expected a TCP port in [{0 if allow_zero else 1}, 65535], got {value!r}")
+
+
+def _url(key: str, value: str) -> None:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{key}: expected an http:// or https:// URL with a host, got {value!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(f"{key}: expected a valid port in URL, got {value!r}") from None
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{key}: expected a base URL without query or fragment, got {value!r}")
+
+
+def _env(key: str, value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ConfigError(f"{key}: expected a table of strings, got {value!r}")
+    return tuple(sorted(value.items()))
+
+
+def parse_config(raw: dict[str, Any]) -> Config:
+    top = {f.name for f in dataclasses.fields(Config)}
+    for k in raw:
+        if k not in top:
+            raise ConfigError(f"{k}: unknown key (expected one of: {', '.join(sorted(top))})")
+
+    server = _build(ServerConfig, "server", raw.get("server", {}), {
+        "api_keys": _str_list})
+    _port("server.port", server.port, allow_zero=True)
+    _positive("server.max_body_bytes", server.max_body_bytes)
+    _positive("server.max_concurrent_requests", server.max_concurrent_requests)
+    _positive("server.max_queued_requests", server.max_queued_requests, allow_zero=True)
+    _positive("server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
+    _positive("server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
+    if bool(server.tls_cert) != bool(server.tls_key):
+        raise ConfigError("server.tls_cert: tls_cert and tls_key must be given together")
+    if server.log_level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"server.log_level: expected one of debug, info, warning, error, got {server.log_level!r}")
+    if any(not k for k in server.api_keys):
+        raise ConfigError("server.api_keys: expected non-empty strings")
+
+    routing = _build(RoutingConfig, "routing", raw.get("routing", {}))
+    if routing.strategy not in STRATEGIES:
+        raise ConfigError(f"routing.strategy: expected one of {', '.join(STRATEGIES)}, got {routing.strategy!r}")
+    _fraction("routing.cache_hit_threshold", routing.cache_hit_threshold)
+    _fraction("routing.decode_guard_threshold", routing.decode_guard_threshold)
+    _positive("routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
+    _positive("routing.probe_deadline_ms", routing.probe_deadline_ms)
+    _positive("routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
+    _positive("routing.max_resumes", routing.max_resumes, allow_zero=True)
+    _positive("routing.max_retries", routing.max_retries, allow_zero=True)
+
+    timeouts = _build(TimeoutsConfig, "timeouts", raw.get("timeouts", {}))
+    for f in dataclasses.fields(TimeoutsConfig):
+        _positive(f"timeouts.{f.name}", getattr(timeouts, f.name))
+
+    health = _build(HealthConfig, "health", raw.get("health", {}))
+    _positive("health.scrape_interval_s", health.scrape_interval_s)
+    _positive("health.check_interval_s", health.check_interval_s)
+    _positive("health.failure_threshold", health.failure_threshold)
+    _positive("health.cooldown_s", health.cooldown_s, allow_zero=True)
+
+    launcher = _build(LauncherConfig, "launcher", raw.get("launcher", {}))
+    _positive("launcher.startup_timeout_s", launcher.startup_timeout_s)
+    _positive("launcher.max_restarts", launcher.max_restarts, allow_zero=True)
+    _positive("launcher.restart_backoff_s", launcher.restart_backoff_s, allow_zero=True)
+
+    raw_backends = raw.get("backends", [])
+    if not isinstance(raw_backends, list):
+        raise ConfigError("backends: expected an array of tables ([[backends]])")
+    backends = []
+    for i, rb in enumerate(raw_backends):
+        key = f"backends[{i}]"
+        b = _build(BackendConfig, key, rb, {"models": _str_list})
+        _url(f"{key}.url", b.url)
+        if b.role not in ROLES:
+            raise ConfigError(f"{key}.role: expected one of {', '.join(ROLES)}, got {b.role!r}")
+        backends.append(b)
+
+    raw_engines = raw.get("engines", [])
+    if not isinstance(raw_engines, list):
+        raise ConfigError("engines: expected an array of tables ([[engines]])")
+    engines = []
+    for i, re_ in enumerate(raw_engines):
+        key = f"engines[{i}]"
+        e = _build(EngineConfig, key, re_, {
+            "gpu_ids": _int_list, "cpu_cores": _int_list, "extra_args": _str_list, "env": _env})
+        if e.kind not in ENGINE_KINDS:
+            raise ConfigError(f"{key}.kind: expected one of {', '.join(ENGINE_KINDS)}, got {e.kind!r}")
+        if e.role not in ENGINE_ROLES:
+            raise ConfigError(f"{key}.role: expected one of {', '.join(ENGINE_ROLES)}, got {e.role!r}")
+        if e.kind == "vllm" and not e.model:
+            raise ConfigError(f"{key}.model: required for kind 'vllm' (a model path or name)")
+        _port(f"{key}.port", e.port, allow_zero=True)
+        _port(f"{key}.nixl_side_channel_port", e.nixl_side_channel_port, allow_zero=True)
+        try:
+            ipaddress.ip_address(e.host)
+        except ValueError:
+            if e.host != "localhost":
+                raise ConfigError(f"{key}.host: expected an IP address or 'localhost', got {e.host!r}") from None
+        engines.append(e)
+
+    names = [b.name for b in backends] + [e.name for e in engines if e.register]
+    seen: set[str] = set()
+    for n in names:
+        if not n:
+            raise ConfigError("backends: a backend or engine has an empty name")
+        if n in seen:
+            raise ConfigError(f"backends: duplicate backend or engine name {n!r}")
+        seen.add(n)
+    engine_names = [e.name for e in engines]
+    if len(set(engine_names)) != len(engine_names):
+        raise ConfigError("engines: duplicate engine name")
+
+    cfg = Config(server=server, routing=routing, timeouts=timeouts, health=health,
+                 launcher=launcher, backends=tuple(backends), engines=tuple(engines))
+    if not any(b.decodes for b in cfg.all_backends()):
+        raise ConfigError("backends: expected at least one backend (or registered engine) with role "
+                          "'decode' or 'both' (engine role 'consumer' or 'both')")
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read configuration file {str(p)!r}: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return parse_config(raw)
