@@ -1,0 +1,227 @@
+"""Exact command lines and environments built by engine_launcher.commands."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from engine_launcher.commands import (
+    ASYNC_SCHEDULER_CLS,
+    SYNC_SCHEDULER_CLS,
+    EnginePorts,
+    HostInfo,
+    assign_cpu_cores,
+    build_commands,
+    ports_to_pick,
+    resolve_ports,
+    url_for,
+)
+from router.config import ConfigError, EngineConfig, load_config
+
+PY = "/opt/py/bin/python"
+CPU_HOST = HostInfo(gpu_count=0, cpu_ids=(0, 1))
+GPU_HOST = HostInfo(gpu_count=4, cpu_ids=tuple(range(16)))
+VLLM_HEAD = [PY, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def vllm_engine(name: str, role: str, **kw) -> EngineConfig:
+    return EngineConfig(name=name, kind="vllm", role=role, model="/models/tiny", **kw)
+
+
+def kv_config(role: str, device: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                       "kv_buffer_device": device}, separators=(",", ":"))
+
+
+def one(engine: EngineConfig, host: HostInfo, http: int = 9000, nixl: int = 5600):
+    (cmd,) = build_commands([engine], {engine.name: EnginePorts(http, nixl)}, host,
+                            log_dir="logs", python=PY)
+    return cmd
+
+
+@pytest.mark.parametrize("role,kv_role", [("producer", "kv_producer"),
+                                          ("consumer", "kv_consumer"),
+                                          ("both", "kv_both")])
+def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
+    cmd = one(vllm_engine("e0", role), CPU_HOST)
+    assert list(cmd.argv) == VLLM_HEAD + [
+        "--model", "/models/tiny", "--served-model-name", "/models/tiny",
+        "--host", "127.0.0.1", "--port", "9000", "--enable-prefix-caching",
+        "--kv-transfer-config", kv_config(kv_role, "cpu"),
+        "--scheduler-cls", SYNC_SCHEDULER_CLS,
+        "--dtype", "float32", "--block-size", "32", "--enforce-eager"]
+    assert dict(cmd.env) == {
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # A lone engine gets every CPU of the host.
+        "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+        "UCX_TLS": "tcp,self",
+    }
+    assert cmd.kind == "vllm" and cmd.engines == ("e0",)
+    assert cmd.log_file == "logs/e0.log"
+    assert dict(cmd.urls) == {"e0": "http://127.0.0.1:9000"}
+    assert cmd.health_urls() == {"e0": "http://127.0.0.1:9000/health"}
+
+
+@pytest.mark.parametrize("role,kv_role", [("producer", "kv_producer"),
+                                          ("consumer", "kv_consumer"),
+                                          ("both", "kv_both")])
+def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
+    e = vllm_engine("g0", role, served_model_name="llama", gpu_ids=(2, 3),
+                    nixl_side_channel_host="10.0.0.5", host="0.0.0.0")
+    cmd = one(e, GPU_HOST, http=8200, nixl=5601)
+    assert list(cmd.argv) == VLLM_HEAD + [
+        "--model", "/models/tiny", "--served-model-name", "llama",
+        "--host", "0.0.0.0", "--port", "8200", "--enable-prefix-caching",
+        "--kv-transfer-config", kv_config(kv_role, "cuda"),
+        "--scheduler-cls", ASYNC_SCHEDULER_CLS]
+    assert dict(cmd.env) == {
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+    }
+    # A wildcard listener is reached through loopback.
+    assert dict(cmd.urls) == {"g0": "http://127.0.0.1:8200"}
+
+
+def test_gpu_host_without_async_scheduling_uses_sync_scheduler():
+    cmd = one(vllm_engine("g0", "consumer", extra_args=("--no-async-scheduling",)), GPU_HOST)
+    i = cmd.argv.index("--scheduler-cls")
+    assert cmd.argv[i + 1] == SYNC_SCHEDULER_CLS
+    assert cmd.argv[-1] == "--no-async-scheduling"
+
+
+def test_extra_args_come_last_and_replace_launcher_defaults():
+    extra = ("--dtype", "bfloat16", "--block-size=64", "--max-model-len", "1024",
+             "--scheduler-cls", "my.Sched")
+    cmd = one(vllm_engine("e0", "consumer", extra_args=extra), CPU_HOST)
+    argv = list(cmd.argv)
+    assert argv[-len(extra):] == list(extra)
+    # CPU defaults the user chose are not emitted twice; the rest stay.
+    assert argv.count("--dtype") == 1 and "float32" not in argv
+    assert "--block-size" not in argv and "--enforce-eager" in argv
+    # Flags the launcher always sets stay, and the user's later copy wins (argparse: last one).
+    assert argv.index("--scheduler-cls") < len(argv) - len(extra)
+    assert argv[argv.index("my.Sched") - 1] == "--scheduler-cls"
+
+
+def test_user_env_overrides_launcher_env():
+    e = vllm_engine("e0", "producer", env=(("UCX_TLS", "rc,tcp"), ("VLLM_CPU_KVCACHE_SPACE", "4"),
+                                           ("HF_HOME", "/cache")))
+    env = one(e, CPU_HOST).env
+    assert env["UCX_TLS"] == "rc,tcp"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["HF_HOME"] == "/cache"
+
+
+def test_cpu_engines_get_disjoint_cores():
+    engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer"),
+               vllm_engine("c", "consumer", cpu_cores=(7,))]
+    host = HostInfo(gpu_count=0, cpu_ids=(0, 1, 2, 3, 4, 5, 6, 7))
+    cores = assign_cpu_cores(engines, host)
+    assert cores == {"c": (7,), "a": (0, 1, 2, 3), "b": (4, 5, 6)}
+    # More engines than CPUs: single CPUs in turn.
+    many = [vllm_engine(f"e{i}", "consumer") for i in range(3)]
+    assert assign_cpu_cores(many, CPU_HOST) == {"e0": (0,), "e1": (1,), "e2": (0,)}
+
+
+def test_two_cpu_engines_bind_one_core_each_in_their_commands():
+    engines = [vllm_engine("p", "producer"), vllm_engine("c", "consumer")]
+    ports = {"p": EnginePorts(9001, 5601), "c": EnginePorts(9002, 5602)}
+    p, c = build_commands(engines, ports, CPU_HOST, log_dir="l", python=PY)
+    assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert c.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error():
+    engines = [vllm_engine(f"e{i}", "consumer") for i in range(2)] + [
+        vllm_engine("x", "producer", gpu_ids=(0,))]
+    ports = {e.name: EnginePorts(9000 + i, 5600 + i) for i, e in enumerate(engines)}
+    cmds = build_commands(engines, ports, HostInfo(gpu_count=3), log_dir="l", python=PY)
+    assert [c.env.get("CUDA_VISIBLE_DEVICES") for c in cmds] == ["1", "2", "0"]
+    with pytest.raises(ConfigError, match=r"engines\[1\]\.gpu_ids"):
+        build_commands(engines, ports, HostInfo(gpu_count=2), log_dir="l", python=PY)
+    # One engine without gpu_ids sees every GPU (tensor parallelism through extra_args).
+    assert "CUDA_VISIBLE_DEVICES" not in one(vllm_engine("solo", "both"), GPU_HOST).env
+
+
+def test_identical_sim_engines_share_one_process():
+    cfg = load_config("router.toml")
+    ports = resolve_ports(cfg.engines)
+    cmds = build_commands(cfg.engines, ports, CPU_HOST, log_dir="engine-logs", python=PY)
+    assert [c.engines for c in cmds] == [("decode-0", "decode-1", "decode-2", "decode-3"),
+                                         ("prefill-0",)]
+    decode, prefill = cmds
+    assert list(decode.argv) == [PY, "-m", "engine_launcher.sim",
+                                 "--port", "8101", "--port", "8102", "--port", "8103",
+                                 "--port", "8104", "--host", "127.0.0.1", "--role", "consumer",
+                                 "--model", "sim-llama-8b"]
+    assert list(prefill.argv) == [PY, "-m", "engine_launcher.sim", "--port", "8105",
+                                  "--host", "127.0.0.1", "--role", "producer",
+                                  "--model", "sim-llama-8b"]
+    assert dict(decode.env) == {"PYTHONUNBUFFERED": "1"}
+    assert decode.name == "decode-0" and decode.log_file == "engine-logs/decode-0.log"
+    assert dict(decode.urls) == {f"decode-{i}": f"http://127.0.0.1:{8101 + i}" for i in range(4)}
+
+
+def test_sim_engines_with_different_options_do_not_share():
+    engines = [
+        EngineConfig(name="a", kind="sim", role="both", port=1, model="m"),
+        EngineConfig(name="b", kind="sim", role="both", port=2, model="m",
+                     extra_args=("--speedup", "2")),
+        EngineConfig(name="c", kind="sim", role="both", port=3, model="m"),
+        EngineConfig(name="d", kind="sim", role="both", port=4, model="m", env=(("X", "1"),)),
+        EngineConfig(name="e", kind="sim", role="both", port=5, model="m", cpu_cores=(1,),
+                     served_model_name="served"),
+    ]
+    cmds = build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l", python=PY)
+    assert [c.engines for c in cmds] == [("a", "c"), ("b",), ("d",), ("e",)]
+    assert cmds[1].argv[-2:] == ("--speedup", "2")
+    assert cmds[2].env["X"] == "1"
+    assert cmds[3].cpu_affinity == (1,)
+    assert list(cmds[3].argv[-2:]) == ["--served-model-name", "served"]
+
+
+def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():
+    engines = [vllm_engine("v", "producer", port=8000),
+               EngineConfig(name="s", kind="sim", port=0),
+               vllm_engine("w", "consumer", nixl_side_channel_port=5700)]
+    assert ports_to_pick(engines) == [("v", "nixl", "127.0.0.1"), ("s", "http", "127.0.0.1"),
+                                      ("w", "http", "127.0.0.1")]
+    ports = resolve_ports(engines, {("v", "nixl"): 41000, ("s", "http"): 41001,
+                                    ("w", "http"): 41002})
+    assert ports == {"v": EnginePorts(8000, 41000), "s": EnginePorts(41001, None),
+                     "w": EnginePorts(41002, 5700)}
+    clash = [vllm_engine("v", "producer", port=8000, nixl_side_channel_port=5600),
+             vllm_engine("w", "consumer", port=8001, nixl_side_channel_port=8000)]
+    with pytest.raises(ConfigError, match=r"engines\[1\]\.nixl_side_channel_port: port 8000"):
+        build_commands(clash, resolve_ports(clash), CPU_HOST, log_dir="l")
+
+
+def test_unresolved_port_is_refused():
+    engines = [EngineConfig(name="s", kind="sim")]
+    with pytest.raises(ValueError, match="not resolved"):
+        build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
+
+
+def test_url_for_wildcards_and_ipv6():
+    assert url_for("0.0.0.0", 1) == "http://127.0.0.1:1"
+    assert url_for("::", 2) == "http://[::1]:2"
+    assert url_for("::1", 3) == "http://[::1]:3"
+    assert url_for("localhost", 4) == "http://localhost:4"
+
+
+def test_default_python_is_the_running_interpreter():
+    cmd = build_commands([vllm_engine("e", "both")], {"e": EnginePorts(1, 2)}, CPU_HOST,
+                         log_dir="l")[0]
+    assert cmd.argv[0] == sys.executable
+
+
+def test_shell_line_quotes_json_and_puts_env_first():
+    line = one(vllm_engine("e0", "producer"), CPU_HOST).shell_line()
+    assert line.startswith("PYTHONUNBUFFERED=1 UCX_TLS=tcp,self ")
+    assert "'{\"kv_connector\":\"NixlConnector\"" in line
