@@ -1,0 +1,128 @@
+"""Server-sent events framing: encoding the client's events, decoding the engines' streams.
+
+vLLM writes every event as `data: <json>\\n\\n`, ends with `data: [DONE]\\n\\n`, and may
+interleave `: keep-alive\\n\\n` comments (--sse-keep-alive-interval). The decoder still
+implements the general WHATWG rules that matter for a `data`-only stream (\\n, \\r\\n and
+\\r line ends, multi-line data, comments, other fields ignored, arbitrary chunk
+boundaries) so that a proxy in between or another server cannot desynchronise it; the
+common case (LF only, `data: ` prefix) runs on bytes.find and slices, no regexes.
+"""
+from __future__ import annotations
+
+import orjson
+
+DONE_PAYLOAD = b"[DONE]"
+DONE_EVENT = b"data: [DONE]\n\n"
+KEEPALIVE_EVENT = b": keep-alive\n\n"
+
+# A line longer than this means the peer is not sending SSE (or is broken); without a
+# bound a stream with no newline would grow the buffer until the process dies.
+DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
+
+
+class SSEError(ValueError):
+    """The byte stream cannot be SSE (a line exceeded the size bound)."""
+
+
+def format_event(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class SSEDecoder:
+    """Incremental decoder: `feed` bytes as they arrive, get the completed events' data.
+
+    Each returned item is one event's data (its `data:` lines joined by \\n, as bytes), in
+    order, `b"[DONE]"` included as is. Events without data lines (comments, `event:`/`id:`
+    only) produce nothing. Call `flush()` at end of stream to get an event whose closing
+    blank line never came.
+    """
+
+    __slots__ = ("_buf", "_data", "_skip_lf", "_max_line")
+
+    def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
+        self._buf = b""            # an unterminated line carried over from the last feed
+        self._data: list[bytes] = []   # data lines of the event being read
+        self._skip_lf = False      # last feed ended in \r: a \n starting the next belongs to it
+        self._max_line = max_line_bytes
+
+    def feed(self, data: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        if not data:
+            return out
+        if self._skip_lf:
+            self._skip_lf = False
+            if data[:1] == b"\n":
+                data = data[1:]
+        buf = self._buf + data if self._buf else bytes(data)
+        if b"\r" in buf:
+            start = self._split_any(buf, out)
+        else:
+            start = 0
+            find = buf.find
+            line = self._line
+            while True:
+                nl = find(b"\n", start)
+                if nl < 0:
+                    break
+                line(buf[start:nl], out)
+                start = nl + 1
+        self._buf = buf[start:]
+        if len(self._buf) > self._max_line:
+            raise SSEError(f"SSE line longer than {self._max_line} bytes")
+        return out
+
+    def _split_any(self, buf: bytes, out: list[bytes]) -> int:
+        """Split on \\r\\n, \\n or \\r; returns where the unterminated tail starts."""
+        start = 0
+        n = len(buf)
+        while start < n:
+            cr = buf.find(b"\r", start)
+            lf = buf.find(b"\n", start)
+            if cr < 0 and lf < 0:
+                break
+            if cr < 0 or (0 <= lf < cr):
+                self._line(buf[start:lf], out)
+                start = lf + 1
+                continue
+            self._line(buf[start:cr], out)
+            if cr + 1 < n:
+                start = cr + 2 if buf[cr + 1] == 0x0A else cr + 1
+            else:
+                # \r is the last byte: its \n, if any, arrives with the next feed.
+                self._skip_lf = True
+                start = n
+        return start
+
+    def _line(self, line: bytes, out: list[bytes]) -> None:
+        if not line:
+            if self._data:
+                data = self._data
+                out.append(data[0] if len(data) == 1 else b"\n".join(data))
+                self._data = []
+            return
+        if line[:6] == b"data: ":
+            self._data.append(line[6:])
+            return
+        if line[:1] == b":":
+            return  # comment (keep-alive)
+        colon = line.find(b":")
+        if colon < 0:
+            field, value = line, b""
+        else:
+            field, value = line[:colon], line[colon + 1:]
+            if value[:1] == b" ":
+                value = value[1:]
+        if field == b"data":
+            self._data.append(value)
+        # event, id, retry and unknown fields carry nothing the router uses.
+
+    def flush(self) -> list[bytes]:
+        """End of stream: finish a last line without its newline and an event without its
+        blank line. The decoder is then empty and can be reused."""
+        out: list[bytes] = []
+        if self._buf:
+            self._line(self._buf, out)
+            self._buf = b""
+        self._skip_lf = False
+        self._line(b"", out)
+        return out
