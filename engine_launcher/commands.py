@@ -279,10 +279,9 @@ def sim_command(group: Sequence[EngineConfig], ports: Mapping[str, EnginePorts],
     for e in group:
         argv += ["--port", str(ports[e.name].http)]
     argv += ["--host", first.host, "--role", first.role]
-    if first.model:
-        argv += ["--model", first.model]
-    if first.served_model_name:
-        argv += ["--served-model-name", first.served_model_name]
+    # The simulator serves one model name; the router registers served_model_name or model.
+    if first.served_model_name or first.model:
+        argv += ["--model", first.served_model_name or first.model]
     argv += list(first.extra_args)
     env = {"PYTHONUNBUFFERED": "1"}
     env.update(dict(first.env))

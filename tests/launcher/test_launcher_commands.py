@@ -183,7 +183,8 @@ def test_sim_engines_with_different_options_do_not_share():
     assert cmds[1].argv[-2:] == ("--speedup", "2")
     assert cmds[2].env["X"] == "1"
     assert cmds[3].cpu_affinity == (1,)
-    assert list(cmds[3].argv[-2:]) == ["--served-model-name", "served"]
+    # The simulator serves one name: served_model_name when given.
+    assert list(cmds[3].argv[-2:]) == ["--model", "served"]
 
 
 def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():

@@ -1,0 +1,211 @@
+"""Supervisor: real processes, real ports, real signals.
+
+The lifecycle test runs the real simulator; failure paths the simulator cannot show on
+demand use the `fake_python` stand-in interpreter (see conftest.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from engine_launcher.supervisor import (
+    FAILED,
+    HEALTHY,
+    EngineStartError,
+    ProgressEvent,
+    Supervisor,
+)
+from router.config import EngineConfig, LauncherConfig
+
+from launcher_testutil import group_gone, pid_gone
+
+# Hang guard for awaited events (not a timing assertion: a healthy run takes a fraction).
+EVENT_TIMEOUT_S = 60
+
+
+class Events:
+    """Collects progress events; lets a test await the next event matching a predicate."""
+
+    def __init__(self) -> None:
+        self.seen: list[ProgressEvent] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, ev: ProgressEvent) -> None:
+        self.seen.append(ev)
+        self._changed.set()
+
+    async def next(self, unit: str, state: str, after: int = 0) -> ProgressEvent:
+        async def find() -> ProgressEvent:
+            while True:
+                for ev in self.seen[after:]:
+                    if ev.unit == unit and ev.state == state:
+                        return ev
+                self._changed.clear()
+                await self._changed.wait()
+        return await asyncio.wait_for(find(), EVENT_TIMEOUT_S)
+
+
+async def get_status(url: str) -> int:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+            return r.status
+
+
+def launcher(tmp_path: Path, **kw) -> LauncherConfig:
+    base = dict(log_dir=str(tmp_path / "logs"), startup_timeout_s=60.0, max_restarts=3,
+                restart_backoff_s=0.05)
+    base.update(kw)
+    return LauncherConfig(**base)
+
+
+def group_pids(sup: Supervisor) -> list[int]:
+    return [s.pid for s in sup.status() if s.pid is not None]
+
+
+async def wait_gone(pids: list[int]) -> None:
+    async def poll() -> None:
+        while not all(pid_gone(p) and group_gone(p) for p in pids):
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(poll(), EVENT_TIMEOUT_S)
+
+
+async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_leftovers):
+    engines = [
+        EngineConfig(name="decode-a", kind="sim", role="consumer", model="sim-m"),
+        EngineConfig(name="decode-b", kind="sim", role="consumer", model="sim-m"),
+        EngineConfig(name="prefill-a", kind="sim", role="producer", model="sim-m"),
+    ]
+    events = Events()
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False)
+    try:
+        urls = await sup.start(progress=events)
+        status = {s.name: s for s in sup.status()}
+        kill_leftovers.extend(s.pid for s in status.values())
+        # Two identical consumers share one process; the producer has its own.
+        assert set(status) == {"decode-a", "prefill-a"}
+        assert status["decode-a"].engines == ("decode-a", "decode-b")
+        assert all(s.state == HEALTHY for s in status.values())
+        assert set(urls) == {"decode-a", "decode-b", "prefill-a"}
+        assert len({u for u in urls.values()}) == 3
+        for url in urls.values():
+            assert await get_status(f"{url}/health") == 200
+        logs = tmp_path / "logs"
+        assert (logs / "decode-a.log").is_file() and (logs / "prefill-a.log").is_file()
+        assert os.readlink(logs / "decode-b.log") == "decode-a.log"
+
+        old_pid = status["prefill-a"].pid
+        mark = len(events.seen)
+        os.kill(old_pid, signal.SIGKILL)
+        await events.next("prefill-a", "restarting", after=mark)
+        await events.next("prefill-a", HEALTHY, after=mark)
+        restarted = {s.name: s for s in sup.status()}["prefill-a"]
+        kill_leftovers.append(restarted.pid)
+        assert restarted.pid != old_pid and restarted.restarts == 1
+        assert restarted.last_exit_code == -signal.SIGKILL
+        # Same port after the restart: the router's URL stays valid.
+        assert await get_status(f"{urls['prefill-a']}/health") == 200
+        assert "attempt 2" in (logs / "prefill-a.log").read_text()
+        pids = group_pids(sup)
+    finally:
+        await sup.stop()
+    assert all(s.state == "stopped" and s.pid is None for s in sup.status())
+    # stop() returns only once every process group is gone.
+    assert all(pid_gone(p) and group_gone(p) for p in pids)
+
+
+async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_python):
+    engines = [EngineConfig(name=f"e{i}", kind="sim") for i in range(2)] + [
+        EngineConfig(name="v", kind="vllm", model="/m")]
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python)
+    sup.plan()
+    ports = sup.ports
+    picked = [ports["e0"].http, ports["e1"].http, ports["v"].http, ports["v"].nixl]
+    assert len(set(picked)) == 4 and all(p > 0 for p in picked)
+    # Held: nobody else can bind a picked port before the engine is spawned.
+    import socket
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", ports["e0"].http))
+    await sup.stop()  # releases the reservations
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports["e0"].http))
+
+
+async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path, fake_python):
+    engines = [EngineConfig(name="ok", kind="sim", env=(("FAKE_MODE", "serve"),)),
+               EngineConfig(name="bad", kind="sim", env=(("FAKE_MODE", "exit"),))]
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python)
+    with pytest.raises(EngineStartError) as err:
+        await sup.start()
+    assert err.value.name == "bad"
+    assert "exited with code 3" in str(err.value)
+    assert "fatal: simulated start-up failure" in err.value.log_tail
+    assert err.value.log_file == str(tmp_path / "logs" / "bad.log")
+    # The healthy engine was stopped too.
+    assert all(s.state == "stopped" and s.pid is None for s in sup.status())
+
+
+async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill_leftovers):
+    engines = [EngineConfig(name="hung", kind="sim", env=(("FAKE_MODE", "hang"),))]
+    events = Events()
+    sup = Supervisor(engines, launcher(tmp_path, startup_timeout_s=0.5), host_has_gpu=False,
+                     python=fake_python)
+    start = asyncio.create_task(sup.start(progress=events))
+    ev = await events.next("hung", "starting")
+    pid = next(s.pid for s in sup.status())
+    kill_leftovers.append(pid)
+    with pytest.raises(EngineStartError, match=r"did not answer GET /health within 0.5 s"):
+        await start
+    assert ev.detail == "attempt 1"
+    assert "fake engine hang" in Path(tmp_path / "logs" / "hung.log").read_text()
+    assert pid_gone(pid) and group_gone(pid)
+
+
+async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_python,
+                                                           kill_leftovers):
+    pid_file = tmp_path / "pids"
+    engines = [EngineConfig(name="stubborn", kind="sim",
+                            env=(("FAKE_MODE", "stubborn"), ("FAKE_PID_FILE", str(pid_file))))]
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python,
+                     stop_timeout_s=0.5)
+    await sup.start()
+    leader = next(s.pid for s in sup.status())
+    kill_leftovers.append(leader)
+    engine_pid, grandchild = map(int, pid_file.read_text().split())
+    assert not pid_gone(grandchild)
+    await sup.stop()
+    # Both ignore SIGTERM; the group SIGKILL reached the grandchild as well.
+    assert pid_gone(engine_pid) and pid_gone(grandchild) and group_gone(leader)
+
+
+async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers):
+    engines = [EngineConfig(name="flaky", kind="sim", env=(("FAKE_MODE", "serve"),))]
+    events = Events()
+    sup = Supervisor(engines, launcher(tmp_path, max_restarts=1, restart_backoff_s=0.0),
+                     host_has_gpu=False, python=fake_python)
+    try:
+        await sup.start(progress=events)
+        first = next(s.pid for s in sup.status())
+        kill_leftovers.append(first)
+        mark = len(events.seen)
+        os.kill(first, signal.SIGKILL)
+        await events.next("flaky", HEALTHY, after=mark)
+        second = next(s.pid for s in sup.status())
+        kill_leftovers.append(second)
+        mark = len(events.seen)
+        os.kill(second, signal.SIGKILL)
+        failed = await events.next("flaky", FAILED, after=mark)
+        assert "gave up after 1 restart(s)" in failed.detail
+        # wait() returns once every process has been given up.
+        await asyncio.wait_for(sup.wait(), EVENT_TIMEOUT_S)
+        (st,) = sup.status()
+        assert st.state == FAILED and st.pid is None and st.restarts == 1
+    finally:
+        await sup.stop()
+    states = [e.state for e in events.seen]
+    assert states == ["starting", "healthy", "exited", "restarting", "starting", "healthy",
+                      "exited", "failed", "stopped"]
