@@ -1,0 +1,264 @@
+"""Parse and validate a client's body into an immutable RequestSpec.
+
+The router validates every field it reads itself or whose value could crash it, with
+vLLM's wording where vLLM has one, and answers 400 naming the field (`param`). Every other
+field goes to the engine untouched: the engine validates sampling parameters and its
+answer is passed through.
+
+Stripped from the body (the router owns them):
+- `kv_transfer_params`, `ec_transfer_params`: only a producer's answer is ever forwarded,
+  and only to a configured consumer; a client must not steer KV/encoder-cache transfers.
+- `cache_hit_threshold` (top level and inside `vllm_xargs`): the router sets the threshold
+  of each leg itself. A client's value is dropped silently rather than rejected, so clients
+  written for llm-d (which send it) keep working.
+- `return_token_ids`, `stream`, `stream_options`: every upstream leg is streamed with token
+  ids and usage, whatever the client asked; what the client asked is kept in the spec.
+- `request_id`: vLLM names its answer `cmpl-<request_id>` / `chatcmpl-<request_id>`, so
+  the router does the same for the client-facing id, but the engines get their own ids
+  (one request fans out into several legs, possibly on the same engine).
+
+Rejected because the router cannot honour them (400, param named):
+- `n` other than 1 and `use_beam_search: true`: one answer per request; every leg is a
+  stream (vLLM does not stream beam search).
+- batched prompts (a list of several prompts): one prompt per request.
+- `prompt_embeds`: resuming needs token ids.
+- `echo: true` on completions: with `return_token_ids` vLLM echoes an empty prompt text
+  and puts the prompt ids into the generated ids, which would corrupt resumption.
+  (Chat `echo` is unaffected and passes through.)
+- `prompt_logprobs`: vLLM does not send them in streams, and every leg is a stream.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import orjson
+
+from router.errors import RouterError
+
+ENDPOINT_COMPLETIONS = "completions"
+ENDPOINT_CHAT = "chat"
+
+ID_PREFIX = {ENDPOINT_COMPLETIONS: "cmpl-", ENDPOINT_CHAT: "chatcmpl-"}
+
+# Token ids are int32 in vLLM; anything at or past 2**31 cannot be a vocabulary entry.
+MAX_TOKEN_ID = 2**31 - 1
+# A budget past this is a client bug (and would overflow int32 fields downstream).
+MAX_TOKENS_LIMIT = 2**31
+# vLLM's CompletionRequest.max_tokens default when the field is absent (an explicit null
+# means "up to the context length" instead).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_REQUEST_ID_CHARS = 512
+
+_STRIPPED_TOP_LEVEL = ("kv_transfer_params", "ec_transfer_params", "cache_hit_threshold",
+                       "return_token_ids", "stream", "stream_options", "request_id")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    request_id: str            # client-facing id, vLLM style: "cmpl-<hex>" / "chatcmpl-<hex>"
+    endpoint: str              # ENDPOINT_COMPLETIONS | ENDPOINT_CHAT
+    model: str | None          # as the client asked, else the default model
+    body: dict                 # sanitized client body; never mutated after admission (legs copy it)
+    stream: bool
+    include_usage: bool        # stream_options.include_usage (streaming clients only)
+    continuous_usage: bool     # stream_options.continuous_usage_stats (streaming clients only)
+    return_token_ids: bool
+    max_tokens: int | None     # the generation budget; None: the engine's default
+    prompt_token_ids: tuple[int, ...] | None   # when the prompt was given as token ids
+    routing_text: str          # prompt text or rendered chat; "" for a token-id prompt
+    created: int               # unix seconds, stamped on the client-facing chunks
+
+
+def _bad(message: str, param: str | None) -> RouterError:
+    return RouterError(400, message, param=param)
+
+
+def _is_int(v: object) -> bool:
+    # bool is an int subclass in Python but not a JSON number.
+    return type(v) is int
+
+
+def _opt_bool(body: dict, key: str, param: str | None = None) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if type(v) is not bool:
+        raise _bad(f"`{param or key}` must be a boolean, got {_kind(v)}.", param or key)
+    return v
+
+
+def _kind(v: object) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _budget(body: dict, key: str) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _bad(f"`{key}` must be an integer or null, got {_kind(v)}.", key)
+    if v < 1:
+        raise _bad(f"`{key}` must be at least 1, got {v}.", key)
+    if v > MAX_TOKENS_LIMIT:
+        raise _bad(f"`{key}` must be at most {MAX_TOKENS_LIMIT}, got {v}.", key)
+    return v
+
+
+def _token_ids(v: list, param: str) -> tuple[int, ...]:
+    for t in v:
+        if not _is_int(t) or t < 0 or t > MAX_TOKEN_ID:
+            raise _bad(f"`{param}` token ids must be integers in [0, {MAX_TOKEN_ID}], got {t!r:.40}.", param)
+    return tuple(v)
+
+
+def _parse_prompt(body: dict) -> tuple[str, tuple[int, ...] | None]:
+    """(routing text, token ids or None) of a completions prompt."""
+    if body.get("prompt_embeds") is not None:
+        raise _bad("`prompt_embeds` is not supported by the router (resuming needs token ids).",
+                   "prompt_embeds")
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one prompt: the same request for the router
+    elif isinstance(p, list) and p and not _is_int(p[0]):
+        if len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+            raise _bad("The router takes one prompt per request; send each prompt of a batch "
+                       "as its own request.", "prompt")
+    if isinstance(p, str):
+        if not p:
+            raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        return p, None
+    if isinstance(p, list):
+        if not p:
+            raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        return "", _token_ids(p, "prompt")
+    if p is None:
+        raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    raise _bad(f"`prompt` must be a string or a list of token ids, got {_kind(p)}.", "prompt")
+
+
+def _parse_messages(body: dict) -> str:
+    """Validate `messages` as far as the router reads it; render it as `role: content`
+    lines for prefix-affinity planners."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        raise _bad(f"`messages` must be an array of message objects, got {_kind(msgs)}.", "messages")
+    if not msgs:
+        raise _bad("`messages` must not be empty.", "messages")
+    lines: list[str] = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _bad(f"`messages[{i}]` must be an object, got {_kind(m)}.", f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"`messages[{i}].role` must be a string, got {_kind(role)}.", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            # Content parts: the text parts are what a prefix shares; other parts (images,
+            # audio) are left to the engine to validate and render.
+            text = "".join(part["text"] for part in content
+                           if isinstance(part, dict) and isinstance(part.get("text"), str))
+        else:
+            text = ""
+        lines.append(f"{role}: {text}")
+    return "\n".join(lines)
+
+
+def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None) -> RequestSpec:
+    """Validate `raw` (the client's body) for `endpoint`; raises RouterError(400)."""
+    if endpoint not in ID_PREFIX:
+        raise ValueError(f"unknown endpoint {endpoint!r}")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        # orjson also rejects invalid UTF-8, lone surrogates, NaN/Infinity and numbers that
+        # overflow a double, so every value past this point is representable.
+        raise _bad(f"Request body is not valid JSON: {e}", None) from None
+    if not isinstance(body, dict):
+        raise _bad(f"Request body must be a JSON object, got {_kind(body)}.", None)
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad(f"`model` must be a string, got {_kind(model)}.", "model")
+    if not model:
+        if default_model is None:
+            raise _bad("`model` is required.", "model")
+        model = default_model
+
+    stream = _opt_bool(body, "stream")
+    so = body.get("stream_options")
+    include_usage = continuous_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad(f"`stream_options` must be an object or null, got {_kind(so)}.", "stream_options")
+        if so and not stream:
+            raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
+        include_usage = _opt_bool(so, "include_usage", "stream_options.include_usage")
+        continuous_usage = _opt_bool(so, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+    return_token_ids = _opt_bool(body, "return_token_ids")
+
+    n = body.get("n")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise _bad(f"`n` must be 1: the router returns one choice per request, got {n!r:.40}.", "n")
+    if _opt_bool(body, "use_beam_search"):
+        raise _bad("Beam search is not supported by the router.", "use_beam_search")
+    if body.get("prompt_logprobs") is not None:
+        raise _bad("`prompt_logprobs` is not supported by the router.", "prompt_logprobs")
+
+    xargs = body.get("vllm_xargs")
+    if xargs is not None:
+        if not isinstance(xargs, dict):
+            raise _bad(f"`vllm_xargs` must be an object or null, got {_kind(xargs)}.", "vllm_xargs")
+        if "cache_hit_threshold" in xargs:
+            rest = {k: v for k, v in xargs.items() if k != "cache_hit_threshold"}
+            if rest:
+                body["vllm_xargs"] = rest
+            else:
+                del body["vllm_xargs"]
+
+    if endpoint == ENDPOINT_COMPLETIONS:
+        if _opt_bool(body, "echo"):
+            raise _bad("`echo` is not supported by the router on /v1/completions.", "echo")
+        routing_text, prompt_token_ids = _parse_prompt(body)
+        max_tokens = _budget(body, "max_tokens")
+        if "max_tokens" not in body:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    else:
+        routing_text = _parse_messages(body)
+        prompt_token_ids = None
+        mct = _budget(body, "max_completion_tokens")
+        mt = _budget(body, "max_tokens")
+        max_tokens = mct if mct is not None else mt
+
+    client_id = body.get("request_id")
+    if client_id is not None:
+        if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS:
+            raise _bad(f"`request_id` must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
+                       "characters.", "request_id")
+        request_id = ID_PREFIX[endpoint] + client_id
+    else:
+        request_id = ID_PREFIX[endpoint] + uuid.uuid4().hex
+
+    for key in _STRIPPED_TOP_LEVEL:
+        body.pop(key, None)
+
+    return RequestSpec(
+        request_id=request_id,
+        endpoint=endpoint,
+        model=model,
+        body=body,
+        stream=stream,
+        include_usage=include_usage and stream,
+        continuous_usage=continuous_usage and stream,
+        return_token_ids=return_token_ids,
+        max_tokens=max_tokens,
+        prompt_token_ids=prompt_token_ids,
+        routing_text=routing_text,
+        created=int(time.time()),
+    )

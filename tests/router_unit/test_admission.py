@@ -1,0 +1,283 @@
+"""parse_request: each validation rule (400 naming the field), stripping, the spec's fields,
+and fuzzing (nothing but RouterError ever escapes)."""
+from __future__ import annotations
+
+import dataclasses
+
+import orjson
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from router.admission import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, MAX_TOKEN_ID,
+    RequestSpec, parse_request,
+)
+from router.errors import RouterError
+
+CMPL = {"model": "m", "prompt": "hello"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def cmpl(**kw) -> RequestSpec:
+    return parse_request(ENDPOINT_COMPLETIONS, orjson.dumps({**CMPL, **kw}))
+
+
+def chat(**kw) -> RequestSpec:
+    return parse_request(ENDPOINT_CHAT, orjson.dumps({**CHAT, **kw}))
+
+
+def rejects(endpoint: str, body, param: str | None) -> RouterError:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    with pytest.raises(RouterError) as ei:
+        parse_request(endpoint, raw)
+    assert ei.value.status == 400
+    assert ei.value.param == param, ei.value.message
+    assert ei.value.body()["error"]["code"] == 400
+    return ei.value
+
+
+# --- the spec ---------------------------------------------------------------------------
+
+def test_completions_spec_defaults():
+    s = cmpl()
+    assert s.endpoint == ENDPOINT_COMPLETIONS and s.model == "m"
+    assert s.request_id.startswith("cmpl-") and len(s.request_id) == 5 + 32
+    assert (s.stream, s.include_usage, s.continuous_usage, s.return_token_ids) == (False, False, False, False)
+    assert s.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS   # vLLM's default when absent
+    assert s.prompt_token_ids is None and s.routing_text == "hello"
+    assert s.body == CMPL and s.created > 1_600_000_000
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.model = "x"  # type: ignore[misc]
+
+
+def test_ids_are_unique_and_chat_prefixed():
+    assert chat().request_id.startswith("chatcmpl-")
+    assert cmpl().request_id != cmpl().request_id
+
+
+def test_client_request_id_names_the_answer_like_vllm_and_is_not_forwarded():
+    s = chat(request_id="abc")
+    assert s.request_id == "chatcmpl-abc" and "request_id" not in s.body
+    rejects(ENDPOINT_CHAT, {**CHAT, "request_id": 5}, "request_id")
+    rejects(ENDPOINT_CHAT, {**CHAT, "request_id": ""}, "request_id")
+
+
+def test_streaming_flags():
+    s = chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert (s.stream, s.include_usage, s.continuous_usage) == (True, True, True)
+    s = chat(stream=True, stream_options=None)
+    assert (s.stream, s.include_usage) == (True, False)
+    # An empty stream_options without stream is allowed, as in vLLM (it is falsy).
+    assert chat(stream_options={}).stream is False
+
+
+def test_token_id_prompts():
+    assert cmpl(prompt=[1, 2, 3]).prompt_token_ids == (1, 2, 3)
+    assert cmpl(prompt=[[0, MAX_TOKEN_ID]]).prompt_token_ids == (0, MAX_TOKEN_ID)
+    s = cmpl(prompt=["only one"])
+    assert s.routing_text == "only one" and s.prompt_token_ids is None
+    assert cmpl(prompt=[7]).routing_text == ""
+
+
+def test_budgets():
+    assert cmpl(max_tokens=5).max_tokens == 5
+    assert cmpl(max_tokens=None).max_tokens is None       # explicit null: up to the context
+    assert chat().max_tokens is None
+    assert chat(max_tokens=7).max_tokens == 7
+    assert chat(max_tokens=7, max_completion_tokens=3).max_tokens == 3
+    assert chat(max_tokens=7, max_completion_tokens=None).max_tokens == 7
+    assert cmpl(max_tokens=2**31).max_tokens == 2**31
+
+
+def test_default_model():
+    s = parse_request(ENDPOINT_CHAT, orjson.dumps({"messages": CHAT["messages"]}), default_model="d")
+    assert s.model == "d" and "model" not in s.body
+    s = parse_request(ENDPOINT_CHAT, orjson.dumps({**CHAT, "model": None}), default_model="d")
+    assert s.model == "d"
+    rejects(ENDPOINT_CHAT, {"messages": CHAT["messages"]}, "model")
+
+
+def test_chat_routing_text_renders_roles_and_text_parts():
+    s = chat(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+                                     {"type": "text", "text": "b"}, "junk"]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool"},
+    ])
+    assert s.routing_text == "system: be brief\nuser: ab\nassistant: \ntool: "
+
+
+def test_other_fields_pass_through_unchanged():
+    extra = {"temperature": 0.5, "top_p": 2.5, "stop": ["x"], "logprobs": 3, "seed": 2**63 - 1,
+             "user": "u\u2028\U0001F600", "suffix": None, "min_tokens": 4, "whatever": {"a": [1]}}
+    assert cmpl(**extra).body == {**CMPL, **extra}
+
+
+# --- stripping --------------------------------------------------------------------------
+
+def test_internal_fields_are_stripped():
+    s = chat(kv_transfer_params={"do_remote_prefill": True}, ec_transfer_params={}, cache_hit_threshold=0.9,
+             return_token_ids=True, stream=True, stream_options={"include_usage": True},
+             vllm_xargs={"cache_hit_threshold": 0.3, "other": 1, "list": [1, "a"]})
+    assert s.body == {**CHAT, "vllm_xargs": {"other": 1, "list": [1, "a"]}}
+    assert s.return_token_ids is True and s.include_usage is True
+
+
+def test_xargs_without_threshold_untouched_and_emptied_xargs_dropped():
+    assert chat(vllm_xargs={"k": "v"}).body["vllm_xargs"] == {"k": "v"}
+    assert "vllm_xargs" not in chat(vllm_xargs={"cache_hit_threshold": 1}).body
+    assert chat(vllm_xargs=None).body["vllm_xargs"] is None
+
+
+def test_out_of_range_threshold_is_stripped_not_rejected():
+    # The router owns the threshold: a client's value, valid or not, is dropped.
+    assert "cache_hit_threshold" not in chat(cache_hit_threshold=7).body
+    assert "cache_hit_threshold" not in chat(cache_hit_threshold="x").body
+
+
+# --- rejections -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"\xff\xfe", b'{"a": NaN}', b'{"a": Infinity}',
+                                 b'{"a": 1e400}', b'{"a": "\\ud800"}', b"\xef\xbb\xbf{}", b"[]", b"1",
+                                 b'"x"', b"null", b"[" * 5000])
+def test_malformed_bodies(raw):
+    rejects(ENDPOINT_CHAT, raw, None)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": 1, "prompt": "x"}, "model"),
+    ({"model": "m"}, "prompt"),
+    ({**CMPL, "prompt": ""}, "prompt"),
+    ({**CMPL, "prompt": []}, "prompt"),
+    ({**CMPL, "prompt": None}, "prompt"),
+    ({**CMPL, "prompt": 5}, "prompt"),
+    ({**CMPL, "prompt": {"a": 1}}, "prompt"),
+    ({**CMPL, "prompt": [1, -1]}, "prompt"),
+    ({**CMPL, "prompt": [1, 2**31]}, "prompt"),
+    ({**CMPL, "prompt": [1, True]}, "prompt"),
+    ({**CMPL, "prompt": [1, 2.0]}, "prompt"),
+    ({**CMPL, "prompt": ["a", "b"]}, "prompt"),
+    ({**CMPL, "prompt": [[1], [2]]}, "prompt"),
+    ({**CMPL, "prompt": [[]]}, "prompt"),
+    ({**CMPL, "prompt": [""]}, "prompt"),
+    ({**CMPL, "prompt": [["a"]]}, "prompt"),
+    ({**CMPL, "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({**CMPL, "echo": True}, "echo"),
+    ({**CMPL, "echo": "yes"}, "echo"),
+    ({**CMPL, "stream": "true"}, "stream"),
+    ({**CMPL, "stream": 1}, "stream"),
+    ({**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CMPL, "stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
+    ({**CMPL, "stream": True, "stream_options": []}, "stream_options"),
+    ({**CMPL, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({**CMPL, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats"),
+    ({**CMPL, "max_tokens": 0}, "max_tokens"),
+    ({**CMPL, "max_tokens": -3}, "max_tokens"),
+    ({**CMPL, "max_tokens": 1.5}, "max_tokens"),
+    ({**CMPL, "max_tokens": 16.0}, "max_tokens"),
+    ({**CMPL, "max_tokens": "16"}, "max_tokens"),
+    ({**CMPL, "max_tokens": True}, "max_tokens"),
+    ({**CMPL, "max_tokens": 2**31 + 1}, "max_tokens"),
+    ({**CMPL, "max_tokens": 18446744073709551615}, "max_tokens"),
+    ({**CMPL, "max_tokens": 1e300}, "max_tokens"),
+    ({**CMPL, "n": 2}, "n"),
+    ({**CMPL, "n": 0}, "n"),
+    ({**CMPL, "n": True}, "n"),
+    ({**CMPL, "n": "1"}, "n"),
+    ({**CMPL, "use_beam_search": True}, "use_beam_search"),
+    ({**CMPL, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({**CMPL, "vllm_xargs": [1]}, "vllm_xargs"),
+    ({**CMPL, "vllm_xargs": "x"}, "vllm_xargs"),
+    ({**CMPL, "return_token_ids": "yes"}, "return_token_ids"),
+])
+def test_completions_rules(body, param):
+    rejects(ENDPOINT_COMPLETIONS, body, param)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": "hi"}, "messages"),
+    ({"model": "m", "messages": {"role": "user"}}, "messages"),
+    ({"model": "m", "messages": [1]}, "messages[0]"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}, {"content": "b"}]}, "messages[1].role"),
+    ({"model": "m", "messages": [{"role": None}]}, "messages[0].role"),
+    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "max_tokens": -1, "max_completion_tokens": 5}, "max_tokens"),
+    ({**CHAT, "n": 3}, "n"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_chat_rules(body, param):
+    rejects(ENDPOINT_CHAT, body, param)
+
+
+def test_chat_echo_and_odd_content_pass_through():
+    # Chat echo does not interact with token ids; odd content is the engine's to judge.
+    s = chat(echo=True, messages=[{"role": "user", "content": 5}])
+    assert s.body["echo"] is True and s.routing_text == "user: "
+
+
+def test_unknown_endpoint_is_a_programming_error():
+    with pytest.raises(ValueError):
+        parse_request("embeddings", b"{}")
+
+
+# --- fuzzing ----------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=10),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=20)
+
+FIELDS = ["model", "prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+          "n", "vllm_xargs", "cache_hit_threshold", "kv_transfer_params", "return_token_ids", "echo",
+          "use_beam_search", "prompt_logprobs", "prompt_embeds", "request_id", "temperature"]
+field_values = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8)
+
+
+def _check_spec_or_400(endpoint: str, raw: bytes) -> None:
+    try:
+        s = parse_request(endpoint, raw, default_model="d")
+    except RouterError as e:
+        assert e.status == 400
+        orjson.dumps(e.body())
+        return
+    # An admitted body is serializable and carries no internal field.
+    orjson.dumps(s.body)
+    for k in ("kv_transfer_params", "cache_hit_threshold", "return_token_ids", "stream", "stream_options"):
+        assert k not in s.body
+    assert not isinstance(s.body.get("vllm_xargs"), dict) or "cache_hit_threshold" not in s.body["vllm_xargs"]
+    assert s.max_tokens is None or 1 <= s.max_tokens <= 2**31
+
+
+@settings(max_examples=400)
+@given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), field_values)
+def test_fuzz_fields_only_router_errors(endpoint, fields):
+    _check_spec_or_400(endpoint, orjson.dumps(fields))
+
+
+@settings(max_examples=200)
+@given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), json_values)
+def test_fuzz_any_json_value(endpoint, value):
+    _check_spec_or_400(endpoint, orjson.dumps(value))
+
+
+@settings(max_examples=300)
+@given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), st.binary(max_size=200))
+def test_fuzz_random_bytes(endpoint, raw):
+    _check_spec_or_400(endpoint, raw)
+
+
+@settings(max_examples=200)
+@given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), field_values, st.data())
+def test_fuzz_mutated_valid_bodies(endpoint, fields, data):
+    base = dict(CMPL if endpoint == ENDPOINT_COMPLETIONS else CHAT)
+    base.update(fields)
+    raw = orjson.dumps(base)
+    # Truncations and byte flips of a near-valid body.
+    cut = data.draw(st.integers(0, len(raw)))
+    _check_spec_or_400(endpoint, raw[:cut])
+    _check_spec_or_400(endpoint, raw)
