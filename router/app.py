@@ -1,0 +1,259 @@
+"""The aiohttp application: routes, middlewares and lifecycle.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health
+(alive), GET /ready (a decode backend can take requests), GET /metrics, and the admin
+route GET /admin/backends (needs server.admin_api_key). Lifecycle: start the engines the
+configuration declares (engine_launcher's Supervisor), build the backend registry, run one
+health round before serving, scrape in the background, and on shutdown let in-flight
+requests drain (aiohttp's graceful shutdown, bounded by server.drain_timeout_s).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import orjson
+from aiohttp import web
+
+from . import errors
+from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, parse_request
+from .backends import BREAKER_STATE_VALUE, BackendRegistry, BackendState
+from .config import Config
+from .dispatch import Dispatcher
+from .health import HealthMonitor
+from .limiter import ConcurrencyLimiter
+from .metrics import RequestRecord, RouterMetrics
+from .planning import make_strategy
+from .respond import SSEWriter
+from .shaping import ResponseShaper
+from .upstream import UpstreamClient
+
+log = logging.getLogger("cachehit_router.app")
+
+ROUTER_KEY = web.AppKey("router", "RouterState")
+
+
+def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(err: errors.RouterError) -> web.Response:
+    return web.Response(body=err.body_bytes(), status=err.status, content_type="application/json",
+                        headers=err.headers or None)
+
+
+class RouterState:
+    """Everything one running router owns."""
+
+    def __init__(self, config: Config, *, start_engines: bool = True):
+        self.config = config
+        self.start_engines = start_engines
+        self.metrics = RouterMetrics()
+        self.limiter = ConcurrencyLimiter(config.server.max_concurrent_requests,
+                                          config.server.max_queued_requests,
+                                          config.server.queue_timeout_s)
+        self.supervisor = None
+        self.registry: BackendRegistry | None = None
+        self.client: UpstreamClient | None = None
+        self.monitor: HealthMonitor | None = None
+        self.dispatcher: Dispatcher | None = None
+        self._api_keys = tuple(k.encode() for k in config.server.api_keys)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        engine_urls: dict[str, str] = {}
+        if cfg.engines and self.start_engines:
+            from engine_launcher.supervisor import Supervisor  # only routers that start engines need it
+            self.supervisor = Supervisor(cfg.engines, cfg.launcher)
+            log.info("starting %d engine(s) from [[engines]]", len(cfg.engines))
+            engine_urls = await self.supervisor.start(progress=_log_progress)
+        self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health,
+                                        on_change=self._backend_changed)
+        for s in self.registry.states.values():
+            self._backend_changed(s.config.name, s)
+        self.client = UpstreamClient(cfg.timeouts)
+        self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
+        await self.monitor.check_all()
+        self.monitor.start()
+        self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing), self.metrics)
+        ready = [n for n, s in self.registry.states.items() if s.healthy]
+        log.info("router ready: %d/%d backends healthy (%s), strategy %s", len(ready),
+                 len(self.registry.states), ", ".join(ready) or "none", cfg.routing.strategy)
+
+    async def stop(self) -> None:
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self.client is not None:
+            await self.client.close()
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+
+    def _backend_changed(self, name: str, s: BackendState) -> None:
+        self.metrics.inflight.labels(name).set(s.inflight)
+        self.metrics.healthy.labels(name).set(1 if s.healthy and s.breaker != "open" else 0)
+        self.metrics.breaker.labels(name).set(BREAKER_STATE_VALUE[s.breaker])
+
+    # --- auth --------------------------------------------------------------------------
+    def authorized(self, request: web.Request, keys: tuple[bytes, ...]) -> bool:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer "):
+            return False
+        given = header[7:].strip().encode()
+        # Constant-time against every key, without an early exit on the first match.
+        ok = False
+        for k in keys:
+            ok |= hmac.compare_digest(given, k)
+        return ok
+
+    # --- handlers ----------------------------------------------------------------------
+    async def handle_generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        assert self.registry is not None and self.dispatcher is not None
+        t0 = time.monotonic()
+        rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
+        writer: SSEWriter | None = None
+        self.metrics.client_inflight.inc()
+        try:
+            if self._api_keys and not self.authorized(request, self._api_keys):
+                raise errors.unauthorized()
+            raw = await self._read_body(request)
+            served = self.registry.models()
+            spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None)
+            rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
+            if spec.model is not None and served and spec.model not in served:
+                raise errors.model_not_found(spec.model, served)
+            self.metrics.queued.set(self.limiter.queued)
+            async with self.limiter.slot():
+                self.metrics.queued.set(self.limiter.queued)
+                shaper = ResponseShaper(spec)
+                if spec.stream:
+                    writer = SSEWriter(request, spec.request_id)
+                    try:
+                        await self.dispatcher.serve(spec, shaper, writer.send, rec)
+                        await writer.send(shaper.final_chunks())
+                        rec.completion_tokens = len(shaper.generated_token_ids)
+                        return await writer.finish()
+                    except errors.RouterError as e:
+                        if not writer.started:
+                            raise
+                        rec.status, rec.error = e.status, e.message
+                        return await writer.fail(e)
+                await self.dispatcher.serve(spec, shaper, _discard, rec)
+                rec.completion_tokens = len(shaper.generated_token_ids)
+                return json_response(shaper.accumulate_response(), headers={"X-Request-Id": spec.request_id})
+        except errors.RouterError as e:
+            rec.status, rec.error = e.status, e.message
+            if e.status == 429:
+                self.metrics.rejected_overload.inc()
+            return error_response(e)
+        except asyncio.CancelledError:
+            rec.status, rec.error = 499, "client disconnected"
+            raise
+        except ConnectionResetError:
+            rec.status, rec.error = 499, "client disconnected"
+            raise
+        except Exception as e:  # a router bug: answer 500 precisely, log the traceback
+            log.exception("request %s failed", rec.request_id)
+            rec.status, rec.error = 500, repr(e)
+            err = errors.internal_error(f"Internal router error: {type(e).__name__}")
+            if writer is not None and writer.started:
+                return await writer.fail(err)
+            return error_response(err)
+        finally:
+            self.metrics.client_inflight.dec()
+            rec.duration_s = time.monotonic() - t0
+            self.metrics.record(rec)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.server.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise errors.payload_too_large(limit)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise errors.payload_too_large(limit) from None
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        assert self.registry is not None
+        if self._api_keys and not self.authorized(request, self._api_keys):
+            return error_response(errors.unauthorized())
+        created = int(time.time())
+        return json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
+             "parent": None, "permission": []} for m in self.registry.models()]})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        assert self.registry is not None
+        if self.registry.ready():
+            return json_response({"status": "ready"})
+        return json_response({"status": "not ready", "reason": "no healthy decode backend"}, status=503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def handle_admin_backends(self, request: web.Request) -> web.Response:
+        assert self.registry is not None
+        key = self.config.server.admin_api_key
+        if not key:
+            return error_response(errors.route_not_found())
+        if not self.authorized(request, (key.encode(),)):
+            return error_response(errors.unauthorized())
+        return json_response([{
+            "name": s.config.name, "url": s.config.url, "role": s.config.role, "models": list(s.models),
+            "healthy": s.healthy, "breaker": s.breaker, "inflight": s.inflight, "running": s.running,
+            "waiting": s.waiting, "kv_usage": s.kv_usage, "consecutive_failures": s.consecutive_failures,
+            "last_error": s.last_error} for s in self.registry.states.values()])
+
+
+async def _discard(chunks: list[dict]) -> None:
+    return None
+
+
+def _log_progress(event) -> None:
+    log.info("engine %s: %s %s", getattr(event, "name", "?"), getattr(event, "state", ""),
+             getattr(event, "detail", ""))
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every answer, even aiohttp's own 404/405/413, in the OpenAI error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status == 404:
+            return error_response(errors.route_not_found())
+        if e.status == 405:
+            return error_response(errors.method_not_allowed())
+        if e.status == 413:
+            return error_response(errors.payload_too_large(request.app[ROUTER_KEY].config.server.max_body_bytes))
+        if e.status >= 400:
+            return error_response(errors.RouterError(e.status, e.reason))
+        raise
+
+
+def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
+    state = RouterState(config, start_engines=start_engines)
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
+    app[ROUTER_KEY] = state
+
+    async def lifecycle(app: web.Application):
+        await state.start()
+        yield
+        await state.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", lambda r: state.handle_generate(r, ENDPOINT_COMPLETIONS))
+    app.router.add_post("/v1/chat/completions", lambda r: state.handle_generate(r, ENDPOINT_CHAT))
+    app.router.add_get("/v1/models", state.handle_models)
+    app.router.add_get("/health", state.handle_health)
+    app.router.add_get("/ready", state.handle_ready)
+    app.router.add_get("/metrics", state.handle_metrics)
+    app.router.add_get("/admin/backends", state.handle_admin_backends)
+    return app

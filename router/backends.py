@@ -1,0 +1,211 @@
+"""Backend registry: health, circuit breaker, in-flight counts, scraped load, snapshots.
+
+One place owns every fact about a backend. Planners never see this mutable state: they
+get a `ClusterSnapshot` of frozen `BackendView`s, so every routing policy is a pure
+function testable without sockets.
+
+Health has two sources:
+- active: a periodic scrape of `/metrics` (load) that doubles as the liveness check;
+- passive: the request path reports connection errors and 5xx (`record_failure`) and
+  successes (`record_success`).
+A per-backend circuit breaker opens after `failure_threshold` consecutive failures; after
+`cooldown_s` it lets one trial through (half-open) and closes on its success.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .config import BackendConfig, HealthConfig
+
+log = logging.getLogger("cachehit_router.backends")
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+BREAKER_STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+
+# vLLM metrics the load view reads (gauges, summed over label sets).
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    """What a planner may know about one backend at one instant."""
+
+    name: str
+    url: str
+    decodes: bool
+    prefills: bool
+    models: tuple[str, ...]
+    available: bool  # healthy and breaker not open (half-open counts: it takes a trial)
+    inflight: int  # requests the router has open on it now
+    running: float  # scraped vllm:num_requests_running
+    waiting: float  # scraped vllm:num_requests_waiting
+    kv_usage: float  # scraped vllm:kv_cache_usage_perc, 0..1
+
+    @property
+    def load(self) -> float:
+        """One interpretable load figure: requests queued or running on the engine,
+        as the router sees them (its own in-flight) or as the engine reports them,
+        whichever is larger (scrapes lag; in-flight misses other routers' traffic)."""
+        return max(float(self.inflight), self.running + self.waiting)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    backends: tuple[BackendView, ...]
+
+    def decoders(self, model: str | None) -> list[BackendView]:
+        return [b for b in self.backends if b.available and b.decodes and b.serves(model)]
+
+    def prefillers(self, model: str | None) -> list[BackendView]:
+        return [b for b in self.backends if b.available and b.prefills and b.serves(model)]
+
+    def get(self, name: str) -> BackendView | None:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        return None
+
+
+@dataclass
+class BackendState:
+    config: BackendConfig
+    models: tuple[str, ...]
+    healthy: bool = False
+    inflight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    consecutive_failures: int = 0
+    breaker: str = CLOSED
+    opened_at: float = 0.0
+    half_open_trial_taken: bool = False
+    last_error: str = ""
+    last_scrape_ok: float = 0.0
+
+
+@dataclass
+class BackendRegistry:
+    """Mutable backend state; the request path and the scraper update it."""
+
+    configs: Iterable[BackendConfig]
+    health: HealthConfig
+    clock: Callable[[], float] = time.monotonic
+    # Called on every state change that metrics expose: (name, state).
+    on_change: Callable[[str, BackendState], None] | None = None
+    states: dict[str, BackendState] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        for c in self.configs:
+            self.states[c.name] = BackendState(config=c, models=c.models)
+
+    # --- views -----------------------------------------------------------------------
+    def snapshot(self) -> ClusterSnapshot:
+        now = self.clock()
+        views = []
+        for s in self.states.values():
+            c = s.config
+            views.append(BackendView(
+                name=c.name, url=c.url, decodes=c.decodes, prefills=c.prefills,
+                models=s.models, available=self._available(s, now), inflight=s.inflight,
+                running=s.running, waiting=s.waiting, kv_usage=s.kv_usage))
+        return ClusterSnapshot(tuple(views))
+
+    def _available(self, s: BackendState, now: float) -> bool:
+        if s.breaker == OPEN:
+            # After the cool-down the breaker lets one trial through.
+            return now - s.opened_at >= self.health.cooldown_s and not s.half_open_trial_taken
+        if s.breaker == HALF_OPEN:
+            return not s.half_open_trial_taken
+        return s.healthy
+
+    def ready(self) -> bool:
+        return any(v.available and v.decodes for v in self.snapshot().backends)
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for s in self.states.values():
+            if s.healthy:
+                for m in s.models:
+                    seen[m] = None
+        return list(seen)
+
+    # --- request-path feedback ---------------------------------------------------------
+    def acquire(self, name: str) -> None:
+        s = self.states[name]
+        s.inflight += 1
+        if s.breaker == OPEN and self.clock() - s.opened_at >= self.health.cooldown_s:
+            s.breaker = HALF_OPEN
+        if s.breaker == HALF_OPEN:
+            s.half_open_trial_taken = True
+        self._changed(s)
+
+    def release(self, name: str) -> None:
+        s = self.states[name]
+        s.inflight -= 1
+        self._changed(s)
+
+    def record_success(self, name: str) -> None:
+        s = self.states[name]
+        s.consecutive_failures = 0
+        if s.breaker != CLOSED or not s.healthy:
+            log.info("backend %s: healthy again (breaker closed)", name)
+        s.breaker = CLOSED
+        s.half_open_trial_taken = False
+        s.healthy = True
+        self._changed(s)
+
+    def record_failure(self, name: str, reason: str) -> None:
+        s = self.states[name]
+        s.consecutive_failures += 1
+        s.last_error = reason
+        if s.breaker == HALF_OPEN or (
+                s.breaker == CLOSED and s.consecutive_failures >= self.health.failure_threshold):
+            if s.breaker != OPEN:
+                log.warning("backend %s: circuit opened after %d failures (%s)",
+                            name, s.consecutive_failures, reason)
+            s.breaker = OPEN
+            s.opened_at = self.clock()
+            s.half_open_trial_taken = False
+        self._changed(s)
+
+    # --- scraper feedback ----------------------------------------------------------------
+    def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
+        s = self.states[name]
+        s.running = load.get(RUNNING, 0.0)
+        s.waiting = load.get(WAITING, 0.0)
+        s.kv_usage = load.get(KV_USAGE, 0.0)
+        s.last_scrape_ok = self.clock()
+        if models is not None and not s.config.models:
+            s.models = models
+        self.record_success(name)
+
+    def record_scrape_failure(self, name: str, reason: str) -> None:
+        s = self.states[name]
+        if s.healthy:
+            log.warning("backend %s: unreachable (%s), skipped until it answers", name, reason)
+        s.healthy = False
+        self.record_failure(name, reason)
+
+    def _changed(self, s: BackendState) -> None:
+        if self.on_change is not None:
+            self.on_change(s.config.name, s)
+
+
+def parse_load_metrics(text: str) -> dict[str, float]:
+    """Sum, over label sets, the gauges the load view uses from a Prometheus exposition."""
+    wanted = (RUNNING, WAITING, KV_USAGE)
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in wanted:
+            out[family.name] = sum(s.value for s in family.samples if s.name == family.name)
+    return out

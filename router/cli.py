@@ -1,0 +1,82 @@
+"""`router --config router.toml` serves; `router check-config --config router.toml` validates."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import ssl
+import sys
+
+import orjson
+
+from .config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="router", description=(
+        "cachehit-router: an OpenAI-compatible router that asks vLLM engines where the KV cache is."))
+    p.add_argument("command", nargs="?", choices=("serve", "check-config"), default="serve",
+                   help="serve (default) or check-config (validate and print the resolved configuration)")
+    p.add_argument("--config", "-c", default="router.toml", help="path to router.toml (default: %(default)s)")
+    p.add_argument("--host", help="override server.host")
+    p.add_argument("--port", type=int, help="override server.port")
+    p.add_argument("--no-engines", action="store_true",
+                   help="do not start the [[engines]] (they run elsewhere); still route to them")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        print(f"router: configuration error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        sys.stdout.write(orjson.dumps(config.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        print(f"router: {args.config} is valid ({len(config.all_backends())} backends, "
+              f"{len(config.engines)} engines to start)", file=sys.stderr)
+        return 0
+    return serve(config, host=args.host, port=args.port, start_engines=not args.no_engines)
+
+
+def serve(config, *, host: str | None = None, port: int | None = None, start_engines: bool = True) -> int:
+    from aiohttp import web
+
+    from .app import build_app
+
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host = host or config.server.host
+    port = config.server.port if port is None else port
+    ssl_ctx = None
+    if config.server.tls_cert:
+        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_ctx.load_cert_chain(config.server.tls_cert, config.server.tls_key)
+    try:
+        import uvloop
+        loop = uvloop.new_event_loop()
+    except ImportError:  # uvloop is not available on every platform
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    app = build_app(config, start_engines=start_engines)
+    scheme = "https" if ssl_ctx else "http"
+
+    async def announce(_app) -> None:
+        print(f"router: serving the OpenAI API on {scheme}://{host}:{port}\n"
+              f"  try: curl -s {scheme}://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
+              "-d '{\"prompt\": \"Hello, router\", \"max_tokens\": 16}'", flush=True)
+
+    app.on_startup.append(announce)
+    try:
+        web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, loop=loop, print=None,
+                    access_log=None, shutdown_timeout=config.server.drain_timeout_s,
+                    handler_cancellation=True)
+    except Exception as e:  # startup failures (port taken, engines failed to start): say what
+        print(f"router: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

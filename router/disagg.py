@@ -1,0 +1,68 @@
+"""The NIXL prefill/decode protocol of vLLM 0.32, as the router drives it.
+
+Prefill leg (producer): the client's body with `max_tokens` 1, non-streaming, and
+`kv_transfer_params` asking for a remote decode. The producer computes the prompt's KV
+cache, holds its blocks under a lease and answers with the `kv_transfer_params` a
+consumer needs to pull them (engine id, block ids, host and port of its side channel).
+Decode leg (consumer): the client's body plus those params verbatim, streamed, with the
+guard threshold. This module is the only place that knows these shapes.
+
+Client-supplied `kv_transfer_params` never get here (admission strips them); the params
+forwarded to a consumer always come from a configured producer's answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .legs import streamed_leg_body
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+PREFILL_REQUEST_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Fields that make no sense on a one-token, non-streaming prefill leg.
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def prefill_leg_body(body: dict) -> dict:
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out[KV_TRANSFER_PARAMS] = dict(PREFILL_REQUEST_PARAMS)
+    return out
+
+
+def decode_leg_body(body: dict, kv_transfer_params: dict, threshold: float) -> dict:
+    out = streamed_leg_body(body, threshold)
+    out[KV_TRANSFER_PARAMS] = kv_transfer_params
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    kv_transfer_params: dict
+    prompt_tokens: int | None
+
+
+class PrefillProtocolError(ValueError):
+    """The producer's answer lacks usable transfer parameters."""
+
+
+def parse_prefill_response(resp: dict) -> PrefillResult:
+    params = resp.get(KV_TRANSFER_PARAMS)
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        raise PrefillProtocolError(
+            "the prefill engine returned no kv_transfer_params with do_remote_prefill; is it "
+            "started with a kv_producer NixlConnector?")
+    usage = resp.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return PrefillResult(params, prompt_tokens if isinstance(prompt_tokens, int) else None)

@@ -1,0 +1,306 @@
+"""Carries one request from plan to its last leg: race, fallback, retries and resume.
+
+The planners decide (planning.py), the race and the legs do I/O (race.py, upstream.py);
+this module sequences them for one client answer:
+
+1. first leg: the strategy's plan (a probe race at T, or one backend directly); if every
+   probe rejects, `plan_fallback` picks prefill/decode over NIXL or a direct decode at
+   T = 0; a failure before the answer's first token is retried on another backend, at most
+   `routing.max_retries` times;
+2. pump: the leg's chunks go through the `ResponseShaper` to the client;
+3. resume: a leg that ends in `cache_threshold` after producing tokens (preempted, cache
+   gone) or breaks after the first token is continued with a completion request (prompt
+   ids + generated ids, remaining budget) that goes through step 1 again, at most
+   `routing.max_resumes` times.
+Errors the client must see are raised as `RouterError`; `emitted` on the shaper tells the
+caller whether they can still become an HTTP status or must travel as a stream event.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from . import errors
+from .admission import RequestSpec
+from .backends import BackendRegistry
+from .config import Config
+from .disagg import PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body
+from .legs import streamed_leg_body
+from .metrics import RequestRecord, RouterMetrics
+from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, RouteQuery, Strategy,
+                       plan_fallback)
+from .race import ACCEPTED, EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
+from .resume import resume_leg_body, resume_reason
+from .shaping import ResponseShaper
+from .upstream import (CONNECT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT, UpstreamClient,
+                       UpstreamError, UpstreamStream)
+
+log = logging.getLogger("cachehit_router.dispatch")
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+Emit = Callable[[list[dict]], Awaitable[None]]
+
+
+@dataclass
+class Leg:
+    backend: str
+    stream: UpstreamStream
+    buffered: list[dict]
+    route: str
+
+
+class Dispatcher:
+    def __init__(self, config: Config, registry: BackendRegistry, client: UpstreamClient,
+                 strategy: Strategy, metrics: RouterMetrics):
+        self.config = config
+        self.routing = config.routing
+        self.timeouts = config.timeouts
+        self.registry = registry
+        self.client = client
+        self.strategy = strategy
+        self.metrics = metrics
+
+    # --- the answer ------------------------------------------------------------------------
+    async def serve(self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.timeouts.total_s
+        query = RouteQuery(spec.model, spec.routing_text, salt=hash(spec.request_id) & 0xFFFF)
+        path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
+        exclude: set[str] = set()
+        leg = await self._acquire_leg(query, path, spec.body, rec, exclude, deadline)
+        shaper.begin_leg(is_resume=False)
+        while True:
+            error: UpstreamError | None = None
+            try:
+                await self._pump(leg, shaper, emit, rec, started)
+            except UpstreamError as e:
+                error = e
+                self._note_failure(e)
+            answer_tokens = len(shaper.generated_token_ids)
+            reason = resume_reason(shaper.finish_reason, shaper.leg_tokens, error, answer_tokens)
+            if reason is None and error is None:
+                return
+            if reason is None:
+                # Failed before the answer's first token: retry the request elsewhere.
+                rec.retries += 1
+                self.metrics.retries.labels(error.backend).inc()
+                if rec.retries > self.routing.max_retries:
+                    raise self._client_error(error)
+                exclude.add(error.backend)
+                leg = await self._acquire_leg(query, path, spec.body, rec, exclude, deadline)
+                shaper.begin_leg(is_resume=False)
+                continue
+            if len(rec.resumes) >= self.routing.max_resumes:
+                raise errors.RouterError(
+                    502, f"The answer was interrupted {len(rec.resumes) + 1} times "
+                         f"(last: {reason} on backend {leg.backend!r}); giving up after "
+                         f"routing.max_resumes = {self.routing.max_resumes} resumes.")
+            if spec.max_tokens is not None and answer_tokens >= spec.max_tokens:
+                # Interrupted right at the budget: nothing is missing, end as the engine did.
+                await emit(shaper.release_held())
+                return
+            prompt_ids = shaper.prompt_token_ids
+            if prompt_ids is None:
+                raise errors.RouterError(
+                    502, f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
+                         "the engine did not return the prompt's token ids.")
+            rec.resumes.append(reason)
+            log.info("request %s: resuming after %s on %s (%d tokens so far)",
+                     spec.request_id, reason, leg.backend, answer_tokens)
+            body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, shaper.generated_token_ids,
+                                   spec.max_tokens)
+            resume_query = RouteQuery(spec.model, spec.routing_text + shaper.generated_text, query.salt)
+            if error is not None:
+                exclude.add(error.backend)
+            leg = await self._acquire_leg(resume_query, COMPLETIONS_PATH, body, rec, exclude, deadline)
+            shaper.begin_leg(is_resume=True)
+
+    async def _pump(self, leg: Leg, shaper: ResponseShaper, emit: Emit, rec: RequestRecord,
+                    started: float) -> None:
+        stream = leg.stream
+        loop = asyncio.get_running_loop()
+        try:
+            chunks = leg.buffered
+            leg.buffered = []
+            while True:
+                for chunk in chunks:
+                    out = shaper.shape(chunk)
+                    if out:
+                        await emit(out)
+                    if rec.ttft_s is None and shaper.first_token_seen:
+                        rec.ttft_s = loop.time() - started
+                chunk = await stream.next_chunk()
+                if chunk is None:
+                    break
+                chunks = (chunk,)
+        except BaseException:
+            stream.abort()
+            raise
+        stream.finish()
+        self.registry.record_success(leg.backend)
+
+    # --- getting an accepted leg -------------------------------------------------------------
+    async def _acquire_leg(self, query: RouteQuery, path: str, body: dict, rec: RequestRecord,
+                           exclude: set[str], deadline: float) -> Leg:
+        last_error: UpstreamError | None = None
+        for attempt in range(self.routing.max_retries + 1):
+            if attempt:
+                rec.retries += 1
+            snap = self.registry.snapshot()
+            plan = self.strategy.plan(query, snap, frozenset(exclude))
+            if plan.empty:
+                break
+            if plan.probes:
+                result = await run_race(
+                    plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline),
+                    plan.deadline_s)
+                self._account_race(result, rec)
+                if result.winner is not None:
+                    return self._won(query, result, ROUTE_PROBE_HIT, rec)
+                client_err = result.client_error
+                if client_err is not None:
+                    raise errors.from_upstream_body(client_err.status or 400, client_err.body or b"")
+                for o in result.by_verdict(FAILED):
+                    exclude.add(o.backend)
+                    last_error = o.error
+                fallback = plan_fallback(query, self.registry.snapshot(), self.routing,
+                                         result.prompt_tokens, frozenset(exclude))
+            else:
+                fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0)
+            if fallback is None:
+                break
+            leg, err = await self._run_fallback(fallback, query, path, body, rec, exclude, deadline)
+            if leg is not None:
+                return leg
+            last_error = err or last_error
+        if last_error is not None:
+            raise self._client_error(last_error)
+        raise errors.no_backend(query.model)
+
+    async def _run_fallback(self, fb: FallbackPlan, query: RouteQuery, path: str, body: dict,
+                            rec: RequestRecord, exclude: set[str],
+                            deadline: float) -> tuple[Leg | None, UpstreamError | None]:
+        kv_params = None
+        if fb.prefill is not None:
+            try:
+                kv_params = await self._prefill(fb.prefill, path, body, deadline)
+                rec.prefill = fb.prefill
+            except UpstreamError as e:
+                self._note_failure(e)
+                if e.client_fault:
+                    raise errors.from_upstream_body(e.status or 400, e.body or b"") from None
+                exclude.add(fb.prefill)
+                log.warning("prefill on %s failed (%s); computing the prompt on %s instead",
+                            fb.prefill, e, fb.decode)
+            except PrefillProtocolError as e:
+                log.warning("prefill on %s: %s; computing the prompt on %s instead", fb.prefill, e, fb.decode)
+        if kv_params is not None:
+            leg_body, route = decode_leg_body(body, kv_params, fb.decode_threshold), ROUTE_PD
+        else:
+            leg_body, route = streamed_leg_body(body, 0.0), ROUTE_DIRECT
+        result = await self._single(fb.decode, path, leg_body, rec, deadline)
+        if result.winner is None and kv_params is not None and result.by_verdict(REJECTED):
+            # The guard threshold refused the decode leg: the transferred cache did not
+            # arrive (lease expired, pull failed). Compute the prompt there instead.
+            route = ROUTE_DIRECT
+            result = await self._single(fb.decode, path, streamed_leg_body(body, 0.0), rec, deadline)
+        if result.winner is not None:
+            return self._won(query, result, route, rec), None
+        client_err = result.client_error
+        if client_err is not None:
+            raise errors.from_upstream_body(client_err.status or 400, client_err.body or b"")
+        exclude.add(fb.decode)
+        failed = result.by_verdict(FAILED)
+        return None, failed[0].error if failed else None
+
+    async def _single(self, backend: str, path: str, body: dict, rec: RequestRecord,
+                      deadline: float) -> RaceResult:
+        # A one-engine race: same verdict logic; the leg's own first-token timeout bounds it.
+        result = await run_race((backend,), self._opener(path, body, deadline),
+                                self.timeouts.first_token_s + 1.0)
+        self._account_race(result, rec, probing=False)
+        return result
+
+    async def _prefill(self, backend: str, path: str, body: dict, deadline: float) -> dict:
+        state = self.registry.states[backend]
+        self._acquire(backend)
+        try:
+            resp = await self.client.post_json(backend, state.config.url, path, prefill_leg_body(body),
+                                               api_key=state.config.api_key, total_deadline=deadline)
+        finally:
+            self._release(backend)
+        self.registry.record_success(backend)
+        return parse_prefill_response(resp).kv_transfer_params
+
+    def _won(self, query: RouteQuery, result: RaceResult, route: str, rec: RequestRecord) -> Leg:
+        w = result.winner
+        assert w is not None and w.stream is not None
+        self.strategy.on_routed(query, w.backend)
+        rec.route = route
+        rec.winner = w.backend
+        return Leg(w.backend, w.stream, w.buffered, route)
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+    def _opener(self, path: str, body: dict, deadline: float):
+        async def open_leg(name: str) -> UpstreamStream:
+            cfg = self.registry.states[name].config
+            self._acquire(name)
+            try:
+                return await self.client.open_stream(name, cfg.url, path, body, api_key=cfg.api_key,
+                                                     total_deadline=deadline,
+                                                     on_close=lambda: self._release(name))
+            except BaseException:
+                self._release(name)
+                raise
+        return open_leg
+
+    def _acquire(self, name: str) -> None:
+        self.registry.acquire(name)
+
+    def _release(self, name: str) -> None:
+        self.registry.release(name)
+
+    def _account_race(self, result: RaceResult, rec: RequestRecord, probing: bool = True) -> None:
+        m = self.metrics
+        for o in result.outcomes:
+            if probing:
+                rec.probes += 1
+            m.probe_latency.labels(o.verdict).observe(o.latency_s)
+            if o.verdict == REJECTED:
+                rec.rejections += 1
+                m.probe_rejections.labels(o.backend).inc()
+            elif o.verdict == LOST:
+                rec.losers += 1
+                rec.loser_tokens += o.tokens_seen
+                m.probe_losers.labels(o.backend).inc()
+                m.probe_loser_tokens.labels(o.backend).inc(o.tokens_seen)
+            elif o.verdict == EXPIRED:
+                rec.expired += 1
+                m.probe_deadline_expiries.labels(o.backend).inc()
+            elif o.verdict == FAILED and o.error is not None:
+                self._note_failure(o.error)
+        if result.prompt_tokens is not None and rec.prompt_tokens is None:
+            rec.prompt_tokens = result.prompt_tokens
+
+    def _note_failure(self, e: UpstreamError) -> None:
+        self.metrics.upstream_errors.labels(e.backend, e.kind).inc()
+        if e.backend_fault:
+            self.registry.record_failure(e.backend, f"{e.kind}: {e.detail}")
+
+    def _client_error(self, e: UpstreamError) -> errors.RouterError:
+        if e.client_fault:
+            return errors.from_upstream_body(e.status or 400, e.body or b"")
+        if e.kind == FIRST_TOKEN_TIMEOUT:
+            return errors.upstream_timeout(e.backend, "first token", self.timeouts.first_token_s)
+        if e.kind == IDLE_TIMEOUT:
+            return errors.upstream_timeout(e.backend, "next chunk", self.timeouts.idle_s)
+        if e.kind == TOTAL_TIMEOUT:
+            return errors.upstream_timeout(e.backend, "whole answer", self.timeouts.total_s)
+        if e.kind == CONNECT:
+            return errors.RouterError(502, f"Cannot reach upstream engine {e.backend!r}: {e.detail}")
+        return errors.upstream_failed(e.backend, f"{e.kind}: {e.detail}")

@@ -1,0 +1,78 @@
+"""Active health checks and the load scrape, feeding the backend registry.
+
+Every `scrape_interval_s` each backend's `/metrics` is read for the load view (running,
+waiting, KV usage); every `check_interval_s` its `/health` is called too. Either failing
+marks the backend unhealthy (skipped by planners) until it answers again. Backends whose
+configuration lists no models get them from `/v1/models` until one answer arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import orjson
+
+from .backends import BackendRegistry, parse_load_metrics
+from .config import HealthConfig
+from .upstream import UpstreamClient
+
+log = logging.getLogger("cachehit_router.health")
+
+
+class HealthMonitor:
+    def __init__(self, registry: BackendRegistry, client: UpstreamClient, health: HealthConfig):
+        self.registry = registry
+        self.client = client
+        self.health = health
+        self._task: asyncio.Task | None = None
+        self._rounds = 0
+
+    @property
+    def _timeout_s(self) -> float:
+        return max(0.5, min(2.0, self.health.scrape_interval_s))
+
+    async def check_one(self, name: str, with_health: bool) -> None:
+        state = self.registry.states[name]
+        url, key = state.config.url, state.config.api_key
+        try:
+            if with_health:
+                status, _ = await self.client.get_text(url + "/health", self._timeout_s, key)
+                if status != 200:
+                    raise RuntimeError(f"/health answered HTTP {status}")
+            status, text = await self.client.get_text(url + "/metrics", self._timeout_s, key)
+            if status != 200:
+                raise RuntimeError(f"/metrics answered HTTP {status}")
+            load = parse_load_metrics(text)
+            models = None
+            if not state.config.models and not state.models:
+                status, body = await self.client.get_text(url + "/v1/models", self._timeout_s, key)
+                if status == 200:
+                    models = tuple(m["id"] for m in orjson.loads(body).get("data", []) if "id" in m)
+        except (Exception, asyncio.TimeoutError) as e:  # any failure means: not usable now
+            self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}")
+            return
+        self.registry.record_scrape(name, load, models)
+
+    async def check_all(self, with_health: bool = True) -> None:
+        await asyncio.gather(*(self.check_one(n, with_health) for n in self.registry.states))
+
+    async def _run(self) -> None:
+        every = max(1, round(self.health.check_interval_s / self.health.scrape_interval_s))
+        while True:
+            await asyncio.sleep(self.health.scrape_interval_s)
+            self._rounds += 1
+            try:
+                await self.check_all(with_health=self._rounds % every == 0)
+            except Exception:  # never let the monitor die
+                log.exception("health round failed")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="health-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

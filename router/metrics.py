@@ -1,0 +1,96 @@
+"""Router metrics (prometheus-client) and the one log line per request, from one place."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("cachehit_router.requests")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class RequestRecord:
+    """What one request did; filled in along its path, recorded once at the end."""
+
+    request_id: str
+    endpoint: str
+    model: str | None
+    stream: bool
+    route: str = ""  # probe_hit | pd | direct
+    winner: str = ""
+    probes: int = 0
+    rejections: int = 0
+    expired: int = 0
+    losers: int = 0
+    loser_tokens: int = 0
+    retries: int = 0
+    resumes: list[str] = field(default_factory=list)
+    prefill: str = ""
+    ttft_s: float | None = None
+    duration_s: float = 0.0
+    status: int = 200
+    error: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("cachehit_router_requests", "Requests by route and HTTP status",
+                                ["route", "status"], registry=r)
+        self.probe_rejections = Counter("cachehit_router_probe_rejections",
+                                        "Probes an engine rejected with cache_threshold", ["backend"], registry=r)
+        self.probe_losers = Counter("cachehit_router_probe_losers",
+                                    "Probes cancelled because another engine won the race", ["backend"], registry=r)
+        self.probe_loser_tokens = Counter("cachehit_router_probe_loser_tokens",
+                                          "Tokens the router read from cancelled probe losers", ["backend"], registry=r)
+        self.probe_deadline_expiries = Counter("cachehit_router_probe_deadline_expiries",
+                                               "Probes silent at the race deadline", ["backend"], registry=r)
+        self.probe_latency = Histogram("cachehit_router_probe_verdict_seconds",
+                                       "Time from probe start to the engine's verdict", ["verdict"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.resumes = Counter("cachehit_router_resumes", "Answers continued on another leg", ["reason"], registry=r)
+        self.retries = Counter("cachehit_router_retries", "Legs retried before the first token", ["backend"], registry=r)
+        self.upstream_errors = Counter("cachehit_router_upstream_errors", "Upstream failures by kind",
+                                       ["backend", "kind"], registry=r)
+        self.ttft = Histogram("cachehit_router_ttft_seconds", "Time to first token seen by the client",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("cachehit_router_request_duration_seconds", "Request duration",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge("cachehit_router_backend_inflight", "Router requests open on a backend",
+                              ["backend"], registry=r)
+        self.healthy = Gauge("cachehit_router_backend_healthy", "1 when the backend takes requests",
+                             ["backend"], registry=r)
+        self.breaker = Gauge("cachehit_router_backend_circuit_state",
+                             "Circuit breaker: 0 closed, 1 half-open, 2 open", ["backend"], registry=r)
+        self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served",
+                                     registry=r)
+        self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)
+        self.rejected_overload = Counter("cachehit_router_overload_rejections",
+                                         "Requests answered 429 because the router was full", registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record(self, rec: RequestRecord) -> None:
+        self.requests.labels(rec.route or "none", str(rec.status)).inc()
+        if rec.ttft_s is not None:
+            self.ttft.observe(rec.ttft_s)
+        self.duration.observe(rec.duration_s)
+        for reason in rec.resumes:
+            self.resumes.labels(reason).inc()
+        log.info("%s", orjson.dumps({
+            "request_id": rec.request_id, "endpoint": rec.endpoint, "model": rec.model,
+            "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill,
+            "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
+            "losers": rec.losers, "retries": rec.retries, "resumes": rec.resumes,
+            "ttft_ms": None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2),
+            "duration_ms": round(rec.duration_s * 1000, 2), "status": rec.status,
+            "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
+            **({"error": rec.error} if rec.error else {}),
+        }).decode())

@@ -1,0 +1,165 @@
+"""The probe race: ask several engines at once, keep the first that accepts.
+
+Each probe reads its engine's stream until it knows the verdict: the first chunk that
+carries text, token ids or a finish reason decides (a chat stream's role-only chunk does
+not). `finish_reason == "cache_threshold"` with no tokens is a rejection; anything else is
+an acceptance. The first acceptor wins and keeps its open stream plus the chunks read so
+far; every other probe is aborted at once (closing the connection makes the engine abort
+the request). If nobody has accepted by the deadline, the silent engines are aborted and
+count as expired (a rejection for the fallback's purposes).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+from .shaping import is_rejection_chunk
+from .upstream import UpstreamError, UpstreamStream
+
+ACCEPTED = "accepted"
+REJECTED = "rejected"
+FAILED = "failed"
+EXPIRED = "expired"  # silent at the deadline
+LOST = "lost"  # accepted after the winner, or still running when the winner was chosen
+
+
+@dataclass
+class ProbeOutcome:
+    backend: str
+    verdict: str
+    latency_s: float = 0.0
+    stream: UpstreamStream | None = None
+    buffered: list[dict] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    error: UpstreamError | None = None
+
+    @property
+    def tokens_seen(self) -> int:
+        return sum(_chunk_tokens(c) for c in self.buffered)
+
+
+@dataclass
+class RaceResult:
+    winner: ProbeOutcome | None
+    outcomes: list[ProbeOutcome]
+
+    def by_verdict(self, verdict: str) -> list[ProbeOutcome]:
+        return [o for o in self.outcomes if o.verdict == verdict]
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        known = [o.prompt_tokens for o in self.outcomes if o.prompt_tokens is not None]
+        return max(known) if known else None
+
+    @property
+    def loser_tokens(self) -> int:
+        return sum(o.tokens_seen for o in self.outcomes if o.verdict == LOST)
+
+    @property
+    def client_error(self) -> UpstreamError | None:
+        """An engine refused the request itself (4xx): the same request fails everywhere."""
+        for o in self.outcomes:
+            if o.error is not None and o.error.client_fault:
+                return o.error
+        return None
+
+
+def _chunk_tokens(chunk: dict) -> int:
+    n = 0
+    for c in chunk.get("choices") or ():
+        ids = c.get("token_ids")
+        if ids:
+            n += len(ids)
+        elif c.get("text") or (c.get("delta") or {}).get("content"):
+            n += 1
+    return n
+
+
+def _usage_prompt_tokens(chunk: dict) -> int | None:
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        return usage["prompt_tokens"]
+    return None
+
+
+OpenProbe = Callable[[str], Awaitable[UpstreamStream]]
+
+
+async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEventLoop) -> ProbeOutcome:
+    t0 = loop.time()
+    stream: UpstreamStream | None = None
+    try:
+        stream = await open_probe(backend)
+        buffered: list[dict] = []
+        while True:
+            chunk = await stream.next_chunk()
+            if chunk is None:
+                # [DONE] before any verdict: the engine finished without output (e.g. the
+                # usage chunk only). That is an answer, so it counts as acceptance.
+                stream.finish()
+                return ProbeOutcome(backend, ACCEPTED, loop.time() - t0, stream, buffered)
+            buffered.append(chunk)
+            verdict = is_rejection_chunk(chunk)
+            if verdict is None:
+                continue
+            if not verdict:
+                return ProbeOutcome(backend, ACCEPTED, loop.time() - t0, stream, buffered)
+            latency = loop.time() - t0
+            # Rejected. The usage chunk follows at once; read it for the prompt length
+            # (the fallback needs it), then hand the connection back to the pool.
+            prompt_tokens = _usage_prompt_tokens(chunk)
+            for _ in range(4):  # a rejection is followed by the usage chunk and [DONE] only
+                more = await stream.next_chunk()
+                if more is None:
+                    stream.finish()
+                    break
+                prompt_tokens = prompt_tokens or _usage_prompt_tokens(more)
+            else:
+                stream.abort()
+            return ProbeOutcome(backend, REJECTED, latency, prompt_tokens=prompt_tokens)
+    except UpstreamError as e:
+        if stream is not None:
+            stream.abort()
+        return ProbeOutcome(backend, FAILED, loop.time() - t0, error=e)
+    except BaseException:
+        # Cancelled (a winner was chosen, the deadline passed, or the client left).
+        if stream is not None:
+            stream.abort()
+        raise
+
+
+async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: float) -> RaceResult:
+    """Race `backends`; see the module docstring. Cancelling the caller aborts every probe."""
+    loop = asyncio.get_running_loop()
+    tasks = {asyncio.ensure_future(_probe(b, open_probe, loop)): b for b in backends}
+    outcomes: list[ProbeOutcome] = []
+    winner: ProbeOutcome | None = None
+    deadline = loop.time() + deadline_s
+    pending = set(tasks)
+    try:
+        while pending and winner is None:
+            timeout = deadline - loop.time()
+            if timeout <= 0:
+                break
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            # Several may finish in one wake-up: the fastest acceptor wins, others lose.
+            for t in sorted(done, key=lambda t: t.result().latency_s):
+                o = t.result()
+                if o.verdict == ACCEPTED and winner is None:
+                    winner = o
+                elif o.verdict == ACCEPTED:
+                    o.verdict = LOST
+                    if o.stream is not None:
+                        o.stream.abort()
+                    o.stream = None
+                outcomes.append(o)
+    finally:
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    # Probes that had not answered: lost to the winner, or expired at the deadline.
+    for t in pending:
+        outcomes.append(ProbeOutcome(tasks[t], LOST if winner else EXPIRED, loop.time() - (deadline - deadline_s)))
+    return RaceResult(winner, outcomes)
