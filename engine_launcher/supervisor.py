@@ -265,6 +265,10 @@ class Supervisor:
             self._units = [_Unit(cmd=c, role=self._roles[c.engines[0]]) for c in cmds]
         return [u.cmd for u in self._units]
 
+    def release_ports(self) -> None:
+        """Stop holding the picked ports (after a plan() that will not be started)."""
+        self._reservation.release_all()
+
     @property
     def ports(self) -> dict[str, EnginePorts]:
         return resolve_ports(self.engines, self._reservation.picked)
