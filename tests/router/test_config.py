@@ -1,0 +1,101 @@
+"""router.toml validation: good files load, bad ones name the key and what was expected."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MIN_BACKEND = {"backends": [{"name": "d0", "url": "http://127.0.0.1:9001"}]}
+
+
+def test_repository_router_toml_is_valid():
+    cfg = load_config(ROOT / "router.toml")
+    backends = cfg.all_backends()
+    assert [b.role for b in backends].count("decode") == 4
+    assert [b.role for b in backends].count("prefill") == 1
+    assert all(b.url.startswith("http://127.0.0.1:") for b in backends)
+
+
+def test_defaults_are_safe():
+    cfg = parse_config(MIN_BACKEND)
+    assert cfg.server.host == "127.0.0.1"
+    assert cfg.server.max_body_bytes > 0 and cfg.server.max_concurrent_requests > 0
+    assert 0 < cfg.routing.cache_hit_threshold <= 1
+    assert cfg.timeouts.total_s > 0 and cfg.timeouts.idle_s > 0
+
+
+@pytest.mark.parametrize("raw, key, expected", [
+    ({**MIN_BACKEND, "sevrer": {}}, "sevrer", "unknown key"),
+    ({**MIN_BACKEND, "server": {"port": "8000"}}, "server.port", "expected an integer"),
+    ({**MIN_BACKEND, "server": {"port": 70000}}, "server.port", "TCP port"),
+    ({**MIN_BACKEND, "server": {"colour": 1}}, "server.colour", "unknown key"),
+    ({**MIN_BACKEND, "routing": {"cache_hit_threshold": 1.5}}, "routing.cache_hit_threshold", "[0, 1]"),
+    ({**MIN_BACKEND, "routing": {"strategy": "random"}}, "routing.strategy", "expected one of"),
+    ({**MIN_BACKEND, "timeouts": {"idle_s": 0}}, "timeouts.idle_s", "positive"),
+    ({"backends": [{"name": "d0", "url": "ftp://x"}]}, "backends[0].url", "http:// or https://"),
+    ({"backends": [{"name": "d0", "url": "http://"}]}, "backends[0].url", "with a host"),
+    ({"backends": [{"name": "d0", "url": "http://h:99999"}]}, "backends[0].url", "valid port"),
+    ({"backends": [{"name": "d0", "url": "http://h", "role": "x"}]}, "backends[0].role", "expected one of"),
+    ({"backends": [{"url": "http://h"}]}, "backends[0].name", "required"),
+    ({"backends": [{"name": "p", "url": "http://h", "role": "prefill"}]}, "backends", "at least one backend"),
+    ({"backends": []}, "backends", "at least one backend"),
+    ({"backends": [{"name": "a", "url": "http://h"}, {"name": "a", "url": "http://i"}]}, "backends", "duplicate"),
+    ({"engines": [{"name": "e", "kind": "gpu"}]}, "engines[0].kind", "expected one of"),
+    ({"engines": [{"name": "e", "kind": "vllm", "role": "consumer"}]}, "engines[0].model", "required"),
+    ({"engines": [{"name": "e", "kind": "sim", "host": "example.com"}]}, "engines[0].host", "IP address"),
+    ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
+    ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
+])
+def test_bad_configs_name_the_key(raw, key, expected):
+    with pytest.raises(ConfigError) as e:
+        parse_config(raw)
+    msg = str(e.value)
+    assert msg.startswith(key), msg
+    assert expected in msg, msg
+
+
+def test_engines_become_backends_with_mapped_roles():
+    cfg = parse_config({"engines": [
+        {"name": "p", "kind": "sim", "role": "producer", "port": 9001, "model": "m"},
+        {"name": "c", "kind": "sim", "role": "consumer", "port": 9002, "model": "m"},
+        {"name": "x", "kind": "sim", "role": "both", "port": 9003, "register": False},
+    ]})
+    b = {x.name: x for x in cfg.all_backends({"c": "http://127.0.0.1:9999"})}
+    assert set(b) == {"p", "c"}
+    assert b["p"].role == "prefill" and b["c"].role == "decode"
+    assert b["c"].url == "http://127.0.0.1:9999" and b["p"].url == "http://127.0.0.1:9001"
+    assert b["p"].models == ("m",)
+
+
+def _run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
+def test_check_config_prints_resolved_configuration():
+    r = _run_cli("check-config", "--config", str(ROOT / "router.toml"))
+    assert r.returncode == 0, r.stderr
+    assert '"cache_hit_threshold": 0.5' in r.stdout
+    assert "is valid" in r.stderr
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[routing]\ncache_hit_threshold = "high"\n[[backends]]\nname="a"\nurl="http://h"\n')
+    r = _run_cli("--config", str(bad))
+    assert r.returncode == 2
+    assert "routing.cache_hit_threshold: expected a number" in r.stderr
+    r = _run_cli("--config", str(tmp_path / "missing.toml"))
+    assert r.returncode == 2 and "cannot read configuration file" in r.stderr
+    bad.write_text("[server\n")
+    r = _run_cli("check-config", "--config", str(bad))
+    assert r.returncode == 2 and "not valid TOML" in r.stderr
+
+
+def test_secrets_are_not_printed():
+    cfg = parse_config({**MIN_BACKEND, "server": {"api_keys": ["sk-secret"], "admin_api_key": "adm"}})
+    d = cfg.to_dict()
+    assert "sk-secret" not in str(d) and "adm" not in str(d["server"]["admin_api_key"])

@@ -1,0 +1,68 @@
+"""The bodies the router sends upstream: probe/direct, NIXL prefill and decode, resume."""
+from router.disagg import PREFILL_REQUEST_PARAMS, PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body
+from router.legs import streamed_leg_body
+from router.resume import FAILURE, PREEMPTED, REJECTED, resume_leg_body, resume_reason
+from router.upstream import UpstreamError
+
+import pytest
+
+
+def test_streamed_leg_sets_threshold_both_ways_and_keeps_client_xargs():
+    body = {"model": "m", "prompt": "hi", "stream": False, "vllm_xargs": {"foo": 1}}
+    out = streamed_leg_body(body, 0.5)
+    assert out["cache_hit_threshold"] == 0.5
+    assert out["vllm_xargs"] == {"foo": 1, "cache_hit_threshold": 0.5}
+    assert out["stream"] is True and out["stream_options"] == {"include_usage": True}
+    assert out["return_token_ids"] is True
+    assert body == {"model": "m", "prompt": "hi", "stream": False, "vllm_xargs": {"foo": 1}}
+
+
+def test_prefill_leg_matches_the_nixl_protocol():
+    body = {"model": "m", "messages": [], "max_completion_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}, "min_tokens": 3, "temperature": 0.2}
+    out = prefill_leg_body(body)
+    assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1 and out["stream"] is False
+    assert "stream_options" not in out and "min_tokens" not in out
+    assert out["kv_transfer_params"] == PREFILL_REQUEST_PARAMS
+    assert out["temperature"] == 0.2
+    assert "max_completion_tokens" not in prefill_leg_body({"prompt": "x"})
+
+
+def test_decode_leg_carries_the_producers_params_verbatim():
+    kv = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "h", "remote_port": 5601}
+    out = decode_leg_body({"prompt": "x"}, kv, 0.1)
+    assert out["kv_transfer_params"] is kv and out["cache_hit_threshold"] == 0.1
+
+
+def test_prefill_response_parsing():
+    r = parse_prefill_response({"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e"},
+                                "usage": {"prompt_tokens": 526}})
+    assert r.prompt_tokens == 526 and r.kv_transfer_params["remote_engine_id"] == "e"
+    with pytest.raises(PrefillProtocolError):
+        parse_prefill_response({"kv_transfer_params": None})
+
+
+def test_resume_reasons():
+    err = UpstreamError("b", "broken", "x")
+    assert resume_reason("stop", 5, None, 5) is None
+    assert resume_reason("cache_threshold", 5, None, 5) == PREEMPTED
+    assert resume_reason("cache_threshold", 0, None, 5) == REJECTED
+    assert resume_reason(None, 3, err, 3) == FAILURE
+    assert resume_reason(None, 0, err, 0) is None  # before the first token: a retry, not a resume
+
+
+def test_completion_resume_body():
+    body = {"model": "m", "prompt": "hello", "max_tokens": 10, "min_tokens": 4, "echo": False, "temperature": 0}
+    out = resume_leg_body(body, "completions", [1, 2, 3], [7, 8, 9], 10)
+    assert out["prompt"] == [1, 2, 3, 7, 8, 9]
+    assert out["max_tokens"] == 7 and out["min_tokens"] == 1
+    assert "echo" not in out and out["temperature"] == 0 and out["model"] == "m"
+
+
+def test_chat_resume_body_keeps_only_sampling_fields():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
+            "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "stop": ["\n"]}
+    out = resume_leg_body(body, "chat", [1], [2, 3], 5)
+    assert out == {"model": "m", "temperature": 0.5, "stop": ["\n"], "logprobs": 2, "prompt": [1, 2, 3],
+                   "max_tokens": 3}
+    assert "max_tokens" not in resume_leg_body({"prompt": "x"}, "completions", [1], [2], None)

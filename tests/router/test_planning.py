@@ -1,0 +1,136 @@
+"""Routing strategies are pure functions of (query, snapshot): tested with plain data."""
+from dataclasses import replace
+
+from hypothesis import given, strategies as st
+
+from router.backends import BackendView, ClusterSnapshot
+from router.config import RoutingConfig
+from router.planning import (LeastLoadedStrategy, PrefixMemory, PrefixTreeStrategy, ProbeStrategy,
+                             RoundRobinStrategy, RouteQuery, least_loaded, plan_fallback)
+
+
+def view(name, *, decodes=True, prefills=False, available=True, inflight=0, running=0.0, waiting=0.0,
+         kv=0.0, models=("m",)):
+    return BackendView(name=name, url=f"http://{name}", decodes=decodes, prefills=prefills, models=models,
+                       available=available, inflight=inflight, running=running, waiting=waiting, kv_usage=kv)
+
+
+def snap(*views):
+    return ClusterSnapshot(tuple(views))
+
+
+Q = RouteQuery(model="m", text="hello world " * 50)
+R = RoutingConfig()
+
+
+def test_probe_targets_every_available_decoder_for_the_model():
+    s = snap(view("d0"), view("d1"), view("down", available=False), view("p", decodes=False, prefills=True),
+             view("other", models=("x",)))
+    plan = ProbeStrategy(R).plan(Q, s)
+    assert plan.probes == ("d0", "d1")
+    assert plan.threshold == R.cache_hit_threshold
+    assert plan.deadline_s == R.probe_deadline_ms / 1000
+    assert ProbeStrategy(R).plan(Q, s, frozenset({"d0"})).probes == ("d1",)
+
+
+def test_probe_skips_long_queues_but_never_everything():
+    routing = replace(R, max_probe_waiting=4)
+    s = snap(view("busy", waiting=10), view("idle", waiting=1))
+    assert ProbeStrategy(routing).plan(Q, s).probes == ("idle",)
+    s = snap(view("busy", waiting=10), view("busier", waiting=20))
+    assert set(ProbeStrategy(routing).plan(Q, s).probes) == {"busy", "busier"}
+
+
+def test_no_decoder_gives_an_empty_plan():
+    s = snap(view("p", decodes=False, prefills=True))
+    for strategy in (ProbeStrategy(R), RoundRobinStrategy(R), LeastLoadedStrategy(R), PrefixTreeStrategy(R)):
+        assert strategy.plan(Q, s).empty
+
+
+def test_round_robin_cycles():
+    s = snap(view("a"), view("b"), view("c"))
+    rr = RoundRobinStrategy(R)
+    assert [rr.plan(Q, s).direct for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_least_loaded_uses_the_larger_of_inflight_and_scraped_load():
+    s = snap(view("a", inflight=3), view("b", running=1, waiting=1), view("c", inflight=1, running=5))
+    assert LeastLoadedStrategy(R).plan(Q, s).direct == "b"
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(0, 1000))
+def test_least_loaded_always_picks_a_minimum(loads, salt):
+    views = [view(f"b{i}", inflight=n) for i, n in enumerate(loads)]
+    assert least_loaded(views, salt).inflight == min(loads)
+
+
+def test_ties_spread_with_the_salt():
+    views = [view("a"), view("b"), view("c")]
+    assert {least_loaded(views, salt).name for salt in range(3)} == {"a", "b", "c"}
+
+
+def test_prefix_tree_routes_shared_prefixes_to_the_same_backend():
+    s = snap(view("a"), view("b"))
+    pt = PrefixTreeStrategy(R)
+    system = "You are a helpful assistant. " * 40
+    q1 = RouteQuery("m", system + "question one", salt=0)
+    first = pt.plan(q1, s).direct
+    pt.on_routed(q1, first)
+    # Make the chosen backend slightly busier: affinity must still win below the load gate.
+    loads = {first: 2}
+    s2 = snap(*(view(n, inflight=loads.get(n, 0)) for n in ("a", "b")))
+    for salt in range(5):
+        q = RouteQuery("m", system + f"another question {salt}", salt=salt)
+        assert pt.plan(q, s2).direct == first
+
+
+def test_prefix_tree_load_gate_overrides_affinity():
+    pt = PrefixTreeStrategy(R)
+    q = RouteQuery("m", "x" * 2000)
+    pt.on_routed(q, "a")
+    s = snap(view("a", inflight=200), view("b", inflight=10))
+    assert pt.plan(q, s).direct == "b"  # 200 - 10 > 64 and 200 > 1.5 * 10
+
+
+def test_prefix_tree_low_match_goes_least_loaded():
+    pt = PrefixTreeStrategy(R)
+    pt.on_routed(RouteQuery("m", "a" * 640), "a")
+    s = snap(view("a", inflight=2), view("b", inflight=1))
+    q = RouteQuery("m", "a" * 128 + "b" * 640)  # 2 of 12 chunks match: below 0.3
+    assert pt.plan(q, s).direct == "b"
+
+
+def test_prefix_memory_is_bounded():
+    mem = PrefixMemory(chunk_chars=4, max_entries=10)
+    for i in range(50):
+        mem.insert(mem.chunk_hashes(f"{i:04d}" * 3), f"b{i % 3}")
+    assert len(mem._lru) <= 10
+    assert sum(len(v) for v in mem._owners.values()) == len(mem._lru)
+
+
+def test_fallback_prefers_prefill_decode_for_long_prompts():
+    s = snap(view("d0", inflight=2), view("d1"), view("p0", decodes=False, prefills=True, inflight=1),
+             view("p1", decodes=False, prefills=True))
+    fb = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens)
+    assert (fb.prefill, fb.decode, fb.route) == ("p1", "d1", "pd")
+    assert fb.decode_threshold == R.decode_guard_threshold
+
+
+def test_fallback_goes_direct_for_short_prompts_or_without_prefillers():
+    s = snap(view("d0"), view("p0", decodes=False, prefills=True))
+    fb = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens - 1)
+    assert (fb.prefill, fb.decode, fb.decode_threshold, fb.route) == (None, "d0", 0.0, "direct")
+    fb = plan_fallback(Q, snap(view("d0")), R, prompt_tokens=10_000)
+    assert fb.prefill is None
+
+
+def test_fallback_never_pairs_a_backend_with_itself():
+    s = snap(view("both", prefills=True))
+    assert plan_fallback(Q, s, R, prompt_tokens=10_000).prefill is None
+
+
+def test_fallback_excludes_failed_backends():
+    s = snap(view("d0"), view("d1", inflight=5), view("p0", decodes=False, prefills=True))
+    fb = plan_fallback(Q, s, R, prompt_tokens=10_000, exclude=frozenset({"d0", "p0"}))
+    assert (fb.decode, fb.prefill) == ("d1", None)
+    assert plan_fallback(Q, s, R, 10, exclude=frozenset({"d0", "d1"})) is None
