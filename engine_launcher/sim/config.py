@@ -1,0 +1,137 @@
+"""Configuration of one simulated engine.
+
+`SimEngineConfig` is the one place every knob lives; the CLI (`cli.py`) maps flags to it
+one to one and the in-process API (`start_sim_engine`) takes it directly.
+
+Default timing constants model **Llama-3.1-8B-Instruct in BF16 on one H100 SXM 80GB with
+vLLM (V1 engine, chunked prefill, prefix caching)**. They are approximations derived from
+public figures, not measurements of ours:
+
+- decode step overhead 6 ms: at batch 1 a decode step must stream the 16 GB of weights
+  from HBM (3.35 TB/s: ~4.8 ms) plus scheduler/sampler/launch overhead; vLLM's published
+  serving benchmarks for 8B models on H100 report ITL of roughly 6-8 ms at low load;
+- 50 us per prefilled token (~20k prompt tokens/s per GPU): 8B parameters cost ~16 GFLOP
+  per token; at the ~300-400 TFLOP/s that vLLM reaches in large prefill batches that is
+  40-55 us/token, in line with published prefill throughput of 15-25k tokens/s;
+- 60 us per running sequence per step: the attention/KV-read and sampling cost that makes
+  ITL grow to ~20 ms at batch 256 in published throughput runs;
+- 4 us per token of KV transferred over NIXL: the KV of one token of Llama-3.1-8B is
+  128 KiB (32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes); at ~30 GB/s effective
+  RDMA bandwidth that is ~4 us/token;
+- 28,000 blocks of 16 tokens (448k tokens): ~55 GiB of KV cache left on an 80 GB GPU at
+  gpu_memory_utilization 0.9 after 16 GB of weights and activations, at 128 KiB/token;
+- max_num_seqs 256 and max_num_batched_tokens 8192: vLLM V1 defaults for an online server
+  on a large GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+ROLES = ("producer", "consumer", "both")
+VLLM_VERSION = "0.32.0"
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    """step time = step_overhead_s + prefill_token_s * prefill tokens
+    + decode_seq_s * decoding sequences; all divided by the engine's speed factor."""
+
+    step_overhead_s: float = 0.006
+    prefill_token_s: float = 0.000050
+    decode_seq_s: float = 0.000060
+    kv_transfer_token_s: float = 0.000004
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+        return (self.step_overhead_s + self.prefill_token_s * prefill_tokens
+                + self.decode_seq_s * decode_seqs)
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection; mutable at runtime through `POST /_sim/faults` (with --enable-admin).
+
+    0 disables each fault.
+    """
+
+    # Fraction of generation requests answered with HTTP 500 before any work.
+    error_rate: float = 0.0
+    # After this many generated tokens (engine-wide), the engine dies: the CLI process
+    # exits; an in-process engine drops every connection and stops serving.
+    exit_after_tokens: int = 0
+    # Each stream pauses for stall_seconds (real seconds, not scaled by speed) once it has
+    # sent this many tokens.
+    stall_after_tokens: int = 0
+    stall_seconds: float = 0.0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.error_rate <= 1.0:
+            raise ValueError(f"fault error_rate must be in [0, 1], got {self.error_rate}")
+        if self.exit_after_tokens < 0 or self.stall_after_tokens < 0 or self.stall_seconds < 0:
+            raise ValueError("fault counts and durations must be >= 0")
+
+
+@dataclass
+class SimEngineConfig:
+    """Everything one simulated engine needs. See docs/SIMULATOR.md for each field."""
+
+    model: str = "sim-model"
+    role: str = "both"  # producer | consumer | both (NIXL kv_role)
+    max_model_len: int = 8192
+    block_size: int = 16
+    num_gpu_blocks: int = 28000
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    # Time compression: speed 100 runs the timing model 100x faster.
+    speed: float = 1.0
+    timing: TimingModel = field(default_factory=TimingModel)
+    # Seed of the deterministic token generator (combined with each request's seed).
+    seed: int = 0
+    # Probability that a generated position is EOS (never before min_tokens, never with
+    # ignore_eos). 0: outputs always run to max_tokens or a stop string.
+    eos_probability: float = 0.0
+    # Cache-hit threshold (vLLM RFC 24256).
+    global_cache_hit_threshold: float = 0.0
+    arrival_check: bool = True
+    # NIXL-like prefill/decode.
+    kv_lease_duration: float = 30.0
+    # Host named in remote_host of a producer's kv_transfer_params ("" = the bound host).
+    advertise_host: str = ""
+    # vLLM only fills usage.prompt_tokens_details with --enable-prompt-tokens-details;
+    # the router needs cached_tokens, so the simulator behaves as if that flag were set.
+    enable_prompt_tokens_details: bool = True
+    max_logprobs: int = 20
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    # Enables POST /_sim/faults (runtime fault changes).
+    enable_admin: bool = False
+
+    def validate(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for name in ("max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be >= 2 (block 0 is vLLM's null block)")
+        if not self.speed > 0:
+            raise ValueError(f"speed must be > 0, got {self.speed}")
+        if not 0.0 <= self.global_cache_hit_threshold <= 1.0:
+            raise ValueError("global_cache_hit_threshold must be in [0, 1]")
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ValueError("eos_probability must be in [0, 1]")
+        if self.kv_lease_duration <= 0:
+            raise ValueError("kv_lease_duration must be > 0")
+        for f in dataclasses.fields(TimingModel):
+            if getattr(self.timing, f.name) < 0:
+                raise ValueError(f"timing.{f.name} must be >= 0")
+        self.faults.validate()
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("consumer", "both")

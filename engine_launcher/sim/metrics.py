@@ -1,0 +1,75 @@
+"""Prometheus metrics under vLLM 0.32's names and labels (vllm/v1/metrics/loggers.py).
+
+Each engine has its own `CollectorRegistry`, so several engines share a process. Labels are
+vLLM's: `model_name` (the served model name) and `engine` (the engine index, "0"), plus
+`finished_reason` on `vllm:request_success_total`. A threshold rejection is counted under
+`finished_reason="cache_threshold"`, the string the threshold plugin renders for its finish
+reason. NIXL counters use vLLM's NIXL connector names (nixl/stats.py).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vllm/v1/metrics/buckets.py TIME_TO_FIRST_TOKEN_BUCKETS
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition", "cache_threshold")
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int,
+                 enable_prefix_caching: bool) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "engine"]
+        values = (model_name, "0")
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(*values)
+
+        self.num_requests_running = gauge("vllm:num_requests_running",
+                                          "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting",
+                                          "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc",
+                                         "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.")
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions",
+                                       "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(*values, reason)
+                                for reason in FINISH_REASONS}
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            labels, buckets=TTFT_BUCKETS, registry=r).labels(*values)
+        self.nixl_num_failed_transfers = counter(
+            "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.")
+        self.nixl_num_kv_expired_reqs = counter(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Number of requests that had their KV expire. "
+            "NOTE: This metric is tracked on the P instance.")
+        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                     ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"],
+                     registry=r)
+        info.labels(str(block_size), str(enable_prefix_caching), str(num_gpu_blocks), "0").set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

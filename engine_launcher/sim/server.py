@@ -1,0 +1,311 @@
+"""The HTTP face of one simulated engine: vLLM 0.32's OpenAI routes plus the simulator's
+own side channel and admin routes.
+
+vLLM routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics, GET /version, POST /reset_prefix_cache (a dev-mode route in vLLM, always on
+here).
+Simulator routes: POST /_sim/kv/pull (the KV side channel a consumer calls on the producer
+named by remote_host/remote_port), GET /_sim/state (white-box numbers), GET/POST
+/_sim/faults (runtime fault changes; 404 unless enable_admin).
+
+A client that disconnects aborts its request, as in vLLM: the app runs with aiohttp's
+handler cancellation on, and every generation handler aborts its engine request on the way
+out unless it finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from . import responses as R
+from .config import VLLM_VERSION, FaultConfig, SimEngineConfig
+from .engine import SimEngine, SimRequest
+from .protocol import ApiError, parse_request
+
+log = logging.getLogger("engine_launcher.sim")
+
+PULL_TIMEOUT_S = 10.0
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _error(e: ApiError) -> web.Response:
+    return _json(e.body(), e.status)
+
+
+class SimServer:
+    """One engine and its aiohttp application, listening on one port."""
+
+    def __init__(self, config: SimEngineConfig, *, exit_process_on_fault: bool = False) -> None:
+        self.config = config
+        self.engine = SimEngine(config)
+        self.exit_process_on_fault = exit_process_on_fault
+        self.fingerprint = "vllm-{}-{}".format(VLLM_VERSION, hashlib.sha256(
+            f"{config.model}|{config.block_size}|{config.max_model_len}".encode()).hexdigest()[:8])
+        self.created = int(time.time())
+        self._rng = random.Random(config.seed)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._active: set[asyncio.Task] = set()
+        self._transports: set[asyncio.Transport] = set()
+        self.host = ""
+        self.port = 0
+        self.app = self._make_app()
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/version", self._version)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        app.router.add_post("/_sim/kv/pull", self._kv_pull)
+        app.router.add_get("/_sim/state", self._state)
+        app.router.add_get("/_sim/faults", self._get_faults)
+        app.router.add_post("/_sim/faults", self._set_faults)
+        return app
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind (port 0: a free port), start the engine loop, return the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.setblocking(False)
+        self.host = host
+        self.port = sock.getsockname()[1]
+        self.engine.side_channel_host = host if host not in ("0.0.0.0", "::") else "127.0.0.1"
+        self.engine.side_channel_port = self.port
+        self.engine.pull_fn = self._pull_remote
+        self.engine.on_fatal = self._on_fatal
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S))
+        self.engine.start()
+        # handler_cancellation: a client that goes away cancels its handler (vLLM aborts
+        # the request when the client disconnects; the router relies on it).
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.SockSite(self._runner, sock)
+        await site.start()
+        return self.port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.engine.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _on_fatal(self) -> None:
+        """The exit fault: the process dies (CLI) or every connection drops (in-process)."""
+        if self.exit_process_on_fault:
+            log.error("fault injection: exiting the process")
+            os._exit(3)
+        for t in list(self._transports):
+            t.abort()
+        asyncio.get_running_loop().create_task(self._stop_listening())
+
+    async def _stop_listening(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # --- generation ------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        cfg = self.config
+        try:
+            raw = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return _error(ApiError(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': "
+                                   f"'body', 'msg': 'JSON decode error', 'ctx': {{'error': "
+                                   f"'{e}'}}}}", 400, "Bad Request", "body"))
+        try:
+            parsed = parse_request(raw, cfg, chat)
+        except ApiError as e:
+            return _error(e)
+        if cfg.faults.error_rate and self._rng.random() < cfg.faults.error_rate:
+            return _error(ApiError("Simulated engine failure (fault injection)", 500,
+                                   "InternalServerError"))
+        if self.engine.dead:
+            return _error(ApiError("The engine is dead", 500, "InternalServerError"))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold,
+                         parsed.kv_transfer_params)
+        ctx = R.ResponseContext(rid, int(time.time()), cfg.model, self.fingerprint, parsed)
+        transport = request.transport
+        if transport is not None:
+            self._transports.add(transport)
+        self.engine.add_request(req)
+        try:
+            if parsed.stream:
+                return await self._stream(request, ctx, req)
+            while not req.finished:
+                await req.event.wait()
+                req.event.clear()
+            return web.Response(body=R.full_response(ctx, req, req.output_text,
+                                                     cfg.enable_prompt_tokens_details),
+                                content_type="application/json")
+        finally:
+            if not req.finished:
+                self.engine.abort(rid)
+            if transport is not None:
+                self._transports.discard(transport)
+
+    async def _stream(self, request: web.Request, ctx: R.ResponseContext,
+                      req: SimRequest) -> web.StreamResponse:
+        cfg = self.config
+        details = cfg.enable_prompt_tokens_details
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        if ctx.chat:
+            await resp.write(R.chat_role_chunk(ctx, req))
+        state = R.CompletionStreamState()
+        sent = 0
+        stalled = False
+        while True:
+            await req.event.wait()
+            req.event.clear()
+            ids, text, lps = req.drain()
+            finished = req.finished
+            # vLLM sends no chunk for a step without text or tokens unless it finishes.
+            if ids or text or finished:
+                await resp.write(R.stream_chunk(
+                    ctx, req, state, ids, text, lps, req.finish_reason if finished else None,
+                    req.stop_reason if finished else None, details))
+                sent += len(ids)
+            if finished:
+                break
+            faults = cfg.faults
+            if faults.stall_after_tokens and not stalled and sent >= faults.stall_after_tokens:
+                stalled = True
+                await asyncio.sleep(faults.stall_seconds)
+        if ctx.parsed.include_usage:
+            await resp.write(R.usage_chunk(ctx, req, details))
+        await resp.write(R.SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    # --- NIXL-like side channel ------------------------------------------------------
+
+    async def _pull_remote(self, params: dict, num_tokens: int) -> bool:
+        """Consumer side: ask the producer named in the params to hand over the blocks."""
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not host or not port or self._session is None:
+            return False
+        if ":" in str(host) and not str(host).startswith("["):
+            host = f"[{host}]"
+        try:
+            async with self._session.post(f"http://{host}:{port}/_sim/kv/pull", json={
+                "remote_engine_id": params.get("remote_engine_id"),
+                "remote_request_id": params.get("remote_request_id"),
+                "remote_block_ids": params.get("remote_block_ids"),
+                "num_tokens": num_tokens,
+            }) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.warning("KV pull from %s:%s failed: %s", host, port, e)
+            return False
+
+    async def _kv_pull(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+            rid = str(body["remote_request_id"])
+            eid = str(body["remote_engine_id"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return _error(ApiError("expected remote_request_id and remote_engine_id"))
+        ok, message, n = self.engine.serve_pull(rid, eid)
+        if not ok:
+            return _error(ApiError(message, 404, "NotFoundError"))
+        return _json({"ok": True, "num_tokens": n})
+
+    # --- other routes ------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        m = self.config.model
+        return _json({"object": "list", "data": [{
+            "id": m, "object": "model", "created": self.created, "owned_by": "vllm",
+            "root": m, "parent": None, "max_model_len": self.config.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, m).hex}",
+                "object": "model_permission", "created": self.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None,
+                "is_blocking": False}],
+        }]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.engine.dead:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return _json({"version": VLLM_VERSION})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.engine.refresh_gauges()
+        return web.Response(body=self.engine.metrics.render(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return _json({"success": self.engine.reset_prefix_cache()})
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return _json(self.engine.snapshot())
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        if not self.config.enable_admin:
+            raise web.HTTPNotFound()
+        return _json(dataclasses.asdict(self.config.faults))
+
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        if not self.config.enable_admin:
+            raise web.HTTPNotFound()
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise TypeError("expected a JSON object")
+            current = dataclasses.asdict(self.config.faults)
+            unknown = set(body) - set(current)
+            if unknown:
+                raise TypeError(f"unknown fault fields: {', '.join(sorted(unknown))}")
+            for k, v in body.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise TypeError(f"{k}: expected a number")
+                current[k] = type(current[k])(v)
+            faults = FaultConfig(**current)
+            faults.validate()
+        except (orjson.JSONDecodeError, TypeError, ValueError) as e:
+            return _error(ApiError(str(e)))
+        self.config.faults = faults
+        return _json(dataclasses.asdict(faults))
+
