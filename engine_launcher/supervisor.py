@@ -84,10 +84,16 @@ class EngineStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class ProgressEvent:
+    """A state change of one process (`unit`, named after its first engine)."""
+
     unit: str
     engines: tuple[str, ...]
     state: str
     detail: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.unit
 
 
 ProgressCallback = Callable[[ProgressEvent], None]
