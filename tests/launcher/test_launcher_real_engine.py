@@ -1,0 +1,93 @@
+"""One real vLLM engine (CPU build) started by `engine-launcher --config`, on the tiny model.
+
+Skipped only when vLLM is not installed and CACHEHIT_REQUIRE_REAL_ENGINE is unset; with
+CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI) a missing vLLM fails. An installed vLLM that does not
+start always fails, with the engine's log tail in the message.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import urllib.request
+
+import pytest
+
+from launcher_testutil import LauncherProcess, children_of, free_port, group_gone, pid_gone
+
+pytestmark = pytest.mark.real_engine
+
+# Hang guards: a start takes 15-40 s on 2 idle cores, much longer on a busy shared machine.
+START_GUARD_S = 600
+STOP_GUARD_S = 120
+
+
+def require_vllm() -> None:
+    missing = [m for m in ("vllm", "nixl") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    msg = (f"{', '.join(missing)} not installed; run `engine-launcher install-deps --cpu`")
+    if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE") == "1":
+        pytest.fail(msg + " (CACHEHIT_REQUIRE_REAL_ENGINE=1)")
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(request) -> str:
+    # Built once and cached across runs (the builder skips a finished build); in a
+    # subprocess so this test process does not import torch and transformers.
+    path = request.config.cache.mkdir("cachehit-tiny-model")
+    subprocess.run([sys.executable, "-m", "engine_launcher.tiny_model", str(path)], check=True,
+                   stdout=subprocess.DEVNULL)
+    return str(path)
+
+
+def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path,
+                                                                        tiny_model_dir):
+    require_vllm()
+    port = free_port()
+    cfg = tmp_path / "router.toml"
+    cfg.write_text(textwrap.dedent(f"""
+        [launcher]
+        log_dir = "{tmp_path / 'logs'}"
+        startup_timeout_s = {START_GUARD_S - 60}
+
+        [[engines]]
+        name = "tiny-0"
+        kind = "vllm"
+        role = "both"
+        model = "{tiny_model_dir}"
+        served_model_name = "tiny"
+        port = {port}
+        extra_args = ["--max-model-len", "1024", "--max-num-seqs", "4"]
+        """))
+    lp = LauncherProcess([sys.executable, "-m", "engine_launcher", "--config", str(cfg)],
+                         env={**os.environ, "COLUMNS": "200"}, cwd=str(tmp_path))
+    try:
+        lp.wait_for_line("all engines healthy", START_GUARD_S)
+        (engine_pid,) = lp.record_engine_groups()
+        body = json.dumps({"model": "tiny", "prompt": "the cache block token prefix",
+                           "max_tokens": 4, "ignore_eos": True, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+            answer = json.loads(r.read())
+        assert answer["model"] == "tiny"
+        assert answer["usage"]["completion_tokens"] == 4
+        assert answer["choices"][0]["finish_reason"] == "length"
+        log = (tmp_path / "logs" / "tiny-0.log").read_text()
+        assert "NixlConnector" in log
+
+        lp.proc.send_signal(signal.SIGTERM)
+        out = lp.output(STOP_GUARD_S)
+        assert lp.proc.returncode == 0, out
+        # The API server, its engine core and workers: the whole group is gone.
+        assert pid_gone(engine_pid) and group_gone(engine_pid)
+        assert children_of(lp.proc.pid) == []
+    finally:
+        lp.kill()
