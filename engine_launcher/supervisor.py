@@ -232,7 +232,11 @@ class Supervisor:
         self.launcher = launcher or LauncherConfig()
         host = host or detect_host()
         if host_has_gpu is True and not host.has_gpu:
-            host = HostInfo(gpu_count=1, cpu_ids=host.cpu_ids)
+            # GPU flags forced on a machine without GPUs (e.g. to print GPU command lines):
+            # assume one GPU per vllm engine, or as many as the configured gpu_ids name.
+            vllm = [e for e in self.engines if e.kind == "vllm"]
+            count = max([len(vllm), 1] + [g + 1 for e in vllm for g in e.gpu_ids])
+            host = HostInfo(gpu_count=count, cpu_ids=host.cpu_ids)
         elif host_has_gpu is False:
             host = HostInfo(gpu_count=0, cpu_ids=host.cpu_ids)
         self.host = host

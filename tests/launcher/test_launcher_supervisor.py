@@ -209,3 +209,19 @@ async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers
     states = [e.state for e in events.seen]
     assert states == ["starting", "healthy", "exited", "restarting", "starting", "healthy",
                       "exited", "failed", "stopped"]
+
+
+async def test_host_type_can_be_forced_either_way(tmp_path):
+    from engine_launcher.commands import HostInfo
+    engines = [EngineConfig(name=n, kind="vllm", role=r, model="/m", port=p,
+                            nixl_side_channel_port=p + 100)
+               for n, r, p in (("p", "producer", 9001), ("c", "consumer", 9002))]
+    # GPU command lines printed on a machine without GPUs: one GPU per engine is assumed.
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=True,
+                     host=HostInfo(gpu_count=0, cpu_ids=(0, 1)))
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in sup.plan()] == ["0", "1"]
+    # The CPU build forced on a GPU machine.
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False,
+                     host=HostInfo(gpu_count=8, cpu_ids=(0, 1, 2, 3)))
+    assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in sup.plan()] == ["0,1", "2,3"]
+    assert all("CUDA_VISIBLE_DEVICES" not in c.env for c in sup.plan())
