@@ -421,8 +421,10 @@ class SimEngine:
             req.num_computed_tokens = min(req.num_computed_tokens + external, req.num_tokens - 1)
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
         else:
+            # Fall back to recomputing the prompt; only the local hit was really cached.
             self.stats.failed_pulls += 1
             self.metrics.nixl_num_failed_transfers.inc()
+            req.num_cached_tokens = req.num_computed_tokens
         req.status = Status.READY
         self.ready.append(req)
         self._wake.set()

@@ -1,0 +1,48 @@
+"""A client that goes away aborts its request, as in vLLM: blocks freed, running back to 0."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from sim_testutil import metric, wait_until
+
+
+async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
+    eng = await make_engine(speed=20.0)
+    resp = await http.post(eng.url + "/v1/completions", json={
+        "prompt": list(range(2, 50)), "max_tokens": 1000, "ignore_eos": True, "stream": True})
+    assert resp.status == 200
+    await resp.content.readuntil(b"\n\n")  # first chunk: the request is running
+    assert eng.engine.num_running == 1 and eng.engine.kv.usage > 0
+    resp.close()  # drop the connection mid-stream
+    await wait_until(lambda: eng.engine.num_running == 0)
+    assert eng.engine.kv.usage == 0.0
+    assert await metric(http, eng.url, "vllm:num_requests_running") == 0
+    assert await metric(http, eng.url, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+async def test_non_streaming_disconnect_aborts_the_request(make_engine) -> None:
+    eng = await make_engine(speed=20.0)
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
+            "prompt": list(range(2, 50)), "max_tokens": 1000, "ignore_eos": True}))
+        await wait_until(lambda: eng.engine.num_running == 1)
+        task.cancel()
+    await wait_until(lambda: eng.engine.num_running == 0)
+    assert eng.engine.kv.usage == 0.0
+
+
+async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine) -> None:
+    eng = await make_engine(max_num_seqs=1, speed=20.0)
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
+            "prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True}))
+        await wait_until(lambda: eng.engine.num_running == 1)
+        second = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
+            "prompt": [6] * 10, "max_tokens": 10}))
+        await wait_until(lambda: eng.engine.num_waiting == 1)
+        second.cancel()
+        await wait_until(lambda: eng.engine.num_waiting == 0)
+        first.cancel()
+    await wait_until(lambda: eng.engine.num_running == 0)

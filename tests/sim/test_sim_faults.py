@@ -1,0 +1,99 @@
+"""Fault injection (errors, stalls, engine death), runtime fault changes and prefix-cache
+reset."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from engine_launcher.sim import FaultConfig
+from sim_testutil import parse_sse, post, wait_until
+
+
+async def test_error_rate_one_fails_every_request_with_a_500(make_engine, http) -> None:
+    eng = await make_engine(faults=FaultConfig(error_rate=1.0))
+    for stream in (False, True):
+        status, body = await post(http, eng.url + "/v1/completions",
+                                  {"prompt": "x", "max_tokens": 2, "stream": stream})
+        assert status == 500
+        assert body == {"error": {"message": "Simulated engine failure (fault injection)",
+                                  "type": "InternalServerError", "param": None, "code": 500}}
+    assert eng.engine.stats.step_count == 0
+
+
+async def test_partial_error_rate_fails_some(make_engine, http) -> None:
+    eng = await make_engine(faults=FaultConfig(error_rate=0.5), seed=3)
+    statuses = [(await post(http, eng.url + "/v1/completions",
+                            {"prompt": "x", "max_tokens": 1}))[0] for _ in range(40)]
+    assert set(statuses) == {200, 500}
+
+
+async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine, http) -> None:
+    eng = await make_engine(faults=FaultConfig(stall_after_tokens=3, stall_seconds=0.5))
+    async with http.post(eng.url + "/v1/completions", json={
+            "prompt": [9] * 8, "max_tokens": 20, "stream": True, "return_token_ids": True}) as r:
+        received = 0
+        while received < 3:
+            chunk = parse_sse(await r.content.readuntil(b"\n\n"))[0]
+            received += len(chunk["choices"][0]["token_ids"])
+        # The engine finishes the whole generation while the stream is stalled.
+        await wait_until(lambda: eng.engine.stats.total_generated == 20)
+        assert received < 20
+        rest = parse_sse(await r.read())
+    received += sum(len(c["choices"][0]["token_ids"]) for c in rest[:-1])
+    assert received == 20 and rest[-1] == "[DONE]"
+
+
+async def test_exit_fault_drops_connections_and_stops_serving(make_engine, http) -> None:
+    eng = await make_engine(faults=FaultConfig(exit_after_tokens=10), speed=100.0)
+    with pytest.raises(aiohttp.ClientError):
+        async with http.post(eng.url + "/v1/completions", json={
+                "prompt": [9] * 8, "max_tokens": 100, "stream": True}) as r:
+            await r.read()
+    assert eng.engine.dead
+    await wait_until(lambda: eng.server._runner is None)
+    with pytest.raises(aiohttp.ClientError):
+        async with http.get(eng.url + "/health") as r:
+            await r.read()
+
+
+async def test_faults_admin_route_is_off_by_default(make_engine, http) -> None:
+    eng = await make_engine()
+    async with http.post(eng.url + "/_sim/faults", json={"error_rate": 1.0}) as r:
+        assert r.status == 404
+    assert eng.engine.config.faults.error_rate == 0.0
+
+
+async def test_faults_change_at_runtime_with_admin(make_engine, http) -> None:
+    eng = await make_engine(enable_admin=True)
+    url = eng.url + "/_sim/faults"
+    async with http.post(url, json={"error_rate": 1.0}) as r:
+        assert r.status == 200 and (await r.json())["error_rate"] == 1.0
+    assert (await post(http, eng.url + "/v1/completions", {"prompt": "x"}))[0] == 500
+    async with http.post(url, json={"error_rate": 0}) as r:
+        assert r.status == 200
+    assert (await post(http, eng.url + "/v1/completions", {"prompt": "x"}))[0] == 200
+    for bad in ({"error_rate": 2}, {"bogus": 1}, {"stall_seconds": "x"}, [1]):
+        async with http.post(url, json=bad) as r:
+            assert r.status == 400, bad
+    async with http.get(url) as r:
+        assert (await r.json())["error_rate"] == 0.0
+
+
+async def test_reset_prefix_cache(make_engine, http) -> None:
+    eng = await make_engine(speed=20.0)
+    url = eng.url + "/v1/completions"
+    prompt = list(range(100, 164))
+    await post(http, url, {"prompt": prompt, "max_tokens": 1})
+    async with http.post(eng.url + "/reset_prefix_cache") as r:
+        assert (await r.json()) == {"success": True}
+    _, body = await post(http, url, {"prompt": prompt, "max_tokens": 1})
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # Refused while a request holds blocks (as vLLM).
+    task = asyncio.create_task(post(http, url, {"prompt": prompt, "max_tokens": 500,
+                                                "ignore_eos": True}))
+    await wait_until(lambda: eng.engine.num_running == 1)
+    async with http.post(eng.url + "/reset_prefix_cache") as r:
+        assert (await r.json()) == {"success": False}
+    await task
