@@ -1,0 +1,382 @@
+"""ResponseShaper and is_rejection_chunk.
+
+The reference is vLLM 0.32's serving layer (tests/router_unit/vllm_shapes.py transcribes
+it): whatever legs an answer took, a streaming client must receive exactly the stream one
+engine would have sent for the client's request, and a non-streaming client exactly the
+body, except for ids and timestamps, which the shaper keeps stable on its own values.
+"""
+from __future__ import annotations
+
+import copy
+
+import orjson
+from hypothesis import given, settings, strategies as st
+
+from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
+from router.shaping import CACHE_THRESHOLD, ResponseShaper, is_rejection_chunk
+
+from vllm_shapes import Gen, Step, chat_full, chat_stream, completion_full, completion_stream
+
+PROMPT = [101, 102, 103, 104]
+
+
+def make_spec(endpoint: str, *, stream: bool = True, include_usage: bool = False, return_token_ids: bool = False,
+              logprobs: int | None = None, continuous: bool = False, model: str = "client-model") -> RequestSpec:
+    body: dict = {"model": model}
+    if endpoint == ENDPOINT_CHAT:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        if logprobs is not None:
+            body["logprobs"], body["top_logprobs"] = True, logprobs
+    else:
+        body["prompt"] = "hi"
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+    if stream:
+        body["stream"] = True
+        opts = {}
+        if include_usage:
+            opts["include_usage"] = True
+        if continuous:
+            opts["continuous_usage_stats"] = True
+        if opts:
+            body["stream_options"] = opts
+    if return_token_ids:
+        body["return_token_ids"] = True
+    return parse_request(endpoint, orjson.dumps(body))
+
+
+def client_view(spec: RequestSpec, g: Gen) -> Gen:
+    """The same generation as the engine would describe it for the client's own request."""
+    return Gen(prompt_token_ids=g.prompt_token_ids, steps=g.steps, cached_tokens=g.cached_tokens,
+               model=spec.model, request_id=spec.request_id, created=spec.created,
+               system_fingerprint=g.system_fingerprint, return_token_ids=spec.return_token_ids,
+               include_usage=spec.include_usage, logprobs=g.logprobs)
+
+
+def run_legs(spec: RequestSpec, legs: list[tuple[bool, list[dict]]], *, release: bool = False) -> tuple[ResponseShaper, list[dict]]:
+    sh = ResponseShaper(spec)
+    out: list[dict] = []
+    for is_resume, chunks in legs:
+        sh.begin_leg(is_resume=is_resume)
+        for c in chunks:
+            out.extend(sh.shape(c))
+    if release:
+        out.extend(sh.release_held())
+    out.extend(sh.final_chunks())
+    return sh, out
+
+
+def tok(i: int, k: int = 2) -> tuple[str, float, dict[str, float]]:
+    t = f"t{i}"
+    return (t, -0.5 - i / 100, {t: -0.5 - i / 100, **{f"alt{i}_{j}": -2.0 - j for j in range(k)}})
+
+
+def steps_for(n_tokens: int, finish: str = "length", logprobs: bool = False, per_step: int = 1) -> list[Step]:
+    steps = []
+    i = 0
+    while i < n_tokens:
+        ids = list(range(1000 + i, 1000 + min(n_tokens, i + per_step)))
+        steps.append(Step("".join(f"t{j}" for j in range(i, i + len(ids))), ids,
+                          logprobs=[tok(j) for j in range(i, i + len(ids))] if logprobs else None))
+        i += len(ids)
+    if steps:
+        steps[-1].finish_reason = finish
+        steps[-1].stop_reason = None
+    return steps
+
+
+# --- is_rejection_chunk ---------------------------------------------------------------------
+
+def test_is_rejection_chunk():
+    g = Gen(PROMPT, steps_for(2))
+    role, first = chat_stream(g)[:2]
+    usage = chat_stream(g)[-1]
+    assert is_rejection_chunk(role) is None
+    assert is_rejection_chunk(usage) is None
+    assert is_rejection_chunk({}) is None
+    assert is_rejection_chunk(first) is False
+    assert is_rejection_chunk(completion_stream(g)[0]) is False
+    rej = Gen(PROMPT, [Step("", [], CACHE_THRESHOLD)])
+    assert is_rejection_chunk(chat_stream(rej)[1]) is True
+    assert is_rejection_chunk(completion_stream(rej)[0]) is True
+    # Another finish with nothing generated is an answer (e.g. max_tokens reached at once).
+    assert is_rejection_chunk(completion_stream(Gen(PROMPT, [Step("", [], "stop")]))[0]) is False
+    # cache_threshold with tokens in the same chunk: accepted (the leg produced output).
+    assert is_rejection_chunk(completion_stream(Gen(PROMPT, [Step("a", [5], CACHE_THRESHOLD)]))[0]) is False
+    assert is_rejection_chunk({"choices": [{"index": 0, "delta": {"reasoning": "hm"}, "finish_reason": None}]}) is False
+    assert is_rejection_chunk({"choices": ["junk"]}) is None
+
+
+# --- one leg: the client sees what one engine would have sent --------------------------------------
+
+def test_completions_stream_one_leg_matches_vllm():
+    spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True)
+    g = Gen(PROMPT, steps_for(3), cached_tokens=2, system_fingerprint="fp")
+    sh, out = run_legs(spec, [(False, completion_stream(g))])
+    assert out == completion_stream(client_view(spec, g))
+    assert {c["id"] for c in out} == {spec.request_id} and {c["model"] for c in out} == {"client-model"}
+    assert sh.generated_token_ids == [1000, 1001, 1002] and sh.generated_text == "t0t1t2"
+    assert sh.prompt_token_ids == PROMPT and sh.finish_reason == "length" and sh.leg_tokens == 3
+    assert sh.first_token_seen and sh.emitted
+
+
+def test_chat_stream_one_leg_matches_vllm():
+    spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True)
+    g = Gen(PROMPT, steps_for(3, finish="stop"), cached_tokens=0)
+    sh, out = run_legs(spec, [(False, chat_stream(g))])
+    assert out == chat_stream(client_view(spec, g))
+    assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert out[0]["prompt_token_ids"] == PROMPT
+
+
+def test_token_ids_stripped_as_vllm_does_without_return_token_ids():
+    spec = make_spec(ENDPOINT_CHAT)
+    g = Gen(PROMPT, steps_for(2))
+    _, out = run_legs(spec, [(False, chat_stream(g))])
+    assert out[0]["prompt_token_ids"] is None
+    assert all(c["choices"][0]["token_ids"] is None for c in out[1:])
+    assert out == chat_stream(client_view(spec, g))  # no usage chunk: not asked
+
+
+def test_non_streaming_one_leg_equals_vllm_body():
+    for endpoint, full, stream in ((ENDPOINT_COMPLETIONS, completion_full, completion_stream),
+                                   (ENDPOINT_CHAT, chat_full, chat_stream)):
+        for rti in (False, True):
+            spec = make_spec(endpoint, stream=False, return_token_ids=rti, logprobs=2)
+            g = Gen(PROMPT, steps_for(4, logprobs=True, per_step=2), cached_tokens=3, logprobs=2,
+                    system_fingerprint="fp")
+            sh, _ = run_legs(spec, [(False, stream(g))])
+            assert sh.accumulate_response() == full(client_view(spec, g))
+
+
+def test_continuous_usage_stats():
+    spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True, continuous=True)
+    _, out = run_legs(spec, [(False, completion_stream(Gen(PROMPT, steps_for(3))))])
+    assert [c["usage"]["completion_tokens"] for c in out] == [1, 2, 3, 3]
+    assert all(c["usage"]["prompt_tokens"] == 4 for c in out)
+
+
+# --- several legs ----------------------------------------------------------------------------
+
+def split_legs(endpoint: str, g: Gen, cuts: list[int], finish_on_last: list[bool],
+               cached: list[int | None]) -> list[tuple[bool, list[dict]]]:
+    """Upstream legs for generation `g` interrupted after the given numbers of steps:
+    every leg but the last ends in cache_threshold (on its last content chunk or in a
+    chunk of its own); resume legs are completion streams with prompt + generated ids."""
+    bounds = [0, *cuts, len(g.steps)]
+    legs = []
+    generated: list[int] = []
+    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        steps = copy.deepcopy(g.steps[a:b])
+        last = n == len(bounds) - 2
+        if not last:
+            for s in steps:
+                s.finish_reason = None
+            if steps and finish_on_last[n]:
+                steps[-1].finish_reason = CACHE_THRESHOLD
+            else:
+                steps.append(Step("", [], CACHE_THRESHOLD, logprobs=[] if g.logprobs is not None else None))
+        leg = Gen(PROMPT + generated, steps, cached_tokens=cached[n], model="engine-model",
+                  request_id=f"engine-{n}", created=1000 + n, logprobs=g.logprobs, system_fingerprint=g.system_fingerprint)
+        resume = n > 0
+        if resume or endpoint == ENDPOINT_COMPLETIONS:
+            legs.append((resume, completion_stream(leg)))
+        else:
+            legs.append((False, chat_stream(leg)))
+        generated += [t for s in steps for t in s.token_ids]
+    return legs
+
+
+def expected_cached(g_steps: list[Step], cuts: list[int], cached: list[int | None]) -> int | None:
+    bounds = [0, *cuts, len(g_steps)]
+    first_reported = None
+    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if cached[n] is None:
+            continue
+        if any(s.token_ids for s in g_steps[a:b]):
+            return min(cached[n], len(PROMPT))
+        if first_reported is None:
+            first_reported = min(cached[n], len(PROMPT))
+    return first_reported
+
+
+@st.composite
+def scenarios(draw):
+    endpoint = draw(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]))
+    stream = draw(st.booleans())
+    spec = make_spec(endpoint, stream=stream, include_usage=stream and draw(st.booleans()),
+                     return_token_ids=draw(st.booleans()),
+                     logprobs=draw(st.sampled_from([None, 0, 2])))
+    lp = spec.body.get("top_logprobs") if endpoint == ENDPOINT_CHAT else spec.body.get("logprobs")
+    n_tokens = draw(st.integers(0, 8))
+    steps = steps_for(n_tokens, finish=draw(st.sampled_from(["stop", "length"])), logprobs=lp is not None,
+                      per_step=draw(st.integers(1, 3)))
+    if not steps:
+        steps = [Step("", [], "stop", logprobs=[] if lp is not None else None)]
+    n_legs = draw(st.integers(1, 4))
+    cuts = sorted(draw(st.lists(st.integers(0, len(steps) - 1), min_size=n_legs - 1, max_size=n_legs - 1)))
+    finish_on_last = draw(st.lists(st.booleans(), min_size=n_legs, max_size=n_legs))
+    cached = draw(st.lists(st.one_of(st.none(), st.integers(0, 12)), min_size=n_legs, max_size=n_legs))
+    # --enable-prompt-tokens-details is engine-wide: all legs report it or none does.
+    if cached[0] is None:
+        cached = [None] * n_legs
+    else:
+        cached = [c if c is not None else 0 for c in cached]
+    return spec, Gen(PROMPT, steps, logprobs=lp, system_fingerprint=draw(st.sampled_from([None, "fp"]))), cuts, \
+        finish_on_last, cached
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios())
+def test_any_legs_read_as_one_answer(scenario):
+    spec, g, cuts, finish_on_last, cached = scenario
+    legs = split_legs(spec.endpoint, g, cuts, finish_on_last, cached)
+    sh, out = run_legs(spec, legs)
+    want = client_view(spec, g)
+    want.cached_tokens = expected_cached(g.steps, cuts, cached)
+    if spec.endpoint == ENDPOINT_CHAT:
+        expect_stream, expect_full = chat_stream(want), chat_full(want)
+    else:
+        expect_stream, expect_full = completion_stream(want), completion_full(want)
+    if spec.stream:
+        assert out == expect_stream
+    else:
+        assert sh.accumulate_response() == expect_full
+    assert sh.generated_token_ids == [t for s in g.steps for t in s.token_ids]
+    assert sh.generated_text == "".join(s.text for s in g.steps)
+    assert sh.prompt_token_ids == PROMPT
+    assert sh.finish_reason == g.steps[-1].finish_reason
+
+
+def test_chat_resumed_through_completion_leg_reads_as_one_chat_stream():
+    spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True, logprobs=2)
+    g = Gen(PROMPT, steps_for(4, finish="stop", logprobs=True), cached_tokens=4, logprobs=2)
+    legs = split_legs(ENDPOINT_CHAT, g, [2], [False, False], [4, 6])
+    assert legs[1][1][0]["object"] == "text_completion"
+    _, out = run_legs(spec, legs)
+    assert out == chat_stream(client_view(spec, g))
+    assert sum(1 for c in out if c["choices"] and "role" in c["choices"][0]["delta"]) == 1
+    assert out[-1]["usage"] == {"prompt_tokens": 4, "total_tokens": 8, "completion_tokens": 4,
+                                "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_completion_text_offsets_continue_across_legs():
+    spec = make_spec(ENDPOINT_COMPLETIONS, logprobs=1)
+    g = Gen(PROMPT, steps_for(3, logprobs=True), logprobs=1)
+    legs = split_legs(ENDPOINT_COMPLETIONS, g, [1, 2], [True, False], [None, None, None])
+    _, out = run_legs(spec, legs)
+    offsets = [o for c in out if c["choices"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == [0, 2, 4]
+
+
+# --- the held cache_threshold finish ------------------------------------------------------------
+
+def test_cache_threshold_finish_is_held_until_released():
+    spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True)
+    g = Gen(PROMPT, steps_for(2) + [Step("", [], CACHE_THRESHOLD)])
+    g.steps[1].finish_reason = None
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    chunks = completion_stream(g)
+    shaped = [sh.shape(c) for c in chunks]
+    assert [len(s) for s in shaped] == [1, 1, 0, 0]   # the finish and the usage chunk are kept
+    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 2
+    held = sh.release_held()
+    assert len(held) == 1 and held[0]["choices"][0]["finish_reason"] == CACHE_THRESHOLD
+    assert held[0]["id"] == spec.request_id
+    assert sh.release_held() == []
+    final = sh.final_chunks()
+    assert len(final) == 1 and final[0]["usage"]["completion_tokens"] == 2
+
+
+def test_final_chunks_release_a_still_held_finish():
+    spec = make_spec(ENDPOINT_CHAT)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    for c in chat_stream(Gen(PROMPT, [Step("a", [1]), Step("", [], CACHE_THRESHOLD)], include_usage=False)):
+        sh.shape(c)
+    final = sh.final_chunks()
+    assert [c["choices"][0]["finish_reason"] for c in final] == [CACHE_THRESHOLD]
+
+
+def test_finish_with_content_is_split():
+    spec = make_spec(ENDPOINT_CHAT, return_token_ids=True)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    chunks = chat_stream(Gen(PROMPT, [Step("ab", [1, 2], CACHE_THRESHOLD, stop_reason=None)], include_usage=False))
+    out = [c for ch in chunks for c in sh.shape(ch)]
+    assert out[-1]["choices"][0] == {"index": 0, "delta": {"content": "ab"}, "logprobs": None,
+                                     "finish_reason": None, "token_ids": [1, 2]}
+    (held,) = sh.release_held()
+    assert held["choices"][0] == {"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                  "finish_reason": CACHE_THRESHOLD, "stop_reason": None, "token_ids": []}
+
+
+def test_rejected_first_leg_then_resume_keeps_role_and_prompt_usage():
+    # The first leg is rejected with nothing generated (role chunk sent, finish held); the
+    # answer then comes from a resume leg.
+    spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True)
+    g = Gen(PROMPT, steps_for(2, finish="stop"), cached_tokens=0)
+    legs = split_legs(ENDPOINT_CHAT, g, [0], [False], [1, 3])
+    sh, out = run_legs(spec, legs)
+    want = client_view(spec, g)
+    want.cached_tokens = 3
+    assert out == chat_stream(want)
+
+
+def test_retry_leg_role_chunk_not_sent_twice():
+    spec = make_spec(ENDPOINT_CHAT)
+    sh = ResponseShaper(spec)
+    g = Gen(PROMPT, steps_for(1, finish="stop"), include_usage=False)
+    sh.begin_leg(is_resume=False)
+    first = sh.shape(chat_stream(g)[0])            # role chunk, then the leg breaks
+    sh.begin_leg(is_resume=False)                  # retry elsewhere
+    rest = [c for ch in chat_stream(g) for c in sh.shape(ch)] + sh.final_chunks()
+    assert len(first) == 1 and len(rest) == 1 and "role" not in rest[0]["choices"][0]["delta"]
+
+
+def test_model_falls_back_to_the_first_legs():
+    spec = make_spec(ENDPOINT_COMPLETIONS)
+    spec = RequestSpec(**{**{f: getattr(spec, f) for f in spec.__slots__}, "model": None})
+    sh, out = run_legs(spec, [(False, completion_stream(Gen(PROMPT, steps_for(1))))])
+    assert out[0]["model"] == "tiny"
+
+
+def test_content_of_a_dropped_finish_chunk_still_reaches_the_client():
+    # A leg sends its last content together with a normal finish, then breaks before
+    # [DONE]; the lead resumes. The content must reach the client, the finish must not.
+    spec = make_spec(ENDPOINT_COMPLETIONS)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    out = [c for ch in completion_stream(Gen(PROMPT, [Step("a", [1]), Step("b", [2], "length")],
+                                             include_usage=False)) for c in sh.shape(ch)]
+    assert [c["choices"][0]["text"] for c in out] == ["a"]
+    sh.begin_leg(is_resume=True)
+    out += [c for ch in completion_stream(Gen(PROMPT + [1, 2], [Step("c", [3], "stop")], include_usage=False))
+            for c in sh.shape(ch)]
+    out += sh.final_chunks()
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in out] == [
+        ("a", None), ("b", None), ("c", "stop")]
+    assert sh.generated_token_ids == [1, 2, 3]
+
+
+def test_pending_content_flushed_by_final_chunks_when_no_leg_follows():
+    spec = make_spec(ENDPOINT_CHAT)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    for ch in chat_stream(Gen(PROMPT, [Step("a", [1], "stop")], include_usage=False)):
+        sh.shape(ch)
+    sh.begin_leg(is_resume=True)
+    out = sh.final_chunks()
+    assert [c["choices"][0]["delta"] for c in out] == [{"content": "a"}]
+    assert out[0]["choices"][0]["finish_reason"] is None
+
+
+def test_fingerprint_on_the_finish_chunk_without_usage_and_on_usage_chunk_with_it():
+    g = Gen(PROMPT, steps_for(2), system_fingerprint="fp-1")
+    for include_usage in (False, True):
+        spec = make_spec(ENDPOINT_CHAT, include_usage=include_usage)
+        _, out = run_legs(spec, [(False, chat_stream(g))])
+        stamped = [i for i, c in enumerate(out) if "system_fingerprint" in c]
+        assert stamped == [len(out) - 1]
+        assert out == chat_stream(client_view(spec, g))
