@@ -241,8 +241,10 @@ class Dispatcher:
         w = result.winner
         assert w is not None and w.stream is not None
         self.strategy.on_routed(query, w.backend)
-        rec.route = route
-        rec.winner = w.backend
+        if not rec.route:  # route and winner describe where the answer was first placed
+            rec.route = route
+            rec.winner = w.backend
+        rec.legs.append(f"{route}:{w.backend}")
         return Leg(w.backend, w.stream, w.buffered, route)
 
     # --- bookkeeping ---------------------------------------------------------------------------

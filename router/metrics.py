@@ -22,6 +22,7 @@ class RequestRecord:
     stream: bool
     route: str = ""  # probe_hit | pd | direct
     winner: str = ""
+    legs: list[str] = field(default_factory=list)  # "route:backend" per answer leg
     probes: int = 0
     rejections: int = 0
     expired: int = 0
@@ -86,7 +87,7 @@ class RouterMetrics:
             self.resumes.labels(reason).inc()
         log.info("%s", orjson.dumps({
             "request_id": rec.request_id, "endpoint": rec.endpoint, "model": rec.model,
-            "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill,
+            "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,
             "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
             "losers": rec.losers, "retries": rec.retries, "resumes": rec.resumes,
             "ttft_ms": None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2),

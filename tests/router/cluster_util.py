@@ -1,0 +1,140 @@
+"""A router in front of simulated engines, all in this test's event loop."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from aiohttp import web
+
+from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
+from engine_launcher.sim.tokenizer import WORDS
+from router.app import ROUTER_KEY, build_app
+from router.config import parse_config
+
+MODEL = "sim-model"
+# Fast enough for tests, slow enough that streams are still running when a test looks.
+DEFAULT_SPEED = 50.0
+
+
+@dataclass
+class Cluster:
+    url: str
+    engines: dict  # name -> SimEngineHandle
+    session: aiohttp.ClientSession
+    app: web.Application
+    runner: web.AppRunner
+    roles: dict = field(default_factory=dict)
+
+    @property
+    def state(self):
+        return self.app[ROUTER_KEY]
+
+    async def post(self, path: str, body: dict, **kw) -> aiohttp.ClientResponse:
+        return await self.session.post(self.url + path, data=orjson.dumps(body),
+                                       headers={"Content-Type": "application/json", **kw.pop("headers", {})}, **kw)
+
+    async def complete(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
+        async with await self.post(path, body) as r:
+            return r.status, orjson.loads(await r.read())
+
+    async def stream(self, body: dict, path: str = "/v1/completions") -> tuple[int, list]:
+        """Returns (status, events): parsed chunks, with "[DONE]" as a string."""
+        async with await self.post(path, {**body, "stream": True}) as r:
+            if r.status != 200:
+                return r.status, [orjson.loads(await r.read())]
+            events = []
+            async for line in r.content:
+                line = line.strip()
+                if line.startswith(b"data: "):
+                    payload = line[6:]
+                    events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+            return r.status, events
+
+    def router_metric(self, name: str, **labels) -> float:
+        reg = self.state.metrics.registry
+        v = reg.get_sample_value(name, labels or None)
+        return v or 0.0
+
+    def routes(self) -> dict[str, float]:
+        out = {}
+        for route in ("probe_hit", "pd", "direct"):
+            out[route] = self.router_metric("cachehit_router_requests_total", route=route, status="200")
+        return out
+
+    async def engine_metric(self, name: str, metric: str) -> float:
+        """An engine's metric read from its own /metrics, summed over label sets."""
+        async with self.session.get(self.engines[name].url + "/metrics") as r:
+            text = await r.text()
+        return sum(s.value for fam in text_string_to_metric_families(text)
+                   for s in fam.samples if s.name == metric)
+
+    async def engine_metrics(self, metric: str) -> dict[str, float]:
+        return {n: await self.engine_metric(n, metric) for n in self.engines}
+
+    def engine_running(self) -> dict[str, int]:
+        return {n: e.engine.num_running + e.engine.num_waiting for n, e in self.engines.items()}
+
+    async def wait_idle(self, timeout: float = 5.0) -> dict[str, int]:
+        """Until no engine has a running or waiting request; returns the last counts."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            counts = self.engine_running()
+            if not any(counts.values()):
+                return counts
+            await asyncio.sleep(0.02)
+        return self.engine_running()
+
+
+@pytest.fixture
+async def make_cluster():
+    clusters: list[Cluster] = []
+
+    async def make(decoders: int = 2, prefillers: int = 0, routing: dict | None = None,
+                   sim: dict | None = None, per_engine: dict | None = None, timeouts: dict | None = None,
+                   server: dict | None = None, health: dict | None = None) -> Cluster:
+        engines, backends, roles = {}, [], {}
+        base = SimEngineConfig(**{"model": MODEL, "speed": DEFAULT_SPEED, **(sim or {})})
+        names = [(f"d{i}", "consumer", "decode") for i in range(decoders)] + \
+                [(f"p{i}", "producer", "prefill") for i in range(prefillers)]
+        for name, role, brole in names:
+            cfg = replace(base, role=role, **((per_engine or {}).get(name, {})))
+            engines[name] = await start_sim_engine(cfg, port=0)
+            backends.append({"name": name, "url": engines[name].url, "role": brole})
+            roles[name] = brole
+        config = parse_config({
+            "server": {"port": 0, **(server or {})},
+            "routing": {"min_pd_prompt_tokens": 64, **(routing or {})},
+            "timeouts": {"first_token_s": 20, "idle_s": 10, "total_s": 60, **(timeouts or {})},
+            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, **(health or {})},
+            "backends": backends,
+        })
+        app = build_app(config, start_engines=False)
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        c = Cluster(f"http://127.0.0.1:{port}", engines, aiohttp.ClientSession(), app, runner, roles)
+        clusters.append(c)
+        return c
+
+    yield make
+    for c in clusters:
+        await c.session.close()
+        await c.runner.cleanup()
+        for e in c.engines.values():
+            await e.close()
+
+
+def long_prompt(tag: str, words: int = 400) -> str:
+    """A prompt of exactly `words` simulator tokens (vocabulary words), distinct per tag."""
+    start = sum(tag.encode()) * 7919
+    return " ".join(WORDS[(start + i * 31) % len(WORDS)] for i in range(words))
+
+
+__all__ = ["Cluster", "FaultConfig", "MODEL", "long_prompt"]

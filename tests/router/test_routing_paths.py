@@ -1,0 +1,128 @@
+"""Every routing path through the router, against simulated engines.
+
+Routes are read from the router's own metrics (cachehit_router_requests_total{route}) and
+what the engines did from their own state and vLLM-named metrics, never from the router's
+word alone.
+"""
+import asyncio
+
+import pytest
+
+from cluster_util import MODEL, long_prompt
+
+
+async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=1)
+    prompt = long_prompt("warm", 300)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+    status, first = await c.complete(body)
+    assert status == 200, first
+    assert c.routes() == {"probe_hit": 0, "pd": 1, "direct": 0}
+    assert c.router_metric("cachehit_router_probe_rejections_total", backend="d0") == 1
+    assert c.router_metric("cachehit_router_probe_rejections_total", backend="d1") == 1
+    # The consumer pulled the prompt over the side channel: external hits on exactly one decoder.
+    ext = await c.engine_metrics("vllm:external_prefix_cache_hits_total")
+    decoder = max(("d0", "d1"), key=lambda n: ext[n])
+    assert ext[decoder] >= 300 - 16 and ext[{"d0": "d1", "d1": "d0"}[decoder]] == 0
+    assert first["usage"]["completion_tokens"] == 8
+
+    status, second = await c.complete(body)
+    assert status == 200
+    assert c.routes()["probe_hit"] == 1
+    assert c.state.registry.states[decoder].config.name == decoder
+    # Same prompt, same deterministic engine: the same answer, now from the cache.
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 300 - 32
+    assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
+
+
+async def test_no_prefill_backend_falls_back_to_direct(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=0)
+    status, out = await c.complete({"model": MODEL, "prompt": long_prompt("nopf"), "max_tokens": 4})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+    assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 1}
+
+
+async def test_short_prompt_goes_direct_even_with_a_prefill_backend(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=1, routing={"min_pd_prompt_tokens": 256})
+    status, out = await c.complete({"model": MODEL, "prompt": long_prompt("short", 40), "max_tokens": 4})
+    assert status == 200
+    assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 1}
+    assert await c.engine_metric("p0", "vllm:prompt_tokens_total") == 0
+
+
+async def test_streaming_answer_has_one_id_usage_and_done(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=1)
+    status, events = await c.stream({"model": MODEL, "prompt": long_prompt("stream"), "max_tokens": 12,
+                                     "stream_options": {"include_usage": True}})
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({ch["id"] for ch in chunks}) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    text_chunks = [ch for ch in chunks if ch["choices"]]
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(ch["choices"][0].get("token_ids") is None for ch in text_chunks)  # the client did not ask
+
+
+async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluster):
+    c = await make_cluster(decoders=3, prefillers=0)
+    prompt = long_prompt("losers", 300)
+    # Warm every decoder directly so all three hold the prompt and will accept a probe.
+    for e in c.engines.values():
+        async with c.session.post(e.url + "/v1/completions",
+                                  json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+            assert r.status == 200
+    status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 200})
+    assert status == 200 and out["usage"]["completion_tokens"] == 200
+    assert c.routes()["probe_hit"] == 1
+    losers = sum(c.router_metric("cachehit_router_probe_losers_total", backend=n) for n in c.engines)
+    assert losers == 2
+    # The engines aborted the losers: nothing runs anywhere once the answer is complete, and
+    # each loser produced far fewer tokens than the winner's 200.
+    assert await c.wait_idle() == {"d0": 0, "d1": 0, "d2": 0}
+    gen = sorted((await c.engine_metrics("vllm:generation_tokens_total")).values())
+    assert gen[-1] >= 200 + 1 and gen[0] < 50 and gen[1] < 50
+
+
+async def test_client_disconnect_stops_upstream_work(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=1, sim={"speed": 5.0})
+    body = {"model": MODEL, "prompt": long_prompt("gone"), "max_tokens": 2000, "stream": True}
+    resp = await c.post("/v1/completions", body)
+    assert resp.status == 200
+    got = 0
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            got += 1
+            if got == 3:
+                break
+    assert sum(c.engine_running().values()) == 1  # the decode engine is generating
+    resp.close()  # the client goes away mid-stream
+    assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
+    await asyncio.sleep(0.1)
+    assert all(s.inflight == 0 for s in c.state.registry.states.values())
+
+
+async def test_chat_non_streaming_through_pd(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=1)
+    msgs = [{"role": "system", "content": long_prompt("sys", 200)}, {"role": "user", "content": "hello there"}]
+    status, out = await c.complete({"model": MODEL, "messages": msgs, "max_tokens": 6}, "/v1/chat/completions")
+    assert status == 200, out
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"]["role"] == "assistant"
+    assert out["choices"][0]["message"]["content"]
+    assert out["usage"]["completion_tokens"] == 6
+    assert c.routes()["pd"] == 1
+
+
+@pytest.mark.parametrize("strategy", ["round_robin", "least_loaded", "prefix_tree"])
+async def test_other_strategies_route_directly(make_cluster, strategy):
+    c = await make_cluster(decoders=2, prefillers=1, routing={"strategy": strategy})
+    for i in range(4):
+        status, _ = await c.complete({"model": MODEL, "prompt": long_prompt(f"s{i}", 100), "max_tokens": 2})
+        assert status == 200
+    assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 4}
+    served = await c.engine_metrics("vllm:request_success_total")
+    assert served["p0"] == 0 and served["d0"] + served["d1"] == 4
+    if strategy == "round_robin":
+        assert served["d0"] == served["d1"] == 2
