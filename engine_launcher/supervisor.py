@@ -478,6 +478,7 @@ class Supervisor:
     async def _watch(self, unit: _Unit) -> None:
         """Restart the unit's process whenever it exits, with exponential backoff."""
         loop = asyncio.get_running_loop()
+        failure: str | None = None  # why the last restart did not become healthy
         while not self._stopping:
             assert unit.proc is not None
             code = await unit.proc.wait()
@@ -489,7 +490,8 @@ class Supervisor:
             await self._kill_leftovers(unit.proc.pid)
             if unit.healthy_at is not None and loop.time() - unit.healthy_at >= self.stable_after_s:
                 unit.consecutive = 0
-            self._set(unit, unit.state, f"exit code {code}", event=EXITED)
+            self._set(unit, unit.state, failure or f"exit code {code}", event=EXITED)
+            failure = None
             if unit.consecutive >= self.launcher.max_restarts:
                 self._set(unit, FAILED, f"gave up after {unit.consecutive} restart(s); "
                                         f"exit code {code}; see {unit.cmd.log_file}")
@@ -503,12 +505,13 @@ class Supervisor:
             self._set(unit, RESTARTING, f"exit code {code}; restart {unit.consecutive}/"
                                         f"{self.launcher.max_restarts} in {delay:.1f} s")
             await asyncio.sleep(delay)
-            await self._spawn(unit)
             try:
+                await self._spawn(unit)
                 await self._wait_healthy(unit)
-            except EngineStartError as e:
+            except (EngineStartError, OSError) as e:
                 # Counts as a failed restart: make sure it is gone, then loop (backoff grows).
-                self._set(unit, RESTARTING, e.reason, event=EXITED)
+                # (OSError: the process could not even be created; unit.proc is the old one.)
+                failure = getattr(e, "reason", str(e))
                 await self._terminate(unit)
 
 

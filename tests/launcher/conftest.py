@@ -5,6 +5,7 @@ made to show on demand (never healthy, ignores SIGTERM, leaves a grandchild). It
 as `Supervisor(python=...)`, ignores `-m module`, and behaves as FAKE_MODE says:
   serve        answer GET /health on every --port
   exit         print a message and exit 3 at once
+  serve-once   serve on the first start; exit 3 on every later one (FAKE_MARKER file)
   hang         print a message and never listen
   stubborn     serve, ignore SIGTERM, and start a grandchild (same process group) that
                ignores SIGTERM too; both record their pids in FAKE_PID_FILE
@@ -28,6 +29,13 @@ FAKE_ENGINE = textwrap.dedent('''
     if mode == "exit":
         print("fatal: simulated start-up failure", flush=True)
         sys.exit(3)
+    if mode == "serve-once":
+        # Healthy on the first start only: every later start fails like a broken restart.
+        marker = os.environ["FAKE_MARKER"]
+        if os.path.exists(marker):
+            print("fatal: cannot start again", flush=True)
+            sys.exit(3)
+        open(marker, "w").close()
     if mode == "hang":
         while True:
             time.sleep(60)

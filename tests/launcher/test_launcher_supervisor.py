@@ -225,3 +225,36 @@ async def test_host_type_can_be_forced_either_way(tmp_path):
                      host=HostInfo(gpu_count=8, cpu_ids=(0, 1, 2, 3)))
     assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in sup.plan()] == ["0,1", "2,3"]
     assert all("CUDA_VISIBLE_DEVICES" not in c.env for c in sup.plan())
+
+
+async def test_restarts_that_never_get_healthy_count_and_back_off(tmp_path, fake_python,
+                                                                  kill_leftovers):
+    engines = [EngineConfig(name="once", kind="sim",
+                            env=(("FAKE_MODE", "serve-once"),
+                                 ("FAKE_MARKER", str(tmp_path / "started"))))]
+    events = Events()
+    sup = Supervisor(engines, launcher(tmp_path, max_restarts=2, restart_backoff_s=0.01),
+                     host_has_gpu=False, python=fake_python)
+    try:
+        await sup.start(progress=events)
+        first = next(s.pid for s in sup.status())
+        kill_leftovers.append(first)
+        mark = len(events.seen)
+        os.kill(first, signal.SIGKILL)
+        failed = await events.next("once", FAILED, after=mark)
+        assert "gave up after 2 restart(s); exit code 3" in failed.detail
+    finally:
+        await sup.stop()
+    after = [(e.state, e.detail) for e in events.seen[mark:]]
+    assert after == [
+        ("exited", "exit code -9"),
+        ("restarting", "exit code -9; restart 1/2 in 0.0 s"),
+        ("starting", "attempt 2"),
+        ("exited", "exited with code 3 before it was healthy"),
+        ("restarting", "exit code 3; restart 2/2 in 0.0 s"),
+        ("starting", "attempt 3"),
+        ("exited", "exited with code 3 before it was healthy"),
+        ("failed", failed.detail),
+        ("stopped", ""),
+    ]
+    assert "fatal: cannot start again" in (tmp_path / "logs" / "once.log").read_text()
