@@ -1,0 +1,301 @@
+"""Regenerate tests/fixtures/vllm_wire/: the exact HTTP answers of a real vLLM 0.32 engine.
+
+    .venv/bin/python tests/real_engine/capture_wire.py            # starts its own engines
+    .venv/bin/python tests/real_engine/capture_wire.py --base-url http://127.0.0.1:8000
+
+It builds the tiny model, starts a NIXL producer (core 0) and a NIXL consumer (core 1) from
+the launcher's own command line, plain vLLM (no plugin, so the captures show upstream
+behaviour), sends every case below, and writes one JSON file per case:
+  {"request": {...}, "status": 200, "content_type": "...", "raw": "<body as sent>",
+   "parsed": <JSON body, or the list of SSE data payloads>}
+Volatile values (ids, timestamps, fingerprints, engine uuids, ports) are normalized so that
+a re-capture only shows real changes. Sampling is greedy, so token ids are reproducible on
+the same model recipe. `--plugin` adds the threshold cases against an engine with the
+cache-hit threshold plugin (files prefixed `threshold_`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
+
+from real_engine_util import (  # noqa: E402
+    EngineProcess, engine_command, free_port, parse_sse, request,
+)
+
+OUT = REPO / "tests" / "fixtures" / "vllm_wire"
+
+# The first request with logprobs makes a CPU engine torch.compile a small sampler kernel
+# (inductor + g++): minutes on two busy cores. Eager mode gives the same answers.
+ENGINE_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+
+PROMPT = "The river and the mountain are quiet in the morning light"
+MESSAGES = [{"role": "user", "content": "Hello, which river is quiet in the morning?"}]
+GREEDY = {"temperature": 0, "max_tokens": 4}
+
+
+def comp(**kw):
+    return {"model": "tiny", "prompt": PROMPT, **GREEDY, **kw}
+
+
+def chat(**kw):
+    return {"model": "tiny", "messages": MESSAGES, **GREEDY, **kw}
+
+
+USAGE = {"stream_options": {"include_usage": True}}
+
+# name -> (method, path, body). Bodies are sent as JSON; a `bytes` body is sent verbatim.
+CASES: dict[str, tuple[str, str, object]] = {
+    # --- /v1/completions
+    "completions": ("POST", "/v1/completions", comp()),
+    "completions_token_ids": ("POST", "/v1/completions", comp(return_token_ids=True)),
+    "completions_token_ids_prompt_ids": (
+        "POST", "/v1/completions",
+        comp(prompt=[0, 1017, 705, 769, 364, 708, 22, 22], return_token_ids=True)),
+    "completions_logprobs": ("POST", "/v1/completions", comp(logprobs=2, max_tokens=2)),
+    "completions_n2": ("POST", "/v1/completions", comp(n=2, max_tokens=2, temperature=1.0,
+                                                        seed=7)),
+    "completions_stream": ("POST", "/v1/completions", comp(stream=True)),
+    "completions_stream_usage": ("POST", "/v1/completions", comp(stream=True, **USAGE)),
+    "completions_stream_usage_token_ids": (
+        "POST", "/v1/completions", comp(stream=True, return_token_ids=True, **USAGE)),
+    "completions_stream_continuous_usage": (
+        "POST", "/v1/completions",
+        comp(stream=True, max_tokens=2,
+             stream_options={"include_usage": True, "continuous_usage_stats": True})),
+    "completions_stream_logprobs": (
+        "POST", "/v1/completions", comp(stream=True, logprobs=2, max_tokens=2,
+                                        return_token_ids=True, **USAGE)),
+    "completions_stream_n2": (
+        "POST", "/v1/completions", comp(stream=True, n=2, max_tokens=2, temperature=1.0,
+                                        seed=7, return_token_ids=True, **USAGE)),
+    "completions_stop_eos": (
+        "POST", "/v1/completions", comp(max_tokens=3, stop_token_ids=[22, 288, 634, 125],
+                                        return_token_ids=True)),
+    "completions_stream_stop_eos": (
+        "POST", "/v1/completions", comp(stream=True, max_tokens=3,
+                                        stop_token_ids=[22, 288, 634, 125],
+                                        return_token_ids=True, **USAGE)),
+    "completions_unknown_field_cache_hit_threshold": (
+        "POST", "/v1/completions", comp(cache_hit_threshold=0.5, max_tokens=1)),
+    # --- /v1/chat/completions
+    "chat": ("POST", "/v1/chat/completions", chat()),
+    "chat_token_ids": ("POST", "/v1/chat/completions", chat(return_token_ids=True)),
+    "chat_logprobs": ("POST", "/v1/chat/completions",
+                      chat(logprobs=True, top_logprobs=2, max_tokens=2)),
+    "chat_max_completion_tokens": (
+        "POST", "/v1/chat/completions",
+        {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_completion_tokens": 2}),
+    "chat_stream": ("POST", "/v1/chat/completions", chat(stream=True)),
+    "chat_stream_usage": ("POST", "/v1/chat/completions", chat(stream=True, **USAGE)),
+    "chat_stream_usage_token_ids": (
+        "POST", "/v1/chat/completions", chat(stream=True, return_token_ids=True, **USAGE)),
+    "chat_stream_logprobs": (
+        "POST", "/v1/chat/completions",
+        chat(stream=True, logprobs=True, top_logprobs=2, max_tokens=2, **USAGE)),
+    # --- errors
+    "error_bad_type_max_tokens": ("POST", "/v1/completions", comp(max_tokens="many")),
+    "error_out_of_range_temperature": ("POST", "/v1/completions", comp(temperature=-1)),
+    "error_out_of_range_max_tokens": ("POST", "/v1/completions", comp(max_tokens=0)),
+    "error_unknown_model": ("POST", "/v1/completions", comp(model="no-such-model")),
+    "error_unknown_model_chat": ("POST", "/v1/chat/completions", chat(model="no-such-model")),
+    "error_prompt_too_long": ("POST", "/v1/completions", comp(prompt=[5] * 2100)),
+    "error_prompt_plus_max_tokens_too_long": (
+        "POST", "/v1/completions", comp(prompt=[5] * 2000, max_tokens=100)),
+    "error_prompt_too_long_stream": (
+        "POST", "/v1/completions", comp(prompt=[5] * 2100, stream=True, **USAGE)),
+    "error_chat_bad_messages": ("POST", "/v1/chat/completions",
+                                {"model": "tiny", "messages": "hello"}),
+    "error_missing_prompt": ("POST", "/v1/completions", {"model": "tiny", "max_tokens": 2}),
+    "error_invalid_json": ("POST", "/v1/completions", b'{"model": "tiny", "prompt": '),
+    # --- other endpoints
+    "models": ("GET", "/v1/models", None),
+    "health": ("GET", "/health", None),
+    "version": ("GET", "/version", None),
+}
+
+# The prefill leg as the router sends it (ENGINE_NOTES.md / ARCHITECTURE.md).
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+DISAGG_PROMPT = " ".join(["the cache block is ready for the decode engine"] * 12)
+
+# Plugin cases: sent to an engine with the plugin loaded.
+THRESHOLD_PROMPT = "A cold prompt that no engine has seen: " + " ".join(["winter river"] * 20)
+THRESHOLD_CASES: dict[str, tuple[str, str, object]] = {
+    "threshold_completions_rejected": (
+        "POST", "/v1/completions",
+        comp(prompt=THRESHOLD_PROMPT, cache_hit_threshold=0.9, return_token_ids=True)),
+    "threshold_completions_stream_rejected": (
+        "POST", "/v1/completions",
+        comp(prompt=THRESHOLD_PROMPT + " a", stream=True, return_token_ids=True,
+             vllm_xargs={"cache_hit_threshold": 0.9}, **USAGE)),
+    "threshold_chat_rejected": (
+        "POST", "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": THRESHOLD_PROMPT + " b"}],
+             cache_hit_threshold=0.9, return_token_ids=True)),
+    "threshold_chat_stream_rejected": (
+        "POST", "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": THRESHOLD_PROMPT + " c"}], stream=True,
+             cache_hit_threshold=0.9, return_token_ids=True, **USAGE)),
+    "threshold_error_out_of_range": (
+        "POST", "/v1/completions", comp(cache_hit_threshold=1.5)),
+    "threshold_error_out_of_range_xargs": (
+        "POST", "/v1/completions", comp(vllm_xargs={"cache_hit_threshold": "0.5"})),
+}
+
+_NORMALIZERS = [
+    (re.compile(r'"id":"(cmpl|chatcmpl)-[0-9A-Za-z_-]+"'), r'"id":"\1-<id>"'),
+    (re.compile(r'"created":\d+'), '"created":1700000000'),
+    (re.compile(r'"system_fingerprint":"vllm-([0-9.]+)-[0-9a-f]+"'),
+     r'"system_fingerprint":"vllm-\1-<fingerprint>"'),
+    (re.compile(r'"(modelperm)-[0-9a-f]+"'), r'"\1-<id>"'),
+    (re.compile(r'"remote_engine_id":"[^"]+"'), '"remote_engine_id":"<engine-uuid>"'),
+    (re.compile(r'"remote_request_id":"[^"]+"'), '"remote_request_id":"<request-id>"'),
+    (re.compile(r'"remote_port":\d+'), '"remote_port":5600'),
+    (re.compile(r'"root":"[^"]+"'), '"root":"<model-dir>"'),
+    (re.compile(r'"expires_at":[0-9.e+]+'), '"expires_at":1700000030'),
+    (re.compile(r'(cmpl|chatcmpl)-[0-9a-f]{16}'), r'\1-<id>'),
+]
+
+
+def normalize(text: str) -> str:
+    for pattern, repl in _NORMALIZERS:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def capture(base_url: str, name: str, method: str, path: str, body: object) -> dict:
+    raw_body = body if isinstance(body, bytes) else None
+    t0 = time.monotonic()
+    status, data = request(base_url, method, path, None if raw_body else body,
+                           raw_body=raw_body, timeout=120)
+    elapsed = time.monotonic() - t0
+    text = normalize(data.decode(errors="replace"))
+    parsed: object
+    is_sse = isinstance(body, dict) and body.get("stream") and status == 200
+    try:
+        parsed = parse_sse(text.encode()) if is_sse else json.loads(text)
+    except (ValueError, AssertionError):
+        parsed = None
+    record = {
+        "request": {"method": method, "path": path,
+                    "body": body.decode() if isinstance(body, bytes) else body},
+        "status": status,
+        "raw": text,
+        "parsed": parsed,
+    }
+    print(f"{name:48s} {status}  {elapsed * 1000:7.1f} ms")
+    return record
+
+
+def metrics_summary(base_url: str) -> dict:
+    """Every `vllm:` metric family with its type, help and one sample line per label set."""
+    status, data = request(base_url, "GET", "/metrics", timeout=10)
+    families: dict[str, dict] = {}
+    for line in data.decode().splitlines():
+        if line.startswith("# HELP vllm:") or line.startswith("# TYPE vllm:"):
+            _, kind, name, rest = line.split(" ", 3)
+            families.setdefault(name, {"samples": []})[kind.lower()] = rest
+        elif line.startswith("vllm:"):
+            key = line.rsplit(" ", 1)[0]
+            base = key.split("{", 1)[0]
+            fam = next((f for f in families if base == f or base.startswith(f + "_")), base)
+            families.setdefault(fam, {"samples": []})["samples"].append(normalize(key))
+    return {"status": status, "families": families}
+
+
+def write(name: str, record: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+
+
+def run_cases(base_url: str, cases: dict) -> None:
+    for name, (method, path, body) in cases.items():
+        write(name, capture(base_url, name, method, path, body))
+
+
+def run_disagg(producer: str, consumer: str) -> None:
+    body = comp(prompt=DISAGG_PROMPT, max_tokens=1, stream=False, kv_transfer_params=PREFILL_KV,
+                return_token_ids=True)
+    rec = capture(producer, "disagg_prefill_leg", "POST", "/v1/completions", body)
+    write("disagg_prefill_leg", rec)
+    status, data = request(producer, "POST", "/v1/completions", body)  # fresh, un-normalized
+    kv = json.loads(data)["kv_transfer_params"]
+    decode = comp(prompt=DISAGG_PROMPT, max_tokens=4, stream=True, return_token_ids=True,
+                  kv_transfer_params=kv, **USAGE)
+    rec = capture(consumer, "disagg_decode_leg_stream", "POST", "/v1/completions", decode)
+    rec["request"]["body"] = json.loads(normalize(json.dumps(decode, separators=(",", ":"))))
+    write("disagg_decode_leg_stream", rec)
+    time.sleep(1.5)  # metrics are pushed by the engine core about once per second
+    status, data = request(consumer, "GET", "/metrics")
+    hits = [normalize(l) for l in data.decode().splitlines()
+            if l.startswith("vllm:external_prefix_cache_hits_total")
+            or l.startswith("vllm:prefix_cache_queries_total")
+            or l.startswith("vllm:prefix_cache_hits_total")]
+    write("disagg_consumer_metrics", {"lines": hits})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", help="capture from this running engine (no disagg cases)")
+    ap.add_argument("--plugin", action="store_true",
+                    help="also capture the threshold cases on an engine with the plugin")
+    ap.add_argument("--only-plugin", action="store_true", help="only the threshold cases")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args(argv)
+    if args.base_url:
+        run_cases(args.base_url, THRESHOLD_CASES if args.only_plugin else CASES)
+        write("metrics", metrics_summary(args.base_url))
+        return 0
+
+    from engine_launcher.tiny_model import build_tiny_model
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="vllm-wire-"))
+    model = build_tiny_model(work / "tiny-model")
+    engines: list[EngineProcess] = []
+    try:
+        if not args.only_plugin:
+            for name, role, core in (("producer", "producer", 0), ("consumer", "consumer", 1)):
+                port = free_port()
+                argv_, env = engine_command(model, name=name, port=port, nixl_port=free_port(),
+                                            role=role, cpu_cores=(core,), plugin=False,
+                                            extra_args=("--max-model-len", "2048"),
+                                            env=ENGINE_ENV)
+                engines.append(EngineProcess(argv_, env, port, work / f"{name}.log").start())
+            for e in engines:
+                print(f"{e.log_path.stem}: healthy after {e.wait_healthy():.1f} s")
+            producer, consumer = (e.base_url for e in engines)
+            run_cases(producer, CASES)
+            write("metrics", metrics_summary(producer))
+            run_disagg(producer, consumer)
+            for e in engines:
+                e.stop()
+            engines.clear()
+        if args.plugin or args.only_plugin:
+            port = free_port()
+            argv_, env = engine_command(model, name="plugin", port=port, nixl_port=free_port(),
+                                        role="both", cpu_cores=(0,), plugin=True,
+                                        extra_args=("--max-model-len", "2048"),
+                                        env=ENGINE_ENV)
+            e = EngineProcess(argv_, env, port, work / "plugin.log").start()
+            engines.append(e)
+            print(f"plugin: healthy after {e.wait_healthy():.1f} s")
+            run_cases(e.base_url, THRESHOLD_CASES)
+            write("threshold_metrics", metrics_summary(e.base_url))
+    finally:
+        for e in engines:
+            e.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
