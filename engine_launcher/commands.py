@@ -69,6 +69,13 @@ class HostInfo:
     gpu_count: int = 0
     # CPUs this process may run on (os.sched_getaffinity), used to spread CPU engines.
     cpu_ids: tuple[int, ...] = (0,)
+    # Physical indices of the GPUs engines may use (the launcher's own CUDA_VISIBLE_DEVICES
+    # when it is restricted); empty: 0 .. gpu_count-1.
+    gpu_ids: tuple[int, ...] = ()
+
+    @property
+    def usable_gpus(self) -> tuple[int, ...]:
+        return self.gpu_ids or tuple(range(self.gpu_count))
 
     @property
     def has_gpu(self) -> bool:
@@ -121,11 +128,24 @@ def detect_host() -> HostInfo:
         gpus = sum(1 for _ in proc.iterdir())
     else:
         gpus = sum(1 for p in Path("/dev").glob("nvidia[0-9]*"))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpus and visible is not None:
-        # The launcher itself was restricted; honour it.
-        gpus = len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
-    return HostInfo(gpu_count=gpus, cpu_ids=cpu_ids or (0,))
+    gpus, gpu_ids = visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return HostInfo(gpu_count=gpus, cpu_ids=cpu_ids or (0,), gpu_ids=gpu_ids)
+
+
+def visible_gpus(found: int, visible: str | None) -> tuple[int, tuple[int, ...]]:
+    """(GPU count, physical indices) given the GPUs found and the launcher's own
+    CUDA_VISIBLE_DEVICES. A restricted launcher keeps its engines inside that set. Engines
+    get physical indices (their CUDA_VISIBLE_DEVICES replaces the launcher's), so only
+    numeric entries can be honoured that way; UUID entries only limit the count."""
+    if not found or visible is None:
+        return found, ()
+    entries = [v.strip() for v in visible.split(",") if v.strip()]
+    if "-1" in entries:  # CUDA stops at the first invalid index
+        entries = entries[:entries.index("-1")]
+    count = min(found, len(entries))
+    if entries and all(v.isdigit() for v in entries):
+        return count, tuple(int(v) for v in entries[:count])
+    return count, ()
 
 
 def url_for(host: str, port: int) -> str:
@@ -196,7 +216,7 @@ def assign_gpus(engines: Sequence[EngineConfig], host: HostInfo) -> dict[str, tu
     if len(rest) <= 1 and not out:
         return {e.name: () for e in rest}
     claimed = {g for ids in out.values() for g in ids}
-    free = [g for g in range(host.gpu_count) if g not in claimed]
+    free = [g for g in host.usable_gpus if g not in claimed]
     if len(rest) > len(free):
         e = rest[len(free)]
         raise ConfigError(
@@ -370,7 +390,7 @@ def resolve_ports(engines: Sequence[EngineConfig],
 
 
 __all__ = [
-    "HostInfo", "EnginePorts", "EngineCommand", "detect_host", "url_for", "build_commands",
+    "HostInfo", "EnginePorts", "EngineCommand", "detect_host", "visible_gpus", "url_for", "build_commands",
     "vllm_command", "sim_command", "group_sim_engines", "assign_cpu_cores", "assign_gpus",
     "scheduler_cls", "kv_transfer_config", "check_ports", "ports_to_pick", "resolve_ports",
     "SYNC_SCHEDULER_CLS", "ASYNC_SCHEDULER_CLS",

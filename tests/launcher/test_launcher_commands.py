@@ -226,3 +226,19 @@ def test_shell_line_quotes_json_and_puts_env_first():
     line = one(vllm_engine("e0", "producer"), CPU_HOST).shell_line()
     assert line.startswith("PYTHONUNBUFFERED=1 UCX_TLS=tcp,self ")
     assert "'{\"kv_connector\":\"NixlConnector\"" in line
+
+
+def test_gpus_stay_inside_the_launchers_own_visible_devices():
+    from engine_launcher.commands import visible_gpus
+    engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer")]
+    ports = {"a": EnginePorts(1, 2), "b": EnginePorts(3, 4)}
+    host = HostInfo(gpu_count=2, cpu_ids=(0,), gpu_ids=(5, 7))
+    cmds = build_commands(engines, ports, host, log_dir="l", python=PY)
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in cmds] == ["5", "7"]
+    # The launcher's own CUDA_VISIBLE_DEVICES becomes the usable set.
+    assert visible_gpus(8, None) == (8, ())
+    assert visible_gpus(8, "3,1") == (2, (3, 1))
+    assert visible_gpus(8, "2,-1,4") == (1, (2,))
+    assert visible_gpus(8, "") == (0, ())
+    assert visible_gpus(8, "GPU-aa,GPU-bb") == (2, ())
+    assert visible_gpus(0, "0,1") == (0, ())
