@@ -62,6 +62,7 @@ class SamplingSpec:
     max_tokens: int
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     seed: int | None = None
@@ -486,6 +487,8 @@ class SimEngine:
         n_out = pos + 1
         if token == tok.EOS_ID:
             return "stop", None
+        if token in sp.stop_token_ids and n_out >= sp.min_tokens:
+            return "stop", token
         if sp.stop and n_out >= sp.min_tokens:
             text = req.output_text
             for s in sp.stop:
@@ -519,6 +522,7 @@ class SimEngine:
                 "remote_num_tokens": req.num_computed_tokens,
                 "remote_blocks_expiry_time": None,
                 "transfer_mode": "pull",
+                "remote_prefill_cached_tokens": max(req.num_cached_tokens, 0),
             }
         else:
             self.kv.free(req.request_id)

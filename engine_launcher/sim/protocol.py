@@ -11,6 +11,7 @@ Documented limits: one prompt per request and `n == 1` (400 otherwise), no `echo
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -35,10 +36,52 @@ class ApiError(Exception):
                           "param": self.param, "code": self.status}}
 
 
-def _schema_error(param: str, expected: str, value: Any) -> ApiError:
-    return ApiError(f"1 validation error:\n  {{'type': '{expected}', 'loc': 'body.{param}', "
-                    f"'msg': 'Input should be {expected}', 'input': {value!r}}}",
-                    400, "Bad Request", f"body.{param}")
+_NO_VALUE = object()
+
+
+def value_error(message: str, param: str, value: Any = _NO_VALUE) -> ApiError:
+    """vLLM's VLLMValidationError: the message ends with the parameter (and value)."""
+    if value is _NO_VALUE:
+        return ApiError(f"{message} (parameter={param})", param=param)
+    return ApiError(f"{message} (parameter={param}, value={value})", param=param)
+
+
+# kind -> (pydantic error type, message) as pydantic v2 words them.
+_SCHEMA = {
+    "int": ("int_type", "Input should be a valid integer"),
+    "number": ("float_type", "Input should be a valid number"),
+    "bool": ("bool_type", "Input should be a valid boolean"),
+    "str": ("string_type", "Input should be a valid string"),
+    "dict": ("dict_type", "Input should be a valid dictionary"),
+    "list": ("list_type", "Input should be a valid list"),
+}
+
+
+def _schema_error(param: str, kind: str, value: Any) -> ApiError:
+    """A request-model validation error, in the shape of vLLM's validation handler."""
+    err_type, msg = _SCHEMA.get(kind, ("value_error", f"Input should be {kind}"))
+    if kind == "int" and isinstance(value, str):
+        err_type, msg = "int_parsing", msg + ", unable to parse string as an integer"
+    elif kind == "number" and isinstance(value, str):
+        err_type, msg = "float_parsing", msg + ", unable to parse string as a number"
+    elif kind == "bool" and isinstance(value, str):
+        err_type, msg = "bool_parsing", msg + ", unable to interpret input"
+    return ApiError(f"1 validation error:\n  {{'type': '{err_type}', 'loc': 'body.{param}', "
+                    f"'msg': '{msg}', 'input': {value!r}}}", 400, "Bad Request", f"body.{param}")
+
+
+def json_error(text: str) -> ApiError:
+    """Invalid JSON, worded and located (character offset) like vLLM's answer."""
+    try:
+        json.loads(text)
+        pos, why = 0, "Invalid JSON"
+    except json.JSONDecodeError as e:
+        pos, why = e.pos, e.msg
+    except ValueError as e:  # e.g. undecodable bytes
+        pos, why = 0, str(e)
+    return ApiError(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', "
+                    f"'msg': 'JSON decode error', 'input': '<dict of 0 items>', 'ctx': "
+                    f"{{'error': '{why}'}}}}", 400, "Bad Request", f"body.{pos}")
 
 
 @dataclass
@@ -66,8 +109,8 @@ class _Body:
     def __init__(self, raw: Any) -> None:
         if not isinstance(raw, dict):
             raise ApiError("1 validation error:\n  {'type': 'model_attributes_type', 'loc': "
-                           "'body', 'msg': 'Input should be a valid dictionary or object'}",
-                           400, "Bad Request", "body")
+                           "'body', 'msg': 'Input should be a valid dictionary or object to "
+                           "extract fields from'}", 400, "Bad Request", "body")
         self.raw = raw
 
     def get(self, key: str, kind: str, default: Any = None, *, nullable: bool = True) -> Any:
@@ -83,10 +126,7 @@ class _Body:
             "list": isinstance(v, list),
         }[kind]
         if not ok:
-            expected = {"int": "a valid integer", "number": "a valid number",
-                        "bool": "a valid boolean", "str": "a valid string",
-                        "dict": "a valid dictionary", "list": "a valid list"}[kind]
-            raise _schema_error(key, expected, v)
+            raise _schema_error(key, kind, v)
         return v
 
 
@@ -95,8 +135,7 @@ def parse_threshold(body: dict) -> float | None:
     must be a number in [0, 1]."""
     def check(v: Any, param: str) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-            raise ApiError(f"cache_hit_threshold must be a number in [0, 1], got {v!r}",
-                           param=param)
+            raise value_error("cache_hit_threshold must be a number in [0, 1].", param, repr(v))
         return float(v)
 
     top = body.get("cache_hit_threshold")
@@ -109,6 +148,10 @@ def parse_threshold(body: dict) -> float | None:
     return from_xargs
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _stop_list(b: _Body) -> tuple[str, ...]:
     v = b.raw.get("stop")
     if v is None:
@@ -117,47 +160,50 @@ def _stop_list(b: _Body) -> tuple[str, ...]:
         return (v,) if v else ()
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return tuple(s for s in v if s)
-    raise _schema_error("stop", "a valid string or list of strings", v)
+    raise _schema_error("stop", "str", v)
 
 
-def _prompt_ids(b: _Body, cfg: SimEngineConfig) -> list[int]:
+def _stop_token_ids(b: _Body) -> frozenset[int]:
+    v = b.get("stop_token_ids", "list", [])
+    if not all(_is_int(t) for t in v):
+        raise _schema_error("stop_token_ids", "list", v)
+    return frozenset(v)
+
+
+_EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+def _prompt_ids(b: _Body) -> list[int]:
     p = b.raw.get("prompt")
-    if isinstance(p, list) and len(p) > 0 and not all(isinstance(x, int) and not isinstance(x, bool)
-                                                       for x in p):
+    if isinstance(p, list) and p and not all(_is_int(x) for x in p):
         # A batch: a list of strings or a list of token-id lists.
         if len(p) != 1:
-            raise ApiError(f"The simulator serves one prompt per request, got {len(p)}",
-                           param="prompt")
+            raise value_error("The simulator serves one prompt per request.", "prompt", len(p))
         p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.",
-                           param="prompt")
+    if isinstance(p, str) and p:
         return tok.encode(p)
-    if isinstance(p, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        if not p:
-            raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.",
-                           param="prompt")
+    if isinstance(p, list) and p and all(_is_int(x) for x in p):
         for t in p:
             if t < 0:
                 raise _schema_error("prompt", "greater than or equal to 0", t)
             if not tok.is_valid_id(t):
-                raise ApiError(f"Token id {t} is out of vocabulary", param="prompt")
+                raise value_error(f"Token id {t} is out of vocabulary", "prompt", t)
         return list(p)
-    if p is None:
-        raise ApiError("Either prompt or prompt_embeds must be provided and non-empty.",
-                       param="prompt")
-    raise _schema_error("prompt", "a valid string or list of token ids", p)
+    if p is None or p == "" or p == []:
+        raise value_error(_EMPTY_PROMPT, "prompt")
+    raise _schema_error("prompt", "str", p)
 
 
 def _chat_prompt_ids(b: _Body) -> list[int]:
-    msgs = b.get("messages", "list")
+    msgs = b.raw.get("messages")
+    if not isinstance(msgs, list):
+        raise _schema_error("messages", "list", msgs)
     if not msgs:
-        raise _schema_error("messages", "a non-empty list of messages", msgs)
+        raise value_error("messages must be a non-empty list.", "messages")
     rendered: list[dict[str, str]] = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _schema_error(f"messages.{i}", "a message with a string role", m)
+            raise _schema_error(f"messages.{i}.role", "str", m)
         content = m.get("content")
         if content is None:
             text = ""
@@ -168,13 +214,12 @@ def _chat_prompt_ids(b: _Body) -> list[int]:
             for part in content:
                 if not (isinstance(part, dict) and part.get("type") == "text"
                         and isinstance(part.get("text"), str)):
-                    raise ApiError("The simulator accepts text content parts only",
-                                   param=f"messages.{i}.content")
+                    raise value_error("The simulator accepts text content parts only.",
+                                      f"messages.{i}.content")
                 parts.append(part["text"])
             text = "\n".join(parts)
         else:
-            raise _schema_error(f"messages.{i}.content", "a valid string or list of parts",
-                                content)
+            raise _schema_error(f"messages.{i}.content", "str", content)
         rendered.append({"role": m["role"], "content": text})
     return tok.encode(tok.render_chat(rendered))
 
@@ -185,93 +230,109 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     if model != cfg.model:
         raise ApiError(f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
                        404, "NotFoundError", "model")
-    prompt_ids = _chat_prompt_ids(b) if chat else _prompt_ids(b, cfg)
-
-    n = b.get("n", "int", 1)
-    if n != 1:
-        raise ApiError(f"The simulator supports n=1 only, got n={n}", param="n")
-    for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty",
-                "repetition_penalty", "min_p"):
-        b.get(key, "number")
-    b.get("top_k", "int")
-    if b.get("tools", "list"):
-        raise ApiError("The simulator does not support tools", param="tools")
-    if not chat and b.get("echo", "bool", False):
-        raise ApiError("The simulator does not support echo", param="echo")
-    if b.get("prompt_logprobs", "int") is not None:
-        raise ApiError("The simulator does not support prompt_logprobs", param="prompt_logprobs")
-    if b.get("use_beam_search", "bool", False):
-        raise ApiError("The simulator does not support beam search", param="use_beam_search")
-
+    # Type checks first (pydantic validates the whole model before any value check).
     stream = b.get("stream", "bool", False)
     stream_options = b.get("stream_options", "dict")
+    max_tokens = b.get("max_tokens", "int", None if chat else 16)
+    mct = b.get("max_completion_tokens", "int") if chat else None
+    min_tokens = b.get("min_tokens", "int", 0)
+    n = b.get("n", "int", 1)
+    seed = b.get("seed", "int")
+    temperature = b.get("temperature", "number")
+    top_p = b.get("top_p", "number")
+    for key in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
+        b.get(key, "number")
+    b.get("top_k", "int")
+    kv = b.get("kv_transfer_params", "dict")
+    b.get("vllm_xargs", "dict")
+    stop = _stop_list(b)
+    stop_ids = _stop_token_ids(b)
+    ignore_eos = bool(b.get("ignore_eos", "bool", False))
+    include_stop = bool(b.get("include_stop_str_in_output", "bool", False))
+    return_token_ids = bool(b.get("return_token_ids", "bool", False))
+    if chat:
+        want = bool(b.get("logprobs", "bool", False))
+        top = b.get("top_logprobs", "int")
+    else:
+        top = b.get("logprobs", "int")
+        want = top is not None
+
+    prompt_ids = _chat_prompt_ids(b) if chat else _prompt_ids(b)
+    if n != 1:
+        raise value_error("The simulator supports n=1 only.", "n", n)
+    if b.get("tools", "list"):
+        raise value_error("The simulator does not support tools.", "tools")
+    if not chat and b.get("echo", "bool", False):
+        raise value_error("The simulator does not support echo.", "echo")
+    if b.get("prompt_logprobs", "int") is not None:
+        raise value_error("The simulator does not support prompt_logprobs.", "prompt_logprobs")
+    if b.get("use_beam_search", "bool", False):
+        raise value_error("The simulator does not support beam search.", "use_beam_search")
+    if temperature is not None and temperature < 0:
+        raise value_error(f"temperature must be non-negative, got {float(temperature)}.",
+                          "temperature", float(temperature))
+    if top_p is not None and not 0 < top_p <= 1:
+        raise value_error(f"top_p must be in (0, 1], got {float(top_p)}.", "top_p",
+                          float(top_p))
+
     include_usage = continuous = False
     if stream_options is not None:
         if not stream:
-            raise ApiError("Stream options can only be defined when `stream=True`.",
-                           param="stream_options")
+            raise value_error("Stream options can only be defined when `stream=True`.",
+                              "stream_options")
         so = _Body(stream_options)
         include_usage = bool(so.get("include_usage", "bool", False))
         continuous = include_usage and bool(so.get("continuous_usage_stats", "bool", False))
 
-    max_tokens = b.get("max_tokens", "int", None if chat else 16)
-    if chat:
-        mct = b.get("max_completion_tokens", "int")
-        if mct is not None:
-            max_tokens = mct
+    if mct is not None:
+        max_tokens = mct
     prompt_len = len(prompt_ids)
     if prompt_len > cfg.max_model_len:
-        raise ApiError(
+        raise value_error(
             f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
             f"your prompt contains {prompt_len} input tokens, which exceeds this limit even "
             f"without any output tokens. Please reduce the length of the input prompt.",
-            param="input_tokens")
+            "input_tokens", prompt_len)
     if max_tokens is not None and max_tokens > cfg.max_model_len:
-        raise ApiError(f"max_tokens={max_tokens} cannot be greater than "
-                       f"max_model_len={cfg.max_model_len}. Please request fewer output tokens.",
-                       param="max_tokens")
+        raise value_error(f"max_tokens={max_tokens} cannot be greater than "
+                          f"max_model_len={cfg.max_model_len}. Please request fewer output "
+                          f"tokens.", "max_tokens", max_tokens)
+    if max_tokens is not None and max_tokens < 1:
+        raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
+                          max_tokens)
+    # As vLLM's get_max_tokens: never past the context window.
     room = cfg.max_model_len - prompt_len
     max_tokens = room if max_tokens is None else min(max_tokens, room)
     if max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-    min_tokens = b.get("min_tokens", "int", 0)
+        raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
+                          max_tokens)
     if min_tokens < 0:
-        raise ApiError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
-                       param="min_tokens")
+        raise value_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+                          "min_tokens", min_tokens)
     if min_tokens > max_tokens:
-        raise ApiError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-                       f"got {min_tokens}.", param="min_tokens")
+        raise value_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+                          f"got {min_tokens}.", "min_tokens", min_tokens)
 
-    seed = b.get("seed", "int")
     if chat:
-        want = bool(b.get("logprobs", "bool", False))
-        top = b.get("top_logprobs", "int")
         if top is not None and top > 0 and not want:
-            raise ApiError("when using `top_logprobs`, `logprobs` must be set to true.",
-                           param="top_logprobs")
+            raise value_error("when using `top_logprobs`, `logprobs` must be set to true.",
+                              "top_logprobs")
         k = (top or 0) if want else None
     else:
-        k = b.get("logprobs", "int")
-        want = k is not None
-    if k is not None and not 0 <= k <= cfg.max_logprobs:
-        raise ApiError(f"Requested sample logprobs of {k}, which is greater than max allowed: "
-                       f"{cfg.max_logprobs}" if k > 0 else "logprobs must be non-negative.",
-                       param="top_logprobs" if chat else "logprobs")
+        k = top
+    if k is not None and k < 0:
+        raise value_error("logprobs must be non-negative.",
+                          "top_logprobs" if chat else "logprobs", k)
+    if k is not None and k > cfg.max_logprobs:
+        raise value_error(f"Requested sample logprobs of {k}, which is greater than max "
+                          f"allowed: {cfg.max_logprobs}", "top_logprobs" if chat else "logprobs",
+                          k)
 
-    kv = b.get("kv_transfer_params", "dict")
-    xargs = b.get("vllm_xargs", "dict")
-    del xargs
     sampling = SamplingSpec(
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        stop=_stop_list(b),
-        include_stop_str_in_output=bool(b.get("include_stop_str_in_output", "bool", False)),
-        ignore_eos=bool(b.get("ignore_eos", "bool", False)),
-        seed=seed,
-        logprobs=k,
-    )
+        max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_ids,
+        include_stop_str_in_output=include_stop, ignore_eos=ignore_eos, seed=seed, logprobs=k)
     return ParsedRequest(
         chat=chat, model=model, prompt_ids=prompt_ids, sampling=sampling, stream=bool(stream),
         include_usage=include_usage, continuous_usage=continuous,
-        return_token_ids=bool(b.get("return_token_ids", "bool", False)),
-        want_logprobs=want, threshold=parse_threshold(b.raw), kv_transfer_params=kv)
+        return_token_ids=return_token_ids, want_logprobs=want,
+        threshold=parse_threshold(b.raw), kv_transfer_params=kv)

@@ -70,9 +70,8 @@ def _completion_logprobs(lps: list[list[tuple[int, float]]], k: int, offset: int
         out["token_logprobs"].append(lp)
         out["tokens"].append(text)
         top: dict[str, float] = {}
-        for i, (tid, tlp) in enumerate(entries):
-            if i <= k:
-                top.setdefault(tok.token_text(tid), tlp)
+        for tid, tlp in entries:
+            top.setdefault(tok.token_text(tid), tlp)
         out["top_logprobs"].append(top)
     return out
 
@@ -86,7 +85,7 @@ def _chat_logprobs(lps: list[list[tuple[int, float]]], k: int) -> dict:
             "token": text, "logprob": lp, "bytes": list(text.encode()),
             "top_logprobs": [{"token": tok.token_text(t), "logprob": l,
                               "bytes": list(tok.token_text(t).encode())}
-                             for t, l in entries[1:k + 1]],
+                             for t, l in entries[:k]],
         })
     return {"content": content}
 

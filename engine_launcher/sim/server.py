@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from . import responses as R
 from .config import VLLM_VERSION, FaultConfig, SimEngineConfig
 from .engine import SimEngine, SimRequest
-from .protocol import ApiError, parse_request
+from .protocol import ApiError, json_error, parse_request
 
 log = logging.getLogger("engine_launcher.sim")
 
@@ -141,12 +141,11 @@ class SimServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         cfg = self.config
+        data = await request.read()
         try:
-            raw = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:
-            return _error(ApiError(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': "
-                                   f"'body', 'msg': 'JSON decode error', 'ctx': {{'error': "
-                                   f"'{e}'}}}}", 400, "Bad Request", "body"))
+            raw = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return _error(json_error(data.decode("utf-8", errors="replace")))
         try:
             parsed = parse_request(raw, cfg, chat)
         except ApiError as e:

@@ -5,7 +5,9 @@ Vocabulary (fixed, same in every process and every run):
 - id 0: ``<unk>`` (never produced), id 1: ``<|eos|>`` (the EOS token; its text is empty,
   as a special token skipped in the output);
 - ids 2..257: one token per byte value (id = byte + 2), the fallback for any text;
-- ids 258..: words from `WORDS`, each twice: ``"word"`` then ``" word"`` (leading space).
+- ids 258..: words from `WORDS`, each twice: ``"word"`` then ``" word"`` (leading space);
+- the rest, up to 128,256 ids (Llama 3's vocabulary size): placeholders ``<|id_N|>``, so
+  prompts of token ids from a real tokenizer are accepted.
 
 Encoding splits text with `_PIECE_RE` into pieces (an optional space followed by a run of
 ASCII letters, a single digit, a single whitespace or other character); a piece that is a
@@ -62,7 +64,11 @@ for _w in WORDS:
     for _p in (_w, " " + _w):
         _piece_to_id[_p] = len(_id_to_piece)
         _id_to_piece.append(_p.encode())
-VOCAB_SIZE = len(_id_to_piece)
+NUM_BUILT_IN = len(_id_to_piece)
+# The id space is Llama 3's (128,256 ids) so token-id prompts taken from a real tokenizer
+# are accepted; ids past the built-in vocabulary decode to a placeholder `<|id_N|>`
+# (never produced by encode or by the generator).
+VOCAB_SIZE = 128256
 # Generated text uses the space-prefixed words only.
 _GEN_IDS: tuple[int, ...] = tuple(_piece_to_id[" " + w] for w in WORDS)
 
@@ -81,18 +87,22 @@ def encode(text: str) -> list[int]:
     return out
 
 
+def _piece(t: int) -> bytes:
+    if 0 <= t < NUM_BUILT_IN:
+        return _id_to_piece[t]
+    if NUM_BUILT_IN <= t < VOCAB_SIZE:
+        return b"<|id_%d|>" % t
+    return b""
+
+
 def decode(token_ids: Sequence[int]) -> str:
     """Text of a token sequence; special tokens (EOS, UNK) decode to nothing."""
-    pieces = _id_to_piece
-    return b"".join(pieces[t] if 0 <= t < VOCAB_SIZE else b"" for t in token_ids).decode(
-        "utf-8", errors="replace")
+    return b"".join(map(_piece, token_ids)).decode("utf-8", errors="replace")
 
 
 def token_text(token_id: int) -> str:
     """Text of one token (what vLLM puts in logprobs' `tokens`)."""
-    if 0 <= token_id < VOCAB_SIZE:
-        return _id_to_piece[token_id].decode("utf-8", errors="replace")
-    return ""
+    return _piece(token_id).decode("utf-8", errors="replace")
 
 
 def is_valid_id(token_id: int) -> bool:
@@ -128,14 +138,15 @@ def next_token(key: int, position: int, eos_probability: float, allow_eos: bool)
 
 
 def fake_logprobs(key: int, position: int, token_id: int, k: int) -> list[tuple[int, float]]:
-    """Deterministic (token, logprob) pairs: the sampled token first, then k alternatives
-    with strictly lower logprobs (vLLM returns the sampled token plus the top k)."""
+    """Deterministic (token, logprob) pairs, best first: the sampled token is the top one
+    (as with greedy sampling), then alternatives with strictly lower logprobs; max(k, 1)
+    pairs in all, as vLLM returns for a sampled token inside the top k."""
     r = _mix(key ^ ((position + 1) * 0xD6E8FEB86659FD93 & _MASK64))
     lp = -((r % 2000) / 1000.0) - 0.001
     out = [(token_id, round(lp, 6))]
     seen = {token_id}
     i = 0
-    while len(out) < k + 1 and i < 4 * (k + 1):
+    while len(out) < k and i < 4 * (k + 1):
         alt = _GEN_IDS[_mix(r + i) % len(_GEN_IDS)]
         i += 1
         if alt in seen:

@@ -22,6 +22,11 @@ def test_texts_sharing_a_prefix_share_all_but_the_last_token(a: str, b: str, c: 
         assert longer[:max(len(prefix) - 1, 0)] == prefix[:max(len(prefix) - 1, 0)]
 
 
+def test_ids_past_the_built_in_vocabulary_decode_to_placeholders() -> None:
+    assert tok.decode([tok.VOCAB_SIZE - 1]) == f"<|id_{tok.VOCAB_SIZE - 1}|>"
+    assert tok.is_valid_id(tok.VOCAB_SIZE - 1) and not tok.is_valid_id(tok.VOCAB_SIZE)
+
+
 def test_words_are_single_tokens_and_bytes_the_fallback() -> None:
     ids = tok.encode("the world")
     assert len(ids) == 2  # "the", " world"
@@ -58,7 +63,8 @@ def test_fake_logprobs_put_the_sampled_token_first_and_descend() -> None:
     t = tok.next_token(k, 3, 0.0, True)
     lps = tok.fake_logprobs(k, 3, t, 4)
     assert lps[0][0] == t
-    assert len(lps) == 5
-    assert len({i for i, _ in lps}) == 5
+    assert len(lps) == 4
+    assert len({i for i, _ in lps}) == 4
+    assert len(tok.fake_logprobs(k, 3, t, 0)) == 1  # logprobs=0: the sampled token only
     values = [lp for _, lp in lps]
     assert values == sorted(values, reverse=True) and all(v < 0 for v in values)
