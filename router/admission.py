@@ -75,6 +75,13 @@ def _bad(message: str, param: str | None) -> RouterError:
     return RouterError(400, message, param=param)
 
 
+def _vllm_bad(message: str, param: str, value: object = None) -> RouterError:
+    """A check vLLM makes too, worded as vLLM words it (VLLMValidationError.__str__), so a
+    client sees the same error with or without the router in front."""
+    extras = f"parameter={param}" + (f", value={value}" if value is not None else "")
+    return RouterError(400, f"{message} ({extras})", param=param)
+
+
 def _is_int(v: object) -> bool:
     # bool is an int subclass in Python but not a JSON number.
     return type(v) is int
@@ -103,7 +110,7 @@ def _budget(body: dict, key: str) -> int | None:
     if not _is_int(v):
         raise _bad(f"`{key}` must be an integer or null, got {_kind(v)}.", key)
     if v < 1:
-        raise _bad(f"`{key}` must be at least 1, got {v}.", key)
+        raise _vllm_bad(f"{key} must be at least 1, got {v}.", key, v)
     if v > MAX_TOKENS_LIMIT:
         raise _bad(f"`{key}` must be at most {MAX_TOKENS_LIMIT}, got {v}.", key)
     return v
@@ -114,6 +121,9 @@ def _token_ids(v: list, param: str) -> tuple[int, ...]:
         if not _is_int(t) or t < 0 or t > MAX_TOKEN_ID:
             raise _bad(f"`{param}` token ids must be integers in [0, {MAX_TOKEN_ID}], got {t!r:.40}.", param)
     return tuple(v)
+
+
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
 
 def _parse_prompt(body: dict) -> tuple[str, tuple[int, ...] | None]:
@@ -130,14 +140,14 @@ def _parse_prompt(body: dict) -> tuple[str, tuple[int, ...] | None]:
                        "as its own request.", "prompt")
     if isinstance(p, str):
         if not p:
-            raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            raise _vllm_bad(_NO_PROMPT, "prompt")
         return p, None
     if isinstance(p, list):
         if not p:
-            raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            raise _vllm_bad(_NO_PROMPT, "prompt")
         return "", _token_ids(p, "prompt")
     if p is None:
-        raise _bad("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        raise _vllm_bad(_NO_PROMPT, "prompt")
     raise _bad(f"`prompt` must be a string or a list of token ids, got {_kind(p)}.", "prompt")
 
 
@@ -198,7 +208,7 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
         if not isinstance(so, dict):
             raise _bad(f"`stream_options` must be an object or null, got {_kind(so)}.", "stream_options")
         if so and not stream:
-            raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
+            raise _vllm_bad("Stream options can only be defined when `stream=True`.", "stream_options")
         include_usage = _opt_bool(so, "include_usage", "stream_options.include_usage")
         continuous_usage = _opt_bool(so, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     return_token_ids = _opt_bool(body, "return_token_ids")

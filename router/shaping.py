@@ -522,7 +522,7 @@ class ResponseShaper:
     def _running_usage(self) -> dict:
         p = self._client_prompt_tokens()
         n = self._completion_done + self.leg_tokens
-        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}  # vLLM's key order
 
     def _usage(self, *, streaming: bool) -> dict:
         """Totals over legs. `streaming`: vLLM's usage chunk drops null fields; the

@@ -281,3 +281,41 @@ def test_fuzz_mutated_valid_bodies(endpoint, fields, data):
     cut = data.draw(st.integers(0, len(raw)))
     _check_spec_or_400(endpoint, raw[:cut])
     _check_spec_or_400(endpoint, raw)
+
+
+# --- against real vLLM 0.32 error captures (tests/fixtures/vllm_wire) ------------------------------
+
+from wire_fixtures import body as wire_body, load as wire_load  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["error_missing_prompt", "error_out_of_range_max_tokens"])
+def test_same_error_body_as_vllm_for_checks_vllm_makes(name):
+    req = wire_load(name)["request"]["body"]
+    with pytest.raises(RouterError) as ei:
+        parse_request(ENDPOINT_COMPLETIONS, orjson.dumps(req))
+    assert ei.value.status == wire_load(name)["status"]
+    assert ei.value.body() == wire_body(name)
+
+
+@pytest.mark.parametrize("name,endpoint", [("error_bad_type_max_tokens", ENDPOINT_COMPLETIONS),
+                                           ("error_chat_bad_messages", ENDPOINT_CHAT),
+                                           ("error_invalid_json", ENDPOINT_COMPLETIONS)])
+def test_type_errors_same_status_and_field_as_vllm(name, endpoint):
+    # vLLM reports pydantic's wording and "body.<field>"; the router names the field alone.
+    req = wire_load(name)["request"]["body"]
+    raw = req.encode() if isinstance(req, str) else orjson.dumps(req)
+    with pytest.raises(RouterError) as ei:
+        parse_request(endpoint, raw)
+    want = wire_body(name)["error"]
+    assert ei.value.status == want["code"]
+    if ei.value.param is not None:
+        assert want["param"] == f"body.{ei.value.param}"
+
+
+def test_requests_vllm_accepts_are_admitted():
+    for name in ("completions", "completions_stream_usage_token_ids", "completions_token_ids_prompt_ids",
+                 "completions_logprobs", "completions_stop_eos", "chat", "chat_stream_logprobs",
+                 "chat_max_completion_tokens", "completions_unknown_field_cache_hit_threshold"):
+        req = wire_load(name)["request"]
+        endpoint = ENDPOINT_CHAT if "chat" in req["path"] else ENDPOINT_COMPLETIONS
+        parse_request(endpoint, orjson.dumps(req["body"]))

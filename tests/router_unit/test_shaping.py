@@ -380,3 +380,131 @@ def test_fingerprint_on_the_finish_chunk_without_usage_and_on_usage_chunk_with_i
         stamped = [i for i, c in enumerate(out) if "system_fingerprint" in c]
         assert stamped == [len(out) - 1]
         assert out == chat_stream(client_view(spec, g))
+
+
+# --- against real vLLM 0.32 captures (tests/fixtures/vllm_wire, docs/VLLM_WIRE.md) ----------------
+
+import pytest  # noqa: E402
+
+from wire_fixtures import body, has, normalized, request_body, stream_chunks  # noqa: E402
+
+# (upstream stream as the router's legs ask for it, client request whose real answer we have)
+WIRE_CASES = [
+    ("completions_stream_usage_token_ids", "completions_stream"),
+    ("completions_stream_usage_token_ids", "completions_stream_usage"),
+    ("completions_stream_usage_token_ids", "completions_stream_usage_token_ids"),
+    ("completions_stream_usage_token_ids", "completions"),
+    ("completions_stream_usage_token_ids", "completions_token_ids"),
+    ("completions_stream_logprobs", "completions_logprobs"),
+    ("completions_stream_logprobs", "completions_stream_logprobs"),
+    ("completions_stream_stop_eos", "completions_stop_eos"),
+    ("chat_stream_usage_token_ids", "chat_stream"),
+    ("chat_stream_usage_token_ids", "chat_stream_usage"),
+    ("chat_stream_usage_token_ids", "chat_stream_usage_token_ids"),
+    ("chat_stream_usage_token_ids", "chat"),
+    ("chat_stream_usage_token_ids", "chat_token_ids"),
+    ("chat_stream_logprobs", "chat_logprobs"),
+    ("chat_stream_logprobs", "chat_stream_logprobs"),
+]
+
+
+def _endpoint(name: str) -> str:
+    return ENDPOINT_CHAT if name.startswith("chat") else ENDPOINT_COMPLETIONS
+
+
+def _run_one_leg(upstream: list[dict], spec: RequestSpec) -> tuple[ResponseShaper, list[dict]]:
+    return run_legs(spec, [(False, upstream)])
+
+
+@pytest.mark.parametrize("upstream,client", WIRE_CASES)
+def test_real_capture_one_leg(upstream, client):
+    spec = parse_request(_endpoint(client), request_body(client))
+    sh, out = _run_one_leg(stream_chunks(upstream), spec)
+    if spec.stream:
+        assert normalized(out) == normalized(stream_chunks(client))
+        # Byte-for-byte too (vLLM writes compact JSON in the same key order).
+        want = [orjson.dumps(c) for c in normalized(stream_chunks(client))]
+        assert [orjson.dumps(c) for c in normalized(out)] == want
+        assert {c["id"] for c in out} == {spec.request_id}
+    else:
+        resp = sh.accumulate_response()
+        assert normalized(resp) == normalized(body(client))
+        assert orjson.dumps(normalized(resp)) == orjson.dumps(normalized(body(client)))
+
+
+def test_real_capture_continuous_usage_numbers():
+    client = "completions_stream_continuous_usage"          # max_tokens 2
+    spec = parse_request(ENDPOINT_COMPLETIONS, request_body(client))
+    _, out = _run_one_leg(stream_chunks("completions_stream_logprobs"), spec)   # same 2 tokens
+    assert [c.get("usage") for c in out] == [c.get("usage") for c in stream_chunks(client)]
+    assert [c["choices"][0]["text"] for c in out if c["choices"]] == \
+        [c["choices"][0]["text"] for c in stream_chunks(client) if c["choices"]]
+
+
+def test_real_capture_verdicts():
+    chat = stream_chunks("chat_stream_usage_token_ids")
+    assert [is_rejection_chunk(c) for c in chat] == [None, False, False, False, False, None]
+    cmpl = stream_chunks("disagg_decode_leg_stream")
+    assert is_rejection_chunk(cmpl[0]) is False and is_rejection_chunk(cmpl[-1]) is None
+
+
+def _as_resume_leg(chat_chunks: list[dict], prompt: list[int], generated: list[int]) -> list[dict]:
+    """Real chat token chunks re-expressed as the /v1/completions stream a resume leg gets
+    (same text and ids, completion chunk shape from the real captures)."""
+    out = []
+    for i, c in enumerate(chat_chunks):
+        ch = c["choices"][0]
+        out.append({"id": "cmpl-<id>", "object": "text_completion", "created": 1700000001, "model": "tiny",
+                    "choices": [{"index": 0, "text": ch["delta"]["content"], "logprobs": None,
+                                 "finish_reason": ch["finish_reason"], "stop_reason": ch.get("stop_reason"),
+                                 "prompt_token_ids": prompt + generated if i == 0 else None,
+                                 "token_ids": ch["token_ids"]}]})
+    n = sum(len(c["choices"][0]["token_ids"]) for c in chat_chunks)
+    out.append({"id": "cmpl-<id>", "object": "text_completion", "created": 1700000001, "model": "tiny",
+                "choices": [], "usage": {"prompt_tokens": len(prompt) + len(generated),
+                                         "total_tokens": len(prompt) + len(generated) + n, "completion_tokens": n},
+                "system_fingerprint": "vllm-0.32.0-<fingerprint>"})
+    return out
+
+
+@pytest.mark.parametrize("client", ["chat_stream", "chat_stream_usage_token_ids", "chat", "chat_token_ids"])
+def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client):
+    # The real stream, cut after two tokens by a preemption (the plugin's finishing chunk:
+    # delta content "", token_ids [], cache_threshold; then usage), continued by a resume leg.
+    real = stream_chunks("chat_stream_usage_token_ids")
+    role, tokens, usage = real[0], real[1:-1], real[-1]
+    prompt = role["prompt_token_ids"]
+    first, rest = tokens[:2], tokens[2:]
+    generated = [t for c in first for t in c["choices"][0]["token_ids"]]
+    preempt = {**first[0], "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                        "finish_reason": CACHE_THRESHOLD, "stop_reason": None, "token_ids": []}]}
+    leg1 = [role, *copy.deepcopy(first), preempt,
+            {**usage, "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 2, "completion_tokens": 2}}]
+    leg2 = _as_resume_leg(copy.deepcopy(rest), prompt, generated)
+    spec = parse_request(ENDPOINT_CHAT, request_body(client))
+    sh, out = run_legs(spec, [(False, leg1), (True, leg2)])
+    if spec.stream:
+        assert normalized(out) == normalized(stream_chunks(client))
+    else:
+        assert normalized(sh.accumulate_response()) == normalized(body(client))
+    assert sh.generated_token_ids == [t for c in tokens for t in c["choices"][0]["token_ids"]]
+
+
+THRESHOLD_CAPTURES = sorted(p.stem for p in __import__("wire_fixtures").WIRE.glob("threshold_*.json"))
+
+
+@pytest.mark.parametrize("name", THRESHOLD_CAPTURES)
+def test_real_threshold_captures(name):
+    """Plugin captures (capture_wire.py --plugin): a rejected stream is decided True on its
+    finishing chunk and never earlier; a rejected body is a 200 with cache_threshold."""
+    d = __import__("wire_fixtures").load(name)
+    if d.get("status") != 200:
+        return
+    if d["raw"].startswith("data:"):
+        chunks = stream_chunks(name)
+        verdicts = [is_rejection_chunk(c) for c in chunks]
+        decided = [v for v in verdicts if v is not None]
+        if any(c["choices"] and c["choices"][0].get("finish_reason") == CACHE_THRESHOLD for c in chunks):
+            assert decided and decided[0] in (True, False)
+            if not any(c["choices"] and c["choices"][0].get("token_ids") for c in chunks):
+                assert decided[0] is True
