@@ -99,3 +99,18 @@ def test_secrets_are_not_printed():
     cfg = parse_config({**MIN_BACKEND, "server": {"api_keys": ["sk-secret"], "admin_api_key": "adm"}})
     d = cfg.to_dict()
     assert "sk-secret" not in str(d) and "adm" not in str(d["server"]["admin_api_key"])
+
+
+def test_every_config_key_is_documented():
+    import dataclasses
+
+    from router import config as c
+
+    doc = (ROOT / "docs" / "CONFIG.md").read_text()
+    sections = {"server": c.ServerConfig, "routing": c.RoutingConfig, "timeouts": c.TimeoutsConfig,
+                "health": c.HealthConfig, "launcher": c.LauncherConfig, "[backends]": c.BackendConfig,
+                "[engines]": c.EngineConfig}
+    for section, cls in sections.items():
+        assert f"## [{section}]" in doc, section
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in doc, f"{section}.{f.name} is not documented in docs/CONFIG.md"

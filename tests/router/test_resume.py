@@ -88,3 +88,34 @@ async def test_resume_bound_ends_with_a_clear_error(make_cluster):
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
     assert err["code"] == 502 and "max_resumes" in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_answer_resumed_through_completions_reads_as_one_chat_answer(make_cluster, stream):
+    c = await make_cluster(decoders=2, prefillers=0,
+                           per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=25)}})
+    msgs = [{"role": "system", "content": long_prompt("chatdies", 150)}, {"role": "user", "content": "go on"}]
+    async with c.session.post(c.engines["d0"].url + "/v1/chat/completions",
+                              json={"model": MODEL, "messages": msgs, "max_tokens": 1}) as r:
+        assert r.status == 200
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 60}
+    if stream:
+        status, events = await c.stream({**body, "stream_options": {"include_usage": True}},
+                                        "/v1/chat/completions")
+        assert status == 200 and events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+        assert len({ch["id"] for ch in chunks}) == 1
+        deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+        assert sum(1 for d in deltas if "role" in d) == 1
+        text = "".join(d.get("content") or "" for d in deltas)
+        assert chunks[-1]["usage"]["completion_tokens"] == 60
+        assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "length"
+    else:
+        status, out = await c.complete(body, "/v1/chat/completions")
+        assert status == 200, out
+        assert out["object"] == "chat.completion"
+        text = out["choices"][0]["message"]["content"]
+        assert out["usage"]["completion_tokens"] == 60
+    assert len(text.split()) == 60  # the simulator's tokens are words with a leading space
+    assert c.router_metric("cachehit_router_resumes_total", reason="failure") == 1
