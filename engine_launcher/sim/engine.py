@@ -239,6 +239,7 @@ class SimEngine:
             _, local, external = self.hit_tokens(req)
             if (local + external) / req.num_tokens < threshold:
                 self.stats.arrival_rejections += 1
+                self.metrics.arrival_rejections.inc()
                 self._finish(req, CACHE_THRESHOLD)
                 return
         self.waiting.append(req)
@@ -282,6 +283,8 @@ class SimEngine:
         m = self.metrics
         m.num_requests_running.set(self.num_running)
         m.num_requests_waiting.set(self.num_waiting)
+        m.waiting_capacity.set(len(self.waiting))
+        m.waiting_deferred.set(len(self.transferring) + len(self.ready))
         m.kv_cache_usage_perc.set(self.kv.usage)
 
     # --- the loop --------------------------------------------------------------------
@@ -481,7 +484,13 @@ class SimEngine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             m.time_to_first_token.observe(req.first_token_time - req.arrival_time)
-            m.prompt_tokens.inc(len(req.prompt_ids))
+            n_prompt = len(req.prompt_ids)
+            m.prompt_tokens.inc(n_prompt)
+            cached = min(max(req.num_cached_tokens, 0), n_prompt)
+            external = min(req.num_external_tokens, cached) if req.num_cached_tokens > 0 else 0
+            m.prompt_tokens_external.inc(external)
+            m.prompt_tokens_local_cache_hit.inc(cached - external)
+            m.prompt_tokens_local_compute.inc(n_prompt - cached)
         old_len = len(req.output_text)
         req.output_text += tok.token_text(token) if token != tok.EOS_ID else ""
         n_out = pos + 1

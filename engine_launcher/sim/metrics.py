@@ -33,6 +33,14 @@ class EngineMetrics:
                                           "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting",
                                           "Number of requests waiting to be processed.")
+        waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+            "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            labels + ["reason"], registry=r)
+        self.waiting_capacity = waiting_by_reason.labels(*values, "capacity")
+        self.waiting_deferred = waiting_by_reason.labels(*values, "deferred")
         self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc",
                                          "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_cache_queries = counter(
@@ -51,6 +59,11 @@ class EngineMetrics:
         self.num_preemptions = counter("vllm:num_preemptions",
                                        "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        by_source = Counter("vllm:prompt_tokens_by_source",
+                            "Number of prompt tokens by source.", labels + ["source"], registry=r)
+        self.prompt_tokens_local_compute = by_source.labels(*values, "local_compute")
+        self.prompt_tokens_local_cache_hit = by_source.labels(*values, "local_cache_hit")
+        self.prompt_tokens_external = by_source.labels(*values, "external_kv_transfer")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -66,6 +79,10 @@ class EngineMetrics:
             "vllm:nixl_num_kv_expired_reqs",
             "Number of requests that had their KV expire. "
             "NOTE: This metric is tracked on the P instance.")
+        # The threshold plugin's counter (docs/VLLM_WIRE.md): rejections at arrival.
+        self.arrival_rejections = counter(
+            "vllm:cache_threshold_arrival_rejections",
+            "Requests rejected by the cache-hit threshold when they arrived.")
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"],
                      registry=r)

@@ -142,7 +142,7 @@ def parse_threshold(body: dict) -> float | None:
     xargs = body.get("vllm_xargs")
     from_xargs = xargs.get("cache_hit_threshold") if isinstance(xargs, dict) else None
     if from_xargs is not None:
-        from_xargs = check(from_xargs, "vllm_xargs.cache_hit_threshold")
+        from_xargs = check(from_xargs, "cache_hit_threshold")  # the plugin names it so too
     if top is not None:
         return check(top, "cache_hit_threshold")
     return from_xargs
