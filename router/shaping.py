@@ -111,7 +111,10 @@ class ResponseShaper:
         self._want_ids = spec.return_token_ids
         self._accumulate = not spec.stream
         body = spec.body
-        self._chat_top_logprobs = int(body.get("top_logprobs") or 0) if self._chat and body.get("logprobs") else None
+        # Chat logprobs asked for: how many alternatives (resume legs' logprobs are converted).
+        # Admission does not validate top_logprobs (the engine does), so read it defensively.
+        top = body.get("top_logprobs")
+        self._chat_top_logprobs = (top if type(top) is int else 0) if self._chat and body.get("logprobs") else None
 
         # --- state the lead reads ---
         self.prompt_token_ids: list[int] | None = (
@@ -190,7 +193,10 @@ class ResponseShaper:
 
     # --- streaming ----------------------------------------------------------------------------
     def shape(self, chunk: dict) -> list[dict]:
-        """One parsed upstream chunk -> the chunks for a streaming client (maybe none)."""
+        """One parsed upstream chunk -> the chunks for a streaming client (maybe none).
+
+        For a non-streaming client it only records the chunk for `accumulate_response` and
+        returns nothing (no client chunks are built on that path)."""
         if self._model is None and isinstance(chunk.get("model"), str):
             self._model = chunk["model"]
         fp = chunk.get("system_fingerprint")
@@ -266,6 +272,7 @@ class ResponseShaper:
                     self._lp_content.extend(self._chat_logprobs_from_completion(lp))
             else:
                 self._accumulate_completion_logprobs(lp)
+            return []
 
         if self._chat:
             # A resume leg of a chat answer: rebuild the chunk as a chat delta.
@@ -345,13 +352,14 @@ class ResponseShaper:
                 lc = lp.get("content")
                 if lc:
                     self._lp_content.extend(lc)
+            return []
 
         new_role = False
         if role is not None:
             if self._role_sent:
                 # A retry leg's role chunk: the client already has one.
                 del delta["role"]
-                if not (content or reasoning or tool_calls or ids or fr or lp):
+                if not (content or reasoning or tool_calls or ids or fr or _lp_entries(lp)):
                     return []
             else:
                 self._role_sent = new_role = True

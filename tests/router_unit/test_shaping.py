@@ -508,3 +508,87 @@ def test_real_threshold_captures(name):
             assert decided and decided[0] in (True, False)
             if not any(c["choices"] and c["choices"][0].get("token_ids") for c in chunks):
                 assert decided[0] is True
+
+
+# --- chat parsers' deltas (reasoning, tool calls) and robustness ------------------------------------
+
+def _chat_chunk(delta: dict, finish: str | None = None, ids: list[int] | None = None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = None
+    choice["token_ids"] = ids or []
+    return {"id": "chatcmpl-e", "object": "chat.completion.chunk", "created": 1, "model": "tiny", "choices": [choice]}
+
+
+def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
+    spec = make_spec(ENDPOINT_CHAT, stream=False)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    role = chat_stream(Gen(PROMPT, []))[0]
+    chunks = [
+        role,
+        _chat_chunk({"reasoning": "think "}, ids=[1]),
+        _chat_chunk({"reasoning": "more"}, ids=[2]),
+        _chat_chunk({"tool_calls": [{"id": "chatcmpl-tool-1", "type": "function", "index": 0,
+                                     "function": {"name": "get_weather", "arguments": ""}}]}, ids=[3]),
+        _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\": "}}]}, ids=[4]),
+        _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "\"Paris\"}"}}]}, ids=[5]),
+        _chat_chunk({}, finish="tool_calls", ids=[6]),
+    ]
+    for c in chunks:
+        assert sh.shape(c) == []          # nothing is built for a non-streaming client
+    assert not sh.emitted and sh.first_token_seen
+    msg = sh.accumulate_response()["choices"][0]
+    assert msg["finish_reason"] == "tool_calls"
+    assert msg["message"] == {
+        "role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+        "function_call": None,
+        "tool_calls": [{"id": "chatcmpl-tool-1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}],
+        "reasoning": "think more"}
+    assert sh.generated_token_ids == [1, 2, 3, 4, 5, 6]
+
+
+def test_reasoning_then_content():
+    spec = make_spec(ENDPOINT_CHAT, stream=False)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    for c in [chat_stream(Gen(PROMPT, []))[0], _chat_chunk({"reasoning": "r"}, ids=[1]),
+              _chat_chunk({"content": "answer"}, ids=[2]), _chat_chunk({"content": ""}, finish="stop", ids=[3])]:
+        sh.shape(c)
+    m = sh.accumulate_response()["choices"][0]["message"]
+    assert (m["content"], m["reasoning"]) == ("answer", "r") and "tool_calls" not in m
+
+
+def test_zero_token_answer_has_empty_content():
+    spec = make_spec(ENDPOINT_CHAT, stream=False)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    for c in chat_stream(Gen(PROMPT, [Step("", [], "stop")])):
+        sh.shape(c)
+    r = sh.accumulate_response()
+    assert r["choices"][0]["message"]["content"] == "" and r["usage"]["completion_tokens"] == 0
+
+
+def test_odd_top_logprobs_does_not_break_the_shaper():
+    spec = parse_request(ENDPOINT_CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                      "logprobs": True, "top_logprobs": "many"}))
+    ResponseShaper(spec)  # the engine will reject the request; constructing must not raise
+
+
+def test_lead_state_after_a_preempted_leg():
+    spec = make_spec(ENDPOINT_COMPLETIONS)
+    g = Gen(PROMPT, steps_for(3, finish="stop"))
+    legs = split_legs(ENDPOINT_COMPLETIONS, g, [2], [False, False], [None, None])
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    for c in legs[0][1]:
+        sh.shape(c)
+    assert (sh.finish_reason, sh.leg_tokens, sh.generated_token_ids, sh.prompt_token_ids) == (
+        CACHE_THRESHOLD, 2, [1000, 1001], PROMPT)
+    sh.begin_leg(is_resume=True)
+    assert (sh.finish_reason, sh.leg_tokens) == (None, 0)
+    for c in legs[1][1]:
+        sh.shape(c)
+    assert (sh.finish_reason, sh.leg_tokens, len(sh.generated_token_ids)) == ("stop", 1, 3)
+    assert sh.prompt_token_ids == PROMPT    # not the resume leg's prompt
