@@ -67,7 +67,7 @@ class RequestSpec:
     return_token_ids: bool
     max_tokens: int | None     # the generation budget; None: the engine's default
     prompt_token_ids: tuple[int, ...] | None   # when the prompt was given as token ids
-    routing_text: str          # prompt text or rendered chat; "" for a token-id prompt
+    routing_text: str          # prompt text, rendered chat, or token ids as "1,2,3," (see _parse_prompt)
     created: int               # unix seconds, stamped on the client-facing chunks
 
 
@@ -145,7 +145,11 @@ def _parse_prompt(body: dict) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(p, list):
         if not p:
             raise _vllm_bad(_NO_PROMPT, "prompt")
-        return "", _token_ids(p, "prompt")
+        ids = _token_ids(p, "prompt")
+        # Token ids as text, each followed by ",": a prompt extends another exactly when its
+        # text extends the other's ([7, 80] is not a prefix of [7, 800]), which is what
+        # prefix-affinity planners need.
+        return "".join([f"{t}," for t in ids]), ids
     if p is None:
         raise _vllm_bad(_NO_PROMPT, "prompt")
     raise _bad(f"`prompt` must be a string or a list of token ids, got {_kind(p)}.", "prompt")

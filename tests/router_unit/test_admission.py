@@ -76,7 +76,9 @@ def test_token_id_prompts():
     assert cmpl(prompt=[[0, MAX_TOKEN_ID]]).prompt_token_ids == (0, MAX_TOKEN_ID)
     s = cmpl(prompt=["only one"])
     assert s.routing_text == "only one" and s.prompt_token_ids is None
-    assert cmpl(prompt=[7]).routing_text == ""
+    assert cmpl(prompt=[7, 80]).routing_text == "7,80,"
+    assert cmpl(prompt=[7, 80, 9]).routing_text.startswith(cmpl(prompt=[7, 80]).routing_text)
+    assert not cmpl(prompt=[7, 800]).routing_text.startswith(cmpl(prompt=[7, 80]).routing_text)
 
 
 def test_budgets():
