@@ -1,0 +1,262 @@
+"""`python -m bench <subcommand>`: the benchmark suite (docs/BENCHMARKS.md).
+
+  replay           a workload through one or more routing modes (summary.json, requests.jsonl)
+  compare          one table and PNG plots from run directories
+  sweep-threshold  probe mode at T = 0.1 .. 0.9
+  load-sweep       offered load from light to past capacity; rejection latency on a full engine
+  overhead         latency and throughput the router adds over an instant backend
+  scaling          router CPU and memory as K grows, and with 1,000 open streams
+  sim-capacity     the simulator's own capacity (bench/sim_capacity.py)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TRACE = REPO.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=("trace", "prefix-groups", "multiturn"), default="trace")
+    g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL (default: %(default)s)")
+    g.add_argument("--limit", type=int, help="first N requests of the trace (after --offset)")
+    g.add_argument("--offset", type=int, default=0, help="skip the first N trace requests")
+    g.add_argument("--time-scale", type=float, default=0.25,
+                   help="multiply trace timestamps (0.25: 4x faster; default %(default)s)")
+    g.add_argument("--block-tokens", type=int, default=32,
+                   help="tokens per 512-token trace block (length scale = N/512; default %(default)s)")
+    g.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths")
+    g.add_argument("--max-output", type=int, default=0, help="cap output lengths (0: none)")
+    g.add_argument("--rate", type=float, default=0.0,
+                   help="Poisson arrivals at this rate/s (trace: instead of its timestamps; "
+                        "prefix-groups default 8; multiturn: session starts, default 1)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--groups", type=int, default=8, help="prefix-groups: groups")
+    g.add_argument("--per-group", type=int, default=32, help="prefix-groups: prompts per group")
+    g.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
+    g.add_argument("--question-tokens", type=int, default=64, help="prefix-groups: question length")
+    g.add_argument("--output-tokens", type=int, default=64, help="prefix-groups/multiturn: output length")
+    g.add_argument("--sessions", type=int, default=16, help="multiturn: sessions")
+    g.add_argument("--turns", type=int, default=6, help="multiturn: turns per session")
+    g.add_argument("--message-tokens", type=int, default=64, help="multiturn: user message length")
+    g.add_argument("--think-s", type=float, default=0.5, help="multiturn: pause between turns")
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--engines", "-K", type=int, default=4, help="decode engines (default %(default)s)")
+    g.add_argument("--prefill", "-P", type=int, default=1, help="prefill engines (default %(default)s)")
+    g.add_argument("--speed", type=float, default=4.0,
+                   help="simulator time compression (default %(default)s)")
+    g.add_argument("--num-gpu-blocks", type=int, default=0,
+                   help="KV blocks per engine (default: scaled from the workload)")
+    g.add_argument("--max-num-seqs", type=int, default=0, help="per engine (default: simulator's)")
+    g.add_argument("--no-arrival-check", action="store_true",
+                   help="engines check the threshold only at admission")
+    g.add_argument("--threshold", type=float, default=0.5, help="routing.cache_hit_threshold")
+    g.add_argument("--probe-deadline-ms", type=float, default=250.0, help="routing.probe_deadline_ms")
+    g.add_argument("--min-pd-prompt-tokens", type=int, default=-1,
+                   help="routing.min_pd_prompt_tokens (default: 256 tokens, length-scaled)")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
+    g.add_argument("--pin", action="store_true",
+                   help="pin the router to the last core and everything else to the others")
+
+
+def workload_from_args(a: argparse.Namespace):
+    from .replay import WorkloadSpec
+    return WorkloadSpec(kind=a.workload, trace=a.trace, limit=a.limit, offset=a.offset, time_scale=a.time_scale,
+                        block_tokens=a.block_tokens, output_scale=a.output_scale, max_output=a.max_output,
+                        rate=a.rate, seed=a.seed, groups=a.groups, per_group=a.per_group,
+                        system_tokens=a.system_tokens, question_tokens=a.question_tokens,
+                        output_tokens=a.output_tokens, sessions=a.sessions, turns=a.turns,
+                        message_tokens=a.message_tokens, think_s=a.think_s)
+
+
+def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_over):
+    from .cluster import RouterOptions
+    from .replay import RunSpec, default_sim
+    w = workload_from_args(a)
+    sim = default_sim(w, a.speed, a.num_gpu_blocks or None)
+    sim.arrival_check = not a.no_arrival_check
+    if a.max_num_seqs:
+        sim.max_num_seqs = a.max_num_seqs
+    min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))
+    ropts = RouterOptions(strategy=mode if mode in ("probe", "round_robin", "least_loaded", "prefix_tree")
+                          else "probe", threshold=a.threshold, probe_deadline_ms=a.probe_deadline_ms,
+                          min_pd_prompt_tokens=min_pd)
+    for k, v in router_over.items():
+        setattr(ropts, k, v)
+    return RunSpec(mode=mode, out=out, workload=w, engines=a.engines, prefill=a.prefill, sim=sim,
+                   router=ropts, slo_ttft_ms=a.slo_ttft_ms, pin=a.pin)
+
+
+def expand_modes(text: str) -> list[str]:
+    from .replay import ALL_MODES
+    if text == "all":
+        return ["oracle", "probe", "prefix_tree", "least_loaded", "round_robin", *vllm_router_modes()]
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in modes:
+        if m not in ALL_MODES:
+            raise SystemExit(f"unknown mode {m!r}: one of {', '.join(ALL_MODES)} or 'all'")
+    return modes
+
+
+def vllm_router_modes() -> list[str]:
+    import shutil
+    exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+    return ["vllm_router_rr", "vllm_router_cache_aware"] if exe else []
+
+
+def apply_quick(a: argparse.Namespace) -> None:
+    if not getattr(a, "quick", False):
+        return
+    if a.workload == "trace":
+        a.limit = a.limit or 150
+    elif a.workload == "prefix-groups":
+        a.per_group = min(a.per_group, 8)
+        a.groups = min(a.groups, 4)
+    else:
+        a.sessions = min(a.sessions, 6)
+        a.turns = min(a.turns, 3)
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    from .replay import SUMMARY_KEYS, run_replay
+    from .report import compare, console
+    apply_quick(a)
+    if a.workload == "trace" and a.limit is None and not a.full:
+        a.limit = 600
+    modes = expand_modes(a.mode)
+    out = Path(a.out)
+    dirs = []
+    for mode in modes:
+        d = out if len(modes) == 1 else out / mode
+        console.print(f"[bold]replay[/bold] mode={mode} workload={a.workload} K={a.engines} P={a.prefill} -> {d}")
+        s = asyncio.run(run_replay(run_spec_from_args(a, mode, d)))
+        console.print({k: s.get(k) for k in SUMMARY_KEYS})
+        dirs.append(d)
+    if len(dirs) > 1:
+        compare(dirs, out, title=f"Routing modes: {a.workload}")
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from .report import compare
+    dirs = [Path(d) for d in a.dirs]
+    compare(dirs, Path(a.out) if a.out else None)
+    return 0
+
+
+def cmd_sweep_threshold(a: argparse.Namespace) -> int:
+    from .sweeps import sweep_threshold
+    apply_quick(a)
+    return sweep_threshold(a)
+
+
+def cmd_load_sweep(a: argparse.Namespace) -> int:
+    from .sweeps import load_sweep
+    return load_sweep(a)
+
+
+def cmd_overhead(a: argparse.Namespace) -> int:
+    from .overhead import main as overhead_main
+    return overhead_main(a)
+
+
+def cmd_scaling(a: argparse.Namespace) -> int:
+    from .scaling import main as scaling_main
+    return scaling_main(a)
+
+
+def cmd_sim_capacity(a: argparse.Namespace) -> int:
+    try:
+        from . import sim_capacity  # written by the simulator engineer
+    except ImportError:
+        print("bench/sim_capacity.py is not present in this checkout", file=sys.stderr)
+        return 2
+    fn = getattr(sim_capacity, "main", None)
+    if fn is None:
+        print("bench/sim_capacity.py has no main()", file=sys.stderr)
+        return 2
+    rc = fn(a.args) if a.args else fn()
+    return int(rc or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("replay", help="replay a workload through routing modes")
+    add_workload_args(r)
+    add_cluster_args(r)
+    r.add_argument("--mode", default="probe",
+                   help="probe | round_robin | least_loaded | prefix_tree | oracle | vllm_router_rr | "
+                        "vllm_router_cache_aware, a comma list, or 'all' (each into OUT/<mode>)")
+    r.add_argument("--out", required=True)
+    r.add_argument("--full", action="store_true", help="the whole trace (default: first 600 requests)")
+    r.add_argument("--quick", action="store_true", help="a small run (trace: 150 requests)")
+    r.set_defaults(fn=cmd_replay)
+
+    c = sub.add_parser("compare", help="table and plots from run directories")
+    c.add_argument("dirs", nargs="+")
+    c.add_argument("--out", help="where compare.md and the PNGs go (default: parent of the first dir)")
+    c.set_defaults(fn=cmd_compare)
+
+    t = sub.add_parser("sweep-threshold", help="probe mode at several thresholds")
+    add_workload_args(t)
+    add_cluster_args(t)
+    t.add_argument("--thresholds", default="0.1,0.3,0.5,0.7,0.9")
+    t.add_argument("--out", required=True)
+    t.add_argument("--quick", action="store_true")
+    t.set_defaults(fn=cmd_sweep_threshold)
+
+    ls = sub.add_parser("load-sweep", help="offered load from light to past capacity")
+    add_workload_args(ls)
+    add_cluster_args(ls)
+    ls.add_argument("--rates", default="", help="offered loads (requests/s), comma list (default: by workload)")
+    ls.add_argument("--series", default="probe,probe-no-arrival-check,probe-no-deadline,least_loaded,prefix_tree",
+                    help="comma list of series")
+    ls.add_argument("--requests", type=int, default=0, help="requests per point (default: by workload)")
+    ls.add_argument("--out", required=True)
+    ls.add_argument("--quick", action="store_true")
+    ls.add_argument("--skip-rejection", action="store_true", help="skip the rejection-latency test")
+    ls.set_defaults(fn=cmd_load_sweep)
+
+    o = sub.add_parser("overhead", help="latency and throughput the router adds over an instant backend")
+    o.add_argument("--out", required=True)
+    o.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median reported)")
+    o.add_argument("--duration", type=float, default=4.0, help="seconds per throughput measurement")
+    o.add_argument("--latency-requests", type=int, default=400, help="sequential requests per latency sample")
+    o.add_argument("--connections", type=int, default=64)
+    o.add_argument("--targets", default="", help="comma list (default: all available)")
+    o.add_argument("--probe-k", default="2,4,8", help="engine counts for the probe-race cost")
+    o.add_argument("--quick", action="store_true")
+    o.add_argument("--no-pin", action="store_true")
+    o.set_defaults(fn=cmd_overhead)
+
+    sc = sub.add_parser("scaling", help="router CPU and memory as K grows; 1,000 open streams")
+    sc.add_argument("--out", required=True)
+    sc.add_argument("--ks", default="2,4,8,16")
+    sc.add_argument("--requests", type=int, default=400, help="requests per K")
+    sc.add_argument("--streams", type=int, default=1000, help="open streams for the memory test")
+    sc.add_argument("--quick", action="store_true")
+    sc.set_defaults(fn=cmd_scaling)
+
+    sm = sub.add_parser("sim-capacity", help="the simulator's capacity (bench/sim_capacity.py)")
+    sm.add_argument("args", nargs=argparse.REMAINDER)
+    sm.set_defaults(fn=cmd_sim_capacity)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
