@@ -64,7 +64,12 @@ class ClusterSnapshot:
     backends: tuple[BackendView, ...]
 
     def decoders(self, model: str | None) -> list[BackendView]:
-        return [b for b in self.backends if b.available and b.decodes and b.serves(model)]
+        """Available decode backends for `model`. If none is available, every decode
+        backend for the model (panic routing, as Envoy does below its panic threshold): a
+        health view that says "nothing works" is more often wrong (checks timing out under
+        load) than right, and a real attempt fails fast with a precise error anyway."""
+        serving = [b for b in self.backends if b.decodes and b.serves(model)]
+        return [b for b in serving if b.available] or serving
 
     def prefillers(self, model: str | None) -> list[BackendView]:
         return [b for b in self.backends if b.available and b.prefills and b.serves(model)]
@@ -86,6 +91,7 @@ class BackendState:
     waiting: float = 0.0
     kv_usage: float = 0.0
     consecutive_failures: int = 0
+    check_failures: int = 0  # consecutive failed health checks
     breaker: str = CLOSED
     opened_at: float = 0.0
     half_open_trial_taken: bool = False
@@ -181,6 +187,7 @@ class BackendRegistry:
     # --- scraper feedback ----------------------------------------------------------------
     def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
         s = self.states[name]
+        s.check_failures = 0
         s.running = load.get(RUNNING, 0.0)
         s.waiting = load.get(WAITING, 0.0)
         s.kv_usage = load.get(KV_USAGE, 0.0)
@@ -189,11 +196,16 @@ class BackendRegistry:
             s.models = models
         self.record_success(name)
 
-    def record_scrape_failure(self, name: str, reason: str) -> None:
+    def record_scrape_failure(self, name: str, reason: str, definitive: bool = True) -> None:
+        """A failed health check. Definitive failures (connection refused: nothing
+        listens) mark the backend down at once; ambiguous ones (a timeout, which a loaded
+        machine produces too) only after `failure_threshold` in a row."""
         s = self.states[name]
-        if s.healthy:
-            log.warning("backend %s: unreachable (%s), skipped until it answers", name, reason)
-        s.healthy = False
+        s.check_failures += 1
+        if definitive or s.check_failures >= self.health.failure_threshold:
+            if s.healthy:
+                log.warning("backend %s: unreachable (%s), skipped until it answers", name, reason)
+            s.healthy = False
         self.record_failure(name, reason)
 
     def _changed(self, s: BackendState) -> None:

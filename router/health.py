@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 
+import aiohttp
 import orjson
 
 from .backends import BackendRegistry, parse_load_metrics
@@ -30,7 +31,9 @@ class HealthMonitor:
 
     @property
     def _timeout_s(self) -> float:
-        return max(0.5, min(2.0, self.health.scrape_interval_s))
+        # Generous: a busy engine (or a busy router host) answers /metrics late, and a
+        # late answer is not a dead engine.
+        return max(1.0, min(5.0, 2 * self.health.scrape_interval_s))
 
     async def check_one(self, name: str, with_health: bool) -> None:
         state = self.registry.states[name]
@@ -50,7 +53,9 @@ class HealthMonitor:
                 if status == 200:
                     models = tuple(m["id"] for m in orjson.loads(body).get("data", []) if "id" in m)
         except (Exception, asyncio.TimeoutError) as e:  # any failure means: not usable now
-            self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}")
+            definitive = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError)) or (
+                isinstance(e, RuntimeError))  # refused, or an HTTP error status from the engine
+            self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive)
             return
         self.registry.record_scrape(name, load, models)
 

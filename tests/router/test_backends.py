@@ -93,3 +93,30 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 99.0
 """
     assert parse_load_metrics(text) == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 7.0,
                                         "vllm:kv_cache_usage_perc": 0.25}
+
+
+def test_ambiguous_check_failures_need_the_threshold_definitive_ones_do_not():
+    r = registry(Clock(), threshold=3)
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    assert r.states["a"].healthy
+    r.record_scrape("a", {}, None)  # an answer resets the count
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    assert r.states["a"].healthy
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    assert not r.states["a"].healthy
+    r.record_scrape("a", {}, None)
+    r.record_scrape_failure("a", "refused", definitive=True)
+    assert not r.states["a"].healthy
+
+
+def test_panic_routing_when_no_decoder_is_available():
+    r = registry(Clock(), threshold=1)
+    r.record_scrape_failure("a", "refused")
+    snap = r.snapshot()
+    assert not snap.get("a").available
+    assert [b.name for b in snap.decoders(None)] == ["a"]  # nothing available: try them all
+    assert snap.prefillers(None)[0].name == "p"  # prefill backends never panic: the fallback goes direct
+    r.record_scrape_failure("p", "refused")
+    assert r.snapshot().prefillers(None) == []
