@@ -61,12 +61,15 @@ _TEXT_COMPLETION = "text_completion"
 
 def is_rejection_chunk(chunk: dict) -> bool | None:
     """Did the engine reject (True) or accept (False) the leg, or is it still undecided
-    (None: role-only chat chunk, usage chunk, empty chunk)?
+    (None: role-only chat chunk, chat echo chunk, usage chunk, empty chunk)?
 
     Rejected: `finish_reason == "cache_threshold"` with nothing generated in the chunk.
-    Accepted: the first chunk carrying text, token ids or another finish reason. The first
-    chat chunk is a role-only chunk even for a request that is then rejected
-    (ENGINE_NOTES.md), so it decides nothing.
+    Accepted: the first chunk carrying generated text or token ids, or another finish
+    reason. vLLM sends the chat role chunk (and, with `echo`, a chunk repeating the last
+    message) on the request's first output, before the scheduler has decided anything,
+    also for a request it then rejects (ENGINE_NOTES.md). Those are the only chat chunks
+    without a `token_ids` key (every chunk of generated output has one, null when token
+    ids were not asked for), which is how they are told apart from generated text.
     """
     choices = chunk.get("choices")
     if not choices:
@@ -75,12 +78,13 @@ def is_rejection_chunk(chunk: dict) -> bool | None:
     if not isinstance(c, dict):
         return None
     fr = c.get("finish_reason")
-    generated = bool(c.get("token_ids")) or _has_output(c)
     if fr == CACHE_THRESHOLD:
-        return not generated
-    if fr is not None or generated:
+        return not (c.get("token_ids") or _has_output(c))
+    if fr is not None or c.get("token_ids"):
         return False
-    return None
+    if "delta" in c and "token_ids" not in c:
+        return None
+    return False if _has_output(c) else None
 
 
 def _has_output(c: dict) -> bool:
@@ -528,9 +532,16 @@ class ResponseShaper:
         return self._completion_done + (leg if self.legs else 0)
 
     def _running_usage(self) -> dict:
+        """continuous_usage_stats: running totals, in vLLM's key order. Chat chunks also
+        carry `completion_tokens_details` (null unless the engine counts reasoning tokens):
+        vLLM passes it explicitly there and dumps with exclude_unset (chat serving.py);
+        completion chunks do not have it."""
         p = self._client_prompt_tokens()
         n = self._completion_done + self.leg_tokens
-        return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}  # vLLM's key order
+        if self._chat:
+            return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n,
+                    "completion_tokens_details": None}
+        return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
 
     def _usage(self, *, streaming: bool) -> dict:
         """Totals over legs. `streaming`: vLLM's usage chunk drops null fields; the
