@@ -81,7 +81,10 @@ def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path
         assert answer["usage"]["completion_tokens"] == 4
         assert answer["choices"][0]["finish_reason"] == "length"
         log = (tmp_path / "logs" / "tiny-0.log").read_text()
-        assert "NixlConnector" in log
+        # vLLM resolved the plugin's scheduler and built the NIXL connector for role both.
+        assert ("Using custom scheduler class "
+                "engine_launcher.vllm_plugin.scheduler.ThresholdScheduler") in log
+        assert "Using kv_role='kv_both' with NixlConnector" in log
 
         lp.proc.send_signal(signal.SIGTERM)
         out = lp.output(STOP_GUARD_S)
