@@ -147,7 +147,14 @@ class PortReservation:
         bind_host = "127.0.0.1" if host == "localhost" else host
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
-        s.bind((bind_host, 0))
+        try:
+            s.bind((bind_host, 0))
+        except OSError:
+            # Not an address of this machine (e.g. a NIXL side-channel host advertised through
+            # NAT): any interface's free port will do.
+            s.close()
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
         port = s.getsockname()[1]
         self._socks[(engine, which)] = s
         self.picked[(engine, which)] = port
@@ -263,9 +270,9 @@ class Supervisor:
         not enough GPUs).
         """
         if not self._units:
-            for name, which, host in ports_to_pick(self.engines):
-                self._reservation.pick(name, which, host)
             try:
+                for name, which, host in ports_to_pick(self.engines):
+                    self._reservation.pick(name, which, host)
                 ports = resolve_ports(self.engines, self._reservation.picked)
                 cmds = build_commands(self.engines, ports, self.host,
                                       log_dir=self.launcher.log_dir, python=self.python)

@@ -135,6 +135,17 @@ async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_pytho
         s.bind(("127.0.0.1", ports["e0"].http))
 
 
+async def test_side_channel_host_that_is_not_local_still_gets_a_port(tmp_path):
+    # 192.0.2.0/24 (TEST-NET-1) is never an address of this machine.
+    engines = [EngineConfig(name="v", kind="vllm", model="/m", port=9100,
+                            nixl_side_channel_host="192.0.2.10")]
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False)
+    (cmd,) = sup.plan()
+    sup.release_ports()
+    assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "192.0.2.10"
+    assert int(cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == sup.ports["v"].nixl > 0
+
+
 async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path, fake_python):
     engines = [EngineConfig(name="ok", kind="sim", env=(("FAKE_MODE", "serve"),)),
                EngineConfig(name="bad", kind="sim", env=(("FAKE_MODE", "exit"),))]
