@@ -58,6 +58,10 @@ class RoutingConfig:
     min_pd_prompt_tokens: int = 256
     # Probe race deadline: engines that have not answered by then count as rejections.
     probe_deadline_ms: float = 250.0
+    # Once a rejection reports the prompt length, the deadline grows by this per uncached
+    # prompt token an acceptor may still be prefilling: (1 - T) * prompt_tokens * this.
+    # Default: ~20k prefill tokens/s (an 8B model on one H100); 0 disables.
+    probe_deadline_per_token_ms: float = 0.05
     # Engines whose scraped waiting queue exceeds this are not probed (0: no bound).
     max_probe_waiting: int = 0
     max_resumes: int = 3
@@ -293,6 +297,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     _fraction("routing.decode_guard_threshold", routing.decode_guard_threshold)
     _positive("routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
     _positive("routing.probe_deadline_ms", routing.probe_deadline_ms)
+    _positive("routing.probe_deadline_per_token_ms", routing.probe_deadline_per_token_ms, allow_zero=True)
     _positive("routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
     _positive("routing.max_resumes", routing.max_resumes, allow_zero=True)
     _positive("routing.max_retries", routing.max_retries, allow_zero=True)

@@ -158,7 +158,7 @@ class Dispatcher:
             if plan.probes:
                 result = await run_race(
                     plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline),
-                    plan.deadline_s)
+                    plan.deadline_s, plan.deadline_per_prompt_token_s)
                 self._account_race(result, rec)
                 if result.winner is not None:
                     return self._won(query, result, ROUTE_PROBE_HIT, rec)

@@ -42,6 +42,8 @@ class Plan:
     probes: tuple[str, ...] = ()
     threshold: float = 0.0
     deadline_s: float = 0.0
+    # Added to the deadline per prompt token once the prompt's length is known.
+    deadline_per_prompt_token_s: float = 0.0
     direct: str | None = None
 
     @property
@@ -106,9 +108,11 @@ class ProbeStrategy:
         if bound:
             short = [b for b in decoders if b.waiting <= bound]
             decoders = short or decoders
-        return Plan(probes=tuple(b.name for b in decoders),
-                    threshold=self.routing.cache_hit_threshold,
-                    deadline_s=self.routing.probe_deadline_ms / 1000.0)
+        t = self.routing.cache_hit_threshold
+        return Plan(probes=tuple(b.name for b in decoders), threshold=t,
+                    deadline_s=self.routing.probe_deadline_ms / 1000.0,
+                    # An acceptor holds at least T of the prompt: it prefills at most (1 - T).
+                    deadline_per_prompt_token_s=(1.0 - t) * self.routing.probe_deadline_per_token_ms / 1000.0)
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         pass

@@ -129,13 +129,21 @@ async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEven
         raise
 
 
-async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: float) -> RaceResult:
-    """Race `backends`; see the module docstring. Cancelling the caller aborts every probe."""
+async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: float,
+                   deadline_per_prompt_token_s: float = 0.0) -> RaceResult:
+    """Race `backends`; see the module docstring. Cancelling the caller aborts every probe.
+
+    `deadline_per_prompt_token_s`: once a rejection reports the prompt's length, the
+    deadline becomes `deadline_s + prompt_tokens * deadline_per_prompt_token_s`, the time
+    an accepting engine may still need to prefill what it lacks before its first chunk.
+    """
     loop = asyncio.get_running_loop()
     tasks = {asyncio.ensure_future(_probe(b, open_probe, loop)): b for b in backends}
     outcomes: list[ProbeOutcome] = []
     winner: ProbeOutcome | None = None
-    deadline = loop.time() + deadline_s
+    started = loop.time()
+    deadline = started + deadline_s
+    extended = False
     pending = set(tasks)
     try:
         while pending and winner is None:
@@ -153,6 +161,10 @@ async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: f
                     if o.stream is not None:
                         o.stream.abort()
                     o.stream = None
+                elif (o.verdict == REJECTED and o.prompt_tokens and deadline_per_prompt_token_s
+                      and not extended):
+                    deadline += o.prompt_tokens * deadline_per_prompt_token_s
+                    extended = True
                 outcomes.append(o)
     finally:
         for t in pending:
@@ -161,5 +173,5 @@ async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: f
             await asyncio.gather(*pending, return_exceptions=True)
     # Probes that had not answered: lost to the winner, or expired at the deadline.
     for t in pending:
-        outcomes.append(ProbeOutcome(tasks[t], LOST if winner else EXPIRED, loop.time() - (deadline - deadline_s)))
+        outcomes.append(ProbeOutcome(tasks[t], LOST if winner else EXPIRED, loop.time() - started))
     return RaceResult(winner, outcomes)
