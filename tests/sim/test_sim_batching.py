@@ -38,7 +38,7 @@ async def test_long_prompt_is_prefilled_in_chunks(make_engine, http) -> None:
 
 
 async def test_concurrent_requests_decode_in_the_same_steps(make_engine, http) -> None:
-    eng = await make_engine(speed=100.0)
+    eng = await make_engine(speed=1.0)  # 6 ms steps: all eight arrive within a step or two
     n, tokens = 8, 40
     results = await asyncio.gather(*(post(http, eng.url + "/v1/completions", {
         "prompt": [i + 2] * 20, "max_tokens": tokens}) for i in range(n)))
@@ -72,7 +72,7 @@ async def test_token_budget_limits_prefill_per_step(make_engine, http) -> None:
 
 
 async def test_engine_keeps_many_streams_with_one_loop_task(make_engine, http) -> None:
-    eng = await make_engine(speed=1000.0)
+    eng = await make_engine(speed=1.0)  # real time, so the streams overlap
     before = len(asyncio.all_tasks())
     tasks = [asyncio.create_task(post(http, eng.url + "/v1/completions", {
         "prompt": [i % 500 + 2] * 10, "max_tokens": 30, "stream": True})) for i in range(200)]

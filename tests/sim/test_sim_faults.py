@@ -30,7 +30,7 @@ async def test_partial_error_rate_fails_some(make_engine, http) -> None:
 
 
 async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine, http) -> None:
-    eng = await make_engine(faults=FaultConfig(stall_after_tokens=3, stall_seconds=0.5))
+    eng = await make_engine(faults=FaultConfig(stall_after_tokens=3, stall_seconds=1.0))
     async with http.post(eng.url + "/v1/completions", json={
             "prompt": [9] * 8, "max_tokens": 20, "stream": True, "return_token_ids": True}) as r:
         received = 0

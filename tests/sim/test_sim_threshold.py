@@ -99,8 +99,10 @@ async def _run_with_full_running_set(make_engine, http, arrival_check: bool):
     """One long generation fills the running set (max_num_seqs=1); then a cold request
     with a threshold arrives. Returns (rejection body, long request's tokens at that time,
     the long request's max_tokens, engine)."""
-    eng = await make_engine(max_num_seqs=1, arrival_check=arrival_check, speed=50.0)
-    long_tokens = 300
+    # Slow enough (3 ms steps) that the long request is still running when the cold one
+    # arrives, however slow the test client is.
+    eng = await make_engine(max_num_seqs=1, arrival_check=arrival_check, speed=2.0)
+    long_tokens = 150
     long_task = asyncio.create_task(post(http, eng.url + "/v1/completions", {
         "prompt": PROMPT, "max_tokens": long_tokens, "ignore_eos": True}))
     await wait_until(lambda: eng.engine.num_running == 1)
@@ -135,8 +137,10 @@ async def test_without_arrival_check_the_rejection_waits_in_the_queue(make_engin
 
 async def test_admission_is_the_final_word_after_the_arrival_check(make_engine, http) -> None:
     """Warm at arrival, evicted while queued: admission rejects it."""
+    # Real-time steps: the warm prompt is still cached when it arrives (the long request
+    # evicts the second of its blocks only after ~80 tokens, ~0.5 s).
     eng = await make_engine(max_num_seqs=1, block_size=16, num_gpu_blocks=1 + 8,
-                            max_model_len=128, speed=50.0)
+                            max_model_len=128, speed=1.0)
     url = eng.url + "/v1/completions"
     await warm(http, eng.url, PROMPT)  # 4 cached blocks
     # A long request whose blocks evict the warm prompt while it runs (8 blocks total).
