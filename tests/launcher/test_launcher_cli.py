@@ -118,6 +118,18 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
     assert "cannot read configuration file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sub,usage", [
+    ("sim", "usage: python -m engine_launcher.sim"),
+    ("install-deps", "usage: engine-launcher install-deps"),
+])
+def test_sim_and_install_deps_subcommands_are_forwarded(capsys, sub, usage):
+    # Their own parsers answer --help: the launcher passed the rest of argv through.
+    with pytest.raises(SystemExit) as exit_:
+        main([sub, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(usage)
+
+
 def test_tiny_model_subcommand_is_forwarded(capsys):
     # tiny_model.main's own usage check answers: the launcher forwarded argv unchanged.
     assert main(["tiny-model", "--bad"]) == 2
