@@ -25,8 +25,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL (default: %(default)s)")
     g.add_argument("--limit", type=int, help="first N requests of the trace (after --offset)")
     g.add_argument("--offset", type=int, default=0, help="skip the first N trace requests")
-    g.add_argument("--time-scale", type=float, default=0.25,
-                   help="multiply trace timestamps (0.25: 4x faster; default %(default)s)")
+    g.add_argument("--time-scale", type=float, default=0.5,
+                   help="multiply trace timestamps (0.5: 2x faster; default %(default)s)")
     g.add_argument("--block-tokens", type=int, default=32,
                    help="tokens per 512-token trace block (length scale = N/512; default %(default)s)")
     g.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths")
@@ -50,8 +50,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--engines", "-K", type=int, default=4, help="decode engines (default %(default)s)")
     g.add_argument("--prefill", "-P", type=int, default=1, help="prefill engines (default %(default)s)")
-    g.add_argument("--speed", type=float, default=4.0,
-                   help="simulator time compression (default %(default)s)")
+    g.add_argument("--speed", type=float, default=0.0,
+                   help="simulator time compression (default: trace 2, others 1)")
     g.add_argument("--num-gpu-blocks", type=int, default=0,
                    help="KV blocks per engine (default: scaled from the workload)")
     g.add_argument("--max-num-seqs", type=int, default=0, help="per engine (default: simulator's)")
@@ -80,7 +80,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     from .cluster import RouterOptions
     from .replay import RunSpec, default_sim
     w = workload_from_args(a)
-    sim = default_sim(w, a.speed, a.num_gpu_blocks or None)
+    speed = a.speed or (2.0 if w.kind == "trace" else 1.0)
+    sim = default_sim(w, speed, a.num_gpu_blocks or None)
     sim.arrival_check = not a.no_arrival_check
     if a.max_num_seqs:
         sim.max_num_seqs = a.max_num_seqs
@@ -129,7 +130,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     from .report import compare, console
     apply_quick(a)
     if a.workload == "trace" and a.limit is None and not a.full:
-        a.limit = 600
+        a.limit = 400
     modes = expand_modes(a.mode)
     out = Path(a.out)
     dirs = []
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probe | round_robin | least_loaded | prefix_tree | oracle | vllm_router_rr | "
                         "vllm_router_cache_aware, a comma list, or 'all' (each into OUT/<mode>)")
     r.add_argument("--out", required=True)
-    r.add_argument("--full", action="store_true", help="the whole trace (default: first 600 requests)")
+    r.add_argument("--full", action="store_true", help="the whole trace (default: first 400 requests)")
     r.add_argument("--quick", action="store_true", help="a small run (trace: 150 requests)")
     r.set_defaults(fn=cmd_replay)
 

@@ -137,7 +137,9 @@ def default_sim(w: WorkloadSpec, speed: float, num_gpu_blocks: int | None = None
 
 
 def machine_info() -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": len(cpu_list())}
+    import os
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": len(cpu_list()),
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -263,6 +265,7 @@ async def run_replay(spec: RunSpec) -> dict:
     summary = summarize(spec, base, results, wall, eng, decoders, prefillers, rm_before, rm_after, logs,
                         oracle, router_cpu, router_rss)
     summary["wall_clock_start"] = t_start
+    summary["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     write_outputs(spec.out, summary, results, logs)
     return summary
 
