@@ -6,7 +6,7 @@ import dataclasses
 
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.admission import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, MAX_TOKEN_ID,
@@ -255,25 +255,25 @@ def _check_spec_or_400(endpoint: str, raw: bytes) -> None:
     assert s.max_tokens is None or 1 <= s.max_tokens <= 2**31
 
 
-@settings(max_examples=400)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), field_values)
 def test_fuzz_fields_only_router_errors(endpoint, fields):
     _check_spec_or_400(endpoint, orjson.dumps(fields))
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), json_values)
 def test_fuzz_any_json_value(endpoint, value):
     _check_spec_or_400(endpoint, orjson.dumps(value))
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), st.binary(max_size=200))
 def test_fuzz_random_bytes(endpoint, raw):
     _check_spec_or_400(endpoint, raw)
 
 
-@settings(max_examples=200)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), field_values, st.data())
 def test_fuzz_mutated_valid_bodies(endpoint, fields, data):
     base = dict(CMPL if endpoint == ENDPOINT_COMPLETIONS else CHAT)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import orjson
-from hypothesis import given, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router import errors
 from router.errors import RouterError, error_body, sse_error_event
@@ -84,6 +84,7 @@ def test_from_error_object_midstream_event():
     assert errors.from_error_object({"choices": []}) is None
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200), st.integers(100, 599))
 def test_from_upstream_body_never_raises(raw, status):
     err = errors.from_upstream_body(status, raw)
@@ -91,6 +92,7 @@ def test_from_upstream_body_never_raises(raw, status):
     orjson.dumps(err.body())
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(),
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
                     max_leaves=10))

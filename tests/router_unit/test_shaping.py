@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 
 import orjson
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
 from router.shaping import CACHE_THRESHOLD, ResponseShaper, is_rejection_chunk
@@ -235,7 +235,7 @@ def scenarios(draw):
         finish_on_last, cached
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_any_legs_read_as_one_answer(scenario):
     spec, g, cuts, finish_on_last, cached = scenario

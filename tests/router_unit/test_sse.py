@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEDecoder, SSEError, format_event
 
@@ -116,7 +116,7 @@ def streams(draw):
     return b"".join(parts), payloads
 
 
-@settings(max_examples=300)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams(), st.lists(st.integers(0, 2000), max_size=20))
 def test_any_split_yields_the_same_payloads(stream, cuts):
     data, payloads = stream
@@ -126,7 +126,7 @@ def test_any_split_yields_the_same_payloads(stream, cuts):
     assert decode_all(split_at(data, cuts)) == whole
 
 
-@settings(max_examples=300)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
 def test_byte_by_byte_equals_whole(stream):
     data, payloads = stream
@@ -137,11 +137,13 @@ def test_byte_by_byte_equals_whole(stream):
         assert got.replace(b"\n", b"") == sent
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=300), st.lists(st.integers(0, 300), max_size=10))
 def test_arbitrary_bytes_never_crash_and_split_invariant(data, cuts):
     assert decode_all(split_at(data, cuts)) == decode_all([data])
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(payload_st, max_size=6))
 def test_format_then_decode_roundtrip(payloads):
     objs = [orjson.loads(p) for p in payloads if p != b"[DONE]"]
