@@ -24,8 +24,21 @@ Rejected because the router cannot honour them (400, param named):
 - `prompt_embeds`: resuming needs token ids.
 - `echo: true` on completions: with `return_token_ids` vLLM echoes an empty prompt text
   and puts the prompt ids into the generated ids, which would corrupt resumption.
-  (Chat `echo` is unaffected and passes through.)
+  (Chat `echo` passes through: its echo chunk carries no token ids, and
+  `shaping.is_rejection_chunk` does not take it for an acceptance.)
 - `prompt_logprobs`: vLLM does not send them in streams, and every leg is a stream.
+
+Differences from vLLM a client can notice:
+- a type error (`max_tokens: "many"`) is a 400 with `type: "BadRequestError"` and
+  `param: "max_tokens"`, where vLLM's pydantic layer says `"Bad Request"`/`"body.max_tokens"`;
+- JSON with a lone surrogate escape (`"\ud800"`) is a 400: orjson refuses it, and it could
+  not be re-encoded as UTF-8 for the engine anyway (Python's json would accept it);
+- integral floats (`max_tokens: 16.0`) are not accepted where an integer is expected.
+
+`max_tokens` in the spec (the budget resume legs count against): completions default to
+16 when the field is absent (vLLM's CompletionRequest default), an explicit null means up
+to the context length (None); chat takes `max_completion_tokens`, else `max_tokens`, else
+None (the engine's default).
 """
 from __future__ import annotations
 
