@@ -128,6 +128,10 @@ class RouterState:
             self.metrics.queued.set(self.limiter.queued)
             async with self.limiter.slot():
                 self.metrics.queued.set(self.limiter.queued)
+                if self.dispatcher.passes_through(spec):
+                    raw = await self.dispatcher.serve_unary(spec, rec)
+                    return web.Response(body=raw, content_type="application/json",
+                                        headers={"X-Request-Id": spec.request_id})
                 shaper = ResponseShaper(spec)
                 if spec.stream:
                     writer = SSEWriter(request, spec.request_id)

@@ -34,8 +34,8 @@ from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, Ro
 from .race import ACCEPTED, EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
 from .resume import resume_leg_body, resume_reason
 from .shaping import ResponseShaper
-from .upstream import (CONNECT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT, UpstreamClient,
-                       UpstreamError, UpstreamStream)
+from .upstream import (CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
+                       UpstreamClient, UpstreamError, UpstreamStream)
 
 log = logging.getLogger("cachehit_router.dispatch")
 
@@ -82,6 +82,9 @@ class Dispatcher:
                 error = e
                 self._note_failure(e)
             answer_tokens = len(shaper.generated_token_ids)
+            if error is not None and error.kind == TOTAL_TIMEOUT:
+                # The request's own deadline passed: no other leg could finish it in time.
+                raise self._client_error(error)
             reason = resume_reason(shaper.finish_reason, shaper.leg_tokens, error, answer_tokens)
             if reason is None and error is None:
                 return
@@ -92,7 +95,7 @@ class Dispatcher:
                 if rec.retries > self.routing.max_retries:
                     raise self._client_error(error)
                 exclude.add(error.backend)
-                leg = await self._acquire_leg(query, path, spec.body, rec, exclude, deadline)
+                leg = await self._acquire_after(error, query, path, spec.body, rec, exclude, deadline)
                 shaper.begin_leg(is_resume=False)
                 continue
             if len(rec.resumes) >= self.routing.max_resumes:
@@ -117,8 +120,56 @@ class Dispatcher:
             resume_query = RouteQuery(spec.model, spec.routing_text + shaper.generated_text, query.salt)
             if error is not None:
                 exclude.add(error.backend)
-            leg = await self._acquire_leg(resume_query, COMPLETIONS_PATH, body, rec, exclude, deadline)
+            leg = await self._acquire_after(error, resume_query, COMPLETIONS_PATH, body, rec, exclude,
+                                            deadline)
             shaper.begin_leg(is_resume=True)
+
+    # --- direct routing for non-streaming clients -----------------------------------------
+    def passes_through(self, spec: RequestSpec) -> bool:
+        """Direct strategies answer non-streaming clients by plain forwarding: there is no
+        race to read and nothing reaches the client before the engine's whole answer, so a
+        failure is retried whole elsewhere instead of resumed."""
+        return not spec.stream and self.strategy.name != "probe"
+
+    async def serve_unary(self, spec: RequestSpec, rec: RequestRecord) -> bytes:
+        """The engine's own non-streaming answer, forwarded byte for byte."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeouts.total_s
+        query = RouteQuery(spec.model, spec.routing_text, salt=hash(spec.request_id) & 0xFFFF)
+        path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
+        # Explicit T = 0: an engine-wide default threshold must not reject a routed request.
+        body = {**spec.body, "stream": False, "cache_hit_threshold": 0.0}
+        exclude: set[str] = set()
+        last_error: UpstreamError | None = None
+        for attempt in range(self.routing.max_retries + 1):
+            plan = self.strategy.plan(query, self.registry.snapshot(), frozenset(exclude))
+            if plan.direct is None:
+                break
+            name = plan.direct
+            cfg = self.registry.states[name].config
+            self._acquire(name)
+            try:
+                raw = await self.client.post_raw(name, cfg.url, path, body, api_key=cfg.api_key,
+                                                 total_deadline=deadline)
+            except UpstreamError as e:
+                self._note_failure(e)
+                if e.client_fault:
+                    raise errors.from_upstream_body(e.status or 400, e.body or b"") from None
+                last_error = e
+                exclude.add(name)
+                continue
+            finally:
+                self._release(name)
+            self.registry.record_success(name)
+            self.strategy.on_routed(query, name)
+            rec.route, rec.winner = ROUTE_DIRECT, name
+            rec.legs.append(f"{ROUTE_DIRECT}:{name}")
+            rec.retries = attempt
+            rec.ttft_s = loop.time() - (deadline - self.timeouts.total_s)
+            return raw
+        if last_error is not None:
+            raise self._client_error(last_error)
+        raise errors.no_backend(query.model)
 
     async def _pump(self, leg: Leg, shaper: ResponseShaper, emit: Emit, rec: RequestRecord,
                     started: float) -> None:
@@ -144,6 +195,17 @@ class Dispatcher:
         stream.finish()
         self.registry.record_success(leg.backend)
 
+    async def _acquire_after(self, error: UpstreamError | None, *args) -> Leg:
+        """`_acquire_leg` for a retry or a resume: when no backend is left to try, the
+        client hears about the failure that made the router look (e.g. the idle timeout),
+        not a generic 503."""
+        try:
+            return await self._acquire_leg(*args)
+        except errors.RouterError as e:
+            if error is not None and e.status == 503:
+                raise self._client_error(error) from None
+            raise
+
     # --- getting an accepted leg -------------------------------------------------------------
     async def _acquire_leg(self, query: RouteQuery, path: str, body: dict, rec: RequestRecord,
                            exclude: set[str], deadline: float) -> Leg:
@@ -151,6 +213,7 @@ class Dispatcher:
         for attempt in range(self.routing.max_retries + 1):
             if attempt:
                 rec.retries += 1
+                self.metrics.retries.labels(last_error.backend if last_error else "unknown").inc()
             snap = self.registry.snapshot()
             plan = self.strategy.plan(query, snap, frozenset(exclude))
             if plan.empty:
@@ -303,6 +366,8 @@ class Dispatcher:
             return errors.upstream_timeout(e.backend, "next chunk", self.timeouts.idle_s)
         if e.kind == TOTAL_TIMEOUT:
             return errors.upstream_timeout(e.backend, "whole answer", self.timeouts.total_s)
+        if e.kind == CONNECT_TIMEOUT:
+            return errors.upstream_timeout(e.backend, "connection", self.timeouts.connect_s)
         if e.kind == CONNECT:
             return errors.RouterError(502, f"Cannot reach upstream engine {e.backend!r}: {e.detail}")
         return errors.upstream_failed(e.backend, f"{e.kind}: {e.detail}")

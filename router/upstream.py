@@ -25,6 +25,7 @@ from .sse import SSEDecoder, SSEError
 
 # Failure kinds, in the words a client error message uses.
 CONNECT = "connect"  # could not connect / connection refused
+CONNECT_TIMEOUT = "connect_timeout"  # no TCP connection within timeouts.connect_s
 STATUS = "status"  # the engine answered an HTTP error status
 FIRST_TOKEN_TIMEOUT = "first_token_timeout"
 IDLE_TIMEOUT = "idle_timeout"
@@ -34,6 +35,9 @@ ENGINE_ERROR = "engine_error"  # the engine sent an error event mid-stream
 PROTOCOL = "protocol"  # unparseable chunk
 
 _MAX_ERROR_BODY = 64 * 1024
+# aiohttp >= 3.10 raises ConnectionTimeoutError for connect/sock_connect; older versions
+# its parent ServerTimeoutError (only connect timeouts are configured on the session).
+_CONNECT_TIMEOUT_ERRORS = (getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ServerTimeoutError),)
 
 
 class UpstreamError(Exception):
@@ -65,7 +69,8 @@ class UpstreamStream:
                  "_total_deadline", "_first_deadline", "_done", "_on_close", "chunks_read")
 
     def __init__(self, backend: str, resp: aiohttp.ClientResponse, timeouts: TimeoutsConfig,
-                 total_deadline: float, on_close: Callable[[], None] | None = None):
+                 total_deadline: float, on_close: Callable[[], None] | None = None,
+                 first_deadline: float | None = None):
         self.backend = backend
         self._resp = resp
         self._decoder = SSEDecoder()
@@ -74,7 +79,9 @@ class UpstreamStream:
         self._loop = asyncio.get_running_loop()
         self._timeouts = timeouts
         self._total_deadline = total_deadline
-        self._first_deadline = self._loop.time() + timeouts.first_token_s
+        # From when the request was sent (open_stream passes it), not from the headers.
+        self._first_deadline = (first_deadline if first_deadline is not None
+                                else self._loop.time() + timeouts.first_token_s)
         self._done = False
         self.chunks_read = 0
 
@@ -174,12 +181,18 @@ class UpstreamClient:
         return h
 
     async def _post(self, backend: str, url: str, body: dict, api_key: str,
-                    deadline: float) -> aiohttp.ClientResponse:
+                    deadline: float, timeout_kind: str = TOTAL_TIMEOUT) -> aiohttp.ClientResponse:
+        """POST and wait for the response headers until `deadline`; a miss is an
+        UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
+        when the TCP connection itself took longer than timeouts.connect_s."""
         try:
             async with asyncio.timeout_at(deadline):
                 resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key))
+        except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
+            raise UpstreamError(backend, CONNECT_TIMEOUT,
+                                f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}") from None
         except TimeoutError:
-            raise UpstreamError(backend, TOTAL_TIMEOUT, "no response headers in time") from None
+            raise UpstreamError(backend, timeout_kind, "no response headers in time") from None
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as e:
             raise UpstreamError(backend, CONNECT, f"cannot connect to {url}: {e}") from None
         except aiohttp.ClientError as e:
@@ -203,25 +216,40 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         if total_deadline is None:
             total_deadline = loop.time() + self.timeouts.total_s
-        resp = await self._post(backend, base_url + path, body, api_key,
-                                min(total_deadline, loop.time() + self.timeouts.first_token_s))
-        return UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close)
+        # The first-token deadline runs from now: headers and first chunk share it.
+        first_deadline = loop.time() + self.timeouts.first_token_s
+        if first_deadline < total_deadline:
+            head_deadline, kind = first_deadline, FIRST_TOKEN_TIMEOUT
+        else:
+            head_deadline, kind = total_deadline, TOTAL_TIMEOUT
+        resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind)
+        return UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close,
+                              first_deadline=first_deadline)
 
-    async def post_json(self, backend: str, base_url: str, path: str, body: dict, *,
-                        api_key: str = "", total_deadline: float | None = None) -> dict:
+    async def post_raw(self, backend: str, base_url: str, path: str, body: dict, *,
+                       api_key: str = "", total_deadline: float | None = None) -> bytes:
+        """A non-streaming call: the engine's 200 answer as bytes (errors raise)."""
         loop = asyncio.get_running_loop()
         if total_deadline is None:
             total_deadline = loop.time() + self.timeouts.total_s
         resp = await self._post(backend, base_url + path, body, api_key, total_deadline)
         try:
             async with asyncio.timeout_at(total_deadline):
-                raw = await resp.read()
+                return await resp.read()
         except TimeoutError:
             resp.close()
             raise UpstreamError(backend, TOTAL_TIMEOUT, "no complete response in time") from None
         except (aiohttp.ClientError, ConnectionError) as e:
             resp.close()
             raise UpstreamError(backend, BROKEN, f"connection lost: {e!r}") from None
+        except BaseException:
+            resp.close()
+            raise
+
+    async def post_json(self, backend: str, base_url: str, path: str, body: dict, *,
+                        api_key: str = "", total_deadline: float | None = None) -> dict:
+        raw = await self.post_raw(backend, base_url, path, body, api_key=api_key,
+                                  total_deadline=total_deadline)
         try:
             out = orjson.loads(raw)
         except orjson.JSONDecodeError:

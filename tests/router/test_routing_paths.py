@@ -126,3 +126,17 @@ async def test_other_strategies_route_directly(make_cluster, strategy):
     assert served["p0"] == 0 and served["d0"] + served["d1"] == 4
     if strategy == "round_robin":
         assert served["d0"] == served["d1"] == 2
+
+
+async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=0, routing={"strategy": "round_robin"},
+                           health={"scrape_interval_s": 30, "check_interval_s": 60})
+    await c.engines["d0"].close()  # dead, and the (slow) health checks have not noticed
+    for i in range(4):
+        status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"rr{i}", 30), "max_tokens": 3})
+        assert status == 200, out
+        assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 3
+        assert out["id"].startswith("cmpl-")
+    assert c.router_metric("cachehit_router_upstream_errors_total", backend="d0", kind="connect") >= 1
+    assert c.routes()["direct"] == 4
+    assert await c.engine_metric("d1", "vllm:request_success_total") == 4
