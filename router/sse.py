@@ -53,6 +53,9 @@ class SSEDecoder:
             self._skip_lf = False
             if data[:1] == b"\n":
                 data = data[1:]
+        elif not self._buf and not self._data and data[-2:] == b"\n\n" and b"\r" not in data:
+            # The common case: whole `data: <json>\n\n` events, nothing carried over.
+            return self._whole_events(bytes(data))
         buf = self._buf + data if self._buf else bytes(data)
         if b"\r" in buf:
             start = self._split_any(buf, out)
@@ -69,6 +72,17 @@ class SSEDecoder:
         self._buf = buf[start:]
         if len(self._buf) > self._max_line:
             raise SSEError(f"SSE line longer than {self._max_line} bytes")
+        return out
+
+    def _whole_events(self, data: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        for ev in data[:-2].split(b"\n\n"):
+            if ev[:6] == b"data: " and b"\n" not in ev:
+                out.append(ev[6:])
+            else:  # comments, other fields, multi-line data, stray blank lines
+                for line in ev.split(b"\n"):
+                    self._line(line, out)
+                self._line(b"", out)
         return out
 
     def _split_any(self, buf: bytes, out: list[bytes]) -> int:
