@@ -150,3 +150,14 @@ def test_format_then_decode_roundtrip(payloads):
     data = b"".join(format_event(o) for o in objs) + DONE_EVENT
     out = decode_all([data])
     assert [orjson.loads(p) for p in out[:-1]] == objs and out[-1] == b"[DONE]"
+
+
+def test_whole_event_reads_with_odd_content():
+    # Reads that end on an event boundary take the fast path; odd events inside still follow
+    # the general rules.
+    d = SSEDecoder()
+    assert d.feed(b"\n\ndata: a\n\n\n\n: c\n\ndata: b1\ndata: b2\n\nevent: x\n\ndata:c\n\n") == [
+        b"a", b"b1\nb2", b"c"]
+    assert d.feed(b"data: d\n") == []            # partial: general path from here
+    assert d.feed(b"\n") == [b"d"]
+    assert d.feed(b"data: e\n\n") == [b"e"]      # back on the fast path
