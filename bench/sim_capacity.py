@@ -30,6 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Kinds of failed requests across the run (reported at the end).
+error_kinds: dict[str, int] = {}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -106,14 +108,16 @@ async def run_level(session: aiohttp.ClientSession, url: str, pid: int, concurre
                                         headers={"Content-Type": "application/json"}) as r:
                     if r.status != 200:
                         counts["errors"] += 1
+                        error_kinds[f"HTTP {r.status}"] = error_kinds.get(f"HTTP {r.status}", 0) + 1
                         await r.read()
                         continue
                     # Count events without parsing them: the client must stay cheap.
                     async for data in r.content.iter_any():
                         counts["chunks"] += data.count(b"data: {")
                 counts["requests"] += 1
-            except aiohttp.ClientError:
+            except aiohttp.ClientError as e:
                 counts["errors"] += 1
+                error_kinds[type(e).__name__] = error_kinds.get(type(e).__name__, 0) + 1
 
     before = await state(session, url)
     cpu0 = cpu_seconds(pid)
@@ -157,6 +161,8 @@ def report(console: Console, results: list[LevelResult], args: argparse.Namespac
                       f"({args.prompt_tokens}-token prompts, {args.tokens} streamed tokens each).")
     else:
         console.print("No request completed.")
+    if error_kinds:
+        console.print("Failed requests: " + ", ".join(f"{k} x{v}" for k, v in error_kinds.items()))
     console.print("lag > 1 with low CPU means the process waited for a core (a busy machine or "
                   "a client that cannot keep up), not that the simulator is slow.")
 
