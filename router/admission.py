@@ -282,7 +282,9 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
         body=body,
         stream=stream,
         include_usage=include_usage and stream,
-        continuous_usage=continuous_usage and stream,
+        # vLLM honours continuous_usage_stats only together with include_usage
+        # (should_include_usage in serve/utils/api_utils.py).
+        continuous_usage=continuous_usage and include_usage and stream,
         return_token_ids=return_token_ids,
         max_tokens=max_tokens,
         prompt_token_ids=prompt_token_ids,

@@ -65,6 +65,8 @@ def test_client_request_id_names_the_answer_like_vllm_and_is_not_forwarded():
 def test_streaming_flags():
     s = chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     assert (s.stream, s.include_usage, s.continuous_usage) == (True, True, True)
+    s = chat(stream=True, stream_options={"continuous_usage_stats": True})
+    assert (s.include_usage, s.continuous_usage) == (False, False)   # only with include_usage, as in vLLM
     s = chat(stream=True, stream_options=None)
     assert (s.stream, s.include_usage) == (True, False)
     # An empty stream_options without stream is allowed, as in vLLM (it is falsy).
