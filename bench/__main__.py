@@ -6,6 +6,7 @@
   load-sweep       offered load from light to past capacity; rejection latency on a full engine
   overhead         latency and throughput the router adds over an instant backend
   scaling          router CPU and memory as K grows, and with 1,000 open streams
+  profile          py-spy profile of the router under load (hot functions)
   sim-capacity     the simulator's own capacity (bench/sim_capacity.py)
 """
 from __future__ import annotations
@@ -35,9 +36,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="Poisson arrivals at this rate/s (trace: instead of its timestamps; "
                         "prefix-groups default 8; multiturn: session starts, default 1)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--groups", type=int, default=8, help="prefix-groups: groups")
-    g.add_argument("--per-group", type=int, default=32, help="prefix-groups: prompts per group")
-    g.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length")
+    g.add_argument("--groups", type=int, default=12, help="prefix-groups: groups")
+    g.add_argument("--per-group", type=int, default=24, help="prefix-groups: prompts per group")
+    g.add_argument("--system-tokens", type=int, default=2048, help="shared system prompt length")
     g.add_argument("--question-tokens", type=int, default=64, help="prefix-groups: question length")
     g.add_argument("--output-tokens", type=int, default=64, help="prefix-groups/multiturn: output length")
     g.add_argument("--sessions", type=int, default=16, help="multiturn: sessions")
@@ -173,6 +174,11 @@ def cmd_scaling(a: argparse.Namespace) -> int:
     return scaling_main(a)
 
 
+def cmd_profile(a: argparse.Namespace) -> int:
+    from .profile import main as profile_main
+    return profile_main(a)
+
+
 def cmd_sim_capacity(a: argparse.Namespace) -> int:
     try:
         from . import sim_capacity  # written by the simulator engineer
@@ -248,14 +254,32 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--quick", action="store_true")
     sc.set_defaults(fn=cmd_scaling)
 
+    pr = sub.add_parser("profile", help="py-spy profile of the router under wrk load")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--strategy", default="round_robin")
+    pr.add_argument("--k", type=int, default=1, help="backends (instant)")
+    pr.add_argument("--stream", action="store_true")
+    pr.add_argument("--connections", type=int, default=64)
+    pr.add_argument("--duration", type=float, default=10.0)
+    pr.add_argument("--log-level", default="info")
+    pr.add_argument("--top", type=int, default=25)
+    pr.set_defaults(fn=cmd_profile)
+
     sm = sub.add_parser("sim-capacity", help="the simulator's capacity (bench/sim_capacity.py)")
     sm.add_argument("args", nargs=argparse.REMAINDER)
     sm.set_defaults(fn=cmd_sim_capacity)
     return p
 
 
+def _terminate(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C, so every `finally` stops the processes this run started.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
     a = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     return a.fn(a)
 
 

@@ -59,9 +59,9 @@ class WorkloadSpec:
     rate: float = 0.0  # > 0: Poisson arrivals at this rate instead of the trace's times
     seed: int = 0
     # prefix-groups
-    groups: int = 8
-    per_group: int = 32
-    system_tokens: int = 1024
+    groups: int = 12
+    per_group: int = 24
+    system_tokens: int = 2048
     question_tokens: int = 64
     output_tokens: int = 64
     # multiturn
@@ -128,7 +128,10 @@ def default_sim(w: WorkloadSpec, speed: float, num_gpu_blocks: int | None = None
         sim.kv_transfer_token_s = 0.000004 / s
         sim.max_model_len = 16384
     elif w.kind == "prefix-groups":
-        sim.num_gpu_blocks = 512
+        # Room for about a third of the groups' system prompts per engine (plus the running
+        # requests): the cluster holds every group only if each engine keeps its own.
+        per_prompt = -(-(w.system_tokens + w.question_tokens + w.output_tokens) // sim.block_size)
+        sim.num_gpu_blocks = max(64, round(per_prompt * max(1.0, w.groups / 3)) + 48)
     elif w.kind == "multiturn":
         sim.num_gpu_blocks = 1024
     if num_gpu_blocks:

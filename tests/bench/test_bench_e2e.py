@@ -1,0 +1,107 @@
+"""The bench end to end on a tiny scale: contract keys, per-request lines, compare, overhead pieces."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.__main__ import build_parser, run_spec_from_args
+from bench.cluster import histogram_quantile, router_toml, RouterOptions
+from bench.overhead import SMALL, BlockingClient, http_request
+from bench.procs import ProcessSet, free_ports
+from bench.replay import SUMMARY_KEYS, load_requests, run_replay
+from bench.report import compare
+from router.config import parse_config
+
+import tomllib
+
+TINY = ["--workload", "prefix-groups", "--groups", "2", "--per-group", "10", "--system-tokens", "128",
+        "--question-tokens", "16", "--output-tokens", "8", "--rate", "20", "--speed", "20",
+        "--engines", "2", "--prefill", "1", "--min-pd-prompt-tokens", "32"]
+
+
+def test_contract_command_line_parses():
+    a = build_parser().parse_args(["replay", "--trace", "t.jsonl", "--engines", "4", "--prefill", "1", "--mode",
+                                   "probe", "--limit", "50", "--time-scale", "0.5", "--threshold", "0.3",
+                                   "--out", "o"])
+    assert (a.engines, a.prefill, a.mode, a.limit, a.time_scale, a.threshold) == (4, 1, "probe", 50, 0.5, 0.3)
+    for cmd in ("compare d1 d2", "sweep-threshold --out o", "load-sweep --out o", "overhead --out o",
+                "scaling --out o", "profile --out o"):
+        build_parser().parse_args(cmd.split())
+
+
+def test_generated_router_config_is_valid():
+    text = router_toml(8000, ["http://127.0.0.1:1", "http://127.0.0.1:2"], ["http://127.0.0.1:3"],
+                       RouterOptions(strategy="prefix_tree", threshold=0.3))
+    cfg = parse_config(tomllib.loads(text))
+    assert cfg.routing.strategy == "prefix_tree" and cfg.routing.cache_hit_threshold == 0.3
+    assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
+
+
+def test_histogram_quantile():
+    b = [(0.01, 0.0), (0.1, 50.0), (1.0, 100.0), (float("inf"), 100.0)]
+    assert histogram_quantile(b, 0.5) == pytest.approx(0.1)
+    assert histogram_quantile(b, 0.25) == pytest.approx(0.055)
+    assert histogram_quantile([(float("inf"), 0.0)], 0.5) is None
+
+
+def test_tiny_replay_probe_and_oracle(tmp_path):
+    a = build_parser().parse_args(["replay", *TINY, "--out", str(tmp_path)])
+    dirs = []
+    for mode in ("oracle", "probe", "round_robin"):
+        spec = run_spec_from_args(a, mode, tmp_path / mode)
+        s = asyncio.run(run_replay(spec))
+        for k in SUMMARY_KEYS:
+            assert k in s, k
+        assert s["requests"] == 20
+        dirs.append(tmp_path / mode)
+        if mode == "oracle":
+            assert 0.5 < s["oracle_hit_ratio"] < 1.0
+            continue
+        assert s["errors"] == 0, s["error_examples"]
+        assert 0.0 <= s["hit_ratio"] <= s["oracle_hit_ratio"] + 1e-9
+        assert s["router_cpu_s_per_1k"] > 0 and s["router_rss_mb"] > 10
+        rows = load_requests(tmp_path / mode)
+        assert len(rows) == 20
+        assert all(r["status"] == 200 and r["output_tokens"] == 8 and r["ttft_ms"] is not None for r in rows)
+        assert all(r["route"] in ("probe_hit", "pd", "direct") for r in rows)
+        if mode == "probe":
+            assert s["probes_per_request"] >= 1.0
+            assert s["routes"].get("probe_hit", 0) > 0
+        else:
+            assert s["probes_per_request"] == 0.0
+    rows = compare(dirs, tmp_path)
+    assert [r["label"] for r in rows] == ["oracle", "probe", "round_robin"]
+    assert (tmp_path / "ttft_cdf.png").stat().st_size > 1000
+    assert (tmp_path / "hit_ratio.png").exists() and (tmp_path / "compare.md").exists()
+
+
+def test_instant_backend_answers_in_vllm_shapes(tmp_path):
+    port = free_ports(1)[0]
+    with ProcessSet(tmp_path) as procs:
+        p = procs.start("instant", [sys.executable, "-m", "bench.instant_backend", "--port", str(port),
+                                    "--chunks", "4"])
+        from bench.procs import wait_http
+        asyncio.run(wait_http(f"http://127.0.0.1:{port}/health", p, 30))
+        c = BlockingClient(port)
+        t, first, status = c.roundtrip(http_request("127.0.0.1", port, "/v1/completions", SMALL))
+        assert status == 200 and first <= t
+        t, first, status = c.roundtrip(http_request("127.0.0.1", port, "/v1/completions",
+                                                    {**SMALL, "stream": True,
+                                                     "stream_options": {"include_usage": True}}))
+        assert status == 200
+        c.close()
+        import urllib.request
+        body = json.dumps({**SMALL, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        text = urllib.request.urlopen(req, timeout=10).read().decode()
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [c["choices"][0]["text"] for c in chunks[:4]] == [" tok"] * 4
+        assert chunks[0]["choices"][0]["prompt_token_ids"] and chunks[3]["choices"][0]["finish_reason"] == "length"
+        assert chunks[4]["usage"]["completion_tokens"] == 4
