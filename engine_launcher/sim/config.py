@@ -115,6 +115,14 @@ class SimEngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be >= 2 (block 0 is vLLM's null block)")
+        if -(-self.max_model_len // self.block_size) > self.num_gpu_blocks - 1:
+            # As vLLM at start-up: one request of max_model_len tokens must fit, or it could
+            # wait forever.
+            raise ValueError(
+                f"max_model_len {self.max_model_len} needs "
+                f"{-(-self.max_model_len // self.block_size)} blocks of {self.block_size} "
+                f"tokens but the KV cache has {self.num_gpu_blocks - 1}; raise num_gpu_blocks "
+                f"or lower max_model_len")
         if not self.speed > 0:
             raise ValueError(f"speed must be > 0, got {self.speed}")
         if not 0.0 <= self.global_cache_hit_threshold <= 1.0:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine_launcher.sim import TimingModel
+from engine_launcher.sim import SimEngineConfig, TimingModel
 from sim_testutil import post, wait_until
 
 
@@ -81,3 +81,9 @@ async def test_engine_keeps_many_streams_with_one_loop_task(make_engine, http) -
     assert len(asyncio.all_tasks()) <= before + 2 * 200 + 5
     results = await asyncio.gather(*tasks)
     assert all(r[1][-1] == "[DONE]" for r in results)
+
+
+def test_config_rejects_a_cache_smaller_than_one_full_request() -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        SimEngineConfig(max_model_len=1024, block_size=16, num_gpu_blocks=10).validate()
+    SimEngineConfig(max_model_len=144, block_size=16, num_gpu_blocks=10).validate()
