@@ -4,12 +4,18 @@ One place owns every fact about a backend. Planners never see this mutable state
 get a `ClusterSnapshot` of frozen `BackendView`s, so every routing policy is a pure
 function testable without sockets.
 
-Health has two sources:
-- active: a periodic scrape of `/metrics` (load) that doubles as the liveness check;
-- passive: the request path reports connection errors and 5xx (`record_failure`) and
-  successes (`record_success`).
-A per-backend circuit breaker opens after `failure_threshold` consecutive failures; after
-`cooldown_s` it lets one trial through (half-open) and closes on its success.
+Health has two sources, kept apart:
+- active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see
+  `record_scrape_failure` for when a failed check counts);
+- passive: the request path reports connection errors, timeouts and 5xx (`record_failure`)
+  and completed answers (`record_success`); they drive the circuit breaker.
+A per-backend circuit breaker opens after `failure_threshold` consecutive request failures.
+An open backend gets no requests (no probes) for `cooldown_s`; then one trial request goes
+through (half-open) and its success closes the breaker, its failure opens it again. A good
+health check does not close the breaker: an engine can answer /health and /metrics while
+failing every request. A trial that ends without a verdict (a probe that was rejected or
+lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one
+through, so a breaker never stays half-open for good.
 """
 from __future__ import annotations
 
@@ -95,6 +101,7 @@ class BackendState:
     breaker: str = CLOSED
     opened_at: float = 0.0
     half_open_trial_taken: bool = False
+    trial_at: float = 0.0
     last_error: str = ""
     last_scrape_ok: float = 0.0
 
@@ -129,9 +136,10 @@ class BackendRegistry:
     def _available(self, s: BackendState, now: float) -> bool:
         if s.breaker == OPEN:
             # After the cool-down the breaker lets one trial through.
-            return now - s.opened_at >= self.health.cooldown_s and not s.half_open_trial_taken
+            return s.healthy and now - s.opened_at >= self.health.cooldown_s
         if s.breaker == HALF_OPEN:
-            return not s.half_open_trial_taken
+            return s.healthy and (not s.half_open_trial_taken
+                                  or now - s.trial_at >= self.health.cooldown_s)
         return s.healthy
 
     def ready(self) -> bool:
@@ -149,15 +157,22 @@ class BackendRegistry:
     def acquire(self, name: str) -> None:
         s = self.states[name]
         s.inflight += 1
-        if s.breaker == OPEN and self.clock() - s.opened_at >= self.health.cooldown_s:
+        now = self.clock()
+        if s.breaker == OPEN and now - s.opened_at >= self.health.cooldown_s:
             s.breaker = HALF_OPEN
+            log.info("backend %s: circuit half-open, one trial request", name)
         if s.breaker == HALF_OPEN:
             s.half_open_trial_taken = True
+            s.trial_at = now
         self._changed(s)
 
     def release(self, name: str) -> None:
         s = self.states[name]
         s.inflight -= 1
+        if s.breaker == HALF_OPEN:
+            # The trial's verdict (record_success / record_failure) follows if it had one;
+            # a trial without one (rejected or cancelled probe) frees the slot.
+            s.half_open_trial_taken = False
         self._changed(s)
 
     def record_success(self, name: str) -> None:
@@ -194,7 +209,12 @@ class BackendRegistry:
         s.last_scrape_ok = self.clock()
         if models is not None and not s.config.models:
             s.models = models
-        self.record_success(name)
+        if not s.healthy:
+            log.info("backend %s: answers its health checks again%s", name,
+                     "" if s.breaker == CLOSED else f" (circuit {s.breaker} until a trial request succeeds)")
+        # Healthy, but the breaker is left alone: only requests close it.
+        s.healthy = True
+        self._changed(s)
 
     def record_scrape_failure(self, name: str, reason: str, definitive: bool = True) -> None:
         """A failed health check. Definitive failures (connection refused: nothing
@@ -206,7 +226,8 @@ class BackendRegistry:
             if s.healthy:
                 log.warning("backend %s: unreachable (%s), skipped until it answers", name, reason)
             s.healthy = False
-        self.record_failure(name, reason)
+        s.last_error = reason
+        self._changed(s)
 
     def _changed(self, s: BackendState) -> None:
         if self.on_change is not None:
