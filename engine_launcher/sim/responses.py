@@ -102,7 +102,7 @@ class CompletionStreamState:
 
 def stream_chunk(ctx: ResponseContext, req: SimRequest, state: CompletionStreamState,
                  ids: list[int], text: str, lps: list | None, finish_reason: str | None,
-                 stop_reason: Any, details: bool) -> bytes:
+                 stop_reason: Any) -> bytes:
     p = ctx.parsed
     want_ids = p.return_token_ids
     logprobs = None

@@ -198,7 +198,7 @@ class SimServer:
             if ids or text or finished:
                 await resp.write(R.stream_chunk(
                     ctx, req, state, ids, text, lps, req.finish_reason if finished else None,
-                    req.stop_reason if finished else None, details))
+                    req.stop_reason if finished else None))
                 sent += len(ids)
             if finished:
                 break
