@@ -63,6 +63,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-pd-prompt-tokens", type=int, default=-1,
                    help="routing.min_pd_prompt_tokens (default: 256 tokens, length-scaled)")
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
+    g.add_argument("--engines-per-process", type=int, default=1,
+                   help="simulated engines per process (default 1: each engine its own process; 0: one "
+                        "process per role)")
     g.add_argument("--pin", action="store_true",
                    help="pin the router to the last core and everything else to the others")
 
@@ -93,7 +96,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     for k, v in router_over.items():
         setattr(ropts, k, v)
     return RunSpec(mode=mode, out=out, workload=w, engines=a.engines, prefill=a.prefill, sim=sim,
-                   router=ropts, slo_ttft_ms=a.slo_ttft_ms, pin=a.pin)
+                   router=ropts, slo_ttft_ms=a.slo_ttft_ms, pin=a.pin,
+                   engines_per_process=getattr(a, "engines_per_process", 1))
 
 
 def expand_modes(text: str) -> list[str]:

@@ -119,6 +119,7 @@ class Cluster:
     router: Proc | None = None
     router_kind: str = ""  # ours | vllm-router | ""
     engine_procs: list[Proc] = field(default_factory=list)
+    _owners: list[Proc] = field(default_factory=list)  # the process of each engine, in engines order
 
     @property
     def engines(self) -> list[str]:
@@ -136,12 +137,11 @@ class Cluster:
                 cmd = [PY, "-m", "engine_launcher.sim", *sum((["--port", str(pt)] for pt in group), []),
                        "--role", role, *sim.args(), *(extra_decoder if role == "consumer" else ())]
                 proc = self.procs.start(f"sim-{role}-{j}", pinned(cmd, cores))
+                for _ in group:
+                    self._owners.append(proc)
                 self.engine_procs.append(proc)
                 out.extend(f"http://127.0.0.1:{pt}" for pt in group)
-        await asyncio.gather(*(wait_http(u + "/health", self._owner(u), 60) for u in self.engines))
-
-    def _owner(self, url: str) -> Proc | None:
-        return self.engine_procs[0] if self.engine_procs else None
+        await asyncio.gather(*(wait_http(u + "/health", p, 60) for u, p in zip(self.engines, self._owners)))
 
     async def start_router(self, opts: RouterOptions, work_dir: Path, cores: list[int] | None = None,
                            port: int | None = None) -> None:

@@ -87,6 +87,7 @@ class RunSpec:
     slo_ttft_ms: float = 1000.0
     pin: bool = False
     quiet: bool = False
+    engines_per_process: int = 1
 
 
 def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
@@ -217,7 +218,7 @@ async def run_replay(spec: RunSpec) -> dict:
     cluster = Cluster(procs, [], [])
     try:
         await cluster.start_engines(spec.engines, spec.prefill if spec.mode in ROUTER_MODES else 0,
-                                    spec.sim, cores=other_cores)
+                                    spec.sim, cores=other_cores, engines_per_process=spec.engines_per_process)
         if spec.mode in ROUTER_MODES:
             await cluster.start_router(RouterOptions(**{**asdict(spec.router), "strategy": spec.mode}),
                                        spec.out, cores=router_cores)

@@ -29,7 +29,7 @@ def test_contract_command_line_parses():
                                    "--out", "o"])
     assert (a.engines, a.prefill, a.mode, a.limit, a.time_scale, a.threshold) == (4, 1, "probe", 50, 0.5, 0.3)
     for cmd in ("compare d1 d2", "sweep-threshold --out o", "load-sweep --out o", "overhead --out o",
-                "scaling --out o", "profile --out o"):
+                "scaling --out o", "profile --out o", "replay --workload multiturn --mode all --out o"):
         build_parser().parse_args(cmd.split())
 
 
