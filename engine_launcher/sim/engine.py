@@ -456,6 +456,7 @@ class SimEngine:
     def _apply(self, batch: list[tuple[SimRequest, int]]) -> None:
         cfg = self.config
         any_finished = False
+        generated_before = self.stats.total_generated
         for req, n in batch:
             if req.status is not Status.RUNNING:
                 continue  # aborted during the step
@@ -470,6 +471,7 @@ class SimEngine:
             req.event.set()
         if any_finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
+        self.metrics.generation_tokens.inc(self.stats.total_generated - generated_before)
         exit_after = cfg.faults.exit_after_tokens
         if exit_after and self.stats.total_generated >= exit_after and not self.dead:
             self.dead = True
@@ -487,12 +489,12 @@ class SimEngine:
         token = tok.next_token(req.gen_key, pos, cfg.eos_probability, allow_eos)
         req.output_ids.append(token)
         req.all_ids.append(token)
-        hash_blocks(req.all_ids, self.block_size, req.block_hashes)
+        if len(req.all_ids) % self.block_size == 0:  # a block just filled up
+            hash_blocks(req.all_ids, self.block_size, req.block_hashes)
         if sp.logprobs is not None:
             req.output_logprobs.append(tok.fake_logprobs(req.gen_key, pos, token, sp.logprobs))
-        self.stats.total_generated += 1
+        self.stats.total_generated += 1  # vllm:generation_tokens is updated once per step
         m = self.metrics
-        m.generation_tokens.inc()
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             m.time_to_first_token.observe(req.first_token_time - req.arrival_time)

@@ -109,8 +109,8 @@ def stream_chunk(ctx: ResponseContext, req: SimRequest, state: CompletionStreamS
     if p.want_logprobs and lps is not None:
         logprobs = (_chat_logprobs(lps, p.sampling.logprobs or 0) if ctx.chat else
                     _completion_logprobs(lps, p.sampling.logprobs or 0, state.text_offset))
-    for t in ids:
-        state.text_offset += len(tok.token_text(t))
+        for t in ids:  # completion logprobs' text_offset runs across chunks
+            state.text_offset += len(tok.token_text(t))
     if ctx.chat:
         choice: dict[str, Any] = {"index": 0, "delta": {"content": text},
                                   "logprobs": logprobs, "finish_reason": finish_reason}

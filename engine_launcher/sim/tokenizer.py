@@ -87,6 +87,10 @@ def encode(text: str) -> list[int]:
     return out
 
 
+# Text of each built-in token, decoded once (token_text is on the per-token path).
+_id_to_text: list[str] = [p.decode("utf-8", errors="replace") for p in _id_to_piece]
+
+
 def _piece(t: int) -> bytes:
     if 0 <= t < NUM_BUILT_IN:
         return _id_to_piece[t]
@@ -102,6 +106,8 @@ def decode(token_ids: Sequence[int]) -> str:
 
 def token_text(token_id: int) -> str:
     """Text of one token (what vLLM puts in logprobs' `tokens`)."""
+    if 0 <= token_id < NUM_BUILT_IN:
+        return _id_to_text[token_id]
     return _piece(token_id).decode("utf-8", errors="replace")
 
 
