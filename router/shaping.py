@@ -97,6 +97,77 @@ def _has_output(c: dict) -> bool:
     return False
 
 
+class MalformedChunk(ValueError):
+    """An upstream chunk the shaper cannot read (the engine broke the protocol)."""
+
+
+def _check_ids(ids, what: str) -> None:
+    if type(ids) is not list or not all(type(t) is int for t in ids):
+        raise MalformedChunk(f"upstream chunk: `{what}` is not a list of integers")
+
+
+def _check_choice(c, *, chat: bool) -> None:
+    """Types of the choice fields the shaper reads (cheap: a handful of type checks)."""
+    if type(c) is not dict:
+        raise MalformedChunk("upstream chunk: a choice is not an object")
+    ids = c.get("token_ids")
+    if ids is not None:
+        _check_ids(ids, "token_ids")
+    fr = c.get("finish_reason")
+    if fr is not None and type(fr) is not str:
+        raise MalformedChunk("upstream chunk: `finish_reason` is not a string")
+    lp = c.get("logprobs")
+    if lp is not None:
+        _check_logprobs(lp)
+    if chat:
+        d = c.get("delta")
+        if d is None:
+            return
+        if type(d) is not dict:
+            raise MalformedChunk("upstream chunk: `delta` is not an object")
+        for k in ("role", "content", "reasoning", "reasoning_content"):
+            v = d.get(k)
+            if v is not None and type(v) is not str:
+                raise MalformedChunk(f"upstream chunk: `delta.{k}` is not a string")
+        tc = d.get("tool_calls")
+        if tc is not None:
+            if type(tc) is not list:
+                raise MalformedChunk("upstream chunk: `delta.tool_calls` is not a list")
+            for call in tc:
+                if type(call) is not dict or type(call.get("index", 0)) is not int:
+                    raise MalformedChunk("upstream chunk: a tool call delta without an integer `index`")
+                f = call.get("function")
+                if f is not None and (type(f) is not dict or any(
+                        f.get(k) is not None and type(f.get(k)) is not str for k in ("name", "arguments"))):
+                    raise MalformedChunk("upstream chunk: a tool call `function` is malformed")
+    else:
+        t = c.get("text")
+        if t is not None and type(t) is not str:
+            raise MalformedChunk("upstream chunk: `text` is not a string")
+
+
+def _check_logprobs(lp) -> None:
+    """Completion logprobs (parallel lists) or chat logprobs (`content` entries)."""
+    if type(lp) is not dict:
+        raise MalformedChunk("upstream chunk: `logprobs` is not an object")
+    content = lp.get("content")
+    if content is not None:
+        if type(content) is not list or not all(
+                type(e) is dict and type(e.get("token")) is str for e in content):
+            raise MalformedChunk("upstream chunk: `logprobs.content` is malformed")
+        return
+    offsets = lp.get("text_offset")
+    tokens = lp.get("tokens")
+    if offsets is not None and (type(offsets) is not list or not all(type(o) is int for o in offsets)):
+        raise MalformedChunk("upstream chunk: `logprobs.text_offset` is malformed")
+    if tokens is not None and (type(tokens) is not list or not all(type(t) is str for t in tokens)):
+        raise MalformedChunk("upstream chunk: `logprobs.tokens` is malformed")
+    for k in ("token_logprobs", "top_logprobs"):
+        v = lp.get(k)
+        if v is not None and type(v) is not list:
+            raise MalformedChunk(f"upstream chunk: `logprobs.{k}` is not a list")
+
+
 def _lp_entries(lp) -> bool:
     """Logprobs that cover at least one token (an empty object covers none)."""
     return isinstance(lp, dict) and bool(lp.get("tokens") or lp.get("content"))
@@ -200,7 +271,22 @@ class ResponseShaper:
         """One parsed upstream chunk -> the chunks for a streaming client (maybe none).
 
         For a non-streaming client it only records the chunk for `accumulate_response` and
-        returns nothing (no client chunks are built on that path)."""
+        returns nothing (no client chunks are built on that path).
+
+        Raises MalformedChunk (a ValueError) for a chunk it cannot read; the types of the
+        fields the answer is built from are checked before any state changes, so a bad
+        chunk never half-updates the answer."""
+        try:
+            return self._shape(chunk)
+        except MalformedChunk:
+            raise
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+            # Something deeper in an odd chunk (e.g. logprob entries of the wrong type).
+            raise MalformedChunk(f"unreadable upstream chunk ({type(e).__name__}: {e})") from e
+
+    def _shape(self, chunk: dict) -> list[dict]:
+        if type(chunk) is not dict:
+            raise MalformedChunk("upstream chunk is not a JSON object")
         if self._model is None and isinstance(chunk.get("model"), str):
             self._model = chunk["model"]
         fp = chunk.get("system_fingerprint")
@@ -212,7 +298,14 @@ class ResponseShaper:
             if isinstance(usage, dict):
                 self._note_usage(usage)
             return []
+        if type(choices) is not list:
+            raise MalformedChunk("upstream chunk: `choices` is not a list")
         c = choices[0]
+        _check_choice(c, chat=self._chat and not self._is_resume)
+        if self.prompt_token_ids is None and not self._is_resume:
+            pti = chunk.get("prompt_token_ids") if "delta" in c else c.get("prompt_token_ids")
+            if pti is not None:
+                _check_ids(pti, "prompt_token_ids")
         if self._pending:
             pending = self._flush_pending()
             if self._is_resume or not self._chat:
@@ -224,7 +317,7 @@ class ResponseShaper:
 
     def _note_ids(self, c: dict, top_prompt_ids) -> list:
         """Record prompt ids (first non-resume leg) and this chunk's generated ids."""
-        if self.prompt_token_ids is None and not self._is_resume and isinstance(top_prompt_ids, list):
+        if self.prompt_token_ids is None and not self._is_resume and top_prompt_ids is not None:
             self.prompt_token_ids = top_prompt_ids
         ids = c.get("token_ids")
         if ids:

@@ -693,3 +693,57 @@ def test_vllm_shapes_transcription_matches_vllm_models():
               _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}, finish="tool_calls", ids=[3])]:
         sh.shape(c)
     assert sh.accumulate_response()["choices"][0]["message"] == m.model_dump()
+
+
+# --- robustness: whatever an upstream sends, the shaper raises MalformedChunk or carries on -------
+
+from router.shaping import MalformedChunk  # noqa: E402
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=4),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
+
+
+def _field(key: str, good):
+    return st.one_of(st.just(good), _json).map(lambda v: (key, v))
+
+
+@st.composite
+def odd_chunks(draw):
+    g = Gen(PROMPT, steps_for(2, logprobs=True, per_step=2), logprobs=2, cached_tokens=1)
+    base = copy.deepcopy(draw(st.sampled_from(chat_stream(g) + completion_stream(g))))
+    if base["choices"] and draw(st.booleans()):
+        c = base["choices"][0]
+        key = draw(st.sampled_from(sorted(c) + ["delta.content", "delta.tool_calls", "logprobs.tokens"]))
+        value = draw(_json)
+        if "." in key:
+            outer, inner = key.split(".")
+            if isinstance(c.get(outer), dict):
+                c[outer][inner] = value
+        else:
+            c[key] = value
+    if draw(st.booleans()):
+        base[draw(st.sampled_from(sorted(base)))] = draw(_json)
+    return base
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([ENDPOINT_CHAT, ENDPOINT_COMPLETIONS]), st.booleans(),
+       st.lists(st.tuples(st.sampled_from([None, False, True]), odd_chunks()), max_size=8))
+def test_odd_upstream_chunks_never_crash_the_shaper(endpoint, stream, script):
+    spec = make_spec(endpoint, stream=stream, include_usage=stream, return_token_ids=True, logprobs=2)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    for new_leg, chunk in script:
+        if new_leg is not None:
+            sh.begin_leg(is_resume=new_leg)
+        try:
+            out = sh.shape(chunk)
+        except MalformedChunk:
+            continue
+        orjson.dumps(out)
+    orjson.dumps(sh.release_held() + sh.final_chunks())
+    orjson.dumps(sh.accumulate_response())
+    assert all(type(t) is int for t in sh.generated_token_ids)
+    assert isinstance(sh.generated_text, str)
