@@ -142,6 +142,8 @@ class Dispatcher:
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(self.routing.max_retries + 1):
+            if attempt and last_error is not None:
+                self.metrics.retries.labels(last_error.backend).inc()
             plan = self.strategy.plan(query, self.registry.snapshot(), frozenset(exclude))
             if plan.direct is None:
                 break
