@@ -35,7 +35,16 @@ streaming (`shape`, `release_held`, `final_chunks`)
 
 non-streaming (`accumulate_response`)
 - the JSON vLLM 0.32 returns for the same request with `stream: false` (every field that
-  `model_dump()` writes, nulls included), built from every chunk seen across legs.
+  `model_dump()` writes, nulls included), built from every chunk seen across legs; `shape`
+  builds no client chunks for such a client and returns [].
+- not reproducible from streams, hence null: `prompt_logprobs` (admission rejects the
+  option), `prompt_text`, `metrics` (per-request timing, only with an engine flag),
+  `kv_transfer_params` (internal, never shown to clients), `routed_experts`.
+
+State for the lead (resume, accounting): `prompt_token_ids` (spec's, else the first
+non-resume leg's), `generated_token_ids` and `generated_text` across legs,
+`finish_reason`/`stop_reason`/`leg_tokens` of the current leg, `first_token_seen`,
+`emitted` (a chunk went to the client: errors must now travel as SSE events), `legs`.
 
 Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
 must not use the chunk afterwards. That saves a copy per chunk on the hot path.
