@@ -38,6 +38,8 @@ from .protocol import ApiError, json_error, parse_request
 log = logging.getLogger("engine_launcher.sim")
 
 PULL_TIMEOUT_S = 10.0
+# Graceful-shutdown bound for handlers still running when an engine closes.
+SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -102,17 +104,20 @@ class SimServer:
         self.engine.start()
         # handler_cancellation: a client that goes away cancels its handler (vLLM aborts
         # the request when the client disconnects; the router relies on it).
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
         site = web.SockSite(self._runner, sock)
         await site.start()
         return self.port
 
     async def close(self) -> None:
+        # The engine first: aborting every request lets open handlers finish their answers,
+        # so the runner's graceful shutdown does not wait for long generations.
+        await self.engine.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        await self.engine.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -5,6 +5,7 @@ import asyncio
 
 import aiohttp
 
+from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from sim_testutil import metric, wait_until
 
 
@@ -46,3 +47,16 @@ async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine) -
         await wait_until(lambda: eng.engine.num_waiting == 0)
         first.cancel()
     await wait_until(lambda: eng.engine.num_running == 0)
+
+
+async def test_closing_an_engine_ends_open_streams(make_engine, http) -> None:
+    eng = await start_sim_engine(SimEngineConfig(speed=1.0, max_model_len=2048,
+                                                 num_gpu_blocks=1024))
+    resp = await http.post(eng.url + "/v1/completions", json={
+        "prompt": [7] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    await resp.content.readuntil(b"\n\n")
+    # Guard only: a close that waited for the 2000-token generation would take 12 s+.
+    await asyncio.wait_for(eng.close(), timeout=10)
+    rest = await resp.read()
+    assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")
+    assert eng.engine.num_running == 0 and not eng.engine.requests
