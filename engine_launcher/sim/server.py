@@ -15,6 +15,7 @@ out unless it finished.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -54,6 +55,9 @@ class SimServer:
     """One engine and its aiohttp application, listening on one port."""
 
     def __init__(self, config: SimEngineConfig, *, exit_process_on_fault: bool = False) -> None:
+        # A private copy: engines built from one config (dataclasses.replace shares the
+        # FaultConfig) must not share mutable state.
+        config = copy.deepcopy(config)
         self.config = config
         self.engine = SimEngine(config)
         self.exit_process_on_fault = exit_process_on_fault

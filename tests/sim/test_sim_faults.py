@@ -3,11 +3,12 @@ reset."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import aiohttp
 import pytest
 
-from engine_launcher.sim import FaultConfig
+from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
 from sim_testutil import parse_sse, post, wait_until
 
 
@@ -97,3 +98,16 @@ async def test_reset_prefix_cache(make_engine, http) -> None:
     async with http.post(eng.url + "/reset_prefix_cache") as r:
         assert (await r.json()) == {"success": False}
     await task
+
+
+async def test_engines_built_from_one_config_do_not_share_faults(http) -> None:
+    base = SimEngineConfig(speed=1000.0, max_model_len=2048, num_gpu_blocks=1024)
+    a = await start_sim_engine(replace(base, role="producer"))
+    b = await start_sim_engine(replace(base, role="consumer"))
+    try:
+        a.config.faults.error_rate = 1.0
+        assert (await post(http, a.url + "/v1/completions", {"prompt": "x"}))[0] == 500
+        assert (await post(http, b.url + "/v1/completions", {"prompt": "x"}))[0] == 200
+    finally:
+        await a.close()
+        await b.close()
