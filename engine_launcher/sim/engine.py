@@ -405,8 +405,9 @@ class SimEngine:
             budget -= n
 
     def _record_hits(self, req: SimRequest, local: int, external: int) -> None:
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens < 0:  # first admission
             req.num_cached_tokens = local + external
+            self.metrics.request_queue_time.observe(time.monotonic() - req.arrival_time)
         if req.num_preemptions:  # vLLM keeps preempted re-admissions out of these counters
             return
         m = self.metrics
@@ -554,6 +555,7 @@ class SimEngine:
         req.stop_reason = stop_reason
         self.requests.pop(req.request_id, None)
         self.metrics.request_success[reason].inc()
+        self.metrics.e2e_request_latency.observe(time.monotonic() - req.arrival_time)
         req.event.set()
 
     # --- leases ------------------------------------------------------------------------

@@ -13,6 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # vllm/v1/metrics/buckets.py TIME_TO_FIRST_TOKEN_BUCKETS
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# REQUEST_LATENCY_BUCKETS (e2e and queue time)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition", "cache_threshold")
 
 
@@ -73,6 +76,13 @@ class EngineMetrics:
         self.time_to_first_token = Histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
             labels, buckets=TTFT_BUCKETS, registry=r).labels(*values)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(*values)
+        self.request_queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(*values)
         self.nixl_num_failed_transfers = counter(
             "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.")
         self.nixl_num_kv_expired_reqs = counter(

@@ -20,6 +20,8 @@ async def test_prefix_cache_counters_count_tokens(make_engine, http) -> None:
     assert await metric(http, eng.url, "vllm:request_success_total",
                         finished_reason="length") == 2
     assert await metric(http, eng.url, "vllm:time_to_first_token_seconds_count") == 2
+    assert await metric(http, eng.url, "vllm:e2e_request_latency_seconds_count") == 2
+    assert await metric(http, eng.url, "vllm:request_queue_time_seconds_count") == 2
 
 
 async def test_cache_config_info_and_labels(make_engine, http) -> None:
