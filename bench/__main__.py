@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -24,8 +25,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=("trace", "prefix-groups", "multiturn"), default="trace")
     g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL (default: %(default)s)")
-    g.add_argument("--limit", type=int, help="first N requests of the trace (after --offset)")
-    g.add_argument("--offset", type=int, default=0, help="skip the first N trace requests")
+    g.add_argument("--limit", type=int, help="N requests of the trace (default 400; see --window)")
+    g.add_argument("--window", choices=("tail", "head"), default="tail",
+                   help="which N requests: the last N (default; the Mooncake trace's prefix reuse builds up "
+                        "over its 17 minutes, so its tail is where it shows) or the first N after --offset")
+    g.add_argument("--offset", type=int, default=0, help="with --window head: skip the first N requests")
     g.add_argument("--time-scale", type=float, default=0.5,
                    help="multiply trace timestamps (0.5: 2x faster; default %(default)s)")
     g.add_argument("--block-tokens", type=int, default=32,
@@ -52,7 +56,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engines", "-K", type=int, default=4, help="decode engines (default %(default)s)")
     g.add_argument("--prefill", "-P", type=int, default=1, help="prefill engines (default %(default)s)")
     g.add_argument("--speed", type=float, default=0.0,
-                   help="simulator time compression (default: trace 2, others 1)")
+                   help="simulator time compression (default: trace 3, others 1)")
     g.add_argument("--num-gpu-blocks", type=int, default=0,
                    help="KV blocks per engine (default: scaled from the workload)")
     g.add_argument("--max-num-seqs", type=int, default=0, help="per engine (default: simulator's)")
@@ -72,7 +76,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def workload_from_args(a: argparse.Namespace):
     from .replay import WorkloadSpec
-    return WorkloadSpec(kind=a.workload, trace=a.trace, limit=a.limit, offset=a.offset, time_scale=a.time_scale,
+    return WorkloadSpec(kind=a.workload, trace=a.trace, limit=a.limit, offset=a.offset, window=a.window,
+                        time_scale=a.time_scale,
                         block_tokens=a.block_tokens, output_scale=a.output_scale, max_output=a.max_output,
                         rate=a.rate, seed=a.seed, groups=a.groups, per_group=a.per_group,
                         system_tokens=a.system_tokens, question_tokens=a.question_tokens,
@@ -84,7 +89,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     from .cluster import RouterOptions
     from .replay import RunSpec, default_sim
     w = workload_from_args(a)
-    speed = a.speed or (2.0 if w.kind == "trace" else 1.0)
+    speed = a.speed or (3.0 if w.kind == "trace" else 1.0)
     sim = default_sim(w, speed, a.num_gpu_blocks or None)
     sim.arrival_check = not a.no_arrival_check
     if a.max_num_seqs:
@@ -143,6 +148,9 @@ def cmd_replay(a: argparse.Namespace) -> int:
         d = out if len(modes) == 1 else out / mode
         console.print(f"[bold]replay[/bold] mode={mode} workload={a.workload} K={a.engines} P={a.prefill} -> {d}")
         s = asyncio.run(run_replay(run_spec_from_args(a, mode, d)))
+        if a.label and len(modes) == 1:
+            s["label"] = a.label
+            (d / "summary.json").write_text(json.dumps(s, indent=2))
         console.print({k: s.get(k) for k in SUMMARY_KEYS})
         dirs.append(d)
     if len(dirs) > 1:
@@ -209,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probe | round_robin | least_loaded | prefix_tree | oracle | vllm_router_rr | "
                         "vllm_router_cache_aware, a comma list, or 'all' (each into OUT/<mode>)")
     r.add_argument("--out", required=True)
+    r.add_argument("--label", help="name of the run in compare tables (default: the mode)")
     r.add_argument("--full", action="store_true", help="the whole trace (default: first 400 requests)")
     r.add_argument("--quick", action="store_true", help="a small run (trace: 150 requests)")
     r.set_defaults(fn=cmd_replay)
@@ -236,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--out", required=True)
     ls.add_argument("--quick", action="store_true")
     ls.add_argument("--skip-rejection", action="store_true", help="skip the rejection-latency test")
-    ls.set_defaults(fn=cmd_load_sweep)
+    # Shared-prefix groups on engines at 1/4 of an H100, so that "past capacity" is reached at
+    # request rates this machine can drive.
+    ls.set_defaults(fn=cmd_load_sweep, workload="prefix-groups", speed=0.25, output_tokens=32)
 
     o = sub.add_parser("overhead", help="latency and throughput the router adds over an instant backend")
     o.add_argument("--out", required=True)

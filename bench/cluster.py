@@ -34,7 +34,7 @@ class SimOptions:
     num_gpu_blocks: int = 28000
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int = 16384
+    max_model_len: int = 8192  # lowered to what the KV cache holds, as the simulator requires
     prefill_token_s: float | None = None
     kv_transfer_token_s: float | None = None
     arrival_check: bool = True
@@ -45,7 +45,8 @@ class SimOptions:
         a = ["--model", MODEL, "--speed", repr(self.speed), "--block-size", str(self.block_size),
              "--num-gpu-blocks", str(self.num_gpu_blocks), "--max-num-seqs", str(self.max_num_seqs),
              "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-             "--max-model-len", str(self.max_model_len), "--seed", str(self.seed),
+             "--max-model-len", str(min(self.max_model_len, (self.num_gpu_blocks - 1) * self.block_size)),
+             "--seed", str(self.seed),
              "--arrival-check" if self.arrival_check else "--no-arrival-check",
              "--log-level", "warning"]
         if self.prefill_token_s is not None:

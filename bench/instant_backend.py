@@ -84,6 +84,7 @@ def build_answers(chunks: int) -> dict[str, bytes]:
         return b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (status, ctype, len(body), body)
 
     out["metrics"] = plain(b"200 OK", b"text/plain; version=0.0.4; charset=utf-8", metrics)
+    out["metrics_body"] = metrics
     out["models"] = plain(b"200 OK", b"application/json", models)
     out["health"] = plain(b"200 OK", b"text/plain", b"")
     out["404"] = plain(b"404 Not Found", b"application/json",
@@ -93,8 +94,11 @@ def build_answers(chunks: int) -> dict[str, bytes]:
 
 class InstantProtocol(asyncio.Protocol):
     answers: dict[str, bytes] = {}
+    connections = 0  # accepted so far (in /metrics as instant_backend_connections_total)
+    requests = 0
 
     def connection_made(self, transport):  # type: ignore[override]
+        InstantProtocol.connections += 1
         self.t = transport
         self.buf = b""
         sock = transport.get_extra_info("socket")
@@ -131,6 +135,7 @@ class InstantProtocol(asyncio.Protocol):
         method, path = parts[0], parts[1] if len(parts) > 1 else b"/"
         a = self.answers
         if method == b"POST" and path in (b"/v1/completions", b"/v1/chat/completions"):
+            InstantProtocol.requests += 1
             key = "chat" if path == b"/v1/chat/completions" else "cmpl"
             compact = body.replace(b" ", b"")
             if b'"stream":true' in compact:
@@ -141,7 +146,12 @@ class InstantProtocol(asyncio.Protocol):
         elif path == b"/health":
             self.t.write(a["health"])
         elif path == b"/metrics":
-            self.t.write(a["metrics"])
+            extra = (b"# TYPE instant_backend_connections_total counter\ninstant_backend_connections_total %d\n"
+                     b"# TYPE instant_backend_requests_total counter\ninstant_backend_requests_total %d\n"
+                     % (InstantProtocol.connections, InstantProtocol.requests))
+            body = a["metrics_body"] + extra
+            self.t.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         elif path == b"/v1/models":
             self.t.write(a["models"])
         else:

@@ -228,7 +228,19 @@ def cpu_of(t: Target):
     return RSSSampler(t.proc.pid) if t.proc is not None else None
 
 
-def measure_target(t: Target, a, cores_other, tmp: Path) -> dict:
+def backend_counts(port: int) -> tuple[int, int]:
+    """(connections accepted, requests answered) so far by the instant backend on `port`."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return 0, 0
+    c = re.search(r"^instant_backend_connections_total (\d+)", text, re.M)
+    r = re.search(r"^instant_backend_requests_total (\d+)", text, re.M)
+    return (int(c.group(1)) if c else 0), (int(r.group(1)) if r else 0)
+
+
+def measure_target(t: Target, a, cores_other, tmp: Path, backend_port: int | None = None) -> dict:
     s: dict = {}
     lat = measure_latency(t.port, "/v1/completions", SMALL, a.latency_requests)
     s.update({"lat_p50_us": lat["p50_us"], "lat_p99_us": lat["p99_us"], "lat_errors": lat["errors"]})
@@ -236,8 +248,12 @@ def measure_target(t: Target, a, cores_other, tmp: Path) -> dict:
     s.update({"stream_p50_us": lat_s["p50_us"], "stream_p99_us": lat_s["p99_us"],
               "stream_first_p50_us": lat_s["first_p50_us"], "stream_errors": lat_s["errors"]})
     sampler = cpu_of(t)
+    c0, r0 = backend_counts(backend_port) if backend_port else (0, 0)
     w = run_wrk(t.port, SMALL, a.connections, a.duration, cores_other, tmp)
     cpu = sampler.cpu_s() - sampler.cpu0 if sampler else None
+    c1, r1 = backend_counts(backend_port) if backend_port else (0, 0)
+    if r1 > r0:
+        s["upstream_conns_per_1k"] = (c1 - c0) / (r1 - r0) * 1000
     s.update({"rps": w["rps"], "wrk_requests": w["requests"], "wrk_non2xx": w["non2xx"],
               "wrk_socket_errors": w["socket_errors"],
               "cpu_us_per_req": (cpu / w["requests"] * 1e6) if cpu is not None and w["requests"] else None})
@@ -248,7 +264,7 @@ def measure_target(t: Target, a, cores_other, tmp: Path) -> dict:
 
 def summarize_target(t: Target, direct: dict | None) -> dict:
     keys = ["lat_p50_us", "lat_p99_us", "stream_p50_us", "stream_p99_us", "stream_first_p50_us", "rps",
-            "cpu_us_per_req"]
+            "cpu_us_per_req", "upstream_conns_per_1k"]
     out = {"target": t.name, "reps": len(t.samples)}
     for k in keys:
         out[k] = rnd(median([s[k] for s in t.samples if s.get(k) is not None]), 1)
@@ -298,13 +314,15 @@ def main(a) -> int:
             for rep in range(a.reps):
                 for t in targets:
                     console.print(f"rep {rep + 1}/{a.reps}: {t.name}")
-                    t.samples.append(measure_target(t, a, other_cores, tmp))
+                    t.samples.append(measure_target(t, a, other_cores, tmp, bports[0]))
             direct = next((summarize_target(t, None) for t in targets if t.name == "direct"), None)
             rows = [summarize_target(t, direct) for t in targets]
             floor = next((r for r in rows if r["target"] == "passthrough"), None)
             for r in rows:
                 if floor and r.get("added_lat_p50_us") is not None and floor.get("added_lat_p50_us"):
                     r["added_vs_passthrough"] = rnd(r["added_lat_p50_us"] / floor["added_lat_p50_us"], 2)
+                if floor and r.get("cpu_us_per_req") is not None and floor.get("cpu_us_per_req"):
+                    r["cpu_vs_passthrough"] = rnd(r["cpu_us_per_req"] / floor["cpu_us_per_req"], 2)
                 if floor and r.get("added_stream_p50_us") is not None and floor.get("added_stream_p50_us"):
                     r["stream_added_vs_passthrough"] = rnd(r["added_stream_p50_us"] / floor["added_stream_p50_us"], 2)
             result["targets"] = rows
@@ -346,8 +364,10 @@ def main(a) -> int:
             ("stream_p50_us", "stream p50 us"), ("added_stream_p50_us", "stream added p50 us"),
             ("stream_added_vs_passthrough", "stream x passthrough"),
             ("added_stream_first_p50_us", "stream first-byte added us"),
-            ("rps", f"req/s @{a.connections}"), ("cpu_us_per_req", "CPU us/req"), ("errors", "errors")]
-    nd = {"added_vs_passthrough": 2, "stream_added_vs_passthrough": 2}
+            ("rps", f"req/s @{a.connections}"), ("cpu_us_per_req", "CPU us/req"),
+            ("cpu_vs_passthrough", "CPU x passthrough"), ("upstream_conns_per_1k", "new upstream conns/1k"),
+            ("errors", "errors")]
+    nd = {"added_vs_passthrough": 2, "stream_added_vs_passthrough": 2, "cpu_vs_passthrough": 2}
     console.print(table("Router overhead (instant backend, medians of interleaved repetitions)", cols,
                         result["targets"], nd))
     pcols = [("k", "K engines"), ("lat_p50_us", "p50 us"), ("added_lat_p50_us", "added p50 us"),

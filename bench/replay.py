@@ -52,6 +52,7 @@ class WorkloadSpec:
     trace: str = ""
     limit: int | None = None
     offset: int = 0
+    window: str = "head"  # head: `limit` requests from `offset`; tail: the last `limit` requests
     time_scale: float = 0.25
     block_tokens: int = 32
     output_scale: float = 1.0
@@ -92,7 +93,11 @@ class RunSpec:
 
 def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
     if w.kind == "trace":
-        records = wl.load_trace(w.trace, None if w.limit is None else w.offset + w.limit)[w.offset:]
+        if w.window == "tail":
+            records = wl.load_trace(w.trace)
+            records = records[-w.limit:] if w.limit else records
+        else:
+            records = wl.load_trace(w.trace, None if w.limit is None else w.offset + w.limit)[w.offset:]
         reqs = wl.mooncake_requests(records, block_tokens=w.block_tokens, time_scale=w.time_scale,
                                     output_scale=w.output_scale, max_output=w.max_output, seed=w.seed)
     elif w.kind == "prefix-groups":

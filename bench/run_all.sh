@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every benchmark of bench/RESULTS.md, one after the other (never two at once: they would
+# measure each other), into OUT (default bench/out, git-ignored). About 40 minutes on 2 cores.
+# Usage: bench/run_all.sh [OUT] [--skip-trace]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench/out}
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+log "prefix-groups: every mode"
+$PY -m bench replay --workload prefix-groups --mode all --out "$OUT/prefix-groups"
+
+if [[ "${2:-}" != "--skip-trace" ]]; then
+  log "Mooncake trace (last 400 requests): every mode"
+  $PY -m bench replay --mode all --out "$OUT/trace"
+fi
+log "Mooncake trace: probe without P/D fallback (cold prompts run on the least-loaded decoder)"
+$PY -m bench replay --mode probe --min-pd-prompt-tokens 1000000000 --label probe_no_pd --out "$OUT/trace-variants/probe_no_pd"
+log "Mooncake trace: probe with 2 prefill engines"
+$PY -m bench replay --mode probe --prefill 2 --label probe_P2 --out "$OUT/trace-variants/probe_P2"
+
+log "multi-turn sessions"
+$PY -m bench replay --workload multiturn --mode probe,prefix_tree,least_loaded,round_robin --out "$OUT/multiturn"
+
+log "router overhead"
+$PY -m bench overhead --out "$OUT/overhead"
+
+log "threshold sweep (trace, last 300 requests)"
+$PY -m bench sweep-threshold --limit 300 --out "$OUT/sweep-threshold"
+
+log "load sweep"
+$PY -m bench load-sweep --out "$OUT/load-sweep"
+
+log "scaling"
+$PY -m bench scaling --out "$OUT/scaling"
+
+log "profiles"
+$PY -m bench profile --out "$OUT/profile" --strategy round_robin
+$PY -m bench profile --out "$OUT/profile" --strategy probe --stream
+log "done"
