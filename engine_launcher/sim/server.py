@@ -189,9 +189,18 @@ class SimServer:
 
     async def _stream(self, request: web.Request, ctx: R.ResponseContext,
                       req: SimRequest) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        try:
+            await self._write_stream(request, resp, ctx, req)
+        except ConnectionResetError:
+            # The client went away between two chunks; the caller aborts the request.
+            log.debug("client of %s disconnected", req.request_id)
+        return resp
+
+    async def _write_stream(self, request: web.Request, resp: web.StreamResponse,
+                            ctx: R.ResponseContext, req: SimRequest) -> None:
         cfg = self.config
         details = cfg.enable_prompt_tokens_details
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         if ctx.chat:
             await resp.write(R.chat_role_chunk(ctx, req))
@@ -219,7 +228,6 @@ class SimServer:
             await resp.write(R.usage_chunk(ctx, req, details))
         await resp.write(R.SSE_DONE)
         await resp.write_eof()
-        return resp
 
     # --- NIXL-like side channel ------------------------------------------------------
 
