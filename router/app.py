@@ -55,6 +55,8 @@ class RouterState:
         self.limiter = ConcurrencyLimiter(config.server.max_concurrent_requests,
                                           config.server.max_queued_requests,
                                           config.server.queue_timeout_s)
+        # Read at scrape time: always the current queue length.
+        self.metrics.queued.set_function(lambda: self.limiter.queued)
         self.supervisor = None
         self.registry: BackendRegistry | None = None
         self.client: UpstreamClient | None = None
@@ -125,9 +127,7 @@ class RouterState:
             rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
             if spec.model is not None and served and spec.model not in served:
                 raise errors.model_not_found(spec.model, served)
-            self.metrics.queued.set(self.limiter.queued)
             async with self.limiter.slot():
-                self.metrics.queued.set(self.limiter.queued)
                 if self.dispatcher.passes_through(spec):
                     raw = await self.dispatcher.serve_unary(spec, rec)
                     return web.Response(body=raw, content_type="application/json",
