@@ -121,13 +121,16 @@ class RouterState:
         try:
             if self._api_keys and not self.authorized(request, self._api_keys):
                 raise errors.unauthorized()
-            raw = await self._read_body(request)
-            served = self.registry.models()
-            spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None)
-            rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
-            if spec.model is not None and served and spec.model not in served:
-                raise errors.model_not_found(spec.model, served)
+            self._check_length(request)
+            # The body is read only once the request holds a slot: memory is bounded by
+            # the limits (max_concurrent_requests bodies), not by how many clients arrive.
             async with self.limiter.slot():
+                raw = await self._read_body(request)
+                served = self.registry.models()
+                spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None)
+                rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
+                if spec.model is not None and served and spec.model not in served:
+                    raise errors.model_not_found(spec.model, served)
                 if self.dispatcher.passes_through(spec):
                     raw = await self.dispatcher.serve_unary(spec, rec)
                     return web.Response(body=raw, content_type="application/json",
@@ -152,7 +155,12 @@ class RouterState:
             rec.status, rec.error = e.status, e.message
             if e.status == 429:
                 self.metrics.rejected_overload.inc()
-            return error_response(e)
+            resp = error_response(e)
+            if not request.content.is_eof():
+                # Refused before its body was read (401, 413, 429): close the connection
+                # instead of reading the rest of the body just to throw it away.
+                resp.force_close()
+            return resp
         except asyncio.CancelledError:
             rec.status, rec.error = 499, "client disconnected"
             raise
@@ -171,10 +179,14 @@ class RouterState:
             rec.duration_s = time.monotonic() - t0
             self.metrics.record(rec)
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    def _check_length(self, request: web.Request) -> None:
         limit = self.config.server.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise errors.payload_too_large(limit)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.server.max_body_bytes
+        self._check_length(request)
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
