@@ -163,13 +163,14 @@ async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path, f
 async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill_leftovers):
     engines = [EngineConfig(name="hung", kind="sim", env=(("FAKE_MODE", "hang"),))]
     events = Events()
-    sup = Supervisor(engines, launcher(tmp_path, startup_timeout_s=0.5), host_has_gpu=False,
+    # 3 s: long enough for the fake engine's interpreter to start and log on a loaded machine.
+    sup = Supervisor(engines, launcher(tmp_path, startup_timeout_s=3.0), host_has_gpu=False,
                      python=fake_python)
     start = asyncio.create_task(sup.start(progress=events))
     ev = await events.next("hung", "starting")
     pid = next(s.pid for s in sup.status())
     kill_leftovers.append(pid)
-    with pytest.raises(EngineStartError, match=r"did not answer GET /health within 0.5 s"):
+    with pytest.raises(EngineStartError, match=r"did not answer GET /health within 3 s"):
         await start
     assert ev.detail == "attempt 1"
     assert "fake engine hang" in Path(tmp_path / "logs" / "hung.log").read_text()
