@@ -205,12 +205,26 @@ async def engine_counters(session: aiohttp.ClientSession, urls: list[str]) -> di
         d = {n: metric_sum(m, n) for n in ENGINE_COUNTERS}
         for reason in ("cache_threshold", "length", "stop", "abort"):
             d[f"finished_{reason}"] = metric_sum(m, "vllm:request_success_total", finished_reason=reason)
+        d["ttft_buckets"] = histogram_buckets(m, "vllm:time_to_first_token_seconds")
         out[u] = d
     return out
 
 
-def counters_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    return {u: {k: after[u][k] - before.get(u, {}).get(k, 0.0) for k in after[u]} for u in after}
+def counters_delta(before: dict, after: dict) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for u in after:
+        b = before.get(u, {})
+        out[u] = {k: (buckets_delta(b.get(k, []), v) if isinstance(v, list) else v - b.get(k, 0.0))
+                  for k, v in after[u].items()}
+    return out
+
+
+def sum_buckets(lists: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    acc: dict[float, float] = {}
+    for bl in lists:
+        for le, c in bl:
+            acc[le] = acc.get(le, 0.0) + c
+    return sorted(acc.items())
 
 
 def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:

@@ -35,7 +35,7 @@ from engine_launcher.sim import tokenizer as simtok
 from . import workloads as wl
 from .cluster import (EXTERNAL_MODES, ROUTER_MODES, Cluster, RouterOptions, SimOptions, buckets_delta,
                       counters_delta, engine_counters, histogram_buckets, histogram_quantile, metric_sum,
-                      scrape)
+                      scrape, sum_buckets)
 from .loadgen import Result, run_open_loop, run_sessions
 from .procs import ProcessSet, RSSSampler, cpu_list
 from .stats import mean, percentile, rnd
@@ -326,6 +326,8 @@ def summarize(spec: RunSpec, base: dict, results: list[Result], wall: float, eng
         "slo_ttft_ms": spec.slo_ttft_ms, "goodput_rps": rnd(len(good) / wall if wall else None),
         "goodput_fraction": rnd(len(good) / n if n else None, 4),
         "routes": routes,
+        "engine_ttft_p50_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.5),
+        "engine_ttft_p90_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.9),
         "engine_generated_tokens": int(decoder_gen),
         "engine_tokens_not_delivered": int(decoder_gen - out_tokens),
         "preemptions": int(sum(d["vllm:num_preemptions_total"] for d in eng.values())),
@@ -369,6 +371,11 @@ def summarize(spec: RunSpec, base: dict, results: list[Result], wall: float, eng
         s.update({"probes_per_request": 0.0 if spec.mode not in ("probe",) else None, "loser_tokens": 0})
     s["loser_tokens_pct_of_output"] = rnd(100.0 * s["loser_tokens"] / out_tokens if out_tokens else None, 4)
     return s
+
+
+def _q_ms(buckets: list, q: float) -> float | None:
+    v = histogram_quantile(buckets, q)
+    return rnd(v * 1000, 1) if v is not None else None
 
 
 def write_outputs(out: Path, summary: dict, results: list[Result], logs: dict) -> None:
