@@ -201,7 +201,7 @@ def cmd_sim_capacity(a: argparse.Namespace) -> int:
     if fn is None:
         print("bench/sim_capacity.py has no main()", file=sys.stderr)
         return 2
-    rc = fn(a.args) if a.args else fn()
+    rc = fn(list(a.args or []))
     return int(rc or 0)
 
 
