@@ -10,12 +10,15 @@ from __future__ import annotations
 import copy
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
-from router.shaping import CACHE_THRESHOLD, ResponseShaper, is_rejection_chunk
+from router.shaping import CACHE_THRESHOLD, MalformedChunk, ResponseShaper, is_rejection_chunk
 
-from vllm_shapes import Gen, Step, chat_full, chat_stream, completion_full, completion_stream
+from vllm_shapes import (Gen, Step, _chat_logprobs, _completion_logprobs, chat_full, chat_stream,
+                         completion_full, completion_stream)
+from wire_fixtures import WIRE, body, load, normalized, request_body, stream_chunks
 
 PROMPT = [101, 102, 103, 104]
 
@@ -393,10 +396,6 @@ def test_fingerprint_on_the_finish_chunk_without_usage_and_on_usage_chunk_with_i
 
 # --- against real vLLM 0.32 captures (tests/fixtures/vllm_wire, docs/VLLM_WIRE.md) ----------------
 
-import pytest  # noqa: E402
-
-from wire_fixtures import body, has, normalized, request_body, stream_chunks  # noqa: E402
-
 # (upstream stream as the router's legs ask for it, client request whose real answer we have)
 WIRE_CASES = [
     ("completions_stream_usage_token_ids", "completions_stream"),
@@ -499,14 +498,14 @@ def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client)
     assert sh.generated_token_ids == [t for c in tokens for t in c["choices"][0]["token_ids"]]
 
 
-THRESHOLD_CAPTURES = sorted(p.stem for p in __import__("wire_fixtures").WIRE.glob("threshold_*.json"))
+THRESHOLD_CAPTURES = sorted(p.stem for p in WIRE.glob("threshold_*.json"))
 
 
 @pytest.mark.parametrize("name", THRESHOLD_CAPTURES)
 def test_real_threshold_captures(name):
     """Plugin captures (capture_wire.py --plugin): a rejected stream is decided True on its
     finishing chunk and never earlier; a rejected body is a 200 with cache_threshold."""
-    d = __import__("wire_fixtures").load(name)
+    d = load(name)
     if d.get("status") != 200:
         return
     if d["raw"].startswith("data:"):
@@ -620,7 +619,7 @@ def test_vllm_shapes_transcription_matches_vllm_models():
     ids = [t for s in steps for t in s.token_ids]
 
     # completions, streaming chunks: model_dump_json(exclude_unset=True)
-    lp0, _ = __import__("vllm_shapes")._completion_logprobs([steps[0]], 0)
+    lp0, _ = _completion_logprobs([steps[0]], 0)
     chunk = cp.CompletionStreamResponse(
         id=g.request_id, object="text_completion", created=g.created, model=g.model,
         choices=[cp.CompletionResponseStreamChoice(
@@ -634,7 +633,7 @@ def test_vllm_shapes_transcription_matches_vllm_models():
     assert orjson.loads(uchunk.model_dump_json(exclude_unset=False, exclude_none=True)) == completion_stream(g)[-1]
 
     # completions, non-streaming: model_dump()
-    lp_all, _ = __import__("vllm_shapes")._completion_logprobs(steps, 0)
+    lp_all, _ = _completion_logprobs(steps, 0)
     full = cp.CompletionResponse(
         id=g.request_id, created=g.created, model=g.model, usage=usage, system_fingerprint="fp",
         choices=[cp.CompletionResponseChoice(index=0, text="t0t1", logprobs=cp.CompletionLogProbs(**lp_all),
@@ -649,7 +648,7 @@ def test_vllm_shapes_transcription_matches_vllm_models():
         prompt_token_ids=PROMPT, prompt_text=None)
     cs = chat_stream(g)
     assert orjson.loads(role.model_dump_json(exclude_unset=True)) == cs[0]
-    clp = __import__("vllm_shapes")._chat_logprobs
+    clp = _chat_logprobs
     for k, s in enumerate(steps):
         kw = dict(index=0, delta=base.DeltaMessage(content=s.text),
                   logprobs=ch.ChatCompletionLogProbs(**clp([s], 2)), finish_reason=s.finish_reason)
@@ -675,7 +674,7 @@ def test_vllm_shapes_transcription_matches_vllm_models():
     # chat continuous usage as the shaper writes it
     c = ch.ChatCompletionStreamResponse(**head, choices=[])
     c.usage = eng.UsageInfo(prompt_tokens=4, completion_tokens=1, total_tokens=5, completion_tokens_details=None)
-    spec = make_spec(ENDPOINT_CHAT, continuous=True)
+    spec = make_spec(ENDPOINT_CHAT, include_usage=True, continuous=True)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
     sh.shape(chat_stream(Gen(PROMPT, steps_for(2)))[0])
@@ -696,8 +695,6 @@ def test_vllm_shapes_transcription_matches_vllm_models():
 
 
 # --- robustness: whatever an upstream sends, the shaper raises MalformedChunk or carries on -------
-
-from router.shaping import MalformedChunk  # noqa: E402
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, allow_infinity=False)
