@@ -14,6 +14,8 @@ from router.admission import (
 )
 from router.errors import RouterError
 
+from wire_fixtures import body as wire_body, load as wire_load
+
 CMPL = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -288,8 +290,6 @@ def test_fuzz_mutated_valid_bodies(endpoint, fields, data):
 
 
 # --- against real vLLM 0.32 error captures (tests/fixtures/vllm_wire) ------------------------------
-
-from wire_fixtures import body as wire_body, load as wire_load  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["error_missing_prompt", "error_out_of_range_max_tokens"])
