@@ -744,3 +744,23 @@ def test_odd_upstream_chunks_never_crash_the_shaper(endpoint, stream, script):
     orjson.dumps(sh.accumulate_response())
     assert all(type(t) is int for t in sh.generated_token_ids)
     assert isinstance(sh.generated_text, str)
+
+
+def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume():
+    # vLLM holds back text that may start a stop string and flushes it when the request
+    # finishes: a cache_threshold finish can carry text with no new token ids.
+    spec = make_spec(ENDPOINT_COMPLETIONS)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    leg1 = completion_stream(Gen(PROMPT, [Step("a", [1]), Step("", [2]), Step("bc", [], CACHE_THRESHOLD)],
+                                 include_usage=False))
+    out = [c for ch in leg1 for c in sh.shape(ch)]
+    assert "".join(c["choices"][0]["text"] for c in out) == "abc"
+    assert all(c["choices"][0]["finish_reason"] is None for c in out)
+    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 2
+    sh.begin_leg(is_resume=True)                     # the held finish is dropped
+    leg2 = completion_stream(Gen(PROMPT + [1, 2], [Step("d", [3], "stop")], include_usage=False))
+    out += [c for ch in leg2 for c in sh.shape(ch)] + sh.final_chunks()
+    assert "".join(c["choices"][0]["text"] for c in out) == "abcd"
+    assert [c["choices"][0]["finish_reason"] for c in out][-1] == "stop"
+    assert sum(1 for c in out if c["choices"][0]["finish_reason"]) == 1
