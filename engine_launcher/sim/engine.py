@@ -521,7 +521,7 @@ class SimEngine:
                     req.output_text = text[:idx + len(s)] if sp.include_stop_str_in_output \
                         else text[:idx]
                     return "stop", s
-        if n_out >= sp.max_tokens or req.num_tokens >= cfg.max_model_len:
+        if n_out >= sp.max_tokens or req.num_tokens >= cfg.context_len:
             return "length", None
         return None
 

@@ -287,9 +287,10 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     if mct is not None:
         max_tokens = mct
     prompt_len = len(prompt_ids)
-    if prompt_len > cfg.max_model_len:
+    context = cfg.context_len
+    if prompt_len > context:
         raise value_error(
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+            f"This model's maximum context length is {context} tokens. However, "
             f"your prompt contains {prompt_len} input tokens, which exceeds this limit even "
             f"without any output tokens. Please reduce the length of the input prompt.",
             "input_tokens", prompt_len)
@@ -301,7 +302,7 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
         raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
                           max_tokens)
     # As vLLM's get_max_tokens: never past the context window.
-    room = cfg.max_model_len - prompt_len
+    room = context - prompt_len
     max_tokens = room if max_tokens is None else min(max_tokens, room)
     if max_tokens < 1:
         raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine_launcher.sim import SimEngineConfig, TimingModel
+from engine_launcher.sim import TimingModel
 from sim_testutil import post, wait_until
 
 
@@ -83,7 +83,12 @@ async def test_engine_keeps_many_streams_with_one_loop_task(make_engine, http) -
     assert all(r[1][-1] == "[DONE]" for r in results)
 
 
-def test_config_rejects_a_cache_smaller_than_one_full_request() -> None:
-    with pytest.raises(ValueError, match="max_model_len"):
-        SimEngineConfig(max_model_len=1024, block_size=16, num_gpu_blocks=10).validate()
-    SimEngineConfig(max_model_len=144, block_size=16, num_gpu_blocks=10).validate()
+async def test_a_cache_smaller_than_max_model_len_caps_requests(make_engine, http) -> None:
+    # 9 usable blocks of 16 = 144 tokens: a request never outgrows the cache alone.
+    eng = await make_engine(max_model_len=1024, block_size=16, num_gpu_blocks=10)
+    status, body = await post(http, eng.url + "/v1/completions",
+                              {"prompt": [5] * 100, "max_tokens": 500, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 44
+    status, err = await post(http, eng.url + "/v1/completions", {"prompt": [5] * 150})
+    assert status == 400 and err["error"]["param"] == "input_tokens"
+    assert "maximum context length is 144 tokens" in err["error"]["message"]

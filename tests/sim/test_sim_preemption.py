@@ -25,7 +25,7 @@ async def test_tiny_cache_forces_preemption_and_everything_still_completes(make_
 async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(make_engine, http) -> None:
     # Real-time steps (6 ms): the third request arrives a few steps after the first two,
     # long before they fill the cache, however slow the test client is.
-    eng = await make_engine(block_size=4, num_gpu_blocks=1 + 12, max_model_len=48,
+    eng = await make_engine(block_size=4, num_gpu_blocks=1 + 12, max_model_len=64,
                             speed=1.0)
     url = eng.url + "/v1/completions"
     a_prompt = list(range(100, 116))  # 4 blocks
@@ -52,7 +52,7 @@ async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(make_e
 async def test_preempted_stream_ends_with_cache_threshold_after_its_tokens(make_engine, http) -> None:
     # Real-time steps (6 ms): the third request arrives a few steps after the first two,
     # long before they fill the cache, however slow the test client is.
-    eng = await make_engine(block_size=4, num_gpu_blocks=1 + 12, max_model_len=48,
+    eng = await make_engine(block_size=4, num_gpu_blocks=1 + 12, max_model_len=64,
                             speed=1.0)
     url = eng.url + "/v1/completions"
     a_prompt = list(range(100, 116))
