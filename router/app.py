@@ -4,8 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 (alive), GET /ready (a decode backend can take requests), GET /metrics, and the admin
 route GET /admin/backends (needs server.admin_api_key). Lifecycle: start the engines the
 configuration declares (engine_launcher's Supervisor), build the backend registry, run one
-health round before serving, scrape in the background, and on shutdown let in-flight
-requests drain (aiohttp's graceful shutdown, bounded by server.drain_timeout_s).
+health round before serving, scrape in the background, and on shutdown stop listening, let
+in-flight requests drain for up to server.drain_timeout_s, cancel the rest cleanly (503 or
+an error event then [DONE]), then stop the engines (`RouterState.drain`, `stop`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ class RouterState:
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
         self._api_keys = tuple(k.encode() for k in config.server.api_keys)
+        # Graceful shutdown (drain): the generation handlers running now, whether the
+        # drain is on, and whether it ran out of time (handlers then get cancelled).
+        self._handlers: set[asyncio.Task] = set()
+        self.draining = False
+        self._drain_expired = False
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -85,6 +91,25 @@ class RouterState:
         ready = [n for n, s in self.registry.states.items() if s.healthy]
         log.info("router ready: %d/%d backends healthy (%s), strategy %s", len(ready),
                  len(self.registry.states), ", ".join(ready) or "none", cfg.routing.strategy)
+
+    async def drain(self, _app: web.Application | None = None) -> None:
+        """on_shutdown (SIGTERM/SIGINT): the listening socket is already closed. Let the
+        requests in flight finish for up to server.drain_timeout_s, then cancel the rest
+        (their upstream requests are aborted, their clients get a 503 or an error event
+        and [DONE]). The engines are stopped afterwards, in `stop`."""
+        self.draining = True
+        timeout = self.config.server.drain_timeout_s
+        pending = {t for t in self._handlers if not t.done()}
+        if pending:
+            log.info("shutting down: draining %d request(s) for up to %g s", len(pending), timeout)
+            _, pending = await asyncio.wait(pending, timeout=timeout)
+        if pending:
+            log.warning("shutting down: cancelling %d request(s) still running after "
+                        "server.drain_timeout_s = %g s", len(pending), timeout)
+            self._drain_expired = True
+            for t in pending:
+                t.cancel()
+            await asyncio.wait(pending, timeout=5.0)
 
     async def stop(self) -> None:
         if self.monitor is not None:
@@ -118,6 +143,9 @@ class RouterState:
         rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
         writer: SSEWriter | None = None
         self.metrics.client_inflight.inc()
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         try:
             if self._api_keys and not self.authorized(request, self._api_keys):
                 raise errors.unauthorized()
@@ -162,8 +190,19 @@ class RouterState:
                 resp.force_close()
             return resp
         except asyncio.CancelledError:
-            rec.status, rec.error = 499, "client disconnected"
-            raise
+            if not self._drain_expired:
+                rec.status, rec.error = 499, "client disconnected"
+                raise
+            # Still running when the drain ran out: end it cleanly (the upstream legs are
+            # already aborted), an error event then [DONE] if the stream started.
+            err = errors.RouterError(503, "The router is shutting down: the request was cancelled after "
+                                          f"server.drain_timeout_s = {self.config.server.drain_timeout_s:g} s.")
+            rec.status, rec.error = 503, err.message
+            if writer is not None and writer.started:
+                return await writer.fail(err)
+            resp = error_response(err)
+            resp.force_close()
+            return resp
         except ConnectionResetError:
             rec.status, rec.error = 499, "client disconnected"
             raise
@@ -176,6 +215,8 @@ class RouterState:
             return error_response(err)
         finally:
             self.metrics.client_inflight.dec()
+            if task is not None:
+                self._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0
             self.metrics.record(rec)
 
@@ -206,6 +247,8 @@ class RouterState:
 
     async def handle_ready(self, request: web.Request) -> web.Response:
         assert self.registry is not None
+        if self.draining:
+            return json_response({"status": "not ready", "reason": "shutting down"}, status=503)
         if self.registry.ready():
             return json_response({"status": "ready"})
         return json_response({"status": "not ready", "reason": "no healthy decode backend"}, status=503)
@@ -265,6 +308,7 @@ def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
         await state.stop()
 
     app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(state.drain)
     app.router.add_post("/v1/completions", lambda r: state.handle_generate(r, ENDPOINT_COMPLETIONS))
     app.router.add_post("/v1/chat/completions", lambda r: state.handle_generate(r, ENDPOINT_CHAT))
     app.router.add_get("/v1/models", state.handle_models)
