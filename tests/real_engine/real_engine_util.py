@@ -267,3 +267,31 @@ def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in key for k, v in labels.items()):
             total += value
     return total
+
+
+def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0):
+    """Yield SSE payloads as they arrive (JSON decoded; `[DONE]` as the string).
+
+    Closing the generator closes the connection, which makes vLLM abort the request.
+    """
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise AssertionError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                return
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[len(b"data: "):].decode()
+            yield payload if payload == "[DONE]" else json.loads(payload)
+            if payload == "[DONE]":
+                return
+    finally:
+        conn.close()

@@ -1,0 +1,35 @@
+"""The vLLM versions this plugin is written against.
+
+The plugin patches private vLLM APIs (docs/VLLM_PLUGIN.md lists them); they change between
+minor releases, so anything but the pinned series is refused at engine start rather than
+misbehaving at request time.
+"""
+from __future__ import annotations
+
+SUPPORTED_SERIES = ("0.32.",)
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    pass
+
+
+def installed_vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def is_supported(version: str) -> bool:
+    return any(version.startswith(series) for series in SUPPORTED_SERIES)
+
+
+def check_vllm_version() -> str:
+    version = installed_vllm_version()
+    if not is_supported(version):
+        raise UnsupportedVLLMVersion(
+            f"cachehit-router's cache-hit threshold plugin supports vLLM "
+            f"{', '.join(s + 'x' for s in SUPPORTED_SERIES)} only; this is vLLM {version}. "
+            f"Install a supported version (`engine-launcher install-deps --cpu|--gpu`) or "
+            f"start vLLM without `--scheduler-cls engine_launcher.vllm_plugin.scheduler.*` and "
+            f"with VLLM_PLUGINS set to exclude `cachehit_threshold`.")
+    return version

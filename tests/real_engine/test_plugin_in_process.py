@@ -1,0 +1,113 @@
+"""The plugin's patches inside this process, against the installed vLLM (no engine started).
+
+These need vLLM importable (~15 s to import), hence the real_engine marker.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from real_engine_util import real_engine_required, vllm_missing_reason
+
+pytestmark = pytest.mark.real_engine
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    reason = vllm_missing_reason()
+    if reason:
+        if real_engine_required():
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    from engine_launcher import vllm_plugin
+
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM may call it more than once per process
+    return vllm_plugin
+
+
+def test_finish_reason_exists_and_survives_msgspec(plugin):
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.request import RequestStatus
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    reason = FinishReason.CACHE_THRESHOLD
+    assert str(reason) == "cache_threshold"
+    assert list(FinishReason)[-1] is reason
+    status = RequestStatus.FINISHED_CACHE_THRESHOLD
+    assert RequestStatus.is_finished(status)
+    assert RequestStatus.get_finished_reason(status) is reason
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(outputs=[
+        EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason=reason)]))
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(wire)
+    assert decoded.outputs[0].finish_reason is reason
+
+
+def test_request_models_carry_and_validate_the_threshold(plugin):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    req = CompletionRequest(model="m", prompt="p", cache_hit_threshold=0.7,
+                            vllm_xargs={"cache_hit_threshold": 0.2, "keep": 1})
+    assert req.to_sampling_params(4, {}).extra_args == {"cache_hit_threshold": 0.7, "keep": 1}
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                vllm_xargs={"cache_hit_threshold": 0})
+    assert req.to_sampling_params(4, {}).extra_args == {"cache_hit_threshold": 0.0}
+    assert CompletionRequest(model="m", prompt="p").to_sampling_params(4, {}).extra_args is None
+    with pytest.raises(VLLMValidationError) as info:
+        CompletionRequest(model="m", prompt="p", cache_hit_threshold=1.5).to_sampling_params(4, {})
+    assert info.value.parameter == "cache_hit_threshold"
+
+
+def test_zero_token_rejection_is_made_visible_and_mark_removed(plugin):
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK, fix_request_output
+
+    out = RequestOutput(
+        request_id="r", prompt=None, prompt_token_ids=[1, 2], prompt_logprobs=None,
+        outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                  logprobs=None, finish_reason="cache_threshold")],
+        finished=True, kv_transfer_params={REJECTION_MARK: {"stage": "arrival"}})
+    fix_request_output(out)
+    text = out.outputs[0].text
+    assert text == "" and bool(text)  # passes vLLM's "empty chunk" skip, renders as ""
+    assert out.kv_transfer_params is None
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_unsupported_vllm_version_refuses_to_start(plugin, monkeypatch):
+    import vllm
+
+    from engine_launcher.vllm_plugin import scheduler, version
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(version.UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.x only"):
+        scheduler.ThresholdScheduler()
+    with pytest.raises(version.UnsupportedVLLMVersion):
+        scheduler.ThresholdAsyncScheduler()
+    # register() must not break an unrelated vLLM: it logs and patches nothing.
+    import engine_launcher.vllm_plugin as plugin_pkg
+
+    monkeypatch.setattr(plugin_pkg, "_registered", False)
+    # vLLM's "vllm" logger does not propagate to the root, so listen on ours directly.
+    handler = _ListHandler()
+    plugin_logger = logging.getLogger("vllm.plugins.cachehit_threshold")
+    plugin_logger.addHandler(handler)
+    try:
+        plugin_pkg.register()
+    finally:
+        plugin_logger.removeHandler(handler)
+    assert plugin_pkg._registered is False
+    assert any("0.32.x" in r.getMessage() and r.levelno == logging.ERROR
+               for r in handler.records)

@@ -1,0 +1,195 @@
+"""Threshold checks that need a busy engine: re-admission after preemption, the admission
+check when the arrival check is off, and the arrival check (issue 7.1) under load.
+
+Latencies are measured and printed (`-s` shows them), never asserted: this machine is shared.
+What is asserted is structural (which finish reason, whether tokens came back, whether a
+rejection arrived while the long generations were still running).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from real_engine_util import iter_sse, metric_sum, post_json, scrape_metrics
+
+pytestmark = pytest.mark.real_engine
+
+WORDS = ("cache block token prefix request engine router model stream prompt decode "
+         "prefill queue latency thread memory batch vector matrix kernel").split()
+
+
+def words(n: int, tag: str | None = None) -> str:
+    tag = tag or uuid.uuid4().hex[:12]
+    return f"{tag} " + " ".join(f"{WORDS[i % len(WORDS)]}{i}" for i in range(n))
+
+
+def long_body(prompt: str, max_tokens: int, threshold: float | None = 0.0, **kw) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **kw}
+    if threshold is not None:
+        body["cache_hit_threshold"] = threshold
+    return body
+
+
+# ------------------------------------------------------------------------- preemption
+
+
+def _run_stream(url: str, body: dict) -> dict:
+    tokens: list[int] = []
+    finish = None
+    for event in iter_sse(url, "/v1/completions", {**body, "stream": True,
+                                                    "stream_options": {"include_usage": True}}):
+        if event == "[DONE]":
+            break
+        for choice in event["choices"]:
+            tokens += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+    return {"mode": "stream", "finish_reason": finish, "tokens": len(tokens)}
+
+
+def _run_plain(url: str, body: dict) -> dict:
+    status, answer = post_json(url, "/v1/completions", body, timeout=600)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert len(choice["token_ids"]) == answer["usage"]["completion_tokens"]
+    return {"mode": "json", "finish_reason": choice["finish_reason"],
+            "tokens": answer["usage"]["completion_tokens"], "text": choice["text"]}
+
+
+MAX_TOKENS = 140  # ~81 prompt tokens + 140 fit --max-model-len 224
+
+
+def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemption_engine):
+    """8 KV blocks of 32 tokens, two running at a time, four long requests sharing a prefix
+    of two full blocks: the running ones outgrow the cache, vLLM preempts one (its blocks are
+    freed and soon evicted), and when it is re-admitted its hit rate is 64 / (prompt +
+    generated), below the requests' threshold 0.75 (a new request's is 64/~80 ~ 0.8, so it
+    is admitted)."""
+    url = preemption_engine.base_url
+    prefix_tag = uuid.uuid4().hex[:12]
+    shared = words(32, prefix_tag)  # ~70 tokens with the BOS: two full 32-token blocks
+    # Put the shared prefix in the prefix cache (T=0: always served).
+    status, warm = post_json(url, "/v1/completions", long_body(shared, 1))
+    assert status == 200
+    before = scrape_metrics(url)
+
+    bodies = [long_body(f"{shared} tail{i} end{i}", MAX_TOKENS, threshold=0.75)
+              for i in range(4)]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_run_stream if i % 2 == 0 else _run_plain, url, b)
+                   for i, b in enumerate(bodies)]
+        results = [f.result(timeout=600) for f in futures]
+    elapsed = time.monotonic() - t0
+    time.sleep(1.5)  # stats reach /metrics about once a second
+    preemptions = (metric_sum(scrape_metrics(url), "vllm:num_preemptions_total")
+                   - metric_sum(before, "vllm:num_preemptions_total"))
+    print(f"\n[preemption] {elapsed:.1f} s, preemptions {preemptions:.0f}, results:")
+    for r in results:
+        print(f"  {r['mode']:6s} finish={r['finish_reason']:16s} tokens={r['tokens']}")
+
+    assert preemptions >= 1
+    rejected = [r for r in results if r["finish_reason"] == "cache_threshold"]
+    assert rejected, f"no preempted request was rejected on re-admission: {results}"
+    # A request rejected on re-admission returns every token it generated before.
+    assert any(r["tokens"] > 0 for r in rejected), rejected
+    for r in results:
+        assert r["finish_reason"] in ("length", "cache_threshold")
+        if r["finish_reason"] == "length":
+            assert r["tokens"] == MAX_TOKENS
+
+
+def test_admission_check_when_arrival_check_is_off(preemption_engine):
+    """The same rejection, decided by the scheduler at admission (arrival check off)."""
+    url = preemption_engine.base_url
+    before = scrape_metrics(url)
+    status, body = post_json(url, "/v1/completions", long_body(words(40), 4, threshold=0.5))
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] == "cache_threshold"
+    assert body["usage"]["completion_tokens"] == 0
+    time.sleep(1.5)
+    after = scrape_metrics(url)
+    assert (metric_sum(after, "cachehit_threshold_rejections_total", stage="admission")
+            - metric_sum(before, "cachehit_threshold_rejections_total", stage="admission")) == 1
+    assert (metric_sum(after, "cachehit_threshold_rejections_total", stage="arrival")
+            == metric_sum(before, "cachehit_threshold_rejections_total", stage="arrival"))
+
+
+# ------------------------------------------------------------------------- arrival check
+
+
+class LongGeneration(threading.Thread):
+    """A streamed generation that records when it produced its first token and when it ended."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.first_token = threading.Event()
+        self.ended_at: float | None = None
+        self.tokens = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            stream = iter_sse(self.url, "/v1/completions", {**self.body, "stream": True})
+            for event in stream:
+                if event == "[DONE]":
+                    break
+                for choice in event["choices"]:
+                    self.tokens += len(choice.get("token_ids") or [])
+                if self.tokens:
+                    self.first_token.set()
+                if self.stop.is_set():
+                    stream.close()  # aborts the request in vLLM
+                    break
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_token.set()
+
+
+def measure_rejection_under_load(url: str, long_tokens: int, label: str) -> dict:
+    """Fill the running set (--max-num-seqs 2) with two long generations, then send a cold
+    request with T = 0.5 and time its rejection."""
+    gens = [LongGeneration(url, long_body(words(5), long_tokens)) for _ in range(2)]
+    for g in gens:
+        g.start()
+    for g in gens:
+        assert g.first_token.wait(300), "long generation did not start"
+        assert g.error is None, g.error
+    t0 = time.monotonic()
+    status, body = post_json(url, "/v1/completions", long_body(words(40), 4, threshold=0.5),
+                             timeout=600)
+    rejected_at = time.monotonic()
+    latency_ms = (rejected_at - t0) * 1000
+    still_running = [g.ended_at is None or g.ended_at > rejected_at for g in gens]
+    tokens_at_rejection = [g.tokens for g in gens]
+    for g in gens:
+        g.stop.set()
+    for g in gens:
+        g.join(120)
+    print(f"\n[arrival check {label}] cold T=0.5 request rejected after {latency_ms:.1f} ms; "
+          f"long generations still running: {still_running}, "
+          f"their tokens at that moment: {tokens_at_rejection} of {long_tokens}")
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] == "cache_threshold"
+    return {"latency_ms": latency_ms, "still_running": still_running}
+
+
+def test_arrival_check_rejects_at_once_while_running_set_is_full(threshold_engine):
+    result = measure_rejection_under_load(threshold_engine.base_url, 400, "on")
+    # The structural fact: the engine did not wait for a running slot to free up.
+    assert all(result["still_running"]), result
+
+
+def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine):
+    # 2 x (~20 + 60) tokens = 6 blocks: they fit the 7 usable blocks without preemption.
+    result = measure_rejection_under_load(preemption_engine.base_url, 60, "off")
+    print(f"[arrival check off] (for comparison; rejected at admission once a slot was free)"
+          f" {result['latency_ms']:.1f} ms")
