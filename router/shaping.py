@@ -111,8 +111,13 @@ class MalformedChunk(ValueError):
 
 
 def _check_ids(ids, what: str) -> None:
-    if type(ids) is not list or not all(type(t) is int for t in ids):
-        raise MalformedChunk(f"upstream chunk: `{what}` is not a list of integers")
+    if type(ids) is list:
+        for t in ids:
+            if type(t) is not int:
+                break
+        else:
+            return
+    raise MalformedChunk(f"upstream chunk: `{what}` is not a list of integers")
 
 
 def _check_choice(c, *, chat: bool) -> None:
@@ -134,6 +139,8 @@ def _check_choice(c, *, chat: bool) -> None:
             return
         if type(d) is not dict:
             raise MalformedChunk("upstream chunk: `delta` is not an object")
+        if len(d) == 1 and type(d.get("content")) is str:
+            return  # the common token chunk
         for k in ("role", "content", "reasoning", "reasoning_content"):
             v = d.get(k)
             if v is not None and type(v) is not str:
