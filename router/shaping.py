@@ -44,7 +44,8 @@ non-streaming (`accumulate_response`)
 State for the lead (resume, accounting): `prompt_token_ids` (spec's, else the first
 non-resume leg's), `generated_token_ids` and `generated_text` across legs,
 `finish_reason`/`stop_reason`/`leg_tokens` of the current leg, `first_token_seen`,
-`emitted` (a chunk went to the client: errors must now travel as SSE events), `legs`.
+`emitted` (a chunk went to the client: errors must now travel as SSE events), `legs`,
+`token_ids_complete` (False: the engine hid some token ids, do not resume from them).
 
 Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
 must not use the chunk afterwards. That saves a copy per chunk on the hot path.
@@ -217,6 +218,10 @@ class ResponseShaper:
         self.stop_reason: int | str | None = None
         self.leg_tokens = 0
         self.first_token_seen = False
+        # False once a leg generated tokens whose ids were not sent (vLLM hides them in chat
+        # streams when a reasoning parser runs with include_reasoning false): then
+        # generated_token_ids is incomplete and the answer cannot be resumed from it.
+        self.token_ids_complete = True
         self.emitted = False          # anything returned for the client yet
         self.legs = 0
 
@@ -447,6 +452,8 @@ class ResponseShaper:
             self._note_text(content)
         elif reasoning or tool_calls:
             self.first_token_seen = True
+        if (content or reasoning or tool_calls) and "token_ids" in c and c["token_ids"] is None:
+            self.token_ids_complete = False
         lp = c.get("logprobs")
         if self._accumulate:
             if role is not None:
@@ -617,6 +624,7 @@ class ResponseShaper:
             # Token ids can be hidden (chat with a reasoning parser and include_reasoning
             # false); the engine's count is then the only one.
             self.leg_tokens = n
+            self.token_ids_complete = False
         if not self._is_resume and self._prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
             self._prompt_tokens = usage["prompt_tokens"]
         details = usage.get("prompt_tokens_details")

@@ -764,3 +764,21 @@ def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume():
     assert "".join(c["choices"][0]["text"] for c in out) == "abcd"
     assert [c["choices"][0]["finish_reason"] for c in out][-1] == "stop"
     assert sum(1 for c in out if c["choices"][0]["finish_reason"]) == 1
+
+
+def test_hidden_token_ids_make_the_answer_unresumable():
+    spec = make_spec(ENDPOINT_CHAT)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    sh.shape(chat_stream(Gen(PROMPT, []))[0])
+    assert sh.token_ids_complete
+    # vLLM with a reasoning parser and include_reasoning false: token_ids null in the chunks.
+    sh.shape({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "tiny",
+              "choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None,
+                           "token_ids": None}]})
+    assert not sh.token_ids_complete
+    sh2 = ResponseShaper(spec)
+    sh2.begin_leg(is_resume=False)
+    for c in chat_stream(Gen(PROMPT, steps_for(2))):
+        sh2.shape(c)
+    assert sh2.token_ids_complete and sh2.leg_tokens == 2
