@@ -11,6 +11,7 @@ an error event then [DONE]), then stop the engines (`RouterState.drain`, `stop`)
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -127,13 +128,16 @@ class RouterState:
     # --- auth --------------------------------------------------------------------------
     def authorized(self, request: web.Request, keys: tuple[bytes, ...]) -> bool:
         header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer "):
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":  # auth schemes are case-insensitive (RFC 9110 11.1)
             return False
-        given = header[7:].strip().encode()
-        # Constant-time against every key, without an early exit on the first match.
+        # Header bytes that are not UTF-8 arrive surrogate-escaped: compare them as bytes.
+        # Digests of equal length, so the comparison time says nothing of the keys' lengths;
+        # constant-time against every key, without an early exit on the first match.
+        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
         ok = False
         for k in keys:
-            ok |= hmac.compare_digest(given, k)
+            ok |= hmac.compare_digest(given, hashlib.sha256(k).digest())
         return ok
 
     # --- handlers ----------------------------------------------------------------------
