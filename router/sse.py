@@ -49,14 +49,16 @@ class SSEDecoder:
         out: list[bytes] = []
         if not data:
             return out
+        if type(data) is not bytes:  # bytearray / memoryview: the scans below need bytes
+            data = bytes(data)
         if self._skip_lf:
             self._skip_lf = False
             if data[:1] == b"\n":
                 data = data[1:]
         elif not self._buf and not self._data and data[-2:] == b"\n\n" and b"\r" not in data:
             # The common case: whole `data: <json>\n\n` events, nothing carried over.
-            return self._whole_events(bytes(data))
-        buf = self._buf + data if self._buf else bytes(data)
+            return self._whole_events(data)
+        buf = self._buf + data if self._buf else data
         if b"\r" in buf:
             start = self._split_any(buf, out)
         else:

@@ -77,6 +77,7 @@ def test_empty_feeds_and_memoryview():
     assert d.feed(b"") == []
     assert d.feed(memoryview(b"data: m\n")) == []
     assert d.feed(bytearray(b"\n")) == [b"m"]
+    assert d.feed(memoryview(b"data: n\n\n")) == [b"n"]
 
 
 def test_unbounded_line_is_an_error():
