@@ -34,17 +34,18 @@ async def test_silent_busy_engine_expires_and_is_cancelled(make_cluster):
 
 
 async def test_prompt_length_extends_the_deadline_for_a_prefilling_acceptor(make_cluster):
-    """d0 holds half of a long prompt; prefilling the other half takes longer than the base
-    deadline, but d1's rejection reports the prompt length and the deadline grows."""
+    """d0 holds half of a long prompt; prefilling the other half (4,000 tokens: ~0.2 s at the
+    default timing) takes longer than the base deadline (0.1 s), but d1's rejection reports
+    the prompt length and the deadline grows by (1 - T) * tokens * per_token."""
     c = await make_cluster(decoders=2, prefillers=0,
-                           routing={"probe_deadline_ms": 1, "probe_deadline_per_token_ms": 50,
+                           routing={"probe_deadline_ms": 100, "probe_deadline_per_token_ms": 0.5,
                                     "cache_hit_threshold": 0.4},
                            sim={"speed": 1.0})
-    shared = long_prompt("half", 600)
+    shared = long_prompt("half", 4000)
     async with c.session.post(c.engines["d0"].url + "/v1/completions",
                               json={"model": MODEL, "prompt": shared, "max_tokens": 1}) as r:
         assert r.status == 200
-    status, out = await c.complete({"model": MODEL, "prompt": shared + " " + long_prompt("rest", 400),
+    status, out = await c.complete({"model": MODEL, "prompt": shared + " " + long_prompt("rest", 4000),
                                     "max_tokens": 2})
     assert status == 200, out
     assert c.routes()["probe_hit"] == 1
