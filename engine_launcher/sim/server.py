@@ -41,6 +41,7 @@ log = logging.getLogger("engine_launcher.sim")
 PULL_TIMEOUT_S = 10.0
 # Graceful-shutdown bound for handlers still running when an engine closes.
 SHUTDOWN_TIMEOUT_S = 5.0
+LISTEN_BACKLOG = 4096
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -111,7 +112,8 @@ class SimServer:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
-        site = web.SockSite(self._runner, sock)
+        # A deep accept queue: a router or a benchmark may open hundreds of streams at once.
+        site = web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG)
         await site.start()
         return self.port
 
