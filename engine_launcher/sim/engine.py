@@ -242,7 +242,7 @@ class SimEngine:
             _, local, external = self.hit_tokens(req)
             if (local + external) / req.num_tokens < threshold:
                 self.stats.arrival_rejections += 1
-                self.metrics.arrival_rejections.inc()
+                self.metrics.threshold_rejections["arrival"].inc()
                 self._finish(req, CACHE_THRESHOLD)
                 return
         self.waiting.append(req)
@@ -375,6 +375,8 @@ class SimEngine:
             if threshold > 0 and (local + external) / req.num_tokens < threshold:
                 self.waiting.popleft()
                 self.stats.admission_rejections += 1
+                stage = "readmission" if req.num_preemptions else "admission"
+                self.metrics.threshold_rejections[stage].inc()
                 self._finish(req, CACHE_THRESHOLD)
                 continue
             if external:

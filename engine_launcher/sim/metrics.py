@@ -4,7 +4,8 @@ Each engine has its own `CollectorRegistry`, so several engines share a process.
 vLLM's: `model_name` (the served model name) and `engine` (the engine index, "0"), plus
 `finished_reason` on `vllm:request_success_total`. A threshold rejection is counted under
 `finished_reason="cache_threshold"`, the string the threshold plugin renders for its finish
-reason. NIXL counters use vLLM's NIXL connector names (nixl/stats.py).
+reason, and also in the plugin's `cachehit_threshold_rejections_total{stage}`. NIXL counters
+use vLLM's NIXL connector names (nixl/stats.py).
 """
 from __future__ import annotations
 
@@ -89,10 +90,15 @@ class EngineMetrics:
             "vllm:nixl_num_kv_expired_reqs",
             "Number of requests that had their KV expire. "
             "NOTE: This metric is tracked on the P instance.")
-        # The threshold plugin's counter (docs/VLLM_WIRE.md): rejections at arrival.
-        self.arrival_rejections = counter(
-            "vllm:cache_threshold_arrival_rejections",
-            "Requests rejected by the cache-hit threshold when they arrived.")
+        # The threshold plugin's own counter (engine_launcher/vllm_plugin/stream_patch.py),
+        # same name, help and label.
+        rejections = Counter(
+            "cachehit_threshold_rejections",
+            "Requests finished with finish_reason cache_threshold, by stage: arrival (engine "
+            "core add_request), admission (scheduler, first admission), readmission "
+            "(scheduler, after a preemption).", ["stage"], registry=r)
+        self.threshold_rejections = {stage: rejections.labels(stage)
+                                     for stage in ("arrival", "admission", "readmission")}
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"],
                      registry=r)

@@ -130,22 +130,27 @@ class _Body:
         return v
 
 
-def parse_threshold(body: dict) -> float | None:
-    """Top-level `cache_hit_threshold` wins over `vllm_xargs.cache_hit_threshold`; each
-    must be a number in [0, 1]."""
-    def check(v: Any, param: str) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-            raise value_error("cache_hit_threshold must be a number in [0, 1].", param, repr(v))
-        return float(v)
+def _check_threshold(value: Any, param: str) -> float | None:
+    """As the threshold plugin (engine_launcher/vllm_plugin/threshold.py) words it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise value_error(f"{param} must be a number between 0 and 1, got "
+                          f"{type(value).__name__} {value!r}", param, value)
+    if not 0.0 <= float(value) <= 1.0:
+        raise value_error(f"{param} must be between 0 and 1, got {float(value)}", param,
+                          float(value))
+    return float(value)
 
-    top = body.get("cache_hit_threshold")
+
+def parse_threshold(body: dict) -> float | None:
+    """Top-level `cache_hit_threshold` wins over `vllm_xargs.cache_hit_threshold`; both
+    must be numbers in [0, 1] when present."""
+    top = _check_threshold(body.get("cache_hit_threshold"), "cache_hit_threshold")
     xargs = body.get("vllm_xargs")
-    from_xargs = xargs.get("cache_hit_threshold") if isinstance(xargs, dict) else None
-    if from_xargs is not None:
-        from_xargs = check(from_xargs, "cache_hit_threshold")  # the plugin names it so too
-    if top is not None:
-        return check(top, "cache_hit_threshold")
-    return from_xargs
+    xarg = _check_threshold(xargs.get("cache_hit_threshold") if isinstance(xargs, dict) else None,
+                            "vllm_xargs.cache_hit_threshold")
+    return top if top is not None else xarg
 
 
 def _is_int(x: Any) -> bool:

@@ -243,7 +243,8 @@ BAD = [
     ({}, "prompt"),
     ({"prompt": "x", "cache_hit_threshold": 1.5}, "cache_hit_threshold"),
     ({"prompt": "x", "cache_hit_threshold": "0.5"}, "cache_hit_threshold"),
-    ({"prompt": "x", "vllm_xargs": {"cache_hit_threshold": -0.1}}, "cache_hit_threshold"),
+    ({"prompt": "x", "vllm_xargs": {"cache_hit_threshold": -0.1}},
+     "vllm_xargs.cache_hit_threshold"),
     ({"prompt": "x", "kv_transfer_params": [1]}, "body.kv_transfer_params"),
 ]
 

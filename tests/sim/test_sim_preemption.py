@@ -47,6 +47,8 @@ async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(make_e
     # It was accepted at first with a 12-token hit.
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 12
     assert await metric(http, eng.url, "vllm:num_preemptions_total") >= 1
+    assert await metric(http, eng.url, "cachehit_threshold_rejections_total",
+                        stage="readmission") == 1
 
 
 async def test_preempted_stream_ends_with_cache_threshold_after_its_tokens(make_engine, http) -> None:

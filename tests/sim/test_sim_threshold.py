@@ -123,6 +123,7 @@ async def test_arrival_check_rejects_at_once_under_a_full_running_set(make_engin
     assert generated_then < long_tokens
     assert eng.engine.stats.arrival_rejections == 1
     assert eng.engine.stats.admission_rejections == 0
+    assert await metric(http, eng.url, "cachehit_threshold_rejections_total", stage="arrival") == 1
 
 
 async def test_without_arrival_check_the_rejection_waits_in_the_queue(make_engine, http) -> None:
@@ -153,3 +154,19 @@ async def test_admission_is_the_final_word_after_the_arrival_check(make_engine, 
     assert eng.engine.stats.arrival_rejections == 0
     assert eng.engine.stats.admission_rejections == 1
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
+    assert await metric(http, eng.url, "cachehit_threshold_rejections_total",
+                        stage="admission") == 1
+
+
+async def test_invalid_thresholds_are_worded_as_the_plugin_does(make_engine, http) -> None:
+    eng = await make_engine()
+    url = eng.url + "/v1/completions"
+    _, err = await post(http, url, {"prompt": "x", "cache_hit_threshold": 1.5})
+    assert err["error"] == {
+        "message": "cache_hit_threshold must be between 0 and 1, got 1.5 "
+                   "(parameter=cache_hit_threshold, value=1.5)",
+        "type": "BadRequestError", "param": "cache_hit_threshold", "code": 400}
+    _, err = await post(http, url, {"prompt": "x", "vllm_xargs": {"cache_hit_threshold": "0.5"}})
+    assert err["error"]["message"].startswith(
+        "vllm_xargs.cache_hit_threshold must be a number between 0 and 1, got str '0.5'")
+    assert err["error"]["param"] == "vllm_xargs.cache_hit_threshold"
