@@ -189,8 +189,9 @@ class RouterState:
                 self.metrics.rejected_overload.inc()
             resp = error_response(e)
             if not request.content.is_eof():
-                # Refused before its body was read (401, 413, 429): close the connection
-                # instead of reading the rest of the body just to throw it away.
+                # Refused before its body was read (401, 408, 413, 429): no keep-alive
+                # (Connection: close); aiohttp discards what is left of the body, for at
+                # most its lingering time (10 s), without keeping it.
                 resp.force_close()
             return resp
         except asyncio.CancelledError:
@@ -232,10 +233,15 @@ class RouterState:
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.server.max_body_bytes
         self._check_length(request)
+        timeout = self.config.server.body_timeout_s
         try:
-            return await request.read()
+            async with asyncio.timeout(timeout):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise errors.payload_too_large(limit) from None
+        except TimeoutError:
+            raise errors.RouterError(
+                408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s.") from None
 
     async def handle_models(self, request: web.Request) -> web.Response:
         assert self.registry is not None

@@ -41,6 +41,9 @@ class ServerConfig:
     max_queued_requests: int = 1024
     queue_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
+    # Longest time to receive a request's body once its headers arrived (slow or stalled
+    # clients get 408 instead of holding a concurrency slot).
+    body_timeout_s: float = 30.0
     tls_cert: str = ""
     tls_key: str = ""
     log_level: str = "info"
@@ -283,6 +286,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     _positive("server.max_queued_requests", server.max_queued_requests, allow_zero=True)
     _positive("server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
     _positive("server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
+    _positive("server.body_timeout_s", server.body_timeout_s)
     if bool(server.tls_cert) != bool(server.tls_key):
         raise ConfigError("server.tls_cert: tls_cert and tls_key must be given together")
     if server.log_level not in ("debug", "info", "warning", "error"):
