@@ -1,0 +1,264 @@
+"""Fuzzing the HTTP surface (issue 6, item 8).
+
+Hypothesis drives `router --config` (a real process, in front of a simulated engine
+process) with malformed JSON, wrong types, huge and negative numbers, odd unicode,
+truncated bodies (Content-Length larger than what is sent, then close) and slow clients
+(headers then a dribbled or stalled body). The router never answers 500 (its own fault),
+never crashes, never hangs (every exchange is bounded), and keeps serving afterwards.
+An answer >= 500 is only acceptable when it names an upstream engine's failure.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relutil import MODEL, RouterProc, SimProc, sim_backends
+
+READ_TIMEOUT_S = 1.5
+EXCHANGE_BOUND_S = 15.0  # any single exchange taking longer is a hang
+
+
+@pytest.fixture(scope="module")
+def fuzz_router(tmp_path_factory):
+    """One engine and one router for the whole module (the fuzzing must not break them:
+    every test ends by checking the router still serves)."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    sim = SimProc(["--speed", "500", "--max-model-len", "4096"], log_path=tmp / "sim.log")
+    router = RouterProc({
+        "server": {"max_body_bytes": 256 * 1024, "body_timeout_s": READ_TIMEOUT_S,
+                   "max_concurrent_requests": 64},
+        "timeouts": {"first_token_s": 10.0, "idle_s": 10.0, "total_s": 20.0},
+        "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
+        "backends": sim_backends({"d0": sim}),
+    }, tmp)
+    try:
+        sim.start()
+        router.config["backends"] = sim_backends({"d0": sim})
+        router.start()
+        yield router
+    finally:
+        router.stop()
+        sim.stop()
+
+
+def _request(port: int, method: str, path: str, body: bytes | None,
+             headers: dict | None = None) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=EXCHANGE_BOUND_S)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def _check_answer(status: int, headers: dict, raw: bytes, what) -> None:
+    assert status != 500, (what, raw[:500])
+    ctype = headers.get("Content-Type", "")
+    if status == 200:
+        if ctype.startswith("text/event-stream"):
+            assert raw.rstrip().endswith(b"data: [DONE]"), (what, raw[-300:])
+            for block in raw.split(b"\n\n"):
+                if block.startswith(b"data: {"):
+                    orjson.loads(block[6:])
+        else:
+            orjson.loads(raw)
+        return
+    err = orjson.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status, (what, err)
+    if status >= 500:
+        assert "pstream" in err["message"] or "engine" in err["message"], (what, err)
+
+
+def _alive(port: int) -> None:
+    status, _, raw = _request(port, "POST", "/v1/completions",
+                              orjson.dumps({"model": MODEL, "prompt": "still here?", "max_tokens": 2}))
+    assert status == 200, raw
+    assert _request(port, "GET", "/health", None)[0] == 200
+
+
+def _no_500s(port: int) -> None:
+    status, _, raw = _request(port, "GET", "/metrics", None)
+    for line in raw.decode().splitlines():
+        if line.startswith("cachehit_router_requests_total{") and 'status="500"' in line:
+            assert float(line.rsplit(" ", 1)[1]) == 0, line
+
+
+# --- JSON bodies ----------------------------------------------------------------------------
+
+odd_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
+    ["", "\u0000", "\u202e\u202d", "\U0001f600" * 20, "a\u0301" * 10, "\ufeff", "\\u0000", "null",
+     "http://127.0.0.1:1/x", "' OR 1=1 --", "%s%n%x", "\r\n\r\nGET / HTTP/1.1"])
+odd_number = st.one_of(
+    st.integers(min_value=-2**70, max_value=2**70),
+    st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**31 + 1, 2**63, -2**63, 10**30]),
+    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([1e308, -1e308, 5e-324, -0.0]))
+scalar = st.one_of(st.none(), st.booleans(), odd_number, odd_text)
+value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(odd_text, inner, max_size=4), max_leaves=12)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
+          "n", "temperature", "top_p", "logprobs", "top_logprobs", "echo", "stop", "seed", "vllm_xargs",
+          "request_id", "kv_transfer_params", "cache_hit_threshold", "return_token_ids", "use_beam_search",
+          "prompt_logprobs", "prompt_embeds", "min_tokens", "ignore_eos", "logit_bias", "user"]
+sane = {"model": st.just(MODEL), "prompt": st.just("fuzz"), "max_tokens": st.integers(1, 8),
+        "messages": st.just([{"role": "user", "content": "fuzz"}])}
+
+
+@st.composite
+def bodies(draw):
+    """Mostly-valid bodies with a few fields replaced by odd values, so the fuzzing gets
+    past the first check and reaches the router's deeper paths (and the engine)."""
+    body = {k: draw(v) for k, v in sane.items() if draw(st.booleans())}
+    for k in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
+        body[k] = draw(value)
+    return body
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=bodies(), chat=st.booleans())
+def test_fuzzed_json_bodies_never_get_a_500_or_hang(fuzz_router, body, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    # The stdlib encoder: it writes integers of any size (orjson stops at 64 bits).
+    raw = json.dumps(body, ensure_ascii=bool(chat)).encode()
+    status, headers, out = _request(fuzz_router.port, "POST", path, raw)
+    _check_answer(status, headers, out, body)
+    assert fuzz_router.proc.poll() is None
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.one_of(
+    st.binary(max_size=300),
+    st.sampled_from([b"{", b"{\"model\":", b"[]", b"null", b"\"x\"", b"1e999", b"{\"prompt\": NaN}",
+                     b"{\"prompt\": \"\\ud800\"}", b"\xef\xbb\xbf{\"prompt\": \"bom\"}",
+                     b"{\"prompt\": \"x\", \"prompt\": 5}", b"{" * 5000, b"[" * 100_000,
+                     b"{\"max_tokens\": " + b"9" * 5000 + b"}"])),
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    ctype=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]))
+def test_fuzzed_raw_bytes_never_get_a_500_or_hang(fuzz_router, raw, path, ctype):
+    status, headers, out = _request(fuzz_router.port, "POST", path, raw, {"Content-Type": ctype})
+    _check_answer(status, headers, out, raw[:100])
+    assert fuzz_router.proc.poll() is None
+
+
+def test_after_fuzzing_the_router_still_serves(fuzz_router):
+    # Runs on its own router too: odd inputs first, then a normal request.
+    for raw in (b"{", b"\xff" * 100, orjson.dumps({"prompt": [2**40]}), orjson.dumps({"max_tokens": -5})):
+        status, headers, out = _request(fuzz_router.port, "POST", "/v1/completions", raw)
+        _check_answer(status, headers, out, raw)
+    _alive(fuzz_router.port)
+    _no_500s(fuzz_router.port)
+
+
+# --- truncated bodies and slow clients ---------------------------------------------------------
+
+def _raw_exchange(port: int, head: bytes, parts: list[tuple[bytes, float]], close_after: bool) -> bytes:
+    """Send `head`, then each (bytes, pause) part; optionally close the write side.
+    Returns whatever the router answered (b"" if it just closed)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=EXCHANGE_BOUND_S)
+    try:
+        s.sendall(head)
+        for data, pause in parts:
+            if data:
+                s.sendall(data)
+            time.sleep(pause)
+        if close_after:
+            s.shutdown(socket.SHUT_WR)
+        out = b""
+        while not _complete_response(out):
+            try:
+                chunk = s.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def _complete_response(out: bytes) -> bool:
+    head, sep, body = out.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, v = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(v)
+    return False  # chunked or unknown: read until the router closes
+
+
+def _head(content_length: int) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {content_length}\r\n\r\n").encode()
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sent=st.integers(0, 60), missing=st.integers(1, 10_000))
+def test_truncated_bodies_then_close_never_crash_the_router(fuzz_router, sent, missing):
+    body = orjson.dumps({"model": MODEL, "prompt": "truncated " * 10, "max_tokens": 2})[:sent]
+    t0 = time.monotonic()
+    out = _raw_exchange(fuzz_router.port, _head(len(body) + missing), [(body, 0.0)], close_after=True)
+    assert time.monotonic() - t0 < EXCHANGE_BOUND_S
+    if out:
+        status = int(out.split(b" ", 2)[1])
+        assert status in (400, 408), out[:300]
+    assert fuzz_router.proc.poll() is None
+
+
+def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router):
+    body = orjson.dumps({"model": MODEL, "prompt": "cut", "max_tokens": 2})
+    for cut in (0, 1, len(body) // 2, len(body) - 1):
+        _raw_exchange(fuzz_router.port, _head(len(body)), [(body[:cut], 0.0)], close_after=True)
+    time.sleep(0.3)
+    _alive(fuzz_router.port)
+    _no_500s(fuzz_router.port)
+
+
+def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router):
+    body = orjson.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2})
+    t0 = time.monotonic()
+    out = _raw_exchange(fuzz_router.port, _head(len(body)), [(body[:5], 0.0)], close_after=False)
+    waited = time.monotonic() - t0
+    assert out.startswith(b"HTTP/1.1 408"), out[:300]
+    err = orjson.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == 408 and "body_timeout_s" in err["message"]
+    assert waited < EXCHANGE_BOUND_S
+    _alive(fuzz_router.port)
+
+
+def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router):
+    body = orjson.dumps({"model": MODEL, "prompt": "slow but steady", "max_tokens": 2})
+    step = max(1, len(body) // 5)
+    parts = [(body[i:i + step], 0.15) for i in range(0, len(body), step)]
+    out = _raw_exchange(fuzz_router.port, _head(len(body)).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"),
+                        parts, close_after=False)
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+
+
+def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router):
+    """Connections that send half a header block or half a body and then stall: the
+    router keeps serving everyone else meanwhile."""
+    stalled = []
+    try:
+        for i in range(20):
+            s = socket.create_connection(("127.0.0.1", fuzz_router.port), timeout=5)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le" if i % 2
+                      else _head(100) + b'{"model"')
+            stalled.append(s)
+        for _ in range(3):
+            _alive(fuzz_router.port)
+    finally:
+        for s in stalled:
+            s.close()
+    _no_500s(fuzz_router.port)
