@@ -27,9 +27,9 @@ async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stre
         results = await asyncio.gather(*(c.stream({**b, "stream_options": {"include_usage": True}})
                                          for b in bodies))
         for status, events in results:
-            assert status == 200 and events[-1] == "[DONE]"
+            assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
             chunks = [e for e in events[:-1]]
-            assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+            assert chunks[-1]["usage"]["completion_tokens"] == max_tokens, chunks[-2:]
             finishes = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]]
             assert finishes.count("length") == 1 and "cache_threshold" not in finishes
             assert len({ch["id"] for ch in chunks}) == 1
@@ -37,8 +37,8 @@ async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stre
         results = await asyncio.gather(*(c.complete(b) for b in bodies))
         for status, out in results:
             assert status == 200, out
-            assert out["usage"]["completion_tokens"] == max_tokens
-            assert out["choices"][0]["finish_reason"] == "length"
+            assert out["usage"]["completion_tokens"] == max_tokens, out
+            assert out["choices"][0]["finish_reason"] == "length", out
     assert c.router_metric("cachehit_router_resumes_total", reason="preempted") >= 1
     assert await c.wait_idle(10) == {"d0": 0, "p0": 0}
 
@@ -50,7 +50,7 @@ async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(m
                "return_token_ids": True} for i in range(4)]
     results = await asyncio.gather(*(c.complete(b) for b in bodies))
     for status, out in results:
-        assert status == 200
+        assert status == 200, out
         ch = out["choices"][0]
         assert len(ch["token_ids"]) == 150
         assert len(ch["prompt_token_ids"]) == 100
