@@ -134,7 +134,8 @@ class Dispatcher:
     async def serve_unary(self, spec: RequestSpec, rec: RequestRecord) -> bytes:
         """The engine's own non-streaming answer, forwarded byte for byte."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeouts.total_s
+        started = loop.time()
+        deadline = started + self.timeouts.total_s
         query = RouteQuery(spec.model, spec.routing_text, salt=hash(spec.request_id) & 0xFFFF)
         path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
         # Explicit T = 0: an engine-wide default threshold must not reject a routed request.
@@ -156,7 +157,7 @@ class Dispatcher:
             except UpstreamError as e:
                 self._note_failure(e)
                 if e.client_fault:
-                    raise errors.from_upstream_body(e.status or 400, e.body or b"") from None
+                    raise self._client_error(e) from None
                 last_error = e
                 exclude.add(name)
                 continue
@@ -167,7 +168,7 @@ class Dispatcher:
             rec.route, rec.winner = ROUTE_DIRECT, name
             rec.legs.append(f"{ROUTE_DIRECT}:{name}")
             rec.retries = attempt
-            rec.ttft_s = loop.time() - (deadline - self.timeouts.total_s)
+            rec.ttft_s = loop.time() - started
             return raw
         if last_error is not None:
             raise self._client_error(last_error)
@@ -229,7 +230,7 @@ class Dispatcher:
                     return self._won(query, result, ROUTE_PROBE_HIT, rec)
                 client_err = result.client_error
                 if client_err is not None:
-                    raise errors.from_upstream_body(client_err.status or 400, client_err.body or b"")
+                    raise self._client_error(client_err)
                 for o in result.by_verdict(FAILED):
                     exclude.add(o.backend)
                     last_error = o.error
@@ -258,7 +259,7 @@ class Dispatcher:
             except UpstreamError as e:
                 self._note_failure(e)
                 if e.client_fault:
-                    raise errors.from_upstream_body(e.status or 400, e.body or b"") from None
+                    raise self._client_error(e) from None
                 exclude.add(fb.prefill)
                 log.warning("prefill on %s failed (%s); computing the prompt on %s instead",
                             fb.prefill, e, fb.decode)
@@ -278,7 +279,7 @@ class Dispatcher:
             return self._won(query, result, route, rec), None
         client_err = result.client_error
         if client_err is not None:
-            raise errors.from_upstream_body(client_err.status or 400, client_err.body or b"")
+            raise self._client_error(client_err)
         exclude.add(fb.decode)
         failed = result.by_verdict(FAILED)
         return None, failed[0].error if failed else None
