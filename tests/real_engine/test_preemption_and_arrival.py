@@ -16,7 +16,8 @@ import pytest
 
 from real_engine_util import iter_sse, metric_sum, post_json, scrape_metrics
 
-pytestmark = pytest.mark.real_engine
+# Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
 WORDS = ("cache block token prefix request engine router model stream prompt decode "
          "prefill queue latency thread memory batch vector matrix kernel").split()

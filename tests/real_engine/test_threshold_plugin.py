@@ -14,7 +14,8 @@ import pytest
 
 from real_engine_util import metric_sum, post_json, post_sse, scrape_metrics
 
-pytestmark = pytest.mark.real_engine
+# Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
 WORDS = ("river mountain garden winter summer morning evening city village road bridge "
          "window light water stone green blue red yellow quiet").split()
