@@ -1,0 +1,98 @@
+"""The circuit breaker's state machine with a fake clock (the HTTP-level behaviour is in
+test_health.py): health checks never close it, a trial without a verdict frees the slot,
+a silent trial expires, an unhealthy backend gets no trial."""
+from router.backends import CLOSED, HALF_OPEN, OPEN, BackendRegistry
+from router.config import BackendConfig, HealthConfig
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _registry(clock, threshold=2, cooldown=5.0):
+    r = BackendRegistry([BackendConfig("a", "http://a"), BackendConfig("b", "http://b")],
+                        HealthConfig(failure_threshold=threshold, cooldown_s=cooldown), clock=clock)
+    for n in ("a", "b"):
+        r.record_scrape(n, {}, None)
+    return r
+
+
+def _open(r):
+    r.record_failure("a", "500")
+    r.record_failure("a", "500")
+    assert r.states["a"].breaker == OPEN
+
+
+def test_a_good_health_check_does_not_close_an_open_breaker():
+    clock = Clock()
+    r = _registry(clock)
+    _open(r)
+    r.record_scrape("a", {}, None)
+    assert r.states["a"].breaker == OPEN and not r.snapshot().get("a").available
+    assert [b.name for b in r.snapshot().decoders(None)] == ["b"]  # not even probed
+
+
+def test_health_check_failures_do_not_open_the_breaker():
+    r = _registry(Clock(), threshold=2)
+    for _ in range(5):
+        r.record_scrape_failure("a", "timeout", definitive=False)
+    assert r.states["a"].breaker == CLOSED and not r.states["a"].healthy
+    r.record_scrape("a", {}, None)
+    assert r.snapshot().get("a").available
+
+
+def test_a_trial_without_verdict_frees_the_slot():
+    clock = Clock()
+    r = _registry(clock)
+    _open(r)
+    clock.t += 5.0
+    r.acquire("a")  # the trial (a probe)
+    assert r.states["a"].breaker == HALF_OPEN and not r.snapshot().get("a").available
+    r.release("a")  # rejected or lost the race: no verdict
+    assert r.snapshot().get("a").available
+    r.acquire("a")
+    r.release("a")
+    r.record_success("a")
+    assert r.states["a"].breaker == CLOSED
+
+
+def test_a_silent_trial_expires_after_the_cooldown():
+    clock = Clock()
+    r = _registry(clock)
+    _open(r)
+    clock.t += 5.0
+    r.acquire("a")  # a trial that never ends (stuck stream)
+    clock.t += 4.9
+    assert not r.snapshot().get("a").available
+    clock.t += 0.2
+    assert r.snapshot().get("a").available
+
+
+def test_a_failed_trial_reopens_for_a_full_cooldown():
+    clock = Clock()
+    r = _registry(clock)
+    _open(r)
+    clock.t += 5.0
+    r.acquire("a")
+    r.release("a")
+    r.record_failure("a", "still 500")
+    assert r.states["a"].breaker == OPEN and not r.snapshot().get("a").available
+    clock.t += 4.9
+    assert not r.snapshot().get("a").available
+    clock.t += 0.2
+    assert r.snapshot().get("a").available
+
+
+def test_an_unhealthy_open_backend_gets_no_trial():
+    clock = Clock()
+    r = _registry(clock)
+    _open(r)
+    r.record_scrape_failure("a", "refused")
+    clock.t += 60
+    assert not r.snapshot().get("a").available
+    r.record_scrape("a", {}, None)
+    assert r.snapshot().get("a").available and r.states["a"].breaker == OPEN
