@@ -39,6 +39,26 @@ class ApiError(Exception):
 _NO_VALUE = object()
 
 
+def _check_sampling_ranges(temperature: Any, top_k: Any, penalties: dict[str, Any]) -> None:
+    """The rest of vLLM's SamplingParams._verify_args ranges (vllm/sampling_params.py);
+    those errors carry no parameter there, so none here either."""
+    if temperature is not None and temperature > 2:
+        raise value_error(f"temperature must be in [0, 2], got {float(temperature)}.",
+                          "temperature", float(temperature))
+    for key in ("presence_penalty", "frequency_penalty"):
+        v = penalties.get(key)
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise ApiError(f"{key} must be in [-2, 2], got {float(v)}.")
+    rep = penalties.get("repetition_penalty")
+    if rep is not None and rep <= 0:
+        raise ApiError(f"repetition_penalty must be greater than zero, got {float(rep)}.")
+    if top_k is not None and top_k < -1:
+        raise ApiError(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    min_p = penalties.get("min_p")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ApiError(f"min_p must be in [0, 1], got {float(min_p)}.")
+
+
 def value_error(message: str, param: str, value: Any = _NO_VALUE) -> ApiError:
     """vLLM's VLLMValidationError: the message ends with the parameter (and value)."""
     if value is _NO_VALUE:
@@ -245,9 +265,9 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     seed = b.get("seed", "int")
     temperature = b.get("temperature", "number")
     top_p = b.get("top_p", "number")
-    for key in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"):
-        b.get(key, "number")
-    b.get("top_k", "int")
+    penalties = {key: b.get(key, "number")
+                 for key in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")}
+    top_k = b.get("top_k", "int")
     kv = b.get("kv_transfer_params", "dict")
     b.get("vllm_xargs", "dict")
     stop = _stop_list(b)
@@ -279,6 +299,7 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     if top_p is not None and not 0 < top_p <= 1:
         raise value_error(f"top_p must be in (0, 1], got {float(top_p)}.", "top_p",
                           float(top_p))
+    _check_sampling_ranges(temperature, top_k, penalties)
 
     include_usage = continuous = False
     if stream_options is not None:

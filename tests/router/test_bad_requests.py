@@ -38,7 +38,8 @@ async def test_malformed_completions_get_400(make_cluster, raw, param):
         assert body["error"]["param"] == param
 
 
-@pytest.mark.parametrize("extra, param", [({"logprobs": 50}, "logprobs"), ({"max_tokens": 10**6}, "max_tokens")])
+@pytest.mark.parametrize("extra, param", [({"logprobs": 50}, "logprobs"), ({"max_tokens": 10**6}, "max_tokens"),
+                                          ({"temperature": -3}, "temperature"), ({"presence_penalty": 9}, None)])
 async def test_engine_side_validation_errors_pass_through(make_cluster, extra, param):
     """Fields the router does not validate itself: the engine's 400 reaches the client as is."""
     c = await make_cluster(decoders=2)

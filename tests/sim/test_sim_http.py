@@ -246,6 +246,15 @@ BAD = [
     ({"prompt": "x", "vllm_xargs": {"cache_hit_threshold": -0.1}},
      "vllm_xargs.cache_hit_threshold"),
     ({"prompt": "x", "kv_transfer_params": [1]}, "body.kv_transfer_params"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    # vLLM's SamplingParams raises these without naming the parameter.
+    ({"prompt": "x", "presence_penalty": 2.5}, None),
+    ({"prompt": "x", "frequency_penalty": -3}, None),
+    ({"prompt": "x", "repetition_penalty": 0}, None),
+    ({"prompt": "x", "top_k": -2}, None),
+    ({"prompt": "x", "min_p": 1.5}, None),
 ]
 
 
