@@ -338,6 +338,12 @@ async def test_no_request_makes_the_router_contact_a_host_outside_its_configurat
 # --- TLS ------------------------------------------------------------------------------------
 
 def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 made now: with the `cryptography` package, else with
+    the `openssl` command."""
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        return _self_signed_openssl(tmp_path)
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -358,6 +364,19 @@ def _self_signed(tmp_path) -> tuple[str, str]:
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     key_path.chmod(0o600)
+    return str(cert_path), str(key_path)
+
+
+def _self_signed_openssl(tmp_path) -> tuple[str, str]:
+    import shutil
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("neither the cryptography package nor the openssl command is available")
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key_path), "-out", str(cert_path), "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
     return str(cert_path), str(key_path)
 
 
