@@ -78,12 +78,17 @@ CASES: dict[str, tuple[str, str, object]] = {
     "completions_stream_n2": (
         "POST", "/v1/completions", comp(stream=True, n=2, max_tokens=2, temperature=1.0,
                                         seed=7, return_token_ids=True, **USAGE)),
-    "completions_stop_eos": (
-        "POST", "/v1/completions", comp(max_tokens=3, stop_token_ids=[22, 288, 634, 125],
+    # Greedy output of PROMPT starts " Window" (793), "05" (1100), " Much" (992).
+    "completions_stop_token": (
+        "POST", "/v1/completions", comp(max_tokens=4, stop_token_ids=[1100],
                                         return_token_ids=True)),
-    "completions_stream_stop_eos": (
-        "POST", "/v1/completions", comp(stream=True, max_tokens=3,
-                                        stop_token_ids=[22, 288, 634, 125],
+    "completions_stream_stop_token": (
+        "POST", "/v1/completions", comp(stream=True, max_tokens=4, stop_token_ids=[1100],
+                                        return_token_ids=True, **USAGE)),
+    "completions_stop_string": (
+        "POST", "/v1/completions", comp(max_tokens=4, stop=[" Much"], return_token_ids=True)),
+    "completions_stream_stop_string": (
+        "POST", "/v1/completions", comp(stream=True, max_tokens=4, stop=[" Much"],
                                         return_token_ids=True, **USAGE)),
     "completions_unknown_field_cache_hit_threshold": (
         "POST", "/v1/completions", comp(cache_hit_threshold=0.5, max_tokens=1)),
@@ -202,10 +207,11 @@ def metrics_summary(base_url: str) -> dict:
     status, data = request(base_url, "GET", "/metrics", timeout=10)
     families: dict[str, dict] = {}
     for line in data.decode().splitlines():
-        if line.startswith("# HELP vllm:") or line.startswith("# TYPE vllm:"):
+        if line.startswith(("# HELP vllm:", "# TYPE vllm:", "# HELP cachehit_",
+                            "# TYPE cachehit_")):
             _, kind, name, rest = line.split(" ", 3)
             families.setdefault(name, {"samples": []})[kind.lower()] = rest
-        elif line.startswith("vllm:"):
+        elif line.startswith(("vllm:", "cachehit_")):
             key = line.rsplit(" ", 1)[0]
             base = key.split("{", 1)[0]
             fam = next((f for f in families if base == f or base.startswith(f + "_")), base)

@@ -90,19 +90,33 @@ class EngineSet:
         self.error: str | None = None
         self.started = False
 
+    def _spawn(self, name: str, attempt: int) -> EngineProcess:
+        spec = ENGINE_SPECS[name]
+        port = free_port()
+        argv, env = engine_command(
+            self.model_dir, name=name, port=port, nixl_port=free_port(),
+            role="both", cpu_cores=spec["cpu_cores"], extra_args=spec["extra_args"],
+            env=ENGINE_ENV, log_dir=self.workdir)
+        log = self.workdir / (f"{name}.log" if attempt == 0 else f"{name}.retry{attempt}.log")
+        return EngineProcess(argv, env, port, log).start()
+
     def start_all(self) -> None:
         self.started = True
         try:
-            for name, spec in ENGINE_SPECS.items():
-                port = free_port()
-                argv, env = engine_command(
-                    self.model_dir, name=name, port=port, nixl_port=free_port(),
-                    role="both", cpu_cores=spec["cpu_cores"], extra_args=spec["extra_args"],
-                    env=ENGINE_ENV, log_dir=self.workdir)
-                engine = EngineProcess(argv, env, port, self.workdir / f"{name}.log")
-                self.engines[name] = engine.start()
-            for name, engine in self.engines.items():
-                took = engine.wait_healthy(STARTUP_TIMEOUT_S)
+            for name in ENGINE_SPECS:
+                self.engines[name] = self._spawn(name, 0)
+            for name in ENGINE_SPECS:
+                try:
+                    took = self.engines[name].wait_healthy(STARTUP_TIMEOUT_S)
+                except EngineStartError as exc:
+                    # A port picked free can still be taken before vLLM binds it (NIXL's
+                    # side channel, vLLM's ZMQ sockets): retry that case once, nothing else.
+                    if "Address already in use" not in str(exc):
+                        raise
+                    self.engines[name].stop()
+                    self.engines[name] = self._spawn(name, 1)
+                    took = self.engines[name].wait_healthy(STARTUP_TIMEOUT_S)
+                engine = self.engines[name]
                 print(f"\n[real engine] {name}: healthy after {took:.1f} s "
                       f"({engine.base_url}, log {engine.log_path})")
         except (EngineStartError, OSError) as exc:

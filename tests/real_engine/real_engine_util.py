@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,7 +45,34 @@ def vllm_missing_reason() -> str | None:
     return None
 
 
+_rng = random.Random()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A port free now, chosen below the kernel's ephemeral range.
+
+    Asking the kernel for port 0 returns an ephemeral port, which any outgoing connection on
+    this busy machine may take before the engine binds it (it happened: NIXL's handshake
+    listener failed with "Address already in use"). Ports below the ephemeral range are only
+    taken by listeners.
+    """
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = _rng.randrange(20000, max(low, 20001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
