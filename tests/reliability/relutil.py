@@ -310,3 +310,32 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, *
     if finishes != ["length"]:
         return Outcome(200, "lost", f"finish reasons {finishes!r}")
     return Outcome(200, "completed", tokens=max(texts, token_ids))
+
+
+async def unary_request(session: aiohttp.ClientSession, url: str, body: dict, *,
+                        timeout: float, path: str = "/v1/completions") -> Outcome:
+    """One non-streaming request, classified like `stream_request`."""
+    max_tokens = body["max_tokens"]
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(url + path, data=orjson.dumps(body),
+                                    headers={"Content-Type": "application/json"}) as r:
+                raw = await r.read()
+                status = r.status
+    except TimeoutError:
+        return Outcome(0, "lost", f"no answer within {timeout} s")
+    except aiohttp.ClientError as e:
+        return Outcome(0, "lost", f"connection error {e!r}")
+    try:
+        out = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return Outcome(status, "lost", f"unparseable body {raw[:200]!r}")
+    if status != 200:
+        err = out.get("error") if isinstance(out, dict) else None
+        if not isinstance(err, dict) or err.get("code") != status or not isinstance(err.get("message"), str):
+            return Outcome(status, "lost", f"malformed error {raw[:200]!r}")
+        return Outcome(status, "error", err["message"])
+    choice = out["choices"][0]
+    if out.get("usage", {}).get("completion_tokens") != max_tokens or choice.get("finish_reason") != "length":
+        return Outcome(200, "lost", f"usage {out.get('usage')!r}, finish {choice.get('finish_reason')!r}")
+    return Outcome(200, "completed", tokens=max_tokens)
