@@ -251,4 +251,4 @@ def describe(reqs: Sequence[BenchRequest]) -> dict:
             "prompt_tokens": sum(r.prompt_tokens for r in reqs),
             "mean_prompt_tokens": round(sum(r.prompt_tokens for r in reqs) / len(reqs), 1),
             "max_prompt_tokens": max(r.prompt_tokens for r in reqs),
-            "output_tokens": sum(r.max_tokens for r in reqs)}
+            "total_output_tokens": sum(r.max_tokens for r in reqs)}
