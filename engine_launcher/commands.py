@@ -257,6 +257,8 @@ def vllm_command(engine: EngineConfig, ports: EnginePorts, host: HostInfo, *, lo
             "--host", engine.host,
             "--port", str(ports.http),
             "--enable-prefix-caching",
+            # usage.prompt_tokens_details.cached_tokens: the router reports cache hits from it.
+            "--enable-prompt-tokens-details",
             "--kv-transfer-config", kv_transfer_config(engine.role, host),
             "--scheduler-cls", scheduler_cls(extra, host)]
     env = {

@@ -75,7 +75,7 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
     assert (f"CUDA_VISIBLE_DEVICES=1 PYTHONUNBUFFERED=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 "
             f"VLLM_NIXL_SIDE_CHANNEL_PORT=5601 {sys.executable} -m "
             "vllm.entrypoints.openai.api_server --model /models/llama --served-model-name "
-            "/models/llama --host 127.0.0.1 --port 8201 --enable-prefix-caching "
+            "/models/llama --host 127.0.0.1 --port 8201 --enable-prefix-caching --enable-prompt-tokens-details "
             f"--kv-transfer-config '{kv}' --scheduler-cls "
             "engine_launcher.vllm_plugin.scheduler.ThresholdAsyncScheduler --max-model-len 8192"
             ) in out.splitlines()

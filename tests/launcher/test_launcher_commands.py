@@ -47,7 +47,7 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
     cmd = one(vllm_engine("e0", role), CPU_HOST)
     assert list(cmd.argv) == VLLM_HEAD + [
         "--model", "/models/tiny", "--served-model-name", "/models/tiny",
-        "--host", "127.0.0.1", "--port", "9000", "--enable-prefix-caching",
+        "--host", "127.0.0.1", "--port", "9000", "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--kv-transfer-config", kv_config(kv_role, "cpu"),
         "--scheduler-cls", SYNC_SCHEDULER_CLS,
         "--dtype", "float32", "--block-size", "32", "--enforce-eager"]
@@ -75,7 +75,7 @@ def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
     cmd = one(e, GPU_HOST, http=8200, nixl=5601)
     assert list(cmd.argv) == VLLM_HEAD + [
         "--model", "/models/tiny", "--served-model-name", "llama",
-        "--host", "0.0.0.0", "--port", "8200", "--enable-prefix-caching",
+        "--host", "0.0.0.0", "--port", "8200", "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--kv-transfer-config", kv_config(kv_role, "cuda"),
         "--scheduler-cls", ASYNC_SCHEDULER_CLS]
     assert dict(cmd.env) == {

@@ -80,7 +80,8 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
     before = scrape_metrics(preemption_engine.base_url)
     async with RealCluster(threshold_engine.base_url, preemption_engine.base_url,
                            {"cache_hit_threshold": 0.5}) as c:
-        status, out = await c.complete({"model": MODEL, "prompt": cold_prompt("nixl", 90),
+        # ~75 tokens: the consumer's context is 224 tokens (conftest.py).
+        status, out = await c.complete({"model": MODEL, "prompt": cold_prompt("nixl", 30),
                                         "max_tokens": 8, "temperature": 0})
         assert status == 200, out
         prompt_tokens = out["usage"]["prompt_tokens"]
@@ -96,7 +97,9 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
 
 async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engine, preemption_engine):
     before = scrape_metrics(preemption_engine.base_url)
-    max_tokens = 180
+    # Prompt (~50 tokens) + 150 fits the consumer's 224-token context; two at once do not fit
+    # its 8 blocks of 32 tokens, so it preempts.
+    max_tokens = 150
     async with RealCluster(threshold_engine.base_url, preemption_engine.base_url,
                            {"cache_hit_threshold": 0.5, "decode_guard_threshold": 0.5,
                             "max_resumes": 10}) as c:
