@@ -33,7 +33,7 @@ class HealthMonitor:
     def _timeout_s(self) -> float:
         # Generous: a busy engine (or a busy router host) answers /metrics late, and a
         # late answer is not a dead engine.
-        return max(1.0, min(5.0, 2 * self.health.scrape_interval_s))
+        return max(2.0, min(5.0, 2 * self.health.scrape_interval_s))
 
     async def check_one(self, name: str, with_health: bool) -> None:
         state = self.registry.states[name]

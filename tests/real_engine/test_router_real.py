@@ -43,7 +43,8 @@ class RealCluster:
             "server": {"port": 0},
             "routing": {"min_pd_prompt_tokens": 16, **routing},
             "timeouts": {"first_token_s": 120, "idle_s": 120, "total_s": 600},
-            "health": {"scrape_interval_s": 0.5},
+            # vLLM on two busy CPU cores can take seconds to answer /metrics.
+            "health": {"scrape_interval_s": 2.0, "check_interval_s": 4.0},
             "backends": [{"name": "producer", "url": producer_url, "role": "prefill"},
                          {"name": "consumer", "url": consumer_url, "role": "decode"}],
         })
