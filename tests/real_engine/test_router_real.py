@@ -13,6 +13,7 @@ prefill (producer) backend, "preemption" (NIXL kv_both, 8 KV blocks) as the only
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import orjson
@@ -77,7 +78,9 @@ class RealCluster:
         return r.status, ["[DONE]" if e == b"[DONE]" else orjson.loads(e) for e in events]
 
 
-async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshold_engine, preemption_engine):
+async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshold_engine, preemption_engine,
+                                                                       caplog):
+    caplog.set_level(logging.INFO, logger="cachehit_router")
     before = scrape_metrics(preemption_engine.base_url)
     async with RealCluster(threshold_engine.base_url, preemption_engine.base_url,
                            {"cache_hit_threshold": 0.5}) as c:
@@ -87,8 +90,8 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
         assert status == 200, out
         prompt_tokens = out["usage"]["prompt_tokens"]
         assert out["usage"]["completion_tokens"] == 8
-        assert c.metric("cachehit_router_requests_total", route="pd", status="200") == 1
-        assert c.metric("cachehit_router_probe_rejections_total", backend="consumer") == 1
+        assert c.metric("cachehit_router_requests_total", route="pd", status="200") == 1, caplog.text[-3000:]
+        assert c.metric("cachehit_router_probe_rejections_total", backend="consumer") == 1, caplog.text[-3000:]
     after = scrape_metrics(preemption_engine.base_url)
     external = (metric_sum(after, "vllm:external_prefix_cache_hits_total")
                 - metric_sum(before, "vllm:external_prefix_cache_hits_total"))
