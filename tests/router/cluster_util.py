@@ -79,15 +79,18 @@ class Cluster:
         return {n: e.engine.num_running + e.engine.num_waiting for n, e in self.engines.items()}
 
     async def wait_idle(self, timeout: float = 5.0) -> dict[str, int]:
-        """Until no engine has a running or waiting request; returns the last counts."""
+        """Until every engine reports, on its own /metrics, no running and no waiting
+        request (vllm:num_requests_running + vllm:num_requests_waiting); returns the last
+        counts."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while loop.time() < end:
-            counts = self.engine_running()
-            if not any(counts.values()):
+        while True:
+            counts = {n: int(await self.engine_metric(n, "vllm:num_requests_running")
+                             + await self.engine_metric(n, "vllm:num_requests_waiting"))
+                      for n in self.engines}
+            if not any(counts.values()) or loop.time() >= end:
                 return counts
             await asyncio.sleep(0.02)
-        return self.engine_running()
 
 
 @pytest.fixture
