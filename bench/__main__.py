@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--out", required=True)
     ls.add_argument("--quick", action="store_true")
     ls.add_argument("--skip-rejection", action="store_true", help="skip the rejection-latency test")
+    ls.add_argument("--resume", action="store_true", help="keep points whose summary.json exists")
     # Shared-prefix groups on engines at 1/4 of an H100, so that "past capacity" is reached at
     # request rates this machine can drive.
     ls.set_defaults(fn=cmd_load_sweep, workload="prefix-groups", speed=0.25, output_tokens=32)

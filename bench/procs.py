@@ -94,22 +94,28 @@ class ProcessSet:
         self.procs.append(p)
         return p
 
-    def stop(self, p: Proc, grace_s: float = 5.0) -> None:
-        if p.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
+    def stop(self, p: Proc, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; never raises."""
+        try:
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.popen.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    try:
+                        p.popen.wait(30)
+                    except subprocess.TimeoutExpired:
+                        print(f"warning: {p.name} (pid {p.pid}) still running after SIGKILL", file=sys.stderr)
+            else:
+                # The leader exited; children of its group may remain.
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, signal.SIGKILL)
-                p.popen.wait(5)
-        else:
-            # The leader exited; children of its group may remain.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-        if p in self.procs:
-            self.procs.remove(p)
+        finally:
+            if p in self.procs:
+                self.procs.remove(p)
 
     def stop_all(self) -> None:
         for p in reversed(list(self.procs)):

@@ -113,6 +113,11 @@ def load_sweep(a) -> int:
             else:
                 a.limit = n
             d = out / name / f"r{rate:g}"
+            if getattr(a, "resume", False) and (d / "summary.json").exists() and \
+                    "sweep_series" in json.loads((d / "summary.json").read_text()):
+                console.print(f"[dim]load-sweep {name} at {rate:g}/s: done before, kept[/dim]")
+                dirs.append(d)
+                continue
             console.print(f"[bold]load-sweep[/bold] {name} at {rate:g}/s ({n} requests) -> {d}")
             spec = run_spec_from_args(a, strategy, d)
             s = asyncio.run(run_replay(spec))
