@@ -10,7 +10,10 @@ behaviour), sends every case below, and writes one JSON file per case:
    "parsed": <JSON body, or the list of SSE data payloads>}
 Volatile values (ids, timestamps, fingerprints, engine uuids, ports) are normalized so that
 a re-capture only shows real changes. Sampling is greedy, so token ids are reproducible on
-the same model recipe. `--plugin` adds the threshold cases against an engine with the
+the same model recipe; chunking is not (vLLM merges tokens into one chunk when its client
+reads slowly), so review a re-capture's diff before committing it. Captures whose answers
+depend on this model's tokens (stop token / stop string) are written to model_specific/.
+`--plugin` adds the threshold cases against an engine with the
 cache-hit threshold plugin (files prefixed `threshold_`).
 """
 from __future__ import annotations
@@ -78,16 +81,17 @@ CASES: dict[str, tuple[str, str, object]] = {
     "completions_stream_n2": (
         "POST", "/v1/completions", comp(stream=True, n=2, max_tokens=2, temperature=1.0,
                                         seed=7, return_token_ids=True, **USAGE)),
-    # Greedy output of PROMPT starts " Window" (793), "05" (1100), " Much" (992).
-    "completions_stop_token": (
+    # Greedy output of PROMPT starts " Window" (793), "05" (1100), " Much" (992). Answers
+    # that depend on this model's tokens go to model_specific/ (not replayed on other models).
+    "model_specific/completions_stop_token": (
         "POST", "/v1/completions", comp(max_tokens=4, stop_token_ids=[1100],
                                         return_token_ids=True)),
-    "completions_stream_stop_token": (
+    "model_specific/completions_stream_stop_token": (
         "POST", "/v1/completions", comp(stream=True, max_tokens=4, stop_token_ids=[1100],
                                         return_token_ids=True, **USAGE)),
-    "completions_stop_string": (
+    "model_specific/completions_stop_string": (
         "POST", "/v1/completions", comp(max_tokens=4, stop=[" Much"], return_token_ids=True)),
-    "completions_stream_stop_string": (
+    "model_specific/completions_stream_stop_string": (
         "POST", "/v1/completions", comp(stream=True, max_tokens=4, stop=[" Much"],
                                         return_token_ids=True, **USAGE)),
     "completions_unknown_field_cache_hit_threshold": (
@@ -220,8 +224,9 @@ def metrics_summary(base_url: str) -> dict:
 
 
 def write(name: str, record: dict) -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    path = OUT / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
 
 
 def run_cases(base_url: str, cases: dict) -> None:
@@ -296,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
             engines.append(e)
             print(f"plugin: healthy after {e.wait_healthy():.1f} s")
             run_cases(e.base_url, THRESHOLD_CASES)
-            write("threshold_metrics", metrics_summary(e.base_url))
     finally:
         for e in engines:
             e.stop()
