@@ -18,7 +18,7 @@ from router.shaping import CACHE_THRESHOLD, MalformedChunk, ResponseShaper, is_r
 
 from vllm_shapes import (Gen, Step, _chat_logprobs, _completion_logprobs, chat_full, chat_stream,
                          completion_full, completion_stream)
-from wire_fixtures import WIRE, body, load, normalized, request_body, stream_chunks
+from wire_fixtures import body, normalized, request_body, stream_chunks
 
 PROMPT = [101, 102, 103, 104]
 
@@ -417,7 +417,7 @@ WIRE_CASES = [
 
 
 def _endpoint(name: str) -> str:
-    return ENDPOINT_CHAT if name.startswith("chat") else ENDPOINT_COMPLETIONS
+    return ENDPOINT_CHAT if "chat" in name else ENDPOINT_COMPLETIONS
 
 
 def _run_one_leg(upstream: list[dict], spec: RequestSpec) -> tuple[ResponseShaper, list[dict]]:
@@ -498,24 +498,53 @@ def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client)
     assert sh.generated_token_ids == [t for c in tokens for t in c["choices"][0]["token_ids"]]
 
 
-THRESHOLD_CAPTURES = sorted(p.stem for p in WIRE.glob("threshold_*.json"))
+THRESHOLD_STREAMS = {"threshold_chat_stream_rejected": ("threshold_chat_rejected", [None, True, None]),
+                     "threshold_completions_stream_rejected": ("threshold_completions_rejected", [True, None])}
 
 
-@pytest.mark.parametrize("name", THRESHOLD_CAPTURES)
-def test_real_threshold_captures(name):
-    """Plugin captures (capture_wire.py --plugin): a rejected stream is decided True on its
-    finishing chunk and never earlier; a rejected body is a 200 with cache_threshold."""
-    d = load(name)
-    if d.get("status") != 200:
-        return
-    if d["raw"].startswith("data:"):
-        chunks = stream_chunks(name)
-        verdicts = [is_rejection_chunk(c) for c in chunks]
-        decided = [v for v in verdicts if v is not None]
-        if any(c["choices"] and c["choices"][0].get("finish_reason") == CACHE_THRESHOLD for c in chunks):
-            assert decided and decided[0] in (True, False)
-            if not any(c["choices"] and c["choices"][0].get("token_ids") for c in chunks):
-                assert decided[0] is True
+@pytest.mark.parametrize("stream_name", sorted(THRESHOLD_STREAMS))
+def test_real_threshold_rejection_captures(stream_name):
+    """Plugin captures (capture_wire.py --plugin) of a rejected request, streamed exactly as
+    the router's probe legs ask (stream, usage, token ids, threshold)."""
+    body_name, verdicts = THRESHOLD_STREAMS[stream_name]
+    chunks = stream_chunks(stream_name)
+    # The role chunk decides nothing, the cache_threshold finish with no token rejects.
+    assert [is_rejection_chunk(c) for c in chunks] == verdicts
+
+    # Ending an answer with that rejection (the lead releases the held finish) gives the
+    # client exactly the engine's stream for the same request.
+    spec = parse_request(_endpoint(stream_name), request_body(stream_name))
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    out = [c for ch in stream_chunks(stream_name) for c in sh.shape(ch)]
+    assert all(c["choices"][0]["finish_reason"] is None for c in out)      # the finish is held
+    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 0 and sh.generated_token_ids == []
+    out += sh.release_held() + sh.final_chunks()
+    assert orjson.dumps(normalized(out)) == orjson.dumps(normalized(chunks))
+
+    # A non-streaming client gets the engine's non-streaming body. The two captures used
+    # different prompts, so the prompt's ids and count come from the stream.
+    spec = parse_request(_endpoint(body_name), request_body(body_name))
+    sh, _ = run_legs(spec, [(False, stream_chunks(stream_name))])
+    want = body(body_name)
+    usage = chunks[-1]["usage"]
+    want["usage"].update(prompt_tokens=usage["prompt_tokens"], total_tokens=usage["total_tokens"])
+    prompt_ids = chunks[0]["prompt_token_ids"] if "prompt_token_ids" in chunks[0] else \
+        chunks[0]["choices"][0]["prompt_token_ids"]
+    if spec.endpoint == ENDPOINT_CHAT:
+        want["prompt_token_ids"] = prompt_ids
+    else:
+        want["choices"][0]["prompt_token_ids"] = prompt_ids
+    assert orjson.dumps(normalized(sh.accumulate_response())) == orjson.dumps(normalized(want))
+
+
+def test_real_threshold_error_captures_are_not_router_errors():
+    # The router owns the threshold: out-of-range client values that the plugin answers with
+    # a 400 are stripped at admission instead (documented in router/admission.py).
+    for name in ("threshold_error_out_of_range", "threshold_error_out_of_range_xargs"):
+        spec = parse_request(ENDPOINT_COMPLETIONS, request_body(name))
+        assert "cache_hit_threshold" not in spec.body
+        assert "cache_hit_threshold" not in (spec.body.get("vllm_xargs") or {})
 
 
 # --- chat parsers' deltas (reasoning, tool calls) and robustness ------------------------------------
