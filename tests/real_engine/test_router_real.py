@@ -91,7 +91,11 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
         prompt_tokens = out["usage"]["prompt_tokens"]
         assert out["usage"]["completion_tokens"] == 8
         assert c.metric("cachehit_router_requests_total", route="pd", status="200") == 1, caplog.text[-3000:]
-        assert c.metric("cachehit_router_probe_rejections_total", backend="consumer") == 1, caplog.text[-3000:]
+        # The consumer said no: a rejection, or silence past the probe deadline (a loaded
+        # machine), which the race counts as one.
+        assert (c.metric("cachehit_router_probe_rejections_total", backend="consumer")
+                + c.metric("cachehit_router_probe_deadline_expiries_total", backend="consumer")) == 1, \
+            caplog.text[-3000:]
     after = scrape_metrics(preemption_engine.base_url)
     external = (metric_sum(after, "vllm:external_prefix_cache_hits_total")
                 - metric_sum(before, "vllm:external_prefix_cache_hits_total"))
@@ -132,11 +136,13 @@ async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engi
 
 
 def _key_paths(obj, prefix="") -> set[str]:
+    """Schema paths of a JSON value; `top_logprobs` maps sampled tokens, not field names."""
     out = set()
     if isinstance(obj, dict):
         for k, v in obj.items():
             out.add(prefix + k)
-            out |= _key_paths(v, prefix + k + ".")
+            if k != "top_logprobs":
+                out |= _key_paths(v, prefix + k + ".")
     elif isinstance(obj, list) and obj and isinstance(obj[0], dict):
         for item in obj:
             out |= _key_paths(item, prefix + "[].")
