@@ -318,7 +318,7 @@ def test_type_errors_same_status_and_field_as_vllm(name, endpoint):
 
 def test_requests_vllm_accepts_are_admitted():
     for name in ("completions", "completions_stream_usage_token_ids", "completions_token_ids_prompt_ids",
-                 "completions_logprobs", "completions_stop_eos", "chat", "chat_stream_logprobs",
+                 "completions_logprobs", "model_specific/completions_stop_token", "chat", "chat_stream_logprobs",
                  "chat_max_completion_tokens", "completions_unknown_field_cache_hit_threshold"):
         req = wire_load(name)["request"]
         endpoint = ENDPOINT_CHAT if "chat" in req["path"] else ENDPOINT_COMPLETIONS
