@@ -49,7 +49,8 @@ def _run_stream(url: str, body: dict) -> dict:
         for choice in event["choices"]:
             tokens += choice.get("token_ids") or []
             finish = choice.get("finish_reason") or finish
-    return {"mode": "stream", "finish_reason": finish, "tokens": len(tokens)}
+    return {"mode": "stream", "finish_reason": finish, "tokens": len(tokens), "ids": tokens,
+            "body": body}
 
 
 def _run_plain(url: str, body: dict) -> dict:
@@ -58,7 +59,8 @@ def _run_plain(url: str, body: dict) -> dict:
     choice = answer["choices"][0]
     assert len(choice["token_ids"]) == answer["usage"]["completion_tokens"]
     return {"mode": "json", "finish_reason": choice["finish_reason"],
-            "tokens": answer["usage"]["completion_tokens"], "text": choice["text"]}
+            "tokens": answer["usage"]["completion_tokens"], "ids": choice["token_ids"],
+            "body": body}
 
 
 MAX_TOKENS = 140  # ~81 prompt tokens + 140 fit --max-model-len 224
@@ -96,8 +98,16 @@ def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemp
     assert preemptions >= 1
     rejected = [r for r in results if r["finish_reason"] == "cache_threshold"]
     assert rejected, f"no preempted request was rejected on re-admission: {results}"
-    # A request rejected on re-admission returns every token it generated before.
+    # A request rejected on re-admission returns every token it generated before: exactly
+    # the first tokens of the same greedy generation run again without interruption.
     assert any(r["tokens"] > 0 for r in rejected), rejected
+    for r in rejected:
+        if not r["ids"]:
+            continue
+        status, again = post_json(url, "/v1/completions",
+                                  {**r["body"], "max_tokens": len(r["ids"]), "cache_hit_threshold": 0})
+        assert status == 200
+        assert again["choices"][0]["token_ids"] == r["ids"], r["mode"]
     for r in results:
         assert r["finish_reason"] in ("length", "cache_threshold")
         if r["finish_reason"] == "length":
@@ -194,3 +204,41 @@ def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine):
     result = measure_rejection_under_load(preemption_engine.base_url, 60, "off")
     print(f"[arrival check off] (for comparison; rejected at admission once a slot was free)"
           f" {result['latency_ms']:.1f} ms")
+
+
+# ------------------------------------------------------------------------- NIXL decode leg
+
+
+def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine,
+                                                                preemption_engine):
+    """A cold prompt prefilled on one engine (the prefill leg is never rejected) and decoded
+    on the other with T = 0.9: the decode engine (arrival check on) counts the KV it will pull
+    over NIXL as hits, so the leg is accepted although its local cache is cold."""
+    prompt = words(40)  # ~90 tokens, fits both engines
+    prefill = long_body(prompt, 1, threshold=0.9, ignore_eos=False,
+                        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                            "remote_engine_id": None, "remote_block_ids": None,
+                                            "remote_host": None, "remote_port": None})
+    status, answer = post_json(preemption_engine.base_url, "/v1/completions", prefill)
+    assert status == 200, answer
+    assert answer["choices"][0]["finish_reason"] == "length"
+    kv = answer["kv_transfer_params"]
+    assert kv and kv["do_remote_prefill"] is True
+
+    url = threshold_engine.base_url
+    before = scrape_metrics(url)
+    t0 = time.monotonic()
+    status, out = post_json(url, "/v1/completions",
+                            long_body(prompt, 8, threshold=0.9, kv_transfer_params=kv),
+                            timeout=300)
+    took = time.monotonic() - t0
+    assert status == 200, out
+    print(f"\n[decode leg] accepted with T=0.9 in {took * 1000:.0f} ms "
+          f"(includes the first NIXL handshake between the two engines)")
+    assert out["choices"][0]["finish_reason"] == "length", out
+    assert out["usage"]["completion_tokens"] == 8
+    time.sleep(1.5)
+    after = scrape_metrics(url)
+    external = (metric_sum(after, "vllm:external_prefix_cache_hits_total")
+                - metric_sum(before, "vllm:external_prefix_cache_hits_total"))
+    assert external >= out["usage"]["prompt_tokens"] - 32, external
