@@ -42,14 +42,17 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(req: SimRequest, details: bool, full: bool) -> dict[str, Any]:
+def usage(req: SimRequest, details: bool, full: bool, chat: bool = False) -> dict[str, Any]:
+    """`full`: every field, as a non-streaming body serializes; otherwise only the fields
+    vLLM sets (streams serialize with exclude_unset). vLLM's chat path sets all three
+    prompt_tokens_details fields even in streams; its completion path only cached_tokens."""
     p = len(req.prompt_ids)
     c = len(req.output_ids)
     u: dict[str, Any] = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
     ptd = None
     if details:
         ptd = {"cached_tokens": max(req.num_cached_tokens, 0)}
-        if full:
+        if full or chat:
             ptd.update(created_cache_tokens=None, multimodal_tokens=None)
     if full:
         u["prompt_tokens_details"] = ptd
@@ -156,7 +159,7 @@ def usage_chunk(ctx: ResponseContext, req: SimRequest, details: bool) -> bytes:
         "id": ctx.request_id,
         "object": "chat.completion.chunk" if ctx.chat else "text_completion",
         "created": ctx.created, "model": ctx.model, "choices": [],
-        "usage": usage(req, details, False), "system_fingerprint": ctx.fingerprint,
+        "usage": usage(req, details, False, ctx.chat), "system_fingerprint": ctx.fingerprint,
     })
 
 
