@@ -31,7 +31,7 @@ log "threshold sweep (trace, last 300 requests)"
 $PY -m bench sweep-threshold --limit 300 --out "$OUT/sweep-threshold"
 
 log "load sweep"
-$PY -m bench load-sweep --out "$OUT/load-sweep"
+$PY -m bench load-sweep --resume --out "$OUT/load-sweep"
 
 log "scaling"
 $PY -m bench scaling --out "$OUT/scaling"
@@ -39,4 +39,20 @@ $PY -m bench scaling --out "$OUT/scaling"
 log "profiles"
 $PY -m bench profile --out "$OUT/profile" --strategy round_robin
 $PY -m bench profile --out "$OUT/profile" --strategy probe --stream
-log "done"
+log "benchmarks done"
+
+log "collect the small artifacts (tables, summaries, plots) into bench/results"
+collect() {  # collect SRC DEST: *.md, *.json (not per-request data), *.png, and each run's summary.json
+  local src=$1 dest=$2
+  mkdir -p "$dest"
+  find "$src" -maxdepth 1 -type f \( -name '*.md' -o -name '*.json' -o -name '*.png' \) -exec cp {} "$dest/" \;
+  find "$src" -mindepth 2 -name summary.json | while read -r f; do
+    rel=${f#"$src"/}; cp "$f" "$dest/$(dirname "$rel" | tr '/' '_').summary.json"
+  done
+}
+for d in prefix-groups trace trace-variants multiturn overhead sweep-threshold load-sweep scaling profile; do
+  [[ -d "$OUT/$d" ]] && collect "$OUT/$d" "bench/results/$d"
+done
+# The load sweep's per-mode CDF and bar plots have 25 entries each: too many to read.
+rm -f bench/results/load-sweep/ttft_cdf.png bench/results/load-sweep/hit_ratio.png
+log "collected"
