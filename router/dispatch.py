@@ -33,8 +33,8 @@ from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, Ro
                        plan_fallback)
 from .race import ACCEPTED, EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
 from .resume import resume_leg_body, resume_reason
-from .shaping import ResponseShaper
-from .upstream import (CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
+from .shaping import MalformedChunk, ResponseShaper
+from .upstream import (PROTOCOL, CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
                        UpstreamClient, UpstreamError, UpstreamStream)
 
 log = logging.getLogger("cachehit_router.dispatch")
@@ -81,6 +81,10 @@ class Dispatcher:
             except UpstreamError as e:
                 error = e
                 self._note_failure(e)
+            if error is not None and shaper.finish_reason not in (None, "cache_threshold"):
+                # The engine finished the answer, then the connection broke before [DONE]:
+                # nothing is missing, and a resume would generate past the real end.
+                error = None
             answer_tokens = len(shaper.generated_token_ids)
             if error is not None and error.kind == TOTAL_TIMEOUT:
                 # The request's own deadline passed: no other leg could finish it in time.
@@ -108,16 +112,19 @@ class Dispatcher:
                 await emit(shaper.release_held())
                 return
             prompt_ids = shaper.prompt_token_ids
-            if prompt_ids is None:
+            if prompt_ids is None or not shaper.token_ids_complete:
                 raise errors.RouterError(
                     502, f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
-                         "the engine did not return the prompt's token ids.")
+                         "the engine did not return the token ids it needs.")
             rec.resumes.append(reason)
             log.info("request %s: resuming after %s on %s (%d tokens so far)",
                      spec.request_id, reason, leg.backend, answer_tokens)
             body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, shaper.generated_token_ids,
                                    spec.max_tokens)
-            resume_query = RouteQuery(spec.model, spec.routing_text + shaper.generated_text, query.salt)
+            # Prefix-affinity text grows the way the prompt was given (token ids: "id," each).
+            grown = ("".join(f"{i}," for i in shaper.generated_token_ids)
+                     if spec.prompt_token_ids is not None else shaper.generated_text)
+            resume_query = RouteQuery(spec.model, spec.routing_text + grown, query.salt)
             if error is not None:
                 exclude.add(error.backend)
             leg = await self._acquire_after(error, resume_query, COMPLETIONS_PATH, body, rec, exclude,
@@ -183,7 +190,10 @@ class Dispatcher:
             leg.buffered = []
             while True:
                 for chunk in chunks:
-                    out = shaper.shape(chunk)
+                    try:
+                        out = shaper.shape(chunk)
+                    except MalformedChunk as e:
+                        raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {e}") from None
                     if out:
                         await emit(out)
                     if rec.ttft_s is None and shaper.first_token_seen:

@@ -55,16 +55,20 @@ async def test_chat_matches_engine_field_by_field(make_cluster, extra):
     assert _strip(routed) == _strip(engine_answer)
 
 
-async def test_streaming_matches_engine_stream_modulo_ids(make_cluster):
+@pytest.mark.parametrize("path, prompt", [
+    ("/v1/completions", {"prompt": long_prompt("sparity", 50)}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("cparity", 50)}]}),
+])
+async def test_streaming_matches_engine_stream_modulo_ids(make_cluster, path, prompt):
     c = await make_cluster(decoders=1)
-    body = {"model": MODEL, "prompt": long_prompt("sparity", 50), "max_tokens": 10, "stream": True,
+    body = {"model": MODEL, **prompt, "max_tokens": 10, "stream": True,
             "stream_options": {"include_usage": True}}
     eng = c.engines["d0"]
-    async with c.session.post(eng.url + "/v1/completions", json=body) as r:
+    async with c.session.post(eng.url + path, json=body) as r:
         raw = await r.read()
     direct = [l[6:] for l in raw.split(b"\n") if l.startswith(b"data: ")]
     await c.session.post(eng.url + "/reset_prefix_cache")
-    status, events = await c.stream(body)
+    status, events = await c.stream(body, path)
     assert status == 200
     direct_events = ["[DONE]" if p == b"[DONE]" else orjson.loads(p) for p in direct]
     assert len(events) == len(direct_events)
