@@ -161,6 +161,32 @@ THRESHOLD_CASES: dict[str, tuple[str, str, object]] = {
         "POST", "/v1/completions", comp(vllm_xargs={"cache_hit_threshold": "0.5"})),
 }
 
+# `engine-launcher` starts every vLLM engine with --enable-prompt-tokens-details; these cases
+# show what that flag changes (usage.prompt_tokens_details), written to
+# prompt_tokens_details/ by `--details` (an engine with that flag and the plugin).
+DETAILS_PROMPT = "Details prompt for the cached token count: " + " ".join(
+    ["silver harbor lantern"] * 15)
+DETAILS_CASES: dict[str, tuple[str, str, object]] = {
+    "prompt_tokens_details/completions_cold": (
+        "POST", "/v1/completions", comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0,
+                                        return_token_ids=True)),
+    "prompt_tokens_details/completions_cached": (
+        "POST", "/v1/completions", comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0,
+                                        return_token_ids=True)),
+    "prompt_tokens_details/completions_stream_usage": (
+        "POST", "/v1/completions", comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0, stream=True,
+                                        return_token_ids=True, **USAGE)),
+    "prompt_tokens_details/chat_stream_usage": (
+        "POST", "/v1/chat/completions", chat(cache_hit_threshold=0, stream=True,
+                                             return_token_ids=True, **USAGE)),
+    "prompt_tokens_details/threshold_completions_rejected": (
+        "POST", "/v1/completions", comp(prompt=THRESHOLD_PROMPT + " details",
+                                        cache_hit_threshold=0.9, return_token_ids=True)),
+    "prompt_tokens_details/threshold_completions_stream_rejected": (
+        "POST", "/v1/completions", comp(prompt=THRESHOLD_PROMPT + " details stream", stream=True,
+                                        cache_hit_threshold=0.9, return_token_ids=True, **USAGE)),
+}
+
 _NORMALIZERS = [
     (re.compile(r'"id":"(cmpl|chatcmpl)-[0-9A-Za-z_-]+"'), r'"id":"\1-<id>"'),
     (re.compile(r'"created":\d+'), '"created":1700000000'),
@@ -261,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plugin", action="store_true",
                     help="also capture the threshold cases on an engine with the plugin")
     ap.add_argument("--only-plugin", action="store_true", help="only the threshold cases")
+    ap.add_argument("--details", action="store_true",
+                    help="only the prompt_tokens_details cases (engine with the plugin and "
+                         "--enable-prompt-tokens-details)")
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     if args.base_url:
@@ -274,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_model(work / "tiny-model")
     engines: list[EngineProcess] = []
     try:
-        if not args.only_plugin:
+        if not (args.only_plugin or args.details):
             for name, role, core in (("producer", "producer", 0), ("consumer", "consumer", 1)):
                 port = free_port()
                 argv_, env = engine_command(model, name=name, port=port, nixl_port=free_port(),
@@ -291,6 +320,18 @@ def main(argv: list[str] | None = None) -> int:
             for e in engines:
                 e.stop()
             engines.clear()
+        if args.details:
+            port = free_port()
+            argv_, env = engine_command(model, name="details", port=port, nixl_port=free_port(),
+                                        role="both", cpu_cores=(0,), plugin=True,
+                                        extra_args=("--max-model-len", "2048"), env=ENGINE_ENV)
+            if "--enable-prompt-tokens-details" not in argv_:
+                argv_.append("--enable-prompt-tokens-details")
+            e = EngineProcess(argv_, env, port, work / "details.log").start()
+            engines.append(e)
+            print(f"details: healthy after {e.wait_healthy():.1f} s")
+            run_cases(e.base_url, DETAILS_CASES)
+            return 0
         if args.plugin or args.only_plugin:
             port = free_port()
             argv_, env = engine_command(model, name="plugin", port=port, nixl_port=free_port(),
