@@ -44,16 +44,19 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def usage(req: SimRequest, details: bool, full: bool, chat: bool = False) -> dict[str, Any]:
     """`full`: every field, as a non-streaming body serializes; otherwise only the fields
-    vLLM sets (streams serialize with exclude_unset). vLLM's chat path sets all three
-    prompt_tokens_details fields even in streams; its completion path only cached_tokens."""
+    vLLM's stream carries: a chat stream's usage has cached_tokens and
+    created_cache_tokens (checked against a real engine by
+    tests/real_engine/test_router_real.py), a completion stream's only cached_tokens."""
     p = len(req.prompt_ids)
     c = len(req.output_ids)
     u: dict[str, Any] = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
     ptd = None
     if details:
         ptd = {"cached_tokens": max(req.num_cached_tokens, 0)}
-        if full or chat:
+        if full:
             ptd.update(created_cache_tokens=None, multimodal_tokens=None)
+        elif chat:
+            ptd["created_cache_tokens"] = None
     if full:
         u["prompt_tokens_details"] = ptd
         u["completion_tokens_details"] = None
