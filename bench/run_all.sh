@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark of bench/RESULTS.md, one after the other (never two at once: they would
-# measure each other), into OUT (default bench/out, git-ignored). About 40 minutes on 2 cores.
+# measure each other), into OUT (default bench/out, git-ignored). About an hour on 2 cores.
 # Usage: bench/run_all.sh [OUT] [--skip-trace]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,9 @@ log "Mooncake trace: probe without P/D fallback (cold prompts run on the least-l
 $PY -m bench replay --mode probe --min-pd-prompt-tokens 1000000000 --label probe_no_pd --out "$OUT/trace-variants/probe_no_pd"
 log "Mooncake trace: probe with 2 prefill engines"
 $PY -m bench replay --mode probe --prefill 2 --label probe_P2 --out "$OUT/trace-variants/probe_P2"
+
+log "Mooncake trace on engines 8x an H100 (the prefill engine keeps up)"
+$PY -m bench replay --speed 8 --mode oracle,probe,prefix_tree,round_robin --out "$OUT/trace-light"
 
 log "multi-turn sessions"
 $PY -m bench replay --workload multiturn --mode probe,prefix_tree,least_loaded,round_robin --out "$OUT/multiturn"
@@ -50,7 +53,7 @@ collect() {  # collect SRC DEST: *.md, *.json (not per-request data), *.png, and
     rel=${f#"$src"/}; cp "$f" "$dest/$(dirname "$rel" | tr '/' '_').summary.json"
   done
 }
-for d in prefix-groups trace trace-variants multiturn overhead sweep-threshold load-sweep scaling profile; do
+for d in prefix-groups trace trace-variants trace-light multiturn overhead sweep-threshold load-sweep scaling profile; do
   [[ -d "$OUT/$d" ]] && collect "$OUT/$d" "bench/results/$d"
 done
 # The load sweep's per-mode CDF and bar plots have 25 entries each: too many to read.
