@@ -64,6 +64,7 @@ class RouterState:
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
+        self._backend_gauges: dict[str, tuple] = {}
         self._api_keys = tuple(k.encode() for k in config.server.api_keys)
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
@@ -121,9 +122,16 @@ class RouterState:
             await self.supervisor.stop()
 
     def _backend_changed(self, name: str, s: BackendState) -> None:
-        self.metrics.inflight.labels(name).set(s.inflight)
-        self.metrics.healthy.labels(name).set(1 if s.healthy and s.breaker != "open" else 0)
-        self.metrics.breaker.labels(name).set(BREAKER_STATE_VALUE[s.breaker])
+        # Runs on every acquire/release: labelled children are looked up once per backend.
+        gauges = self._backend_gauges.get(name)
+        if gauges is None:
+            m = self.metrics
+            gauges = self._backend_gauges[name] = (m.inflight.labels(name), m.healthy.labels(name),
+                                                   m.breaker.labels(name))
+        inflight, healthy, breaker = gauges
+        inflight.set(s.inflight)
+        healthy.set(1 if s.healthy and s.breaker != "open" else 0)
+        breaker.set(BREAKER_STATE_VALUE[s.breaker])
 
     # --- auth --------------------------------------------------------------------------
     def authorized(self, request: web.Request, keys: tuple[bytes, ...]) -> bool:

@@ -53,6 +53,15 @@ class Leg:
     route: str
 
 
+def estimate_prompt_tokens(body: dict, text: str) -> int:
+    """The prompt's length when no engine has said it: exact for token ids, else about
+    four characters a token (English text under common BPE vocabularies)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return len(text) // 4
+
+
 class Dispatcher:
     def __init__(self, config: Config, registry: BackendRegistry, client: UpstreamClient,
                  strategy: Strategy, metrics: RouterMetrics):
@@ -244,8 +253,11 @@ class Dispatcher:
                 for o in result.by_verdict(FAILED):
                     exclude.add(o.backend)
                     last_error = o.error
+                prompt_tokens = result.prompt_tokens
+                if prompt_tokens is None:  # every probe was silent: estimate from the request
+                    prompt_tokens = estimate_prompt_tokens(body, query.text)
                 fallback = plan_fallback(query, self.registry.snapshot(), self.routing,
-                                         result.prompt_tokens, frozenset(exclude))
+                                         prompt_tokens, frozenset(exclude))
             else:
                 fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0)
             if fallback is None:

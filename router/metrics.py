@@ -85,6 +85,8 @@ class RouterMetrics:
         self.duration.observe(rec.duration_s)
         for reason in rec.resumes:
             self.resumes.labels(reason).inc()
+        if not log.isEnabledFor(logging.INFO):
+            return
         log.info("%s", orjson.dumps({
             "request_id": rec.request_id, "endpoint": rec.endpoint, "model": rec.model,
             "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,

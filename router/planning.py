@@ -254,9 +254,11 @@ def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConf
     """Every probe rejected (or the strategy routes directly and the engine must compute
     the prompt anyway): pick where the prompt is computed.
 
-    Prefill/decode when a prefill backend other than the chosen decoder exists and the
+    Prefill/decode when a prefill backend other than the chosen decoder exists, the
     prompt is long enough to be worth a KV transfer (`min_pd_prompt_tokens`; an unknown
-    length counts as long); otherwise directly on the least-loaded decoder at threshold 0.
+    length counts as long), and the prefill backend is not busier than that decoder (a
+    queue on the prefill engine costs more time than computing the prompt where it will be
+    decoded); otherwise directly on the least-loaded decoder at threshold 0.
     """
     decoders = _decoders(query, snap, exclude)
     if not decoders:
@@ -266,6 +268,8 @@ def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConf
     prefillers = [b for b in snap.prefillers(query.model)
                   if b.name != decode.name and b.name not in exclude]
     if prefillers and long_enough:
-        return FallbackPlan(decode=decode.name, prefill=least_loaded(prefillers, query.salt).name,
-                            decode_threshold=routing.decode_guard_threshold)
+        prefill = least_loaded(prefillers, query.salt)
+        if prefill.load <= decode.load:
+            return FallbackPlan(decode=decode.name, prefill=prefill.name,
+                                decode_threshold=routing.decode_guard_threshold)
     return FallbackPlan(decode=decode.name, prefill=None, decode_threshold=0.0)

@@ -66,3 +66,11 @@ def test_chat_resume_body_keeps_only_sampling_fields():
     assert out == {"model": "m", "temperature": 0.5, "stop": ["\n"], "logprobs": 2, "prompt": [1, 2, 3],
                    "max_tokens": 3}
     assert "max_tokens" not in resume_leg_body({"prompt": "x"}, "completions", [1], [2], None)
+
+
+def test_prompt_length_estimate_when_no_engine_reported_it():
+    from router.dispatch import estimate_prompt_tokens
+
+    assert estimate_prompt_tokens({"prompt": [5, 6, 7]}, "5,6,7,") == 3
+    assert estimate_prompt_tokens({"prompt": "x" * 4000}, "x" * 4000) == 1000
+    assert estimate_prompt_tokens({"messages": []}, "user: " + "y" * 394) == 100

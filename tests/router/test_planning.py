@@ -134,3 +134,11 @@ def test_fallback_excludes_failed_backends():
     fb = plan_fallback(Q, s, R, prompt_tokens=10_000, exclude=frozenset({"d0", "p0"}))
     assert (fb.decode, fb.prefill) == ("d1", None)
     assert plan_fallback(Q, s, R, 10, exclude=frozenset({"d0", "d1"})) is None
+
+
+def test_fallback_skips_a_prefill_engine_busier_than_the_decoder():
+    s = snap(view("d0", inflight=2), view("p0", decodes=False, prefills=True, inflight=3))
+    fb = plan_fallback(Q, s, R, prompt_tokens=10_000)
+    assert (fb.prefill, fb.decode, fb.route) == (None, "d0", "direct")
+    s = snap(view("d0", inflight=3), view("p0", decodes=False, prefills=True, running=1, waiting=2))
+    assert plan_fallback(Q, s, R, prompt_tokens=10_000).prefill == "p0"  # equal load: split
