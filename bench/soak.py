@@ -38,6 +38,9 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import tomli_w
+
+from router.sse import SSEDecoder
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
@@ -117,17 +120,15 @@ class Engine:
 
 
 def _router_toml(port: int, engines: list[Engine], args: argparse.Namespace) -> str:
-    lines = ["[server]", f"port = {port}", 'host = "127.0.0.1"', "max_concurrent_requests = 1024",
-             "max_queued_requests = 1024", "",
-             "[routing]", "max_retries = 3", "max_resumes = 4", "",
-             "[timeouts]", "connect_s = 2.0", "first_token_s = 30.0", f"idle_s = {args.idle_s}",
-             "total_s = 120.0", "",
-             "[health]", "scrape_interval_s = 0.5", "check_interval_s = 1.0", "failure_threshold = 3",
-             "cooldown_s = 3.0", ""]
-    for e in engines:
-        lines += ["[[backends]]", f'name = "{e.name}"', f'url = "{e.url}"', 'role = "decode"',
-                  f'models = ["{MODEL}"]', ""]
-    return "\n".join(lines)
+    return tomli_w.dumps({
+        "server": {"port": port, "host": "127.0.0.1", "max_concurrent_requests": 1024,
+                   "max_queued_requests": 1024},
+        "routing": {"max_retries": 3, "max_resumes": 4},
+        "timeouts": {"connect_s": 2.0, "first_token_s": 30.0, "idle_s": float(args.idle_s), "total_s": 120.0},
+        "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0, "failure_threshold": 3,
+                   "cooldown_s": 3.0},
+        "backends": [{"name": e.name, "url": e.url, "role": "decode", "models": [MODEL]} for e in engines],
+    })
 
 
 def _rss(pid: int) -> int:
@@ -194,16 +195,12 @@ async def one_request(s: aiohttp.ClientSession, url: str, rng: random.Random, ma
                                       f"HTTP {r.status} without an error body")
                     return Result(time.monotonic() - t0, "error", time.monotonic() - start, None,
                                   f"HTTP {r.status}: {msg}")
-                buf = b""
+                decoder = SSEDecoder()
                 async for data in r.content.iter_any():
                     if ttft is None:
                         ttft = time.monotonic() - start
-                    buf += data
-                    while b"\n\n" in buf:
-                        block, buf = buf.split(b"\n\n", 1)
-                        if block.startswith(b"data: "):
-                            p = block[6:]
-                            events.append("[DONE]" if p == b"[DONE]" else orjson.loads(p))
+                    for p in decoder.feed(data):
+                        events.append("[DONE]" if p == b"[DONE]" else orjson.loads(p))
     except TimeoutError:
         return Result(time.monotonic() - t0, "lost", time.monotonic() - start, ttft, f"no end within {bound_s} s")
     except aiohttp.ClientError as e:

@@ -22,6 +22,9 @@ from typing import Any
 import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
+import tomli_w
+
+from router.sse import SSEDecoder
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,30 +122,8 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None,
     raise RuntimeError(f"{url} did not answer within {timeout} s ({last!r})")
 
 
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return orjson.dumps(v).decode()
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    raise TypeError(v)
-
-
 def to_toml(cfg: dict) -> str:
-    lines: list[str] = []
-    for table, values in cfg.items():
-        if isinstance(values, list):
-            for item in values:
-                lines.append(f"[[{table}]]")
-                lines += [f"{k} = {toml_value(v)}" for k, v in item.items()]
-        else:
-            lines.append(f"[{table}]")
-            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
-        lines.append("")
-    return "\n".join(lines)
+    return tomli_w.dumps(cfg)
 
 
 @dataclass
@@ -277,14 +258,10 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, *
                         return Outcome(r.status, "lost", f"unparseable error body {raw[:200]!r}")
                     return Outcome(r.status, "error", err["message"])
                 events = []
-                buf = b""
+                decoder = SSEDecoder()
                 async for data in r.content.iter_any():
-                    buf += data
-                    while b"\n\n" in buf:
-                        block, buf = buf.split(b"\n\n", 1)
-                        if block.startswith(b"data: "):
-                            p = block[6:]
-                            events.append("[DONE]" if p == b"[DONE]" else orjson.loads(p))
+                    for p in decoder.feed(data):
+                        events.append("[DONE]" if p == b"[DONE]" else orjson.loads(p))
     except TimeoutError:
         return Outcome(0, "lost", f"no end within {timeout} s")
     except aiohttp.ClientError as e:
