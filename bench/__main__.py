@@ -8,6 +8,7 @@
   scaling          router CPU and memory as K grows, and with 1,000 open streams
   profile          py-spy profile of the router under load (hot functions)
   sim-capacity     the simulator's own capacity (bench/sim_capacity.py)
+  soak             a long steady load with engine restarts (bench/soak.py)
 """
 from __future__ import annotations
 
@@ -191,18 +192,9 @@ def cmd_profile(a: argparse.Namespace) -> int:
     return profile_main(a)
 
 
-def cmd_sim_capacity(a: argparse.Namespace) -> int:
-    try:
-        from . import sim_capacity  # written by the simulator engineer
-    except ImportError:
-        print("bench/sim_capacity.py is not present in this checkout", file=sys.stderr)
-        return 2
-    fn = getattr(sim_capacity, "main", None)
-    if fn is None:
-        print("bench/sim_capacity.py has no main()", file=sys.stderr)
-        return 2
-    rc = fn(list(a.args or []))
-    return int(rc or 0)
+# Subcommands that are programs of their own, with their own flags: every argument after
+# the name goes to the module's main().
+FORWARDED = {"sim-capacity": "bench.sim_capacity", "soak": "bench.soak"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,9 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--top", type=int, default=25)
     pr.set_defaults(fn=cmd_profile)
 
-    sm = sub.add_parser("sim-capacity", help="the simulator's capacity (bench/sim_capacity.py)")
-    sm.add_argument("args", nargs=argparse.REMAINDER)
-    sm.set_defaults(fn=cmd_sim_capacity)
+    sub.add_parser("sim-capacity", help="the simulator's capacity (bench/sim_capacity.py; its own flags)")
+    sub.add_parser("soak", help="steady load with periodic engine restarts (bench/soak.py; its own flags)")
     return p
 
 
@@ -293,7 +284,12 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import importlib
     import signal
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in FORWARDED:
+        signal.signal(signal.SIGTERM, _terminate)
+        return int(importlib.import_module(FORWARDED[argv[0]]).main(argv[1:]) or 0)
     a = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     return a.fn(a)
