@@ -19,7 +19,8 @@ import pytest
 
 from launcher_testutil import LauncherProcess, children_of, free_port, group_gone, pid_gone
 
-pytestmark = pytest.mark.real_engine
+# Engine start-up may take minutes on a loaded 2-core machine (START_GUARD_S below).
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
 # Hang guards: a start takes 15-40 s on 2 idle cores, much longer on a busy shared machine.
 START_GUARD_S = 600
