@@ -154,6 +154,7 @@ class RouterState:
         t0 = time.monotonic()
         rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
         writer: SSEWriter | None = None
+        shaper: ResponseShaper | None = None
         self.metrics.client_inflight.inc()
         task = asyncio.current_task()
         if task is not None:
@@ -181,7 +182,6 @@ class RouterState:
                     try:
                         await self.dispatcher.serve(spec, shaper, writer.send, rec)
                         await writer.send(shaper.final_chunks())
-                        rec.completion_tokens = len(shaper.generated_token_ids)
                         return await writer.finish()
                     except errors.RouterError as e:
                         if not writer.started:
@@ -189,7 +189,6 @@ class RouterState:
                         rec.status, rec.error = e.status, e.message
                         return await writer.fail(e)
                 await self.dispatcher.serve(spec, shaper, _discard, rec)
-                rec.completion_tokens = len(shaper.generated_token_ids)
                 return json_response(shaper.accumulate_response(), headers={"X-Request-Id": spec.request_id})
         except errors.RouterError as e:
             rec.status, rec.error = e.status, e.message
@@ -231,6 +230,8 @@ class RouterState:
             if task is not None:
                 self._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0
+            if shaper is not None:  # also for answers cut short (disconnect, error)
+                rec.completion_tokens = len(shaper.generated_token_ids)
             self.metrics.record(rec)
 
     def _check_length(self, request: web.Request) -> None:
