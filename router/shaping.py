@@ -419,21 +419,27 @@ class ResponseShaper:
             return res
 
         # Completions client: rewrite in place.
-        if c.get("index"):
-            c["index"] = 0
         if lp is not None:
             c["logprobs"] = lp
+        # Completion chunks carry the prompt's ids inside the choice.
+        self._normalize(chunk, c, prompt_ids_in=c)
+        if fr is not None:
+            return self._hold(chunk, c, bool(text or ids or _lp_entries(lp)))
+        return self._out(chunk, c)
+
+    def _normalize(self, chunk: dict, c: dict, prompt_ids_in: dict) -> None:
+        """The rewrite every client chunk gets: one choice at index 0, token ids hidden
+        unless asked (null, as vLLM sends them), the answer's stable id and stamps."""
+        if c.get("index"):
+            c["index"] = 0
         if not self._want_ids:
-            if "prompt_token_ids" in c:
-                c["prompt_token_ids"] = None
+            if "prompt_token_ids" in prompt_ids_in:
+                prompt_ids_in["prompt_token_ids"] = None
             if "token_ids" in c:
                 c["token_ids"] = None
         if len(choices := chunk["choices"]) > 1:
             del choices[1:]
         self._stamp(chunk)
-        if fr is not None:
-            return self._hold(chunk, c, bool(text or ids or _lp_entries(lp)))
-        return self._out(chunk, c)
 
     def _shape_chat(self, chunk: dict, c: dict) -> list[dict]:
         """A chunk of a chat stream (the client's own endpoint)."""
@@ -483,16 +489,8 @@ class ResponseShaper:
                     return []
             else:
                 self._role_sent = new_role = True
-        if c.get("index"):
-            c["index"] = 0
-        if not self._want_ids:
-            if "prompt_token_ids" in chunk:
-                chunk["prompt_token_ids"] = None
-            if "token_ids" in c:
-                c["token_ids"] = None
-        if len(choices := chunk["choices"]) > 1:
-            del choices[1:]
-        self._stamp(chunk)
+        # Chat chunks carry the prompt's ids at the top level.
+        self._normalize(chunk, c, prompt_ids_in=chunk)
         if fr is not None:
             has_content = bool(content or reasoning or tool_calls or ids or _lp_entries(lp))
             if new_role and not has_content:
