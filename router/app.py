@@ -65,7 +65,9 @@ class RouterState:
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
         self._backend_gauges: dict[str, tuple] = {}
-        self._api_keys = tuple(k.encode() for k in config.server.api_keys)
+        # Keys are kept as SHA-256 digests, computed once: requests compare digests.
+        self._api_keys = tuple(_digest(k.encode()) for k in config.server.api_keys)
+        self._admin_key = _digest(config.server.admin_api_key.encode()) if config.server.admin_api_key else None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
         self._handlers: set[asyncio.Task] = set()
@@ -134,7 +136,7 @@ class RouterState:
         breaker.set(BREAKER_STATE_VALUE[s.breaker])
 
     # --- auth --------------------------------------------------------------------------
-    def authorized(self, request: web.Request, keys: tuple[bytes, ...]) -> bool:
+    def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer":  # auth schemes are case-insensitive (RFC 9110 11.1)
@@ -142,10 +144,10 @@ class RouterState:
         # Header bytes that are not UTF-8 arrive surrogate-escaped: compare them as bytes.
         # Digests of equal length, so the comparison time says nothing of the keys' lengths;
         # constant-time against every key, without an early exit on the first match.
-        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
         ok = False
-        for k in keys:
-            ok |= hmac.compare_digest(given, hashlib.sha256(k).digest())
+        for k in key_digests:
+            ok |= hmac.compare_digest(given, k)
         return ok
 
     # --- handlers ----------------------------------------------------------------------
@@ -278,16 +280,19 @@ class RouterState:
 
     async def handle_admin_backends(self, request: web.Request) -> web.Response:
         assert self.registry is not None
-        key = self.config.server.admin_api_key
-        if not key:
+        if self._admin_key is None:
             return error_response(errors.route_not_found())
-        if not self.authorized(request, (key.encode(),)):
+        if not self.authorized(request, (self._admin_key,)):
             return error_response(errors.unauthorized())
         return json_response([{
             "name": s.config.name, "url": s.config.url, "role": s.config.role, "models": list(s.models),
             "healthy": s.healthy, "breaker": s.breaker, "inflight": s.inflight, "running": s.running,
             "waiting": s.waiting, "kv_usage": s.kv_usage, "consecutive_failures": s.consecutive_failures,
             "last_error": s.last_error} for s in self.registry.states.values()])
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
 
 
 async def _discard(chunks: list[dict]) -> None:
