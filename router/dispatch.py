@@ -31,7 +31,7 @@ from .legs import streamed_leg_body
 from .metrics import RequestRecord, RouterMetrics
 from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, RouteQuery, Strategy,
                        plan_fallback)
-from .race import ACCEPTED, EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
+from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
 from .resume import resume_leg_body, resume_reason
 from .shaping import MalformedChunk, ResponseShaper
 from .upstream import (PROTOCOL, CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
@@ -166,7 +166,7 @@ class Dispatcher:
                 break
             name = plan.direct
             cfg = self.registry.states[name].config
-            self._acquire(name)
+            self.registry.acquire(name)
             try:
                 raw = await self.client.post_raw(name, cfg.url, path, body, api_key=cfg.api_key,
                                                  total_deadline=deadline)
@@ -178,7 +178,7 @@ class Dispatcher:
                 exclude.add(name)
                 continue
             finally:
-                self._release(name)
+                self.registry.release(name)
             self.registry.record_success(name)
             self.strategy.on_routed(query, name)
             rec.route, rec.winner = ROUTE_DIRECT, name
@@ -316,12 +316,12 @@ class Dispatcher:
 
     async def _prefill(self, backend: str, path: str, body: dict, deadline: float) -> dict:
         state = self.registry.states[backend]
-        self._acquire(backend)
+        self.registry.acquire(backend)
         try:
             resp = await self.client.post_json(backend, state.config.url, path, prefill_leg_body(body),
                                                api_key=state.config.api_key, total_deadline=deadline)
         finally:
-            self._release(backend)
+            self.registry.release(backend)
         self.registry.record_success(backend)
         return parse_prefill_response(resp).kv_transfer_params
 
@@ -339,21 +339,15 @@ class Dispatcher:
     def _opener(self, path: str, body: dict, deadline: float):
         async def open_leg(name: str) -> UpstreamStream:
             cfg = self.registry.states[name].config
-            self._acquire(name)
+            self.registry.acquire(name)
             try:
                 return await self.client.open_stream(name, cfg.url, path, body, api_key=cfg.api_key,
                                                      total_deadline=deadline,
-                                                     on_close=lambda: self._release(name))
+                                                     on_close=lambda: self.registry.release(name))
             except BaseException:
-                self._release(name)
+                self.registry.release(name)
                 raise
         return open_leg
-
-    def _acquire(self, name: str) -> None:
-        self.registry.acquire(name)
-
-    def _release(self, name: str) -> None:
-        self.registry.release(name)
 
     def _account_race(self, result: RaceResult, rec: RequestRecord, probing: bool = True) -> None:
         m = self.metrics
