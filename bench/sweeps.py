@@ -126,7 +126,7 @@ def load_sweep(a) -> int:
             s["sweep_rate"] = rate
             (d / "summary.json").write_text(json.dumps(s, indent=2))
             dirs.append(d)
-    rows = compare(dirs, out, title=f"Load sweep: {a.workload}")
+    compare(dirs, out, title=f"Load sweep: {a.workload}")
     # Goodput and time to fallback against load.
     by: dict[str, list[dict]] = {}
     for d in dirs:

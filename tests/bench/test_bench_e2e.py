@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 
 import pytest

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import orjson
 import pytest
 
 from cluster_util import MODEL, FaultConfig, long_prompt
