@@ -13,7 +13,13 @@ import logging
 import signal
 import sys
 
-from .config import ROLES, FaultConfig, SimEngineConfig, TimingModel
+from .config import (
+    KV_LOAD_FAILURE_POLICIES,
+    ROLES,
+    FaultConfig,
+    SimEngineConfig,
+    TimingModel,
+)
 from .server import SimServer
 
 log = logging.getLogger("engine_launcher.sim")
@@ -54,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="also check the cache-hit threshold when a request arrives (default on)")
     a("--kv-lease-duration", type=float, default=d.kv_lease_duration,
       help="seconds a producer keeps prefilled blocks for a consumer (real seconds)")
+    a("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default=d.kv_load_failure_policy,
+      help="a failed KV pull ends the request with an error (vLLM's default) or recomputes "
+           "the prompt (default %(default)s)")
     a("--advertise-host", default=d.advertise_host,
       help="remote_host written in a producer's kv_transfer_params (default: --host)")
     a("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
@@ -84,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         seed=args.seed, eos_probability=args.eos_probability,
         global_cache_hit_threshold=args.global_cache_hit_threshold,
         arrival_check=args.arrival_check, kv_lease_duration=args.kv_lease_duration,
+        kv_load_failure_policy=args.kv_load_failure_policy,
         advertise_host=args.advertise_host,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_logprobs=args.max_logprobs,

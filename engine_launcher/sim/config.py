@@ -29,6 +29,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 ROLES = ("producer", "consumer", "both")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 VLLM_VERSION = "0.32.0"
 
 
@@ -96,6 +97,10 @@ class SimEngineConfig:
     arrival_check: bool = True
     # NIXL-like prefill/decode.
     kv_lease_duration: float = 30.0
+    # What a consumer does when a pull fails (vLLM's kv_transfer_config.kv_load_failure_policy):
+    # "fail" (vLLM's default) ends the request with finish reason "error", an HTTP 500;
+    # "recompute" computes the prompt locally instead.
+    kv_load_failure_policy: str = "fail"
     # Host named in remote_host of a producer's kv_transfer_params ("" = the bound host).
     advertise_host: str = ""
     # vLLM only fills usage.prompt_tokens_details with --enable-prompt-tokens-details;
@@ -123,6 +128,9 @@ class SimEngineConfig:
             raise ValueError("eos_probability must be in [0, 1]")
         if self.kv_lease_duration <= 0:
             raise ValueError("kv_lease_duration must be > 0")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of "
+                             f"{', '.join(KV_LOAD_FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}")
         for f in dataclasses.fields(TimingModel):
             if getattr(self.timing, f.name) < 0:
                 raise ValueError(f"timing.{f.name} must be >= 0")

@@ -434,6 +434,12 @@ class SimEngine:
         if req.status is not Status.TRANSFERRING:
             return  # aborted meanwhile
         del self.transferring[req.request_id]
+        if not ok and self.config.kv_load_failure_policy == "fail":
+            # vLLM's default policy: the request ends with FinishReason.ERROR (an HTTP 500).
+            self.stats.failed_pulls += 1
+            self.metrics.nixl_num_failed_transfers.inc()
+            self._finish(req, "error")
+            return
         if ok:
             # As vLLM: with the whole prompt loaded, the last token is recomputed for logits.
             req.num_computed_tokens = min(req.num_computed_tokens + external, req.num_tokens - 1)

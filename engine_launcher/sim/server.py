@@ -48,6 +48,10 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
+# vLLM's answer for a request that finished with FinishReason.ERROR (e.g. a failed KV load).
+GENERATION_ERROR = ApiError("Internal server error", 500, "InternalServerError")
+
+
 def _error(e: ApiError) -> web.Response:
     return _json(e.body(), e.status)
 
@@ -180,6 +184,8 @@ class SimServer:
             while not req.finished:
                 await req.event.wait()
                 req.event.clear()
+            if req.finish_reason == "error":
+                return _error(GENERATION_ERROR)
             return web.Response(body=R.full_response(ctx, req, req.output_text,
                                                      cfg.enable_prompt_tokens_details),
                                 content_type="application/json")
@@ -214,6 +220,12 @@ class SimServer:
             req.event.clear()
             ids, text, lps = req.drain()
             finished = req.finished
+            if finished and req.finish_reason == "error":
+                # vLLM's GenerationError in a stream: one error event, then [DONE].
+                await resp.write(b"data: " + orjson.dumps(GENERATION_ERROR.body()) + b"\n\n")
+                await resp.write(R.SSE_DONE)
+                await resp.write_eof()
+                return
             # vLLM sends no chunk for a step without text or tokens unless it finishes.
             if ids or text or finished:
                 await resp.write(R.stream_chunk(

@@ -60,13 +60,37 @@ async def test_decode_leg_pulls_counts_external_hits_and_ends_the_lease(make_eng
     assert consumer.engine.stats.step_count == 10
 
 
-async def test_expired_lease_makes_the_pull_fail_and_the_consumer_recompute(make_engine, http) -> None:
+async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(make_engine, http) -> None:
     producer = await make_engine(role="producer", kv_lease_duration=0.05)
     consumer = await make_engine(role="consumer")
     kv = await prefill(http, producer)
     await wait_until(lambda: not producer.engine.leases)
     assert await metric(http, producer.url, "vllm:nixl_num_kv_expired_reqs_total") == 1
     assert producer.engine.kv.usage == 0.0
+    # kv_load_failure_policy "fail": vLLM ends the request with FinishReason.ERROR, a 500.
+    status, body = await post(http, consumer.url + "/v1/completions",
+                              {"prompt": PROMPT, "max_tokens": 5, "kv_transfer_params": kv})
+    assert status == 500
+    assert body == {"error": {"message": "Internal server error", "type": "InternalServerError",
+                              "param": None, "code": 500}}
+    assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 1
+    assert await metric(http, consumer.url, "vllm:request_success_total",
+                        finished_reason="error") == 1
+    assert consumer.engine.num_running == 0 and consumer.engine.kv.usage == 0.0
+    # Streamed, the 200 has begun: one error event, then [DONE].
+    async with http.post(consumer.url + "/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": kv}) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert raw == (b'data: {"error":{"message":"Internal server error","type":"InternalServerError",'
+                   b'"param":null,"code":500}}\n\ndata: [DONE]\n\n')
+
+
+async def test_expired_lease_with_the_recompute_policy_computes_the_prompt(make_engine, http) -> None:
+    producer = await make_engine(role="producer", kv_lease_duration=0.05)
+    consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
+    kv = await prefill(http, producer)
+    await wait_until(lambda: not producer.engine.leases)
     body = await decode(http, consumer, kv)
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -75,7 +99,7 @@ async def test_expired_lease_makes_the_pull_fail_and_the_consumer_recompute(make
 
 async def test_pull_from_a_producer_that_is_gone_falls_back(make_engine, http) -> None:
     producer = await make_engine(role="producer")
-    consumer = await make_engine(role="consumer")
+    consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
     kv = await prefill(http, producer)
     await producer.close()
     await decode(http, consumer, kv)
@@ -84,7 +108,7 @@ async def test_pull_from_a_producer_that_is_gone_falls_back(make_engine, http) -
 
 async def test_pull_of_an_unknown_request_falls_back(make_engine, http) -> None:
     producer = await make_engine(role="producer")
-    consumer = await make_engine(role="consumer")
+    consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
     kv = await prefill(http, producer)
     await decode(http, consumer, {**kv, "remote_request_id": "cmpl-unknown"})
     assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 1
