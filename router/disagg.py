@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .legs import streamed_leg_body
+from .upstream import ENGINE_ERROR, STATUS, UpstreamError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 
@@ -66,3 +67,17 @@ def parse_prefill_response(resp: dict) -> PrefillResult:
     usage = resp.get("usage")
     prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     return PrefillResult(params, prompt_tokens if isinstance(prompt_tokens, int) else None)
+
+
+def recompute_after_failed_decode(error: UpstreamError | None) -> bool:
+    """Whether a decode leg that failed before its first token should run again on the same
+    engine without the transferred cache.
+
+    vLLM's default `kv_load_failure_policy = "fail"` ends a request whose NIXL pull failed
+    (lease expired, handshake timed out) with an internal error: the engine answered, so it
+    is alive, and the prompt can be computed there instead. A connection that failed or
+    timed out says nothing about the transfer, so the normal retry elsewhere applies.
+    """
+    if error is None or error.client_fault:
+        return False
+    return error.kind == ENGINE_ERROR or (error.kind == STATUS and (error.status or 0) >= 500)

@@ -26,7 +26,8 @@ from . import errors
 from .admission import RequestSpec
 from .backends import BackendRegistry
 from .config import Config
-from .disagg import PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body
+from .disagg import (PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body,
+                     recompute_after_failed_decode)
 from .legs import streamed_leg_body
 from .metrics import RequestRecord, RouterMetrics
 from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, RouteQuery, Strategy,
@@ -292,9 +293,16 @@ class Dispatcher:
         else:
             leg_body, route = streamed_leg_body(body, 0.0), ROUTE_DIRECT
         result = await self._single(fb.decode, path, leg_body, rec, deadline)
-        if result.winner is None and kv_params is not None and result.by_verdict(REJECTED):
-            # The guard threshold refused the decode leg: the transferred cache did not
-            # arrive (lease expired, pull failed). Compute the prompt there instead.
+        failed = result.by_verdict(FAILED)
+        if result.winner is None and kv_params is not None and (
+                result.by_verdict(REJECTED)
+                or (failed and recompute_after_failed_decode(failed[0].error))):
+            # The guard threshold refused the decode leg, or the engine failed it: the
+            # transferred cache did not arrive (lease expired, pull failed). Compute the
+            # prompt there instead.
+            log.warning("decode on %s with the cache from %s did not start (%s); computing the "
+                        "prompt on %s", fb.decode, fb.prefill,
+                        failed[0].error if failed else "guard threshold", fb.decode)
             route = ROUTE_DIRECT
             result = await self._single(fb.decode, path, streamed_leg_body(body, 0.0), rec, deadline)
         if result.winner is not None:

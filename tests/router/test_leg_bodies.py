@@ -1,8 +1,9 @@
 """The bodies the router sends upstream: probe/direct, NIXL prefill and decode, resume."""
-from router.disagg import PREFILL_REQUEST_PARAMS, PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body
+from router.disagg import (PREFILL_REQUEST_PARAMS, PrefillProtocolError, decode_leg_body, parse_prefill_response,
+                           prefill_leg_body, recompute_after_failed_decode)
 from router.legs import streamed_leg_body
 from router.resume import FAILURE, PREEMPTED, REJECTED, resume_leg_body, resume_reason
-from router.upstream import UpstreamError
+from router.upstream import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
 
 import pytest
 
@@ -74,3 +75,20 @@ def test_prompt_length_estimate_when_no_engine_reported_it():
     assert estimate_prompt_tokens({"prompt": [5, 6, 7]}, "5,6,7,") == 3
     assert estimate_prompt_tokens({"prompt": "x" * 4000}, "x" * 4000) == 1000
     assert estimate_prompt_tokens({"messages": []}, "user: " + "y" * 394) == 100
+
+
+@pytest.mark.parametrize("error, recompute", [
+    (None, False),
+    # vLLM's answer to a failed KV load (kv_load_failure_policy "fail"): alive, so recompute.
+    (UpstreamError("d", ENGINE_ERROR, "Internal server error"), True),
+    (UpstreamError("d", STATUS, "Internal server error", status=500), True),
+    (UpstreamError("d", STATUS, "Service Unavailable", status=503), True),
+    # The engine refused the request itself: it would refuse it again.
+    (UpstreamError("d", STATUS, "bad", status=400), False),
+    # Nothing says the transfer failed: retry elsewhere as usual.
+    (UpstreamError("d", CONNECT, "refused"), False),
+    (UpstreamError("d", FIRST_TOKEN_TIMEOUT, "slow"), False),
+    (UpstreamError("d", BROKEN, "reset"), False),
+])
+def test_recompute_after_failed_decode(error, recompute):
+    assert recompute_after_failed_decode(error) is recompute

@@ -36,6 +36,32 @@ async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, stream):
+    # The producer's lease ends before the consumer pulls: with vLLM's default
+    # kv_load_failure_policy "fail" the consumer answers an internal error (an error event
+    # in a stream); the router computes the prompt on that decoder instead of failing.
+    c = await make_cluster(decoders=1, prefillers=1,
+                           per_engine={"p0": {"kv_lease_duration": 0.001}})
+    body = {"model": MODEL, "prompt": long_prompt("xferfail", 300), "max_tokens": 6}
+    if stream:
+        status, events = await c.stream({**body, "stream_options": {"include_usage": True}})
+        assert status == 200 and events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in events)
+        usage = events[-2]["usage"]
+    else:
+        status, out = await c.complete(body)
+        assert status == 200, out
+        usage = out["usage"]
+    assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == 300
+    assert await c.engine_metric("d0", "vllm:nixl_num_failed_transfers_total") == 1
+    assert await c.engine_metric("d0", "vllm:request_success_total") >= 1
+    # One prefill on the producer, then the prompt computed on the decoder.
+    assert await c.engine_metric("p0", "vllm:prompt_tokens_total") == 300
+    assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 1}
+    assert await c.wait_idle() == {"d0": 0, "p0": 0}
+
+
 async def test_no_prefill_backend_falls_back_to_direct(make_cluster):
     c = await make_cluster(decoders=2, prefillers=0)
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("nopf"), "max_tokens": 4})
