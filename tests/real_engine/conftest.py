@@ -12,6 +12,9 @@
                   so 7 x 32 = 224 tokens: --max-model-len 224), --max-num-seqs 2,
                   arrival check off.
   Starting both together costs one start-up (~30-150 s on this machine) instead of two.
+  Once healthy, one NIXL prefill/decode exchange each way does the handshakes (see
+  EngineSet._warm_nixl).
+- CACHEHIT_ENGINE_LOG_DIR=dir keeps the engines' logs there instead of in a temp dir.
 - CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI): an engine that cannot start fails the tests;
   otherwise they are skipped with the reason.
 """
@@ -21,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +33,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from real_engine_util import (  # noqa: E402
-    EngineProcess, EngineStartError, engine_command, free_port, real_engine_required,
+    EngineProcess, EngineStartError, engine_command, free_port, post_json, real_engine_required,
     vllm_missing_reason,
 )
 
+NIXL_WARMUP_ATTEMPTS = 3
 STARTUP_TIMEOUT_S = float(os.environ.get("CACHEHIT_ENGINE_STARTUP_TIMEOUT", "420"))
 
 # Eager sampler kernels: the first logprobs request would otherwise compile one with
@@ -66,6 +71,13 @@ def _unavailable(reason: str):
 
 @pytest.fixture(scope="session")
 def engine_workdir():
+    # CACHEHIT_ENGINE_LOG_DIR keeps the engines' logs (and the tiny model) after the run.
+    keep = os.environ.get("CACHEHIT_ENGINE_LOG_DIR")
+    if keep:
+        path = Path(keep)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
     with tempfile.TemporaryDirectory(prefix="cachehit-real-engine-") as d:
         yield Path(d)
 
@@ -119,9 +131,42 @@ class EngineSet:
                 engine = self.engines[name]
                 print(f"\n[real engine] {name}: healthy after {took:.1f} s "
                       f"({engine.base_url}, log {engine.log_path})")
+            self._warm_nixl()
         except (EngineStartError, OSError) as exc:
             self.error = f"a real vLLM engine did not start: {exc}"
             self.stop_all()
+
+    def _warm_nixl(self) -> None:
+        """One prefill/decode exchange each way, so that every test finds the NIXL handshake
+        done. vLLM 0.32 gives the first handshake between two engines 5 s (a ZMQ receive
+        timeout) and fails the request when it runs out, which a loaded two-core machine can
+        make happen; the handshake is kept once it succeeds. What a failed transfer does is
+        tested on its own (test_failed_kv_load_ends_the_decode_leg_with_an_internal_error)."""
+        engines = list(self.engines.values())
+        for producer, consumer in ((engines[0], engines[1]), (engines[1], engines[0])):
+            for attempt in range(1, NIXL_WARMUP_ATTEMPTS + 1):
+                t0 = time.monotonic()
+                status, answer = post_json(producer.base_url, "/v1/completions", {
+                    "model": "tiny", "prompt": f"nixl warm-up {attempt}", "max_tokens": 1,
+                    "kv_transfer_params": {
+                        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                        "remote_block_ids": None, "remote_host": None, "remote_port": None}},
+                    timeout=120)
+                if status != 200 or not (answer.get("kv_transfer_params") or {}).get("do_remote_prefill"):
+                    raise EngineStartError(f"prefill leg on {producer.base_url} failed: {status} {answer}")
+                status, out = post_json(consumer.base_url, "/v1/completions", {
+                    "model": "tiny", "prompt": f"nixl warm-up {attempt}", "max_tokens": 1,
+                    "kv_transfer_params": answer["kv_transfer_params"]}, timeout=120)
+                took = time.monotonic() - t0
+                print(f"\n[real engine] NIXL {producer.base_url} -> {consumer.base_url}: "
+                      f"attempt {attempt}, HTTP {status} in {took:.1f} s")
+                if status == 200:
+                    break
+            else:
+                raise EngineStartError(
+                    f"no NIXL transfer {producer.base_url} -> {consumer.base_url} succeeded in "
+                    f"{NIXL_WARMUP_ATTEMPTS} attempts; last answer {status} {out}\n"
+                    f"{consumer.log_tail()}")
 
     def get(self, name: str) -> EngineProcess:
         if not self.started:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from real_engine_util import iter_sse, metric_sum, post_json, scrape_metrics
+from real_engine_util import free_port, iter_sse, metric_sum, parse_sse, post_json, request, scrape_metrics
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -233,8 +233,7 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
                             timeout=300)
     took = time.monotonic() - t0
     assert status == 200, out
-    print(f"\n[decode leg] accepted with T=0.9 in {took * 1000:.0f} ms "
-          f"(includes the first NIXL handshake between the two engines)")
+    print(f"\n[decode leg] accepted with T=0.9 in {took * 1000:.0f} ms")
     assert out["choices"][0]["finish_reason"] == "length", out
     assert out["usage"]["completion_tokens"] == 8
     time.sleep(1.5)
@@ -242,3 +241,41 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
     external = (metric_sum(after, "vllm:external_prefix_cache_hits_total")
                 - metric_sum(before, "vllm:external_prefix_cache_hits_total"))
     assert external >= out["usage"]["prompt_tokens"] - 32, external
+
+
+def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_engine,
+                                                                   preemption_engine):
+    """vLLM's default kv_load_failure_policy "fail", which the simulator copies and the router
+    recovers from (it computes the prompt on the decoder instead): a decode leg whose
+    producer cannot be reached is a 500 "Internal server error", or that error event and
+    [DONE] in a stream. The producer here is unreachable (a fresh engine id on a closed
+    port), so the NIXL handshake times out (5 s in vLLM 0.32)."""
+    prompt = words(20)
+    status, answer = post_json(threshold_engine.base_url, "/v1/completions", long_body(
+        prompt, 1, ignore_eos=False, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}))
+    assert status == 200, answer
+    kv = {**answer["kv_transfer_params"], "remote_engine_id": str(uuid.uuid4()),
+          "remote_host": "127.0.0.1", "remote_port": free_port()}
+    url = preemption_engine.base_url
+    before = metric_sum(scrape_metrics(url), "vllm:nixl_num_failed_transfers_total")
+    body = long_body(prompt, 4, kv_transfer_params=kv)
+    status, out = post_json(url, "/v1/completions", body, timeout=120)
+    assert status == 500, out
+    assert out == {"error": {"message": "Internal server error", "type": "InternalServerError",
+                             "param": None, "code": 500}}
+    status, raw = request(url, "POST", "/v1/completions", {**body, "stream": True}, timeout=120)
+    assert status == 200
+    assert parse_sse(raw) == [{"error": {"message": "Internal server error",
+                                         "type": "InternalServerError", "param": None,
+                                         "code": 500}}, "[DONE]"]
+    # vLLM publishes NIXL failure counts with its periodic stats: wait for them.
+    deadline = time.monotonic() + 30
+    failed = 0.0
+    while time.monotonic() < deadline:
+        failed = metric_sum(scrape_metrics(url), "vllm:nixl_num_failed_transfers_total") - before
+        if failed >= 2:
+            break
+        time.sleep(1.0)
+    assert failed >= 2, failed
