@@ -42,8 +42,9 @@ None (the engine's default).
 """
 from __future__ import annotations
 
+import os
+import random
 import time
-import uuid
 from dataclasses import dataclass
 
 import orjson
@@ -63,6 +64,9 @@ MAX_TOKENS_LIMIT = 2**31
 # means "up to the context length" instead).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 512
+# Request ids need to be unique, not secret: 128 random bits from a generator seeded once
+# from the OS, as uuid4().hex looks, without a getrandom() call per request.
+_ID_RANDOM = random.Random(os.urandom(32))
 
 _STRIPPED_TOP_LEVEL = ("kv_transfer_params", "ec_transfer_params", "cache_hit_threshold",
                        "return_token_ids", "stream", "stream_options", "request_id")
@@ -270,7 +274,7 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
                        "characters.", "request_id")
         request_id = ID_PREFIX[endpoint] + client_id
     else:
-        request_id = ID_PREFIX[endpoint] + uuid.uuid4().hex
+        request_id = f"{ID_PREFIX[endpoint]}{_ID_RANDOM.getrandbits(128):032x}"
 
     for key in _STRIPPED_TOP_LEVEL:
         body.pop(key, None)

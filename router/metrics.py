@@ -72,6 +72,7 @@ class RouterMetrics:
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served",
                                      registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)
+        self._requests_by: dict[tuple[str, int], Counter] = {}
         self.rejected_overload = Counter("cachehit_router_overload_rejections",
                                          "Requests answered 429 because the router was full", registry=r)
 
@@ -79,7 +80,11 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
     def record(self, rec: RequestRecord) -> None:
-        self.requests.labels(rec.route or "none", str(rec.status)).inc()
+        key = (rec.route, rec.status)
+        counter = self._requests_by.get(key)
+        if counter is None:  # labels() builds and locks on every call: look each child up once
+            counter = self._requests_by[key] = self.requests.labels(rec.route or "none", str(rec.status))
+        counter.inc()
         if rec.ttft_s is not None:
             self.ttft.observe(rec.ttft_s)
         self.duration.observe(rec.duration_s)

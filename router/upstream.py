@@ -91,7 +91,28 @@ class UpstreamStream:
             if self._done:
                 return None
             await self._read_more()
-        payload = self._pending.popleft()
+        return self._parse_next()
+
+    async def next_chunks(self) -> list[dict]:
+        """Every chunk already received (at least one, waiting for it if need be), or []
+        once the engine sent `[DONE]`. A chunk that cannot be read is raised on the call
+        after the chunks before it, so none of those is lost."""
+        first = await self.next_chunk()
+        if first is None:
+            return []
+        out = [first]
+        pending = self._pending
+        while pending and pending[0] != b"[DONE]":
+            try:
+                chunk = self._parse_next(peek=True)
+            except UpstreamError:
+                break  # left pending: the next call raises it
+            pending.popleft()
+            out.append(chunk)
+        return out
+
+    def _parse_next(self, peek: bool = False) -> dict | None:
+        payload = self._pending[0] if peek else self._pending.popleft()
         if payload == b"[DONE]":
             self._done = True
             self._pending.clear()
@@ -181,7 +202,7 @@ class UpstreamClient:
         return h
 
     async def _post(self, backend: str, url: str, body: dict, api_key: str,
-                    deadline: float, timeout_kind: str = TOTAL_TIMEOUT) -> aiohttp.ClientResponse:
+                    deadline: float | None, timeout_kind: str = TOTAL_TIMEOUT) -> aiohttp.ClientResponse:
         """POST and wait for the response headers until `deadline`; a miss is an
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
@@ -232,19 +253,20 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         if total_deadline is None:
             total_deadline = loop.time() + self.timeouts.total_s
-        resp = await self._post(backend, base_url + path, body, api_key, total_deadline)
+        # One timer for headers and body (each timer is a heap entry on every request).
         try:
             async with asyncio.timeout_at(total_deadline):
-                return await resp.read()
+                resp = await self._post(backend, base_url + path, body, api_key, None)
+                try:
+                    return await resp.read()
+                except (aiohttp.ClientError, ConnectionError) as e:
+                    resp.close()
+                    raise UpstreamError(backend, BROKEN, f"connection lost: {e!r}") from None
+                except BaseException:  # the timer's cancellation included
+                    resp.close()
+                    raise
         except TimeoutError:
-            resp.close()
             raise UpstreamError(backend, TOTAL_TIMEOUT, "no complete response in time") from None
-        except (aiohttp.ClientError, ConnectionError) as e:
-            resp.close()
-            raise UpstreamError(backend, BROKEN, f"connection lost: {e!r}") from None
-        except BaseException:
-            resp.close()
-            raise
 
     async def post_json(self, backend: str, base_url: str, path: str, body: dict, *,
                         api_key: str = "", total_deadline: float | None = None) -> dict:
