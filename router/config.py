@@ -59,6 +59,10 @@ class RoutingConfig:
     decode_guard_threshold: float = 0.0
     # Prompts shorter than this skip prefill/decode and run directly on a decode engine.
     min_pd_prompt_tokens: int = 256
+    # When every probe rejected, the fallback decoder minimizes
+    # (prompt tokens it lacks) + fallback_load_tokens * (its load): one request in flight
+    # weighs as much as this many prompt tokens to compute.
+    fallback_load_tokens: int = 512
     # Probe race deadline: engines that have not answered by then count as rejections.
     probe_deadline_ms: float = 250.0
     # Once a rejection reports the prompt length, the deadline grows by this per uncached
@@ -300,6 +304,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     _fraction("routing.cache_hit_threshold", routing.cache_hit_threshold)
     _fraction("routing.decode_guard_threshold", routing.decode_guard_threshold)
     _positive("routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
+    _positive("routing.fallback_load_tokens", routing.fallback_load_tokens, allow_zero=True)
     _positive("routing.probe_deadline_ms", routing.probe_deadline_ms)
     _positive("routing.probe_deadline_per_token_ms", routing.probe_deadline_per_token_ms, allow_zero=True)
     _positive("routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)

@@ -261,7 +261,7 @@ class Dispatcher:
                 if prompt_tokens is None:  # every probe was silent: estimate from the request
                     prompt_tokens = estimate_prompt_tokens(body, query.text)
                 fallback = plan_fallback(query, self.registry.snapshot(), self.routing,
-                                         prompt_tokens, frozenset(exclude))
+                                         prompt_tokens, frozenset(exclude), result.hits)
             else:
                 fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0)
             if fallback is None:

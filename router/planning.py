@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from .backends import BackendView, ClusterSnapshot
 from .config import RoutingConfig
@@ -249,22 +249,44 @@ def make_strategy(routing: RoutingConfig) -> Strategy:
     return STRATEGY_CLASSES[routing.strategy](routing)
 
 
+def fallback_decoder(decoders: Sequence[BackendView], prompt_tokens: int | None,
+                     hits: Mapping[str, int], load_tokens: int, salt: int = 0) -> BackendView:
+    """The decoder that computes a prompt no engine held enough of: the lowest
+    `(prompt_tokens - hit) + load_tokens * load`, where `hit` is what the engine's
+    rejection said it holds. Without hits (or a known length) it is the least-loaded one."""
+    if not hits or prompt_tokens is None:
+        return least_loaded(decoders, salt)
+    n = len(decoders)
+
+    def cost(i: int) -> tuple[float, float, int]:
+        b = decoders[i]
+        lacking = max(prompt_tokens - hits.get(b.name, 0), 0)
+        return (lacking + load_tokens * b.load, b.kv_usage, (i - salt) % n)
+
+    return decoders[min(range(n), key=cost)]
+
+
 def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConfig,
-                  prompt_tokens: int | None, exclude: frozenset[str] = frozenset()) -> FallbackPlan | None:
+                  prompt_tokens: int | None, exclude: frozenset[str] = frozenset(),
+                  hits: Mapping[str, int] | None = None) -> FallbackPlan | None:
     """Every probe rejected (or the strategy routes directly and the engine must compute
     the prompt anyway): pick where the prompt is computed.
 
-    Prefill/decode when a prefill backend other than the chosen decoder exists, the
-    prompt is long enough to be worth a KV transfer (`min_pd_prompt_tokens`; an unknown
-    length counts as long), and the prefill backend is not busier than that decoder (a
-    queue on the prefill engine costs more time than computing the prompt where it will be
-    decoded); otherwise directly on the least-loaded decoder at threshold 0.
+    The decoder is `fallback_decoder`'s choice (the best mix of partial cache hit, from the
+    rejections, and load). Prefill/decode when a prefill backend other than that decoder
+    exists, the decoder lacks enough of the prompt to make a KV transfer worth it
+    (`min_pd_prompt_tokens`; an unknown length counts as long), and the prefill backend is
+    not busier than that decoder (a queue on the prefill engine costs more time than
+    computing the prompt where it will be decoded); otherwise directly on that decoder at
+    threshold 0.
     """
     decoders = _decoders(query, snap, exclude)
     if not decoders:
         return None
-    decode = least_loaded(decoders, query.salt)
-    long_enough = prompt_tokens is None or prompt_tokens >= routing.min_pd_prompt_tokens
+    hits = hits or {}
+    decode = fallback_decoder(decoders, prompt_tokens, hits, routing.fallback_load_tokens, query.salt)
+    lacking = None if prompt_tokens is None else prompt_tokens - hits.get(decode.name, 0)
+    long_enough = lacking is None or lacking >= routing.min_pd_prompt_tokens
     prefillers = [b for b in snap.prefillers(query.model)
                   if b.name != decode.name and b.name not in exclude]
     if prefillers and long_enough:

@@ -32,6 +32,9 @@ class ProbeOutcome:
     stream: UpstreamStream | None = None
     buffered: list[dict] = field(default_factory=list)
     prompt_tokens: int | None = None
+    # A rejection's prompt_tokens_details.cached_tokens: how much of the prompt the engine
+    # holds (the threshold plugin and the simulator report it; plain vLLM says 0).
+    hit_tokens: int | None = None
     error: UpstreamError | None = None
 
     @property
@@ -51,6 +54,11 @@ class RaceResult:
     def prompt_tokens(self) -> int | None:
         known = [o.prompt_tokens for o in self.outcomes if o.prompt_tokens is not None]
         return max(known) if known else None
+
+    @property
+    def hits(self) -> dict[str, int]:
+        """Backend -> prompt tokens it holds, from the rejections that said so."""
+        return {o.backend: o.hit_tokens for o in self.outcomes if o.hit_tokens}
 
     @property
     def loser_tokens(self) -> int:
@@ -83,6 +91,13 @@ def _usage_prompt_tokens(chunk: dict) -> int | None:
     return None
 
 
+def _usage_cached_tokens(chunk: dict) -> int | None:
+    usage = chunk.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+
+
 OpenProbe = Callable[[str], Awaitable[UpstreamStream]]
 
 
@@ -109,15 +124,18 @@ async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEven
             # Rejected. The usage chunk follows at once; read it for the prompt length
             # (the fallback needs it), then hand the connection back to the pool.
             prompt_tokens = _usage_prompt_tokens(chunk)
+            hit_tokens = _usage_cached_tokens(chunk)
             for _ in range(4):  # a rejection is followed by the usage chunk and [DONE] only
                 more = await stream.next_chunk()
                 if more is None:
                     stream.finish()
                     break
                 prompt_tokens = prompt_tokens or _usage_prompt_tokens(more)
+                hit_tokens = hit_tokens if hit_tokens is not None else _usage_cached_tokens(more)
             else:
                 stream.abort()
-            return ProbeOutcome(backend, REJECTED, latency, prompt_tokens=prompt_tokens)
+            return ProbeOutcome(backend, REJECTED, latency, prompt_tokens=prompt_tokens,
+                                hit_tokens=hit_tokens)
     except UpstreamError as e:
         if stream is not None:
             stream.abort()

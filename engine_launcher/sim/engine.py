@@ -243,6 +243,8 @@ class SimEngine:
             if (local + external) / req.num_tokens < threshold:
                 self.stats.arrival_rejections += 1
                 self.metrics.threshold_rejections["arrival"].inc()
+                # As the plugin: the rejection's usage reports the hit (cached_tokens).
+                req.num_cached_tokens = min(local + external, len(req.prompt_ids))
                 self._finish(req, CACHE_THRESHOLD)
                 return
         self.waiting.append(req)
@@ -377,6 +379,8 @@ class SimEngine:
                 self.stats.admission_rejections += 1
                 stage = "readmission" if req.num_preemptions else "admission"
                 self.metrics.threshold_rejections[stage].inc()
+                if req.num_cached_tokens < 0:  # a first rejection reports the hit
+                    req.num_cached_tokens = min(local + external, len(req.prompt_ids))
                 self._finish(req, CACHE_THRESHOLD)
                 continue
             if external:

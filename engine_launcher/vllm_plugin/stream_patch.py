@@ -16,7 +16,9 @@ finishing chunk with `prompt_token_ids`/`token_ids: []`, the usage chunk, the fi
 
 The scheduler marks each rejection in the output's `kv_transfer_params` (the only free-form
 field an EngineCoreOutput carries to the API server) with the stage and hit counts; the
-wrapper removes the mark before the serving layer sees it and counts it in
+wrapper removes the mark before the serving layer sees it, reports the hit of a first
+rejection (arrival or admission) as the usage's `prompt_tokens_details.cached_tokens`, and
+counts it in
 `cachehit_threshold_rejections_total{stage}` (not in the `vllm:` namespace: vLLM unregisters
 every `vllm:` collector of the default registry when it sets up its own metrics). vLLM's own
 `vllm:request_success_total{finished_reason="cache_threshold"}` counts the same requests
@@ -84,6 +86,13 @@ def fix_request_output(request_output) -> None:
             completion.text = VisibleEmptyText()
     if rejected or mark is not None:
         stage = (mark or {}).get("stage", "admission")
+        hit = (mark or {}).get("hit_tokens")
+        if stage in ("arrival", "admission") and isinstance(hit, int):
+            # The rejection's usage says how much of the prompt this engine holds
+            # (prompt_tokens_details.cached_tokens): a router sends the fallback to the
+            # largest partial holder. The request never ran, so nothing else reports it.
+            prompt = getattr(request_output, "prompt_token_ids", None) or ()
+            request_output.num_cached_tokens = min(hit, len(prompt)) if prompt else hit
         try:
             rejections_counter().labels(stage=stage if stage in STAGES else "admission").inc()
         except Exception:  # metrics must never break serving

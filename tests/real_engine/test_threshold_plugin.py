@@ -72,6 +72,29 @@ def test_cold_rejected_then_served_then_accepted(threshold_engine):
     assert len(body["choices"][0]["token_ids"]) == 4
 
 
+def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
+    """The plugin puts the hit it measured into the rejection's usage, so a router can send
+    the fallback to the engine holding the most of the prompt (block size 32)."""
+    url = threshold_engine.base_url
+    head = cold_prompt(40)
+    status, body = post_json(url, "/v1/completions", completion(head, cache_hit_threshold=0))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    head_tokens = body["usage"]["prompt_tokens"]
+    cached_blocks = head_tokens // 32  # every full block of the prompt (the output fills none)
+    longer = head + " " + " ".join(f"tail{i}" for i in range(150))
+    status, body = post_json(url, "/v1/completions", completion(longer, cache_hit_threshold=0.9))
+    assert status == 200
+    assert_rejected_body(body)
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % 32 == 0 and cached <= head_tokens, (cached, head_tokens)
+    assert cached >= (cached_blocks - 1) * 32, (cached, head_tokens)
+    # Streamed: the usage chunk carries the same figure.
+    status, events = post_sse(url, "/v1/completions", completion(
+        longer, cache_hit_threshold=0.9, stream=True, stream_options={"include_usage": True}))
+    assert status == 200 and events[-1] == "[DONE]"
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+
+
 def test_global_threshold_and_per_request_override(threshold_engine):
     url = threshold_engine.base_url
     prompt = cold_prompt()

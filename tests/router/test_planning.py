@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 from router.backends import BackendView, ClusterSnapshot
 from router.config import RoutingConfig
 from router.planning import (LeastLoadedStrategy, PrefixMemory, PrefixTreeStrategy, ProbeStrategy,
-                             RoundRobinStrategy, RouteQuery, least_loaded, plan_fallback)
+                             RoundRobinStrategy, RouteQuery, fallback_decoder, least_loaded, plan_fallback)
 
 
 def view(name, *, decodes=True, prefills=False, available=True, inflight=0, running=0.0, waiting=0.0,
@@ -142,3 +142,39 @@ def test_fallback_skips_a_prefill_engine_busier_than_the_decoder():
     assert (fb.prefill, fb.decode, fb.route) == (None, "d0", "direct")
     s = snap(view("d0", inflight=3), view("p0", decodes=False, prefills=True, running=1, waiting=2))
     assert plan_fallback(Q, s, R, prompt_tokens=10_000).prefill == "p0"  # equal load: split
+
+
+def test_fallback_decoder_weighs_the_partial_hit_against_load():
+    d = [view("d0"), view("d1", inflight=1), view("d2", inflight=3)]
+    # No hits reported: least loaded.
+    assert fallback_decoder(d, 2000, {}, 512).name == "d0"
+    # d1 lacks 2000 - 1200 = 800 tokens + 512 for its one request: 1312 < d0's 2000.
+    assert fallback_decoder(d, 2000, {"d1": 1200}, 512).name == "d1"
+    # A smaller hit is not worth a request in flight: 2000 - 400 + 512 > 2000.
+    assert fallback_decoder(d, 2000, {"d1": 400}, 512).name == "d0"
+    # load_tokens 0 follows the cache whatever the load; unknown length: least loaded.
+    assert fallback_decoder(d, 2000, {"d2": 100}, 0).name == "d2"
+    assert fallback_decoder(d, None, {"d2": 1900}, 512).name == "d0"
+
+
+def test_fallback_goes_direct_to_a_holder_that_lacks_little_and_splits_otherwise():
+    s = snap(view("d0"), view("d1"), view("p0", decodes=False, prefills=True))
+    # d1 holds most of the prompt: the rest (100 < min_pd_prompt_tokens) is computed there.
+    fb = plan_fallback(Q, s, R, prompt_tokens=1000, hits={"d1": 900})
+    assert (fb.decode, fb.prefill, fb.route) == ("d1", None, "direct")
+    # d1 holds a little: prefill/decode, decoded where the partial hit is.
+    fb = plan_fallback(Q, s, R, prompt_tokens=5000, hits={"d1": 1000})
+    assert (fb.decode, fb.prefill, fb.route) == ("d1", "p0", "pd")
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 4000)), min_size=1, max_size=6),
+       st.integers(1, 4000), st.integers(0, 2000))
+def test_fallback_decoder_is_the_cost_minimum(loads_hits, prompt, load_tokens):
+    d = [view(f"d{i}", inflight=load) for i, (load, _) in enumerate(loads_hits)]
+    hits = {f"d{i}": min(hit, prompt) for i, (_, hit) in enumerate(loads_hits) if hit}
+    chosen = fallback_decoder(d, prompt, hits, load_tokens)
+
+    def cost(b):
+        return prompt - hits.get(b.name, 0) + load_tokens * b.load
+
+    assert cost(chosen) == min(cost(b) for b in d)

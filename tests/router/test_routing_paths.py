@@ -62,6 +62,27 @@ async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, str
     assert await c.wait_idle() == {"d0": 0, "p0": 0}
 
 
+async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_cluster):
+    # Each prompt's first 300 of 700 tokens sit on one decoder (43% < T = 0.5): both reject,
+    # the holder's rejection says how much it holds, and the prompt is computed there.
+    c = await make_cluster(decoders=2, prefillers=0)
+    for i in range(4):
+        holder = f"d{i % 2}"
+        head = long_prompt(f"holder{i}", 300)
+        async with c.session.post(c.engines[holder].url + "/v1/completions",
+                                  json={"model": MODEL, "prompt": head, "max_tokens": 1}) as r:
+            assert r.status == 200
+        status, out = await c.complete({"model": MODEL, "prompt": head + " " + long_prompt(f"tail{i}", 400),
+                                        "max_tokens": 2})
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens"] == 700
+        # Whole blocks of the head (16 tokens each) were reused: only the holder had them.
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 288, (i, out["usage"])
+    assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 4}
+    assert c.router_metric("cachehit_router_probe_rejections_total", backend="d0") == 4
+    assert c.router_metric("cachehit_router_probe_rejections_total", backend="d1") == 4
+
+
 async def test_no_prefill_backend_falls_back_to_direct(make_cluster):
     c = await make_cluster(decoders=2, prefillers=0)
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("nopf"), "max_tokens": 4})

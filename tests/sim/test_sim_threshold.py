@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 
-from sim_testutil import metric, post, wait_until
+import pytest
+
+from sim_testutil import metric, parse_sse, post, wait_until
 
 PROMPT = list(range(400, 464))  # 64 token ids = 4 blocks of 16
 
@@ -39,6 +41,25 @@ async def test_warm_request_is_accepted_and_hit_rate_counts_whole_blocks(make_en
     status, body = await post(http, url + "/v1/completions", {
         "prompt": PROMPT, "max_tokens": 4, "cache_hit_threshold": 0.76})
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
+
+
+@pytest.mark.parametrize("arrival_check", [True, False])
+async def test_a_rejection_reports_the_partial_hit_as_cached_tokens(make_engine, http,
+                                                                    arrival_check) -> None:
+    # What a router needs to send the fallback to the engine holding the most of the prompt.
+    eng = await make_engine(arrival_check=arrival_check)
+    await warm(http, eng.url, PROMPT)  # its 4 blocks are cached
+    longer = PROMPT + list(range(900, 964))  # 128 tokens, 64 of them cached: 0.5
+    status, body = await post(http, eng.url + "/v1/completions", {
+        "prompt": longer, "max_tokens": 4, "cache_hit_threshold": 0.6})
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] == "cache_threshold"
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    async with http.post(eng.url + "/v1/completions", json={
+            "prompt": longer, "max_tokens": 4, "cache_hit_threshold": 0.6, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        events = parse_sse(await r.read())
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
 
 
 async def test_top_level_wins_over_vllm_xargs(make_engine, http) -> None:
