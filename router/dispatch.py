@@ -30,8 +30,8 @@ from .disagg import (PrefillProtocolError, decode_leg_body, parse_prefill_respon
                      recompute_after_failed_decode)
 from .legs import streamed_leg_body
 from .metrics import RequestRecord, RouterMetrics
-from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, RouteQuery, Strategy,
-                       plan_fallback)
+from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, ProbeStrategy, RouteQuery,
+                       Strategy, plan_fallback)
 from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
 from .resume import resume_leg_body, resume_reason
 from .shaping import MalformedChunk, ResponseShaper
@@ -260,8 +260,11 @@ class Dispatcher:
                 prompt_tokens = result.prompt_tokens
                 if prompt_tokens is None:  # every probe was silent: estimate from the request
                     prompt_tokens = estimate_prompt_tokens(body, query.text)
+                hits = result.hits
+                if isinstance(self.strategy, ProbeStrategy):
+                    hits = self.strategy.fallback_hits(query, prompt_tokens, hits)
                 fallback = plan_fallback(query, self.registry.snapshot(), self.routing,
-                                         prompt_tokens, frozenset(exclude), result.hits)
+                                         prompt_tokens, frozenset(exclude), hits)
             else:
                 fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0)
             if fallback is None:
@@ -295,6 +298,9 @@ class Dispatcher:
             leg_body, route = decode_leg_body(body, kv_params, fb.decode_threshold), ROUTE_PD
         else:
             leg_body, route = streamed_leg_body(body, 0.0), ROUTE_DIRECT
+        # Noted now, not at the first token: a request sharing this prompt's prefix that
+        # arrives while the decoder computes it should follow it there.
+        self.strategy.on_routed(query, fb.decode)
         result = await self._single(fb.decode, path, leg_body, rec, deadline)
         failed = result.by_verdict(FAILED)
         if result.winner is None and kv_params is not None and (
@@ -339,7 +345,8 @@ class Dispatcher:
     def _won(self, query: RouteQuery, result: RaceResult, route: str, rec: RequestRecord) -> Leg:
         w = result.winner
         assert w is not None and w.stream is not None
-        self.strategy.on_routed(query, w.backend)
+        if route == ROUTE_PROBE_HIT:  # a fallback was noted when it was sent (_run_fallback)
+            self.strategy.on_routed(query, w.backend)
         if not rec.route:  # route and winner describe where the answer was first placed
             rec.route = route
             rec.winner = w.backend

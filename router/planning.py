@@ -93,12 +93,18 @@ class ProbeStrategy:
     With `max_probe_waiting` set, engines whose scraped waiting queue is longer are not
     probed (they would accept and then make the request wait behind their queue), unless
     that leaves no engine at all.
+
+    It also remembers where it sent each prompt (`on_routed`, a PrefixMemory): an engine
+    still computing a cold prompt rejects a follower sharing its prefix (the blocks are not
+    cached yet), so when every probe rejects, `fallback_hits` adds what the engines will
+    hold to what they said they hold, and the follower joins its leader.
     """
 
     name = "probe"
 
-    def __init__(self, routing: RoutingConfig):
+    def __init__(self, routing: RoutingConfig, memory: "PrefixMemory | None" = None):
         self.routing = routing
+        self.memory = memory or PrefixMemory()
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         decoders = _decoders(query, snap, exclude)
@@ -115,7 +121,22 @@ class ProbeStrategy:
                     deadline_per_prompt_token_s=(1.0 - t) * self.routing.probe_deadline_per_token_ms / 1000.0)
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
-        pass
+        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
+
+    def fallback_hits(self, query: RouteQuery, prompt_tokens: int | None,
+                      reported: Mapping[str, int]) -> dict[str, int]:
+        """Prompt tokens each engine holds or will hold: the larger of its rejection's
+        report and the share of the prompt the router recently sent it."""
+        hits = dict(reported)
+        if not prompt_tokens:
+            return hits
+        hashes = self.memory.chunk_hashes(query.text)
+        matched, holders = self.memory.match(hashes)
+        if matched:
+            expected = prompt_tokens * matched // len(hashes)
+            for name in holders:
+                hits[name] = max(hits.get(name, 0), expected)
+        return hits
 
 
 class RoundRobinStrategy:

@@ -178,3 +178,17 @@ def test_fallback_decoder_is_the_cost_minimum(loads_hits, prompt, load_tokens):
         return prompt - hits.get(b.name, 0) + load_tokens * b.load
 
     assert cost(chosen) == min(cost(b) for b in d)
+
+
+def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
+    s = ProbeStrategy(R)
+    leader = RouteQuery(model="m", text="system prompt " * 40 + "question one")
+    s.on_routed(leader, "d1")
+    follower = RouteQuery(model="m", text="system prompt " * 40 + "another question")
+    hits = s.fallback_hits(follower, 1000, {"d0": 100})
+    # The shared head is ~560 of ~576 characters: most of the 1,000 tokens, expected on d1.
+    assert hits["d0"] == 100 and 850 <= hits["d1"] < 1000
+    # What an engine reported wins when it is larger; unknown length: only the reports.
+    assert s.fallback_hits(follower, 1000, {"d1": 990})["d1"] == 990
+    assert s.fallback_hits(follower, None, {"d0": 5}) == {"d0": 5}
+    assert s.fallback_hits(RouteQuery(model="m", text="unrelated " * 60), 1000, {}) == {}

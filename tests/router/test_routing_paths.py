@@ -187,3 +187,23 @@ async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend
     assert c.router_metric("cachehit_router_upstream_errors_total", backend="d0", kind="connect") >= 1
     assert c.routes()["direct"] == 4
     assert await c.engine_metric("d1", "vllm:request_success_total") == 4
+
+
+async def test_a_follower_of_a_cold_prompt_joins_its_leader(make_cluster):
+    # B shares A's 2,000-token head and is sent as soon as A's prompt is being computed
+    # (speed 0.5: ~0.2 s of prefill), so every engine rejects B. The router remembers where
+    # it sent A and sends B there: B waits behind A and then reuses its blocks.
+    c = await make_cluster(decoders=2, prefillers=0, sim={"speed": 0.5})
+    head = long_prompt("leader", 2000)
+    leader = asyncio.create_task(c.complete({"model": MODEL, "prompt": head + " " + long_prompt("a", 10),
+                                             "max_tokens": 2}))
+    while not any(c.engine_running().values()):  # A's leg reached an engine
+        await asyncio.sleep(0.002)
+    status, b = await c.complete({"model": MODEL, "prompt": head + " " + long_prompt("b", 10), "max_tokens": 2})
+    status_a, a = await leader
+    assert status == 200 and status_a == 200, (a, b)
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 2000, b["usage"]
+    # B went directly to A's engine (or, on a machine slow enough that A finished first,
+    # won its probe there).
+    assert c.routes()["pd"] == 0 and c.routes()["direct"] >= 1
