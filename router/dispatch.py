@@ -135,8 +135,11 @@ class Dispatcher:
             grown = ("".join(f"{i}," for i in shaper.generated_token_ids)
                      if spec.prompt_token_ids is not None else shaper.generated_text)
             resume_query = RouteQuery(spec.model, spec.routing_text + grown, query.salt)
-            if error is not None:
-                exclude.add(error.backend)
+            # A resume starts a new leg: only the engine that just failed is kept out. One
+            # that failed an earlier leg may be healthy again (the breaker and the health
+            # checks say whether it is available), and with it out too a long answer on a
+            # small cluster could run out of engines; max_resumes bounds the ping-pong.
+            exclude = {error.backend} if error is not None else set()
             leg = await self._acquire_after(error, resume_query, COMPLETIONS_PATH, body, rec, exclude,
                                             deadline)
             shaper.begin_leg(is_resume=True)

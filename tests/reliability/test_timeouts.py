@@ -168,3 +168,22 @@ async def test_timeouts_count_against_the_backend(make_cluster):
         assert status == 200, out
     assert seen == []  # open: not even probed, although it holds the prompt's cache
     assert await c.wait_idle(10) == {"d0": 0, "d1": 0}
+
+
+async def test_a_resume_may_go_back_to_an_engine_that_failed_an_earlier_leg(make_cluster):
+    """Both engines stall once per request after 4 tokens. The answer moves d -> other d ->
+    back to the first (which is fine for a new request): only the engine that failed last
+    is kept out of a resume, so two engines are enough for three legs."""
+    stall = {"faults": FaultConfig(stall_after_tokens=4, stall_seconds=30.0)}
+    c = await make_cluster(decoders=2, timeouts={"idle_s": 0.5}, routing={"max_resumes": 5},
+                           per_engine={"d0": stall, "d1": stall})
+    async with asyncio.timeout(30):
+        status, events = await c.stream({"model": MODEL, "prompt": long_prompt("ping-pong", 50),
+                                         "max_tokens": 12, "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1] == "[DONE]"
+    assert not any("error" in e for e in events[:-1]), events
+    assert events[-2]["usage"]["completion_tokens"] == 12
+    assert c.router_metric("cachehit_router_resumes_total", reason="failure") == 2
+    assert sum(c.router_metric("cachehit_router_upstream_errors_total", backend=d, kind="idle_timeout")
+               for d in ("d0", "d1")) == 2
+    assert await c.wait_idle(10) == {"d0": 0, "d1": 0}
