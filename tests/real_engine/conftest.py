@@ -201,3 +201,27 @@ def threshold_engine(real_engines) -> EngineProcess:
 @pytest.fixture
 def preemption_engine(real_engines) -> EngineProcess:
     return real_engines.get("preemption")
+
+
+@pytest.fixture
+def spare_engine(real_engines, tiny_model, engine_workdir):
+    """A third engine, started for one test and stopped after it, for tests that leave an
+    engine in a state the shared ones must not be in. A NIXL handshake with an unreachable
+    peer is one: vLLM keeps retrying it in the background, and an engine here stopped
+    answering HTTP for ~18 s after two of them (CI's next test then timed out)."""
+    real_engines.get("threshold")  # the shared engines start first (and fail first)
+    port = free_port()
+    argv, env = engine_command(
+        tiny_model, name="spare", port=port, nixl_port=free_port(), role="both", cpu_cores=(1,),
+        extra_args=("--max-model-len", "512", "--max-num-seqs", "2"), env=ENGINE_ENV,
+        log_dir=engine_workdir)
+    engine = EngineProcess(argv, env, port, engine_workdir / "spare.log").start()
+    try:
+        try:
+            took = engine.wait_healthy(STARTUP_TIMEOUT_S)
+        except EngineStartError as exc:
+            _unavailable(f"the spare vLLM engine did not start: {exc}")
+        print(f"\n[real engine] spare: healthy after {took:.1f} s ({engine.base_url})")
+        yield engine
+    finally:
+        engine.stop()
