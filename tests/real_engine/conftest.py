@@ -4,7 +4,8 @@
   in a temp dir (seconds).
 - `real_engines`: the two engines this suite needs, started together (one CPU core each) the
   first time a test asks for either, from the launcher's own command line
-  (engine_launcher.commands.vllm_command), and killed as whole process groups at the end:
+  (engine_launcher.commands.vllm_command), and killed as whole process groups when this
+  directory's tests end:
     "threshold":  plugin, --additional-config global_cache_hit_threshold 0.5 (arrival check
                   on, the default), --max-num-seqs 2; it is also a NIXL kv_both engine, so it
                   serves prefill legs (do_remote_decode).
@@ -184,8 +185,10 @@ class EngineSet:
             engine.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def real_engines(tiny_model, engine_workdir):
+    # Package scope: the engines (about 3 GB and an OpenMP thread pool each) stop when this
+    # directory's tests end; left running, they slowed every later suite on two cores.
     engines = EngineSet(tiny_model, engine_workdir)
     try:
         yield engines
