@@ -78,6 +78,19 @@ class Cluster:
     def engine_running(self) -> dict[str, int]:
         return {n: e.engine.num_running + e.engine.num_waiting for n, e in self.engines.items()}
 
+    async def wait_all_healthy(self, timeout: float = 15.0) -> None:
+        """Until the router has seen every backend answer a health check. Its first check at
+        start may time out on a loaded machine (the backend then stays unused until the next
+        scrape), and a test that counts where requests went must start from the full set."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        states = self.state.registry.states
+        while not all(s.healthy for s in states.values()):
+            if loop.time() >= end:
+                raise AssertionError("backends the router never saw healthy: "
+                                     f"{ {n: s.last_error for n, s in states.items() if not s.healthy} }")
+            await asyncio.sleep(0.02)
+
     async def wait_idle(self, timeout: float = 5.0) -> dict[str, int]:
         """Until every engine reports, on its own /metrics, no running and no waiting
         request (vllm:num_requests_running + vllm:num_requests_waiting); returns the last
@@ -124,6 +137,7 @@ async def make_cluster():
         port = site._server.sockets[0].getsockname()[1]
         c = Cluster(f"http://127.0.0.1:{port}", engines, aiohttp.ClientSession(), app, runner, roles)
         clusters.append(c)
+        await c.wait_all_healthy()
         return c
 
     yield make
