@@ -38,10 +38,13 @@ def require_vllm() -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(request) -> str:
+def tiny_model_dir(request, tmp_path_factory) -> str:
     # Built once and cached across runs (the builder skips a finished build); in a
-    # subprocess so this test process does not import torch and transformers.
-    path = request.config.cache.mkdir("cachehit-tiny-model")
+    # subprocess so this test process does not import torch and transformers. With pytest's
+    # cache plugin off (-p no:cacheprovider) it is built in this run's temp dir instead.
+    cache = getattr(request.config, "cache", None)
+    path = (cache.mkdir("cachehit-tiny-model") if cache is not None
+            else tmp_path_factory.mktemp("cachehit-tiny-model"))
     subprocess.run([sys.executable, "-m", "engine_launcher.tiny_model", str(path)], check=True,
                    stdout=subprocess.DEVNULL)
     return str(path)
