@@ -84,6 +84,19 @@ def engine_workdir():
 
 
 @pytest.fixture(scope="session")
+def vllm_plugin():
+    """The threshold plugin registered in this process, as vLLM's plugin loader does (no
+    engine started); fails in CI and skips elsewhere when vLLM is not importable."""
+    reason = vllm_missing_reason()
+    if reason:
+        _unavailable(reason)
+    from engine_launcher import vllm_plugin as plugin
+
+    plugin.register()
+    return plugin
+
+
+@pytest.fixture(scope="session")
 def tiny_model(engine_workdir):
     reason = vllm_missing_reason()
     if reason:

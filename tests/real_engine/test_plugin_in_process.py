@@ -8,21 +8,11 @@ import logging
 
 import pytest
 
-from real_engine_util import real_engine_required, vllm_missing_reason
-
 pytestmark = pytest.mark.real_engine
 
 
 @pytest.fixture(scope="module")
-def plugin():
-    reason = vllm_missing_reason()
-    if reason:
-        if real_engine_required():
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
-    from engine_launcher import vllm_plugin
-
-    vllm_plugin.register()
+def plugin(vllm_plugin):
     vllm_plugin.register()  # vLLM may call it more than once per process
     return vllm_plugin
 

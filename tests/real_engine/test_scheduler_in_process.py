@@ -20,8 +20,6 @@ from collections import deque
 
 import pytest
 
-from real_engine_util import real_engine_required, vllm_missing_reason
-
 pytestmark = pytest.mark.real_engine
 
 BLOCK = 16          # tokens per KV block; prefix-cache hits count whole blocks
@@ -30,28 +28,14 @@ MAX_MODEL_LEN = 256
 SCHEDULERS = ("ThresholdScheduler", "ThresholdAsyncScheduler")
 
 
-@pytest.fixture(scope="module")
-def plugin():
-    # Same gate as test_plugin_in_process.py / conftest._unavailable.
-    reason = vllm_missing_reason()
-    if reason:
-        if real_engine_required():
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
-    from engine_launcher import vllm_plugin
-
-    vllm_plugin.register()
-    return vllm_plugin
-
-
 @pytest.fixture(params=SCHEDULERS)
-def scheduler_cls(request, plugin):
+def scheduler_cls(request, vllm_plugin):
     module = importlib.import_module("engine_launcher.vllm_plugin.scheduler")
     return getattr(module, request.param)
 
 
 @pytest.fixture(scope="module")
-def block_hasher(plugin):
+def block_hasher(vllm_plugin):
     # What EngineCore sets up when prefix caching is on (default hash: sha256).
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
