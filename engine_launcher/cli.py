@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return dry_run(cfg, host_has_gpu)
         return asyncio.run(run(cfg, host_has_gpu, err))
     except ConfigError as e:
-        err.print(f"engine-launcher: configuration error: {e}", markup=False, soft_wrap=True)
+        err.print(e.report("engine-launcher"), markup=False, soft_wrap=True)
         return 2
 
 

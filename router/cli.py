@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as e:
-        print(f"router: configuration error: {e}", file=sys.stderr)
+        print(e.report("router"), file=sys.stderr)
         return 2
     if args.command == "check-config":
         sys.stdout.write(orjson.dumps(config.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")

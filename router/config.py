@@ -11,12 +11,23 @@ import ipaddress
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 
 class ConfigError(ValueError):
-    """A configuration problem; the message names the key and what was expected."""
+    """One or more configuration problems, one line each; every line names the key and
+    what was expected."""
+
+    def __init__(self, *problems: str):
+        self.problems = list(problems)
+        super().__init__("\n".join(problems))
+
+    def report(self, prog: str) -> str:
+        """What a command prints: one line for one problem, else a count and a line each."""
+        if len(self.problems) == 1:
+            return f"{prog}: configuration error: {self.problems[0]}"
+        return "\n  ".join([f"{prog}: {len(self.problems)} configuration errors:", *self.problems])
 
 
 ROLES = ("decode", "prefill", "both")
@@ -185,6 +196,30 @@ class Config:
 
 # --- validation helpers -------------------------------------------------------------
 
+class _Problems:
+    """Every problem of one file, so that a single run reports them all instead of one
+    per attempt. Checks are independent where they can be; a table that fails to build
+    skips the checks of its values."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.found.append(message)
+
+    def check(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs), or None with its problems recorded."""
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as e:
+            self.found.extend(e.problems)
+            return None
+
+    def raise_if_any(self) -> None:
+        if self.found:
+            raise ConfigError(*self.found)
+
+
 def _type_name(t: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(t, str(t))
 
@@ -215,31 +250,40 @@ def _int_list(key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _build(cls: type, key: str, raw: Any, special: dict[str, Any] | None = None) -> Any:
-    """Build dataclass `cls` from table `raw`, rejecting unknown keys and wrong types."""
+def _build(problems: _Problems, cls: type, key: str, raw: Any,
+           special: dict[str, Any] | None = None) -> Any:
+    """Dataclass `cls` from table `raw`. Unknown keys and wrong types are recorded in
+    `problems` and the default is kept for them, so that the checks of the table's other
+    values still run; None when `raw` is not a table or a required key is missing."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{key}: expected a table, got {raw!r}")
+        problems.add(f"{key}: expected a table, got {raw!r}")
+        return None
     special = special or {}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for k, v in raw.items():
         sub = f"{key}.{k}" if key else k
         if k not in fields:
-            raise ConfigError(f"{sub}: unknown key (expected one of: {', '.join(sorted(fields))})")
-        if k in special:
-            kwargs[k] = special[k](sub, v)
+            problems.add(f"{sub}: unknown key (expected one of: {', '.join(sorted(fields))})")
             continue
         default = fields[k].default
-        typ = type(default) if default is not dataclasses.MISSING else str
-        if isinstance(default, tuple):
-            kwargs[k] = _str_list(sub, v)
+        if k in special:
+            parse, args = special[k], (sub, v)
+        elif isinstance(default, tuple):
+            parse, args = _str_list, (sub, v)
         else:
-            kwargs[k] = _check(sub, v, typ)
-    missing = [n for n, f in fields.items()
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-               and n not in kwargs]
-    if missing:
-        raise ConfigError(f"{key}.{missing[0]}: required key is missing")
+            parse, args = _check, (sub, v, type(default) if default is not dataclasses.MISSING else str)
+        found = len(problems.found)
+        value = problems.check(parse, *args)
+        if len(problems.found) == found:
+            kwargs[k] = value
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+    for n in required:
+        if n not in raw:
+            problems.add(f"{key}.{n}: required key is missing")
+    if any(n not in kwargs for n in required):  # missing, or of the wrong type
+        return None
     return cls(**kwargs)
 
 
@@ -277,104 +321,119 @@ def _env(key: str, value: Any) -> tuple[tuple[str, str], ...]:
 
 
 def parse_config(raw: dict[str, Any]) -> Config:
+    """The validated configuration; a ConfigError lists every problem found."""
+    p = _Problems()
     top = {f.name for f in dataclasses.fields(Config)}
     for k in raw:
         if k not in top:
-            raise ConfigError(f"{k}: unknown key (expected one of: {', '.join(sorted(top))})")
+            p.add(f"{k}: unknown key (expected one of: {', '.join(sorted(top))})")
 
-    server = _build(ServerConfig, "server", raw.get("server", {}), {
-        "api_keys": _str_list})
-    _port("server.port", server.port, allow_zero=True)
-    _positive("server.max_body_bytes", server.max_body_bytes)
-    _positive("server.max_concurrent_requests", server.max_concurrent_requests)
-    _positive("server.max_queued_requests", server.max_queued_requests, allow_zero=True)
-    _positive("server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
-    _positive("server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
-    _positive("server.body_timeout_s", server.body_timeout_s)
-    if bool(server.tls_cert) != bool(server.tls_key):
-        raise ConfigError("server.tls_cert: tls_cert and tls_key must be given together")
-    if server.log_level not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"server.log_level: expected one of debug, info, warning, error, got {server.log_level!r}")
-    if any(not k for k in server.api_keys):
-        raise ConfigError("server.api_keys: expected non-empty strings")
+    server = _build(p, ServerConfig, "server", raw.get("server", {}), {"api_keys": _str_list})
+    if server is not None:
+        p.check(_port, "server.port", server.port, allow_zero=True)
+        p.check(_positive, "server.max_body_bytes", server.max_body_bytes)
+        p.check(_positive, "server.max_concurrent_requests", server.max_concurrent_requests)
+        p.check(_positive, "server.max_queued_requests", server.max_queued_requests, allow_zero=True)
+        p.check(_positive, "server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
+        p.check(_positive, "server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
+        p.check(_positive, "server.body_timeout_s", server.body_timeout_s)
+        if bool(server.tls_cert) != bool(server.tls_key):
+            p.add("server.tls_cert: tls_cert and tls_key must be given together")
+        if server.log_level not in ("debug", "info", "warning", "error"):
+            p.add(f"server.log_level: expected one of debug, info, warning, error, got {server.log_level!r}")
+        if any(not k for k in server.api_keys):
+            p.add("server.api_keys: expected non-empty strings")
 
-    routing = _build(RoutingConfig, "routing", raw.get("routing", {}))
-    if routing.strategy not in STRATEGIES:
-        raise ConfigError(f"routing.strategy: expected one of {', '.join(STRATEGIES)}, got {routing.strategy!r}")
-    _fraction("routing.cache_hit_threshold", routing.cache_hit_threshold)
-    _fraction("routing.decode_guard_threshold", routing.decode_guard_threshold)
-    _positive("routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
-    _positive("routing.fallback_load_tokens", routing.fallback_load_tokens, allow_zero=True)
-    _positive("routing.probe_deadline_ms", routing.probe_deadline_ms)
-    _positive("routing.probe_deadline_per_token_ms", routing.probe_deadline_per_token_ms, allow_zero=True)
-    _positive("routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
-    _positive("routing.max_resumes", routing.max_resumes, allow_zero=True)
-    _positive("routing.max_retries", routing.max_retries, allow_zero=True)
+    routing = _build(p, RoutingConfig, "routing", raw.get("routing", {}))
+    if routing is not None:
+        if routing.strategy not in STRATEGIES:
+            p.add(f"routing.strategy: expected one of {', '.join(STRATEGIES)}, got {routing.strategy!r}")
+        p.check(_fraction, "routing.cache_hit_threshold", routing.cache_hit_threshold)
+        p.check(_fraction, "routing.decode_guard_threshold", routing.decode_guard_threshold)
+        p.check(_positive, "routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
+        p.check(_positive, "routing.fallback_load_tokens", routing.fallback_load_tokens, allow_zero=True)
+        p.check(_positive, "routing.probe_deadline_ms", routing.probe_deadline_ms)
+        p.check(_positive, "routing.probe_deadline_per_token_ms", routing.probe_deadline_per_token_ms,
+                allow_zero=True)
+        p.check(_positive, "routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
+        p.check(_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
+        p.check(_positive, "routing.max_retries", routing.max_retries, allow_zero=True)
 
-    timeouts = _build(TimeoutsConfig, "timeouts", raw.get("timeouts", {}))
-    for f in dataclasses.fields(TimeoutsConfig):
-        _positive(f"timeouts.{f.name}", getattr(timeouts, f.name))
+    timeouts = _build(p, TimeoutsConfig, "timeouts", raw.get("timeouts", {}))
+    if timeouts is not None:
+        for f in dataclasses.fields(TimeoutsConfig):
+            p.check(_positive, f"timeouts.{f.name}", getattr(timeouts, f.name))
 
-    health = _build(HealthConfig, "health", raw.get("health", {}))
-    _positive("health.scrape_interval_s", health.scrape_interval_s)
-    _positive("health.check_interval_s", health.check_interval_s)
-    _positive("health.failure_threshold", health.failure_threshold)
-    _positive("health.cooldown_s", health.cooldown_s, allow_zero=True)
+    health = _build(p, HealthConfig, "health", raw.get("health", {}))
+    if health is not None:
+        p.check(_positive, "health.scrape_interval_s", health.scrape_interval_s)
+        p.check(_positive, "health.check_interval_s", health.check_interval_s)
+        p.check(_positive, "health.failure_threshold", health.failure_threshold)
+        p.check(_positive, "health.cooldown_s", health.cooldown_s, allow_zero=True)
 
-    launcher = _build(LauncherConfig, "launcher", raw.get("launcher", {}))
-    _positive("launcher.startup_timeout_s", launcher.startup_timeout_s)
-    _positive("launcher.max_restarts", launcher.max_restarts, allow_zero=True)
-    _positive("launcher.restart_backoff_s", launcher.restart_backoff_s, allow_zero=True)
+    launcher = _build(p, LauncherConfig, "launcher", raw.get("launcher", {}))
+    if launcher is not None:
+        p.check(_positive, "launcher.startup_timeout_s", launcher.startup_timeout_s)
+        p.check(_positive, "launcher.max_restarts", launcher.max_restarts, allow_zero=True)
+        p.check(_positive, "launcher.restart_backoff_s", launcher.restart_backoff_s, allow_zero=True)
 
     raw_backends = raw.get("backends", [])
     if not isinstance(raw_backends, list):
-        raise ConfigError("backends: expected an array of tables ([[backends]])")
+        p.add("backends: expected an array of tables ([[backends]])")
+        raw_backends = []
     backends = []
     for i, rb in enumerate(raw_backends):
         key = f"backends[{i}]"
-        b = _build(BackendConfig, key, rb, {"models": _str_list})
-        _url(f"{key}.url", b.url)
+        b = _build(p, BackendConfig, key, rb, {"models": _str_list})
+        if b is None:
+            continue
+        p.check(_url, f"{key}.url", b.url)
         if b.role not in ROLES:
-            raise ConfigError(f"{key}.role: expected one of {', '.join(ROLES)}, got {b.role!r}")
+            p.add(f"{key}.role: expected one of {', '.join(ROLES)}, got {b.role!r}")
         backends.append(b)
 
     raw_engines = raw.get("engines", [])
     if not isinstance(raw_engines, list):
-        raise ConfigError("engines: expected an array of tables ([[engines]])")
+        p.add("engines: expected an array of tables ([[engines]])")
+        raw_engines = []
     engines = []
     for i, re_ in enumerate(raw_engines):
         key = f"engines[{i}]"
-        e = _build(EngineConfig, key, re_, {
+        e = _build(p, EngineConfig, key, re_, {
             "gpu_ids": _int_list, "cpu_cores": _int_list, "extra_args": _str_list, "env": _env})
+        if e is None:
+            continue
         if e.kind not in ENGINE_KINDS:
-            raise ConfigError(f"{key}.kind: expected one of {', '.join(ENGINE_KINDS)}, got {e.kind!r}")
+            p.add(f"{key}.kind: expected one of {', '.join(ENGINE_KINDS)}, got {e.kind!r}")
         if e.role not in ENGINE_ROLES:
-            raise ConfigError(f"{key}.role: expected one of {', '.join(ENGINE_ROLES)}, got {e.role!r}")
+            p.add(f"{key}.role: expected one of {', '.join(ENGINE_ROLES)}, got {e.role!r}")
         if e.kind == "vllm" and not e.model:
-            raise ConfigError(f"{key}.model: required for kind 'vllm' (a model path or name)")
-        _port(f"{key}.port", e.port, allow_zero=True)
-        _port(f"{key}.nixl_side_channel_port", e.nixl_side_channel_port, allow_zero=True)
+            p.add(f"{key}.model: required for kind 'vllm' (a model path or name)")
+        p.check(_port, f"{key}.port", e.port, allow_zero=True)
+        p.check(_port, f"{key}.nixl_side_channel_port", e.nixl_side_channel_port, allow_zero=True)
         try:
             ipaddress.ip_address(e.host)
         except ValueError:
             if e.host != "localhost":
-                raise ConfigError(f"{key}.host: expected an IP address or 'localhost', got {e.host!r}") from None
+                p.add(f"{key}.host: expected an IP address or 'localhost', got {e.host!r}")
         engines.append(e)
 
     names = [b.name for b in backends] + [e.name for e in engines if e.register]
     seen: set[str] = set()
     for n in names:
         if not n:
-            raise ConfigError("backends: a backend or engine has an empty name")
-        if n in seen:
-            raise ConfigError(f"backends: duplicate backend or engine name {n!r}")
+            p.add("backends: a backend or engine has an empty name")
+        elif n in seen:
+            p.add(f"backends: duplicate backend or engine name {n!r}")
         seen.add(n)
     engine_names = [e.name for e in engines]
     if len(set(engine_names)) != len(engine_names):
-        raise ConfigError("engines: duplicate engine name")
+        p.add("engines: duplicate engine name")
+    p.raise_if_any()
 
     cfg = Config(server=server, routing=routing, timeouts=timeouts, health=health,
                  launcher=launcher, backends=tuple(backends), engines=tuple(engines))
+    # Only once everything else holds: a backend that failed to parse is not counted.
     if not any(b.decodes for b in cfg.all_backends()):
         raise ConfigError("backends: expected at least one backend (or registered engine) with role "
                           "'decode' or 'both' (engine role 'consumer' or 'both')")

@@ -57,6 +57,25 @@ def test_bad_configs_name_the_key(raw, key, expected):
     assert expected in msg, msg
 
 
+def test_every_problem_is_reported_at_once():
+    # One run names them all: an unknown key does not hide a bad value of the same table,
+    # and a broken backend does not hide a broken engine.
+    with pytest.raises(ConfigError) as e:
+        parse_config({
+            "server": {"port": "x", "foo": 1},
+            "routing": {"bogus": 1, "cache_hit_threshold": 1.5, "strategy": "fast"},
+            "backends": [{"url": "ftp://h"}, {"name": "d", "url": "ftp://h", "role": "x"}],
+            "engines": [{"name": "e", "kind": "vllm", "role": "decoder", "host": "example.com"}],
+        })
+    assert [m.split(":")[0] for m in e.value.problems] == [
+        "server.port", "server.foo", "routing.bogus", "routing.strategy",
+        "routing.cache_hit_threshold", "backends[0].name", "backends[1].url", "backends[1].role",
+        "engines[0].role", "engines[0].model", "engines[0].host"]
+    report = e.value.report("router")
+    assert report.startswith("router: 11 configuration errors:\n  server.port: expected an integer")
+    assert ConfigError("x.y: bad").report("router") == "router: configuration error: x.y: bad"
+
+
 def test_engines_become_backends_with_mapped_roles():
     cfg = parse_config({"engines": [
         {"name": "p", "kind": "sim", "role": "producer", "port": 9001, "model": "m"},
