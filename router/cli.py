@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import ssl
 import sys
@@ -40,6 +41,24 @@ def main(argv: list[str] | None = None) -> int:
     return serve(config, host=args.host, port=args.port, start_engines=not args.no_engines)
 
 
+# Young-generation GC threshold once serving (CPython's default is 700). Under load the
+# requests in flight keep more than 700 young container objects alive (64 connections: a
+# few thousand), so the default ran a young collection every ~15 requests and a full one
+# every ~1,500, about 20 us of CPU per request, collecting almost nothing: request objects
+# are freed by reference counting. Cycles are still collected, less often.
+_GC_GEN0_THRESHOLD = 10_000
+
+
+async def _tune_gc(_app) -> None:
+    """After startup (engines started, backends checked): move everything that exists now
+    (modules, configuration, the app) out of the collector's reach (gc.freeze), so full
+    collections only walk objects made since, and raise the young-generation threshold."""
+    gc.collect()
+    gc.freeze()
+    _, g1, g2 = gc.get_threshold()
+    gc.set_threshold(_GC_GEN0_THRESHOLD, g1, g2)
+
+
 def serve(config, *, host: str | None = None, port: int | None = None, start_engines: bool = True) -> int:
     from aiohttp import web
 
@@ -72,6 +91,7 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
               "-d '{\"prompt\": \"Hello, router\", \"max_tokens\": 16}'", flush=True)
 
     app.on_startup.append(announce)
+    app.on_startup.append(_tune_gc)
     try:
         web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, loop=loop, print=None,
                     access_log=None, shutdown_timeout=config.server.drain_timeout_s,
