@@ -11,6 +11,7 @@ an error event then [DONE]), then stop the engines (`RouterState.drain`, `stop`)
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -59,12 +60,16 @@ class RouterState:
                                           config.server.queue_timeout_s)
         # Read at scrape time: always the current queue length.
         self.metrics.queued.set_function(lambda: self.limiter.queued)
+        # Client requests being served, also read at scrape time: a plain int on the
+        # request path instead of a locked Gauge.inc()/dec() per request.
+        self._client_inflight = 0
+        self.metrics.client_inflight.set_function(lambda: self._client_inflight)
         self.supervisor = None
         self.registry: BackendRegistry | None = None
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
-        self._backend_gauges: dict[str, tuple] = {}
+        self._backend_gauges: dict[str, BackendState] = {}
         # Keys are kept as SHA-256 digests, computed once: requests compare digests.
         self._api_keys = tuple(_digest(k.encode()) for k in config.server.api_keys)
         self._admin_key = _digest(config.server.admin_api_key.encode()) if config.server.admin_api_key else None
@@ -124,16 +129,17 @@ class RouterState:
             await self.supervisor.stop()
 
     def _backend_changed(self, name: str, s: BackendState) -> None:
-        # Runs on every acquire/release: labelled children are looked up once per backend.
-        gauges = self._backend_gauges.get(name)
-        if gauges is None:
-            m = self.metrics
-            gauges = self._backend_gauges[name] = (m.inflight.labels(name), m.healthy.labels(name),
-                                                   m.breaker.labels(name))
-        inflight, healthy, breaker = gauges
-        inflight.set(s.inflight)
-        healthy.set(1 if s.healthy and s.breaker != "open" else 0)
-        breaker.set(BREAKER_STATE_VALUE[s.breaker])
+        # Runs on every acquire/release/success (three times per request). The gauges read
+        # the backend's state when scraped (same values as setting them on every change, but
+        # nine locked Gauge.set() calls per request fewer); only a new state object (first
+        # sight of a backend, a rebuilt registry) binds them again.
+        if self._backend_gauges.get(name) is s:
+            return
+        self._backend_gauges[name] = s
+        m = self.metrics
+        m.inflight.labels(name).set_function(lambda: s.inflight)
+        m.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)
+        m.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
 
     # --- auth --------------------------------------------------------------------------
     def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:
@@ -157,7 +163,7 @@ class RouterState:
         rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
         writer: SSEWriter | None = None
         shaper: ResponseShaper | None = None
-        self.metrics.client_inflight.inc()
+        self._client_inflight += 1
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
@@ -228,7 +234,7 @@ class RouterState:
                 return await writer.fail(err)
             return error_response(err)
         finally:
-            self.metrics.client_inflight.dec()
+            self._client_inflight -= 1
             if task is not None:
                 self._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0
@@ -238,7 +244,8 @@ class RouterState:
 
     def _check_length(self, request: web.Request) -> None:
         limit = self.config.server.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
+        length = request.content_length  # parsed from the headers on every access
+        if length is not None and length > limit:
             raise errors.payload_too_large(limit)
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -246,6 +253,10 @@ class RouterState:
         self._check_length(request)
         timeout = self.config.server.body_timeout_s
         try:
+            if request.content.is_eof():
+                # The whole body is already buffered (a small body arrives with the
+                # headers): read() cannot wait, so no timer to arm and cancel.
+                return await request.read()
             async with asyncio.timeout(timeout):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -333,8 +344,10 @@ def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(state.drain)
-    app.router.add_post("/v1/completions", lambda r: state.handle_generate(r, ENDPOINT_COMPLETIONS))
-    app.router.add_post("/v1/chat/completions", lambda r: state.handle_generate(r, ENDPOINT_CHAT))
+    # partial, not a lambda: aiohttp sees a coroutine function and calls it directly (a plain
+    # function gets wrapped in an extra coroutine that re-checks its result on every request).
+    app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS))
+    app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT))
     app.router.add_get("/v1/models", state.handle_models)
     app.router.add_get("/health", state.handle_health)
     app.router.add_get("/ready", state.handle_ready)

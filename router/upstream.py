@@ -207,8 +207,11 @@ class UpstreamClient:
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
         try:
-            async with asyncio.timeout_at(deadline):
+            if deadline is None:  # bounded by the caller's timer (post_raw): skip a no-op Timeout
                 resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key))
+            else:
+                async with asyncio.timeout_at(deadline):
+                    resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key))
         except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
             raise UpstreamError(backend, CONNECT_TIMEOUT,
                                 f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}") from None
