@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health
 (alive), GET /ready (a decode backend can take requests), GET /metrics, and the admin
-route GET /admin/backends (needs server.admin_api_key). Lifecycle: start the engines the
+routes GET /admin/backends, POST /admin/backends/{name}/drain and .../enable (need
+server.admin_api_key). Lifecycle: start the engines the
 configuration declares (engine_launcher's Supervisor), build the backend registry, run one
 health round before serving, scrape in the background, and on shutdown stop listening, let
 in-flight requests drain for up to server.drain_timeout_s, cancel the rest cleanly (503 or
@@ -140,6 +141,7 @@ class RouterState:
         m.inflight.labels(name).set_function(lambda: s.inflight)
         m.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)
         m.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
+        m.draining.labels(name).set_function(lambda: 1 if s.draining else 0)
 
     # --- auth --------------------------------------------------------------------------
     def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:
@@ -289,17 +291,45 @@ class RouterState:
         return web.Response(body=self.metrics.exposition(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    async def handle_admin_backends(self, request: web.Request) -> web.Response:
-        assert self.registry is not None
+    def _admin_refusal(self, request: web.Request) -> web.Response | None:
+        """Admin routes exist only with server.admin_api_key, and only for that key."""
         if self._admin_key is None:
             return error_response(errors.route_not_found())
         if not self.authorized(request, (self._admin_key,)):
             return error_response(errors.unauthorized())
-        return json_response([{
-            "name": s.config.name, "url": s.config.url, "role": s.config.role, "models": list(s.models),
-            "healthy": s.healthy, "breaker": s.breaker, "inflight": s.inflight, "running": s.running,
-            "waiting": s.waiting, "kv_usage": s.kv_usage, "consecutive_failures": s.consecutive_failures,
-            "last_error": s.last_error} for s in self.registry.states.values()])
+        return None
+
+    async def handle_admin_backends(self, request: web.Request) -> web.Response:
+        assert self.registry is not None
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        return json_response([_admin_view(s) for s in self.registry.states.values()])
+
+    async def handle_admin_drain(self, request: web.Request, draining: bool) -> web.Response:
+        """POST /admin/backends/{name}/drain | /enable: take a configured backend out of
+        rotation (requests it is serving finish) or put it back. Names only: the admin API
+        cannot add a host the configuration does not list."""
+        assert self.registry is not None
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        name = request.match_info["name"]
+        state = self.registry.states.get(name)
+        if state is None:
+            return error_response(errors.RouterError(
+                404, f"No backend named {name!r}; configured: {', '.join(self.registry.states)}.",
+                param="name"))
+        self.registry.set_draining(name, draining)
+        return json_response(_admin_view(state))
+
+
+def _admin_view(s: BackendState) -> dict:
+    return {
+        "name": s.config.name, "url": s.config.url, "role": s.config.role, "models": list(s.models),
+        "healthy": s.healthy, "breaker": s.breaker, "draining": s.draining, "inflight": s.inflight,
+        "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
+        "consecutive_failures": s.consecutive_failures, "last_error": s.last_error}
 
 
 def _digest(key: bytes) -> bytes:
@@ -353,4 +383,6 @@ def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)
     app.router.add_get("/admin/backends", state.handle_admin_backends)
+    app.router.add_post("/admin/backends/{name}/drain", functools.partial(state.handle_admin_drain, draining=True))
+    app.router.add_post("/admin/backends/{name}/enable", functools.partial(state.handle_admin_drain, draining=False))
     return app

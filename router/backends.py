@@ -16,6 +16,9 @@ health check does not close the breaker: an engine can answer /health and /metri
 failing every request. A trial that ends without a verdict (a probe that was rejected or
 lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one
 through, so a breaker never stays half-open for good.
+
+An operator can drain a backend (admin API): it gets no new request or leg, not even as
+the last resort of panic routing, while the requests it is serving finish.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class BackendView:
     running: float  # scraped vllm:num_requests_running
     waiting: float  # scraped vllm:num_requests_waiting
     kv_usage: float  # scraped vllm:kv_cache_usage_perc, 0..1
+    drained: bool = False  # taken out of rotation by an operator (never routed to)
 
     @property
     def load(self) -> float:
@@ -73,8 +77,9 @@ class ClusterSnapshot:
         """Available decode backends for `model`. If none is available, every decode
         backend for the model (panic routing, as Envoy does below its panic threshold): a
         health view that says "nothing works" is more often wrong (checks timing out under
-        load) than right, and a real attempt fails fast with a precise error anyway."""
-        serving = [b for b in self.backends if b.decodes and b.serves(model)]
+        load) than right, and a real attempt fails fast with a precise error anyway. A
+        drained backend is never among them: an operator took it out on purpose."""
+        serving = [b for b in self.backends if b.decodes and b.serves(model) and not b.drained]
         return [b for b in serving if b.available] or serving
 
     def prefillers(self, model: str | None) -> list[BackendView]:
@@ -104,6 +109,7 @@ class BackendState:
     trial_at: float = 0.0
     last_error: str = ""
     last_scrape_ok: float = 0.0
+    draining: bool = False  # set by an operator: no new requests, in-flight ones finish
 
 
 @dataclass
@@ -130,10 +136,12 @@ class BackendRegistry:
             views.append(BackendView(
                 name=c.name, url=c.url, decodes=c.decodes, prefills=c.prefills,
                 models=s.models, available=self._available(s, now), inflight=s.inflight,
-                running=s.running, waiting=s.waiting, kv_usage=s.kv_usage))
+                running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, drained=s.draining))
         return ClusterSnapshot(tuple(views))
 
     def _available(self, s: BackendState, now: float) -> bool:
+        if s.draining:
+            return False
         if s.breaker == OPEN:
             # After the cool-down the breaker lets one trial through.
             return s.healthy and now - s.opened_at >= self.health.cooldown_s
@@ -152,6 +160,16 @@ class BackendRegistry:
                 for m in s.models:
                     seen[m] = None
         return list(seen)
+
+    # --- operator ----------------------------------------------------------------------
+    def set_draining(self, name: str, draining: bool) -> None:
+        """Take `name` out of rotation (its in-flight requests finish) or put it back."""
+        s = self.states[name]
+        if s.draining != draining:
+            log.warning("backend %s: %s by the operator", name,
+                        "draining (no new requests)" if draining else "back in rotation")
+        s.draining = draining
+        self._changed(s)
 
     # --- request-path feedback ---------------------------------------------------------
     def acquire(self, name: str) -> None:

@@ -69,6 +69,9 @@ class RouterMetrics:
                              ["backend"], registry=r)
         self.breaker = Gauge("cachehit_router_backend_circuit_state",
                              "Circuit breaker: 0 closed, 1 half-open, 2 open", ["backend"], registry=r)
+        self.draining = Gauge("cachehit_router_backend_draining",
+                              "1 while an operator has taken the backend out of rotation", ["backend"],
+                              registry=r)
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served",
                                      registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)

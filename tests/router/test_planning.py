@@ -192,3 +192,14 @@ def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
     assert s.fallback_hits(follower, 1000, {"d1": 990})["d1"] == 990
     assert s.fallback_hits(follower, None, {"d0": 5}) == {"d0": 5}
     assert s.fallback_hits(RouteQuery(model="m", text="unrelated " * 60), 1000, {}) == {}
+
+
+def test_a_drained_backend_is_never_planned_even_as_panic_routing():
+    drained = replace(view("d0"), available=False, drained=True)
+    # Panic routing: with no decoder available, every decoder of the model is tried...
+    assert [b.name for b in snap(view("d0", available=False), view("d1", available=False)).decoders("m")] \
+        == ["d0", "d1"]
+    # ...except one an operator drained.
+    assert [b.name for b in snap(drained, view("d1", available=False)).decoders("m")] == ["d1"]
+    assert ProbeStrategy(R).plan(Q, snap(drained)).empty
+    assert plan_fallback(Q, snap(drained, view("p", decodes=False, prefills=True)), R, 1000) is None
