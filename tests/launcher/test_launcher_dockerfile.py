@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -90,3 +93,22 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
                 assert (REPO / src).exists(), src
                 assert included(src), f"{src} is excluded by .dockerignore"
     assert not included(".venv") and not included("tests") and not included(".git")
+
+
+def _hadolint(path: Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert exe, "hadolint is missing: it comes with the test extra (pip install -e '.[test]')"
+    return subprocess.run([exe, "--no-color", "--failure-threshold", "info", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_hadolint_finds_nothing_in_the_dockerfile(tmp_path):
+    # The linter is live: a Dockerfile with known faults is flagged...
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get install curl\nRUN cd /app\n")
+    flagged = _hadolint(bad)
+    assert flagged.returncode != 0
+    assert "DL3007" in flagged.stdout and "DL3008" in flagged.stdout, flagged.stdout
+    # ...and ours has no finding at any level.
+    r = _hadolint(REPO / "Dockerfile")
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
