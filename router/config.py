@@ -198,8 +198,8 @@ class Config:
 
 class _Problems:
     """Every problem of one file, so that a single run reports them all instead of one
-    per attempt. Checks are independent where they can be; a table that fails to build
-    skips the checks of its values."""
+    per attempt. Checks are independent where they can be; only a table that is not a
+    table, or lacks a required key, skips the checks of its values."""
 
     def __init__(self) -> None:
         self.found: list[str] = []
