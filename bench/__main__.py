@@ -65,6 +65,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="engines check the threshold only at admission")
     g.add_argument("--threshold", type=float, default=0.5, help="routing.cache_hit_threshold")
     g.add_argument("--probe-deadline-ms", type=float, default=250.0, help="routing.probe_deadline_ms")
+    g.add_argument("--max-probes", type=int, default=0, help="routing.max_probes (0: probe every engine)")
     g.add_argument("--min-pd-prompt-tokens", type=int, default=-1,
                    help="routing.min_pd_prompt_tokens (default: 256 tokens, length-scaled)")
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
@@ -98,7 +99,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))
     ropts = RouterOptions(strategy=mode if mode in ("probe", "round_robin", "least_loaded", "prefix_tree")
                           else "probe", threshold=a.threshold, probe_deadline_ms=a.probe_deadline_ms,
-                          min_pd_prompt_tokens=min_pd)
+                          min_pd_prompt_tokens=min_pd, max_probes=a.max_probes)
     for k, v in router_over.items():
         setattr(ropts, k, v)
     return RunSpec(mode=mode, out=out, workload=w, engines=a.engines, prefill=a.prefill, sim=sim,

@@ -64,6 +64,7 @@ class RouterOptions:
     min_pd_prompt_tokens: int = 256
     decode_guard_threshold: float = 0.0
     max_probe_waiting: int = 0
+    max_probes: int = 0
     log_level: str = "info"
     max_concurrent_requests: int = 4096
     max_queued_requests: int = 4096
@@ -75,7 +76,8 @@ def router_toml(port: int, decoders: list[str], prefillers: list[str], opts: Rou
                "probe_deadline_ms": float(opts.probe_deadline_ms),
                "min_pd_prompt_tokens": int(opts.min_pd_prompt_tokens),
                "decode_guard_threshold": float(opts.decode_guard_threshold),
-               "max_probe_waiting": int(opts.max_probe_waiting), **opts.extra_routing}
+               "max_probe_waiting": int(opts.max_probe_waiting), "max_probes": int(opts.max_probes),
+               **opts.extra_routing}
     backends = [{"name": f"d{i}", "url": url, "role": "decode", "models": [MODEL]}
                 for i, url in enumerate(decoders)]
     backends += [{"name": f"p{i}", "url": url, "role": "prefill", "models": [MODEL]}

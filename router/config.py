@@ -82,6 +82,10 @@ class RoutingConfig:
     probe_deadline_per_token_ms: float = 0.05
     # Engines whose scraped waiting queue exceeds this are not probed (0: no bound).
     max_probe_waiting: int = 0
+    # Probe at most this many engines per request (0: every available decode engine): those
+    # the router last sent the prompt's longest known prefix to, then the least loaded.
+    # Bounds the race's cost on large fleets (each probe is a request to an engine).
+    max_probes: int = 0
     max_resumes: int = 3
     # Retries on another backend for failures before the first token.
     max_retries: int = 2
@@ -356,6 +360,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
         p.check(_positive, "routing.probe_deadline_per_token_ms", routing.probe_deadline_per_token_ms,
                 allow_zero=True)
         p.check(_positive, "routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
+        p.check(_positive, "routing.max_probes", routing.max_probes, allow_zero=True)
         p.check(_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
         p.check(_positive, "routing.max_retries", routing.max_retries, allow_zero=True)
 

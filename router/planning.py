@@ -92,7 +92,8 @@ class ProbeStrategy:
 
     With `max_probe_waiting` set, engines whose scraped waiting queue is longer are not
     probed (they would accept and then make the request wait behind their queue), unless
-    that leaves no engine at all.
+    that leaves no engine at all. With `max_probes` set, only that many are probed: the
+    ones most likely to hold the prompt (see `most_promising`).
 
     It also remembers where it sent each prompt (`on_routed`, a PrefixMemory): an engine
     still computing a cold prompt rejects a follower sharing its prefix (the blocks are not
@@ -114,11 +115,26 @@ class ProbeStrategy:
         if bound:
             short = [b for b in decoders if b.waiting <= bound]
             decoders = short or decoders
+        limit = self.routing.max_probes
+        if limit and len(decoders) > limit:
+            decoders = self.most_promising(query, decoders, limit)
         t = self.routing.cache_hit_threshold
         return Plan(probes=tuple(b.name for b in decoders), threshold=t,
                     deadline_s=self.routing.probe_deadline_ms / 1000.0,
                     # An acceptor holds at least T of the prompt: it prefills at most (1 - T).
                     deadline_per_prompt_token_s=(1.0 - t) * self.routing.probe_deadline_per_token_ms / 1000.0)
+
+    def most_promising(self, query: RouteQuery, decoders: Sequence[BackendView],
+                       limit: int) -> list[BackendView]:
+        """The `limit` decoders most likely to accept: those this router last sent the
+        prompt's longest known prefix to, then the least loaded (ties rotate with the
+        salt). Memory is per router replica: an engine warmed by another replica is only
+        found if load ranks it in, or by the fallback's rejection-reported hits."""
+        _, holders = self.memory.match(self.memory.chunk_hashes(query.text))
+        n = len(decoders)
+        ranked = sorted(range(n), key=lambda i: (decoders[i].name not in holders, decoders[i].load,
+                                                 decoders[i].kv_usage, (i - query.salt) % n))
+        return [decoders[i] for i in ranked[:limit]]
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.memory.insert(self.memory.chunk_hashes(query.text), backend)

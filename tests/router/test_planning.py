@@ -203,3 +203,20 @@ def test_a_drained_backend_is_never_planned_even_as_panic_routing():
     assert [b.name for b in snap(drained, view("d1", available=False)).decoders("m")] == ["d1"]
     assert ProbeStrategy(R).plan(Q, snap(drained)).empty
     assert plan_fallback(Q, snap(drained, view("p", decodes=False, prefills=True)), R, 1000) is None
+
+
+def test_max_probes_keeps_the_prompt_holders_then_the_least_loaded():
+    routing = replace(R, max_probes=2)
+    strategy = ProbeStrategy(routing)
+    decoders = (view("d0", inflight=3), view("d1", inflight=1), view("d2", inflight=5), view("d3", inflight=0))
+    # Nothing known of the prompt: the two least loaded.
+    assert set(strategy.plan(Q, snap(*decoders)).probes) == {"d3", "d1"}
+    # The router sent this prompt to d2 (busiest): it is probed first, then the least loaded.
+    strategy.on_routed(Q, "d2")
+    assert strategy.plan(Q, snap(*decoders)).probes == ("d2", "d3")
+    # Another prompt is not affected by that memory.
+    other = RouteQuery(model="m", text="something else entirely " * 30)
+    assert set(strategy.plan(other, snap(*decoders)).probes) == {"d3", "d1"}
+    # No bound, or a bound at least the fleet's size: every decoder, in configuration order.
+    assert ProbeStrategy(R).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
+    assert ProbeStrategy(replace(R, max_probes=4)).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")

@@ -207,3 +207,30 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader(make_cluster):
     # B went directly to A's engine (or, on a machine slow enough that A finished first,
     # won its probe there).
     assert c.routes()["pd"] == 0 and c.routes()["direct"] >= 1
+
+
+async def test_max_probes_asks_only_the_prompt_holder_and_the_least_loaded(make_cluster):
+    c = await make_cluster(decoders=4, routing={"max_probes": 2})
+    warm = {"model": MODEL, "prompt": long_prompt("bounded", 300), "max_tokens": 2}
+    status, out = await c.complete(warm)  # cold: the two probes reject, the fallback computes it
+    assert status == 200, out
+    generated = await c.engine_metrics("vllm:generation_tokens_total")
+    holder = next(n for n, v in generated.items() if v > 0)
+    seen = await c.engine_metrics("vllm:request_success_total")  # rejections included
+    assert sum(seen.values()) == 3
+
+    def refused_or_dropped() -> float:  # probes that did not win
+        return sum(c.router_metric(m, backend=n) for n in c.engines for m in (
+            "cachehit_router_probe_rejections_total", "cachehit_router_probe_losers_total"))
+    assert refused_or_dropped() == 2
+
+    for _ in range(3):
+        before = await c.engine_metrics("vllm:request_success_total")
+        status, out = await c.complete(warm)
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288  # whole blocks
+        after = await c.engine_metrics("vllm:request_success_total")
+        asked = {n for n in after if after[n] > before[n]}
+        assert len(asked) == 2 and holder in asked, asked  # two probes, the holder among them
+    assert c.routes()["probe_hit"] == 3
+    assert refused_or_dropped() == 2 + 3  # each warm request: the holder wins, the other does not
