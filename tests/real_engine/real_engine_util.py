@@ -286,6 +286,18 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
     return out
 
 
+def scrape_metrics_patiently(base_url: str, within_s: float = 90.0) -> dict[str, float]:
+    """`scrape_metrics` of an engine that may answer late (just started, or busy retrying a
+    NIXL handshake on this 2-core machine): a socket timeout is retried until `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return scrape_metrics(base_url)
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+
+
 def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
     total = 0.0
     for key, value in samples.items():

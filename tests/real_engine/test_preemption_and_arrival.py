@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from real_engine_util import free_port, iter_sse, metric_sum, parse_sse, post_json, request, scrape_metrics
+from real_engine_util import (free_port, iter_sse, metric_sum, parse_sse, post_json, request, scrape_metrics,
+                              scrape_metrics_patiently)
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -266,7 +267,8 @@ def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_eng
     kv = {**answer["kv_transfer_params"], "remote_engine_id": str(uuid.uuid4()),
           "remote_host": "127.0.0.1", "remote_port": free_port()}
     url = spare_engine.base_url
-    before = metric_sum(scrape_metrics(url), "vllm:nixl_num_failed_transfers_total")
+    # A just-started engine on a busy core may answer its first scrape late (CI saw > 10 s).
+    before = metric_sum(scrape_metrics_patiently(url), "vllm:nixl_num_failed_transfers_total")
     body = long_body(prompt, 4, kv_transfer_params=kv)
     status, out = post_json(url, "/v1/completions", body, timeout=120)
     assert status == 500, out
@@ -282,10 +284,8 @@ def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_eng
     deadline = time.monotonic() + 90
     failed = 0.0
     while time.monotonic() < deadline:
-        try:
-            failed = metric_sum(scrape_metrics(url), "vllm:nixl_num_failed_transfers_total") - before
-        except OSError:  # a socket timeout: still busy
-            continue
+        failed = metric_sum(scrape_metrics_patiently(url, deadline - time.monotonic()),
+                            "vllm:nixl_num_failed_transfers_total") - before
         if failed >= 2:
             break
         time.sleep(1.0)
