@@ -70,7 +70,6 @@ class RouterState:
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
-        self._backend_gauges: dict[str, BackendState] = {}
         # Keys are kept as SHA-256 digests, computed once: requests compare digests.
         self._api_keys = tuple(_digest(k.encode()) for k in config.server.api_keys)
         self._admin_key = _digest(config.server.admin_api_key.encode()) if config.server.admin_api_key else None
@@ -89,10 +88,9 @@ class RouterState:
             self.supervisor = Supervisor(cfg.engines, cfg.launcher)
             log.info("starting %d engine(s) from [[engines]]", len(cfg.engines))
             engine_urls = await self.supervisor.start(progress=_log_progress)
-        self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health,
-                                        on_change=self._backend_changed)
+        self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health)
         for s in self.registry.states.values():
-            self._backend_changed(s.config.name, s)
+            self._bind_backend_gauges(s)
         self.client = UpstreamClient(cfg.timeouts)
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
         await self.monitor.check_all()
@@ -129,14 +127,10 @@ class RouterState:
         if self.supervisor is not None:
             await self.supervisor.stop()
 
-    def _backend_changed(self, name: str, s: BackendState) -> None:
-        # Runs on every acquire/release/success (three times per request). The gauges read
-        # the backend's state when scraped (same values as setting them on every change, but
-        # nine locked Gauge.set() calls per request fewer); only a new state object (first
-        # sight of a backend, a rebuilt registry) binds them again.
-        if self._backend_gauges.get(name) is s:
-            return
-        self._backend_gauges[name] = s
+    def _bind_backend_gauges(self, s: BackendState) -> None:
+        # The gauges read the backend's state when scraped: nothing to do on the request
+        # path, and always the current values.
+        name = s.config.name
         m = self.metrics
         m.inflight.labels(name).set_function(lambda: s.inflight)
         m.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)

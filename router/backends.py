@@ -119,8 +119,6 @@ class BackendRegistry:
     configs: Iterable[BackendConfig]
     health: HealthConfig
     clock: Callable[[], float] = time.monotonic
-    # Called on every state change that metrics expose: (name, state).
-    on_change: Callable[[str, BackendState], None] | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -169,7 +167,6 @@ class BackendRegistry:
             log.warning("backend %s: %s by the operator", name,
                         "draining (no new requests)" if draining else "back in rotation")
         s.draining = draining
-        self._changed(s)
 
     # --- request-path feedback ---------------------------------------------------------
     def acquire(self, name: str) -> None:
@@ -182,7 +179,6 @@ class BackendRegistry:
         if s.breaker == HALF_OPEN:
             s.half_open_trial_taken = True
             s.trial_at = now
-        self._changed(s)
 
     def release(self, name: str) -> None:
         s = self.states[name]
@@ -191,7 +187,6 @@ class BackendRegistry:
             # The trial's verdict (record_success / record_failure) follows if it had one;
             # a trial without one (rejected or cancelled probe) frees the slot.
             s.half_open_trial_taken = False
-        self._changed(s)
 
     def record_success(self, name: str) -> None:
         s = self.states[name]
@@ -201,7 +196,6 @@ class BackendRegistry:
         s.breaker = CLOSED
         s.half_open_trial_taken = False
         s.healthy = True
-        self._changed(s)
 
     def record_failure(self, name: str, reason: str) -> None:
         s = self.states[name]
@@ -215,7 +209,6 @@ class BackendRegistry:
             s.breaker = OPEN
             s.opened_at = self.clock()
             s.half_open_trial_taken = False
-        self._changed(s)
 
     # --- scraper feedback ----------------------------------------------------------------
     def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
@@ -232,7 +225,6 @@ class BackendRegistry:
                      "" if s.breaker == CLOSED else f" (circuit {s.breaker} until a trial request succeeds)")
         # Healthy, but the breaker is left alone: only requests close it.
         s.healthy = True
-        self._changed(s)
 
     def record_scrape_failure(self, name: str, reason: str, definitive: bool = True) -> None:
         """A failed health check. Definitive failures (connection refused: nothing
@@ -245,11 +237,7 @@ class BackendRegistry:
                 log.warning("backend %s: unreachable (%s), skipped until it answers", name, reason)
             s.healthy = False
         s.last_error = reason
-        self._changed(s)
 
-    def _changed(self, s: BackendState) -> None:
-        if self.on_change is not None:
-            self.on_change(s.config.name, s)
 
 
 def parse_load_metrics(text: str) -> dict[str, float]:
