@@ -30,6 +30,7 @@ from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .metrics import RequestRecord, RouterMetrics
 from .planning import make_strategy
+from .speed_learner import SpeedLearner, speed_prior
 from .respond import SSEWriter
 from .shaping import ResponseShaper
 from .upstream import UpstreamClient
@@ -88,7 +89,8 @@ class RouterState:
             self.supervisor = Supervisor(cfg.engines, cfg.launcher)
             log.info("starting %d engine(s) from [[engines]]", len(cfg.engines))
             engine_urls = await self.supervisor.start(progress=_log_progress)
-        self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health)
+        self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health,
+                                        learner=SpeedLearner(speed_prior(cfg.routing)))
         for s in self.registry.states.values():
             self._bind_backend_gauges(s)
         self.client = UpstreamClient(cfg.timeouts)

@@ -19,6 +19,12 @@ through, so a breaker never stays half-open for good.
 
 An operator can drain a backend (admin API): it gets no new request or leg, not even as
 the last resort of panic routing, while the requests it is serving finish.
+
+Load, for the cost model (router/costmodel.py), is counted in tokens: every leg the router
+sends holds a `LegTicket` from `open_leg` to `close_leg`; until its first token
+(`first_token`) its prompt tokens still to prefill are queued on the engine, after it the
+leg is one decoding sequence. The registry's `SpeedLearner` turns finished legs into each
+engine's measured speed, and every `BackendView` carries both.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ from typing import Callable, Iterable
 from prometheus_client.parser import text_string_to_metric_families
 
 from .config import BackendConfig, HealthConfig
+from .costmodel import EngineSpeed, TransferSpeed
+from .speed_learner import SpeedLearner
 
 log = logging.getLogger("cachehit_router.backends")
 
@@ -57,6 +65,10 @@ class BackendView:
     waiting: float  # scraped vllm:num_requests_waiting
     kv_usage: float  # scraped vllm:kv_cache_usage_perc, 0..1
     drained: bool = False  # taken out of rotation by an operator (never routed to)
+    # Prompt tokens still to prefill ahead of a request sent now (router/costmodel.py).
+    queued_tokens: float = 0.0
+    decoding: float = 0.0  # sequences generating
+    speed: EngineSpeed = EngineSpeed()
 
     @property
     def load(self) -> float:
@@ -72,6 +84,10 @@ class BackendView:
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     backends: tuple[BackendView, ...]
+    # Learned cluster-wide figures the cost model reads (router/speed_learner.py).
+    transfer: TransferSpeed = TransferSpeed()
+    chars_per_token: float = 4.0
+    rejection_s: float = 0.005
 
     def decoders(self, model: str | None) -> list[BackendView]:
         """Available decode backends for `model`. If none is available, every decode
@@ -110,6 +126,26 @@ class BackendState:
     last_error: str = ""
     last_scrape_ok: float = 0.0
     draining: bool = False  # set by an operator: no new requests, in-flight ones finish
+    # Token-level load from this router's own legs (LegTicket).
+    queued_tokens: int = 0
+    prefilling: int = 0  # legs sent, no first token yet
+    decoding: int = 0  # legs past their first token
+
+
+@dataclass(slots=True)
+class LegTicket:
+    """One leg's place in its engine's load, from `open_leg` to `close_leg`.
+
+    `queued_ahead` and `decoding` are the cost model's inputs when the leg was sent: with
+    the tokens it lacked and its time to first token they make one speed sample."""
+
+    backend: str
+    tokens: int  # prompt tokens it adds to the engine's prefill queue until its first token
+    queued_ahead: float
+    decoding: float
+    sent_at: float
+    first_token_at: float | None = None
+    closed: bool = False
 
 
 @dataclass
@@ -119,23 +155,39 @@ class BackendRegistry:
     configs: Iterable[BackendConfig]
     health: HealthConfig
     clock: Callable[[], float] = time.monotonic
+    learner: SpeedLearner = field(default_factory=SpeedLearner)
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         for c in self.configs:
             self.states[c.name] = BackendState(config=c, models=c.models)
+            if c.prefill_tokens_per_s > 0:
+                self.learner.engine_per_token_s[c.name] = 1.0 / c.prefill_tokens_per_s
 
     # --- views -----------------------------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
         now = self.clock()
         views = []
+        learner = self.learner
         for s in self.states.values():
             c = s.config
             views.append(BackendView(
                 name=c.name, url=c.url, decodes=c.decodes, prefills=c.prefills,
                 models=s.models, available=self._available(s, now), inflight=s.inflight,
-                running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, drained=s.draining))
-        return ClusterSnapshot(tuple(views))
+                running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, drained=s.draining,
+                queued_tokens=self._queued_tokens(s), decoding=self._decoding(s),
+                speed=learner.speed(c.name)))
+        return ClusterSnapshot(tuple(views), learner.transfer(), learner.chars_per_token, learner.rejection_s)
+
+    def _queued_tokens(self, s: BackendState) -> float:
+        """Own queued prefill tokens, plus the engine's scraped waiting requests beyond the
+        ones this router is waiting on (other replicas' traffic), at the mean prompt length."""
+        others = max(s.waiting - s.prefilling, 0.0)
+        return s.queued_tokens + others * self.learner.mean_prompt_tokens
+
+    @staticmethod
+    def _decoding(s: BackendState) -> float:
+        return max(float(s.decoding), s.running - s.prefilling, 0.0)
 
     def _available(self, s: BackendState, now: float) -> bool:
         if s.draining:
@@ -167,6 +219,53 @@ class BackendRegistry:
             log.warning("backend %s: %s by the operator", name,
                         "draining (no new requests)" if draining else "back in rotation")
         s.draining = draining
+
+    # --- legs: token-level load and speed samples -------------------------------------
+    def open_leg(self, name: str, tokens: int = 0) -> LegTicket:
+        """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
+        (0 for a probe: an acceptor's prefill is done by the time it answers)."""
+        s = self.states[name]
+        ticket = LegTicket(name, max(int(tokens), 0), self._queued_tokens(s), self._decoding(s), self.clock())
+        self.acquire(name)
+        s.queued_tokens += ticket.tokens
+        s.prefilling += 1
+        return ticket
+
+    def first_token(self, ticket: LegTicket, at: float | None = None) -> None:
+        """The leg's first token arrived: its prefill left the engine's queue."""
+        if ticket.first_token_at is not None or ticket.closed:
+            return
+        ticket.first_token_at = self.clock() if at is None else at
+        s = self.states.get(ticket.backend)
+        if s is not None:
+            s.queued_tokens -= ticket.tokens
+            s.prefilling -= 1
+            s.decoding += 1
+
+    def close_leg(self, ticket: LegTicket) -> None:
+        """The leg ended (finished, failed, cancelled). Safe to call more than once."""
+        if ticket.closed:
+            return
+        ticket.closed = True
+        s = self.states.get(ticket.backend)
+        if s is None:
+            return
+        if ticket.first_token_at is None:
+            s.queued_tokens -= ticket.tokens
+            s.prefilling -= 1
+        else:
+            s.decoding -= 1
+        self.release(ticket.backend)
+
+    def learn_first_token(self, ticket: LegTicket, lacking_tokens: int) -> float | None:
+        """One speed sample from a leg that reached its first token, now that its usage says
+        how many prompt tokens it lacked. Returns the observed seconds to first token."""
+        if ticket.first_token_at is None:
+            return None
+        seconds = ticket.first_token_at - ticket.sent_at
+        self.learner.observe_first_token(ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0),
+                                         ticket.decoding, seconds)
+        return seconds
 
     # --- request-path feedback ---------------------------------------------------------
     def acquire(self, name: str) -> None:

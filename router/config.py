@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,18 +69,16 @@ class RoutingConfig:
     # Threshold sent on decode legs (after a prefill, or when resuming); a small guard
     # lets a decode engine that lost the cache (preemption) hand the request back.
     decode_guard_threshold: float = 0.0
-    # Prompts shorter than this skip prefill/decode and run directly on a decode engine.
+    # Prompts shorter than this never go prefill/decode (an operator's floor; above it the
+    # cost model decides whether a split is faster).
     min_pd_prompt_tokens: int = 256
-    # When every probe rejected, the fallback decoder minimizes
-    # (prompt tokens it lacks) + fallback_load_tokens * (its load): one request in flight
-    # weighs as much as this many prompt tokens to compute.
-    fallback_load_tokens: int = 512
-    # Probe race deadline: engines that have not answered by then count as rejections.
+    # Probe race deadline floor; the cost model adds twice the slowest probed engine's
+    # predicted time to first token as an acceptor. Silent engines then count as rejections.
     probe_deadline_ms: float = 250.0
-    # Once a rejection reports the prompt length, the deadline grows by this per uncached
-    # prompt token an acceptor may still be prefilling: (1 - T) * prompt_tokens * this.
-    # Default: ~20k prefill tokens/s (an 8B model on one H100); 0 disables.
-    probe_deadline_per_token_ms: float = 0.05
+    # Where the cost model's measured engine speeds start (router/speed_learner.py); the
+    # router replaces them with measurements after a few requests per engine.
+    prior_prefill_tokens_per_s: float = 10000.0
+    prior_kv_transfer_tokens_per_s: float = 100000.0
     # Engines whose scraped waiting queue exceeds this are not probed (0: no bound).
     max_probe_waiting: int = 0
     # Probe at most this many engines per request (0: every available decode engine): those
@@ -118,6 +117,9 @@ class BackendConfig:
     models: tuple[str, ...] = ()
     # Sent upstream as Authorization: Bearer; never taken from clients.
     api_key: str = ""
+    # Expected prefill speed of this engine (its hardware), where the cost model's fit of
+    # it starts; 0: routing.prior_prefill_tokens_per_s. Measurements replace it.
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def decodes(self) -> bool:
@@ -324,6 +326,27 @@ def _env(key: str, value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(value.items()))
 
 
+# Keys of earlier versions whose job the cost model does now: accepted with a warning so
+# that an old configuration still starts.
+RETIRED_KEYS = {
+    "routing.fallback_load_tokens": "the fallback weighs load by the cost model's predicted time to first token",
+    "routing.probe_deadline_per_token_ms": "the race deadline follows the engines' measured prefill speed",
+}
+
+
+def _without_retired(table: Any, key: str) -> Any:
+    if not isinstance(table, dict):
+        return table
+    kept = {}
+    for k, v in table.items():
+        why = RETIRED_KEYS.get(f"{key}.{k}")
+        if why is None:
+            kept[k] = v
+        else:
+            logging.getLogger("cachehit_router.config").warning("%s.%s is ignored: %s", key, k, why)
+    return kept
+
+
 def parse_config(raw: dict[str, Any]) -> Config:
     """The validated configuration; a ConfigError lists every problem found."""
     p = _Problems()
@@ -348,17 +371,16 @@ def parse_config(raw: dict[str, Any]) -> Config:
         if any(not k for k in server.api_keys):
             p.add("server.api_keys: expected non-empty strings")
 
-    routing = _build(p, RoutingConfig, "routing", raw.get("routing", {}))
+    routing = _build(p, RoutingConfig, "routing", _without_retired(raw.get("routing", {}), "routing"))
     if routing is not None:
         if routing.strategy not in STRATEGIES:
             p.add(f"routing.strategy: expected one of {', '.join(STRATEGIES)}, got {routing.strategy!r}")
         p.check(_fraction, "routing.cache_hit_threshold", routing.cache_hit_threshold)
         p.check(_fraction, "routing.decode_guard_threshold", routing.decode_guard_threshold)
         p.check(_positive, "routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
-        p.check(_positive, "routing.fallback_load_tokens", routing.fallback_load_tokens, allow_zero=True)
+        p.check(_positive, "routing.prior_prefill_tokens_per_s", routing.prior_prefill_tokens_per_s)
+        p.check(_positive, "routing.prior_kv_transfer_tokens_per_s", routing.prior_kv_transfer_tokens_per_s)
         p.check(_positive, "routing.probe_deadline_ms", routing.probe_deadline_ms)
-        p.check(_positive, "routing.probe_deadline_per_token_ms", routing.probe_deadline_per_token_ms,
-                allow_zero=True)
         p.check(_positive, "routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
         p.check(_positive, "routing.max_probes", routing.max_probes, allow_zero=True)
         p.check(_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
@@ -393,6 +415,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
         if b is None:
             continue
         p.check(_url, f"{key}.url", b.url)
+        p.check(_positive, f"{key}.prefill_tokens_per_s", b.prefill_tokens_per_s, allow_zero=True)
         if b.role not in ROLES:
             p.add(f"{key}.role: expected one of {', '.join(ROLES)}, got {b.role!r}")
         backends.append(b)

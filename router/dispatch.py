@@ -24,15 +24,15 @@ from typing import Awaitable, Callable
 
 from . import errors
 from .admission import RequestSpec
-from .backends import BackendRegistry
+from .backends import BackendRegistry, LegTicket
 from .config import Config
 from .disagg import (PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body,
                      recompute_after_failed_decode)
 from .legs import streamed_leg_body
 from .metrics import RequestRecord, RouterMetrics
-from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, FallbackPlan, ProbeStrategy, RouteQuery,
-                       Strategy, plan_fallback)
-from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
+from .fallback import FallbackPlan, plan_fallback
+from .planning import ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, RouteQuery, Strategy
+from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race, usage_cached_tokens, usage_prompt_tokens
 from .resume import resume_leg_body, resume_reason
 from .shaping import MalformedChunk, ResponseShaper
 from .upstream import (PROTOCOL, CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
@@ -52,15 +52,16 @@ class Leg:
     stream: UpstreamStream
     buffered: list[dict]
     route: str
+    ticket: LegTicket | None = None
+    text_chars: int = 0  # the routed text's length when the prompt is text (chars per token)
+    # The leg's usage (its last chunk), for the cost model's speed sample.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
-def estimate_prompt_tokens(body: dict, text: str) -> int:
-    """The prompt's length when no engine has said it: exact for token ids, else about
-    four characters a token (English text under common BPE vocabularies)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return len(prompt)
-    return len(text) // 4
+def route_query(spec: RequestSpec) -> RouteQuery:
+    return RouteQuery(spec.model, spec.routing_text, salt=hash(spec.request_id) & 0xFFFF,
+                      prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids))
 
 
 class Dispatcher:
@@ -77,9 +78,9 @@ class Dispatcher:
     # --- the answer ------------------------------------------------------------------------
     async def serve(self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord) -> None:
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = rec.dispatch_started = loop.time()
         deadline = started + self.timeouts.total_s
-        query = RouteQuery(spec.model, spec.routing_text, salt=hash(spec.request_id) & 0xFFFF)
+        query = route_query(spec)
         path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
         exclude: set[str] = set()
         leg = await self._acquire_leg(query, path, spec.body, rec, exclude, deadline)
@@ -134,7 +135,8 @@ class Dispatcher:
             # Prefix-affinity text grows the way the prompt was given (token ids: "id," each).
             grown = ("".join(f"{i}," for i in shaper.generated_token_ids)
                      if spec.prompt_token_ids is not None else shaper.generated_text)
-            resume_query = RouteQuery(spec.model, spec.routing_text + grown, query.salt)
+            resume_query = RouteQuery(spec.model, spec.routing_text + grown, query.salt,
+                                      len(prompt_ids) + answer_tokens)
             # A resume starts a new leg: only the engine that just failed is kept out. One
             # that failed an earlier leg may be healthy again (the breaker and the health
             # checks say whether it is available), and with it out too a long answer on a
@@ -154,9 +156,9 @@ class Dispatcher:
     async def serve_unary(self, spec: RequestSpec, rec: RequestRecord) -> bytes:
         """The engine's own non-streaming answer, forwarded byte for byte."""
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = rec.dispatch_started = loop.time()
         deadline = started + self.timeouts.total_s
-        query = RouteQuery(spec.model, spec.routing_text, salt=hash(spec.request_id) & 0xFFFF)
+        query = route_query(spec)
         path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
         # Explicit T = 0: an engine-wide default threshold must not reject a routed request.
         body = {**spec.body, "stream": False, "cache_hit_threshold": 0.0}
@@ -170,7 +172,12 @@ class Dispatcher:
                 break
             name = plan.direct
             cfg = self.registry.states[name].config
-            self.registry.acquire(name)
+            ticket = self.registry.open_leg(name, plan.prefill_tokens)
+            self._predicted(rec, loop.time(), plan.predicted_ttft_s)
+            # A forwarded answer shows no first token: its prefill leaves the engine's queue
+            # when the cost model predicted it would.
+            timer = (loop.call_later(plan.predicted_ttft_s, self.registry.first_token, ticket)
+                     if plan.predicted_ttft_s is not None else None)
             try:
                 raw = await self.client.post_raw(name, cfg.url, path, body, api_key=cfg.api_key,
                                                  total_deadline=deadline)
@@ -182,7 +189,9 @@ class Dispatcher:
                 exclude.add(name)
                 continue
             finally:
-                self.registry.release(name)
+                if timer is not None:
+                    timer.cancel()
+                self.registry.close_leg(ticket)
             self.registry.record_success(name)
             self.strategy.on_routed(query, name)
             rec.route, rec.winner = ROUTE_DIRECT, name
@@ -206,6 +215,9 @@ class Dispatcher:
                 batch: list[dict] = []
                 bad: MalformedChunk | None = None
                 for chunk in chunks:
+                    if chunk.get("usage"):
+                        leg.prompt_tokens = usage_prompt_tokens(chunk)
+                        leg.cached_tokens = usage_cached_tokens(chunk)
                     try:
                         batch += shaper.shape(chunk)
                     except MalformedChunk as e:
@@ -223,6 +235,21 @@ class Dispatcher:
             raise
         stream.finish()
         self.registry.record_success(leg.backend)
+        self._learn(leg)
+
+    def _learn(self, leg: Leg) -> None:
+        """A finished leg is one sample for the cost model (router/speed_learner.py)."""
+        if leg.ticket is None or leg.prompt_tokens is None:
+            return
+        learner = self.registry.learner
+        if leg.route == ROUTE_PD:
+            # Its prompt arrived over NIXL: the time to its first token is the transfer's.
+            t = leg.ticket
+            if t.first_token_at is not None:
+                learner.observe_transfer(leg.prompt_tokens, t.first_token_at - t.sent_at)
+            return
+        self.registry.learn_first_token(leg.ticket, leg.prompt_tokens - (leg.cached_tokens or 0))
+        learner.observe_prompt(leg.text_chars, leg.prompt_tokens)
 
     async def _acquire_after(self, error: UpstreamError | None, *args) -> Leg:
         """`_acquire_leg` for a retry or a resume: when no backend is left to try, the
@@ -239,6 +266,7 @@ class Dispatcher:
     async def _acquire_leg(self, query: RouteQuery, path: str, body: dict, rec: RequestRecord,
                            exclude: set[str], deadline: float) -> Leg:
         last_error: UpstreamError | None = None
+        loop = asyncio.get_running_loop()
         for attempt in range(self.routing.max_retries + 1):
             if attempt:
                 rec.retries += 1
@@ -248,28 +276,37 @@ class Dispatcher:
             if plan.empty:
                 break
             if plan.probes:
+                tickets: dict[str, LegTicket] = {}
+                sent = loop.time()
                 result = await run_race(
-                    plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline),
+                    plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline,
+                                              0, tickets),
                     plan.deadline_s, plan.deadline_per_prompt_token_s)
                 self._account_race(result, rec)
                 if result.winner is not None:
-                    return self._won(query, result, ROUTE_PROBE_HIT, rec)
+                    self._predicted(rec, sent, dict(zip(plan.probes, plan.probe_ttft_s)).get(result.winner.backend))
+                    return self._won(query, result, ROUTE_PROBE_HIT, rec, tickets)
                 client_err = result.client_error
                 if client_err is not None:
                     raise self._client_error(client_err)
                 for o in result.by_verdict(FAILED):
                     exclude.add(o.backend)
                     last_error = o.error
-                prompt_tokens = result.prompt_tokens
-                if prompt_tokens is None:  # every probe was silent: estimate from the request
-                    prompt_tokens = estimate_prompt_tokens(body, query.text)
-                hits = result.hits
-                if isinstance(self.strategy, ProbeStrategy):
-                    hits = self.strategy.fallback_hits(query, prompt_tokens, hits)
-                fallback = plan_fallback(query, self.registry.snapshot(), self.routing,
-                                         prompt_tokens, frozenset(exclude), hits)
+                snap = self.registry.snapshot()
+                # Every probe silent: the length is estimated from the request.
+                prompt_tokens = result.prompt_tokens or query.tokens(snap)
+                hits: dict[str, float] = dict(result.hits)
+                for name, expected in self.strategy.expected_hits(query, prompt_tokens).items():
+                    hits[name] = max(hits.get(name, 0), expected)
+                # An engine silent past the deadline is stopped or far behind: it computes
+                # the prompt only if no other engine can.
+                silent = {o.backend for o in result.by_verdict(EXPIRED)}
+                fallback = (plan_fallback(query, snap, self.routing, prompt_tokens, frozenset(exclude | silent), hits)
+                            or plan_fallback(query, snap, self.routing, prompt_tokens, frozenset(exclude), hits))
             else:
-                fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0)
+                assert plan.direct is not None
+                fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0,
+                                        prefill_tokens=plan.prefill_tokens, predicted_ttft_s=plan.predicted_ttft_s)
             if fallback is None:
                 break
             leg, err = await self._run_fallback(fallback, query, path, body, rec, exclude, deadline)
@@ -280,13 +317,23 @@ class Dispatcher:
             raise self._client_error(last_error)
         raise errors.no_backend(query.model)
 
+    @staticmethod
+    def _predicted(rec: RequestRecord, sent: float, predicted_s: float | None) -> None:
+        """The cost model's prediction of the answer's time to first token, for the log:
+        the time the request had spent when its first-token leg was sent, plus the model's
+        prediction for that leg."""
+        if predicted_s is not None and rec.predicted_ttft_s is None:
+            rec.predicted_ttft_s = sent - rec.dispatch_started + predicted_s
+
     async def _run_fallback(self, fb: FallbackPlan, query: RouteQuery, path: str, body: dict,
                             rec: RequestRecord, exclude: set[str],
                             deadline: float) -> tuple[Leg | None, UpstreamError | None]:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         kv_params = None
         if fb.prefill is not None:
             try:
-                kv_params = await self._prefill(fb.prefill, path, body, deadline)
+                kv_params = await self._prefill(fb.prefill, path, body, deadline, fb.prefill_tokens)
                 rec.prefill = fb.prefill
             except UpstreamError as e:
                 self._note_failure(e)
@@ -298,13 +345,14 @@ class Dispatcher:
             except PrefillProtocolError as e:
                 log.warning("prefill on %s: %s; computing the prompt on %s instead", fb.prefill, e, fb.decode)
         if kv_params is not None:
-            leg_body, route = decode_leg_body(body, kv_params, fb.decode_threshold), ROUTE_PD
+            leg_body, route, tokens = decode_leg_body(body, kv_params, fb.decode_threshold), ROUTE_PD, 0
         else:
-            leg_body, route = streamed_leg_body(body, 0.0), ROUTE_DIRECT
+            leg_body, route, tokens = streamed_leg_body(body, 0.0), ROUTE_DIRECT, fb.prefill_tokens
         # Noted now, not at the first token: a request sharing this prompt's prefix that
         # arrives while the decoder computes it should follow it there.
         self.strategy.on_routed(query, fb.decode)
-        result = await self._single(fb.decode, path, leg_body, rec, deadline)
+        tickets: dict[str, LegTicket] = {}
+        result = await self._single(fb.decode, path, leg_body, rec, deadline, tokens, tickets)
         failed = result.by_verdict(FAILED)
         if result.winner is None and kv_params is not None and (
                 result.by_verdict(REJECTED)
@@ -316,9 +364,11 @@ class Dispatcher:
                         "prompt on %s", fb.decode, fb.prefill,
                         failed[0].error if failed else "guard threshold", fb.decode)
             route = ROUTE_DIRECT
-            result = await self._single(fb.decode, path, streamed_leg_body(body, 0.0), rec, deadline)
+            result = await self._single(fb.decode, path, streamed_leg_body(body, 0.0), rec, deadline,
+                                        fb.prefill_tokens, tickets)
         if result.winner is not None:
-            return self._won(query, result, route, rec), None
+            self._predicted(rec, sent, fb.predicted_ttft_s)
+            return self._won(query, result, route, rec, tickets), None
         client_err = result.client_error
         if client_err is not None:
             raise self._client_error(client_err)
@@ -327,46 +377,59 @@ class Dispatcher:
         return None, failed[0].error if failed else None
 
     async def _single(self, backend: str, path: str, body: dict, rec: RequestRecord,
-                      deadline: float) -> RaceResult:
+                      deadline: float, tokens: int, tickets: dict[str, LegTicket]) -> RaceResult:
         # A one-engine race: same verdict logic; the leg's own first-token timeout bounds it.
-        result = await run_race((backend,), self._opener(path, body, deadline),
+        result = await run_race((backend,), self._opener(path, body, deadline, tokens, tickets),
                                 self.timeouts.first_token_s + 1.0)
         self._account_race(result, rec, probing=False)
         return result
 
-    async def _prefill(self, backend: str, path: str, body: dict, deadline: float) -> dict:
+    async def _prefill(self, backend: str, path: str, body: dict, deadline: float, tokens: int) -> dict:
         state = self.registry.states[backend]
-        self.registry.acquire(backend)
+        ticket = self.registry.open_leg(backend, tokens)
         try:
             resp = await self.client.post_json(backend, state.config.url, path, prefill_leg_body(body),
                                                api_key=state.config.api_key, total_deadline=deadline)
+            # One token was asked for: the answer's arrival is the prefill's first token.
+            self.registry.first_token(ticket)
         finally:
-            self.registry.release(backend)
+            self.registry.close_leg(ticket)
         self.registry.record_success(backend)
+        prompt = usage_prompt_tokens(resp)
+        if prompt is not None:
+            self.registry.learn_first_token(ticket, prompt - (usage_cached_tokens(resp) or 0))
         return parse_prefill_response(resp).kv_transfer_params
 
-    def _won(self, query: RouteQuery, result: RaceResult, route: str, rec: RequestRecord) -> Leg:
+    def _won(self, query: RouteQuery, result: RaceResult, route: str, rec: RequestRecord,
+             tickets: dict[str, LegTicket]) -> Leg:
         w = result.winner
         assert w is not None and w.stream is not None
+        ticket = tickets.get(w.backend)
+        if ticket is not None:
+            self.registry.first_token(ticket)
         if route == ROUTE_PROBE_HIT:  # a fallback was noted when it was sent (_run_fallback)
             self.strategy.on_routed(query, w.backend)
         if not rec.route:  # route and winner describe where the answer was first placed
             rec.route = route
             rec.winner = w.backend
         rec.legs.append(f"{route}:{w.backend}")
-        return Leg(w.backend, w.stream, w.buffered, route)
+        return Leg(w.backend, w.stream, w.buffered, route, ticket,
+                   len(query.text) if query.prompt_tokens is None else 0)
 
     # --- bookkeeping ---------------------------------------------------------------------------
-    def _opener(self, path: str, body: dict, deadline: float):
+    def _opener(self, path: str, body: dict, deadline: float, tokens: int,
+                tickets: dict[str, LegTicket]):
+        """Opens one streamed leg per backend; each holds a LegTicket (its place in the
+        engine's load) until the stream closes, kept in `tickets` by backend."""
         async def open_leg(name: str) -> UpstreamStream:
             cfg = self.registry.states[name].config
-            self.registry.acquire(name)
+            ticket = tickets[name] = self.registry.open_leg(name, tokens)
             try:
                 return await self.client.open_stream(name, cfg.url, path, body, api_key=cfg.api_key,
                                                      total_deadline=deadline,
-                                                     on_close=lambda: self.registry.release(name))
+                                                     on_close=lambda: self.registry.close_leg(ticket))
             except BaseException:
-                self.registry.release(name)
+                self.registry.close_leg(ticket)
                 raise
         return open_leg
 
@@ -379,6 +442,8 @@ class Dispatcher:
             if o.verdict == REJECTED:
                 rec.rejections += 1
                 m.probe_rejections.labels(o.backend).inc()
+                if probing:
+                    self.registry.learner.observe_rejection(o.latency_s)
             elif o.verdict == LOST:
                 rec.losers += 1
                 rec.loser_tokens += o.tokens_seen

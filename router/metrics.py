@@ -37,6 +37,10 @@ class RequestRecord:
     error: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int = 0
+    # The cost model's predicted time to first token (router/costmodel.py), from the
+    # dispatcher's start (`dispatch_started`, event-loop time), for accuracy reports.
+    predicted_ttft_s: float | None = None
+    dispatch_started: float = 0.0
 
 
 class RouterMetrics:
@@ -101,6 +105,7 @@ class RouterMetrics:
             "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
             "losers": rec.losers, "retries": rec.retries, "resumes": rec.resumes,
             "ttft_ms": None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2),
+            "predicted_ttft_ms": None if rec.predicted_ttft_s is None else round(rec.predicted_ttft_s * 1000, 2),
             "duration_ms": round(rec.duration_s * 1000, 2), "status": rec.status,
             "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
             **({"error": rec.error} if rec.error else {}),

@@ -84,14 +84,14 @@ def _chunk_tokens(chunk: dict) -> int:
     return n
 
 
-def _usage_prompt_tokens(chunk: dict) -> int | None:
+def usage_prompt_tokens(chunk: dict) -> int | None:
     usage = chunk.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         return usage["prompt_tokens"]
     return None
 
 
-def _usage_cached_tokens(chunk: dict) -> int | None:
+def usage_cached_tokens(chunk: dict) -> int | None:
     usage = chunk.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -123,15 +123,15 @@ async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEven
             latency = loop.time() - t0
             # Rejected. The usage chunk follows at once; read it for the prompt length
             # (the fallback needs it), then hand the connection back to the pool.
-            prompt_tokens = _usage_prompt_tokens(chunk)
-            hit_tokens = _usage_cached_tokens(chunk)
+            prompt_tokens = usage_prompt_tokens(chunk)
+            hit_tokens = usage_cached_tokens(chunk)
             for _ in range(4):  # a rejection is followed by the usage chunk and [DONE] only
                 more = await stream.next_chunk()
                 if more is None:
                     stream.finish()
                     break
-                prompt_tokens = prompt_tokens or _usage_prompt_tokens(more)
-                hit_tokens = hit_tokens if hit_tokens is not None else _usage_cached_tokens(more)
+                prompt_tokens = prompt_tokens or usage_prompt_tokens(more)
+                hit_tokens = hit_tokens if hit_tokens is not None else usage_cached_tokens(more)
             else:
                 stream.abort()
             return ProbeOutcome(backend, REJECTED, latency, prompt_tokens=prompt_tokens,

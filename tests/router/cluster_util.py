@@ -106,13 +106,21 @@ class Cluster:
             await asyncio.sleep(0.02)
 
 
+# Backend priors under which prefill/decode is the cost model's choice for a cold prompt on
+# an idle cluster (producer predicted 1,000x faster than the decoders) until measurements
+# of the fast simulated decoders replace them: for tests of the split's mechanics.
+PD_PREFERRED = {**{f"d{i}": {"prefill_tokens_per_s": 1000.0} for i in range(4)},
+                **{f"p{i}": {"prefill_tokens_per_s": 1_000_000.0} for i in range(2)}}
+
+
 @pytest.fixture
 async def make_cluster():
     clusters: list[Cluster] = []
 
     async def make(decoders: int = 2, prefillers: int = 0, routing: dict | None = None,
                    sim: dict | None = None, per_engine: dict | None = None, timeouts: dict | None = None,
-                   server: dict | None = None, health: dict | None = None) -> Cluster:
+                   server: dict | None = None, health: dict | None = None,
+                   per_backend: dict | None = None) -> Cluster:
         engines, backends, roles = {}, [], {}
         base = SimEngineConfig(**{"model": MODEL, "speed": DEFAULT_SPEED, **(sim or {})})
         names = [(f"d{i}", "consumer", "decode") for i in range(decoders)] + \
@@ -120,7 +128,8 @@ async def make_cluster():
         for name, role, brole in names:
             cfg = replace(base, role=role, **((per_engine or {}).get(name, {})))
             engines[name] = await start_sim_engine(cfg, port=0)
-            backends.append({"name": name, "url": engines[name].url, "role": brole})
+            backends.append({"name": name, "url": engines[name].url, "role": brole,
+                             **((per_backend or {}).get(name, {}))})
             roles[name] = brole
         config = parse_config({
             "server": {"port": 0, **(server or {})},
@@ -154,4 +163,4 @@ def long_prompt(tag: str, words: int = 400) -> str:
     return " ".join(WORDS[(start + i * 31) % len(WORDS)] for i in range(words))
 
 
-__all__ = ["Cluster", "FaultConfig", "MODEL", "long_prompt"]
+__all__ = ["Cluster", "FaultConfig", "MODEL", "PD_PREFERRED", "long_prompt"]

@@ -70,11 +70,13 @@ def test_chat_resume_body_keeps_only_sampling_fields():
 
 
 def test_prompt_length_estimate_when_no_engine_reported_it():
-    from router.dispatch import estimate_prompt_tokens
+    from router.backends import ClusterSnapshot
+    from router.planning import RouteQuery
 
-    assert estimate_prompt_tokens({"prompt": [5, 6, 7]}, "5,6,7,") == 3
-    assert estimate_prompt_tokens({"prompt": "x" * 4000}, "x" * 4000) == 1000
-    assert estimate_prompt_tokens({"messages": []}, "user: " + "y" * 394) == 100
+    # Exact for token ids; else from the learned characters per token (4 until measured).
+    assert RouteQuery("m", "5,6,7,", prompt_tokens=3).tokens(ClusterSnapshot(())) == 3
+    assert RouteQuery("m", "x" * 4000).tokens(ClusterSnapshot(())) == 1000
+    assert RouteQuery("m", "y" * 400).tokens(ClusterSnapshot((), chars_per_token=5.0)) == 80
 
 
 @pytest.mark.parametrize("error, recompute", [

@@ -1,25 +1,35 @@
-"""Routing strategies are pure functions of (query, snapshot): tested with plain data."""
+"""Routing strategies are pure functions of (query, snapshot): tested with plain data.
+
+Every load- or cache-aware choice is the least predicted time to first token of the cost
+model (router/costmodel.py); these tests use one known engine speed so that each expected
+choice can be worked out by hand from the formula."""
 from dataclasses import replace
 
 from hypothesis import given, strategies as st
 
 from router.backends import BackendView, ClusterSnapshot
 from router.config import RoutingConfig
+from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
+from router.fallback import plan_fallback
 from router.planning import (LeastLoadedStrategy, PrefixMemory, PrefixTreeStrategy, ProbeStrategy,
-                             RoundRobinStrategy, RouteQuery, fallback_decoder, least_loaded, plan_fallback)
+                             RoundRobinStrategy, RouteQuery, fastest, predicted_ttft)
+
+# 10 ms per step, 100 us per prompt token (10k tokens/s), 1 ms per decoding sequence.
+SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)
 
 
 def view(name, *, decodes=True, prefills=False, available=True, inflight=0, running=0.0, waiting=0.0,
-         kv=0.0, models=("m",)):
+         kv=0.0, models=("m",), queued=0.0, decoding=0.0, speed=SPEED):
     return BackendView(name=name, url=f"http://{name}", decodes=decodes, prefills=prefills, models=models,
-                       available=available, inflight=inflight, running=running, waiting=waiting, kv_usage=kv)
+                       available=available, inflight=inflight, running=running, waiting=waiting, kv_usage=kv,
+                       queued_tokens=queued, decoding=decoding, speed=speed)
 
 
-def snap(*views):
-    return ClusterSnapshot(tuple(views))
+def snap(*views, transfer=TransferSpeed(0.005, 1e-5), rejection_s=0.002):
+    return ClusterSnapshot(tuple(views), transfer=transfer, chars_per_token=4.0, rejection_s=rejection_s)
 
 
-Q = RouteQuery(model="m", text="hello world " * 50)
+Q = RouteQuery(model="m", text="hello world " * 100, prompt_tokens=1000)
 R = RoutingConfig()
 
 
@@ -29,7 +39,11 @@ def test_probe_targets_every_available_decoder_for_the_model():
     plan = ProbeStrategy(R).plan(Q, s)
     assert plan.probes == ("d0", "d1")
     assert plan.threshold == R.cache_hit_threshold
-    assert plan.deadline_s == R.probe_deadline_ms / 1000
+    # Deadline: the floor plus twice the slowest acceptor's predicted time (it lacks at most
+    # (1 - T) of the prompt).
+    acceptor = SPEED.ttft((1 - R.cache_hit_threshold) * 1000, 0)
+    assert plan.probe_ttft_s == (acceptor, acceptor)
+    assert abs(plan.deadline_s - (R.probe_deadline_ms / 1000 + 2 * acceptor)) < 1e-9
     assert ProbeStrategy(R).plan(Q, s, frozenset({"d0"})).probes == ("d1",)
 
 
@@ -41,32 +55,67 @@ def test_probe_skips_long_queues_but_never_everything():
     assert set(ProbeStrategy(routing).plan(Q, s).probes) == {"busy", "busier"}
 
 
+def test_probe_skips_an_engine_that_even_as_an_acceptor_is_slower_than_computing_elsewhere():
+    # d0 has 3,000 tokens queued: as an acceptor it would prefill 500 + 3,000 = 3,500 tokens,
+    # while d1 computes the whole prompt (1,000) now. Waiting for d0 can only cost time.
+    s = snap(view("d0", queued=3000), view("d1"))
+    assert ProbeStrategy(R).plan(Q, s).probes == ("d1",)
+    # A smaller queue (400 + 500 < 1,000): d0 may still win as an acceptor, so it is asked.
+    s = snap(view("d0", queued=400), view("d1"))
+    assert ProbeStrategy(R).plan(Q, s).probes == ("d0", "d1")
+
+
+def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_race():
+    # 10 tokens: a hit saves at most 1 ms, the verdicts cost 2 ms.
+    short = RouteQuery("m", "hi there", prompt_tokens=10)
+    plan = ProbeStrategy(R).plan(short, snap(view("d0", queued=50), view("d1")))
+    assert (plan.probes, plan.direct, plan.prefill_tokens) == ((), "d1", 10)
+    assert plan.predicted_ttft_s == SPEED.ttft(10, 0)
+    # Engines whose verdicts are slow (no arrival check: a rejection waits in the queue)
+    # make even a 1,000-token prompt not worth racing.
+    plan = ProbeStrategy(R).plan(Q, snap(view("d0"), view("d1"), rejection_s=0.5))
+    assert plan.direct is not None and not plan.probes
+
+
 def test_no_decoder_gives_an_empty_plan():
     s = snap(view("p", decodes=False, prefills=True))
     for strategy in (ProbeStrategy(R), RoundRobinStrategy(R), LeastLoadedStrategy(R), PrefixTreeStrategy(R)):
         assert strategy.plan(Q, s).empty
 
 
-def test_round_robin_cycles():
-    s = snap(view("a"), view("b"), view("c"))
+def test_round_robin_cycles_and_still_reports_the_model_prediction():
+    s = snap(view("a"), view("b", queued=500), view("c"))
     rr = RoundRobinStrategy(R)
-    assert [rr.plan(Q, s).direct for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    plans = [rr.plan(Q, s) for _ in range(6)]
+    assert [p.direct for p in plans] == ["a", "b", "c", "a", "b", "c"]
+    assert plans[1].predicted_ttft_s == SPEED.ttft(1500, 0) and plans[1].prefill_tokens == 1000
 
 
-def test_least_loaded_uses_the_larger_of_inflight_and_scraped_load():
-    s = snap(view("a", inflight=3), view("b", running=1, waiting=1), view("c", inflight=1, running=5))
+def test_least_loaded_counts_tokens_not_requests():
+    # "a": two short prompts queued (200 tokens); "b": one long one (4,000): b looks less
+    # loaded by request count, but a delivers the first token sooner.
+    s = snap(view("a", inflight=2, queued=200), view("b", inflight=1, queued=4000))
+    assert LeastLoadedStrategy(R).plan(Q, s).direct == "a"
+    # Decoding sequences slow every step: 50 decoding (50 ms) outweigh 300 queued tokens (30 ms).
+    s = snap(view("a", decoding=50), view("b", queued=300))
     assert LeastLoadedStrategy(R).plan(Q, s).direct == "b"
+    # A slower engine (half the prefill speed) loses at equal load.
+    slow = EngineSpeed(0.01, 2e-4, 1e-3)
+    assert LeastLoadedStrategy(R).plan(Q, snap(view("a", speed=slow), view("b"))).direct == "b"
 
 
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(0, 1000))
-def test_least_loaded_always_picks_a_minimum(loads, salt):
-    views = [view(f"b{i}", inflight=n) for i, n in enumerate(loads)]
-    assert least_loaded(views, salt).inflight == min(loads)
+@given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 64)), min_size=1, max_size=6),
+       st.integers(0, 1000))
+def test_least_loaded_always_picks_a_least_predicted_time(loads, salt):
+    views = [view(f"b{i}", queued=q, decoding=d) for i, (q, d) in enumerate(loads)]
+    q = RouteQuery("m", "x", salt=salt, prompt_tokens=500)
+    chosen = LeastLoadedStrategy(R).plan(q, snap(*views))
+    assert chosen.predicted_ttft_s == min(predicted_ttft(v, 500) for v in views)
 
 
 def test_ties_spread_with_the_salt():
     views = [view("a"), view("b"), view("c")]
-    assert {least_loaded(views, salt).name for salt in range(3)} == {"a", "b", "c"}
+    assert {fastest(views, lambda b: 100, salt)[0].name for salt in range(3)} == {"a", "b", "c"}
 
 
 def test_prefix_tree_routes_shared_prefixes_to_the_same_backend():
@@ -76,28 +125,21 @@ def test_prefix_tree_routes_shared_prefixes_to_the_same_backend():
     q1 = RouteQuery("m", system + "question one", salt=0)
     first = pt.plan(q1, s).direct
     pt.on_routed(q1, first)
-    # Make the chosen backend slightly busier: affinity must still win below the load gate.
-    loads = {first: 2}
-    s2 = snap(*(view(n, inflight=loads.get(n, 0)) for n in ("a", "b")))
+    # The holder is somewhat busier: what it holds saves more than its queue costs.
+    s2 = snap(*(view(n, queued=100 if n == first else 0) for n in ("a", "b")))
     for salt in range(5):
         q = RouteQuery("m", system + f"another question {salt}", salt=salt)
         assert pt.plan(q, s2).direct == first
 
 
-def test_prefix_tree_load_gate_overrides_affinity():
+def test_prefix_tree_leaves_the_holder_when_its_queue_costs_more_than_the_hit_saves():
     pt = PrefixTreeStrategy(R)
-    q = RouteQuery("m", "x" * 2000)
+    q = RouteQuery("m", "x" * 4000, prompt_tokens=1000)
     pt.on_routed(q, "a")
-    s = snap(view("a", inflight=200), view("b", inflight=10))
-    assert pt.plan(q, s).direct == "b"  # 200 - 10 > 64 and 200 > 1.5 * 10
-
-
-def test_prefix_tree_low_match_goes_least_loaded():
-    pt = PrefixTreeStrategy(R)
-    pt.on_routed(RouteQuery("m", "a" * 640), "a")
-    s = snap(view("a", inflight=2), view("b", inflight=1))
-    q = RouteQuery("m", "a" * 128 + "b" * 640)  # 2 of 12 chunks match: below 0.3
-    assert pt.plan(q, s).direct == "b"
+    s = snap(view("a", queued=5000), view("b", queued=100))
+    assert pt.plan(q, s).direct == "b"  # 5,000 + 0 tokens vs 100 + 1,000
+    s = snap(view("a", queued=900), view("b", queued=100))
+    assert pt.plan(q, s).direct == "a"  # 900 + 0 vs 100 + 1,000
 
 
 def test_prefix_memory_is_bounded():
@@ -108,76 +150,72 @@ def test_prefix_memory_is_bounded():
     assert sum(len(v) for v in mem._owners.values()) == len(mem._lru)
 
 
-def test_fallback_prefers_prefill_decode_for_long_prompts():
-    s = snap(view("d0", inflight=2), view("d1"), view("p0", decodes=False, prefills=True, inflight=1),
+def test_fallback_splits_when_prefill_decode_is_predicted_faster():
+    # d0 is busy (2,000 queued), d1 busier: the producer prefills in parallel with d1's queue.
+    s = snap(view("d0", queued=2000), view("d1", queued=2500), view("p0", decodes=False, prefills=True, queued=500),
              view("p1", decodes=False, prefills=True))
-    fb = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens)
-    assert (fb.prefill, fb.decode, fb.route) == ("p1", "d1", "pd")
-    assert fb.decode_threshold == R.decode_guard_threshold
+    fb = plan_fallback(Q, s, R, prompt_tokens=1000)
+    direct = SPEED.ttft(3000, 0)
+    split = pd_ttft(SPEED, 0, 0, 1000, SPEED, 2000, 0, s.transfer, 1000)
+    assert split < direct
+    assert (fb.prefill, fb.decode, fb.route, fb.prefill_tokens) == ("p1", "d0", "pd", 1000)
+    assert fb.decode_threshold == R.decode_guard_threshold and fb.predicted_ttft_s == split
 
 
-def test_fallback_goes_direct_for_short_prompts_or_without_prefillers():
+def test_fallback_computes_on_an_idle_decoder_rather_than_split():
+    # Idle decoder: computing the prompt there beats prefill + transfer (same speed).
     s = snap(view("d0"), view("p0", decodes=False, prefills=True))
-    fb = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens - 1)
-    assert (fb.prefill, fb.decode, fb.decode_threshold, fb.route) == (None, "d0", 0.0, "direct")
-    fb = plan_fallback(Q, snap(view("d0")), R, prompt_tokens=10_000)
-    assert fb.prefill is None
+    fb = plan_fallback(Q, s, R, prompt_tokens=1000)
+    assert (fb.prefill, fb.decode, fb.route, fb.predicted_ttft_s) == (None, "d0", "direct", SPEED.ttft(1000, 0))
+    # A producer with a queue never helps an idle decoder.
+    s = snap(view("d0", queued=500), view("p0", decodes=False, prefills=True, queued=5000))
+    assert plan_fallback(Q, s, R, prompt_tokens=1000).prefill is None
+
+
+def test_fallback_floor_and_missing_producers():
+    s = snap(view("d0", queued=50_000), view("p0", decodes=False, prefills=True))
+    short = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens - 1)
+    assert (short.prefill, short.decode, short.decode_threshold, short.route) == (None, "d0", 0.0, "direct")
+    assert plan_fallback(Q, snap(view("d0", queued=50_000)), R, prompt_tokens=10_000).prefill is None
 
 
 def test_fallback_never_pairs_a_backend_with_itself():
-    s = snap(view("both", prefills=True))
+    s = snap(view("both", prefills=True, queued=50_000))
     assert plan_fallback(Q, s, R, prompt_tokens=10_000).prefill is None
 
 
 def test_fallback_excludes_failed_backends():
-    s = snap(view("d0"), view("d1", inflight=5), view("p0", decodes=False, prefills=True))
+    s = snap(view("d0"), view("d1", queued=5000), view("p0", decodes=False, prefills=True))
     fb = plan_fallback(Q, s, R, prompt_tokens=10_000, exclude=frozenset({"d0", "p0"}))
     assert (fb.decode, fb.prefill) == ("d1", None)
     assert plan_fallback(Q, s, R, 10, exclude=frozenset({"d0", "d1"})) is None
 
 
-def test_fallback_skips_a_prefill_engine_busier_than_the_decoder():
-    s = snap(view("d0", inflight=2), view("p0", decodes=False, prefills=True, inflight=3))
-    fb = plan_fallback(Q, s, R, prompt_tokens=10_000)
-    assert (fb.prefill, fb.decode, fb.route) == (None, "d0", "direct")
-    s = snap(view("d0", inflight=3), view("p0", decodes=False, prefills=True, running=1, waiting=2))
-    assert plan_fallback(Q, s, R, prompt_tokens=10_000).prefill == "p0"  # equal load: split
+def test_fallback_decoder_weighs_the_partial_hit_against_the_queue():
+    d = (view("d0"), view("d1", queued=300), view("d2", queued=3000))
+    assert plan_fallback(Q, snap(*d), R, 2000).decode == "d0"
+    # d1 lacks 2,000 - 1,200 = 800 tokens behind 300 queued: 1,100 < d0's 2,000.
+    assert plan_fallback(Q, snap(*d), R, 2000, hits={"d1": 1200}).decode == "d1"
+    # A smaller hit does not pay for the queue: 300 + 1,800 > 2,000.
+    assert plan_fallback(Q, snap(*d), R, 2000, hits={"d1": 200}).decode == "d0"
+    # Unknown length: estimated from the query (its exact token count here).
+    assert plan_fallback(Q, snap(*d), R, None, hits={"d2": 1000}).decode == "d0"
 
 
-def test_fallback_decoder_weighs_the_partial_hit_against_load():
-    d = [view("d0"), view("d1", inflight=1), view("d2", inflight=3)]
-    # No hits reported: least loaded.
-    assert fallback_decoder(d, 2000, {}, 512).name == "d0"
-    # d1 lacks 2000 - 1200 = 800 tokens + 512 for its one request: 1312 < d0's 2000.
-    assert fallback_decoder(d, 2000, {"d1": 1200}, 512).name == "d1"
-    # A smaller hit is not worth a request in flight: 2000 - 400 + 512 > 2000.
-    assert fallback_decoder(d, 2000, {"d1": 400}, 512).name == "d0"
-    # load_tokens 0 follows the cache whatever the load; unknown length: least loaded.
-    assert fallback_decoder(d, 2000, {"d2": 100}, 0).name == "d2"
-    assert fallback_decoder(d, None, {"d2": 1900}, 512).name == "d0"
-
-
-def test_fallback_goes_direct_to_a_holder_that_lacks_little_and_splits_otherwise():
-    s = snap(view("d0"), view("d1"), view("p0", decodes=False, prefills=True))
-    # d1 holds most of the prompt: the rest (100 < min_pd_prompt_tokens) is computed there.
-    fb = plan_fallback(Q, s, R, prompt_tokens=1000, hits={"d1": 900})
-    assert (fb.decode, fb.prefill, fb.route) == ("d1", None, "direct")
-    # d1 holds a little: prefill/decode, decoded where the partial hit is.
-    fb = plan_fallback(Q, s, R, prompt_tokens=5000, hits={"d1": 1000})
-    assert (fb.decode, fb.prefill, fb.route) == ("d1", "p0", "pd")
-
-
-@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 4000)), min_size=1, max_size=6),
-       st.integers(1, 4000), st.integers(0, 2000))
-def test_fallback_decoder_is_the_cost_minimum(loads_hits, prompt, load_tokens):
-    d = [view(f"d{i}", inflight=load) for i, (load, _) in enumerate(loads_hits)]
-    hits = {f"d{i}": min(hit, prompt) for i, (_, hit) in enumerate(loads_hits) if hit}
-    chosen = fallback_decoder(d, prompt, hits, load_tokens)
-
-    def cost(b):
-        return prompt - hits.get(b.name, 0) + load_tokens * b.load
-
-    assert cost(chosen) == min(cost(b) for b in d)
+@given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 4000)), min_size=1, max_size=5),
+       st.lists(st.integers(0, 20_000), max_size=2), st.integers(1, 8000))
+def test_fallback_is_the_least_predicted_time_of_every_option(decoders, producers, prompt):
+    d = [view(f"d{i}", queued=q) for i, (q, _) in enumerate(decoders)]
+    p = [view(f"p{i}", decodes=False, prefills=True, queued=q) for i, q in enumerate(producers)]
+    hits = {f"d{i}": min(h, prompt) for i, (_, h) in enumerate(decoders) if h}
+    s = snap(*d, *p)
+    fb = plan_fallback(Q, s, R, prompt, hits=hits)
+    options = [ttft(b.speed, b.queued_tokens, 0, prompt - hits.get(b.name, 0)) for b in d]
+    options += [pd_ttft(x.speed, x.queued_tokens, 0, prompt, b.speed, b.queued_tokens, 0, s.transfer, prompt)
+                for x in p for b in d
+                if prompt >= R.min_pd_prompt_tokens and prompt - hits.get(b.name, 0) >= R.min_pd_prompt_tokens]
+    assert abs(fb.predicted_ttft_s - min(options)) < 1e-12
+    assert (fb.prefill is not None) == (fb.predicted_ttft_s < min(options[:len(d)]))
 
 
 def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
@@ -185,13 +223,29 @@ def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
     leader = RouteQuery(model="m", text="system prompt " * 40 + "question one")
     s.on_routed(leader, "d1")
     follower = RouteQuery(model="m", text="system prompt " * 40 + "another question")
-    hits = s.fallback_hits(follower, 1000, {"d0": 100})
+    hits = s.expected_hits(follower, 1000)
     # The shared head is ~560 of ~576 characters: most of the 1,000 tokens, expected on d1.
-    assert hits["d0"] == 100 and 850 <= hits["d1"] < 1000
-    # What an engine reported wins when it is larger; unknown length: only the reports.
-    assert s.fallback_hits(follower, 1000, {"d1": 990})["d1"] == 990
-    assert s.fallback_hits(follower, None, {"d0": 5}) == {"d0": 5}
-    assert s.fallback_hits(RouteQuery(model="m", text="unrelated " * 60), 1000, {}) == {}
+    assert set(hits) == {"d1"} and 850 <= hits["d1"] < 1000
+    assert s.expected_hits(RouteQuery(model="m", text="unrelated " * 60), 1000) == {}
+    assert RoundRobinStrategy(R).expected_hits(follower, 1000) == {}
+
+
+def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor():
+    routing = replace(R, max_probes=2)
+    strategy = ProbeStrategy(routing)
+    decoders = (view("d0", queued=300), view("d1", queued=100), view("d2", queued=450), view("d3"))
+    # Nothing known of the prompt: the two that would answer soonest.
+    assert strategy.plan(Q, snap(*decoders)).probes == ("d3", "d1")
+    # The router sent this prompt to d2: as an acceptor it lacks nothing (450 + 0 tokens),
+    # which no other engine can beat even if it accepted (500 + its queue): d2 alone is
+    # asked (if it evicted the prompt, its rejection says so and the fallback takes over).
+    strategy.on_routed(Q, "d2")
+    assert strategy.plan(Q, snap(*decoders)).probes == ("d2",)
+    other = RouteQuery(model="m", text="something else entirely " * 30, prompt_tokens=1000)
+    assert strategy.plan(other, snap(*decoders)).probes == ("d3", "d1")
+    # No bound, or a bound at least the fleet's size: every qualifying decoder, in order.
+    assert ProbeStrategy(R).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
+    assert ProbeStrategy(replace(R, max_probes=4)).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
 
 
 def test_a_drained_backend_is_never_planned_even_as_panic_routing():
@@ -203,20 +257,3 @@ def test_a_drained_backend_is_never_planned_even_as_panic_routing():
     assert [b.name for b in snap(drained, view("d1", available=False)).decoders("m")] == ["d1"]
     assert ProbeStrategy(R).plan(Q, snap(drained)).empty
     assert plan_fallback(Q, snap(drained, view("p", decodes=False, prefills=True)), R, 1000) is None
-
-
-def test_max_probes_keeps_the_prompt_holders_then_the_least_loaded():
-    routing = replace(R, max_probes=2)
-    strategy = ProbeStrategy(routing)
-    decoders = (view("d0", inflight=3), view("d1", inflight=1), view("d2", inflight=5), view("d3", inflight=0))
-    # Nothing known of the prompt: the two least loaded.
-    assert set(strategy.plan(Q, snap(*decoders)).probes) == {"d3", "d1"}
-    # The router sent this prompt to d2 (busiest): it is probed first, then the least loaded.
-    strategy.on_routed(Q, "d2")
-    assert strategy.plan(Q, snap(*decoders)).probes == ("d2", "d3")
-    # Another prompt is not affected by that memory.
-    other = RouteQuery(model="m", text="something else entirely " * 30)
-    assert set(strategy.plan(other, snap(*decoders)).probes) == {"d3", "d1"}
-    # No bound, or a bound at least the fleet's size: every decoder, in configuration order.
-    assert ProbeStrategy(R).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
-    assert ProbeStrategy(replace(R, max_probes=4)).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")

@@ -5,14 +5,15 @@ import pytest
 
 from engine_launcher.sim import FaultConfig
 
-from cluster_util import MODEL, long_prompt
+from cluster_util import MODEL, PD_PREFERRED, long_prompt
 
 
 async def _preempting_cluster(make_cluster):
     # One decoder with a tiny KV cache: 4 concurrent long generations cannot all fit, so the
-    # engine preempts; the guard threshold makes it hand a preempted request back.
+    # engine preempts; the guard threshold on the prefill/decode legs makes it hand a
+    # preempted request back.
     return await make_cluster(
-        decoders=1, prefillers=1,
+        decoders=1, prefillers=1, per_backend=PD_PREFERRED,
         routing={"decode_guard_threshold": 0.3, "max_resumes": 20},
         per_engine={"d0": {"num_gpu_blocks": 48, "block_size": 16}})
 

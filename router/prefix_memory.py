@@ -1,0 +1,73 @@
+"""Where this router sent which prompt prefixes: an approximate radix tree.
+
+The probe strategy uses it to rank engines and to know what an engine still computing a
+prompt will hold; the prefix_tree strategy routes by it. It is per router replica and
+only ever a guess: the engines' own caches are the truth (the probe race asks them).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixMemory:
+    """Which backend was sent which prompt prefixes: an approximate radix tree.
+
+    The SGLang gateway and vllm-router keep a character radix tree per backend. This keeps
+    chained hashes of fixed-size text chunks instead (like vLLM's block hashes), which
+    gives the same longest-prefix answer at `chunk_chars` granularity at a fraction of the
+    cost in Python. Bounded: least recently used (hash, backend) entries are evicted.
+    """
+
+    def __init__(self, chunk_chars: int = 64, max_entries: int = 1_000_000):
+        self.chunk_chars = chunk_chars
+        self.max_entries = max_entries
+        self._owners: dict[int, dict[str, None]] = {}
+        self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
+
+    def chunk_hashes(self, text: str) -> list[int]:
+        c = self.chunk_chars
+        out, h = [], 0
+        for i in range(0, len(text) - c + 1, c):
+            h = hash((h, text[i:i + c]))
+            out.append(h)
+        return out
+
+    def match(self, hashes: list[int]) -> tuple[int, set[str]]:
+        """Longest matched prefix (in chunks) and the backends holding it."""
+        alive: set[str] | None = None
+        best_len, best = 0, set()
+        for i, h in enumerate(hashes):
+            owners = self._owners.get(h)
+            if not owners:
+                break
+            alive = set(owners) if alive is None else alive & owners.keys()
+            if not alive:
+                break
+            best_len, best = i + 1, alive
+        return best_len, best
+
+    def insert(self, hashes: list[int], backend: str) -> None:
+        for h in hashes:
+            self._owners.setdefault(h, {})[backend] = None
+            key = (h, backend)
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+        while len(self._lru) > self.max_entries:
+            (h, b), _ = self._lru.popitem(last=False)
+            owners = self._owners.get(h)
+            if owners is not None:
+                owners.pop(b, None)
+                if not owners:
+                    del self._owners[h]
+
+    def expected_hits(self, text: str, prompt_tokens: float) -> dict[str, float]:
+        """Prompt tokens each backend is expected to hold of `text`: the share of the
+        prompt whose longest known prefix the router sent there (rounded down to chunks)."""
+        hashes = self.chunk_hashes(text)
+        if not hashes or prompt_tokens <= 0:
+            return {}
+        matched, holders = self.match(hashes)
+        if not matched:
+            return {}
+        share = prompt_tokens * matched / len(hashes)
+        return {name: share for name in holders}
