@@ -138,6 +138,10 @@ class RouterState:
         m.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)
         m.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
         m.draining.labels(name).set_function(lambda: 1 if s.draining else 0)
+        registry = self.registry
+        assert registry is not None
+        m.queued_tokens.labels(name).set_function(lambda: s.queued_tokens)
+        m.prefill_speed.labels(name).set_function(lambda: 1.0 / max(registry.learner.speed(name).per_token_s, 1e-9))
 
     # --- auth --------------------------------------------------------------------------
     def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:

@@ -76,6 +76,11 @@ class RouterMetrics:
         self.draining = Gauge("cachehit_router_backend_draining",
                               "1 while an operator has taken the backend out of rotation", ["backend"],
                               registry=r)
+        self.queued_tokens = Gauge("cachehit_router_backend_queued_prefill_tokens",
+                                   "Prompt tokens this router sent that have not reached their first token",
+                                   ["backend"], registry=r)
+        self.prefill_speed = Gauge("cachehit_router_backend_prefill_tokens_per_second",
+                                   "The cost model's measured prefill speed of the engine", ["backend"], registry=r)
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served",
                                      registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)

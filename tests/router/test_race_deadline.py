@@ -50,3 +50,27 @@ async def test_prompt_length_extends_the_deadline_for_a_prefilling_acceptor(make
     assert status == 200, out
     assert c.routes()["probe_hit"] == 1
     assert c.router_metric("cachehit_router_probe_deadline_expiries_total", backend="d0") == 0
+
+
+async def test_fallback_never_picks_an_engine_whose_probe_expired(make_cluster):
+    # d0 is silent (its only running slot is taken and it checks the threshold only at
+    # admission: a stopped or stuck engine looks the same), d1 answers. By the cost model d0
+    # would compute the prompt sooner (d1 is configured 100x slower), but an engine that
+    # let its probe expire is not responding: the prompt goes to d1.
+    c = await make_cluster(decoders=2, prefillers=0, routing={"probe_deadline_ms": 100},
+                           sim={"speed": 5.0},
+                           per_engine={"d0": {"arrival_check": False, "max_num_seqs": 1}},
+                           per_backend={"d1": {"prefill_tokens_per_s": 100.0}})
+    hog = asyncio.create_task(c.session.post(c.engines["d0"].url + "/v1/completions", json={
+        "model": MODEL, "prompt": "hog", "max_tokens": 3000, "ignore_eos": True}))
+    for _ in range(100):
+        if c.engines["d0"].engine.num_running == 1:
+            break
+        await asyncio.sleep(0.01)
+    status, out = await c.complete({"model": MODEL, "prompt": long_prompt("stuck", 200), "max_tokens": 4})
+    assert status == 200, out
+    assert c.router_metric("cachehit_router_probe_deadline_expiries_total", backend="d0") == 1
+    assert c.routes()["direct"] == 1
+    assert await c.engine_metric("d1", "vllm:generation_tokens_total") == 4
+    hog.cancel()
+    await asyncio.gather(hog, return_exceptions=True)
