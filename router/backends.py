@@ -68,6 +68,7 @@ class BackendView:
     # Prompt tokens still to prefill ahead of a request sent now (router/costmodel.py).
     queued_tokens: float = 0.0
     decoding: float = 0.0  # sequences generating
+    prefilling: int = 0  # this router's legs there without a first token yet
     speed: EngineSpeed = EngineSpeed()
 
     @property
@@ -87,7 +88,8 @@ class ClusterSnapshot:
     # Learned cluster-wide figures the cost model reads (router/speed_learner.py).
     transfer: TransferSpeed = TransferSpeed()
     chars_per_token: float = 4.0
-    rejection_s: float = 0.005
+    race_wait_s: float = 0.005  # what waiting for the verdicts of a race nobody won costs
+    race_saving_share: float = 0.5  # share of a prompt's prefill time races have been saving
 
     def decoders(self, model: str | None) -> list[BackendView]:
         """Available decode backends for `model`. If none is available, every decode
@@ -175,9 +177,10 @@ class BackendRegistry:
                 name=c.name, url=c.url, decodes=c.decodes, prefills=c.prefills,
                 models=s.models, available=self._available(s, now), inflight=s.inflight,
                 running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, drained=s.draining,
-                queued_tokens=self._queued_tokens(s), decoding=self._decoding(s),
+                queued_tokens=self._queued_tokens(s), decoding=self._decoding(s), prefilling=s.prefilling,
                 speed=learner.speed(c.name)))
-        return ClusterSnapshot(tuple(views), learner.transfer(), learner.chars_per_token, learner.rejection_s)
+        return ClusterSnapshot(tuple(views), learner.transfer(), learner.chars_per_token, learner.race_wait_s,
+                               learner.race_saving_share)
 
     def _queued_tokens(self, s: BackendState) -> float:
         """Own queued prefill tokens, plus the engine's scraped waiting requests beyond the

@@ -31,7 +31,8 @@ from .disagg import (PrefillProtocolError, decode_leg_body, parse_prefill_respon
 from .legs import streamed_leg_body
 from .metrics import RequestRecord, RouterMetrics
 from .fallback import FallbackPlan, plan_fallback
-from .planning import ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, RouteQuery, Strategy
+from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, Plan, RouteQuery, Strategy, predicted_ttft,
+                       race_value)
 from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race, usage_cached_tokens, usage_prompt_tokens
 from .resume import resume_leg_body, resume_reason
 from .shaping import MalformedChunk, ResponseShaper
@@ -284,6 +285,7 @@ class Dispatcher:
                     plan.deadline_s, plan.deadline_per_prompt_token_s)
                 self._account_race(result, rec)
                 if result.winner is not None:
+                    self._race_finished(query, plan, result, None)
                     self._predicted(rec, sent, dict(zip(plan.probes, plan.probe_ttft_s)).get(result.winner.backend))
                     return self._won(query, result, ROUTE_PROBE_HIT, rec, tickets)
                 client_err = result.client_error
@@ -292,17 +294,7 @@ class Dispatcher:
                 for o in result.by_verdict(FAILED):
                     exclude.add(o.backend)
                     last_error = o.error
-                snap = self.registry.snapshot()
-                # Every probe silent: the length is estimated from the request.
-                prompt_tokens = result.prompt_tokens or query.tokens(snap)
-                hits: dict[str, float] = dict(result.hits)
-                for name, expected in self.strategy.expected_hits(query, prompt_tokens).items():
-                    hits[name] = max(hits.get(name, 0), expected)
-                # An engine silent past the deadline is stopped or far behind: it computes
-                # the prompt only if no other engine can.
-                silent = {o.backend for o in result.by_verdict(EXPIRED)}
-                fallback = (plan_fallback(query, snap, self.routing, prompt_tokens, frozenset(exclude | silent), hits)
-                            or plan_fallback(query, snap, self.routing, prompt_tokens, frozenset(exclude), hits))
+                fallback = self._race_finished(query, plan, result, frozenset(exclude), loop.time() - sent)
             else:
                 assert plan.direct is not None
                 fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0,
@@ -316,6 +308,40 @@ class Dispatcher:
         if last_error is not None:
             raise self._client_error(last_error)
         raise errors.no_backend(query.model)
+
+    def _race_finished(self, query: RouteQuery, plan: Plan, result: RaceResult,
+                       exclude: frozenset[str] | None, waited_s: float | None = None) -> FallbackPlan | None:
+        """After a race: what it was worth (for the decision to race), and when nobody
+        accepted (`exclude` given), where the prompt is computed.
+
+        What each engine holds: its rejection's report, which is the truth, unless the
+        engine may still be computing this prompt (the router sent it there recently and
+        has a leg there before its first token: then what the prefix memory expects, if
+        more); engines that did not report: the memory."""
+        snap = self.registry.snapshot()
+        n = result.prompt_tokens or query.tokens(snap)  # every probe silent: estimated
+        expected = self.strategy.expected_hits(query, n)
+        reported = {o.backend: float(o.hit_tokens or 0) for o in result.by_verdict(REJECTED)}
+        learner = self.registry.learner
+        if exclude is None:
+            assert result.winner is not None
+            learner.observe_race(race_value(plan, snap, n, expected, result.winner.backend, None, reported), None)
+            return None
+        decoders = [b for b in snap.backends if b.decodes]
+        recent = 2.0 * max((predicted_ttft(b, n) for b in decoders), default=0.0)
+        in_flight = self.strategy.expected_hits(query, n, sent_within_s=recent)
+        hits = {name: held for name, held in expected.items() if name not in reported}
+        for name, held in reported.items():
+            view = snap.get(name)
+            hits[name] = max(held, in_flight.get(name, 0.0)) if view is not None and view.prefilling else held
+        # An engine silent past the deadline is stopped or far behind: it computes the
+        # prompt only if no other engine can.
+        silent = {o.backend for o in result.by_verdict(EXPIRED)}
+        fallback = (plan_fallback(query, snap, self.routing, n, exclude | silent, hits)
+                    or plan_fallback(query, snap, self.routing, n, exclude, hits))
+        learner.observe_race(race_value(plan, snap, n, expected, None,
+                                        fallback.predicted_ttft_s if fallback else None, reported), waited_s)
+        return fallback
 
     @staticmethod
     def _predicted(rec: RequestRecord, sent: float, predicted_s: float | None) -> None:
@@ -442,8 +468,6 @@ class Dispatcher:
             if o.verdict == REJECTED:
                 rec.rejections += 1
                 m.probe_rejections.labels(o.backend).inc()
-                if probing:
-                    self.registry.learner.observe_rejection(o.latency_s)
             elif o.verdict == LOST:
                 rec.losers += 1
                 rec.loser_tokens += o.tokens_seen

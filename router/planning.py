@@ -26,6 +26,10 @@ ROUTE_PROBE_HIT = "probe_hit"
 ROUTE_PD = "pd"
 ROUTE_DIRECT = "direct"
 
+# Of the requests whose race the learned figures call not worth it, one in this many races
+# anyway, so that what races are worth keeps being measured as traffic changes.
+EXPLORE_ONE_IN = 16
+
 # The race deadline allows an acceptor this many times its predicted time to first token:
 # predictions are medians, and an acceptor cut off at the deadline costs a whole fallback.
 DEADLINE_MARGIN = 2.0
@@ -63,6 +67,9 @@ class Plan:
     prefill_tokens: int = 0
     predicted_ttft_s: float | None = None
     probe_ttft_s: tuple[float, ...] = ()
+    # The race's alternative: where the request would have gone without it.
+    cold: str | None = None
+    cold_ttft_s: float | None = None
 
     @property
     def empty(self) -> bool:
@@ -94,8 +101,10 @@ class Strategy(Protocol):
         """Feedback: `backend` served `query` (winner, fallback decode, or direct)."""
         ...
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float) -> dict[str, float]:
-        """Prompt tokens each backend is expected to hold beyond what it reported."""
+    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
+                      sent_within_s: float | None = None) -> dict[str, float]:
+        """Prompt tokens each backend is expected to hold (with `sent_within_s`: because
+        the router sent it the prompt that recently, so it may still be computing it)."""
         ...
 
 
@@ -117,12 +126,20 @@ class ProbeStrategy:
     Which ones, from the cost model: an engine that accepts holds at least T of the prompt
     (or what the prefix memory expects it to hold, if more), so its predicted time to first
     token as an acceptor is ttft(queue, prompt - max(T * prompt, expected hit)). It is probed
-    only if that is no later than the best engine computing the prompt without a probe
-    (the cold choice): an acceptor slower than that can only make the request wait. If no
-    engine qualifies, or the most any hit could save is less than what waiting for the
-    verdicts costs (a short prompt; `SpeedLearner.rejection_s`), the request goes straight
-    to the cold choice. With `max_probes` the qualifying engines are ranked by that
-    prediction; with `max_probe_waiting` engines with a longer scraped queue are skipped.
+    only if that is no later than the best engine computing the whole prompt: an acceptor
+    slower than that can only make the request wait. (The bound leaves the memory out: it
+    may be stale, and an engine it wrongly favours must not keep the others from being
+    asked.) With `max_probes` the qualifying engines are ranked by that prediction; with
+    `max_probe_waiting` engines with a longer scraped queue are skipped.
+
+    Whether to race at all: a race is worth what the engines know that the router does not
+    (a prefix another replica sent, an eviction the memory missed, a CPU-tier copy). The
+    router measures it (`race_value`): the share of the prompt's prefill time that racing
+    saved over the cold choice. The request races if that share of its prefill time on the
+    cold choice is more than what waiting for verdicts has cost (`race_wait_s`); otherwise it
+    goes straight to the cold choice, as does one whose prompt is too short for any hit to
+    beat the wait. One in `EXPLORE_ONE_IN` of the skipped requests races anyway, so the
+    measurement follows the traffic.
 
     The prefix memory (`on_routed`) also serves the fallback: an engine still computing a
     cold prompt rejects a follower sharing its prefix (the blocks are not cached yet), so
@@ -149,11 +166,15 @@ class ProbeStrategy:
         best = snap.get(cold.direct)
         # What the memory expects is a guess (engines evict; other replicas route too), so
         # the most a race can save is the whole prompt's prefill on the cold choice.
-        if best is None or costmodel.hit_saving_s(best.speed, n) <= snap.rejection_s:
+        most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
+        if most <= snap.race_wait_s:
+            return cold
+        if snap.race_saving_share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
             return cold
         t = self.routing.cache_hit_threshold
+        _, from_scratch = fastest(decoders, lambda b: n, query.salt)
         as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0))), b) for b in decoders]
-        worth = [(s, b) for s, b in as_acceptor if s <= cold.predicted_ttft_s]
+        worth = [(s, b) for s, b in as_acceptor if s <= from_scratch]
         if not worth:
             return cold
         limit = self.routing.max_probes
@@ -169,13 +190,15 @@ class ProbeStrategy:
         return Plan(probes=tuple(b.name for _, b in worth), threshold=t,
                     deadline_s=self.routing.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
                     deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
-                    probe_ttft_s=tuple(s for s, _ in worth))
+                    probe_ttft_s=tuple(s for s, _ in worth), cold=cold.direct,
+                    cold_ttft_s=cold.predicted_ttft_s)
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.memory.insert(self.memory.chunk_hashes(query.text), backend)
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float) -> dict[str, float]:
-        return self.memory.expected_hits(query.text, prompt_tokens)
+    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
+                      sent_within_s: float | None = None) -> dict[str, float]:
+        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
 
 
 class RoundRobinStrategy:
@@ -197,7 +220,8 @@ class RoundRobinStrategy:
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         pass
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float) -> dict[str, float]:
+    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
+                      sent_within_s: float | None = None) -> dict[str, float]:
         return {}
 
 
@@ -219,7 +243,8 @@ class LeastLoadedStrategy:
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         pass
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float) -> dict[str, float]:
+    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
+                      sent_within_s: float | None = None) -> dict[str, float]:
         return {}
 
 
@@ -244,8 +269,30 @@ class PrefixTreeStrategy:
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.memory.insert(self.memory.chunk_hashes(query.text), backend)
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float) -> dict[str, float]:
-        return self.memory.expected_hits(query.text, prompt_tokens)
+    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
+                      sent_within_s: float | None = None) -> dict[str, float]:
+        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
+
+
+def race_value(plan: Plan, snap: ClusterSnapshot, prompt_tokens: float, expected: Mapping[str, float],
+               winner: str | None, chosen_ttft_s: float | None, reported: Mapping[str, float]) -> float:
+    """What a finished race was worth, as a share of the prompt's prefill time on the cold
+    choice: how much sooner its outcome is predicted to deliver the first token than the
+    cold choice would have, judged with what the engines reported (the truth) where they
+    reported. A winner other than the cold choice saved the difference between the cold
+    choice and the winner as an acceptor; the cold choice winning saved nothing."""
+    cold = snap.get(plan.cold) if plan.cold else None
+    if cold is None or prompt_tokens <= 0:
+        return 0.0
+    held = reported.get(cold.name, expected.get(cold.name, 0.0))
+    cold_s = predicted_ttft(cold, prompt_tokens - held)
+    if winner is not None:
+        if winner == cold.name:
+            return 0.0
+        chosen_ttft_s = dict(zip(plan.probes, plan.probe_ttft_s)).get(winner)
+    if chosen_ttft_s is None:
+        return 0.0
+    return max(cold_s - chosen_ttft_s, 0.0) / costmodel.hit_saving_s(cold.speed, prompt_tokens)
 
 
 STRATEGY_CLASSES = {

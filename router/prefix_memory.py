@@ -6,6 +6,7 @@ only ever a guess: the engines' own caches are the truth (the probe race asks th
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 
@@ -16,12 +17,15 @@ class PrefixMemory:
     chained hashes of fixed-size text chunks instead (like vLLM's block hashes), which
     gives the same longest-prefix answer at `chunk_chars` granularity at a fraction of the
     cost in Python. Bounded: least recently used (hash, backend) entries are evicted.
+    Each entry keeps when the router last sent that prefix there: an engine's report of
+    what it holds is the truth, except about a prompt the router sent it so recently that
+    the engine may still be computing it (`expected_hits(..., sent_within_s=...)`).
     """
 
     def __init__(self, chunk_chars: int = 64, max_entries: int = 1_000_000):
         self.chunk_chars = chunk_chars
         self.max_entries = max_entries
-        self._owners: dict[int, dict[str, None]] = {}
+        self._owners: dict[int, dict[str, float]] = {}  # chunk hash -> backend -> when sent
         self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
 
     def chunk_hashes(self, text: str) -> list[int]:
@@ -34,8 +38,12 @@ class PrefixMemory:
 
     def match(self, hashes: list[int]) -> tuple[int, set[str]]:
         """Longest matched prefix (in chunks) and the backends holding it."""
+        best_len, best, _ = self._match(hashes)
+        return best_len, best
+
+    def _match(self, hashes: list[int]) -> tuple[int, set[str], dict[str, float]]:
         alive: set[str] | None = None
-        best_len, best = 0, set()
+        best_len, best, owners_at = 0, set(), {}
         for i, h in enumerate(hashes):
             owners = self._owners.get(h)
             if not owners:
@@ -43,12 +51,13 @@ class PrefixMemory:
             alive = set(owners) if alive is None else alive & owners.keys()
             if not alive:
                 break
-            best_len, best = i + 1, alive
-        return best_len, best
+            best_len, best, owners_at = i + 1, alive, owners
+        return best_len, best, owners_at
 
-    def insert(self, hashes: list[int], backend: str) -> None:
+    def insert(self, hashes: list[int], backend: str, now: float | None = None) -> None:
+        sent = time.monotonic() if now is None else now
         for h in hashes:
-            self._owners.setdefault(h, {})[backend] = None
+            self._owners.setdefault(h, {})[backend] = sent
             key = (h, backend)
             self._lru[key] = None
             self._lru.move_to_end(key)
@@ -60,14 +69,19 @@ class PrefixMemory:
                 if not owners:
                     del self._owners[h]
 
-    def expected_hits(self, text: str, prompt_tokens: float) -> dict[str, float]:
+    def expected_hits(self, text: str, prompt_tokens: float, sent_within_s: float | None = None,
+                      now: float | None = None) -> dict[str, float]:
         """Prompt tokens each backend is expected to hold of `text`: the share of the
-        prompt whose longest known prefix the router sent there (rounded down to chunks)."""
+        prompt whose longest known prefix the router sent there (rounded down to chunks);
+        with `sent_within_s`, only where it was sent that recently."""
         hashes = self.chunk_hashes(text)
         if not hashes or prompt_tokens <= 0:
             return {}
-        matched, holders = self.match(hashes)
+        matched, holders, sent_at = self._match(hashes)
         if not matched:
             return {}
         share = prompt_tokens * matched / len(hashes)
+        if sent_within_s is not None:
+            t = time.monotonic() if now is None else now
+            holders = {b for b in holders if t - sent_at[b] <= sent_within_s}
         return {name: share for name in holders}

@@ -17,7 +17,10 @@ configured per workload: each starts at a prior and follows the measurements:
   The fleet fit starts at the routing prior.
 - transfer: decode legs that pulled their KV, (prompt tokens) -> seconds to first token.
 - characters per token and the mean prompt length: from the engines' usage reports.
-- a rejection's cost: the running mean of rejection latencies.
+- what a race is worth: the share of a prompt's prefill time racing saved over going
+  straight to the cold choice (`race_saving_share`, judged after each race with what the
+  engines reported), and what waiting for the verdicts cost when nobody accepted
+  (`race_wait_s`). The probe strategy races when the one outweighs the other.
 
 Learning is per router replica: replicas learn the same engines from their own samples.
 """
@@ -125,7 +128,9 @@ class SpeedLearner:
     engine_per_token_s: dict[str, float] = field(default_factory=dict)
     chars_per_token: float = 4.0
     mean_prompt_tokens: float = 1024.0
-    rejection_s: float = 0.005
+    race_wait_s: float = 0.005
+    # Optimistic start: races are assumed worth half the prompt until measured.
+    race_saving_share: float = 0.5
     _engines: dict[str, OnlineLinear] = field(default_factory=dict)
     _fleet: OnlineLinear | None = None
     _transfer: OnlineLinear | None = None
@@ -180,9 +185,12 @@ class SpeedLearner:
             if text_chars > 0:
                 self.chars_per_token = _ewma(self.chars_per_token, text_chars / prompt_tokens, 0.05)
 
-    def observe_rejection(self, seconds: float) -> None:
-        if seconds >= 0.0:
-            self.rejection_s = _ewma(self.rejection_s, seconds, 0.05)
+    def observe_race(self, saving_share: float, waited_s: float | None) -> None:
+        """One race: the share of the prompt's prefill time it saved, and (when nobody
+        accepted) how long the verdicts took."""
+        self.race_saving_share = _ewma(self.race_saving_share, min(max(saving_share, 0.0), 1.0), 0.05)
+        if waited_s is not None and waited_s >= 0.0:
+            self.race_wait_s = _ewma(self.race_wait_s, waited_s, 0.05)
 
     # --- what the planners read --------------------------------------------------------
     def speed(self, engine: str) -> EngineSpeed:

@@ -12,7 +12,7 @@ from router.config import RoutingConfig
 from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
 from router.fallback import plan_fallback
 from router.planning import (LeastLoadedStrategy, PrefixMemory, PrefixTreeStrategy, ProbeStrategy,
-                             RoundRobinStrategy, RouteQuery, fastest, predicted_ttft)
+                             EXPLORE_ONE_IN, RoundRobinStrategy, RouteQuery, fastest, predicted_ttft, race_value)
 
 # 10 ms per step, 100 us per prompt token (10k tokens/s), 1 ms per decoding sequence.
 SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)
@@ -25,8 +25,9 @@ def view(name, *, decodes=True, prefills=False, available=True, inflight=0, runn
                        queued_tokens=queued, decoding=decoding, speed=speed)
 
 
-def snap(*views, transfer=TransferSpeed(0.005, 1e-5), rejection_s=0.002):
-    return ClusterSnapshot(tuple(views), transfer=transfer, chars_per_token=4.0, rejection_s=rejection_s)
+def snap(*views, transfer=TransferSpeed(0.005, 1e-5), race_wait_s=0.002, race_saving_share=0.5):
+    return ClusterSnapshot(tuple(views), transfer=transfer, chars_per_token=4.0, race_wait_s=race_wait_s,
+                           race_saving_share=race_saving_share)
 
 
 Q = RouteQuery(model="m", text="hello world " * 100, prompt_tokens=1000)
@@ -58,6 +59,7 @@ def test_probe_skips_long_queues_but_never_everything():
 def test_probe_skips_an_engine_that_even_as_an_acceptor_is_slower_than_computing_elsewhere():
     # d0 has 3,000 tokens queued: as an acceptor it would prefill 500 + 3,000 = 3,500 tokens,
     # while d1 computes the whole prompt (1,000) now. Waiting for d0 can only cost time.
+    # (So even if the memory says d0 holds the prompt: 3,000 + 0 > 1,000.)
     s = snap(view("d0", queued=3000), view("d1"))
     assert ProbeStrategy(R).plan(Q, s).probes == ("d1",)
     # A smaller queue (400 + 500 < 1,000): d0 may still win as an acceptor, so it is asked.
@@ -73,8 +75,40 @@ def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_ra
     assert plan.predicted_ttft_s == SPEED.ttft(10, 0)
     # Engines whose verdicts are slow (no arrival check: a rejection waits in the queue)
     # make even a 1,000-token prompt not worth racing.
-    plan = ProbeStrategy(R).plan(Q, snap(view("d0"), view("d1"), rejection_s=0.5))
+    plan = ProbeStrategy(R).plan(Q, snap(view("d0"), view("d1"), race_wait_s=0.5))
     assert plan.direct is not None and not plan.probes
+
+
+def test_probe_races_only_where_races_have_been_paying_off_but_keeps_exploring():
+    s_paying = snap(view("d0"), view("d1"), race_wait_s=0.01, race_saving_share=0.5)
+    s_idle = snap(view("d0"), view("d1"), race_wait_s=0.01, race_saving_share=0.05)
+    # 1,000 tokens: 0.1 s of prefill. Races saving half of it (0.05 s) beat a 0.01 s wait;
+    # races saving 5% (0.005 s) do not, except one request in EXPLORE_ONE_IN (by its salt).
+    for salt in range(1, 16):
+        q = RouteQuery("m", Q.text, salt=salt, prompt_tokens=1000)
+        assert ProbeStrategy(R).plan(q, s_paying).probes == ("d0", "d1")
+        assert ProbeStrategy(R).plan(q, s_idle).direct is not None
+    explorer = RouteQuery("m", Q.text, salt=EXPLORE_ONE_IN * 3, prompt_tokens=1000)
+    assert ProbeStrategy(R).plan(explorer, s_idle).probes == ("d0", "d1")
+    # A long prompt is worth racing even where races rarely pay: 5% of 1 s > 0.01 s.
+    long_q = RouteQuery("m", Q.text, salt=1, prompt_tokens=10_000)
+    assert ProbeStrategy(R).plan(long_q, s_idle).probes == ("d0", "d1")
+
+
+def test_race_value_is_what_the_outcome_saved_over_the_cold_choice():
+    s = snap(view("d0", queued=500), view("d1", queued=600))
+    plan = ProbeStrategy(R).plan(Q, s)
+    assert plan.cold == "d0" and plan.probes == ("d0", "d1")
+    share = lambda winner, chosen, reported: race_value(plan, s, 1000, {}, winner, chosen, reported)
+    assert share("d0", None, {}) == 0.0  # the cold choice itself accepted
+    # d1 accepted: as an acceptor (600 + 500 tokens) vs d0 computing it all (500 + 1,000).
+    assert abs(share("d1", None, {}) - (SPEED.ttft(1500, 0) - SPEED.ttft(1100, 0)) / 0.1) < 1e-9
+    # Nobody accepted; the fallback's choice is predicted 0.03 s sooner than the cold choice.
+    assert abs(share(None, SPEED.ttft(1500, 0) - 0.03, {"d0": 0.0}) - 0.3) < 1e-9
+    # The memory thought d0 held the prompt; its rejection says it holds nothing: judged
+    # by the truth, the race saved what going to d0 would have cost.
+    stale = race_value(plan, s, 1000, {"d0": 1000.0}, None, SPEED.ttft(600, 0), {"d0": 0.0})
+    assert abs(stale - (SPEED.ttft(1500, 0) - SPEED.ttft(600, 0)) / 0.1) < 1e-9
 
 
 def test_no_decoder_gives_an_empty_plan():
@@ -227,6 +261,12 @@ def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
     # The shared head is ~560 of ~576 characters: most of the 1,000 tokens, expected on d1.
     assert set(hits) == {"d1"} and 850 <= hits["d1"] < 1000
     assert s.expected_hits(RouteQuery(model="m", text="unrelated " * 60), 1000) == {}
+    # Only where it was sent recently (it may still be computing it): by the send time.
+    mem = PrefixMemory()
+    mem.insert(mem.chunk_hashes(leader.text), "d0", now=100.0)
+    mem.insert(mem.chunk_hashes(leader.text), "d1", now=130.0)
+    assert set(mem.expected_hits(follower.text, 1000, sent_within_s=10.0, now=135.0)) == {"d1"}
+    assert set(mem.expected_hits(follower.text, 1000, now=135.0)) == {"d0", "d1"}
     assert RoundRobinStrategy(R).expected_hits(follower, 1000) == {}
 
 
@@ -237,10 +277,9 @@ def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor():
     # Nothing known of the prompt: the two that would answer soonest.
     assert strategy.plan(Q, snap(*decoders)).probes == ("d3", "d1")
     # The router sent this prompt to d2: as an acceptor it lacks nothing (450 + 0 tokens),
-    # which no other engine can beat even if it accepted (500 + its queue): d2 alone is
-    # asked (if it evicted the prompt, its rejection says so and the fallback takes over).
+    # so it is ranked first, then the next soonest acceptor.
     strategy.on_routed(Q, "d2")
-    assert strategy.plan(Q, snap(*decoders)).probes == ("d2",)
+    assert strategy.plan(Q, snap(*decoders)).probes == ("d2", "d3")
     other = RouteQuery(model="m", text="something else entirely " * 30, prompt_tokens=1000)
     assert strategy.plan(other, snap(*decoders)).probes == ("d3", "d1")
     # No bound, or a bound at least the fleet's size: every qualifying decoder, in order.

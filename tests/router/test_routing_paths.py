@@ -84,6 +84,30 @@ async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_c
     assert c.router_metric("cachehit_router_probe_rejections_total", backend="d1") == 4
 
 
+async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(make_cluster):
+    # The router sent P to one engine, which has since evicted it; the other engine holds
+    # P's first 40%. Both reject (below T = 0.5) and report what they hold: the router's
+    # memory says the first engine holds all of P, but that was long enough ago for the
+    # engine's own report (nothing) to be the truth, so P is computed where 40% is cached.
+    c = await make_cluster(decoders=2, prefillers=0, sim={"speed": 1.0})
+    p = long_prompt("evicted", 1000)
+    status, out = await c.complete({"model": MODEL, "prompt": p, "max_tokens": 2})
+    assert status == 200, out
+    generated = await c.engine_metrics("vllm:generation_tokens_total")
+    first = next(n for n, v in generated.items() if v > 0)
+    other = "d1" if first == "d0" else "d0"
+    async with c.session.post(c.engines[first].url + "/reset_prefix_cache") as r:
+        assert r.status == 200
+    head = " ".join(p.split(" ")[:400])
+    async with c.session.post(c.engines[other].url + "/v1/completions",
+                              json={"model": MODEL, "prompt": head, "max_tokens": 1}) as r:
+        assert r.status == 200
+    status, out = await c.complete({"model": MODEL, "prompt": p, "max_tokens": 2})
+    assert status == 200, out
+    assert c.router_metric("cachehit_router_probe_rejections_total", backend=first) == 2
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 400 // 16 * 16, out["usage"]
+
+
 async def test_no_prefill_backend_falls_back_to_direct(make_cluster):
     c = await make_cluster(decoders=2, prefillers=0)
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("nopf"), "max_tokens": 4})
@@ -213,7 +237,7 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
     assert c.routes()["pd"] == 0
 
 
-async def test_max_probes_asks_only_the_prompt_holder_once_it_is_known(make_cluster):
+async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_cluster):
     c = await make_cluster(decoders=4, routing={"max_probes": 2}, sim={"speed": 1.0})
     warm = {"model": MODEL, "prompt": long_prompt("bounded", 300), "max_tokens": 2}
     status, out = await c.complete(warm)  # cold: the two probes reject, the fallback computes it
@@ -235,8 +259,6 @@ async def test_max_probes_asks_only_the_prompt_holder_once_it_is_known(make_clus
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288  # whole blocks
         after = await c.engine_metrics("vllm:request_success_total")
         asked = {n for n in after if after[n] > before[n]}
-        # The holder, as an acceptor, is predicted sooner than any other engine could be
-        # (they lack at least half the prompt): it alone is asked.
-        assert asked == {holder}, asked
+        assert len(asked) == 2 and holder in asked, asked  # two probes, the holder among them
     assert c.routes()["probe_hit"] == 3
-    assert refused_or_dropped() == 2
+    assert refused_or_dropped() == 2 + 3  # each warm request: the holder wins, the other does not

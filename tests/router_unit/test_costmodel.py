@@ -78,14 +78,19 @@ def test_learner_starts_at_the_prior_and_learns_each_engine_apart():
     assert abs(learner.transfer().per_token_s - 4e-6) < 1e-6
 
 
-def test_learner_measures_characters_per_token_and_rejection_cost():
+def test_learner_measures_characters_per_token_and_what_races_are_worth():
     learner = SpeedLearner(SpeedPrior())
+    assert learner.race_saving_share == 0.5  # optimistic until measured
     for _ in range(200):
         learner.observe_prompt(6000, 1000)
-        learner.observe_rejection(0.3)
+        learner.observe_race(0.02, 0.3)
+        learner.observe_race(0.0, None)  # a race won at once: no wait measured
     assert abs(learner.chars_per_token - 6.0) < 0.05
     assert abs(learner.mean_prompt_tokens - 1000) < 5
-    assert abs(learner.rejection_s - 0.3) < 0.01
+    assert abs(learner.race_wait_s - 0.3) < 0.01
+    assert abs(learner.race_saving_share - 0.01) < 0.005
+    learner.observe_race(7.0, None)  # a share is at most the whole prompt
+    assert learner.race_saving_share <= 0.01 + 0.05
 
 
 def _registry(clock):
