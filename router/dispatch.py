@@ -287,6 +287,8 @@ class Dispatcher:
                 if result.winner is not None:
                     self._race_finished(query, plan, result, None)
                     self._predicted(rec, sent, dict(zip(plan.probes, plan.probe_ttft_s)).get(result.winner.backend))
+                    if plan.scratch_ttft_s is not None and rec.scratch_ttft_s is None:
+                        rec.scratch_ttft_s = sent - rec.dispatch_started + plan.scratch_ttft_s
                     return self._won(query, result, ROUTE_PROBE_HIT, rec, tickets)
                 client_err = result.client_error
                 if client_err is not None:

@@ -40,6 +40,9 @@ class RequestRecord:
     # The cost model's predicted time to first token (router/costmodel.py), from the
     # dispatcher's start (`dispatch_started`, event-loop time), for accuracy reports.
     predicted_ttft_s: float | None = None
+    # For a probe hit: the predicted time to first token of the best engine computing the
+    # whole prompt when the race started (did an acceptor ever lose to computing afresh?).
+    scratch_ttft_s: float | None = None
     dispatch_started: float = 0.0
 
 
@@ -111,6 +114,7 @@ class RouterMetrics:
             "losers": rec.losers, "retries": rec.retries, "resumes": rec.resumes,
             "ttft_ms": None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2),
             "predicted_ttft_ms": None if rec.predicted_ttft_s is None else round(rec.predicted_ttft_s * 1000, 2),
+            **({"scratch_ttft_ms": round(rec.scratch_ttft_s * 1000, 2)} if rec.scratch_ttft_s is not None else {}),
             "duration_ms": round(rec.duration_s * 1000, 2), "status": rec.status,
             "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
             **({"error": rec.error} if rec.error else {}),

@@ -70,6 +70,7 @@ class Plan:
     # The race's alternative: where the request would have gone without it.
     cold: str | None = None
     cold_ttft_s: float | None = None
+    scratch_ttft_s: float | None = None  # the best engine computing the whole prompt
 
     @property
     def empty(self) -> bool:
@@ -191,7 +192,7 @@ class ProbeStrategy:
                     deadline_s=self.routing.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
                     deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
                     probe_ttft_s=tuple(s for s, _ in worth), cold=cold.direct,
-                    cold_ttft_s=cold.predicted_ttft_s)
+                    cold_ttft_s=cold.predicted_ttft_s, scratch_ttft_s=from_scratch)
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.memory.insert(self.memory.chunk_hashes(query.text), backend)
