@@ -93,6 +93,9 @@ class RouterState:
                                         learner=SpeedLearner(speed_prior(cfg.routing)))
         for s in self.registry.states.values():
             self._bind_backend_gauges(s)
+        learner = self.registry.learner
+        self.metrics.race_saving_share.set_function(lambda: learner.race_saving_share)
+        self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
         self.client = UpstreamClient(cfg.timeouts)
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
         await self.monitor.check_all()

@@ -297,6 +297,12 @@ class Dispatcher:
                     exclude.add(o.backend)
                     last_error = o.error
                 fallback = self._race_finished(query, plan, result, frozenset(exclude), loop.time() - sent)
+            elif plan.skipped_race:
+                # Not worth a race: computed where the fallback's model says (which may be
+                # a split), with what the strategy expects each engine to hold.
+                n = query.tokens(snap)
+                fallback = plan_fallback(query, snap, self.routing, n, frozenset(exclude),
+                                         self.strategy.expected_hits(query, n))
             else:
                 assert plan.direct is not None
                 fallback = FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0,

@@ -84,6 +84,12 @@ class RouterMetrics:
                                    ["backend"], registry=r)
         self.prefill_speed = Gauge("cachehit_router_backend_prefill_tokens_per_second",
                                    "The cost model's measured prefill speed of the engine", ["backend"], registry=r)
+        self.race_saving_share = Gauge("cachehit_router_race_saving_share",
+                                       "Share of a prompt's prefill time probe races have been saving (measured)",
+                                       registry=r)
+        self.race_wait = Gauge("cachehit_router_race_wait_seconds",
+                               "What waiting for the verdicts of a race nobody won has been costing (measured)",
+                               registry=r)
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served",
                                      registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)

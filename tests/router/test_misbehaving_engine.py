@@ -68,9 +68,10 @@ async def _router(backends: list[dict], routing: dict | None = None):
 async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_cluster, stream):
     healthy = await make_cluster(decoders=1)  # d0: a real simulated engine
     bad_runner, bad_url = await _bad_engine("malformed")
-    # Probe race: the bad engine accepts at once (it streams text), d0 rejects the cold prompt.
+    # Probe race on every request: the bad engine accepts at once (it streams text), d0
+    # rejects the cold prompt.
     router, url = await _router([{"name": "bad", "url": bad_url},
-                                 {"name": "d0", "url": healthy.engines["d0"].url}])
+                                 {"name": "d0", "url": healthy.engines["d0"].url}], {"race": "always"})
     try:
         body = {"model": MODEL, "prompt": long_prompt("mal", 40), "max_tokens": 12, "stream": stream}
         async with healthy.session.post(url + "/v1/completions", json=body) as r:

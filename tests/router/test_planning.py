@@ -77,6 +77,12 @@ def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_ra
     # make even a 1,000-token prompt not worth racing.
     plan = ProbeStrategy(R).plan(Q, snap(view("d0"), view("d1"), race_wait_s=0.5))
     assert plan.direct is not None and not plan.probes
+    # Skipped, not merely direct: the dispatcher weighs a prefill/decode split for it.
+    assert plan.skipped_race
+    # An operator who wants every request raced says so.
+    always = ProbeStrategy(replace(R, race="always"))
+    assert always.plan(short, snap(view("d0", queued=50), view("d1"))).probes == ("d1",)
+    assert always.plan(Q, snap(view("d0"), view("d1"), race_wait_s=0.5)).probes == ("d0", "d1")
 
 
 def test_probe_races_only_where_races_have_been_paying_off_but_keeps_exploring():

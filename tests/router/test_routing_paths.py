@@ -36,6 +36,20 @@ async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
 
 
+async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(make_cluster):
+    c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
+    # Verdicts measured as slower than any hit could save: no race, and the prompt goes where
+    # the fallback's cost model puts it (a split, under these priors), not just to a decoder.
+    c.state.registry.learner.race_wait_s = 1000.0
+    status, out = await c.complete({"model": MODEL, "prompt": long_prompt("noprobe", 300), "max_tokens": 6})
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] == 6
+    assert c.routes() == {"probe_hit": 0, "pd": 1, "direct": 0}
+    for d in ("d0", "d1"):
+        assert c.router_metric("cachehit_router_probe_rejections_total", backend=d) in (None, 0.0)
+    assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, stream):
     # The producer's lease ends before the consumer pulls: with vLLM's default
