@@ -73,7 +73,15 @@ def bounded_pareto(r: random.Random, lo: float, hi: float, alpha: float) -> floa
 
 
 def generate(p: TraceParams = TraceParams()) -> list[dict]:
-    """The trace as Mooncake records (`timestamp` ms, `input_length`, `output_length`, `hash_ids`)."""
+    """The trace as Mooncake records (`timestamp` ms, `input_length`, `output_length`, `hash_ids`),
+    in time order."""
+    records = [(rec["timestamp"], c, k, rec) for c, conv in enumerate(conversations(p)) for k, rec in enumerate(conv)]
+    records.sort(key=lambda x: x[:3])
+    return [rec for *_, rec in records]
+
+
+def conversations(p: TraceParams = TraceParams()) -> list[list[dict]]:
+    """The trace's conversations, each a list of its turns' records, in order of their start."""
     r = random.Random(p.seed)
     next_id = 0
 
@@ -84,14 +92,14 @@ def generate(p: TraceParams = TraceParams()) -> list[dict]:
         return ids
 
     shared = [new_ids(r.randint(*p.shared_prefix_blocks)) for _ in range(p.shared_prefixes)]
-    records: list[tuple[float, int, dict]] = []  # (time s, tie-break, record)
+    out: list[list[dict]] = []
     t = 0.0
-    conv = 0
     while True:
         t += r.expovariate(p.conversation_rate)
         if t >= p.duration_s:
             break
-        conv += 1
+        conv: list[dict] = []
+        out.append(conv)
         turns = 1
         if r.random() >= p.single_turn_share:
             # 1 + geometric(mean mean_extra_turns) extra turns.
@@ -107,8 +115,8 @@ def generate(p: TraceParams = TraceParams()) -> list[dict]:
         at = t
         for k in range(turns):
             n_out = int(round(_log_uniform(r, *p.output_tokens)))
-            records.append((at, len(records), {"timestamp": int(round(at * 1000)), "input_length": n_in,
-                                               "output_length": n_out, "hash_ids": ids}))
+            conv.append({"timestamp": int(round(at * 1000)), "input_length": n_in, "output_length": n_out,
+                         "hash_ids": ids})
             if k + 1 == turns:
                 break
             grown = n_in + n_out + int(round(_log_uniform(r, *p.message_tokens)))
@@ -120,8 +128,7 @@ def generate(p: TraceParams = TraceParams()) -> list[dict]:
             at += _log_uniform(r, *p.think_s)
             if at >= p.duration_s:
                 break
-    records.sort(key=lambda x: (x[0], x[1]))
-    return [rec for _, _, rec in records]
+    return out
 
 
 def write(path: Path, records: list[dict]) -> None:
