@@ -405,7 +405,9 @@ def write_outputs(out: Path, summary: dict, results: list[Result], logs: dict) -
                             "losers": lg.get("losers"), "expired": lg.get("expired"),
                             "router_ttft_ms": lg.get("ttft_ms"),
                             # the routing cost model's TTFT prediction for the leg that answered
-                            "predicted_ttft_ms": lg.get("predicted_ttft_ms")})
+                            "predicted_ttft_ms": lg.get("predicted_ttft_ms"),
+                            # probe hits: the predicted TTFT of the best engine computing the whole prompt
+                            "scratch_ttft_ms": lg.get("scratch_ttft_ms")})
             f.write(orjson.dumps(row) + b"\n")
 
 

@@ -86,7 +86,8 @@ def test_table_shows_a_dash_without_predictions(tmp_path):
 
 def test_predicted_ttft_is_carried_from_the_router_log_into_requests_jsonl(tmp_path):
     log = tmp_path / "router.log"
-    lines = [{"request_id": "cmpl-1", "route": "probe_hit", "ttft_ms": 42.0, "predicted_ttft_ms": 40.5},
+    lines = [{"request_id": "cmpl-1", "route": "probe_hit", "ttft_ms": 42.0, "predicted_ttft_ms": 40.5,
+              "scratch_ttft_ms": 300.0},
              {"request_id": "cmpl-2", "route": "direct", "ttft_ms": 13.0}]
     log.write_text("".join(f"2026-01-01 INFO cachehit_router.requests: {json.dumps(d)}\n" for d in lines))
     logs = parse_router_log(log)
@@ -96,6 +97,7 @@ def test_predicted_ttft_is_carried_from_the_router_log_into_requests_jsonl(tmp_p
     rows = load_requests(tmp_path)
     assert [r["predicted_ttft_ms"] for r in rows] == [40.5, None]
     assert [r["router_ttft_ms"] for r in rows] == [42.0, 13.0]
+    assert [r["scratch_ttft_ms"] for r in rows] == [300.0, None]
     assert model_accuracy(rows)["pred_abs_err_p50_ms"] == 1.5
 
 
