@@ -9,6 +9,7 @@
   profile          py-spy profile of the router under load (hot functions)
   sim-capacity     the simulator's own capacity (bench/sim_capacity.py)
   soak             a long steady load with engine restarts (bench/soak.py)
+  suite            every routing mode on every suite workload: one regret table (bench/suite.py)
 """
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+
+
+def default_trace() -> str:
+    """The generated multi-turn conversation trace (bench/trace_gen.py), made on first use."""
+    from .trace_gen import cached_trace
+    return str(cached_trace())
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=("trace", "prefix-groups", "multiturn"), default="trace")
-    g.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL (default: %(default)s)")
+    g.add_argument("--workload", choices=("trace", "prefix-groups", "multiturn", "hetero"), default="trace")
+    g.add_argument("--trace", help="Mooncake-format JSONL (default: the generated conversation trace of "
+                                   "bench/trace_gen.py)")
     g.add_argument("--limit", type=int, help="N requests of the trace (default 400; see --window)")
     g.add_argument("--window", choices=("tail", "head"), default="tail",
                    help="which N requests: the last N (default; the Mooncake trace's prefix reuse builds up "
@@ -50,6 +56,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=int, default=6, help="multiturn: turns per session")
     g.add_argument("--message-tokens", type=int, default=64, help="multiturn: user message length")
     g.add_argument("--think-s", type=float, default=0.5, help="multiturn: pause between turns")
+    g.add_argument("--min-prompt-tokens", type=int, default=32, help="hetero: shortest prompt")
+    g.add_argument("--max-prompt-tokens", type=int, default=8000, help="hetero: longest prompt")
+    g.add_argument("--burst-on-s", type=float, default=0.0,
+                   help="with --burst-off-s: arrivals in bursts of this long at the same mean rate")
+    g.add_argument("--burst-off-s", type=float, default=0.0, help="silence between bursts")
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -78,13 +89,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def workload_from_args(a: argparse.Namespace):
     from .replay import WorkloadSpec
-    return WorkloadSpec(kind=a.workload, trace=a.trace, limit=a.limit, offset=a.offset, window=a.window,
+    trace = a.trace or (default_trace() if a.workload == "trace" else "")
+    return WorkloadSpec(kind=a.workload, trace=trace, limit=a.limit, offset=a.offset, window=a.window,
                         time_scale=a.time_scale,
                         block_tokens=a.block_tokens, output_scale=a.output_scale, max_output=a.max_output,
                         rate=a.rate, seed=a.seed, groups=a.groups, per_group=a.per_group,
                         system_tokens=a.system_tokens, question_tokens=a.question_tokens,
                         output_tokens=a.output_tokens, sessions=a.sessions, turns=a.turns,
-                        message_tokens=a.message_tokens, think_s=a.think_s)
+                        message_tokens=a.message_tokens, think_s=a.think_s,
+                        min_prompt_tokens=a.min_prompt_tokens, max_prompt_tokens=a.max_prompt_tokens,
+                        burst_on_s=a.burst_on_s, burst_off_s=a.burst_off_s)
 
 
 def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_over):
@@ -160,6 +174,11 @@ def cmd_replay(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_suite(a: argparse.Namespace) -> int:
+    from .suite import run_suite
+    return run_suite(a)
+
+
 def cmd_compare(a: argparse.Namespace) -> int:
     from .report import compare
     dirs = [Path(d) for d in a.dirs]
@@ -214,6 +233,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--full", action="store_true", help="the whole trace (default: first 400 requests)")
     r.add_argument("--quick", action="store_true", help="a small run (trace: 150 requests)")
     r.set_defaults(fn=cmd_replay)
+
+    su = sub.add_parser("suite", help="every routing mode on every suite workload: one regret table")
+    add_cluster_args(su)
+    su.add_argument("--out", required=True)
+    su.add_argument("--quick", action="store_true", help="about a third of the requests of each workload")
+    su.add_argument("--workloads", default="all", help="comma list of suite workloads (default: all)")
+    su.add_argument("--modes", default="oracle,probe,prefix_tree,least_loaded,round_robin",
+                    help="comma list of modes, run back to back on each workload (default: %(default)s)")
+    su.add_argument("--trace", help="Mooncake-format trace of the trace workloads (default: generated)")
+    su.add_argument("--requests", type=int, default=0, help="about this many requests per workload (0: its own)")
+    su.add_argument("--seed", type=int, default=0)
+    su.set_defaults(fn=cmd_suite)
 
     c = sub.add_parser("compare", help="table and plots from run directories")
     c.add_argument("dirs", nargs="+")

@@ -48,7 +48,7 @@ SUMMARY_KEYS = ("mode", "requests", "errors", "hit_ratio", "oracle_hit_ratio", "
 
 @dataclass
 class WorkloadSpec:
-    kind: str = "trace"  # trace | prefix-groups | multiturn
+    kind: str = "trace"  # trace | prefix-groups | multiturn | hetero
     trace: str = ""
     limit: int | None = None
     offset: int = 0
@@ -70,6 +70,12 @@ class WorkloadSpec:
     turns: int = 6
     message_tokens: int = 64
     think_s: float = 0.5
+    # hetero: `limit` (default 400) prompts of log-uniform lengths in [min, max] tokens
+    min_prompt_tokens: int = 32
+    max_prompt_tokens: int = 8000
+    # both > 0: arrivals re-timed into bursts at the same mean rate (workloads.on_off_arrivals)
+    burst_on_s: float = 0.0
+    burst_off_s: float = 0.0
 
     @property
     def length_scale(self) -> float:
@@ -106,10 +112,19 @@ def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
                                         rate=w.rate or 8.0, seed=w.seed)
         if w.limit:
             reqs = reqs[:w.limit]
+    elif w.kind == "hetero":
+        reqs = wl.heterogeneous_requests(n=w.limit or 400, min_tokens=w.min_prompt_tokens,
+                                         max_tokens=w.max_prompt_tokens, output_tokens=w.output_tokens,
+                                         rate=w.rate or 8.0, seed=w.seed)
     else:
         raise ValueError(f"no request list for workload {w.kind!r}")
     if w.rate > 0 and w.kind == "trace":
         for r, t in zip(reqs, wl.poisson_arrivals(len(reqs), w.rate, w.seed)):
+            r.arrival_s = t
+    if w.burst_on_s > 0 and w.burst_off_s > 0 and len(reqs) > 1:
+        span = reqs[-1].arrival_s - reqs[0].arrival_s
+        for r, t in zip(reqs, wl.on_off_arrivals(len(reqs), len(reqs) / span, w.burst_on_s, w.burst_off_s,
+                                                 w.seed)):
             r.arrival_s = t
     return reqs
 
@@ -388,7 +403,11 @@ def write_outputs(out: Path, summary: dict, results: list[Result], logs: dict) -
                 row.update({"route": lg.get("route"), "winner": lg.get("winner"), "prefill": lg.get("prefill"),
                             "probes": lg.get("probes"), "rejections": lg.get("rejections"),
                             "losers": lg.get("losers"), "expired": lg.get("expired"),
-                            "router_ttft_ms": lg.get("ttft_ms")})
+                            "router_ttft_ms": lg.get("ttft_ms"),
+                            # the routing cost model's TTFT prediction for the leg that answered
+                            "predicted_ttft_ms": lg.get("predicted_ttft_ms"),
+                            # probe hits: the predicted TTFT of the best engine computing the whole prompt
+                            "scratch_ttft_ms": lg.get("scratch_ttft_ms")})
             f.write(orjson.dumps(row) + b"\n")
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark of bench/RESULTS.md, one after the other (never two at once: they would
-# measure each other), into OUT (default bench/out, git-ignored). About an hour on 2 cores.
+# measure each other), into OUT (default bench/out, git-ignored). About an hour and a half on 2 cores.
 # Usage: bench/run_all.sh [OUT] [--skip-trace]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,9 @@ OUT=${1:-bench/out}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+log "routing suite: every mode on every suite workload (the regret table)"
+$PY -m bench suite --out "$OUT/suite"
 
 log "prefix-groups: every mode"
 $PY -m bench replay --workload prefix-groups --mode all --out "$OUT/prefix-groups"
@@ -53,7 +56,7 @@ collect() {  # collect SRC DEST: *.md, *.json (not per-request data), *.png, and
     rel=${f#"$src"/}; cp "$f" "$dest/$(dirname "$rel" | tr '/' '_').summary.json"
   done
 }
-for d in prefix-groups trace trace-variants trace-light multiturn overhead sweep-threshold load-sweep scaling profile; do
+for d in suite prefix-groups trace trace-variants trace-light multiturn overhead sweep-threshold load-sweep scaling profile; do
   [[ -d "$OUT/$d" ]] && collect "$OUT/$d" "bench/results/$d"
 done
 # The load sweep's per-mode CDF and bar plots have 25 entries each: too many to read.

@@ -5,7 +5,7 @@ Every prompt is made of words of the simulator's vocabulary, each with a leading
 words is exactly N simulator tokens and equal ids give equal text, hence equal token ids
 and equal KV blocks in every engine.
 
-Three workloads, all producing a list of `BenchRequest` in arrival order:
+Four workloads, all producing a list of `BenchRequest` in arrival order:
 
 - `mooncake_trace`: the Mooncake trace format (JSONL `timestamp` ms, `input_length`,
   `output_length`, `hash_ids`: one id per 512-token block). Each hash id becomes a block of
@@ -13,9 +13,12 @@ Three workloads, all producing a list of `BenchRequest` in arrival order:
   is cut to its scaled share, so it is still a prefix of that id's full text.
 - `prefix_groups`: G groups that each share a system prompt; each request is its group's
   system prompt plus a question of its own; Poisson arrivals, groups interleaved.
+- `heterogeneous`: unrelated prompts of log-uniform lengths (e.g. 32 to 8,000 tokens).
 - `multiturn`: chat sessions whose turn k+1 prompt is turn k's prompt + the answer the
   engine gave + a new user message (built at run time by the load generator; see
   `loadgen.run_sessions`); session starts are Poisson.
+
+Arrivals are Poisson (`poisson_arrivals`) or bursts (`on_off_arrivals`) at a given mean rate.
 
 `oracle_hit_tokens` computes the infinite-cache upper bound in the engines' own units
 (whole KV blocks of `block_size` tokens, at most num_tokens - 1 per prompt, exactly as
@@ -152,6 +155,36 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     for _ in range(n):
         out.append(t)
         t += r.expovariate(rate)
+    return out
+
+
+def on_off_arrivals(n: int, mean_rate: float, on_s: float, off_s: float, seed: int = 0) -> list[float]:
+    """n arrival times (s) in bursts: Poisson at mean_rate * (on_s + off_s) / on_s during
+    on_s seconds, then off_s seconds of silence, and so on; the mean rate is mean_rate."""
+    if mean_rate <= 0 or on_s <= 0 or off_s < 0:
+        raise ValueError("on/off arrivals need mean_rate > 0, on_s > 0 and off_s >= 0")
+    peak = mean_rate * (on_s + off_s) / on_s
+    out = []
+    for t in poisson_arrivals(n, peak, seed):  # t: time spent "on"
+        cycle = math.floor(t / on_s)
+        out.append(cycle * (on_s + off_s) + (t - cycle * on_s))
+    return out
+
+
+# --- heterogeneous prompt lengths -------------------------------------------------------
+
+def heterogeneous_requests(*, n: int = 400, min_tokens: int = 32, max_tokens: int = 8000,
+                           output_tokens: int = 64, rate: float = 8.0, seed: int = 0) -> list[BenchRequest]:
+    """n requests of unrelated text (no shared prefixes beyond chance) whose prompt lengths are
+    log-uniform on [min_tokens, max_tokens]; Poisson arrivals at `rate` per second."""
+    r = _rng("hetero-lengths", seed)
+    lo, hi = math.log(min_tokens), math.log(max_tokens)
+    out = []
+    for i, t in enumerate(poisson_arrivals(n, rate, seed)):
+        k = min(max_tokens, max(min_tokens, round(math.exp(r.uniform(lo, hi)))))
+        out.append(BenchRequest(index=i, arrival_s=t, prompt=words_text(k, "hetero", seed, i), prompt_tokens=k,
+                                max_tokens=output_tokens, tag="long" if k >= math.sqrt(min_tokens * max_tokens)
+                                else "short"))
     return out
 
 

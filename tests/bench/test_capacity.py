@@ -1,0 +1,102 @@
+"""Offered load from the simulator's timing model, and the suite's rate derivation."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import capacity
+from bench import suite
+from bench.__main__ import build_parser
+from bench.cluster import SimOptions
+from engine_launcher.sim.config import TimingModel
+
+T = TimingModel()
+
+
+def test_request_work_is_the_timing_model_per_request():
+    sim = SimOptions(speed=2.0, max_num_batched_tokens=100)
+    # 250 prompt tokens: 3 prefill chunks of <= 100 tokens, each step paying the overhead once.
+    want = (T.prefill_token_s * 250 + T.decode_seq_s * 10 + T.step_overhead_s * 3) / 2.0
+    assert capacity.request_work_s(250, 10, sim) == pytest.approx(want)
+    # A fully cached prompt still costs one step (the last token is always computed).
+    assert capacity.request_work_s(0, 1, sim) == pytest.approx((T.decode_seq_s + T.step_overhead_s) / 2.0)
+    # The bench's length-scaled engines override the per-token prefill cost.
+    scaled = SimOptions(prefill_token_s=0.0008, max_num_batched_tokens=512)
+    assert capacity.request_work_s(512, 0, scaled) == pytest.approx(0.0008 * 512 + T.step_overhead_s)
+
+
+def test_offered_load_is_work_per_second_per_engine():
+    sim = SimOptions(speed=1.0, max_num_batched_tokens=8192)
+    prompts, hits, outs = [1000, 3000], [0, 2000], [50, 50]
+    load = capacity.offered_load(prompts, hits, outs, span_s=2.0, sim=sim, engines=4, prefill=1)
+    w = [capacity.request_work_s(p, o, sim) for p, o in zip(prompts, outs)]
+    w_oracle = [capacity.request_work_s(p - h, o, sim) for p, h, o in zip(prompts, hits, outs)]
+    assert load.utilisation == pytest.approx(sum(w) / 2.0 / 4)
+    assert load.utilisation_oracle == pytest.approx(sum(w_oracle) / 2.0 / 4)
+    assert load.utilisation_oracle < load.utilisation
+    assert load.offered_rps == 1.0
+    # Every prompt on the one prefill engine: prefill work only, per prefill engine.
+    pd = sum(capacity.prefill_work_s(p, sim) for p in prompts) / 2.0
+    assert load.pd_prefill_utilisation == pytest.approx(pd)
+    # Twice the engines: half the utilisation.
+    assert capacity.offered_load(prompts, hits, outs, 2.0, sim, 8).utilisation == pytest.approx(load.utilisation / 2)
+    with pytest.raises(ValueError):
+        capacity.offered_load([], [], [], 1.0, sim, 4)
+
+
+def _suite_args(tmp_path: Path, *extra: str):
+    return build_parser().parse_args(["suite", "--out", str(tmp_path), *extra])
+
+
+@pytest.mark.parametrize("name", ["low-reuse", "hetero", "overload"])
+def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
+    trace = tmp_path / "t.jsonl"
+    from bench import trace_gen as tg
+    tg.write(trace, tg.generate(tg.TraceParams(duration_s=200.0)))
+    wd = suite.BY_NAME[name]
+    a = _suite_args(tmp_path, "--requests", "60", "--trace", str(trace))
+    ns = suite.replay_args(a, wd, tmp_path / name)
+    before = suite.workload_load(ns)
+    load = suite.set_rate(ns, wd)
+    assert load["utilisation"] == pytest.approx(wd.target, rel=1e-6)
+    assert load["requests"] == 60 and load["engines"] == 4 and load["speed"] == wd.speed
+    # The same work over a span stretched or shrunk by utilisation / target.
+    assert load["work_s"] == pytest.approx(before.work_s)
+    assert load["span_s"] == pytest.approx(before.span_s * before.utilisation / wd.target, rel=1e-6)
+    # Twice the engines take twice the rate for the same utilisation.
+    ns8 = suite.replay_args(_suite_args(tmp_path, "--requests", "60", "--trace", str(trace), "--engines", "8"),
+                            wd, tmp_path / name)
+    load8 = suite.set_rate(ns8, wd)
+    assert load8["offered_rps"] == pytest.approx(2 * load["offered_rps"], rel=1e-6)
+
+
+def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path):
+    a = _suite_args(tmp_path, "--requests", "200")
+    near = suite.set_rate(suite.replay_args(a, suite.BY_NAME["low-reuse"], tmp_path), suite.BY_NAME["low-reuse"])
+    ns = suite.replay_args(a, suite.BY_NAME["bursty"], tmp_path)
+    bursty = suite.set_rate(ns, suite.BY_NAME["bursty"])
+    assert (ns.burst_on_s, ns.burst_off_s) == suite.BY_NAME["bursty"].bursts
+    assert bursty["time_scale"] == pytest.approx(near["time_scale"])
+    # Same requests and mean rate (the last burst may end early: within one on/off period).
+    period = sum(suite.BY_NAME["bursty"].bursts)
+    assert abs(bursty["span_s"] - near["span_s"]) < period
+    assert bursty["work_s"] == pytest.approx(near["work_s"])
+
+
+def test_closed_loop_multiturn_has_no_utilisation(tmp_path):
+    ns = suite.replay_args(_suite_args(tmp_path), suite.BY_NAME["multiturn"], tmp_path)
+    assert suite.set_rate(ns, suite.BY_NAME["multiturn"]) is None
+
+
+def test_default_trace_is_generated_inside_the_repository(tmp_path):
+    from bench.__main__ import workload_from_args
+    a = build_parser().parse_args(["replay", "--out", str(tmp_path)])
+    w = workload_from_args(a)
+    repo = Path(suite.__file__).resolve().parent.parent
+    assert Path(w.trace).is_relative_to(repo) and Path(w.trace).exists()
+    first = json.loads(Path(w.trace).read_text().splitlines()[0])
+    assert set(first) == {"timestamp", "input_length", "output_length", "hash_ids"}
+    a = build_parser().parse_args(["replay", "--out", str(tmp_path), "--trace", "other.jsonl"])
+    assert workload_from_args(a).trace == "other.jsonl"
