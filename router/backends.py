@@ -132,6 +132,10 @@ class BackendState:
     queued_tokens: int = 0
     prefilling: int = 0  # legs sent, no first token yet
     decoding: int = 0  # legs past their first token
+    # Requests the last scrape saw beyond this router's own legs at that moment: traffic
+    # of other replicas (or clients that bypass the router).
+    others_waiting: float = 0.0
+    others_running: float = 0.0
 
 
 @dataclass(slots=True)
@@ -177,20 +181,25 @@ class BackendRegistry:
                 name=c.name, url=c.url, decodes=c.decodes, prefills=c.prefills,
                 models=s.models, available=self._available(s, now), inflight=s.inflight,
                 running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, drained=s.draining,
-                queued_tokens=self._queued_tokens(s), decoding=self._decoding(s), prefilling=s.prefilling,
+                queued_tokens=self._queued_tokens(s, now), decoding=self._decoding(s), prefilling=s.prefilling,
                 speed=learner.speed(c.name)))
         return ClusterSnapshot(tuple(views), learner.transfer(), learner.chars_per_token, learner.race_wait_s,
                                learner.race_saving_share)
 
-    def _queued_tokens(self, s: BackendState) -> float:
-        """Own queued prefill tokens, plus the engine's scraped waiting requests beyond the
-        ones this router is waiting on (other replicas' traffic), at the mean prompt length."""
-        others = max(s.waiting - s.prefilling, 0.0)
-        return s.queued_tokens + others * self.learner.mean_prompt_tokens
+    def _queued_tokens(self, s: BackendState, now: float) -> float:
+        """Own queued prefill tokens, plus other replicas' waiting requests as the last
+        scrape saw them, at the mean prompt length, less what the engine has prefilled at
+        its measured speed since that scrape (a scrape is a moment of the past: a burst it
+        caught is gone a few hundred milliseconds later)."""
+        others = s.others_waiting * self.learner.mean_prompt_tokens
+        if others > 0.0:
+            per_token_s = max(self.learner.speed(s.config.name).per_token_s, 1e-9)
+            others = max(others - max(now - s.last_scrape_ok, 0.0) / per_token_s, 0.0)
+        return s.queued_tokens + others
 
     @staticmethod
     def _decoding(s: BackendState) -> float:
-        return max(float(s.decoding), s.running - s.prefilling, 0.0)
+        return s.decoding + s.others_running
 
     def _available(self, s: BackendState, now: float) -> bool:
         if s.draining:
@@ -228,7 +237,8 @@ class BackendRegistry:
         """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
         (0 for a probe: an acceptor's prefill is done by the time it answers)."""
         s = self.states[name]
-        ticket = LegTicket(name, max(int(tokens), 0), self._queued_tokens(s), self._decoding(s), self.clock())
+        now = self.clock()
+        ticket = LegTicket(name, max(int(tokens), 0), self._queued_tokens(s, now), self._decoding(s), now)
         self.acquire(name)
         s.queued_tokens += ticket.tokens
         s.prefilling += 1
@@ -318,6 +328,11 @@ class BackendRegistry:
         s.check_failures = 0
         s.running = load.get(RUNNING, 0.0)
         s.waiting = load.get(WAITING, 0.0)
+        # What the engine holds beyond this router's legs now is other replicas' traffic:
+        # waiting first (our prefilling legs may sit in either queue), the rest running.
+        others = max(s.running + s.waiting - s.prefilling - s.decoding, 0.0)
+        s.others_waiting = min(others, max(s.waiting - s.prefilling, 0.0))
+        s.others_running = others - s.others_waiting
         s.kv_usage = load.get(KV_USAGE, 0.0)
         s.last_scrape_ok = self.clock()
         if models is not None and not s.config.models:

@@ -1,6 +1,8 @@
 """The cost model's formula, the online fit of engine speeds, and the token-level load."""
 import random
 
+import pytest
+
 from router.backends import BackendRegistry
 from router.config import BackendConfig, HealthConfig, RoutingConfig
 from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
@@ -129,6 +131,32 @@ def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic():
     r.open_leg("d0", 500)
     r.record_scrape("d0", {"vllm:num_requests_waiting": 3.0, "vllm:num_requests_running": 5.0}, None)
     view = r.snapshot().get("d0")
-    # Our one leg explains one waiting request; two more at the mean prompt length.
+    # Our one leg explains one waiting request; two more at the mean prompt length; the
+    # five running are other replicas' too (our only leg is the waiting one).
     assert view.queued_tokens == 500 + 2 * 2000
-    assert view.decoding == 4.0  # 5 running, one of them our prefilling leg
+    assert view.decoding == 5.0
+
+
+def test_a_scrape_is_a_moment_of_the_past():
+    """A scrape that caught this router's own burst counts none of it as other replicas'
+    traffic once the burst is gone, and other replicas' waiting prompts drain at the
+    engine's measured speed after the scrape."""
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    r.learner.mean_prompt_tokens = 1000
+    tickets = [r.open_leg("d0", 1000) for _ in range(4)]
+    r.record_scrape("d0", {"vllm:num_requests_waiting": 4.0, "vllm:num_requests_running": 0.0}, None)
+    for t in tickets:
+        r.first_token(t)
+        r.close_leg(t)
+    view = r.snapshot().get("d0")
+    assert (view.queued_tokens, view.decoding) == (0.0, 0.0)
+    # Two prompts of another replica waiting at the scrape: 2,000 tokens, drained at the
+    # prior's 10,000 tokens/s.
+    r.record_scrape("d0", {"vllm:num_requests_waiting": 2.0, "vllm:num_requests_running": 1.0}, None)
+    assert r.snapshot().get("d0").queued_tokens == 2000.0
+    now[0] = 0.1
+    assert r.snapshot().get("d0").queued_tokens == pytest.approx(1000.0)
+    now[0] = 0.5
+    assert r.snapshot().get("d0").queued_tokens == 0.0
+    assert r.snapshot().get("d0").decoding == 1.0
