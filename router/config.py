@@ -35,7 +35,7 @@ ROLES = ("decode", "prefill", "both")
 ENGINE_ROLES = ("producer", "consumer", "both")
 ENGINE_KINDS = ("sim", "vllm")
 STRATEGIES = ("probe", "round_robin", "least_loaded", "prefix_tree")
-RACE_MODES = ("auto", "always")
+AUTO_OR_ALWAYS = ("auto", "always")
 # An engine's role in the launcher maps to the router-side backend role.
 ENGINE_ROLE_TO_BACKEND_ROLE = {"producer": "prefill", "consumer": "decode", "both": "both"}
 
@@ -76,6 +76,11 @@ class RoutingConfig:
     # "auto": race when the measured saving of past races outweighs waiting for verdicts;
     # "always": race every request (the engines are the only index the router trusts).
     race: str = "auto"
+    # "auto": a prompt nobody accepted is split (prefill/decode) when the cost model predicts
+    # the split sooner; "always": split whenever a producer is available and the prompt is
+    # over min_pd_prompt_tokens (keeps prefills off the decoders, for their inter-token
+    # latency, which the time-to-first-token model does not weigh).
+    split: str = "auto"
     # Probe race deadline floor; the cost model adds twice the slowest probed engine's
     # predicted time to first token as an acceptor. Silent engines then count as rejections.
     probe_deadline_ms: float = 250.0
@@ -377,8 +382,10 @@ def parse_config(raw: dict[str, Any]) -> Config:
 
     routing = _build(p, RoutingConfig, "routing", _without_retired(raw.get("routing", {}), "routing"))
     if routing is not None:
-        if routing.race not in RACE_MODES:
-            p.add(f"routing.race: expected one of {', '.join(RACE_MODES)}, got {routing.race!r}")
+        if routing.race not in AUTO_OR_ALWAYS:
+            p.add(f"routing.race: expected one of {', '.join(AUTO_OR_ALWAYS)}, got {routing.race!r}")
+        if routing.split not in AUTO_OR_ALWAYS:
+            p.add(f"routing.split: expected one of {', '.join(AUTO_OR_ALWAYS)}, got {routing.split!r}")
         if routing.strategy not in STRATEGIES:
             p.add(f"routing.strategy: expected one of {', '.join(STRATEGIES)}, got {routing.strategy!r}")
         p.check(_fraction, "routing.cache_hit_threshold", routing.cache_hit_threshold)

@@ -11,7 +11,9 @@ over the one cost model (router/costmodel.py):
 
 The least predicted time wins. A split is considered only when a prefill backend other
 than the decoder exists and the decoder would lack at least `min_pd_prompt_tokens` (an
-operator's floor: below it a KV transfer is never worth its moving parts).
+operator's floor: below it a KV transfer is never worth its moving parts). With
+`routing.split = "always"` such a split is always taken (the fastest pair), to keep
+prefills off the decoders.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConf
     producers = [b for b in snap.prefillers(query.model) if b.name not in exclude]
     if not producers or n < routing.min_pd_prompt_tokens:
         return best
-    best_key = (direct_s, 0.0)
+    # split "always": any split beats computing on a decoder.
+    best_key = (float("inf") if routing.split == "always" else direct_s, 0.0)
     for p in producers:
         # Ties (the consumer's queue decides) go to the producer that finishes sooner.
         prefill_s = costmodel.ttft(p.speed, p.queued_tokens, p.decoding, n)

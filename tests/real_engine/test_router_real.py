@@ -42,17 +42,14 @@ class RealCluster:
     def __init__(self, producer_url: str, consumer_url: str, routing: dict):
         self.config = parse_config({
             "server": {"port": 0},
-            "routing": {"min_pd_prompt_tokens": 16, **routing},
+            # These tests are of the split's mechanics: every request races and every prompt
+            # nobody accepted is split, whatever the cost model would say of these engines.
+            "routing": {"min_pd_prompt_tokens": 16, "race": "always", "split": "always", **routing},
             "timeouts": {"first_token_s": 120, "idle_s": 120, "total_s": 600},
             # vLLM on two busy CPU cores can take seconds to answer /metrics.
             "health": {"scrape_interval_s": 2.0, "check_interval_s": 4.0},
-            # Priors under which the cost model splits a cold prompt (the producer predicted
-            # far faster than the consumer) until measurements replace them: these tests are
-            # of the split's mechanics, on engines whose real speeds would not call for one.
-            "backends": [{"name": "producer", "url": producer_url, "role": "prefill",
-                          "prefill_tokens_per_s": 1_000_000.0},
-                         {"name": "consumer", "url": consumer_url, "role": "decode",
-                          "prefill_tokens_per_s": 100.0}],
+            "backends": [{"name": "producer", "url": producer_url, "role": "prefill"},
+                         {"name": "consumer", "url": consumer_url, "role": "decode"}],
         })
 
     async def __aenter__(self) -> "RealCluster":

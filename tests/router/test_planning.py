@@ -212,6 +212,18 @@ def test_fallback_computes_on_an_idle_decoder_rather_than_split():
     assert plan_fallback(Q, s, R, prompt_tokens=1000).prefill is None
 
 
+def test_split_always_takes_the_fastest_pair_over_an_idle_decoder():
+    always = replace(R, split="always")
+    s = snap(view("d0"), view("d1", queued=5000), view("p0", decodes=False, prefills=True),
+             view("p1", decodes=False, prefills=True, queued=2000))
+    assert plan_fallback(Q, s, R, 1000).prefill is None  # the model: d0 computes it sooner
+    fb = plan_fallback(Q, s, always, 1000)
+    assert (fb.prefill, fb.decode) == ("p0", "d0")
+    assert fb.decode_threshold == always.decode_guard_threshold
+    # Below the floor nothing is split.
+    assert plan_fallback(RouteQuery("m", "hi", prompt_tokens=10), s, always, 10).prefill is None
+
+
 def test_fallback_floor_and_missing_producers():
     s = snap(view("d0", queued=50_000), view("p0", decodes=False, prefills=True))
     short = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens - 1)
