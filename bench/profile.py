@@ -52,7 +52,8 @@ def _short(frame: str) -> str:
     # py-spy raw frames look like "func (path/to/file.py:123)"; keep func and file:line.
     name, _, loc = frame.partition(" (")
     loc = loc.rstrip(")").rsplit(":", 1)[0]  # per function, not per line
-    for marker in ("site-packages/", "/work/main/", "lib/python3"):
+    repo = str(Path(__file__).resolve().parent.parent) + "/"
+    for marker in ("site-packages/", repo, "lib/python3"):
         if marker in loc:
             loc = loc.split(marker, 1)[1]
     return f"{name} ({loc})" if loc else name

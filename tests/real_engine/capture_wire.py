@@ -132,7 +132,7 @@ CASES: dict[str, tuple[str, str, object]] = {
     "version": ("GET", "/version", None),
 }
 
-# The prefill leg as the router sends it (ENGINE_NOTES.md / ARCHITECTURE.md).
+# The prefill leg as the router sends it (docs/ARCHITECTURE.md).
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
 DISAGG_PROMPT = " ".join(["the cache block is ready for the decode engine"] * 12)

@@ -1,4 +1,4 @@
-"""Fixtures of the reliability suite (issue 6).
+"""Fixtures of the reliability suite (engines that fail, stall and refuse).
 
 - `make_cluster`: a router in this test's event loop in front of in-process simulated
   engines (tests/router/cluster_util.py), for white-box checks (engine running counts).

@@ -1,4 +1,4 @@
-"""Backpressure (issue 6, item 4): server.max_concurrent_requests execute, a bounded queue
+"""Backpressure: server.max_concurrent_requests execute, a bounded queue
 (max_queued_requests) waits at most queue_timeout_s, everything else gets 429 with
 Retry-After at once; memory stays bounded whatever arrives."""
 from __future__ import annotations

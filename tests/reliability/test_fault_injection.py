@@ -1,4 +1,4 @@
-"""Fault injection under load (issue 6, item 7).
+"""Fault injection under load.
 
 Four simulated engines as real processes behind `router --config` (also a process):
 d0 is SIGKILLed mid-stream, d1 stalls every stream (the router's idle timeout fires), d2

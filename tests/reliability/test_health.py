@@ -1,4 +1,4 @@
-"""Backend health and the circuit breaker (issue 6, item 1), through HTTP only.
+"""Backend health and the circuit breaker, through HTTP only.
 
 Engines are simulator processes and the router is `router --config`: an engine is stopped
 for real (SIGKILL), skipped, restarted on the same port and used again; an engine that

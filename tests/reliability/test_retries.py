@@ -1,4 +1,4 @@
-"""Retries (issue 6, item 2): a connection failure or a 5xx before the first token is
+"""Retries: a connection failure or a 5xx before the first token is
 retried on another backend, at most routing.max_retries times; a 4xx is the client's and
 is not retried; after the first token the resume path takes over (test_fault_injection,
 test_timeouts, tests/router/test_resume.py)."""

@@ -1,4 +1,4 @@
-"""Timeouts (issue 6, item 3): connect, first token, idle between chunks, total.
+"""Timeouts: connect, first token, idle between chunks, total.
 
 Each ends with a precise OpenAI-style error (504 naming what timed out; once the stream
 started, an error event then [DONE]) and cancels the upstream request: the engine's
