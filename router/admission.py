@@ -201,8 +201,11 @@ def _parse_messages(body: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None) -> RequestSpec:
-    """Validate `raw` (the client's body) for `endpoint`; raises RouterError(400)."""
+def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None,
+                  header_request_id: str | None = None) -> RequestSpec:
+    """Validate `raw` (the client's body) for `endpoint`; raises RouterError(400).
+    `header_request_id` (the client's X-Request-Id, checked) names the answer before the
+    body's `request_id`, as in vLLM."""
     if endpoint not in ID_PREFIX:
         raise ValueError(f"unknown endpoint {endpoint!r}")
     try:
@@ -268,7 +271,9 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
         max_tokens = mct if mct is not None else mt
 
     client_id = body.get("request_id")
-    if client_id is not None:
+    if header_request_id is not None:
+        request_id = ID_PREFIX[endpoint] + header_request_id
+    elif client_id is not None:
         if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS:
             raise _bad(f"`request_id` must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
                        "characters.", "request_id")

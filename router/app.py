@@ -26,6 +26,7 @@ from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, parse_request
 from .backends import BREAKER_STATE_VALUE, BackendRegistry, BackendState
 from .config import Config
 from .dispatch import Dispatcher
+from .forward import Forwarder
 from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .metrics import RequestRecord, RouterMetrics
@@ -33,6 +34,7 @@ from .planning import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
 from .respond import SSEWriter
 from .shaping import ResponseShaper
+from .trace_context import client_request_id, trace_middleware
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.app")
@@ -179,19 +181,22 @@ class RouterState:
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
             async with self.limiter.slot():
+                header_id = client_request_id(request)
                 raw = await self._read_body(request)
                 served = self.registry.models()
-                spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None)
+                spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None,
+                                     header_request_id=header_id)
+                answer_id = header_id or spec.request_id  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
                 if spec.model is not None and served and spec.model not in served:
                     raise errors.model_not_found(spec.model, served)
                 if self.dispatcher.passes_through(spec):
                     raw = await self.dispatcher.serve_unary(spec, rec)
                     return web.Response(body=raw, content_type="application/json",
-                                        headers={"X-Request-Id": spec.request_id})
+                                        headers={"X-Request-Id": answer_id})
                 shaper = ResponseShaper(spec)
                 if spec.stream:
-                    writer = SSEWriter(request, spec.request_id)
+                    writer = SSEWriter(request, answer_id)
                     try:
                         await self.dispatcher.serve(spec, shaper, writer.send, rec)
                         await writer.send(shaper.final_chunks())
@@ -202,7 +207,7 @@ class RouterState:
                         rec.status, rec.error = e.status, e.message
                         return await writer.fail(e)
                 await self.dispatcher.serve(spec, shaper, _discard, rec)
-                return json_response(shaper.accumulate_response(), headers={"X-Request-Id": spec.request_id})
+                return json_response(shaper.accumulate_response(), headers={"X-Request-Id": answer_id})
         except errors.RouterError as e:
             rec.status, rec.error = e.status, e.message
             if e.status == 429:
@@ -367,7 +372,8 @@ async def error_middleware(request: web.Request, handler):
 
 def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
     state = RouterState(config, start_engines=start_engines)
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, trace_middleware],
+                          client_max_size=config.server.max_body_bytes)
     app[ROUTER_KEY] = state
 
     async def lifecycle(app: web.Application):
@@ -382,6 +388,7 @@ def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
     app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS))
     app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT))
     app.router.add_get("/v1/models", state.handle_models)
+    Forwarder(state).add_routes(app.router)  # vLLM's other routes (router/forward.py)
     app.router.add_get("/health", state.handle_health)
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)

@@ -49,6 +49,9 @@ class ServerConfig:
     # Key for admin routes (/admin/*). Empty: admin routes disabled.
     admin_api_key: str = ""
     max_body_bytes: int = 4 * 1024 * 1024
+    # Audio uploads (multipart, streamed to the engine, never held whole): vLLM's own
+    # default limit (VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25).
+    max_upload_bytes: int = 25 * 1024 * 1024
     # Requests executing at once; past it, up to max_queued_requests wait queue_timeout_s.
     max_concurrent_requests: int = 1024
     max_queued_requests: int = 1024
@@ -368,6 +371,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     if server is not None:
         p.check(_port, "server.port", server.port, allow_zero=True)
         p.check(_positive, "server.max_body_bytes", server.max_body_bytes)
+        p.check(_positive, "server.max_upload_bytes", server.max_upload_bytes)
         p.check(_positive, "server.max_concurrent_requests", server.max_concurrent_requests)
         p.check(_positive, "server.max_queued_requests", server.max_queued_requests, allow_zero=True)
         p.check(_positive, "server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)

@@ -22,6 +22,7 @@ import orjson
 
 from .config import TimeoutsConfig
 from .sse import SSEDecoder, SSEError
+from .trace_context import upstream_headers
 
 # Failure kinds, in the words a client error message uses.
 CONNECT = "connect"  # could not connect / connection refused
@@ -196,7 +197,7 @@ class UpstreamClient:
 
     @staticmethod
     def _headers(api_key: str) -> dict[str, str]:
-        h = {"Content-Type": "application/json"}
+        h = {"Content-Type": "application/json", **upstream_headers()}  # the client's trace context
         if api_key:
             h["Authorization"] = f"Bearer {api_key}"
         return h

@@ -55,7 +55,7 @@ class FaultConfig:
     0 disables each fault.
     """
 
-    # Fraction of generation requests answered with HTTP 500 before any work.
+    # Fraction of requests (generation, embeddings, tokenize, audio) answered with HTTP 500 before any work.
     error_rate: float = 0.0
     # After this many generated tokens (engine-wide), the engine dies: the CLI process
     # exits; an in-process engine drops every connection and stops serving.

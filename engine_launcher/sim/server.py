@@ -3,7 +3,7 @@ own side channel and admin routes.
 
 vLLM routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics, GET /version, POST /reset_prefix_cache (a dev-mode route in vLLM, always on
-here).
+here), POST /v1/embeddings, /tokenize, /detokenize, /v1/audio/* (aux_routes.py).
 Simulator routes: POST /_sim/kv/pull (the KV side channel a consumer calls on the producer
 named by remote_host/remote_port), GET /_sim/state (white-box numbers), GET/POST
 /_sim/faults (runtime fault changes; 404 unless enable_admin).
@@ -32,6 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import responses as R
+from .aux_routes import AuxRoutes
 from .config import VLLM_VERSION, FaultConfig, SimEngineConfig
 from .engine import SimEngine, SimRequest
 from .protocol import ApiError, json_error, parse_request
@@ -87,6 +88,8 @@ class SimServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        self.aux = AuxRoutes(self.config)  # /v1/embeddings, /tokenize, /detokenize, audio
+        self.aux.add_to(app)
         app.router.add_post("/_sim/kv/pull", self._kv_pull)
         app.router.add_get("/_sim/state", self._state)
         app.router.add_get("/_sim/faults", self._get_faults)
