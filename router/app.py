@@ -34,7 +34,8 @@ from .planning import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
 from .respond import SSEWriter
 from .shaping import ResponseShaper
-from .trace_context import client_request_id, trace_middleware
+from . import tracing
+from .trace_context import client_request_id
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.app")
@@ -55,8 +56,10 @@ def error_response(err: errors.RouterError) -> web.Response:
 class RouterState:
     """Everything one running router owns."""
 
-    def __init__(self, config: Config, *, start_engines: bool = True):
+    def __init__(self, config: Config, *, start_engines: bool = True, span_exporter=None):
         self.config = config
+        # OpenTelemetry ([tracing]); span_exporter: tests' in-memory exporter instead of OTLP.
+        self.tracing = tracing.Tracing(config.tracing, span_exporter) if config.tracing.enabled else None
         self.start_engines = start_engines
         self.metrics = RouterMetrics()
         self.limiter = ConcurrencyLimiter(config.server.max_concurrent_requests,
@@ -133,6 +136,8 @@ class RouterState:
             await self.client.close()
         if self.supervisor is not None:
             await self.supervisor.stop()
+        if self.tracing is not None:  # flushes the last spans (blocking HTTP: off the loop)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     def _bind_backend_gauges(self, s: BackendState) -> None:
         # The gauges read the backend's state when scraped: nothing to do on the request
@@ -370,9 +375,9 @@ async def error_middleware(request: web.Request, handler):
         raise
 
 
-def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
-    state = RouterState(config, start_engines=start_engines)
-    app = web.Application(middlewares=[error_middleware, trace_middleware],
+def build_app(config: Config, *, start_engines: bool = True, span_exporter=None) -> web.Application:
+    state = RouterState(config, start_engines=start_engines, span_exporter=span_exporter)
+    app = web.Application(middlewares=[tracing.middleware(lambda: state.tracing), error_middleware],
                           client_max_size=config.server.max_body_bytes)
     app[ROUTER_KEY] = state
 

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from . import errors
+from . import errors, tracing
 from .admission import RequestSpec
 from .backends import BackendRegistry, LegTicket
 from .config import Config
@@ -129,6 +129,7 @@ class Dispatcher:
                     502, f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
                          "the engine did not return the token ids it needs.")
             rec.resumes.append(reason)
+            tracing.mark_resuming()
             log.info("request %s: resuming after %s on %s (%d tokens so far)",
                      spec.request_id, reason, leg.backend, answer_tokens)
             body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, shaper.generated_token_ids,
@@ -279,10 +280,11 @@ class Dispatcher:
             if plan.probes:
                 tickets: dict[str, LegTicket] = {}
                 sent = loop.time()
-                result = await run_race(
-                    plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline,
-                                              0, tickets),
-                    plan.deadline_s, plan.deadline_per_prompt_token_s)
+                with tracing.span("probe_race", **{"cachehit.probes": len(plan.probes)}):
+                    result = await run_race(
+                        plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline,
+                                                  0, tickets),
+                        plan.deadline_s, plan.deadline_per_prompt_token_s)
                 self._account_race(result, rec)
                 if result.winner is not None:
                     self._race_finished(query, plan, result, None)

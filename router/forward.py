@@ -35,7 +35,8 @@ from aiohttp import web
 from . import errors
 from .backends import ClusterSnapshot
 from .metrics import RequestRecord
-from .trace_context import client_request_id, upstream_headers
+from . import tracing
+from .trace_context import client_request_id
 
 if TYPE_CHECKING:
     from .app import RouterState
@@ -268,7 +269,8 @@ class Forwarder:
                 break
             exclude.add(name)
             cfg = registry.states[name].config
-            headers = {**upstream_headers(), **({"Content-Type": content_type} if content_type else {})}
+            leg, trace = tracing.start_leg(tracing.LEG_FORWARD, name, request.path)
+            headers = {**trace, **({"Content-Type": content_type} if content_type else {})}
             if cfg.api_key:
                 headers["Authorization"] = f"Bearer {cfg.api_key}"
             if rec.request_id:
@@ -276,6 +278,7 @@ class Forwarder:
             data = upload() if rest is not None else body
             registry.acquire(name)
             resp: aiohttp.ClientResponse | None = None
+            outcome = "failed"
             try:
                 try:
                     async with asyncio.timeout_at(min(deadline, loop.time() + timeouts.first_token_s)):
@@ -312,8 +315,11 @@ class Forwarder:
                 rec.route, rec.winner, rec.status = ROUTE_FORWARD, name, resp.status
                 rec.legs.append(f"{ROUTE_FORWARD}:{name}")
                 rec.ttft_s = loop.time() - started
-                return await self._relay(request, rec, resp, first, deadline)
+                answer = await self._relay(request, rec, resp, first, deadline)
+                outcome = "done" if rec.status < 500 else f"HTTP {rec.status}"
+                return answer
             finally:
+                tracing.end_leg(leg, outcome, "" if outcome == "done" else outcome)
                 registry.release(name)
                 if resp is not None and not resp.closed:
                     resp.close()

@@ -4,8 +4,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .tracing import annotate_request
 
 log = logging.getLogger("cachehit_router.requests")
 
@@ -111,9 +112,10 @@ class RouterMetrics:
         self.duration.observe(rec.duration_s)
         for reason in rec.resumes:
             self.resumes.labels(reason).inc()
+        annotate_request(rec)
         if not log.isEnabledFor(logging.INFO):
             return
-        log.info("%s", orjson.dumps({
+        log.info("request", extra={"request": {
             "request_id": rec.request_id, "endpoint": rec.endpoint, "model": rec.model,
             "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,
             "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
@@ -124,4 +126,4 @@ class RouterMetrics:
             "duration_ms": round(rec.duration_s * 1000, 2), "status": rec.status,
             "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
             **({"error": rec.error} if rec.error else {}),
-        }).decode())
+        }})  # one JSON line (router/logs.py)

@@ -13,13 +13,13 @@
   on, the router's own span for the leg replaces the parent (router/tracing.py).
 
 The headers a leg carries live in a context variable set once per request by
-`trace_middleware`: asyncio copies it into every task the request starts (probe races
+`tracing.middleware`: asyncio copies it into every task the request starts (probe races
 included), and `UpstreamClient` adds them to each call.
 """
 from __future__ import annotations
 
 import re
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 
 from aiohttp import web
 
@@ -65,15 +65,10 @@ def upstream_headers() -> dict[str, str]:
     return _UPSTREAM.get()
 
 
-def set_upstream_headers(headers: dict[str, str]) -> None:
-    _UPSTREAM.set(headers)
+def push_upstream_headers(headers: dict[str, str]) -> Token:
+    """Set for the request being served (tracing.middleware); `pop_upstream_headers` after."""
+    return _UPSTREAM.set(headers)
 
 
-@web.middleware
-async def trace_middleware(request: web.Request, handler):
-    # Requests of one keep-alive connection can share a task (and so a context): reset.
-    token = _UPSTREAM.set(trace_headers(request))
-    try:
-        return await handler(request)
-    finally:
-        _UPSTREAM.reset(token)
+def pop_upstream_headers(token: Token) -> None:
+    _UPSTREAM.reset(token)

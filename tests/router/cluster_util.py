@@ -120,7 +120,11 @@ async def make_cluster():
     async def make(decoders: int = 2, prefillers: int = 0, routing: dict | None = None,
                    sim: dict | None = None, per_engine: dict | None = None, timeouts: dict | None = None,
                    server: dict | None = None, health: dict | None = None,
-                   per_backend: dict | None = None) -> Cluster:
+                   per_backend: dict | None = None,
+                   tracing: dict | None = None, span_exporter=None,
+                   front=None) -> Cluster:
+        """front: `await front(name, engine_url)` gives the URL the router uses for an
+        engine instead of its own (a recording proxy in front of it)."""
         engines, backends, roles = {}, [], {}
         base = SimEngineConfig(**{"model": MODEL, "speed": DEFAULT_SPEED, **(sim or {})})
         names = [(f"d{i}", "consumer", "decode") for i in range(decoders)] + \
@@ -128,7 +132,8 @@ async def make_cluster():
         for name, role, brole in names:
             cfg = replace(base, role=role, **((per_engine or {}).get(name, {})))
             engines[name] = await start_sim_engine(cfg, port=0)
-            backends.append({"name": name, "url": engines[name].url, "role": brole,
+            url = engines[name].url if front is None else await front(name, engines[name].url)
+            backends.append({"name": name, "url": url, "role": brole,
                              **((per_backend or {}).get(name, {}))})
             roles[name] = brole
         config = parse_config({
@@ -137,8 +142,9 @@ async def make_cluster():
             "timeouts": {"first_token_s": 20, "idle_s": 10, "total_s": 60, **(timeouts or {})},
             "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, **(health or {})},
             "backends": backends,
+            **({"tracing": tracing} if tracing else {}),
         })
-        app = build_app(config, start_engines=False)
+        app = build_app(config, start_engines=False, span_exporter=span_exporter)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
