@@ -152,6 +152,8 @@ class RouterState:
         assert registry is not None
         m.queued_tokens.labels(name).set_function(lambda: s.queued_tokens)
         m.prefill_speed.labels(name).set_function(lambda: 1.0 / max(registry.learner.speed(name).per_token_s, 1e-9))
+        m.threshold_capable.labels(name).set_function(
+            lambda: -1 if s.threshold_capable is None else int(s.threshold_capable))
 
     # --- auth --------------------------------------------------------------------------
     def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:

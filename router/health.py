@@ -14,6 +14,7 @@ import logging
 import aiohttp
 import orjson
 
+from . import capability
 from .backends import BackendRegistry, parse_load_metrics
 from .config import HealthConfig
 from .upstream import UpstreamClient
@@ -56,8 +57,16 @@ class HealthMonitor:
             definitive = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError)) or (
                 isinstance(e, RuntimeError))  # refused, or an HTTP error status from the engine
             self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive)
+            if not state.healthy:  # checked again when it answers: it may be another engine now
+                state.threshold_capable = None
             return
         self.registry.record_scrape(name, load, models)
+        if state.threshold_capable is None and state.config.decodes:
+            model = state.models[0] if state.models else None
+            capable = await capability.threshold_capable(self.client, name, url, key, model, self._timeout_s)
+            if capable is not None:
+                state.threshold_capable = capable
+                capability.report(name, capable)
 
     async def check_all(self, with_health: bool = True) -> None:
         await asyncio.gather(*(self.check_one(n, with_health) for n in self.registry.states))

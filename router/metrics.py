@@ -91,6 +91,10 @@ class RouterMetrics:
         self.race_wait = Gauge("cachehit_router_race_wait_seconds",
                                "What waiting for the verdicts of a race nobody won has been costing (measured)",
                                registry=r)
+        self.threshold_capable = Gauge(
+            "cachehit_router_backend_threshold_capable",
+            "1: the engine runs the cache-hit threshold; 0: it does not (never probed); -1: not checked yet",
+            ["backend"], registry=r)
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served",
                                      registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)

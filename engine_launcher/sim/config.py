@@ -94,6 +94,9 @@ class SimEngineConfig:
     eos_probability: float = 0.0
     # Cache-hit threshold (vLLM RFC 24256).
     global_cache_hit_threshold: float = 0.0
+    # False: act as a stock vLLM without the threshold plugin: `cache_hit_threshold` (top
+    # level or in vllm_xargs) is ignored unchecked and no request is ever rejected.
+    threshold_plugin: bool = True
     arrival_check: bool = True
     # NIXL-like prefill/decode.
     kv_lease_duration: float = 30.0

@@ -362,4 +362,4 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
         chat=chat, model=model, prompt_ids=prompt_ids, sampling=sampling, stream=bool(stream),
         include_usage=include_usage, continuous_usage=continuous,
         return_token_ids=return_token_ids, want_logprobs=want,
-        threshold=parse_threshold(b.raw), kv_transfer_params=kv)
+        threshold=parse_threshold(b.raw) if cfg.threshold_plugin else None, kv_transfer_params=kv)

@@ -28,6 +28,9 @@ class Cluster:
     app: web.Application
     runner: web.AppRunner
     roles: dict = field(default_factory=dict)
+    # Engine counters (`*_total`) when the cluster became ready: the router's threshold
+    # capability check sent each decode engine one request before the test began.
+    baseline: dict = field(default_factory=dict)
 
     @property
     def state(self):
@@ -66,11 +69,33 @@ class Cluster:
         return out
 
     async def engine_metric(self, name: str, metric: str) -> float:
-        """An engine's metric read from its own /metrics, summed over label sets."""
+        """An engine's metric read from its own /metrics, summed over label sets; a counter
+        counts from when the cluster was ready (see `baseline`)."""
+        return await self._raw_engine_metric(name, metric) - self.baseline.get((name, metric), 0.0)
+
+    async def _raw_engine_metric(self, name: str, metric: str) -> float:
         async with self.session.get(self.engines[name].url + "/metrics") as r:
             text = await r.text()
         return sum(s.value for fam in text_string_to_metric_families(text)
                    for s in fam.samples if s.name == metric)
+
+    async def wait_capability_checked(self, timeout: float = 15.0) -> None:
+        """Until the router knows whether each decode engine runs the threshold, then note
+        the engines' counters: tests count from there."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        states = self.state.registry.states
+        while any(s.threshold_capable is None for s in states.values() if s.config.decodes):
+            if loop.time() >= end:
+                raise AssertionError("threshold capability never checked")
+            await asyncio.sleep(0.02)
+        for n, e in self.engines.items():
+            async with self.session.get(e.url + "/metrics") as r:
+                text = await r.text()
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    if s.name.endswith("_total"):
+                        self.baseline[(n, s.name)] = self.baseline.get((n, s.name), 0.0) + s.value
 
     async def engine_metrics(self, metric: str) -> dict[str, float]:
         return {n: await self.engine_metric(n, metric) for n in self.engines}
@@ -153,6 +178,7 @@ async def make_cluster():
         c = Cluster(f"http://127.0.0.1:{port}", engines, aiohttp.ClientSession(), app, runner, roles)
         clusters.append(c)
         await c.wait_all_healthy()
+        await c.wait_capability_checked()
         return c
 
     yield make

@@ -15,6 +15,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTrac
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from cluster_util import MODEL, FaultConfig, long_prompt
+from router.capability import CHECK_PROMPT_PREFIX
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -31,10 +32,11 @@ class RecordingFront:
 
     async def __call__(self, name: str, target: str) -> str:
         async def handle(request: web.Request) -> web.StreamResponse:
-            if request.path not in ("/health", "/metrics", "/v1/models"):
+            body = await request.read()
+            if request.path not in ("/health", "/metrics", "/v1/models") and \
+                    CHECK_PROMPT_PREFIX.encode() not in body:  # the router's capability check
                 self.seen.append({"engine": name, "path": request.path,
                                   "headers": {k.lower(): v for k, v in request.headers.items()}})
-            body = await request.read()
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
             async with self.session.request(request.method, target + request.path_qs, data=body or None,
                                             headers=headers) as up:
