@@ -61,7 +61,9 @@ class RouterState:
         # OpenTelemetry ([tracing]); span_exporter: tests' in-memory exporter instead of OTLP.
         self.tracing = tracing.Tracing(config.tracing, span_exporter) if config.tracing.enabled else None
         self.start_engines = start_engines
-        self.metrics = RouterMetrics()
+        # The model label's values: what the backends serve (self.registry, set in start).
+        self.metrics = RouterMetrics(config.timeouts.total_s,
+                                     lambda: self.registry.models() if self.registry is not None else ())
         self.limiter = ConcurrencyLimiter(config.server.max_concurrent_requests,
                                           config.server.max_queued_requests,
                                           config.server.queue_timeout_s)

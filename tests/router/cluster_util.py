@@ -58,9 +58,10 @@ class Cluster:
             return r.status, events
 
     def router_metric(self, name: str, **labels) -> float:
-        reg = self.state.metrics.registry
-        v = reg.get_sample_value(name, labels or None)
-        return v or 0.0
+        """A router sample summed over the label sets that include `labels` (so a test
+        need not name every label, e.g. `model`)."""
+        return sum(s.value for fam in self.state.metrics.registry.collect() for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def routes(self) -> dict[str, float]:
         out = {}
