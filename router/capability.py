@@ -8,9 +8,11 @@ the simulator) rejects it (`finish_reason: "cache_threshold"`); one that generat
 stock: it is still routed to, directly and as a fallback, but never probed, and the
 router warns once and shows it in `cachehit_router_backend_threshold_capable`.
 
-The check runs with the health checks: at start (before the router serves) and whenever
-a backend answers its health checks with its capability unknown: first contact, or back
-after it stopped answering (it may have been replaced by another engine).
+The check runs with the `/health` checks: at start (before the router serves) and whenever
+a backend answers its health checks with its capability unknown: first contact, back after
+it stopped answering (it may have been replaced by another engine), or the check itself
+was not answered (an engine failing requests; asked again every `health.check_interval_s`).
+Until an engine has answered, it is probed as if it ran the threshold.
 """
 from __future__ import annotations
 

@@ -61,7 +61,8 @@ class HealthMonitor:
                 state.threshold_capable = None
             return
         self.registry.record_scrape(name, load, models)
-        if state.threshold_capable is None and state.config.decodes:
+        # Unanswered (an engine failing requests): asked again with the next /health check.
+        if state.threshold_capable is None and state.config.decodes and with_health:
             model = state.models[0] if state.models else None
             capable = await capability.threshold_capable(self.client, name, url, key, model, self._timeout_s)
             if capable is not None:
