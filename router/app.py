@@ -288,10 +288,7 @@ class RouterState:
         assert self.registry is not None
         if self._api_keys and not self.authorized(request, self._api_keys):
             return error_response(errors.unauthorized())
-        created = int(time.time())
-        return json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
-             "parent": None, "permission": []} for m in self.registry.models()]})
+        return json_response(models_answer(self.registry, self.monitor.model_cards if self.monitor else {}))
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -347,6 +344,25 @@ def _admin_view(s: BackendState) -> dict:
         "healthy": s.healthy, "breaker": s.breaker, "draining": s.draining, "inflight": s.inflight,
         "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
         "consecutive_failures": s.consecutive_failures, "last_error": s.last_error}
+
+
+def models_answer(registry: BackendRegistry, cards: dict[str, list[dict]]) -> dict:
+    """vLLM's ModelList over the healthy backends: each model once, as an engine serving it
+    describes it (root, parent for a LoRA adapter, max_model_len); a model only known from
+    the configuration gets a card of its own."""
+    out: dict[str, dict] = {}
+    served = set(registry.models())
+    for name, state in registry.states.items():
+        if not state.healthy:
+            continue
+        for c in cards.get(name, ()):
+            if c["id"] in served:
+                out.setdefault(c["id"], c)
+    created = int(time.time())
+    for m in served - out.keys():
+        out[m] = {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
+                  "parent": None, "max_model_len": None, "permission": []}
+    return {"object": "list", "data": list(out.values())}
 
 
 def _digest(key: bytes) -> bytes:

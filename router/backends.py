@@ -339,7 +339,9 @@ class BackendRegistry:
         s.others_running = others - s.others_waiting
         s.kv_usage = load.get(KV_USAGE, 0.0)
         s.last_scrape_ok = self.clock()
-        if models is not None and not s.config.models:
+        if models is not None and not s.config.models and models != s.models:
+            if s.models:
+                log.info("backend %s: now serves %s", name, ", ".join(models))
             s.models = models
         if not s.healthy:
             log.info("backend %s: answers its health checks again%s", name,

@@ -56,7 +56,7 @@ async def _body(request: web.Request, cfg: SimEngineConfig) -> dict:
     if not isinstance(body, dict):
         raise ApiError("Request body must be a JSON object.")
     model = body.get("model")
-    if model is not None and model != cfg.model:
+    if model is not None and model != cfg.model and model not in cfg.lora_modules:
         raise ApiError(f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
                        404, "NotFoundError", "model")
     return body

@@ -113,6 +113,10 @@ class SimEngineConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     # Enables POST /_sim/faults (runtime fault changes).
     enable_admin: bool = False
+    # LoRA adapters served besides the model: name -> path (vLLM's --lora-modules); also
+    # loaded and unloaded at runtime with POST /v1/load_lora_adapter, /v1/unload_lora_adapter.
+    # The simulator has no weights: an adapter answers as the base model does.
+    lora_modules: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.role not in ROLES:

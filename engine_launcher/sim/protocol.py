@@ -252,7 +252,7 @@ def _chat_prompt_ids(b: _Body) -> list[int]:
 def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     b = _Body(raw)
     model = b.get("model", "str", cfg.model)
-    if model != cfg.model:
+    if model != cfg.model and model not in cfg.lora_modules:
         raise ApiError(f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
                        404, "NotFoundError", "model")
     # Type checks first (pydantic validates the whole model before any value check).

@@ -84,6 +84,8 @@ class SimServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
@@ -176,7 +178,7 @@ class SimServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold,
                          parsed.kv_transfer_params)
-        ctx = R.ResponseContext(rid, int(time.time()), cfg.model, self.fingerprint, parsed)
+        ctx = R.ResponseContext(rid, int(time.time()), parsed.model, self.fingerprint, parsed)
         transport = request.transport
         if transport is not None:
             self._transports.add(transport)
@@ -283,18 +285,54 @@ class SimServer:
     # --- other routes ------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
+        """The base model, then each LoRA adapter (vLLM's ModelCard: an adapter's root is
+        its path, its parent the base model, its max_model_len null)."""
         m = self.config.model
-        return _json({"object": "list", "data": [{
-            "id": m, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": m, "parent": None, "max_model_len": self.config.max_model_len,
-            "permission": [{
-                "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, m).hex}",
-                "object": "model_permission", "created": self.created,
-                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                "allow_search_indices": False, "allow_view": True,
-                "allow_fine_tuning": False, "organization": "*", "group": None,
-                "is_blocking": False}],
-        }]})
+
+        def card(id_: str, root: str, parent: str | None, max_len: int | None) -> dict:
+            return {"id": id_, "object": "model", "created": self.created, "owned_by": "vllm",
+                    "root": root, "parent": parent, "max_model_len": max_len, "permission": [{
+                        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, id_).hex}",
+                        "object": "model_permission", "created": self.created,
+                        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                        "allow_search_indices": False, "allow_view": True,
+                        "allow_fine_tuning": False, "organization": "*", "group": None,
+                        "is_blocking": False}]}
+        return _json({"object": "list", "data": [card(m, m, None, self.config.max_model_len)] + [
+            card(name, path, m, None) for name, path in self.config.lora_modules.items()]})
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter: 200 with a text answer, errors in its words."""
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            body = None
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if not name or not path:
+            return _error(ApiError("Both 'lora_name' and 'lora_path' must be provided.", 400, "InvalidUserInput"))
+        if name == self.config.model:
+            return _error(ApiError(f"The lora adapter '{name}' conflicts with a served base model.",
+                                   400, "InvalidUserInput"))
+        if name in self.config.lora_modules and not body.get("load_inplace"):
+            return _error(ApiError(f"The lora adapter '{name}' has already been loaded. If you want to "
+                                   "load the adapter in place, set 'load_inplace' to True.", 400,
+                                   "InvalidUserInput"))
+        self.config.lora_modules[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            body = None
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not name:
+            return _error(ApiError("'lora_name' needs to be provided to unload a LoRA adapter.", 400,
+                                   "InvalidUserInput"))
+        if self.config.lora_modules.pop(name, None) is None:
+            return _error(ApiError(f"The lora adapter '{name}' cannot be found.", 404, "NotFoundError"))
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.engine.dead:
