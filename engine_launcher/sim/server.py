@@ -31,6 +31,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from . import multi
 from . import responses as R
 from .aux_routes import AuxRoutes
 from .config import VLLM_VERSION, FaultConfig, SimEngineConfig
@@ -175,6 +176,8 @@ class SimServer:
                                    "InternalServerError"))
         if self.engine.dead:
             return _error(ApiError("The engine is dead", 500, "InternalServerError"))
+        if not parsed.single:
+            return await self._generate_choices(request, parsed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold,
                          parsed.kv_transfer_params)
@@ -199,6 +202,37 @@ class SimServer:
                 self.engine.abort(rid)
             if transport is not None:
                 self._transports.discard(transport)
+
+    async def _generate_choices(self, request: web.Request, parsed) -> web.StreamResponse:
+        """Batches, n > 1, echo, prompt_logprobs: one engine request per choice (multi.py),
+        the answer named after X-Request-Id, else the body's request_id, as vLLM names it."""
+        name = request.headers.get("X-Request-Id") or parsed.request_id or uuid.uuid4().hex
+        rid = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{name}"
+        ctx = R.ResponseContext(rid, int(time.time()), parsed.model, self.fingerprint, parsed)
+        reqs = multi.choice_requests(parsed, f"{rid}-{uuid.uuid4().hex}")
+        details = self.config.enable_prompt_tokens_details
+        for _, req in reqs:
+            self.engine.add_request(req)
+        try:
+            if parsed.stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+                try:
+                    await multi.write_stream(request, resp, ctx, reqs, details,
+                                             b"data: " + orjson.dumps(GENERATION_ERROR.body()) + b"\n\n")
+                except ConnectionResetError:
+                    log.debug("client of %s disconnected", rid)
+                return resp
+            for _, req in reqs:
+                while not req.finished:
+                    await req.event.wait()
+                    req.event.clear()
+            if any(req.finish_reason == "error" for _, req in reqs):
+                return _error(GENERATION_ERROR)
+            return web.Response(body=multi.full_answer(ctx, reqs, details), content_type="application/json")
+        finally:
+            for _, req in reqs:
+                if not req.finished:
+                    self.engine.abort(req.request_id)
 
     async def _stream(self, request: web.Request, ctx: R.ResponseContext,
                       req: SimRequest) -> web.StreamResponse:
