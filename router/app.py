@@ -35,7 +35,7 @@ from .speed_learner import SpeedLearner, speed_prior
 from .respond import SSEWriter
 from .shaping import ResponseShaper
 from . import tracing
-from .trace_context import client_request_id
+from .trace_context import answer_request_id, client_request_id
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.app")
@@ -78,6 +78,7 @@ class RouterState:
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
+        self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
         # Keys are kept as SHA-256 digests, computed once: requests compare digests.
         self._api_keys = tuple(_digest(k.encode()) for k in config.server.api_keys)
         self._admin_key = _digest(config.server.admin_api_key.encode()) if config.server.admin_api_key else None
@@ -195,10 +196,12 @@ class RouterState:
                 served = self.registry.models()
                 spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None,
                                      header_request_id=header_id)
-                answer_id = header_id or spec.request_id  # the X-Request-Id answered
+                answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
                 if spec.model is not None and served and spec.model not in served:
                     raise errors.model_not_found(spec.model, served)
+                if spec.whole:  # n > 1, batches, echo, prompt_logprobs: vLLM's own answer
+                    return await self.forwarder.forward_generation(request, spec, rec, answer_id)
                 if self.dispatcher.passes_through(spec):
                     raw = await self.dispatcher.serve_unary(spec, rec)
                     return web.Response(body=raw, content_type="application/json",
@@ -413,7 +416,7 @@ def build_app(config: Config, *, start_engines: bool = True, span_exporter=None)
     app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS))
     app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT))
     app.router.add_get("/v1/models", state.handle_models)
-    Forwarder(state).add_routes(app.router)  # vLLM's other routes (router/forward.py)
+    state.forwarder.add_routes(app.router)  # vLLM's other routes (router/forward.py)
     app.router.add_get("/health", state.handle_health)
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)

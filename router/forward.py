@@ -16,6 +16,11 @@ streams the rest upstream as it arrives, within `server.max_upload_bytes`. Such 
 be sent once: an upload is retried elsewhere only if the engine refused the connection
 before reading any of it.
 
+Generation requests only an engine can answer whole (n > 1, batched prompts, echo,
+prompt_logprobs, beam search: admission.py) take the same path to the engine the routing
+strategy's cost model picks without a race (the probe strategy's cold choice), with the
+client's body minus the router's internal fields.
+
 `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` concern a response stored in
 one engine's memory: every engine that could hold it is asked in turn until one does not
 answer 404.
@@ -26,15 +31,18 @@ import asyncio
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from . import errors
+from .admission import ID_PREFIX, RequestSpec
 from .backends import ClusterSnapshot
+from .dispatch import route_query
 from .metrics import RequestRecord
+from .planning import ROUTE_DIRECT
 from . import tracing
 from .trace_context import client_request_id
 
@@ -157,6 +165,30 @@ class Forwarder:
                                        find=True)
         return await self._run(request, serve, need_slot=True)
 
+    async def forward_generation(self, request: web.Request, spec: RequestSpec, rec: RequestRecord,
+                                 answer_id: str) -> web.StreamResponse:
+        """A generation answered whole by one engine (`spec.whole`): vLLM's own answer."""
+        dispatcher = self.state.dispatcher
+        assert dispatcher is not None
+        strategy, query = dispatcher.strategy, route_query(spec)
+
+        def choose(snap: ClusterSnapshot, exclude: frozenset[str]) -> tuple[str, int] | None:
+            plan = strategy.plan(query, snap, exclude)
+            name = plan.direct or plan.cold
+            if name is None:
+                return None
+            strategy.on_routed(query, name)
+            return name, plan.prefill_tokens or round(query.tokens(snap))
+
+        # Explicit T = 0: an engine-wide default threshold must not reject the request. The
+        # engine names its answer after the body's request_id (in the body: a client's id
+        # need not be a valid header value), as the router would have.
+        body = orjson.dumps({**spec.body, "cache_hit_threshold": 0.0,
+                             "request_id": spec.request_id.removeprefix(ID_PREFIX[spec.endpoint])})
+        rec.stream = spec.stream
+        return await self._forward(request, rec, spec.model, body, "application/json", choose=choose,
+                                   request_id_header=False, answer_id=answer_id)
+
     # --- the frame shared by every route ---------------------------------------------------
     async def _run(self, request: web.Request, serve, need_slot: bool) -> web.StreamResponse:
         state = self.state
@@ -228,7 +260,11 @@ class Forwarder:
     # --- upstream --------------------------------------------------------------------------
     async def _forward(self, request: web.Request, rec: RequestRecord, model: str | None,
                        body: bytes | None, content_type: str | None, *, find: bool = False,
-                       rest: aiohttp.StreamReader | None = None, limit: int = 0) -> web.StreamResponse:
+                       rest: aiohttp.StreamReader | None = None, limit: int = 0,
+                       choose: Callable[[ClusterSnapshot, frozenset[str]], tuple[str, int] | None] | None = None,
+                       request_id_header: bool = True, answer_id: str | None = None) -> web.StreamResponse:
+        """`choose` (generations): the engine and the prompt tokens it will prefill, for the
+        cost model's load (a `LegTicket`), instead of the least loaded engine."""
         state = self.state
         registry, timeouts = state.registry, state.config.timeouts
         loop = asyncio.get_running_loop()
@@ -260,9 +296,12 @@ class Forwarder:
 
         while True:
             snap = registry.snapshot()
+            tokens = None
             if find:
                 names = [b.name for b in snap.decoders(None) if b.name not in exclude]
                 name = names[0] if names else None
+            elif choose is not None:
+                name, tokens = choose(snap, frozenset(exclude)) or (None, None)
             else:
                 name = least_loaded(snap, model, frozenset(exclude))
             if name is None or len(exclude) >= attempts and not find:
@@ -273,10 +312,12 @@ class Forwarder:
             headers = {**trace, **({"Content-Type": content_type} if content_type else {})}
             if cfg.api_key:
                 headers["Authorization"] = f"Bearer {cfg.api_key}"
-            if rec.request_id:
+            if request_id_header and rec.request_id:
                 headers["X-Request-Id"] = rec.request_id
             data = upload() if rest is not None else body
-            registry.acquire(name)
+            ticket = registry.open_leg(name, tokens) if tokens is not None else None
+            if ticket is None:
+                registry.acquire(name)
             resp: aiohttp.ClientResponse | None = None
             outcome = "failed"
             try:
@@ -285,6 +326,8 @@ class Forwarder:
                         resp = await state.client.session.request(
                             request.method, cfg.url + request.path_qs, data=data, headers=headers)
                         first = b"" if resp.status in _RETRY_STATUSES else await resp.content.readany()
+                        if ticket is not None:
+                            registry.first_token(ticket)
                 except (aiohttp.ClientError, ConnectionError, TimeoutError, _UploadTooLarge) as e:
                     if too_large[0]:
                         raise errors.payload_too_large(limit) from None
@@ -312,36 +355,41 @@ class Forwarder:
                     continue
                 if resp.status < 500:
                     registry.record_success(name)
-                rec.route, rec.winner, rec.status = ROUTE_FORWARD, name, resp.status
-                rec.legs.append(f"{ROUTE_FORWARD}:{name}")
+                route = ROUTE_FORWARD if choose is None else ROUTE_DIRECT
+                rec.route, rec.winner, rec.status = route, name, resp.status
+                rec.legs.append(f"{route}:{name}")
                 rec.ttft_s = loop.time() - started
-                answer = await self._relay(request, rec, resp, first, deadline)
+                answer = await self._relay(request, rec, resp, first, deadline, answer_id)
                 outcome = "done" if rec.status < 500 else f"HTTP {rec.status}"
                 return answer
             finally:
                 tracing.end_leg(leg, outcome, "" if outcome == "done" else outcome)
-                registry.release(name)
+                if ticket is not None:
+                    registry.close_leg(ticket)
+                else:
+                    registry.release(name)
                 if resp is not None and not resp.closed:
                     resp.close()
         if last is not None:
             status, raw, hdrs = last
             rec.status = status
-            return web.Response(status=status, body=raw, headers=self._answer_with_id(hdrs, rec))
+            return web.Response(status=status, body=raw, headers=self._answer_with_id(hdrs, rec, answer_id))
         if last_problem:
             raise errors.RouterError(502, f"No engine could answer: {last_problem}")
         raise errors.no_backend(model)
 
-    def _answer_with_id(self, headers: dict, rec: RequestRecord) -> dict:
-        if rec.request_id:
-            headers["X-Request-Id"] = rec.request_id
+    def _answer_with_id(self, headers: dict, rec: RequestRecord, answer_id: str | None = None) -> dict:
+        if answer_id or rec.request_id:
+            headers["X-Request-Id"] = answer_id or rec.request_id
         return headers
 
     async def _relay(self, request: web.Request, rec: RequestRecord, resp: aiohttp.ClientResponse,
-                     first: bytes, deadline: float) -> web.StreamResponse:
+                     first: bytes, deadline: float, answer_id: str | None = None) -> web.StreamResponse:
         """The engine's answer to the client as it arrives, within timeouts.idle_s between
         chunks and the request's total deadline. A failure from here on can only close the
         connection: the status is sent."""
-        out = web.StreamResponse(status=resp.status, headers=self._answer_with_id(_answer_headers(resp), rec))
+        out = web.StreamResponse(status=resp.status,
+                                 headers=self._answer_with_id(_answer_headers(resp), rec, answer_id))
         if resp.content_length is not None and resp.content_length == len(first):
             out.content_length = resp.content_length
         await out.prepare(request)

@@ -19,6 +19,7 @@ included), and `UpstreamClient` adds them to each call.
 from __future__ import annotations
 
 import re
+import uuid
 from contextvars import ContextVar, Token
 
 from aiohttp import web
@@ -46,6 +47,16 @@ def client_request_id(request: web.Request) -> str | None:
             400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
                  "without spaces.", param="X-Request-Id")
     return value
+
+
+def answer_request_id(header_id: str | None, request_id: str) -> str:
+    """The X-Request-Id answered: the client's header, else the answer's id when it can be
+    a header value (a body's request_id may hold any character), else a fresh one."""
+    if header_id is not None:
+        return header_id
+    if len(request_id) <= MAX_REQUEST_ID_CHARS + 16 and _REQUEST_ID.match(request_id):
+        return request_id
+    return uuid.uuid4().hex
 
 
 def trace_headers(request: web.Request) -> dict[str, str]:
