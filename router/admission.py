@@ -18,9 +18,10 @@ Stripped from the body (the router owns them):
   (one request fans out into several legs, possibly on the same engine).
 
 Answered whole by one engine (`RequestSpec.whole`; router/forward.py): features whose
-answer only the engine can compose, so the router neither races nor resumes them but
-forwards the client's body (internal fields stripped) to the engine the strategy's cost
-model picks without a race, and relays vLLM's own answer, streamed or not:
+answer only the engine can compose, so the router does not resume them but forwards the
+client's body (internal fields stripped) to one engine (`Dispatcher.place_whole`: the
+winner of a race of one-token probes where the strategy races) and relays vLLM's own
+answer, streamed or not:
 - `n` > 1 and `use_beam_search: true`: several choices per request (vLLM does not stream
   beam search; it answers the stream request with its own error);
 - batched prompts (a list of several prompts): vLLM's indices and summed usage;

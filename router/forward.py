@@ -17,9 +17,9 @@ be sent once: an upload is retried elsewhere only if the engine refused the conn
 before reading any of it.
 
 Generation requests only an engine can answer whole (n > 1, batched prompts, echo,
-prompt_logprobs, beam search: admission.py) take the same path to the engine the routing
-strategy's cost model picks without a race (the probe strategy's cold choice), with the
-client's body minus the router's internal fields.
+prompt_logprobs, beam search: admission.py) take the same path to the engine
+`Dispatcher.place_whole` picks (the strategy's choice; when it races, the winner of a race
+of one-token probes), with the client's body minus the router's internal fields.
 
 `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` concern a response stored in
 one engine's memory: every engine that could hold it is asked in turn until one does not
@@ -31,7 +31,7 @@ import asyncio
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -40,7 +40,6 @@ from aiohttp import web
 from . import errors
 from .admission import ID_PREFIX, RequestSpec
 from .backends import ClusterSnapshot
-from .dispatch import route_query
 from .metrics import RequestRecord
 from .planning import ROUTE_DIRECT
 from . import tracing
@@ -170,15 +169,9 @@ class Forwarder:
         """A generation answered whole by one engine (`spec.whole`): vLLM's own answer."""
         dispatcher = self.state.dispatcher
         assert dispatcher is not None
-        strategy, query = dispatcher.strategy, route_query(spec)
 
-        def choose(snap: ClusterSnapshot, exclude: frozenset[str]) -> tuple[str, int] | None:
-            plan = strategy.plan(query, snap, exclude)
-            name = plan.direct or plan.cold
-            if name is None:
-                return None
-            strategy.on_routed(query, name)
-            return name, plan.prefill_tokens or round(query.tokens(snap))
+        async def choose(exclude: frozenset[str]) -> tuple[str, int] | None:
+            return await dispatcher.place_whole(spec, rec, exclude)
 
         # Explicit T = 0: an engine-wide default threshold must not reject the request. The
         # engine names its answer after the body's request_id (in the body: a client's id
@@ -261,7 +254,7 @@ class Forwarder:
     async def _forward(self, request: web.Request, rec: RequestRecord, model: str | None,
                        body: bytes | None, content_type: str | None, *, find: bool = False,
                        rest: aiohttp.StreamReader | None = None, limit: int = 0,
-                       choose: Callable[[ClusterSnapshot, frozenset[str]], tuple[str, int] | None] | None = None,
+                       choose: Callable[[frozenset[str]], Awaitable[tuple[str, int] | None]] | None = None,
                        request_id_header: bool = True, answer_id: str | None = None) -> web.StreamResponse:
         """`choose` (generations): the engine and the prompt tokens it will prefill, for the
         cost model's load (a `LegTicket`), instead of the least loaded engine."""
@@ -301,7 +294,7 @@ class Forwarder:
                 names = [b.name for b in snap.decoders(None) if b.name not in exclude]
                 name = names[0] if names else None
             elif choose is not None:
-                name, tokens = choose(snap, frozenset(exclude)) or (None, None)
+                name, tokens = await choose(frozenset(exclude)) or (None, None)
             else:
                 name = least_loaded(snap, model, frozenset(exclude))
             if name is None or len(exclude) >= attempts and not find:
@@ -355,7 +348,7 @@ class Forwarder:
                     continue
                 if resp.status < 500:
                     registry.record_success(name)
-                route = ROUTE_FORWARD if choose is None else ROUTE_DIRECT
+                route = ROUTE_FORWARD if choose is None else rec.route or ROUTE_DIRECT
                 rec.route, rec.winner, rec.status = route, name, resp.status
                 rec.legs.append(f"{route}:{name}")
                 rec.ttft_s = loop.time() - started

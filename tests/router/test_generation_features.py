@@ -123,3 +123,29 @@ async def test_a_body_request_id_names_the_answer(make_cluster):
             status, out = await c.complete({"model": MODEL, "prompt": "x", "n": n, "max_tokens": 2,
                                             "request_id": rid})
             assert status == 200 and out["id"] == f"cmpl-{rid}", out
+
+
+async def test_the_race_picks_the_engine_holding_the_prompt(make_cluster):
+    # Speed 1 and long prompts: a race pays off, so the probe strategy races a one-token
+    # probe of the prompt and the engine that accepts it serves all n choices.
+    c = await make_cluster(decoders=2, sim={"speed": 1.0})
+    for i in range(4):
+        holder, other = (f"d{i % 2}", f"d{1 - i % 2}")
+        prompt = long_prompt(f"whole{i}", 400)
+        async with c.session.post(c.engines[holder].url + "/v1/completions",
+                                  json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+            assert r.status == 200
+        before = await c.engine_metrics("vllm:generation_tokens_total")
+        body = {"model": MODEL, "prompt": prompt, "n": 2, "max_tokens": 3}
+        if i == 3:
+            status, events = await c.stream(body)
+            assert status == 200 and events[-1] == "[DONE]"
+        else:
+            status, out = await c.complete(body)
+            assert status == 200 and len(out["choices"]) == 2, out
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        after = await c.engine_metrics("vllm:generation_tokens_total")
+        # The winner: its probe's one token and the 2 x 3 of the answer; the other rejected.
+        assert after[holder] - before[holder] == 7 and after[other] == before[other], (i, before, after)
+    assert c.router_metric("cachehit_router_requests_total", route="probe_hit", status="200") == 4
+    assert c.router_metric("cachehit_router_probe_rejections_total") == 4

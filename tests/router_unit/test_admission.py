@@ -278,9 +278,11 @@ def _check_spec_or_400(endpoint: str, raw: bytes) -> None:
         assert e.status == 400
         orjson.dumps(e.body())
         return
-    # An admitted body is serializable and carries no internal field.
+    # An admitted body is serializable and carries no internal field (a body answered whole
+    # keeps the client's own stream and token-id fields).
     orjson.dumps(s.body)
-    for k in ("kv_transfer_params", "cache_hit_threshold", "return_token_ids", "stream", "stream_options"):
+    leg_fields = () if s.whole else ("return_token_ids", "stream", "stream_options")
+    for k in ("kv_transfer_params", "cache_hit_threshold", "request_id", *leg_fields):
         assert k not in s.body
     assert not isinstance(s.body.get("vllm_xargs"), dict) or "cache_hit_threshold" not in s.body["vllm_xargs"]
     assert s.max_tokens is None or 1 <= s.max_tokens <= 2**31
