@@ -28,15 +28,13 @@ async def _checked(c, timeout: float = 10.0) -> dict[str, float]:
 
 async def test_stock_engine_is_never_probed(make_cluster, caplog):
     caplog.set_level(logging.INFO, logger="cachehit_router")
-    # (Speed 1: a long prompt's prefill costs far more than waiting for the verdicts, so
-    # the capable engine is probed.)
-    c = await make_cluster(decoders=2, sim={"speed": 1.0}, per_engine={"d0": {"threshold_plugin": False}})
+    c = await make_cluster(decoders=2, routing={"race": "always"}, per_engine={"d0": {"threshold_plugin": False}})
     assert await _checked(c) == {"d0": 0.0, "d1": 1.0}
     assert any("backend d0: accepted a probe at cache_hit_threshold = 1.0" in r.getMessage()
                and r.levelno == logging.WARNING for r in caplog.records)
     # Cold prompts: probed, the stock engine would accept each one and win every race.
     for i in range(4):
-        status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"stock{i}", 400),
+        status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"stock{i}", 40),
                                         "max_tokens": 2})
         assert status == 200, out
     assert c.routes()["probe_hit"] == 0
@@ -44,7 +42,7 @@ async def test_stock_engine_is_never_probed(make_cluster, caplog):
     assert c.router_metric("cachehit_router_probe_rejections_total", backend="d0") == 0
     assert c.router_metric("cachehit_router_probe_losers_total", backend="d0") == 0
     # A prompt d1 holds is still found by the race.
-    prompt = long_prompt("stock-warm", 400)
+    prompt = long_prompt("stock-warm", 40)
     async with c.session.post(c.engines["d1"].url + "/v1/completions",
                               json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
         assert r.status == 200

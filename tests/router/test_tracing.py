@@ -71,11 +71,9 @@ async def front():
 
 
 async def test_client_trace_context_reaches_every_engine_leg(make_cluster, front):
-    # Speed 1 and a long prompt: its prefill costs more than waiting for verdicts, so it races.
-    c = await make_cluster(decoders=2, front=front, sim={"speed": 1.0})
+    c = await make_cluster(decoders=2, front=front, routing={"race": "always"})
     hdrs = {"traceparent": TRACEPARENT, "tracestate": "vendor=abc"}
-    async with await c.post("/v1/completions", {"model": MODEL, "prompt": long_prompt("ctx", 400),
-                                                "max_tokens": 3},
+    async with await c.post("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 3},
                             headers=hdrs) as r:
         assert r.status == 200
     async with await c.post("/v1/embeddings", {"model": MODEL, "input": "hello"}, headers=hdrs) as r:
@@ -105,7 +103,7 @@ def _by_name(spans):
 async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
     exporter = InMemorySpanExporter()
     c = await make_cluster(decoders=2, prefillers=1, tracing={"enabled": True}, span_exporter=exporter,
-                           front=front, per_backend=PD_PREFERRED)
+                           front=front, per_backend=PD_PREFERRED, routing={"race": "always"})
     # Cold long prompt: a probe race both decoders reject, then prefill and decode.
     async with await c.post("/v1/completions", {"model": MODEL, "prompt": long_prompt("traced", 300),
                                                 "max_tokens": 4},
@@ -185,8 +183,8 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
     try:
         c = await make_cluster(decoders=1, tracing={
             "enabled": True, "otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces",
-            "service_name": "router-under-test"}, sim={"speed": 1.0})
-        status, _ = await c.complete({"model": MODEL, "prompt": long_prompt("otlp", 400), "max_tokens": 2})
+            "service_name": "router-under-test"}, routing={"race": "always"})
+        status, _ = await c.complete({"model": MODEL, "prompt": "hello", "max_tokens": 2})
         assert status == 200
         # The batch processor exports from its thread; flushing blocks, so off the loop.
         assert await asyncio.to_thread(c.state.tracing.provider.force_flush, 10_000)
