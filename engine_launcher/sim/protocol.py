@@ -208,6 +208,8 @@ def _stop_token_ids(b: _Body) -> frozenset[int]:
     return frozenset(v)
 
 
+MAX_N = 16384
+MAX_PROMPTS = 1024
 _EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
 
@@ -302,8 +304,19 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     else:
         prompts, texts = _prompts(b)
     prompt_ids = prompts[0]
+    # vLLM's limits (VLLM_MAX_N_SEQUENCES, VLLM_MAX_COMPLETION_PROMPTS defaults), worded as
+    # vLLM words them.
     if n < 1:
-        raise value_error(f"n must be at least 1, got {n}.", "n", n)
+        raise ApiError(f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise ApiError(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+                       "VLLM_MAX_N_SEQUENCES environment variable.")
+    if n > 1 and temperature is not None and temperature < 1e-5:
+        raise ApiError(f"n must be 1 when using greedy sampling, got {n}.")
+    if len(prompts) > MAX_PROMPTS:
+        raise value_error(f"prompt list length {len(prompts)} exceeds the maximum allowed count of "
+                          f"{MAX_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+                          "environment variable.", "prompt")
     if b.get("tools", "list"):
         raise value_error("The simulator does not support tools.", "tools")
     echo = not chat and bool(b.get("echo", "bool", False))
