@@ -257,8 +257,11 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
     n = body.get("n")
     if n is not None and not (_is_int(n) and 1 <= n <= MAX_TOKENS_LIMIT):
         raise _bad(f"`n` must be a positive integer, got {n!r:.40}.", "n")
-    whole = (n is not None and n > 1) or _opt_bool(body, "use_beam_search") or \
-        body.get("prompt_logprobs") is not None
+    prompt_logprobs = body.get("prompt_logprobs")
+    if stream and _is_int(prompt_logprobs) and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        # vLLM's check, before any engine is asked (a request answered whole races first).
+        raise _vllm_bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    whole = (n is not None and n > 1) or _opt_bool(body, "use_beam_search") or prompt_logprobs is not None
 
     xargs = body.get("vllm_xargs")
     if xargs is not None:

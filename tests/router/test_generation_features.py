@@ -97,7 +97,10 @@ async def test_streamed_batch_with_n_has_every_index_and_one_usage(make_cluster)
 
 async def test_engine_errors_are_relayed_and_failures_retried(make_cluster):
     c = await make_cluster(decoders=2, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}})
-    # vLLM's own validation answer, unchanged: no prompt_logprobs in a stream.
+    # The engine's own validation answer, unchanged: n > 1 is not for greedy sampling.
+    status, out = await c.complete({"model": MODEL, "prompt": "x", "n": 2, "temperature": 0})
+    assert status == 400 and out["error"]["message"] == "n must be 1 when using greedy sampling, got 2.", out
+    # Checked by the router as vLLM checks it: no prompt_logprobs in a stream.
     status, events = await c.stream({"model": MODEL, "prompt": "x", "prompt_logprobs": 1})
     assert status == 400 and events[0]["error"]["param"] == "prompt_logprobs"
     # d0 fails every generation: each request is retried on d1 before its first byte.

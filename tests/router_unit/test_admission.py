@@ -190,6 +190,8 @@ def test_malformed_bodies(raw):
     ({**CMPL, "max_tokens": 1e300}, "max_tokens"),
     ({**CMPL, "n": 0}, "n"),
     ({**CMPL, "n": -2}, "n"),
+    ({**CMPL, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({**CMPL, "prompt_logprobs": -1, "stream": True}, "prompt_logprobs"),
     ({**CMPL, "n": True}, "n"),
     ({**CMPL, "n": "1"}, "n"),
     ({**CMPL, "vllm_xargs": [1]}, "vllm_xargs"),
@@ -221,7 +223,7 @@ def test_chat_rules(body, param):
     (ENDPOINT_COMPLETIONS, {"prompt": ["a", "b"]}),
     (ENDPOINT_COMPLETIONS, {"prompt": [[1, 2], [3]]}),
     (ENDPOINT_COMPLETIONS, {"echo": True}),
-    (ENDPOINT_COMPLETIONS, {"prompt_logprobs": 1}),
+    (ENDPOINT_COMPLETIONS, {"prompt_logprobs": 0}),  # (more are refused in a stream)
     (ENDPOINT_COMPLETIONS, {"use_beam_search": True}),
     (ENDPOINT_CHAT, {"n": 3}),
     (ENDPOINT_CHAT, {"prompt_logprobs": 0}),
