@@ -214,7 +214,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 # Subcommands that are programs of their own, with their own flags: every argument after
 # the name goes to the module's main().
-FORWARDED = {"sim-capacity": "bench.sim_capacity", "soak": "bench.soak"}
+FORWARDED = {"sim-capacity": "bench.sim_capacity", "soak": "bench.soak", "vllm-client": "bench.vllm_client"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sim-capacity", help="the simulator's capacity (bench/sim_capacity.py; its own flags)")
     sub.add_parser("soak", help="steady load with periodic engine restarts (bench/soak.py; its own flags)")
+    sub.add_parser("vllm-client", help="vllm bench serve through the router and direct (bench/vllm_client.py; its own flags)")
     return p
 
 

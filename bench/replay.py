@@ -175,21 +175,28 @@ def machine_info() -> dict:
 
 
 def parse_router_log(path: Path) -> dict[str, dict]:
-    """request id -> the router's per-request log record (JSON after the logger name)."""
+    """request id -> the router's per-request log record: a JSON line of logger
+    cachehit_router.requests (server.log_format = "json", the default), or in the text
+    format the JSON after the logger name."""
     out: dict[str, dict] = {}
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return out
     for line in text.splitlines():
-        i = line.find("cachehit_router.requests: ")
-        if i < 0:
-            continue
         try:
-            d = json.loads(line[i + len("cachehit_router.requests: "):])
+            if line.startswith("{"):
+                d = json.loads(line)
+                if d.get("logger") != "cachehit_router.requests":
+                    continue
+            else:
+                i = line.find("cachehit_router.requests: ")
+                if i < 0:
+                    continue
+                d = json.loads(line[i + len("cachehit_router.requests: "):])
         except ValueError:
             continue
-        if d.get("request_id"):
+        if isinstance(d, dict) and d.get("request_id"):
             out[d["request_id"]] = d
     return out
 

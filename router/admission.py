@@ -17,16 +17,22 @@ Stripped from the body (the router owns them):
   the router does the same for the client-facing id, but the engines get their own ids
   (one request fans out into several legs, possibly on the same engine).
 
-Rejected because the router cannot honour them (400, param named):
-- `n` other than 1 and `use_beam_search: true`: one answer per request; every leg is a
-  stream (vLLM does not stream beam search).
-- batched prompts (a list of several prompts): one prompt per request.
-- `prompt_embeds`: resuming needs token ids.
+Answered whole by one engine (`RequestSpec.whole`; router/forward.py): features whose
+answer only the engine can compose, so the router does not resume them but forwards the
+client's body (internal fields stripped) to one engine (`Dispatcher.place_whole`: the
+winner of a race of one-token probes where the strategy races) and relays vLLM's own
+answer, streamed or not:
+- `n` > 1 and `use_beam_search: true`: several choices per request (vLLM does not stream
+  beam search; it answers the stream request with its own error);
+- batched prompts (a list of several prompts): vLLM's indices and summed usage;
 - `echo: true` on completions: with `return_token_ids` vLLM echoes an empty prompt text
   and puts the prompt ids into the generated ids, which would corrupt resumption.
-  (Chat `echo` passes through: its echo chunk carries no token ids, and
+  (Chat `echo` is raced: its echo chunk carries no token ids, and
   `shaping.is_rejection_chunk` does not take it for an acceptance.)
 - `prompt_logprobs`: vLLM does not send them in streams, and every leg is a stream.
+
+Rejected because the router cannot honour them (400, param named):
+- `prompt_embeds`: resuming needs token ids.
 
 Differences from vLLM a client can notice:
 - a type error (`max_tokens: "many"`) is a 400 with `type: "BadRequestError"` and
@@ -68,8 +74,8 @@ MAX_REQUEST_ID_CHARS = 512
 # from the OS, as uuid4().hex looks, without a getrandom() call per request.
 _ID_RANDOM = random.Random(os.urandom(32))
 
-_STRIPPED_TOP_LEVEL = ("kv_transfer_params", "ec_transfer_params", "cache_hit_threshold",
-                       "return_token_ids", "stream", "stream_options", "request_id")
+_INTERNAL = ("kv_transfer_params", "ec_transfer_params", "cache_hit_threshold", "request_id")
+_STRIPPED_TOP_LEVEL = (*_INTERNAL, "return_token_ids", "stream", "stream_options")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,10 @@ class RequestSpec:
     prompt_token_ids: tuple[int, ...] | None   # when the prompt was given as token ids
     routing_text: str          # prompt text, rendered chat, or token ids as "1,2,3," (see _parse_prompt)
     created: int               # unix seconds, stamped on the client-facing chunks
+    # Answered whole by one engine without race or resume (n > 1, batches, echo,
+    # prompt_logprobs, beam search); `body` then keeps stream, stream_options and
+    # return_token_ids as the client sent them.
+    whole: bool = False
 
 
 def _bad(message: str, param: str | None) -> RouterError:
@@ -149,27 +159,34 @@ def _parse_prompt(body: dict) -> tuple[str, tuple[int, ...] | None]:
         raise _bad("`prompt_embeds` is not supported by the router (resuming needs token ids).",
                    "prompt_embeds")
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one prompt: the same request for the router
-    elif isinstance(p, list) and p and not _is_int(p[0]):
-        if len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-            raise _bad("The router takes one prompt per request; send each prompt of a batch "
-                       "as its own request.", "prompt")
+    if is_batch(p):
+        for i, x in enumerate(p[1:], start=1):  # each is checked; the first routes the batch
+            _one_prompt(x, f"prompt[{i}]")
+        p = p[0]
+    return _one_prompt(p, "prompt")
+
+
+def is_batch(p: object) -> bool:
+    """A list of prompts (strings or token-id lists), as opposed to one prompt's ids."""
+    return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+
+
+def _one_prompt(p: object, param: str) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(p, str):
         if not p:
-            raise _vllm_bad(_NO_PROMPT, "prompt")
+            raise _vllm_bad(_NO_PROMPT, param)
         return p, None
     if isinstance(p, list):
         if not p:
-            raise _vllm_bad(_NO_PROMPT, "prompt")
-        ids = _token_ids(p, "prompt")
+            raise _vllm_bad(_NO_PROMPT, param)
+        ids = _token_ids(p, param)
         # Token ids as text, each followed by ",": a prompt extends another exactly when its
         # text extends the other's ([7, 80] is not a prefix of [7, 800]), which is what
         # prefix-affinity planners need.
         return "".join([f"{t}," for t in ids]), ids
     if p is None:
-        raise _vllm_bad(_NO_PROMPT, "prompt")
-    raise _bad(f"`prompt` must be a string or a list of token ids, got {_kind(p)}.", "prompt")
+        raise _vllm_bad(_NO_PROMPT, param)
+    raise _bad(f"`{param}` must be a string or a list of token ids, got {_kind(p)}.", param)
 
 
 def _parse_messages(body: dict) -> str:
@@ -201,8 +218,11 @@ def _parse_messages(body: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None) -> RequestSpec:
-    """Validate `raw` (the client's body) for `endpoint`; raises RouterError(400)."""
+def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None,
+                  header_request_id: str | None = None) -> RequestSpec:
+    """Validate `raw` (the client's body) for `endpoint`; raises RouterError(400).
+    `header_request_id` (the client's X-Request-Id, checked) names the answer before the
+    body's `request_id`, as in vLLM."""
     if endpoint not in ID_PREFIX:
         raise ValueError(f"unknown endpoint {endpoint!r}")
     try:
@@ -235,12 +255,13 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
     return_token_ids = _opt_bool(body, "return_token_ids")
 
     n = body.get("n")
-    if n is not None and not (_is_int(n) and n == 1):
-        raise _bad(f"`n` must be 1: the router returns one choice per request, got {n!r:.40}.", "n")
-    if _opt_bool(body, "use_beam_search"):
-        raise _bad("Beam search is not supported by the router.", "use_beam_search")
-    if body.get("prompt_logprobs") is not None:
-        raise _bad("`prompt_logprobs` is not supported by the router.", "prompt_logprobs")
+    if n is not None and not (_is_int(n) and 1 <= n <= MAX_TOKENS_LIMIT):
+        raise _bad(f"`n` must be a positive integer, got {n!r:.40}.", "n")
+    prompt_logprobs = body.get("prompt_logprobs")
+    if stream and _is_int(prompt_logprobs) and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        # vLLM's check, before any engine is asked (a request answered whole races first).
+        raise _vllm_bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    whole = (n is not None and n > 1) or _opt_bool(body, "use_beam_search") or prompt_logprobs is not None
 
     xargs = body.get("vllm_xargs")
     if xargs is not None:
@@ -254,8 +275,7 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
                 del body["vllm_xargs"]
 
     if endpoint == ENDPOINT_COMPLETIONS:
-        if _opt_bool(body, "echo"):
-            raise _bad("`echo` is not supported by the router on /v1/completions.", "echo")
+        whole = whole or _opt_bool(body, "echo") or (is_batch(body.get("prompt")) and len(body["prompt"]) > 1)
         routing_text, prompt_token_ids = _parse_prompt(body)
         max_tokens = _budget(body, "max_tokens")
         if "max_tokens" not in body:
@@ -268,7 +288,9 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
         max_tokens = mct if mct is not None else mt
 
     client_id = body.get("request_id")
-    if client_id is not None:
+    if header_request_id is not None:
+        request_id = ID_PREFIX[endpoint] + header_request_id
+    elif client_id is not None:
         if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS:
             raise _bad(f"`request_id` must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
                        "characters.", "request_id")
@@ -276,7 +298,7 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
     else:
         request_id = f"{ID_PREFIX[endpoint]}{_ID_RANDOM.getrandbits(128):032x}"
 
-    for key in _STRIPPED_TOP_LEVEL:
+    for key in _INTERNAL if whole else _STRIPPED_TOP_LEVEL:
         body.pop(key, None)
 
     return RequestSpec(
@@ -294,4 +316,5 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
         prompt_token_ids=prompt_token_ids,
         routing_text=routing_text,
         created=int(time.time()),
+        whole=whole,
     )

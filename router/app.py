@@ -26,6 +26,7 @@ from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, parse_request
 from .backends import BREAKER_STATE_VALUE, BackendRegistry, BackendState
 from .config import Config
 from .dispatch import Dispatcher
+from .forward import Forwarder
 from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .metrics import RequestRecord, RouterMetrics
@@ -33,6 +34,8 @@ from .planning import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
 from .respond import SSEWriter
 from .shaping import ResponseShaper
+from . import tracing
+from .trace_context import answer_request_id, client_request_id
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.app")
@@ -53,10 +56,14 @@ def error_response(err: errors.RouterError) -> web.Response:
 class RouterState:
     """Everything one running router owns."""
 
-    def __init__(self, config: Config, *, start_engines: bool = True):
+    def __init__(self, config: Config, *, start_engines: bool = True, span_exporter=None):
         self.config = config
+        # OpenTelemetry ([tracing]); span_exporter: tests' in-memory exporter instead of OTLP.
+        self.tracing = tracing.Tracing(config.tracing, span_exporter) if config.tracing.enabled else None
         self.start_engines = start_engines
-        self.metrics = RouterMetrics()
+        # The model label's values: what the backends serve (self.registry, set in start).
+        self.metrics = RouterMetrics(config.timeouts.total_s,
+                                     lambda: self.registry.models() if self.registry is not None else ())
         self.limiter = ConcurrencyLimiter(config.server.max_concurrent_requests,
                                           config.server.max_queued_requests,
                                           config.server.queue_timeout_s)
@@ -71,6 +78,7 @@ class RouterState:
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
+        self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
         # Keys are kept as SHA-256 digests, computed once: requests compare digests.
         self._api_keys = tuple(_digest(k.encode()) for k in config.server.api_keys)
         self._admin_key = _digest(config.server.admin_api_key.encode()) if config.server.admin_api_key else None
@@ -131,6 +139,8 @@ class RouterState:
             await self.client.close()
         if self.supervisor is not None:
             await self.supervisor.stop()
+        if self.tracing is not None:  # flushes the last spans (blocking HTTP: off the loop)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     def _bind_backend_gauges(self, s: BackendState) -> None:
         # The gauges read the backend's state when scraped: nothing to do on the request
@@ -145,6 +155,8 @@ class RouterState:
         assert registry is not None
         m.queued_tokens.labels(name).set_function(lambda: s.queued_tokens)
         m.prefill_speed.labels(name).set_function(lambda: 1.0 / max(registry.learner.speed(name).per_token_s, 1e-9))
+        m.threshold_capable.labels(name).set_function(
+            lambda: -1 if s.threshold_capable is None else int(s.threshold_capable))
 
     # --- auth --------------------------------------------------------------------------
     def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:
@@ -179,19 +191,24 @@ class RouterState:
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
             async with self.limiter.slot():
+                header_id = client_request_id(request)
                 raw = await self._read_body(request)
                 served = self.registry.models()
-                spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None)
+                spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None,
+                                     header_request_id=header_id)
+                answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
                 if spec.model is not None and served and spec.model not in served:
                     raise errors.model_not_found(spec.model, served)
+                if spec.whole:  # n > 1, batches, echo, prompt_logprobs: vLLM's own answer
+                    return await self.forwarder.forward_generation(request, spec, rec, answer_id)
                 if self.dispatcher.passes_through(spec):
                     raw = await self.dispatcher.serve_unary(spec, rec)
                     return web.Response(body=raw, content_type="application/json",
-                                        headers={"X-Request-Id": spec.request_id})
+                                        headers={"X-Request-Id": answer_id})
                 shaper = ResponseShaper(spec)
                 if spec.stream:
-                    writer = SSEWriter(request, spec.request_id)
+                    writer = SSEWriter(request, answer_id)
                     try:
                         await self.dispatcher.serve(spec, shaper, writer.send, rec)
                         await writer.send(shaper.final_chunks())
@@ -202,7 +219,7 @@ class RouterState:
                         rec.status, rec.error = e.status, e.message
                         return await writer.fail(e)
                 await self.dispatcher.serve(spec, shaper, _discard, rec)
-                return json_response(shaper.accumulate_response(), headers={"X-Request-Id": spec.request_id})
+                return json_response(shaper.accumulate_response(), headers={"X-Request-Id": answer_id})
         except errors.RouterError as e:
             rec.status, rec.error = e.status, e.message
             if e.status == 429:
@@ -274,10 +291,7 @@ class RouterState:
         assert self.registry is not None
         if self._api_keys and not self.authorized(request, self._api_keys):
             return error_response(errors.unauthorized())
-        created = int(time.time())
-        return json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
-             "parent": None, "permission": []} for m in self.registry.models()]})
+        return json_response(models_answer(self.registry, self.monitor.model_cards if self.monitor else {}))
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -335,6 +349,25 @@ def _admin_view(s: BackendState) -> dict:
         "consecutive_failures": s.consecutive_failures, "last_error": s.last_error}
 
 
+def models_answer(registry: BackendRegistry, cards: dict[str, list[dict]]) -> dict:
+    """vLLM's ModelList over the healthy backends: each model once, as an engine serving it
+    describes it (root, parent for a LoRA adapter, max_model_len); a model only known from
+    the configuration gets a card of its own."""
+    out: dict[str, dict] = {}
+    served = set(registry.models())
+    for name, state in registry.states.items():
+        if not state.healthy:
+            continue
+        for c in cards.get(name, ()):
+            if c["id"] in served:
+                out.setdefault(c["id"], c)
+    created = int(time.time())
+    for m in served - out.keys():
+        out[m] = {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
+                  "parent": None, "max_model_len": None, "permission": []}
+    return {"object": "list", "data": list(out.values())}
+
+
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
@@ -365,9 +398,10 @@ async def error_middleware(request: web.Request, handler):
         raise
 
 
-def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
-    state = RouterState(config, start_engines=start_engines)
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
+def build_app(config: Config, *, start_engines: bool = True, span_exporter=None) -> web.Application:
+    state = RouterState(config, start_engines=start_engines, span_exporter=span_exporter)
+    app = web.Application(middlewares=[tracing.middleware(lambda: state.tracing), error_middleware],
+                          client_max_size=config.server.max_body_bytes)
     app[ROUTER_KEY] = state
 
     async def lifecycle(app: web.Application):
@@ -382,6 +416,7 @@ def build_app(config: Config, *, start_engines: bool = True) -> web.Application:
     app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS))
     app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT))
     app.router.add_get("/v1/models", state.handle_models)
+    state.forwarder.add_routes(app.router)  # vLLM's other routes (router/forward.py)
     app.router.add_get("/health", state.handle_health)
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)

@@ -70,6 +70,8 @@ class BackendView:
     decoding: float = 0.0  # sequences generating
     prefilling: int = 0  # this router's legs there without a first token yet
     speed: EngineSpeed = EngineSpeed()
+    # False: a stock engine without the threshold plugin, never probed (router/capability.py).
+    threshold_capable: bool = True
 
     @property
     def load(self) -> float:
@@ -136,6 +138,7 @@ class BackendState:
     # of other replicas (or clients that bypass the router).
     others_waiting: float = 0.0
     others_running: float = 0.0
+    threshold_capable: bool | None = None  # router/capability.py; None: not checked yet
 
 
 @dataclass(slots=True)
@@ -182,7 +185,8 @@ class BackendRegistry:
                 models=s.models, available=self._available(s, now), inflight=s.inflight,
                 running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, drained=s.draining,
                 queued_tokens=self._queued_tokens(s, now), decoding=self._decoding(s), prefilling=s.prefilling,
-                speed=learner.speed(c.name)))
+                speed=learner.speed(c.name),
+                threshold_capable=s.threshold_capable is not False))
         return ClusterSnapshot(tuple(views), learner.transfer(), learner.chars_per_token, learner.race_wait_s,
                                learner.race_saving_share)
 
@@ -335,7 +339,9 @@ class BackendRegistry:
         s.others_running = others - s.others_waiting
         s.kv_usage = load.get(KV_USAGE, 0.0)
         s.last_scrape_ok = self.clock()
-        if models is not None and not s.config.models:
+        if models is not None and not s.config.models and models != s.models:
+            if s.models:
+                log.info("backend %s: now serves %s", name, ", ".join(models))
             s.models = models
         if not s.healthy:
             log.info("backend %s: answers its health checks again%s", name,

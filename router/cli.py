@@ -64,8 +64,8 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
 
     from .app import build_app
 
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import logs
+    logs.configure(config.server.log_level, config.server.log_format)
     # The logging HOWTO's "Optimization": no caller frame, thread or process lookups for
     # fields the format does not print (a third of the cost of each request's log line).
     logging._srcfile = None

@@ -7,6 +7,7 @@ Defaults are safe: listen on loopback, bounded bodies, bounded concurrency, time
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import logging
 import tomllib
@@ -49,6 +50,9 @@ class ServerConfig:
     # Key for admin routes (/admin/*). Empty: admin routes disabled.
     admin_api_key: str = ""
     max_body_bytes: int = 4 * 1024 * 1024
+    # Audio uploads (multipart, streamed to the engine, never held whole): vLLM's own
+    # default limit (VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25).
+    max_upload_bytes: int = 25 * 1024 * 1024
     # Requests executing at once; past it, up to max_queued_requests wait queue_timeout_s.
     max_concurrent_requests: int = 1024
     max_queued_requests: int = 1024
@@ -60,6 +64,8 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     log_level: str = "info"
+    # json: one JSON object per line (log shippers); text: for humans (router/logs.py).
+    log_format: str = "json"
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,18 @@ class HealthConfig:
     # Circuit breaker: open after this many consecutive failures, half-open after cooldown.
     failure_threshold: int = 3
     cooldown_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry spans over OTLP/HTTP (router/tracing.py); needs the `tracing` extra."""
+
+    enabled: bool = False
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "cachehit-router"
+    # Requests traced when the client sent no sampled traceparent (theirs is followed).
+    sample_ratio: float = 1.0
+    export_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -180,6 +198,7 @@ class Config:
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     backends: tuple[BackendConfig, ...] = ()
     engines: tuple[EngineConfig, ...] = ()
 
@@ -368,6 +387,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     if server is not None:
         p.check(_port, "server.port", server.port, allow_zero=True)
         p.check(_positive, "server.max_body_bytes", server.max_body_bytes)
+        p.check(_positive, "server.max_upload_bytes", server.max_upload_bytes)
         p.check(_positive, "server.max_concurrent_requests", server.max_concurrent_requests)
         p.check(_positive, "server.max_queued_requests", server.max_queued_requests, allow_zero=True)
         p.check(_positive, "server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
@@ -377,6 +397,8 @@ def parse_config(raw: dict[str, Any]) -> Config:
             p.add("server.tls_cert: tls_cert and tls_key must be given together")
         if server.log_level not in ("debug", "info", "warning", "error"):
             p.add(f"server.log_level: expected one of debug, info, warning, error, got {server.log_level!r}")
+        if server.log_format not in ("json", "text"):
+            p.add(f"server.log_format: expected json or text, got {server.log_format!r}")
         if any(not k for k in server.api_keys):
             p.add("server.api_keys: expected non-empty strings")
 
@@ -416,6 +438,15 @@ def parse_config(raw: dict[str, Any]) -> Config:
         p.check(_positive, "launcher.startup_timeout_s", launcher.startup_timeout_s)
         p.check(_positive, "launcher.max_restarts", launcher.max_restarts, allow_zero=True)
         p.check(_positive, "launcher.restart_backoff_s", launcher.restart_backoff_s, allow_zero=True)
+
+    tracing = _build(p, TracingConfig, "tracing", raw.get("tracing", {}))
+    if tracing is not None:
+        p.check(_url, "tracing.otlp_endpoint", tracing.otlp_endpoint)
+        p.check(_fraction, "tracing.sample_ratio", tracing.sample_ratio)
+        p.check(_positive, "tracing.export_timeout_s", tracing.export_timeout_s)
+        if tracing.enabled and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
+            p.add("tracing.enabled: needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
+                  "pip install 'cachehit-router[tracing]'")
 
     raw_backends = raw.get("backends", [])
     if not isinstance(raw_backends, list):
@@ -473,7 +504,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     p.raise_if_any()
 
     cfg = Config(server=server, routing=routing, timeouts=timeouts, health=health,
-                 launcher=launcher, backends=tuple(backends), engines=tuple(engines))
+                 launcher=launcher, tracing=tracing, backends=tuple(backends), engines=tuple(engines))
     # Only once everything else holds: a backend that failed to parse is not counted.
     if not any(b.decodes for b in cfg.all_backends()):
         raise ConfigError("backends: expected at least one backend (or registered engine) with role "

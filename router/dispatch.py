@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from . import errors
+from . import errors, tracing
 from .admission import RequestSpec
 from .backends import BackendRegistry, LegTicket
 from .config import Config
@@ -58,6 +58,21 @@ class Leg:
     # The leg's usage (its last chunk), for the cost model's speed sample.
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+
+
+# What a probe for a request answered whole must not carry: one choice of one prompt and
+# one token, nothing the race's stream reader does not expect.
+_WHOLE_ONLY = ("n", "best_of", "use_beam_search", "echo", "prompt_logprobs", "logprobs", "top_logprobs",
+               "max_completion_tokens", "min_tokens")
+
+
+def one_token_probe(body: dict) -> dict:
+    out = {k: v for k, v in body.items() if k not in _WHOLE_ONLY}
+    out["max_tokens"] = 1
+    prompt = out.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        out["prompt"] = prompt[0]  # a batch races on its first prompt
+    return out
 
 
 def route_query(spec: RequestSpec) -> RouteQuery:
@@ -129,6 +144,7 @@ class Dispatcher:
                     502, f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
                          "the engine did not return the token ids it needs.")
             rec.resumes.append(reason)
+            tracing.mark_resuming()
             log.info("request %s: resuming after %s on %s (%d tokens so far)",
                      spec.request_id, reason, leg.backend, answer_tokens)
             body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, shaper.generated_token_ids,
@@ -203,6 +219,55 @@ class Dispatcher:
         if last_error is not None:
             raise self._client_error(last_error)
         raise errors.no_backend(query.model)
+
+    # --- where a request answered whole goes ----------------------------------------------
+    async def place_whole(self, spec: RequestSpec, rec: RequestRecord,
+                          exclude: frozenset[str]) -> tuple[str, int] | None:
+        """(engine, prompt tokens it will prefill) for a request one engine answers whole
+        (n > 1, batches, echo, prompt_logprobs: router/forward.py). When the strategy races,
+        the race is run on a one-token probe of the (first) prompt and its winner, which
+        holds the cache and now also the rest of the prompt, serves the whole request;
+        the probe's token is dropped. Nobody accepting: the fallback's decode engine (a
+        prefill/decode split does not apply: the engine computes the prompt itself)."""
+        loop = asyncio.get_running_loop()
+        if not rec.dispatch_started:
+            rec.dispatch_started = loop.time()
+        query = route_query(spec)
+        plan = self.strategy.plan(query, self.registry.snapshot(), exclude)
+        if plan.empty:
+            return None
+        rec.route = ROUTE_DIRECT
+        if not plan.probes:
+            assert plan.direct is not None
+            self.strategy.on_routed(query, plan.direct)
+            return plan.direct, plan.prefill_tokens
+        path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
+        tickets: dict[str, LegTicket] = {}
+        sent = loop.time()
+        with tracing.span("probe_race", **{"cachehit.probes": len(plan.probes)}):
+            result = await run_race(
+                plan.probes, self._opener(path, streamed_leg_body(one_token_probe(spec.body), plan.threshold),
+                                          sent + self.timeouts.total_s, 0, tickets),
+                plan.deadline_s, plan.deadline_per_prompt_token_s)
+        self._account_race(result, rec)
+        winner = result.winner
+        if winner is not None:
+            self._race_finished(query, plan, result, None)
+            if winner.stream is not None:
+                winner.stream.abort()  # its token is not the answer; the prompt is cached now
+            self.strategy.on_routed(query, winner.backend)
+            rec.route = ROUTE_PROBE_HIT
+            return winner.backend, 0
+        client_err = result.client_error
+        if client_err is not None:
+            raise self._client_error(client_err)
+        failed = frozenset(o.backend for o in result.by_verdict(FAILED))
+        fallback = self._race_finished(query, plan, result, exclude | failed, loop.time() - sent)
+        name = fallback.decode if fallback is not None else plan.cold
+        if name is None:
+            return None
+        self.strategy.on_routed(query, name)
+        return name, round(result.prompt_tokens or query.tokens(self.registry.snapshot()))
 
     async def _pump(self, leg: Leg, shaper: ResponseShaper, emit: Emit, rec: RequestRecord,
                     started: float) -> None:
@@ -279,10 +344,11 @@ class Dispatcher:
             if plan.probes:
                 tickets: dict[str, LegTicket] = {}
                 sent = loop.time()
-                result = await run_race(
-                    plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline,
-                                              0, tickets),
-                    plan.deadline_s, plan.deadline_per_prompt_token_s)
+                with tracing.span("probe_race", **{"cachehit.probes": len(plan.probes)}):
+                    result = await run_race(
+                        plan.probes, self._opener(path, streamed_leg_body(body, plan.threshold), deadline,
+                                                  0, tickets),
+                        plan.deadline_s, plan.deadline_per_prompt_token_s)
                 self._account_race(result, rec)
                 if result.winner is not None:
                     self._race_finished(query, plan, result, None)

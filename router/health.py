@@ -2,8 +2,10 @@
 
 Every `scrape_interval_s` each backend's `/metrics` is read for the load view (running,
 waiting, KV usage); every `check_interval_s` its `/health` is called too. Either failing
-marks the backend unhealthy (skipped by planners) until it answers again. Backends whose
-configuration lists no models get them from `/v1/models` until one answer arrives.
+marks the backend unhealthy (skipped by planners) until it answers again. Each backend's
+`/v1/models` is read again with every `/health` check: backends whose configuration lists
+no models serve what it says (LoRA adapters loaded after start-up included), and the
+router's own `/v1/models` shows the engines' entries as they are.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import logging
 import aiohttp
 import orjson
 
+from . import capability
 from .backends import BackendRegistry, parse_load_metrics
 from .config import HealthConfig
 from .upstream import UpstreamClient
@@ -28,6 +31,8 @@ class HealthMonitor:
         self.health = health
         self._task: asyncio.Task | None = None
         self._rounds = 0
+        # Backend -> its /v1/models entries as last read (GET /v1/models merges them).
+        self.model_cards: dict[str, list[dict]] = {}
 
     @property
     def _timeout_s(self) -> float:
@@ -48,16 +53,40 @@ class HealthMonitor:
                 raise RuntimeError(f"/metrics answered HTTP {status}")
             load = parse_load_metrics(text)
             models = None
-            if not state.config.models and not state.models:
-                status, body = await self.client.get_text(url + "/v1/models", self._timeout_s, key)
-                if status == 200:
-                    models = tuple(m["id"] for m in orjson.loads(body).get("data", []) if "id" in m)
+            # Re-read with every /health check: LoRA adapters come and go at runtime.
+            if with_health or name not in self.model_cards:
+                cards = await self._model_cards(url, key)
+                if cards is not None:
+                    self.model_cards[name] = cards
+                    models = tuple(c["id"] for c in cards)
         except (Exception, asyncio.TimeoutError) as e:  # any failure means: not usable now
             definitive = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError)) or (
                 isinstance(e, RuntimeError))  # refused, or an HTTP error status from the engine
             self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive)
+            if not state.healthy:  # checked again when it answers: it may be another engine now
+                state.threshold_capable = None
             return
         self.registry.record_scrape(name, load, models)
+        # Unanswered (an engine failing requests): asked again with the next /health check.
+        if state.threshold_capable is None and state.config.decodes and with_health:
+            model = state.models[0] if state.models else None
+            capable = await capability.threshold_capable(self.client, name, url, key, model, self._timeout_s)
+            if capable is not None:
+                state.threshold_capable = capable
+                capability.report(name, capable)
+
+    async def _model_cards(self, url: str, key: str) -> list[dict] | None:
+        """The engine's /v1/models entries (vLLM's ModelCard objects), None if unreadable."""
+        status, body = await self.client.get_text(url + "/v1/models", self._timeout_s, key)
+        if status != 200:
+            return None
+        try:
+            data = orjson.loads(body).get("data")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        if not isinstance(data, list):
+            return None
+        return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
     async def check_all(self, with_health: bool = True) -> None:
         await asyncio.gather(*(self.check_one(n, with_health) for n in self.registry.states))

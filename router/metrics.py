@@ -3,13 +3,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .tracing import annotate_request
 
 log = logging.getLogger("cachehit_router.requests")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LONG_BUCKETS = (300.0, 600.0, 900.0, 1800.0, 3600.0)
+# Label for a request whose `model` no backend serves (a client's free text must not
+# grow the label set without bound).
+OTHER_MODEL = "other"
+
+
+def latency_buckets(total_s: float) -> tuple[float, ...]:
+    """Buckets up to the longest a request may last (timeouts.total_s), so that a slow
+    answer is not lost in +Inf."""
+    out = [b for b in _LATENCY_BUCKETS + _LONG_BUCKETS if b < total_s]
+    return (*out, float(total_s))
 
 
 @dataclass
@@ -47,10 +60,14 @@ class RequestRecord:
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, total_s: float = 900.0, served_models: Callable[[], Iterable[str]] = tuple) -> None:
+        """`total_s`: timeouts.total_s (the request histograms reach it); `served_models`:
+        the models the backends serve now (the `model` label's values)."""
+        self.served_models = served_models
+        buckets = latency_buckets(total_s)
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("cachehit_router_requests", "Requests by route and HTTP status",
-                                ["route", "status"], registry=r)
+        self.requests = Counter("cachehit_router_requests", "Requests by route, HTTP status and model",
+                                ["route", "status", "model"], registry=r)
         self.probe_rejections = Counter("cachehit_router_probe_rejections",
                                         "Probes an engine rejected with cache_threshold", ["backend"], registry=r)
         self.probe_losers = Counter("cachehit_router_probe_losers",
@@ -67,9 +84,9 @@ class RouterMetrics:
         self.upstream_errors = Counter("cachehit_router_upstream_errors", "Upstream failures by kind",
                                        ["backend", "kind"], registry=r)
         self.ttft = Histogram("cachehit_router_ttft_seconds", "Time to first token seen by the client",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              ["model"], buckets=buckets, registry=r)
         self.duration = Histogram("cachehit_router_request_duration_seconds", "Request duration",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
+                                  ["model"], buckets=buckets, registry=r)
         self.inflight = Gauge("cachehit_router_backend_inflight", "Router requests open on a backend",
                               ["backend"], registry=r)
         self.healthy = Gauge("cachehit_router_backend_healthy", "1 when the backend takes requests",
@@ -90,10 +107,15 @@ class RouterMetrics:
         self.race_wait = Gauge("cachehit_router_race_wait_seconds",
                                "What waiting for the verdicts of a race nobody won has been costing (measured)",
                                registry=r)
+        self.threshold_capable = Gauge(
+            "cachehit_router_backend_threshold_capable",
+            "1: the engine runs the cache-hit threshold; 0: it does not (never probed); -1: not checked yet",
+            ["backend"], registry=r)
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served",
                                      registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)
-        self._requests_by: dict[tuple[str, int], Counter] = {}
+        self._requests_by: dict[tuple[str, int, str], Counter] = {}
+        self._by_model: dict[str, tuple[Histogram, Histogram]] = {}
         self.rejected_overload = Counter("cachehit_router_overload_rejections",
                                          "Requests answered 429 because the router was full", registry=r)
 
@@ -101,19 +123,24 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
     def record(self, rec: RequestRecord) -> None:
-        key = (rec.route, rec.status)
+        model = rec.model if rec.model and rec.model in self.served_models() else OTHER_MODEL
+        key = (rec.route, rec.status, model)
         counter = self._requests_by.get(key)
         if counter is None:  # labels() builds and locks on every call: look each child up once
-            counter = self._requests_by[key] = self.requests.labels(rec.route or "none", str(rec.status))
+            counter = self._requests_by[key] = self.requests.labels(rec.route or "none", str(rec.status), model)
         counter.inc()
+        hists = self._by_model.get(model)
+        if hists is None:
+            hists = self._by_model[model] = (self.ttft.labels(model), self.duration.labels(model))
         if rec.ttft_s is not None:
-            self.ttft.observe(rec.ttft_s)
-        self.duration.observe(rec.duration_s)
+            hists[0].observe(rec.ttft_s)
+        hists[1].observe(rec.duration_s)
         for reason in rec.resumes:
             self.resumes.labels(reason).inc()
+        annotate_request(rec)
         if not log.isEnabledFor(logging.INFO):
             return
-        log.info("%s", orjson.dumps({
+        log.info("request", extra={"request": {
             "request_id": rec.request_id, "endpoint": rec.endpoint, "model": rec.model,
             "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,
             "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
@@ -124,4 +151,4 @@ class RouterMetrics:
             "duration_ms": round(rec.duration_s * 1000, 2), "status": rec.status,
             "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
             **({"error": rec.error} if rec.error else {}),
-        }).decode())
+        }})  # one JSON line (router/logs.py)

@@ -160,11 +160,17 @@ class ProbeStrategy:
         decoders = decoders_for(query, snap, exclude)
         if not decoders:
             return Plan()
+        # Engines without the threshold would accept every probe: never probed, only sent
+        # to directly when no engine can be probed, or as a fallback.
+        n = query.tokens(snap)
+        hits = self.expected_hits(query, n)
+        capable = [b for b in decoders if b.threshold_capable]
+        if not capable:
+            return _direct(query, snap, decoders, hits)
+        decoders = capable
         bound = self.routing.max_probe_waiting
         if bound:
             decoders = [b for b in decoders if b.waiting <= bound] or decoders
-        n = query.tokens(snap)
-        hits = self.expected_hits(query, n)
         cold = _direct(query, snap, decoders, hits)
         assert cold.predicted_ttft_s is not None and cold.direct is not None
         best = snap.get(cold.direct)

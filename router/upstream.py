@@ -22,6 +22,7 @@ import orjson
 
 from .config import TimeoutsConfig
 from .sse import SSEDecoder, SSEError
+from . import tracing
 
 # Failure kinds, in the words a client error message uses.
 CONNECT = "connect"  # could not connect / connection refused
@@ -66,7 +67,7 @@ class UpstreamStream:
     """One streamed leg. Not safe for concurrent readers."""
 
     __slots__ = ("backend", "_resp", "_decoder", "_pending", "_loop", "_timeouts",
-                 "_total_deadline", "_first_deadline", "_done", "_on_close", "chunks_read")
+                 "_total_deadline", "_first_deadline", "_done", "_on_close", "chunks_read", "_span")
 
     def __init__(self, backend: str, resp: aiohttp.ClientResponse, timeouts: TimeoutsConfig,
                  total_deadline: float, on_close: Callable[[], None] | None = None,
@@ -84,6 +85,7 @@ class UpstreamStream:
                                 else self._loop.time() + timeouts.first_token_s)
         self._done = False
         self.chunks_read = 0
+        self._span = None  # the leg's trace span (router/tracing.py), ended on close
 
     async def next_chunk(self) -> dict | None:
         """The next chunk, or None once the engine sent `[DONE]`."""
@@ -157,18 +159,21 @@ class UpstreamStream:
         """Drop the connection now (the engine aborts the request). Idempotent."""
         self._done = True
         self._resp.close()
-        self._closed()
+        self._closed("aborted")
 
     def finish(self) -> None:
         """Release after [DONE]: the connection goes back to the pool. Idempotent."""
         self._done = True
         self._resp.release()
-        self._closed()
+        self._closed("done")
 
-    def _closed(self) -> None:
+    def _closed(self, outcome: str) -> None:
         cb, self._on_close = self._on_close, None
         if cb is not None:
             cb()
+        span, self._span = self._span, None
+        if span is not None:
+            tracing.end_leg(span, outcome)
 
 
 class UpstreamClient:
@@ -195,23 +200,25 @@ class UpstreamClient:
             self._session = None
 
     @staticmethod
-    def _headers(api_key: str) -> dict[str, str]:
-        h = {"Content-Type": "application/json"}
+    def _headers(api_key: str, trace: dict[str, str] | None = None) -> dict[str, str]:
+        # `trace`: the leg's trace context (traceparent, tracestate; router/tracing.py).
+        h = {"Content-Type": "application/json", **trace} if trace else {"Content-Type": "application/json"}
         if api_key:
             h["Authorization"] = f"Bearer {api_key}"
         return h
 
     async def _post(self, backend: str, url: str, body: dict, api_key: str,
-                    deadline: float | None, timeout_kind: str = TOTAL_TIMEOUT) -> aiohttp.ClientResponse:
+                    deadline: float | None, timeout_kind: str = TOTAL_TIMEOUT,
+                    trace: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """POST and wait for the response headers until `deadline`; a miss is an
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
         try:
             if deadline is None:  # bounded by the caller's timer (post_raw): skip a no-op Timeout
-                resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key))
+                resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
             else:
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key))
+                    resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
         except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
             raise UpstreamError(backend, CONNECT_TIMEOUT,
                                 f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}") from None
@@ -246,9 +253,16 @@ class UpstreamClient:
             head_deadline, kind = first_deadline, FIRST_TOKEN_TIMEOUT
         else:
             head_deadline, kind = total_deadline, TOTAL_TIMEOUT
-        resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind)
-        return UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close,
-                              first_deadline=first_deadline)
+        leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
+        try:
+            resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace)
+        except BaseException as e:
+            tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
+            raise
+        stream = UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close,
+                                first_deadline=first_deadline)
+        stream._span = leg
+        return stream
 
     async def post_raw(self, backend: str, base_url: str, path: str, body: dict, *,
                        api_key: str = "", total_deadline: float | None = None) -> bytes:
@@ -256,10 +270,21 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         if total_deadline is None:
             total_deadline = loop.time() + self.timeouts.total_s
+        leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
+        try:
+            raw = await self._post_raw(backend, base_url + path, body, api_key, total_deadline, trace)
+        except BaseException as e:
+            tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
+            raise
+        tracing.end_leg(leg, "done")
+        return raw
+
+    async def _post_raw(self, backend: str, url: str, body: dict, api_key: str, total_deadline: float,
+                        trace: dict[str, str] | None) -> bytes:
         # One timer for headers and body (each timer is a heap entry on every request).
         try:
             async with asyncio.timeout_at(total_deadline):
-                resp = await self._post(backend, base_url + path, body, api_key, None)
+                resp = await self._post(backend, url, body, api_key, None, trace=trace)
                 try:
                     return await resp.read()
                 except (aiohttp.ClientError, ConnectionError) as e:

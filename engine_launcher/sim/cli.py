@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--global-cache-hit-threshold", type=float, default=d.global_cache_hit_threshold)
     a("--arrival-check", action=argparse.BooleanOptionalAction, default=d.arrival_check,
       help="also check the cache-hit threshold when a request arrives (default on)")
+    a("--threshold-plugin", action=argparse.BooleanOptionalAction, default=d.threshold_plugin,
+      help="honour cache_hit_threshold as the plugin does (default on); --no-threshold-plugin "
+           "acts as a stock vLLM that ignores it")
     a("--kv-lease-duration", type=float, default=d.kv_lease_duration,
       help="seconds a producer keeps prefilled blocks for a consumer (real seconds)")
     a("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default=d.kv_load_failure_policy,
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
       default=d.enable_prompt_tokens_details)
     a("--max-logprobs", type=int, default=d.max_logprobs)
     a("--fault-error-rate", type=float, default=0.0,
-      help="fraction of generation requests answered with HTTP 500")
+      help="fraction of requests answered with HTTP 500")
     a("--fault-exit-after-tokens", type=int, default=0,
       help="exit the process after this many generated tokens (0: never)")
     a("--fault-stall-after-tokens", type=int, default=0,
@@ -93,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         seed=args.seed, eos_probability=args.eos_probability,
         global_cache_hit_threshold=args.global_cache_hit_threshold,
         arrival_check=args.arrival_check, kv_lease_duration=args.kv_lease_duration,
+        threshold_plugin=args.threshold_plugin,
         kv_load_failure_policy=args.kv_load_failure_policy,
         advertise_host=args.advertise_host,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,

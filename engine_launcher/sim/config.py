@@ -55,7 +55,7 @@ class FaultConfig:
     0 disables each fault.
     """
 
-    # Fraction of generation requests answered with HTTP 500 before any work.
+    # Fraction of requests (generation, embeddings, tokenize, audio) answered with HTTP 500 before any work.
     error_rate: float = 0.0
     # After this many generated tokens (engine-wide), the engine dies: the CLI process
     # exits; an in-process engine drops every connection and stops serving.
@@ -94,6 +94,9 @@ class SimEngineConfig:
     eos_probability: float = 0.0
     # Cache-hit threshold (vLLM RFC 24256).
     global_cache_hit_threshold: float = 0.0
+    # False: act as a stock vLLM without the threshold plugin: `cache_hit_threshold` (top
+    # level or in vllm_xargs) is ignored unchecked and no request is ever rejected.
+    threshold_plugin: bool = True
     arrival_check: bool = True
     # NIXL-like prefill/decode.
     kv_lease_duration: float = 30.0
@@ -110,6 +113,10 @@ class SimEngineConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     # Enables POST /_sim/faults (runtime fault changes).
     enable_admin: bool = False
+    # LoRA adapters served besides the model: name -> path (vLLM's --lora-modules); also
+    # loaded and unloaded at runtime with POST /v1/load_lora_adapter, /v1/unload_lora_adapter.
+    # The simulator has no weights: an adapter answers as the base model does.
+    lora_modules: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.role not in ROLES:

@@ -213,7 +213,7 @@ class SimEngine:
         return len(self.waiting) + len(self.transferring) + len(self.ready)
 
     def effective_threshold(self, req: SimRequest) -> float:
-        if req.is_prefill_leg:
+        if req.is_prefill_leg or not self.config.threshold_plugin:
             return 0.0
         if req.threshold is not None:
             return req.threshold

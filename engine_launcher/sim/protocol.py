@@ -6,8 +6,9 @@ as vLLM's validation handler writes them, "BadRequestError" for value checks), 4
 "NotFoundError" for an unknown model. Fields the simulator does not model (temperature,
 top_p, penalties, ...) are type-checked and otherwise ignored.
 
-Documented limits: one prompt per request and `n == 1` (400 otherwise), no `echo`, no
-`prompt_logprobs`, no tools (400 when requested).
+Batched prompts, `n` > 1, `echo` and `prompt_logprobs` are served as vLLM serves them
+(engine_launcher/sim/multi.py). Documented limits: no tools, no beam search, no `echo`
+together with `logprobs` (400 when requested).
 """
 from __future__ import annotations
 
@@ -118,6 +119,18 @@ class ParsedRequest:
     want_logprobs: bool
     threshold: float | None
     kv_transfer_params: dict | None
+    # Every prompt of a batch (prompt_ids is the first) and, for echo, each one's text.
+    prompts: tuple[list[int], ...] = ()
+    prompt_texts: tuple[str, ...] = ()
+    n: int = 1
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    request_id: str | None = None
+
+    @property
+    def single(self) -> bool:
+        """One choice of one prompt, nothing but the generated tokens: the common path."""
+        return self.n == 1 and len(self.prompts) <= 1 and not self.echo and self.prompt_logprobs is None
 
 
 _MISSING = object()
@@ -195,16 +208,20 @@ def _stop_token_ids(b: _Body) -> frozenset[int]:
     return frozenset(v)
 
 
+MAX_N = 16384
+MAX_PROMPTS = 1024
 _EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
 
-def _prompt_ids(b: _Body) -> list[int]:
+def _prompts(b: _Body) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids and text (a batch is a list of strings or id lists)."""
     p = b.raw.get("prompt")
-    if isinstance(p, list) and p and not all(_is_int(x) for x in p):
-        # A batch: a list of strings or a list of token-id lists.
-        if len(p) != 1:
-            raise value_error("The simulator serves one prompt per request.", "prompt", len(p))
-        p = p[0]
+    batch = p if isinstance(p, list) and p and not all(_is_int(x) for x in p) else [p]
+    ids = [_prompt_ids(x) for x in batch]
+    return ids, [x if isinstance(x, str) else tok.decode(i) for x, i in zip(batch, ids)]
+
+
+def _prompt_ids(p: Any) -> list[int]:
     if isinstance(p, str) and p:
         return tok.encode(p)
     if isinstance(p, list) and p and all(_is_int(x) for x in p):
@@ -252,7 +269,7 @@ def _chat_prompt_ids(b: _Body) -> list[int]:
 def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     b = _Body(raw)
     model = b.get("model", "str", cfg.model)
-    if model != cfg.model:
+    if model != cfg.model and model not in cfg.lora_modules:
         raise ApiError(f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
                        404, "NotFoundError", "model")
     # Type checks first (pydantic validates the whole model before any value check).
@@ -282,15 +299,36 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
         top = b.get("logprobs", "int")
         want = top is not None
 
-    prompt_ids = _chat_prompt_ids(b) if chat else _prompt_ids(b)
-    if n != 1:
-        raise value_error("The simulator supports n=1 only.", "n", n)
+    if chat:
+        prompts, texts = [_chat_prompt_ids(b)], []
+    else:
+        prompts, texts = _prompts(b)
+    prompt_ids = prompts[0]
+    # vLLM's limits (VLLM_MAX_N_SEQUENCES, VLLM_MAX_COMPLETION_PROMPTS defaults), worded as
+    # vLLM words them.
+    if n < 1:
+        raise ApiError(f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise ApiError(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+                       "VLLM_MAX_N_SEQUENCES environment variable.")
+    if n > 1 and temperature is not None and temperature < 1e-5:
+        raise ApiError(f"n must be 1 when using greedy sampling, got {n}.")
+    if len(prompts) > MAX_PROMPTS:
+        raise value_error(f"prompt list length {len(prompts)} exceeds the maximum allowed count of "
+                          f"{MAX_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+                          "environment variable.", "prompt")
     if b.get("tools", "list"):
         raise value_error("The simulator does not support tools.", "tools")
-    if not chat and b.get("echo", "bool", False):
-        raise value_error("The simulator does not support echo.", "echo")
-    if b.get("prompt_logprobs", "int") is not None:
-        raise value_error("The simulator does not support prompt_logprobs.", "prompt_logprobs")
+    echo = not chat and bool(b.get("echo", "bool", False))
+    if echo and want:
+        raise value_error("The simulator does not support echo with logprobs.", "echo")
+    prompt_logprobs = b.get("prompt_logprobs", "int")
+    if prompt_logprobs is not None:
+        if stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
+            raise value_error("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if prompt_logprobs < 0 and prompt_logprobs != -1:
+            raise value_error("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs",
+                              prompt_logprobs)
     if b.get("use_beam_search", "bool", False):
         raise value_error("The simulator does not support beam search.", "use_beam_search")
     if temperature is not None and temperature < 0:
@@ -312,7 +350,7 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
 
     if mct is not None:
         max_tokens = mct
-    prompt_len = len(prompt_ids)
+    prompt_len = max(len(x) for x in prompts)  # the longest of a batch
     context = cfg.context_len
     if prompt_len > context:
         raise value_error(
@@ -362,4 +400,6 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
         chat=chat, model=model, prompt_ids=prompt_ids, sampling=sampling, stream=bool(stream),
         include_usage=include_usage, continuous_usage=continuous,
         return_token_ids=return_token_ids, want_logprobs=want,
-        threshold=parse_threshold(b.raw), kv_transfer_params=kv)
+        threshold=parse_threshold(b.raw) if cfg.threshold_plugin else None, kv_transfer_params=kv,
+        prompts=tuple(prompts), prompt_texts=tuple(texts), n=n, echo=echo, prompt_logprobs=prompt_logprobs,
+        request_id=b.get("request_id", "str"))

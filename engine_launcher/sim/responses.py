@@ -108,7 +108,9 @@ class CompletionStreamState:
 
 def stream_chunk(ctx: ResponseContext, req: SimRequest, state: CompletionStreamState,
                  ids: list[int], text: str, lps: list | None, finish_reason: str | None,
-                 stop_reason: Any) -> bytes:
+                 stop_reason: Any, index: int = 0, echo: str | None = None) -> bytes:
+    """`echo`: the prompt's text, put before the first chunk's text, whose choice then
+    carries the prompt ids even without return_token_ids (vLLM's completions echo)."""
     p = ctx.parsed
     want_ids = p.return_token_ids
     logprobs = None
@@ -117,8 +119,11 @@ def stream_chunk(ctx: ResponseContext, req: SimRequest, state: CompletionStreamS
                     _completion_logprobs(lps, p.sampling.logprobs or 0, state.text_offset))
         for t in ids:  # completion logprobs' text_offset runs across chunks
             state.text_offset += len(tok.token_text(t))
+    echoed = echo is not None and state.first
+    if echoed:
+        text = echo + text
     if ctx.chat:
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": text},
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text},
                                   "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
@@ -126,9 +131,9 @@ def stream_chunk(ctx: ResponseContext, req: SimRequest, state: CompletionStreamS
         chunk: dict[str, Any] = {"id": ctx.request_id, "object": "chat.completion.chunk",
                                  "created": ctx.created, "model": ctx.model, "choices": [choice]}
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs,
+        choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": finish_reason, "stop_reason": stop_reason,
-                  "prompt_token_ids": req.prompt_ids if (want_ids and state.first) else None,
+                  "prompt_token_ids": req.prompt_ids if ((want_ids or echoed) and state.first) else None,
                   "token_ids": ids if want_ids else None}
         chunk = {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
                  "model": ctx.model, "choices": [choice]}
@@ -140,13 +145,13 @@ def stream_chunk(ctx: ResponseContext, req: SimRequest, state: CompletionStreamS
     return sse(chunk)
 
 
-def chat_role_chunk(ctx: ResponseContext, req: SimRequest) -> bytes:
+def chat_role_chunk(ctx: ResponseContext, req: SimRequest, index: int = 0) -> bytes:
     """vLLM's first chat chunk: the role, empty content, and the prompt token ids."""
     p = ctx.parsed
     chunk: dict[str, Any] = {
         "id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created,
         "model": ctx.model,
-        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+        "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}],
         "prompt_token_ids": req.prompt_ids if p.return_token_ids else None,
         "prompt_text": None,
@@ -167,6 +172,11 @@ def usage_chunk(ctx: ResponseContext, req: SimRequest, details: bool) -> bytes:
 
 
 def full_response(ctx: ResponseContext, req: SimRequest, text: str, details: bool) -> bytes:
+    return orjson.dumps(full_body(ctx, req, text, details))
+
+
+def full_body(ctx: ResponseContext, req: SimRequest, text: str, details: bool) -> dict[str, Any]:
+    """The non-streaming answer of one request with one choice, as vLLM serializes it."""
     p = ctx.parsed
     lps = req.output_logprobs if p.want_logprobs else None
     k = p.sampling.logprobs or 0
@@ -207,4 +217,4 @@ def full_response(ctx: ResponseContext, req: SimRequest, text: str, details: boo
             "kv_transfer_params": req.kv_transfer_params_out, "ec_transfer_params": None,
             "metrics": None,
         }
-    return orjson.dumps(body)
+    return body

@@ -3,7 +3,7 @@ own side channel and admin routes.
 
 vLLM routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics, GET /version, POST /reset_prefix_cache (a dev-mode route in vLLM, always on
-here).
+here), POST /v1/embeddings, /tokenize, /detokenize, /v1/audio/* (aux_routes.py).
 Simulator routes: POST /_sim/kv/pull (the KV side channel a consumer calls on the producer
 named by remote_host/remote_port), GET /_sim/state (white-box numbers), GET/POST
 /_sim/faults (runtime fault changes; 404 unless enable_admin).
@@ -31,7 +31,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from . import multi
 from . import responses as R
+from .aux_routes import AuxRoutes
 from .config import VLLM_VERSION, FaultConfig, SimEngineConfig
 from .engine import SimEngine, SimRequest
 from .protocol import ApiError, json_error, parse_request
@@ -83,10 +85,14 @@ class SimServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        self.aux = AuxRoutes(self.config)  # /v1/embeddings, /tokenize, /detokenize, audio
+        self.aux.add_to(app)
         app.router.add_post("/_sim/kv/pull", self._kv_pull)
         app.router.add_get("/_sim/state", self._state)
         app.router.add_get("/_sim/faults", self._get_faults)
@@ -170,10 +176,12 @@ class SimServer:
                                    "InternalServerError"))
         if self.engine.dead:
             return _error(ApiError("The engine is dead", 500, "InternalServerError"))
+        if not parsed.single:
+            return await self._generate_choices(request, parsed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold,
                          parsed.kv_transfer_params)
-        ctx = R.ResponseContext(rid, int(time.time()), cfg.model, self.fingerprint, parsed)
+        ctx = R.ResponseContext(rid, int(time.time()), parsed.model, self.fingerprint, parsed)
         transport = request.transport
         if transport is not None:
             self._transports.add(transport)
@@ -194,6 +202,37 @@ class SimServer:
                 self.engine.abort(rid)
             if transport is not None:
                 self._transports.discard(transport)
+
+    async def _generate_choices(self, request: web.Request, parsed) -> web.StreamResponse:
+        """Batches, n > 1, echo, prompt_logprobs: one engine request per choice (multi.py),
+        the answer named after X-Request-Id, else the body's request_id, as vLLM names it."""
+        name = request.headers.get("X-Request-Id") or parsed.request_id or uuid.uuid4().hex
+        rid = f"{'chatcmpl' if parsed.chat else 'cmpl'}-{name}"
+        ctx = R.ResponseContext(rid, int(time.time()), parsed.model, self.fingerprint, parsed)
+        reqs = multi.choice_requests(parsed, f"{rid}-{uuid.uuid4().hex}")
+        details = self.config.enable_prompt_tokens_details
+        for _, req in reqs:
+            self.engine.add_request(req)
+        try:
+            if parsed.stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+                try:
+                    await multi.write_stream(request, resp, ctx, reqs, details,
+                                             b"data: " + orjson.dumps(GENERATION_ERROR.body()) + b"\n\n")
+                except ConnectionResetError:
+                    log.debug("client of %s disconnected", rid)
+                return resp
+            for _, req in reqs:
+                while not req.finished:
+                    await req.event.wait()
+                    req.event.clear()
+            if any(req.finish_reason == "error" for _, req in reqs):
+                return _error(GENERATION_ERROR)
+            return web.Response(body=multi.full_answer(ctx, reqs, details), content_type="application/json")
+        finally:
+            for _, req in reqs:
+                if not req.finished:
+                    self.engine.abort(req.request_id)
 
     async def _stream(self, request: web.Request, ctx: R.ResponseContext,
                       req: SimRequest) -> web.StreamResponse:
@@ -280,18 +319,54 @@ class SimServer:
     # --- other routes ------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
+        """The base model, then each LoRA adapter (vLLM's ModelCard: an adapter's root is
+        its path, its parent the base model, its max_model_len null)."""
         m = self.config.model
-        return _json({"object": "list", "data": [{
-            "id": m, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": m, "parent": None, "max_model_len": self.config.max_model_len,
-            "permission": [{
-                "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, m).hex}",
-                "object": "model_permission", "created": self.created,
-                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                "allow_search_indices": False, "allow_view": True,
-                "allow_fine_tuning": False, "organization": "*", "group": None,
-                "is_blocking": False}],
-        }]})
+
+        def card(id_: str, root: str, parent: str | None, max_len: int | None) -> dict:
+            return {"id": id_, "object": "model", "created": self.created, "owned_by": "vllm",
+                    "root": root, "parent": parent, "max_model_len": max_len, "permission": [{
+                        "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, id_).hex}",
+                        "object": "model_permission", "created": self.created,
+                        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                        "allow_search_indices": False, "allow_view": True,
+                        "allow_fine_tuning": False, "organization": "*", "group": None,
+                        "is_blocking": False}]}
+        return _json({"object": "list", "data": [card(m, m, None, self.config.max_model_len)] + [
+            card(name, path, m, None) for name, path in self.config.lora_modules.items()]})
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter: 200 with a text answer, errors in its words."""
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            body = None
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if not name or not path:
+            return _error(ApiError("Both 'lora_name' and 'lora_path' must be provided.", 400, "InvalidUserInput"))
+        if name == self.config.model:
+            return _error(ApiError(f"The lora adapter '{name}' conflicts with a served base model.",
+                                   400, "InvalidUserInput"))
+        if name in self.config.lora_modules and not body.get("load_inplace"):
+            return _error(ApiError(f"The lora adapter '{name}' has already been loaded. If you want to "
+                                   "load the adapter in place, set 'load_inplace' to True.", 400,
+                                   "InvalidUserInput"))
+        self.config.lora_modules[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            body = None
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not name:
+            return _error(ApiError("'lora_name' needs to be provided to unload a LoRA adapter.", 400,
+                                   "InvalidUserInput"))
+        if self.config.lora_modules.pop(name, None) is None:
+            return _error(ApiError(f"The lora adapter '{name}' cannot be found.", 404, "NotFoundError"))
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.engine.dead:

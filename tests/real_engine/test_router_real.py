@@ -67,7 +67,9 @@ class RealCluster:
         await self.runner.cleanup()
 
     def metric(self, name: str, **labels) -> float:
-        return self.app[ROUTER_KEY].metrics.registry.get_sample_value(name, labels or None) or 0.0
+        """Summed over the label sets that include `labels` (e.g. any `model`)."""
+        return sum(s.value for fam in self.app[ROUTER_KEY].metrics.registry.collect() for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     async def complete(self, body: dict) -> tuple[int, dict]:
         async with self.session.post(self.url + "/v1/completions", json=body) as r:

@@ -24,6 +24,7 @@ from aiohttp import web
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from relutil import MODEL, sim_backends
 from router.app import build_app
+from router.capability import CHECK_PROMPT_PREFIX
 from router.config import parse_config
 
 CLIENT_KEY = "sk-client-1"
@@ -51,8 +52,9 @@ class Capture:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.seen.append({"method": request.method, "path": request.path_qs,
-                          "headers": list(request.raw_headers), "body": body})
+        if CHECK_PROMPT_PREFIX.encode() not in body:  # the router's own capability check
+            self.seen.append({"method": request.method, "path": request.path_qs,
+                              "headers": list(request.raw_headers), "body": body})
         assert self.session is not None
         async with self.session.request(request.method, self.engine_url + request.path_qs,
                                         data=body or None,

@@ -28,6 +28,9 @@ class Cluster:
     app: web.Application
     runner: web.AppRunner
     roles: dict = field(default_factory=dict)
+    # Engine counters (`*_total`) when the cluster became ready: the router's threshold
+    # capability check sent each decode engine one request before the test began.
+    baseline: dict = field(default_factory=dict)
 
     @property
     def state(self):
@@ -55,9 +58,10 @@ class Cluster:
             return r.status, events
 
     def router_metric(self, name: str, **labels) -> float:
-        reg = self.state.metrics.registry
-        v = reg.get_sample_value(name, labels or None)
-        return v or 0.0
+        """A router sample summed over the label sets that include `labels` (so a test
+        need not name every label, e.g. `model`)."""
+        return sum(s.value for fam in self.state.metrics.registry.collect() for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def routes(self) -> dict[str, float]:
         out = {}
@@ -66,11 +70,35 @@ class Cluster:
         return out
 
     async def engine_metric(self, name: str, metric: str) -> float:
-        """An engine's metric read from its own /metrics, summed over label sets."""
+        """An engine's metric read from its own /metrics, summed over label sets; a counter
+        counts from when the cluster was ready (see `baseline`)."""
+        return await self._raw_engine_metric(name, metric) - self.baseline.get((name, metric), 0.0)
+
+    async def _raw_engine_metric(self, name: str, metric: str) -> float:
         async with self.session.get(self.engines[name].url + "/metrics") as r:
             text = await r.text()
         return sum(s.value for fam in text_string_to_metric_families(text)
                    for s in fam.samples if s.name == metric)
+
+    async def wait_capability_checked(self, timeout: float = 15.0) -> None:
+        """Until the router knows whether each decode engine runs the threshold, then note
+        the engines' counters: tests count from there."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        states = self.state.registry.states
+        # An engine that fails requests on purpose (fault injection) cannot answer the check.
+        failing = {n for n, e in self.engines.items() if e.config.faults.error_rate > 0}
+        while any(s.threshold_capable is None for n, s in states.items() if s.config.decodes and n not in failing):
+            if loop.time() >= end:
+                raise AssertionError("threshold capability never checked")
+            await asyncio.sleep(0.02)
+        for n, e in self.engines.items():
+            async with self.session.get(e.url + "/metrics") as r:
+                text = await r.text()
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    if s.name.endswith("_total"):
+                        self.baseline[(n, s.name)] = self.baseline.get((n, s.name), 0.0) + s.value
 
     async def engine_metrics(self, metric: str) -> dict[str, float]:
         return {n: await self.engine_metric(n, metric) for n in self.engines}
@@ -120,7 +148,11 @@ async def make_cluster():
     async def make(decoders: int = 2, prefillers: int = 0, routing: dict | None = None,
                    sim: dict | None = None, per_engine: dict | None = None, timeouts: dict | None = None,
                    server: dict | None = None, health: dict | None = None,
-                   per_backend: dict | None = None) -> Cluster:
+                   per_backend: dict | None = None,
+                   tracing: dict | None = None, span_exporter=None,
+                   front=None) -> Cluster:
+        """front: `await front(name, engine_url)` gives the URL the router uses for an
+        engine instead of its own (a recording proxy in front of it)."""
         engines, backends, roles = {}, [], {}
         base = SimEngineConfig(**{"model": MODEL, "speed": DEFAULT_SPEED, **(sim or {})})
         names = [(f"d{i}", "consumer", "decode") for i in range(decoders)] + \
@@ -128,7 +160,8 @@ async def make_cluster():
         for name, role, brole in names:
             cfg = replace(base, role=role, **((per_engine or {}).get(name, {})))
             engines[name] = await start_sim_engine(cfg, port=0)
-            backends.append({"name": name, "url": engines[name].url, "role": brole,
+            url = engines[name].url if front is None else await front(name, engines[name].url)
+            backends.append({"name": name, "url": url, "role": brole,
                              **((per_backend or {}).get(name, {}))})
             roles[name] = brole
         config = parse_config({
@@ -137,8 +170,9 @@ async def make_cluster():
             "timeouts": {"first_token_s": 20, "idle_s": 10, "total_s": 60, **(timeouts or {})},
             "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, **(health or {})},
             "backends": backends,
+            **({"tracing": tracing} if tracing else {}),
         })
-        app = build_app(config, start_engines=False)
+        app = build_app(config, start_engines=False, span_exporter=span_exporter)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -147,6 +181,7 @@ async def make_cluster():
         c = Cluster(f"http://127.0.0.1:{port}", engines, aiohttp.ClientSession(), app, runner, roles)
         clusters.append(c)
         await c.wait_all_healthy()
+        await c.wait_capability_checked()
         return c
 
     yield make

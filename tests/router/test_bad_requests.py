@@ -22,7 +22,7 @@ def _is_error(body: dict, status: int) -> None:
     (b'{"model": "sim-model", "prompt": 5}', "prompt"),
     (b'{"model": "sim-model", "prompt": "x", "max_tokens": -1}', "max_tokens"),
     (b'{"model": "sim-model", "prompt": "x", "max_tokens": 1e999}', None),
-    (b'{"model": "sim-model", "prompt": "x", "n": 2}', "n"),
+    (b'{"model": "sim-model", "prompt": "x", "n": 0}', "n"),
     (b'{"model": "sim-model", "prompt": "x", "stream": "yes"}', "stream"),
     (b'{"model": 7, "prompt": "x"}', "model"),
     (b'\xff\xfe', None),

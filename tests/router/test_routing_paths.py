@@ -56,7 +56,7 @@ async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, str
     # kv_load_failure_policy "fail" the consumer answers an internal error (an error event
     # in a stream); the router computes the prompt on that decoder instead of failing.
     c = await make_cluster(decoders=1, prefillers=1, per_backend=PD_PREFERRED,
-                           per_engine={"p0": {"kv_lease_duration": 0.001}})
+                           per_engine={"p0": {"kv_lease_duration": 1e-6}})
     body = {"model": MODEL, "prompt": long_prompt("xferfail", 300), "max_tokens": 6}
     if stream:
         status, events = await c.stream({**body, "stream_options": {"include_usage": True}})

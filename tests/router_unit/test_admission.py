@@ -163,13 +163,13 @@ def test_malformed_bodies(raw):
     ({**CMPL, "prompt": [1, 2**31]}, "prompt"),
     ({**CMPL, "prompt": [1, True]}, "prompt"),
     ({**CMPL, "prompt": [1, 2.0]}, "prompt"),
-    ({**CMPL, "prompt": ["a", "b"]}, "prompt"),
-    ({**CMPL, "prompt": [[1], [2]]}, "prompt"),
     ({**CMPL, "prompt": [[]]}, "prompt"),
+    ({**CMPL, "prompt": ["a", ""]}, "prompt[1]"),
+    ({**CMPL, "prompt": [[1], ["a"]]}, "prompt[1]"),
+    ({**CMPL, "prompt": ["a", 5]}, "prompt[1]"),
     ({**CMPL, "prompt": [""]}, "prompt"),
     ({**CMPL, "prompt": [["a"]]}, "prompt"),
     ({**CMPL, "prompt_embeds": "AAAA"}, "prompt_embeds"),
-    ({**CMPL, "echo": True}, "echo"),
     ({**CMPL, "echo": "yes"}, "echo"),
     ({**CMPL, "stream": "true"}, "stream"),
     ({**CMPL, "stream": 1}, "stream"),
@@ -188,12 +188,12 @@ def test_malformed_bodies(raw):
     ({**CMPL, "max_tokens": 2**31 + 1}, "max_tokens"),
     ({**CMPL, "max_tokens": 18446744073709551615}, "max_tokens"),
     ({**CMPL, "max_tokens": 1e300}, "max_tokens"),
-    ({**CMPL, "n": 2}, "n"),
     ({**CMPL, "n": 0}, "n"),
+    ({**CMPL, "n": -2}, "n"),
+    ({**CMPL, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({**CMPL, "prompt_logprobs": -1, "stream": True}, "prompt_logprobs"),
     ({**CMPL, "n": True}, "n"),
     ({**CMPL, "n": "1"}, "n"),
-    ({**CMPL, "use_beam_search": True}, "use_beam_search"),
-    ({**CMPL, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({**CMPL, "vllm_xargs": [1]}, "vllm_xargs"),
     ({**CMPL, "vllm_xargs": "x"}, "vllm_xargs"),
     ({**CMPL, "return_token_ids": "yes"}, "return_token_ids"),
@@ -212,11 +212,40 @@ def test_completions_rules(body, param):
     ({"model": "m", "messages": [{"role": None}]}, "messages[0].role"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({**CHAT, "max_tokens": -1, "max_completion_tokens": 5}, "max_tokens"),
-    ({**CHAT, "n": 3}, "n"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_chat_rules(body, param):
     rejects(ENDPOINT_CHAT, body, param)
+
+
+@pytest.mark.parametrize("endpoint,fields", [
+    (ENDPOINT_COMPLETIONS, {"n": 2}),
+    (ENDPOINT_COMPLETIONS, {"prompt": ["a", "b"]}),
+    (ENDPOINT_COMPLETIONS, {"prompt": [[1, 2], [3]]}),
+    (ENDPOINT_COMPLETIONS, {"echo": True}),
+    (ENDPOINT_COMPLETIONS, {"prompt_logprobs": 0}),  # (more are refused in a stream)
+    (ENDPOINT_COMPLETIONS, {"use_beam_search": True}),
+    (ENDPOINT_CHAT, {"n": 3}),
+    (ENDPOINT_CHAT, {"prompt_logprobs": 0}),
+])
+def test_features_only_an_engine_can_compose_are_answered_whole(endpoint, fields):
+    base = CMPL if endpoint == ENDPOINT_COMPLETIONS else CHAT
+    body = {**base, **fields, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "kv_transfer_params": {"do_remote_prefill": True},
+            "cache_hit_threshold": 0.9, "request_id": "mine"}
+    s = parse_request(endpoint, orjson.dumps(body))
+    assert s.whole and s.stream and s.request_id.endswith("-mine")
+    # The client's own streaming and token-id fields reach the engine; internal ones never.
+    assert s.body["stream"] is True and s.body["return_token_ids"] is True
+    assert s.body["stream_options"] == {"include_usage": True}
+    for internal in ("kv_transfer_params", "cache_hit_threshold", "request_id"):
+        assert internal not in s.body
+    for k, v in fields.items():
+        assert s.body[k] == v
+    # One prompt, n = 1: raced as before, the router's fields stripped.
+    plain = parse_request(endpoint, orjson.dumps({**base, "n": 1, "prompt": ["a"]} if base is CMPL
+                                                 else {**base, "n": 1}))
+    assert not plain.whole
 
 
 def test_chat_echo_and_odd_content_pass_through():
@@ -251,9 +280,11 @@ def _check_spec_or_400(endpoint: str, raw: bytes) -> None:
         assert e.status == 400
         orjson.dumps(e.body())
         return
-    # An admitted body is serializable and carries no internal field.
+    # An admitted body is serializable and carries no internal field (a body answered whole
+    # keeps the client's own stream and token-id fields).
     orjson.dumps(s.body)
-    for k in ("kv_transfer_params", "cache_hit_threshold", "return_token_ids", "stream", "stream_options"):
+    leg_fields = () if s.whole else ("return_token_ids", "stream", "stream_options")
+    for k in ("kv_transfer_params", "cache_hit_threshold", "request_id", *leg_fields):
         assert k not in s.body
     assert not isinstance(s.body.get("vllm_xargs"), dict) or "cache_hit_threshold" not in s.body["vllm_xargs"]
     assert s.max_tokens is None or 1 <= s.max_tokens <= 2**31
