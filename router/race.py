@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Iterable, Sequence
 
 from .shaping import is_rejection_chunk
 from .upstream import UpstreamError, UpstreamStream
@@ -157,6 +157,27 @@ async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: f
     """
     loop = asyncio.get_running_loop()
     tasks = {asyncio.ensure_future(_probe(b, open_probe, loop)): b for b in backends}
+    try:
+        return await _settle(tasks, loop, deadline_s, deadline_per_prompt_token_s)
+    except BaseException:
+        # The caller was cancelled (its client hung up, the drain ran out). A probe may
+        # have accepted without the race having looked at it yet, or the winner may be
+        # chosen while the losers are being stopped: nobody will read, finish or abort
+        # those streams, and each would hold its backend's in-flight count for good.
+        _abort_all(tasks)
+        raise
+
+
+def _abort_all(tasks: Iterable[asyncio.Future]) -> None:
+    for t in tasks:
+        if not t.done():
+            t.cancel()  # the probe aborts its own stream
+        elif not t.cancelled() and t.exception() is None and t.result().stream is not None:
+            t.result().stream.abort()
+
+
+async def _settle(tasks: dict[asyncio.Future, str], loop: asyncio.AbstractEventLoop, deadline_s: float,
+                  deadline_per_prompt_token_s: float) -> RaceResult:
     outcomes: list[ProbeOutcome] = []
     winner: ProbeOutcome | None = None
     started = loop.time()
@@ -189,6 +210,7 @@ async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: f
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+            _abort_all(pending)  # one that answered as it was being cancelled
     # Probes that had not answered: lost to the winner, or expired at the deadline.
     for t in pending:
         outcomes.append(ProbeOutcome(tasks[t], LOST if winner else EXPIRED, loop.time() - started))

@@ -1,0 +1,73 @@
+"""A race cancelled by its caller (the client hung up) leaves no stream open.
+
+Two moments are hard to hit by chance but happen about once a hundred early hang-ups:
+a probe has accepted and the race is cancelled before it looked at the result, and the
+race has a winner and is cancelled while it waits for the losers to stop. Done callbacks
+run in the order they were added, so cancelling from a probe task's done callback hits
+each moment exactly. The streams are real (simulated engines over HTTP); the check is the
+backend in-flight count the registry keeps, which feeds routing, and the engine's own
+running count.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from cluster_util import MODEL, long_prompt
+from router.legs import streamed_leg_body
+from router.race import run_race
+
+
+async def _settled(c, timeout: float = 10.0) -> dict[str, int]:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        counts = {n: s.inflight for n, s in c.state.registry.states.items()}
+        if not any(counts.values()) or loop.time() > end:
+            return counts
+        await asyncio.sleep(0.02)
+
+
+def _opener(c, body: dict):
+    loop = asyncio.get_running_loop()
+    return c.state.dispatcher._opener("/v1/completions", streamed_leg_body(body, 0.0),
+                                      loop.time() + 30.0)
+
+
+async def test_cancelled_while_an_accepted_probe_is_unread(make_cluster):
+    c = await make_cluster(decoders=1)
+    open_leg = _opener(c, {"model": MODEL, "prompt": long_prompt("unread"), "max_tokens": 200})
+    race: asyncio.Task | None = None
+
+    async def open_and_arm(name: str):
+        # The race's own completion callback was added first: it wakes the race, then this
+        # one cancels it before the race runs, so the accepted probe is never looked at.
+        asyncio.current_task().add_done_callback(lambda _t: race.cancel())
+        return await open_leg(name)
+
+    race = asyncio.ensure_future(run_race(("d0",), open_and_arm, 10.0))
+    await asyncio.gather(race, return_exceptions=True)
+    assert race.cancelled()
+    assert await _settled(c) == {"d0": 0}
+    assert await c.wait_idle(10) == {"d0": 0}
+
+
+async def test_cancelled_while_waiting_for_the_losers(make_cluster):
+    # d1 is slow to answer: it is still running when d0 wins, and the race is cancelled
+    # while it waits for d1's probe to stop.
+    c = await make_cluster(decoders=2, per_engine={"d1": {"speed": 0.05}})
+    open_leg = _opener(c, {"model": MODEL, "prompt": long_prompt("losers"), "max_tokens": 200})
+    race: asyncio.Task | None = None
+    loop = asyncio.get_running_loop()
+
+    async def open_and_arm(name: str):
+        if name == "d0":
+            # Two hops: the race wakes, picks d0, cancels d1 and waits; then the cancel.
+            asyncio.current_task().add_done_callback(
+                lambda _t: loop.call_soon(race.cancel))
+        return await open_leg(name)
+
+    race = asyncio.ensure_future(run_race(("d0", "d1"), open_and_arm, 10.0))
+    await asyncio.gather(race, return_exceptions=True)
+    assert race.cancelled()
+    assert await _settled(c) == {"d0": 0, "d1": 0}
+    assert await c.wait_idle(10) == {"d0": 0, "d1": 0}
