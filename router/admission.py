@@ -39,7 +39,11 @@ Differences from vLLM a client can notice:
   `param: "max_tokens"`, where vLLM's pydantic layer says `"Bad Request"`/`"body.max_tokens"`;
 - JSON with a lone surrogate escape (`"\ud800"`) is a 400: orjson refuses it, and it could
   not be re-encoded as UTF-8 for the engine anyway (Python's json would accept it);
-- integral floats (`max_tokens: 16.0`) are not accepted where an integer is expected.
+- integral floats (`max_tokens: 16.0`) are not accepted where an integer is expected;
+- a body nested deeper than `MAX_JSON_DEPTH` (128) levels is a 400 (the router could not
+  re-serialize it for the engine);
+- a `request_id` with control or other non-printable characters is a 400 (it becomes the
+  `X-Request-Id` header and appears in log lines).
 
 `max_tokens` in the spec (the budget resume legs count against): completions default to
 16 when the field is absent (vLLM's CompletionRequest default), an explicit null means up
@@ -70,6 +74,11 @@ MAX_TOKENS_LIMIT = 2**31
 # means "up to the context length" instead).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 512
+# Deepest nesting of arrays and objects a body may have. orjson parses up to 1,024 levels
+# but serializes only up to 254, and every leg re-serializes the body: past this bound the
+# request is the client's error (400), never a router failure. Real bodies (tool schemas
+# included) stay far below it.
+MAX_JSON_DEPTH = 128
 # Request ids need to be unique, not secret: 128 random bits from a generator seeded once
 # from the OS, as uuid4().hex looks, without a getrandom() call per request.
 _ID_RANDOM = random.Random(os.urandom(32))
@@ -189,6 +198,19 @@ def _one_prompt(p: object, param: str) -> tuple[str, tuple[int, ...] | None]:
     raise _bad(f"`{param}` must be a string or a list of token ids, got {_kind(p)}.", param)
 
 
+def _nesting_exceeds(value: object, limit: int) -> bool:
+    """Whether arrays and objects in `value` nest deeper than `limit` (iterative: a deep
+    body must not exhaust the Python stack either)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def _parse_messages(body: dict) -> str:
     """Validate `messages` as far as the router reads it; render it as `role: content`
     lines for prefix-affinity planners."""
@@ -233,6 +255,11 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
         raise _bad(f"Request body is not valid JSON: {e}", None) from None
     if not isinstance(body, dict):
         raise _bad(f"Request body must be a JSON object, got {_kind(body)}.", None)
+    # Counting brackets is cheap and bounds the depth: walk the body only when it could be
+    # too deep (brackets inside strings make this conservative, never wrong).
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nesting_exceeds(body, MAX_JSON_DEPTH):
+        raise _bad(f"Request body is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects.",
+                   None)
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -291,9 +318,12 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
     if header_request_id is not None:
         request_id = ID_PREFIX[endpoint] + header_request_id
     elif client_id is not None:
-        if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS:
+        # Printable only: the id goes into the X-Request-Id header (where CR, LF or NUL would
+        # make the response unsendable) and into log lines.
+        if (not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS
+                or not client_id.isprintable()):
             raise _bad(f"`request_id` must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
-                       "characters.", "request_id")
+                       "printable characters (no control characters).", "request_id")
         request_id = ID_PREFIX[endpoint] + client_id
     else:
         request_id = f"{ID_PREFIX[endpoint]}{_ID_RANDOM.getrandbits(128):032x}"

@@ -24,6 +24,7 @@ from aiohttp import web
 from . import errors
 from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, parse_request
 from .backends import BREAKER_STATE_VALUE, BackendRegistry, BackendState
+from .clientlog import escape
 from .config import Config
 from .dispatch import Dispatcher
 from .forward import Forwarder
@@ -246,10 +247,17 @@ class RouterState:
             resp.force_close()
             return resp
         except ConnectionResetError:
+            # The client hung up while its answer was written: an expected event, told by
+            # the request's own log line (499), without a traceback. Nobody can read a
+            # response any more; aiohttp closes the connection.
             rec.status, rec.error = 499, "client disconnected"
-            raise
+            if writer is not None and writer.response is not None:
+                return writer.response
+            resp = error_response(errors.RouterError(400, "The client connection was reset."))
+            resp.force_close()
+            return resp
         except Exception as e:  # a router bug: answer 500 precisely, log the traceback
-            log.exception("request %s failed", rec.request_id)
+            log.exception("request %s failed", escape(rec.request_id))
             rec.status, rec.error = 500, repr(e)
             err = errors.internal_error(f"Internal router error: {type(e).__name__}")
             if writer is not None and writer.started:
@@ -275,6 +283,8 @@ class RouterState:
         self._check_length(request)
         timeout = self.config.server.body_timeout_s
         try:
+            if not request.content.is_eof():
+                await _invite_body(request)
             if request.content.is_eof():
                 # The whole body is already buffered (a small body arrives with the
                 # headers): read() cannot wait, so no timer to arm and cancel.
@@ -283,6 +293,11 @@ class RouterState:
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise errors.payload_too_large(limit) from None
+        except web.RequestPayloadError as e:
+            # The body is not what its headers say (a Content-Encoding it is not encoded
+            # in, broken chunked framing): the client's error.
+            detail = getattr(e.__cause__, "message", None) or str(e)
+            raise errors.RouterError(400, f"The request body could not be read: {detail.strip()}") from None
         except TimeoutError:
             raise errors.RouterError(
                 408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s.") from None
@@ -376,6 +391,23 @@ async def _discard(chunks: list[dict]) -> None:
     return None
 
 
+async def _expect_handler(request: web.Request) -> web.Response | None:
+    """`Expect: 100-continue` on the generation routes is answered later, by
+    `_invite_body`, once the request passed authentication and the size check and holds
+    a slot: a body that would be refused (401, 413, 429) is never invited."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        return None
+    resp = error_response(errors.RouterError(417, f"Unknown Expect: {expect[:80]!r}"))
+    resp.force_close()
+    return resp
+
+
+async def _invite_body(request: web.Request) -> None:
+    if (request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
 def _log_progress(event) -> None:
     log.info("engine %s: %s %s", getattr(event, "name", "?"), getattr(event, "state", ""),
              getattr(event, "detail", ""))
@@ -413,8 +445,10 @@ def build_app(config: Config, *, start_engines: bool = True, span_exporter=None)
     app.on_shutdown.append(state.drain)
     # partial, not a lambda: aiohttp sees a coroutine function and calls it directly (a plain
     # function gets wrapped in an extra coroutine that re-checks its result on every request).
-    app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS))
-    app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT))
+    app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS),
+                        expect_handler=_expect_handler)
+    app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT),
+                        expect_handler=_expect_handler)
     app.router.add_get("/v1/models", state.handle_models)
     state.forwarder.add_routes(app.router)  # vLLM's other routes (router/forward.py)
     app.router.add_get("/health", state.handle_health)

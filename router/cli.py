@@ -63,6 +63,7 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
     from aiohttp import web
 
     from .app import build_app
+    from .clientlog import ServerLogger
 
     from . import logs
     logs.configure(config.server.log_level, config.server.log_format)
@@ -95,7 +96,7 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
     try:
         web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, loop=loop, print=None,
                     access_log=None, shutdown_timeout=config.server.drain_timeout_s,
-                    handler_cancellation=True)
+                    handler_cancellation=True, logger=ServerLogger())
     except Exception as e:  # startup failures (port taken, engines failed to start): say what
         print(f"router: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .tracing import annotate_request
+from .clientlog import escape
 
 log = logging.getLogger("cachehit_router.requests")
 
@@ -140,8 +141,11 @@ class RouterMetrics:
         annotate_request(rec)
         if not log.isEnabledFor(logging.INFO):
             return
+        # The JSON formatter escapes C0 controls; escape() also takes DEL, C1 and invisible
+        # characters out of the client-supplied fields.
         log.info("request", extra={"request": {
-            "request_id": rec.request_id, "endpoint": rec.endpoint, "model": rec.model,
+            "request_id": escape(rec.request_id), "endpoint": rec.endpoint,
+            "model": rec.model if rec.model is None else escape(rec.model),
             "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,
             "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
             "losers": rec.losers, "retries": rec.retries, "resumes": rec.resumes,
@@ -150,5 +154,5 @@ class RouterMetrics:
             **({"scratch_ttft_ms": round(rec.scratch_ttft_s * 1000, 2)} if rec.scratch_ttft_s is not None else {}),
             "duration_ms": round(rec.duration_s * 1000, 2), "status": rec.status,
             "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
-            **({"error": rec.error} if rec.error else {}),
+            **({"error": escape(rec.error, 1000)} if rec.error else {}),
         }})  # one JSON line (router/logs.py)
