@@ -88,6 +88,8 @@ class RouterState:
         self._handlers: set[asyncio.Task] = set()
         self.draining = False
         self._drain_expired = False
+        self._drained = False
+        self._last_arrival = 0.0  # time.monotonic() of the last generation request
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -114,17 +116,33 @@ class RouterState:
         log.info("router ready: %d/%d backends healthy (%s), strategy %s", len(ready),
                  len(self.registry.states), ", ".join(ready) or "none", cfg.routing.strategy)
 
-    async def drain(self, _app: web.Application | None = None) -> None:
-        """on_shutdown (SIGTERM/SIGINT): the listening socket is already closed. Let the
-        requests in flight finish for up to server.drain_timeout_s, then cancel the rest
-        (their upstream requests are aborted, their clients get a 503 or an error event
-        and [DONE]). The engines are stopped afterwards, in `stop`."""
+    async def drain(self, _app: web.Application | None = None, quiet_s: float = 0.0) -> None:
+        """Shutting down (SIGTERM/SIGINT; also on_shutdown): the listening socket is
+        already closed. Let the requests in flight finish for up to server.drain_timeout_s,
+        then cancel the rest (their upstream requests are aborted, their clients get a 503
+        or an error event and [DONE]). The engines are stopped afterwards, in `stop`.
+
+        `router` drains with its open connections still served (cli.py): a request sent
+        on one meanwhile gets a 503 with Connection: close. `quiet_s`: then also wait, within
+        the drain timeout, until no request arrived for that long, so that a client that
+        just received its last answer on a keep-alive connection hears the 503 for its next
+        request rather than meeting the connection's close."""
+        if self._drained:
+            return
         self.draining = True
+        loop = asyncio.get_running_loop()
         timeout = self.config.server.drain_timeout_s
+        end = loop.time() + timeout
         pending = {t for t in self._handlers if not t.done()}
         if pending:
             log.info("shutting down: draining %d request(s) for up to %g s", len(pending), timeout)
             _, pending = await asyncio.wait(pending, timeout=timeout)
+        while not pending and quiet_s > 0:
+            quiet_for = time.monotonic() - self._last_arrival
+            if quiet_for >= quiet_s or loop.time() >= end:
+                break
+            await asyncio.sleep(min(quiet_s - quiet_for, end - loop.time()))
+        self._drained = True
         if pending:
             log.warning("shutting down: cancelling %d request(s) still running after "
                         "server.drain_timeout_s = %g s", len(pending), timeout)
@@ -177,7 +195,7 @@ class RouterState:
     # --- handlers ----------------------------------------------------------------------
     async def handle_generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         assert self.registry is not None and self.dispatcher is not None
-        t0 = time.monotonic()
+        t0 = self._last_arrival = time.monotonic()
         rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
         writer: SSEWriter | None = None
         shaper: ResponseShaper | None = None
@@ -188,6 +206,9 @@ class RouterState:
         try:
             if self._api_keys and not self.authorized(request, self._api_keys):
                 raise errors.unauthorized()
+            if self.draining:
+                raise errors.RouterError(503, "The router is shutting down; send the request again "
+                                              "(it reaches another router or this one once restarted).")
             self._check_length(request)
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
@@ -226,10 +247,10 @@ class RouterState:
             if e.status == 429:
                 self.metrics.rejected_overload.inc()
             resp = error_response(e)
-            if not request.content.is_eof():
-                # Refused before its body was read (401, 408, 413, 429): no keep-alive
-                # (Connection: close); aiohttp discards what is left of the body, for at
-                # most its lingering time (10 s), without keeping it.
+            if self.draining or not request.content.is_eof():
+                # Refused before its body was read (401, 408, 413, 429), or shutting down:
+                # no keep-alive (Connection: close); aiohttp discards what is left of the
+                # body, for at most its lingering time (10 s), without keeping it.
                 resp.force_close()
             return resp
         except asyncio.CancelledError:

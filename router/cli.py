@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import signal
 import ssl
 import sys
 
@@ -93,14 +94,55 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
 
     app.on_startup.append(announce)
     app.on_startup.append(_tune_gc)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                           logger=ServerLogger(), shutdown_timeout=config.server.drain_timeout_s)
     try:
-        web.run_app(app, host=host, port=port, ssl_context=ssl_ctx, loop=loop, print=None,
-                    access_log=None, shutdown_timeout=config.server.drain_timeout_s,
-                    handler_cancellation=True, logger=ServerLogger())
+        loop.run_until_complete(_serve_until_signalled(runner, host, port, ssl_ctx))
     except Exception as e:  # startup failures (port taken, engines failed to start): say what
         print(f"router: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        _cancel_remaining_tasks(loop)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
     return 0
+
+
+# After the in-flight requests of a drain, how long no request must have arrived before
+# the open connections are closed (bounded by server.drain_timeout_s).
+DRAIN_QUIET_S = 0.5
+
+
+async def _serve_until_signalled(runner, host: str, port: int, ssl_ctx) -> None:
+    """Serve until SIGTERM or SIGINT, then drain. Unlike web.run_app, which closes the
+    open keep-alive connections before the drain, the connections stay served while the
+    drain runs: a request a client sends on one meanwhile gets a 503 (and Connection:
+    close) instead of a reset."""
+    from aiohttp import web
+
+    from .app import ROUTER_KEY
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await runner.setup()  # starts the engines and checks the backends (on_startup)
+    try:
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
+        await site.start()
+        await stop.wait()
+        await site.stop()  # no new connections
+        await runner.app[ROUTER_KEY].drain(quiet_s=DRAIN_QUIET_S)
+    finally:
+        await runner.cleanup()  # closes the connections, stops the engines
+
+
+def _cancel_remaining_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
 if __name__ == "__main__":

@@ -101,3 +101,50 @@ async def test_sigterm_cancels_a_stream_that_outlasts_the_drain_cleanly(procs, t
         assert rc == 0, router.log_tail()
         assert _refuses(ports[0]), f"engine {engine_url} still listening"
     assert "cancelling 1 request" in router.log_path.read_text()
+
+
+async def _keep_alive_client(url: str, i: int, outcomes: list, stop_sending: asyncio.Event) -> None:
+    """One client on one keep-alive connection, sending streamed requests back to back
+    until the router says it is shutting down or stops accepting connections."""
+    body = {"model": MODEL, "prompt": f"keep-alive client {i}", "max_tokens": 30, "stream": True}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        while True:
+            try:
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    raw = await r.read()
+                    if r.status == 200 and raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw:
+                        outcomes.append("completed")
+                        if stop_sending.is_set():
+                            return
+                        continue
+                    err = orjson.loads(raw)["error"] if r.status != 200 else {"code": 200}
+                    outcomes.append(f"{r.status}" if err.get("code") == r.status else f"malformed {r.status}")
+                    return
+            except aiohttp.ClientConnectorError:
+                outcomes.append("refused")  # a new connection, nothing was sent: fine
+                return
+            except aiohttp.ClientError as e:  # a request sent and then cut: lost
+                outcomes.append(f"reset: {e!r}")
+                return
+
+
+async def test_sigterm_answers_503_on_open_keep_alive_connections(procs, tmp_path):
+    """Requests that clients send on their open keep-alive connections during the drain
+    get 503 (then Connection: close), never a reset; the streams in flight complete."""
+    engine = procs.sim("--speed", "1")
+    router = procs.router({"server": {"drain_timeout_s": 20.0},
+                           "backends": [{"name": "d0", "url": engine.url, "role": "decode",
+                                         "models": [MODEL]}]})
+    outcomes: list[str] = []
+    stop_sending = asyncio.Event()
+    clients = [asyncio.create_task(_keep_alive_client(router.url, i, outcomes, stop_sending))
+               for i in range(24)]
+    await wait_for(lambda: outcomes.count("completed") >= 24, 30, "every client served once")
+    os.kill(router.proc.pid, signal.SIGTERM)
+    async with asyncio.timeout(60):
+        await asyncio.gather(*clients)
+    rc = await asyncio.to_thread(router.proc.wait, 30)
+    assert rc == 0, router.log_tail()
+    bad = [o for o in outcomes if o not in ("completed", "503", "refused")]
+    assert not bad, (bad, len(outcomes))
+    assert outcomes.count("503") >= 1, outcomes
