@@ -10,6 +10,7 @@
   sim-capacity     the simulator's own capacity (bench/sim_capacity.py)
   soak             a long steady load with engine restarts (bench/soak.py)
   suite            every routing mode on every suite workload: one regret table (bench/suite.py)
+  slow-readers     router memory under streams whose clients never read (bench/slow_readers.py)
 """
 from __future__ import annotations
 
@@ -214,7 +215,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 # Subcommands that are programs of their own, with their own flags: every argument after
 # the name goes to the module's main().
-FORWARDED = {"sim-capacity": "bench.sim_capacity", "soak": "bench.soak", "vllm-client": "bench.vllm_client"}
+FORWARDED = {"sim-capacity": "bench.sim_capacity", "soak": "bench.soak", "vllm-client": "bench.vllm_client",
+             "slow-readers": "bench.slow_readers"}
 
 
 def build_parser() -> argparse.ArgumentParser:

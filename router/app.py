@@ -33,7 +33,7 @@ from .limiter import ConcurrencyLimiter
 from .metrics import RequestRecord, RouterMetrics
 from .planning import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
-from .respond import SSEWriter
+from .respond import ClientStalled, SSEWriter
 from .shaping import ResponseShaper
 from . import tracing
 from .trace_context import answer_request_id, client_request_id
@@ -107,7 +107,7 @@ class RouterState:
         learner = self.registry.learner
         self.metrics.race_saving_share.set_function(lambda: learner.race_saving_share)
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
-        self.client = UpstreamClient(cfg.timeouts)
+        self.client = UpstreamClient(cfg.timeouts, cfg.server.stream_buffer_bytes)
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
         await self.monitor.check_all()
         self.monitor.start()
@@ -230,7 +230,10 @@ class RouterState:
                                         headers={"X-Request-Id": answer_id})
                 shaper = ResponseShaper(spec)
                 if spec.stream:
-                    writer = SSEWriter(request, answer_id)
+                    writer = SSEWriter(request, answer_id,
+                                       buffer_bytes=self.config.server.stream_buffer_bytes,
+                                       idle_s=self.config.timeouts.idle_s,
+                                       deadline=asyncio.get_running_loop().time() + self.config.timeouts.total_s)
                     try:
                         await self.dispatcher.serve(spec, shaper, writer.send, rec)
                         await writer.send(shaper.final_chunks())
@@ -267,11 +270,11 @@ class RouterState:
             resp = error_response(err)
             resp.force_close()
             return resp
-        except ConnectionResetError:
-            # The client hung up while its answer was written: an expected event, told by
-            # the request's own log line (499), without a traceback. Nobody can read a
-            # response any more; aiohttp closes the connection.
-            rec.status, rec.error = 499, "client disconnected"
+        except ConnectionResetError as e:
+            # The client hung up while its answer was written, or stopped reading it
+            # (ClientStalled): an expected event, told by the request's own log line (499),
+            # without a traceback. Nobody can read a response any more.
+            rec.status, rec.error = 499, str(e) if isinstance(e, ClientStalled) else "client disconnected"
             if writer is not None and writer.response is not None:
                 return writer.response
             resp = error_response(errors.RouterError(400, "The client connection was reset."))

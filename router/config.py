@@ -61,6 +61,9 @@ class ServerConfig:
     # Longest time to receive a request's body once its headers arrived (slow or stalled
     # clients get 408 instead of holding a concurrency slot).
     body_timeout_s: float = 30.0
+    # Per stream: bytes the router holds for a client that reads slower than the engine
+    # writes before it stops reading the engine (backpressure through the engine's socket).
+    stream_buffer_bytes: int = 32 * 1024
     tls_cert: str = ""
     tls_key: str = ""
     log_level: str = "info"
@@ -393,6 +396,9 @@ def parse_config(raw: dict[str, Any]) -> Config:
         p.check(_positive, "server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
         p.check(_positive, "server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
         p.check(_positive, "server.body_timeout_s", server.body_timeout_s)
+        if not 4096 <= server.stream_buffer_bytes <= 16 * 2**20:
+            p.add(f"server.stream_buffer_bytes: expected an integer in [4096, 16777216], "
+                  f"got {server.stream_buffer_bytes}")
         if bool(server.tls_cert) != bool(server.tls_key):
             p.add("server.tls_cert: tls_cert and tls_key must be given together")
         if server.log_level not in ("debug", "info", "warning", "error"):

@@ -14,6 +14,8 @@ held back by Nagle's algorithm and delayed ACKs.
 from __future__ import annotations
 
 import asyncio
+import functools
+import socket
 from collections import deque
 from typing import Any, Callable
 
@@ -176,20 +178,36 @@ class UpstreamStream:
             tracing.end_leg(span, outcome)
 
 
+def _upstream_socket(rcvbuf: int, addr_info) -> socket.socket:
+    """An engine connection's socket with a bounded receive buffer (set before connect,
+    so the TCP window is sized for it; Linux doubles the value)."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    return sock
+
+
 class UpstreamClient:
     """The router's one HTTP client for all engines (pooled keep-alive connections)."""
 
-    def __init__(self, timeouts: TimeoutsConfig):
+    def __init__(self, timeouts: TimeoutsConfig, read_buffer_bytes: int = 32 * 1024):
         self.timeouts = timeouts
+        # How much of a leg aiohttp buffers before it stops reading the engine's socket
+        # (it pauses at twice its read_bufsize), and the socket's kernel receive buffer:
+        # with a slow client the router stops reading the leg, and these bound what piles
+        # up meanwhile (the rest waits at the engine).
+        self._read_bufsize = max(1024, read_buffer_bytes // 2)
+        self._rcvbuf = read_buffer_bytes
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300,
-                                             keepalive_timeout=30)
+                                             keepalive_timeout=30,
+                                             socket_factory=functools.partial(_upstream_socket, self._rcvbuf))
             self._session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False,
+                connector=connector, auto_decompress=False, read_bufsize=self._read_bufsize,
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect_s,
                                               sock_connect=self.timeouts.connect_s))
         return self._session

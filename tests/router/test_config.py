@@ -48,6 +48,7 @@ def test_defaults_are_safe():
     ({"engines": [{"name": "e", "kind": "sim", "host": "example.com"}]}, "engines[0].host", "IP address"),
     ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
     ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
+    ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
 ])
 def test_bad_configs_name_the_key(raw, key, expected):
     with pytest.raises(ConfigError) as e:

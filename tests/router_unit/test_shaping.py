@@ -127,7 +127,7 @@ def test_completions_stream_one_leg_matches_vllm():
     sh, out = run_legs(spec, [(False, completion_stream(g))])
     assert out == completion_stream(client_view(spec, g))
     assert {c["id"] for c in out} == {spec.request_id} and {c["model"] for c in out} == {"client-model"}
-    assert sh.generated_token_ids == [1000, 1001, 1002] and sh.generated_text == "t0t1t2"
+    assert list(sh.generated_token_ids) == [1000, 1001, 1002] and sh.generated_text == "t0t1t2"
     assert sh.prompt_token_ids == PROMPT and sh.finish_reason == "length" and sh.leg_tokens == 3
     assert sh.first_token_seen and sh.emitted
 
@@ -254,7 +254,7 @@ def test_any_legs_read_as_one_answer(scenario):
         assert out == expect_stream
     else:
         assert sh.accumulate_response() == expect_full
-    assert sh.generated_token_ids == [t for s in g.steps for t in s.token_ids]
+    assert list(sh.generated_token_ids) == [t for s in g.steps for t in s.token_ids]
     assert sh.generated_text == "".join(s.text for s in g.steps)
     assert sh.prompt_token_ids == PROMPT
     assert sh.finish_reason == g.steps[-1].finish_reason
@@ -369,7 +369,7 @@ def test_content_of_a_dropped_finish_chunk_still_reaches_the_client():
     out += sh.final_chunks()
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in out] == [
         ("a", None), ("b", None), ("c", "stop")]
-    assert sh.generated_token_ids == [1, 2, 3]
+    assert list(sh.generated_token_ids) == [1, 2, 3]
 
 
 def test_pending_content_flushed_by_final_chunks_when_no_leg_follows():
@@ -498,7 +498,7 @@ def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client)
         assert normalized(out) == normalized(stream_chunks(client))
     else:
         assert normalized(sh.accumulate_response()) == normalized(body(client))
-    assert sh.generated_token_ids == [t for c in tokens for t in c["choices"][0]["token_ids"]]
+    assert list(sh.generated_token_ids) == [t for c in tokens for t in c["choices"][0]["token_ids"]]
 
 
 THRESHOLD_STREAMS = {"threshold_chat_stream_rejected": ("threshold_chat_rejected", [None, True, None]),
@@ -521,7 +521,7 @@ def test_real_threshold_rejection_captures(stream_name):
     sh.begin_leg(is_resume=False)
     out = [c for ch in stream_chunks(stream_name) for c in sh.shape(ch)]
     assert all(c["choices"][0]["finish_reason"] is None for c in out)      # the finish is held
-    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 0 and sh.generated_token_ids == []
+    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 0 and not sh.generated_token_ids
     out += sh.release_held() + sh.final_chunks()
     assert orjson.dumps(normalized(out)) == orjson.dumps(normalized(chunks))
 
@@ -586,7 +586,7 @@ def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
         "tool_calls": [{"id": "chatcmpl-tool-1", "type": "function",
                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}],
         "reasoning": "think more"}
-    assert sh.generated_token_ids == [1, 2, 3, 4, 5, 6]
+    assert list(sh.generated_token_ids) == [1, 2, 3, 4, 5, 6]
 
 
 def test_reasoning_then_content():
@@ -624,7 +624,7 @@ def test_lead_state_after_a_preempted_leg():
     sh.begin_leg(is_resume=False)
     for c in legs[0][1]:
         sh.shape(c)
-    assert (sh.finish_reason, sh.leg_tokens, sh.generated_token_ids, sh.prompt_token_ids) == (
+    assert (sh.finish_reason, sh.leg_tokens, list(sh.generated_token_ids), sh.prompt_token_ids) == (
         CACHE_THRESHOLD, 2, [1000, 1001], PROMPT)
     sh.begin_leg(is_resume=True)
     assert (sh.finish_reason, sh.leg_tokens) == (None, 0)
