@@ -37,6 +37,7 @@ from .respond import ClientStalled, SSEWriter
 from .shaping import ResponseShaper
 from . import tracing
 from .trace_context import answer_request_id, client_request_id
+from .tenants import Tenant, build_tenants, parse_priority
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.app")
@@ -80,8 +81,13 @@ class RouterState:
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
         self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
-        # Keys are kept as SHA-256 digests, computed once: requests compare digests.
-        self._api_keys = tuple(_digest(k.encode()) for k in config.server.api_keys)
+        # Keys are kept as SHA-256 digests, computed once: requests compare digests. Each
+        # client key is a tenant (its limits, its priority, its metrics).
+        self._tenants = tuple((_digest(k.encode()), t)
+                              for k, t in build_tenants(config.server.api_keys, config.tenants).items())
+        self._api_keys = tuple(d for d, _ in self._tenants)
+        for t in (self.limiter.anonymous, *(t for _, t in self._tenants)):
+            self._bind_tenant_gauges(t)
         self._admin_key = _digest(config.server.admin_api_key.encode()) if config.server.admin_api_key else None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
@@ -177,16 +183,37 @@ class RouterState:
         m.threshold_capable.labels(name).set_function(
             lambda: -1 if s.threshold_capable is None else int(s.threshold_capable))
 
+    def _bind_tenant_gauges(self, t: Tenant) -> None:
+        self.metrics.tenant_inflight.labels(t.name).set_function(lambda: t.active)
+        self.metrics.tenant_queued.labels(t.name).set_function(lambda: t.queued)
+
     # --- auth --------------------------------------------------------------------------
-    def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:
+    def tenant_of(self, request: web.Request) -> Tenant | None:
+        """The tenant whose key the request carries; None for a missing or wrong key.
+        Constant-time like `authorized`: every key is compared, without an early exit."""
+        given = self._bearer_digest(request)
+        if given is None:
+            return None
+        found = None
+        for digest, t in self._tenants:
+            if hmac.compare_digest(given, digest):
+                found = t
+        return found
+
+    def _bearer_digest(self, request: web.Request) -> bytes | None:
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer":  # auth schemes are case-insensitive (RFC 9110 11.1)
-            return False
+            return None
         # Header bytes that are not UTF-8 arrive surrogate-escaped: compare them as bytes.
+        return _digest(token.strip().encode("utf-8", "surrogateescape"))
+
+    def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:
+        given = self._bearer_digest(request)
+        if given is None:
+            return False
         # Digests of equal length, so the comparison time says nothing of the keys' lengths;
         # constant-time against every key, without an early exit on the first match.
-        given = _digest(token.strip().encode("utf-8", "surrogateescape"))
         ok = False
         for k in key_digests:
             ok |= hmac.compare_digest(given, k)
@@ -204,15 +231,20 @@ class RouterState:
         if task is not None:
             self._handlers.add(task)
         try:
-            if self._api_keys and not self.authorized(request, self._api_keys):
-                raise errors.unauthorized()
+            tenant = self.limiter.anonymous
+            if self._tenants:
+                tenant = self.tenant_of(request)
+                if tenant is None:
+                    raise errors.unauthorized()
+            rec.tenant = tenant.name
+            priority = _priority(request, tenant)
             if self.draining:
                 raise errors.RouterError(503, "The router is shutting down; send the request again "
                                               "(it reaches another router or this one once restarted).")
             self._check_length(request)
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
-            async with self.limiter.slot():
+            async with self.limiter.slot(tenant, priority):
                 header_id = client_request_id(request)
                 raw = await self._read_body(request)
                 served = self.registry.models()
@@ -249,6 +281,8 @@ class RouterState:
             rec.status, rec.error = e.status, e.message
             if e.status == 429:
                 self.metrics.rejected_overload.inc()
+                if e.reason:
+                    self.metrics.tenant_rejection(rec.tenant, e.reason)
             resp = error_response(e)
             if self.draining or not request.content.is_eof():
                 # Refused before its body was read (401, 408, 413, 429), or shutting down:
@@ -405,6 +439,15 @@ def models_answer(registry: BackendRegistry, cards: dict[str, list[dict]]) -> di
         out[m] = {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
                   "parent": None, "max_model_len": None, "permission": []}
     return {"object": "list", "data": list(out.values())}
+
+
+def _priority(request: web.Request, tenant: Tenant) -> int:
+    try:
+        return parse_priority(request.headers, tenant)
+    except ValueError as e:
+        raise errors.RouterError(400, str(e)) from None
+    except PermissionError as e:
+        raise errors.RouterError(403, str(e)) from None
 
 
 def _digest(key: bytes) -> bytes:

@@ -10,11 +10,14 @@ import dataclasses
 import importlib.util
 import ipaddress
 import logging
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
+
+from .tenants import TenantConfig, validate_tenant
 
 
 class ConfigError(ValueError):
@@ -204,6 +207,8 @@ class Config:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     backends: tuple[BackendConfig, ...] = ()
     engines: tuple[EngineConfig, ...] = ()
+    # Client keys with limits of their own (router/tenants.py).
+    tenants: tuple[TenantConfig, ...] = ()
 
     def all_backends(self, engine_urls: dict[str, str] | None = None) -> tuple[BackendConfig, ...]:
         """Backends declared directly plus registered engines.
@@ -228,6 +233,8 @@ class Config:
         for b in d["backends"]:
             if b["api_key"]:
                 b["api_key"] = "***"
+        for t in d["tenants"]:
+            t["api_key"] = "***"
         return d
 
 
@@ -507,15 +514,36 @@ def parse_config(raw: dict[str, Any]) -> Config:
     engine_names = [e.name for e in engines]
     if len(set(engine_names)) != len(engine_names):
         p.add("engines: duplicate engine name")
+    tenants = _parse_tenants(p, raw.get("tenants", []), server.api_keys if server is not None else ())
     p.raise_if_any()
 
     cfg = Config(server=server, routing=routing, timeouts=timeouts, health=health,
-                 launcher=launcher, tracing=tracing, backends=tuple(backends), engines=tuple(engines))
+                 launcher=launcher, tracing=tracing, backends=tuple(backends), engines=tuple(engines),
+                 tenants=tuple(tenants))
     # Only once everything else holds: a backend that failed to parse is not counted.
     if not any(b.decodes for b in cfg.all_backends()):
         raise ConfigError("backends: expected at least one backend (or registered engine) with role "
                           "'decode' or 'both' (engine role 'consumer' or 'both')")
     return cfg
+
+
+def _parse_tenants(p: _Problems, raw: Any, api_keys: tuple[str, ...]) -> list[TenantConfig]:
+    if not isinstance(raw, list):
+        p.add("tenants: expected an array of tables ([[tenants]])")
+        return []
+    out: list[TenantConfig] = []
+    for i, rt in enumerate(raw):
+        key = f"tenants[{i}]"
+        t = _build(p, TenantConfig, key, rt)
+        if t is not None:
+            out.append(validate_tenant(key, t, os.environ, p.add))
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        p.add("tenants: duplicate tenant name")
+    keys = [t.api_key for t in out if t.api_key] + list(api_keys)
+    if len(set(keys)) != len(keys):
+        p.add("tenants: the same API key is given twice (tenants[].api_key, server.api_keys)")
+    return out
 
 
 def load_config(path: str | Path) -> Config:

@@ -87,6 +87,7 @@ class RouterError(Exception):
         self.param = param
         self.code = code if code is not None else status
         self.headers = headers or {}
+        self.reason = ""  # why a 429 was given (metrics); see too_many_requests
 
     def body(self) -> dict:
         return error_body(self.status, self.message, type=self.type, param=self.param, code=self.code)
@@ -135,13 +136,16 @@ def payload_too_large(limit_bytes: int) -> RouterError:
     return RouterError(413, f"Request body exceeds the limit of {limit_bytes} bytes.")
 
 
-def too_many_requests(retry_after_s: float, message: str | None = None) -> RouterError:
+def too_many_requests(retry_after_s: float, message: str | None = None, *, reason: str = "queue") -> RouterError:
     """429 with Retry-After in whole seconds (rounded up, at least 1: RFC 9110 10.2.3
-    only allows an integer, and 0 would invite an immediate retry storm)."""
+    only allows an integer, and 0 would invite an immediate retry storm). `reason` labels
+    the rejection's metric: queue, queue_timeout, rate, tenant_queue."""
     secs = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 1
-    return RouterError(
+    err = RouterError(
         429, message or f"The router is at capacity; retry after {secs} s.",
         headers={"Retry-After": str(secs)})
+    err.reason = reason
+    return err
 
 
 def no_backend(model: str | None) -> RouterError:

@@ -58,6 +58,7 @@ class RequestRecord:
     # whole prompt when the race started (did an acceptor ever lose to computing afresh?).
     scratch_ttft_s: float | None = None
     dispatch_started: float = 0.0
+    tenant: str = ""  # the API key's tenant name (router/tenants.py), never the key
 
 
 class RouterMetrics:
@@ -119,6 +120,20 @@ class RouterMetrics:
         self._by_model: dict[str, tuple[Histogram, Histogram]] = {}
         self.rejected_overload = Counter("cachehit_router_overload_rejections",
                                          "Requests answered 429 because the router was full", registry=r)
+        # Per tenant (an API key's configured name, or key-<digest prefix>; never the key).
+        self.tenant_requests = Counter("cachehit_router_tenant_requests", "Requests by tenant and HTTP status",
+                                       ["tenant", "status"], registry=r)
+        self.tenant_rejections = Counter("cachehit_router_tenant_rejections",
+                                         "429 answers by tenant and reason (rate, tenant_queue, queue, "
+                                         "queue_timeout)", ["tenant", "reason"], registry=r)
+        self.tenant_inflight = Gauge("cachehit_router_tenant_inflight", "Requests of a tenant holding a slot",
+                                     ["tenant"], registry=r)
+        self.tenant_queued = Gauge("cachehit_router_tenant_queued", "Requests of a tenant waiting for a slot",
+                                   ["tenant"], registry=r)
+        self._tenant_requests_by: dict[tuple[str, int], Counter] = {}
+
+    def tenant_rejection(self, tenant: str, reason: str) -> None:
+        self.tenant_rejections.labels(tenant or "none", reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -130,6 +145,12 @@ class RouterMetrics:
         if counter is None:  # labels() builds and locks on every call: look each child up once
             counter = self._requests_by[key] = self.requests.labels(rec.route or "none", str(rec.status), model)
         counter.inc()
+        if rec.tenant:
+            key = (rec.tenant, rec.status)
+            counter = self._tenant_requests_by.get(key)
+            if counter is None:
+                counter = self._tenant_requests_by[key] = self.tenant_requests.labels(rec.tenant, str(rec.status))
+            counter.inc()
         hists = self._by_model.get(model)
         if hists is None:
             hists = self._by_model[model] = (self.ttft.labels(model), self.duration.labels(model))
@@ -146,7 +167,7 @@ class RouterMetrics:
         log.info("request", extra={"request": {
             "request_id": escape(rec.request_id), "endpoint": rec.endpoint,
             "model": rec.model if rec.model is None else escape(rec.model),
-            "stream": rec.stream, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,
+            "stream": rec.stream, "tenant": rec.tenant, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,
             "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
             "losers": rec.losers, "retries": rec.retries, "resumes": rec.resumes,
             "ttft_ms": None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2),

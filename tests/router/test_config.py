@@ -49,6 +49,18 @@ def test_defaults_are_safe():
     ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
     ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
     ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
+    ({**MIN_BACKEND, "tenants": [{"name": "a"}]}, "tenants[0].api_key", "exactly one of"),
+    ({**MIN_BACKEND, "tenants": [{"name": "a b", "api_key": "k"}]}, "tenants[0].name", "letters"),
+    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k", "requests_per_s": -1}]},
+     "tenants[0].requests_per_s", "non-negative"),
+    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k", "max_priority": 1000}]},
+     "tenants[0].max_priority", "[-100, 100]"),
+    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key_env": "CACHEHIT_TEST_UNSET_KEY"}]},
+     "tenants[0].api_key_env", "not set"),
+    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k"}, {"name": "a", "api_key": "j"}]},
+     "tenants", "duplicate tenant name"),
+    ({**MIN_BACKEND, "server": {"api_keys": ["k"]}, "tenants": [{"name": "a", "api_key": "k"}]},
+     "tenants", "twice"),
 ])
 def test_bad_configs_name_the_key(raw, key, expected):
     with pytest.raises(ConfigError) as e:
@@ -121,6 +133,17 @@ def test_secrets_are_not_printed():
     assert "sk-secret" not in str(d) and "adm" not in str(d["server"]["admin_api_key"])
 
 
+def test_tenant_keys_come_from_the_environment_and_are_never_printed(monkeypatch):
+    monkeypatch.setenv("CACHEHIT_TEST_TENANT_KEY", "sk-from-env")
+    cfg = parse_config({**MIN_BACKEND, "tenants": [
+        {"name": "batch", "api_key_env": "CACHEHIT_TEST_TENANT_KEY", "max_concurrent_requests": 4,
+         "requests_per_s": 2.5, "max_priority": 1}]})
+    (t,) = cfg.tenants
+    assert (t.name, t.api_key, t.max_concurrent_requests, t.requests_per_s, t.max_priority) == (
+        "batch", "sk-from-env", 4, 2.5, 1)
+    assert "sk-from-env" not in str(cfg.to_dict())
+
+
 def test_every_config_key_is_documented():
     import dataclasses
 
@@ -129,7 +152,7 @@ def test_every_config_key_is_documented():
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
     sections = {"server": c.ServerConfig, "routing": c.RoutingConfig, "timeouts": c.TimeoutsConfig,
                 "health": c.HealthConfig, "launcher": c.LauncherConfig, "[backends]": c.BackendConfig,
-                "[engines]": c.EngineConfig}
+                "[engines]": c.EngineConfig, "[tenants]": c.TenantConfig}
     for section, cls in sections.items():
         assert f"## [{section}]" in doc, section
         for f in dataclasses.fields(cls):
