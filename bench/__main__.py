@@ -11,6 +11,7 @@
   soak             a long steady load with engine restarts (bench/soak.py)
   suite            every routing mode on every suite workload: one regret table (bench/suite.py)
   slow-readers     router memory under streams whose clients never read (bench/slow_readers.py)
+  fairness         one tenant's TTFT while another floods the router past its limits (bench/fairness.py)
 """
 from __future__ import annotations
 
@@ -216,7 +217,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
 # Subcommands that are programs of their own, with their own flags: every argument after
 # the name goes to the module's main().
 FORWARDED = {"sim-capacity": "bench.sim_capacity", "soak": "bench.soak", "vllm-client": "bench.vllm_client",
-             "slow-readers": "bench.slow_readers"}
+             "slow-readers": "bench.slow_readers", "fairness": "bench.fairness"}
 
 
 def build_parser() -> argparse.ArgumentParser:
