@@ -12,7 +12,12 @@ failed requests, p50/p99 end-to-end latency and TTFT, router RSS and CPU, in-fli
 requests. Output in `--out` (default `bench/out/soak-<UTC time>`): `summary.json`,
 `timeline.csv` (per window), `samples.csv` (per second), `soak.png` (matplotlib) and a
 rich summary table on the terminal.
-Exit status 1 when a request was lost or the router's in-flight gauges did not return to 0.
+With `--hang-up-fraction F` (default 0.2) that fraction of the requests are sent by
+clients that hang up 0-300 ms after sending (during the probe race, the fallback or the
+stream): they count as `hung_up`, and afterwards every gauge of the router (requests in
+flight and queued, per backend, per tenant) and every engine's running and waiting
+counts must return to 0.
+Exit status 1 when a request was lost or a gauge did not return to 0.
 
 Default run: 2 minutes, 4 engines, 32 streams. A longer run (docs/RELIABILITY.md):
     python -m bench.soak --minutes 60 --concurrency 64 --restart-every 60
@@ -147,7 +152,7 @@ def _cpu_seconds(pid: int) -> float:
 @dataclass
 class Result:
     t: float  # completion time, seconds since start
-    kind: str  # completed | error | lost
+    kind: str  # completed | error | lost | hung_up
     latency_s: float
     ttft_s: float | None
     detail: str = ""
@@ -169,6 +174,7 @@ class Run:
     results: list[Result] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     restarts: list[tuple[float, str]] = field(default_factory=list)
+    final_gauges: dict[str, float] = field(default_factory=dict)
 
 
 PREFIXES = [" ".join(f"p{g}w{i}" for i in range(300)) for g in range(6)]
@@ -219,6 +225,30 @@ async def one_request(s: aiohttp.ClientSession, url: str, rng: random.Random, ma
     return Result(now, "completed", latency, ttft)
 
 
+async def hang_up_early(port: int, rng: random.Random, max_tokens: int, t0: float) -> Result:
+    """Send a streamed request on a raw connection, read for 0-300 ms, then close it."""
+    start = time.monotonic()
+    body = orjson.dumps({"model": MODEL, "prompt": rng.choice(PREFIXES) + f" gone {rng.randrange(10**9)}",
+                         "max_tokens": max_tokens, "stream": True})
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(rng.uniform(0.0, 0.3)):
+                while await reader.read(65536):
+                    pass
+    finally:
+        writer.transport.abort()
+    return Result(time.monotonic() - t0, "hung_up", time.monotonic() - start, None)
+
+
+GAUGES = ("cachehit_router_inflight_requests", "cachehit_router_backend_inflight",
+          "cachehit_router_queued_requests", "cachehit_router_tenant_inflight", "cachehit_router_tenant_queued")
+ENGINE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
 async def metrics_value(s: aiohttp.ClientSession, url: str, name: str) -> float:
     async with s.get(url + "/metrics") as r:
         text = await r.text()
@@ -252,7 +282,11 @@ async def soak(args: argparse.Namespace, out: Path) -> tuple[dict, list[Sample]]
             async def worker(i: int) -> None:
                 wrng = random.Random(rng.randrange(2**32) + i)
                 while not stop.is_set():
-                    run.results.append(await one_request(s, url, wrng, args.max_tokens, t0, args.request_bound_s))
+                    if wrng.random() < args.hang_up_fraction:
+                        run.results.append(await hang_up_early(port, wrng, args.max_tokens, t0))
+                    else:
+                        run.results.append(await one_request(s, url, wrng, args.max_tokens, t0,
+                                                             args.request_bound_s))
 
             async def restarter() -> None:
                 k = 0
@@ -300,15 +334,21 @@ async def soak(args: argparse.Namespace, out: Path) -> tuple[dict, list[Sample]]
             for t in aux:
                 t.cancel()
             await asyncio.gather(*aux, return_exceptions=True)
-            # Drained: the router holds nothing once the clients are done.
+            # Drained: the router and the engines hold nothing once the clients are done
+            # (hung-up requests included: every one of them was aborted).
             drained = False
-            for _ in range(100):
-                gauges = [await metrics_value(s, url, "cachehit_router_inflight_requests"),
-                          await metrics_value(s, url, "cachehit_router_backend_inflight")]
-                if gauges == [0.0, 0.0]:
+            gauges: dict[str, float] = {}
+            for _ in range(300):
+                gauges = {n: await metrics_value(s, url, n) for n in GAUGES}
+                for e in engines:
+                    for n in ENGINE_GAUGES:
+                        with contextlib.suppress(Exception):
+                            gauges[f"{e.name} {n}"] = await metrics_value(s, e.url, n)
+                if not any(gauges.values()):
                     drained = True
                     break
                 await asyncio.sleep(0.1)
+            run.final_gauges = gauges
         final_rss = _rss(pid) / 2**20
     finally:
         _stop_group(router_proc)
@@ -349,7 +389,7 @@ def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: floa
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     errors: dict[str, int] = {}
     for r in run.results:
-        if r.kind != "completed":
+        if r.kind not in ("completed", "hung_up"):
             key = f"{r.kind}: {r.detail[:100]}"
             errors[key] = errors.get(key, 0) + 1
     rss = [s.rss_mib for s in run.samples]
@@ -360,7 +400,9 @@ def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: floa
         "requests": len(run.results), "completed": len(ok),
         "errors": sum(r.kind == "error" for r in run.results),
         "lost": sum(r.kind == "lost" for r in run.results),
-        "error_rate": (len(run.results) - len(ok)) / len(run.results) if run.results else 0.0,
+        "hung_up": sum(r.kind == "hung_up" for r in run.results),
+        "error_rate": (sum(r.kind in ("error", "lost") for r in run.results) / len(run.results)
+                       if run.results else 0.0),
         "throughput_rps": len(ok) / run.samples[-1].t if run.samples else 0.0,
         "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
         "latency_max_s": max(lat) if lat else None,
@@ -370,7 +412,7 @@ def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: floa
         "rss_max_mib": max(rss) if rss else None, "rss_final_mib": final_rss,
         "router_cpu_mean_pct": statistics.mean(s.cpu_pct for s in run.samples) if run.samples else None,
         "restarts": [{"t": t, "engine": n} for t, n in run.restarts],
-        "drained": drained,
+        "drained": drained, "final_gauges": run.final_gauges,
         "failures": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
         "windows": windows(run, args.window),
     }
@@ -424,6 +466,7 @@ def print_table(summary: dict, out: Path) -> None:
     rows = [
         ("requests", summary["requests"]), ("completed", summary["completed"]),
         ("errors (clear)", summary["errors"]), ("lost", summary["lost"]),
+        ("hung up early (by design)", summary["hung_up"]),
         ("error rate", f(100 * summary["error_rate"], " %", 2)),
         ("throughput", f(summary["throughput_rps"], " req/s", 1)),
         ("latency p50", f(summary["latency_p50_s"], " s")), ("latency p99", f(summary["latency_p99_s"], " s")),
@@ -433,7 +476,8 @@ def print_table(summary: dict, out: Path) -> None:
         ("router RSS last 10%", f(summary["rss_end_mib"], " MiB", 1)),
         ("router RSS max", f(summary["rss_max_mib"], " MiB", 1)),
         ("router CPU mean", f(summary["router_cpu_mean_pct"], " %", 1)),
-        ("in-flight gauges back to 0", "yes" if summary["drained"] else "NO"),
+        ("every gauge back to 0 (router, engines)", "yes" if summary["drained"] else
+         "NO: " + ", ".join(f"{k}={v:g}" for k, v in summary["final_gauges"].items() if v)),
     ]
     for k, v in rows:
         t.add_row(k, str(v))
@@ -459,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-bound-s", type=float, default=150.0, help="a request longer than this is lost (hang)")
     p.add_argument("--window", type=float, default=10.0, help="report window (s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hang-up-fraction", type=float, default=0.2,
+                   help="requests whose client hangs up 0-300 ms after sending (default %(default)s)")
     p.add_argument("--out", help="output directory (default bench/out/soak-<UTC time>)")
     args = p.parse_args(argv)
     out = Path(args.out or REPO / "bench" / "out" / time.strftime("soak-%Y%m%dT%H%M%SZ", time.gmtime()))
