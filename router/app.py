@@ -30,6 +30,7 @@ from .dispatch import Dispatcher
 from .forward import Forwarder
 from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
+from .memtrim import IdleTrimmer
 from .metrics import RequestRecord, RouterMetrics
 from .planning import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
@@ -74,6 +75,7 @@ class RouterState:
         # Client requests being served, also read at scrape time: a plain int on the
         # request path instead of a locked Gauge.inc()/dec() per request.
         self._client_inflight = 0
+        self._trimmer = IdleTrimmer()
         self.metrics.client_inflight.set_function(lambda: self._client_inflight)
         self.supervisor = None
         self.registry: BackendRegistry | None = None
@@ -226,6 +228,8 @@ class RouterState:
         rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
         writer: SSEWriter | None = None
         shaper: ResponseShaper | None = None
+        if not self._client_inflight:
+            self._trimmer.busy()
         self._client_inflight += 1
         task = asyncio.current_task()
         if task is not None:
@@ -323,6 +327,8 @@ class RouterState:
             return error_response(err)
         finally:
             self._client_inflight -= 1
+            if not self._client_inflight:
+                self._trimmer.idle()
             if task is not None:
                 self._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0

@@ -1,0 +1,54 @@
+"""Giving memory back to the system once the router is idle.
+
+After a burst (hundreds of streams, slow readers) the C allocator keeps the freed heap:
+the router's RSS stays at its peak although nothing uses it. glibc's malloc_trim returns
+the free pages; it costs milliseconds on a large heap, so it runs only once the router has
+had no request in flight for `IDLE_S`, and once per burst.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+from typing import Callable
+
+IDLE_S = 2.0  # no request in flight for this long before trimming
+
+
+def malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None (another C library: nothing to do)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class IdleTrimmer:
+    """`busy()` when the first request in flight starts, `idle()` when the last one ends."""
+
+    def __init__(self, trim: Callable[[int], int] | None = None, idle_s: float = IDLE_S):
+        self._trim = trim if trim is not None else malloc_trim()
+        self._idle_s = idle_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._dirty = False  # requests ran since the last trim
+
+    def busy(self) -> None:
+        self._dirty = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def idle(self) -> None:
+        if self._trim is not None and self._dirty and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._idle_s, self._run)
+
+    def _run(self) -> None:
+        self._timer = None
+        self._dirty = False
+        assert self._trim is not None
+        self._trim(0)
