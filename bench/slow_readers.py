@@ -80,7 +80,7 @@ async def run(a: argparse.Namespace, out: Path) -> dict:
             await wait_http(f"http://127.0.0.1:{port}/health", p)
         rport = ports[-1]
         cfg = {"server": {"port": rport, "host": "127.0.0.1", "max_concurrent_requests": 4 * a.streams,
-                          "max_queued_requests": 4 * a.streams},
+                          "max_queued_requests": 4 * a.streams, "stream_buffer_bytes": a.stream_buffer_bytes},
                "timeouts": {"idle_s": a.idle_s, "total_s": max(a.idle_s, a.hold_s) * 4},
                "backends": [{"name": n, "url": f"http://127.0.0.1:{port}", "role": "decode", "models": [MODEL]}
                             for n, port, _ in engines]}
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=600.0,
                    help="router timeouts.idle_s (longer than the hold, so that every stream stays open)")
     p.add_argument("--rcvbuf", type=int, default=4096, help="the clients' SO_RCVBUF")
+    p.add_argument("--stream-buffer-bytes", type=int, default=8 * 1024, help="router server.stream_buffer_bytes")
     p.add_argument("--settle-s", type=float, default=3.0, help="wait after the gauges drain before 'after'")
     p.add_argument("--out", help="output directory (default bench/out/slow-readers-<UTC time>)")
     a = p.parse_args(argv)

@@ -66,7 +66,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     # Per stream: bytes the router holds for a client that reads slower than the engine
     # writes before it stops reading the engine (backpressure through the engine's socket).
-    stream_buffer_bytes: int = 32 * 1024
+    stream_buffer_bytes: int = 8 * 1024
     tls_cert: str = ""
     tls_key: str = ""
     log_level: str = "info"

@@ -27,7 +27,7 @@ class ClientStalled(ConnectionResetError):
 
 
 class SSEWriter:
-    def __init__(self, request: web.Request, request_id: str, *, buffer_bytes: int = 32 * 1024,
+    def __init__(self, request: web.Request, request_id: str, *, buffer_bytes: int = 8 * 1024,
                  idle_s: float = 60.0, deadline: float | None = None):
         self.request = request
         self.request_id = request_id

@@ -190,7 +190,7 @@ def _upstream_socket(rcvbuf: int, addr_info) -> socket.socket:
 class UpstreamClient:
     """The router's one HTTP client for all engines (pooled keep-alive connections)."""
 
-    def __init__(self, timeouts: TimeoutsConfig, read_buffer_bytes: int = 32 * 1024):
+    def __init__(self, timeouts: TimeoutsConfig, read_buffer_bytes: int = 8 * 1024):
         self.timeouts = timeouts
         # How much of a leg aiohttp buffers before it stops reading the engine's socket
         # (it pauses at twice its read_bufsize), and the socket's kernel receive buffer:
