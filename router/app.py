@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import hmac
 import logging
 import time
 
@@ -38,7 +36,8 @@ from .respond import ClientStalled, SSEWriter
 from .shaping import ResponseShaper
 from . import tracing
 from .trace_context import answer_request_id, client_request_id
-from .tenants import Tenant, build_tenants, parse_priority
+from .auth import KeyRing, request_priority
+from .tenants import Tenant
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.app")
@@ -83,14 +82,9 @@ class RouterState:
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
         self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
-        # Keys are kept as SHA-256 digests, computed once: requests compare digests. Each
-        # client key is a tenant (its limits, its priority, its metrics).
-        self._tenants = tuple((_digest(k.encode()), t)
-                              for k, t in build_tenants(config.server.api_keys, config.tenants).items())
-        self._api_keys = tuple(d for d, _ in self._tenants)
-        for t in (self.limiter.anonymous, *(t for _, t in self._tenants)):
+        self.keys = KeyRing(config.server.api_keys, config.tenants, config.server.admin_api_key)
+        for t in (self.limiter.anonymous, *self.keys.tenants):
             self._bind_tenant_gauges(t)
-        self._admin_key = _digest(config.server.admin_api_key.encode()) if config.server.admin_api_key else None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
         self._handlers: set[asyncio.Task] = set()
@@ -189,37 +183,24 @@ class RouterState:
         self.metrics.tenant_inflight.labels(t.name).set_function(lambda: t.active)
         self.metrics.tenant_queued.labels(t.name).set_function(lambda: t.queued)
 
-    # --- auth --------------------------------------------------------------------------
-    def tenant_of(self, request: web.Request) -> Tenant | None:
-        """The tenant whose key the request carries; None for a missing or wrong key.
-        Constant-time like `authorized`: every key is compared, without an early exit."""
-        given = self._bearer_digest(request)
-        if given is None:
-            return None
-        found = None
-        for digest, t in self._tenants:
-            if hmac.compare_digest(given, digest):
-                found = t
-        return found
+    def identify(self, request: web.Request) -> tuple[Tenant, int]:
+        """The request's tenant (401 for a missing or wrong key) and its priority."""
+        tenant = self.limiter.anonymous
+        if self.keys.required:
+            tenant = self.keys.tenant_of(request.headers)
+            if tenant is None:
+                raise errors.unauthorized()
+        return tenant, request_priority(request.headers, tenant)
 
-    def _bearer_digest(self, request: web.Request) -> bytes | None:
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer":  # auth schemes are case-insensitive (RFC 9110 11.1)
-            return None
-        # Header bytes that are not UTF-8 arrive surrogate-escaped: compare them as bytes.
-        return _digest(token.strip().encode("utf-8", "surrogateescape"))
+    def request_began(self) -> None:
+        if not self._client_inflight:
+            self._trimmer.busy()
+        self._client_inflight += 1
 
-    def authorized(self, request: web.Request, key_digests: tuple[bytes, ...]) -> bool:
-        given = self._bearer_digest(request)
-        if given is None:
-            return False
-        # Digests of equal length, so the comparison time says nothing of the keys' lengths;
-        # constant-time against every key, without an early exit on the first match.
-        ok = False
-        for k in key_digests:
-            ok |= hmac.compare_digest(given, k)
-        return ok
+    def request_ended(self) -> None:
+        self._client_inflight -= 1
+        if not self._client_inflight:
+            self._trimmer.idle()  # the burst is over: give the heap back soon
 
     # --- handlers ----------------------------------------------------------------------
     async def handle_generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
@@ -228,20 +209,13 @@ class RouterState:
         rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
         writer: SSEWriter | None = None
         shaper: ResponseShaper | None = None
-        if not self._client_inflight:
-            self._trimmer.busy()
-        self._client_inflight += 1
+        self.request_began()
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
         try:
-            tenant = self.limiter.anonymous
-            if self._tenants:
-                tenant = self.tenant_of(request)
-                if tenant is None:
-                    raise errors.unauthorized()
+            tenant, priority = self.identify(request)
             rec.tenant = tenant.name
-            priority = _priority(request, tenant)
             if self.draining:
                 raise errors.RouterError(503, "The router is shutting down; send the request again "
                                               "(it reaches another router or this one once restarted).")
@@ -326,9 +300,7 @@ class RouterState:
                 return await writer.fail(err)
             return error_response(err)
         finally:
-            self._client_inflight -= 1
-            if not self._client_inflight:
-                self._trimmer.idle()
+            self.request_ended()
             if task is not None:
                 self._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0
@@ -368,7 +340,7 @@ class RouterState:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         assert self.registry is not None
-        if self._api_keys and not self.authorized(request, self._api_keys):
+        if self.keys.required and self.keys.tenant_of(request.headers) is None:
             return error_response(errors.unauthorized())
         return json_response(models_answer(self.registry, self.monitor.model_cards if self.monitor else {}))
 
@@ -389,9 +361,9 @@ class RouterState:
 
     def _admin_refusal(self, request: web.Request) -> web.Response | None:
         """Admin routes exist only with server.admin_api_key, and only for that key."""
-        if self._admin_key is None:
+        if not self.keys.has_admin:
             return error_response(errors.route_not_found())
-        if not self.authorized(request, (self._admin_key,)):
+        if not self.keys.is_admin(request.headers):
             return error_response(errors.unauthorized())
         return None
 
@@ -445,19 +417,6 @@ def models_answer(registry: BackendRegistry, cards: dict[str, list[dict]]) -> di
         out[m] = {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
                   "parent": None, "max_model_len": None, "permission": []}
     return {"object": "list", "data": list(out.values())}
-
-
-def _priority(request: web.Request, tenant: Tenant) -> int:
-    try:
-        return parse_priority(request.headers, tenant)
-    except ValueError as e:
-        raise errors.RouterError(400, str(e)) from None
-    except PermissionError as e:
-        raise errors.RouterError(403, str(e)) from None
-
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()
 
 
 async def _discard(chunks: list[dict]) -> None:

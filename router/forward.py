@@ -190,22 +190,24 @@ class Forwarder:
         task = asyncio.current_task()
         if task is not None:
             state._handlers.add(task)
-        state._client_inflight += 1
+        state.request_began()
         try:
-            if state._api_keys and not state.authorized(request, state._api_keys):
-                raise errors.unauthorized()
+            tenant, priority = state.identify(request)
+            rec.tenant = tenant.name
             header_id = client_request_id(request)
             rec.request_id = header_id or ""
             if need_slot:
                 if request.path not in MULTIPART_ROUTES:  # uploads have their own limit
                     state._check_length(request)
-                async with state.limiter.slot():
+                async with state.limiter.slot(tenant, priority):
                     return await serve(rec)
             return await serve(rec)
         except errors.RouterError as e:
             rec.status, rec.error = e.status, e.message
             if e.status == 429:
                 state.metrics.rejected_overload.inc()
+                if e.reason:
+                    state.metrics.tenant_rejection(rec.tenant, e.reason)
             resp = web.Response(body=e.body_bytes(), status=e.status, content_type="application/json",
                                 headers=e.headers or None)
             if not request.content.is_eof():
@@ -218,7 +220,7 @@ class Forwarder:
             rec.status, rec.error = 499, "client disconnected"
             raise
         finally:
-            state._client_inflight -= 1
+            state.request_ended()
             if task is not None:
                 state._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0
