@@ -41,9 +41,7 @@ Differences from vLLM a client can notice:
   not be re-encoded as UTF-8 for the engine anyway (Python's json would accept it);
 - integral floats (`max_tokens: 16.0`) are not accepted where an integer is expected;
 - a body nested deeper than `MAX_JSON_DEPTH` (128) levels is a 400 (the router could not
-  re-serialize it for the engine);
-- a `request_id` with control or other non-printable characters is a 400 (it becomes the
-  `X-Request-Id` header and appears in log lines).
+  re-serialize it for the engine).
 
 `max_tokens` in the spec (the budget resume legs count against): completions default to
 16 when the field is absent (vLLM's CompletionRequest default), an explicit null means up
@@ -318,12 +316,9 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
     if header_request_id is not None:
         request_id = ID_PREFIX[endpoint] + header_request_id
     elif client_id is not None:
-        # Printable only: the id goes into the X-Request-Id header (where CR, LF or NUL would
-        # make the response unsendable) and into log lines.
-        if (not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS
-                or not client_id.isprintable()):
+        if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS:
             raise _bad(f"`request_id` must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
-                       "printable characters (no control characters).", "request_id")
+                       "characters.", "request_id")
         request_id = ID_PREFIX[endpoint] + client_id
     else:
         request_id = f"{ID_PREFIX[endpoint]}{_ID_RANDOM.getrandbits(128):032x}"

@@ -208,8 +208,7 @@ def test_control_characters_in_any_string_field_never_get_a_500(fuzz_router, fie
     path = "/v1/chat/completions" if chat else "/v1/completions"
     status, headers, out = _request(fuzz_router.port, "POST", path, json.dumps(body).encode())
     _check_answer(status, headers, out, body)
-    if field == "request_id" and any(not c.isprintable() for c in text):
-        assert status == 400, out[:300]
+    assert headers.get("X-Request-Id", "").isprintable()  # whatever the body's request_id holds
     assert fuzz_router.proc.poll() is None
 
 
