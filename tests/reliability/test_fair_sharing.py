@@ -26,7 +26,7 @@ def router(procs, monkeypatch):
             {"name": "flood", "api_key_env": "CACHEHIT_TEST_FLOOD_KEY", "max_concurrent_requests": 2,
              "max_queued_requests": 6},
             {"name": "quiet", "api_key_env": "CACHEHIT_TEST_QUIET_KEY", "max_priority": 1},
-            {"name": "metered", "api_key": METERED_KEY, "requests_per_s": 0.2, "burst": 1},
+            {"name": "metered", "api_key": METERED_KEY, "requests_per_s": 0.05, "burst": 1},
         ],
         "backends": sim_backends({"d0": engine}),
     })
@@ -79,8 +79,8 @@ async def test_per_key_rate_limit_and_priority_rules(router):
     async with aiohttp.ClientSession() as s:
         assert (await _post(s, router.url, METERED_KEY, max_tokens=2))[0] == 200
         status, headers, body = await _post(s, router.url, METERED_KEY, max_tokens=2)
-        assert status == 429 and 1 <= int(headers["Retry-After"]) <= 5, (status, body)
-        assert "'metered'" in body and "0.2 requests per second" in body
+        assert status == 429 and 1 <= int(headers["Retry-After"]) <= 20, (status, body)
+        assert "'metered'" in body and "0.05 requests per second" in body
         assert (await _post(s, router.url, QUIET_KEY, max_tokens=2))[0] == 200  # others unaffected
 
         # A priority above what the key allows is refused; a malformed one is a 400.
@@ -91,6 +91,13 @@ async def test_per_key_rate_limit_and_priority_rules(router):
         assert (await _post(s, router.url, FLOOD_KEY, max_tokens=2, headers={"X-Request-Priority": "-3"}))[0] == 200
         assert (await _post(s, router.url, "sk-nobody", max_tokens=2))[0] == 401
 
+        # vLLM's other routes, forwarded to an engine, follow the same keys and rules.
+        for key, headers, expected in ((QUIET_KEY, {}, 200), ("sk-nobody", {}, 401),
+                                       (FLOOD_KEY, {"X-Request-Priority": "1"}, 403), (METERED_KEY, {}, 429)):
+            async with s.post(router.url + "/v1/embeddings", headers={"Authorization": f"Bearer {key}", **headers},
+                              json={"model": MODEL, "input": "share the engine"}) as r:
+                assert r.status == expected, (key, r.status, await r.text())
+
         ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_tenant_rejections_total", tenant="metered", reason="rate") == 1
-        assert metric(ms, "cachehit_router_tenant_requests_total", tenant="metered", status="429") == 1
+        assert metric(ms, "cachehit_router_tenant_rejections_total", tenant="metered", reason="rate") == 2
+        assert metric(ms, "cachehit_router_tenant_requests_total", tenant="metered", status="429") == 2
