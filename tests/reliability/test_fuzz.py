@@ -1,4 +1,4 @@
-"""Fuzzing the HTTP surface (issue 6, item 8).
+"""Fuzzing the HTTP surface.
 
 Hypothesis drives `router --config` (a real process, in front of a simulated engine
 process) with malformed JSON, wrong types, huge and negative numbers, odd unicode,

@@ -1,4 +1,4 @@
-"""Graceful shutdown (issue 6, item 5): `router --config X` gets SIGTERM.
+"""Graceful shutdown: `router --config X` gets SIGTERM.
 
 It stops accepting at once, lets the streams in flight finish within
 server.drain_timeout_s, cancels what outlasts it cleanly (an error event then [DONE], the
