@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--block-size", type=int, default=d.block_size)
     a("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int,
       default=d.num_gpu_blocks, help="KV cache capacity in blocks (block 0 is reserved)")
+    a("--cpu-offload-tokens", type=int, default=d.cpu_offload_tokens,
+      help="CPU tier of the KV cache (vLLM's OffloadingConnector), in tokens (0: none)")
+    a("--kv-bytes-per-token", type=int, default=d.kv_bytes_per_token,
+      help="KV bytes per token of the simulated model (offload byte counters)")
     a("--max-num-seqs", type=int, default=d.max_num_seqs)
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -53,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefill-token-s", type=float, default=t.prefill_token_s)
     a("--decode-seq-s", type=float, default=t.decode_seq_s)
     a("--kv-transfer-token-s", type=float, default=t.kv_transfer_token_s)
+    a("--cpu-load-token-s", type=float, default=t.cpu_load_token_s,
+      help="seconds per token loaded from the CPU tier")
     a("--seed", type=int, default=d.seed)
     a("--eos-probability", type=float, default=d.eos_probability)
     a("--global-cache-hit-threshold", type=float, default=d.global_cache_hit_threshold)
@@ -87,12 +93,14 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
     cfg = SimEngineConfig(
         model=args.model, role=args.role, max_model_len=args.max_model_len,
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        cpu_offload_tokens=args.cpu_offload_tokens, kv_bytes_per_token=args.kv_bytes_per_token,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, speed=args.speed,
         timing=TimingModel(step_overhead_s=args.step_overhead_s,
                            prefill_token_s=args.prefill_token_s,
                            decode_seq_s=args.decode_seq_s,
-                           kv_transfer_token_s=args.kv_transfer_token_s),
+                           kv_transfer_token_s=args.kv_transfer_token_s,
+                           cpu_load_token_s=args.cpu_load_token_s),
         seed=args.seed, eos_probability=args.eos_probability,
         global_cache_hit_threshold=args.global_cache_hit_threshold,
         arrival_check=args.arrival_check, kv_lease_duration=args.kv_lease_duration,

@@ -18,6 +18,11 @@ public figures, not measurements of ours:
 - 4 us per token of KV transferred over NIXL: the KV of one token of Llama-3.1-8B is
   128 KiB (32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes); at ~30 GB/s effective
   RDMA bandwidth that is ~4 us/token;
+- 2.6 us per token loaded from the CPU tier (vLLM's OffloadingConnector, host DRAM to HBM):
+  128 KiB per token over PCIe Gen5 x16 (64 GB/s per direction, about 50 GB/s achieved by
+  pinned-memory copies on H100 hosts) is 2.6 us/token, 19x cheaper than recomputing it at
+  50 us/token; on a Grace Hopper superchip (NVLink-C2C, 450 GB/s per direction) it would be
+  about 0.3 us/token (`--cpu-load-token-s 0.0000003`);
 - 28,000 blocks of 16 tokens (448k tokens): ~55 GiB of KV cache left on an 80 GB GPU at
   gpu_memory_utilization 0.9 after 16 GB of weights and activations, at 128 KiB/token;
 - max_num_seqs 256 and max_num_batched_tokens 8192: vLLM V1 defaults for an online server
@@ -42,6 +47,7 @@ class TimingModel:
     prefill_token_s: float = 0.000050
     decode_seq_s: float = 0.000060
     kv_transfer_token_s: float = 0.000004
+    cpu_load_token_s: float = 0.0000026
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
         return (self.step_overhead_s + self.prefill_token_s * prefill_tokens
@@ -81,6 +87,11 @@ class SimEngineConfig:
     max_model_len: int = 8192
     block_size: int = 16
     num_gpu_blocks: int = 28000
+    # CPU tier (vLLM's OffloadingConnector): host memory for this many tokens; 0: none.
+    cpu_offload_tokens: int = 0
+    # Bytes of KV per token of the simulated model (Llama-3.1-8B, BF16), for the offload
+    # byte counters and the launcher's kv_offload_gib.
+    kv_bytes_per_token: int = 131072
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
@@ -125,6 +136,10 @@ class SimEngineConfig:
                      "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cpu_offload_tokens < 0:
+            raise ValueError(f"cpu_offload_tokens must be >= 0, got {self.cpu_offload_tokens}")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
         if self.num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be >= 2 (block 0 is vLLM's null block)")
         if not self.speed > 0:

@@ -19,7 +19,15 @@ A step, as in vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/scheduler.py)
 Timing model (defaults and their sources: config.py): step time = step_overhead_s +
 prefill_token_s x tokens prefilled in the step + decode_seq_s x sequences decoding in it.
 A transfer of remote KV costs kv_transfer_token_s per token and runs beside the steps, as
-NIXL reads do. All durations are divided by `speed`.
+NIXL reads do; a load from the CPU tier (`cpu_tier.py`, vLLM's OffloadingConnector) costs
+cpu_load_token_s per token and runs the same way. All durations are divided by `speed`.
+
+KV connectors, as vLLM's MultiConnector of NIXL and the OffloadingConnector: a decode leg's
+NIXL pull comes first (it covers the whole prompt past the local hit); otherwise the CPU
+tier offers the stored blocks that follow the GPU hit. Either counts as the connector's
+("external") tokens: in the threshold, in `cached_tokens`, in
+`vllm:external_prefix_cache_hits` and in `vllm:prompt_tokens_cached_by_source` (`p2p` for
+NIXL, `host` for the CPU tier, `device` for the GPU prefix cache).
 
 Cache-hit threshold (vLLM RFC 24256, docs/ARCHITECTURE.md): hit rate = (local prefix hit
 tokens + tokens the KV connector would pull) / (prompt tokens + tokens already generated);
@@ -41,6 +49,7 @@ from typing import Any, Awaitable, Callable
 
 from . import tokenizer as tok
 from .config import SimEngineConfig
+from .cpu_tier import CpuTier
 from .kv_cache import Block, KVCacheManager, hash_blocks
 from .metrics import EngineMetrics
 
@@ -96,6 +105,8 @@ class SimRequest:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         self.num_external_tokens = 0
+        # Where the external tokens come from: "p2p" (NIXL pull) or "host" (CPU tier).
+        self.external_source: str | None = None
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -163,8 +174,11 @@ class SimEngine:
         self.block_size = config.block_size
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size,
                                  config.enable_prefix_caching)
+        self.cpu = CpuTier(config.cpu_offload_tokens // config.block_size
+                           if config.enable_prefix_caching else 0)
         self.metrics = EngineMetrics(config.model, config.block_size, config.num_gpu_blocks,
-                                     config.enable_prefix_caching)
+                                     config.enable_prefix_caching,
+                                     cpu_offload=config.cpu_offload_tokens > 0)
         self.engine_id = str(uuid.uuid4())
         self.requests: dict[str, SimRequest] = {}
         self.waiting: deque[SimRequest] = deque()
@@ -219,14 +233,24 @@ class SimEngine:
             return req.threshold
         return self.config.global_cache_hit_threshold
 
-    def hit_tokens(self, req: SimRequest) -> tuple[list[Block], int, int]:
-        """Read-only lookup: (local hit blocks, local hit tokens, external tokens)."""
+    def hit_tokens(self, req: SimRequest) -> tuple[list[Block], int, int, str | None]:
+        """Read-only lookup: (local hit blocks, local hit tokens, external tokens, their
+        source: "p2p" for a NIXL pull, "host" for the CPU tier, None)."""
         hit = self.kv.find_cache_hit(req.block_hashes, req.num_tokens)
         local = len(hit) * self.block_size
-        external = 0
         if req.kv_pull is not None and self.config.consumes:
             external = max(0, len(req.prompt_ids) - local)
-        return hit, local, external
+            if external:
+                return hit, local, external, "p2p"
+        if self.cpu.enabled:
+            # The OffloadingConnector offers every stored full block, up to the request's
+            # last one (its lookup caps at num_tokens, not num_tokens - 1); the last token is
+            # recomputed after the load, as after a NIXL pull.
+            stop = req.num_tokens // self.block_size
+            offloaded = self.cpu.lookup(req.block_hashes, len(hit), stop) * self.block_size
+            if offloaded:
+                return hit, local, offloaded, "host"
+        return hit, local, 0, None
 
     def add_request(self, req: SimRequest) -> None:
         """Queue a request (or reject it at once when the arrival check says so)."""
@@ -239,7 +263,7 @@ class SimEngine:
         self.requests[req.request_id] = req
         threshold = self.effective_threshold(req)
         if threshold > 0 and self.config.arrival_check:
-            _, local, external = self.hit_tokens(req)
+            _, local, external, _ = self.hit_tokens(req)
             if (local + external) / req.num_tokens < threshold:
                 self.stats.arrival_rejections += 1
                 self.metrics.threshold_rejections["arrival"].inc()
@@ -372,7 +396,7 @@ class SimEngine:
         cfg = self.config
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            hit, local, external = self.hit_tokens(req)
+            hit, local, external, source = self.hit_tokens(req)
             threshold = self.effective_threshold(req)
             if threshold > 0 and (local + external) / req.num_tokens < threshold:
                 self.waiting.popleft()
@@ -384,16 +408,22 @@ class SimEngine:
                 self._finish(req, CACHE_THRESHOLD)
                 continue
             if external:
-                if not self.kv.allocate(req.request_id, len(req.prompt_ids), hit):
+                if not self.kv.allocate(req.request_id, local + external if source == "host"
+                                        else len(req.prompt_ids), hit):
                     break
                 self.waiting.popleft()
+                req.external_source = source
                 self._record_hits(req, local, external)
                 req.num_computed_tokens = local
                 req.num_external_tokens = external
                 req.status = Status.TRANSFERRING
                 self.transferring[req.request_id] = req
-                params, req.kv_pull = req.kv_pull, None  # NIXL contributes once only
-                task = asyncio.get_running_loop().create_task(self._pull(req, params, external))
+                if source == "host":
+                    load = self._load_from_cpu(req, external)
+                else:
+                    params, req.kv_pull = req.kv_pull, None  # NIXL contributes once only
+                    load = self._pull(req, params, external)
+                task = asyncio.get_running_loop().create_task(load)
                 self._pull_tasks.add(task)
                 task.add_done_callback(self._pull_tasks.discard)
                 continue
@@ -419,9 +449,12 @@ class SimEngine:
         m = self.metrics
         m.prefix_cache_queries.inc(req.num_tokens)
         m.prefix_cache_hits.inc(local)
+        m.cached_by_source["device"].inc(local)
         if external or req.num_external_tokens:
             m.external_prefix_cache_queries.inc(req.num_tokens - local)
             m.external_prefix_cache_hits.inc(external)
+            if external and req.external_source:
+                m.cached_by_source[req.external_source].inc(external)
 
     async def _pull(self, req: SimRequest, params: dict, external: int) -> None:
         ok = False
@@ -457,6 +490,30 @@ class SimEngine:
         self.ready.append(req)
         self._wake.set()
 
+    async def _load_from_cpu(self, req: SimRequest, tokens: int) -> None:
+        """The OffloadingConnector's asynchronous load of CPU-tier blocks into the GPU cache."""
+        seconds = tokens * self.config.timing.cpu_load_token_s
+        await asyncio.sleep(seconds / self.config.speed)
+        if req.status is not Status.TRANSFERRING:
+            return  # aborted meanwhile
+        del self.transferring[req.request_id]
+        start = req.num_computed_tokens // self.block_size
+        loaded = req.block_hashes[start:start + tokens // self.block_size]
+        self.cpu.load(loaded)
+        self.metrics.offload_loaded(tokens * self.config.kv_bytes_per_token, seconds)
+        req.num_computed_tokens = min(req.num_computed_tokens + tokens, req.num_tokens - 1)
+        self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+        req.status = Status.READY
+        self.ready.append(req)
+        self._wake.set()
+
+    def _offload(self, req: SimRequest) -> None:
+        """Write-through to the CPU tier: the prompt's full blocks computed so far."""
+        end = min(req.num_computed_tokens, len(req.prompt_ids)) // self.block_size
+        new = self.cpu.store(req.block_hashes[:end])
+        if new:
+            self.metrics.offload_stored(new * self.block_size * self.config.kv_bytes_per_token)
+
     def _preempt(self, req: SimRequest) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
@@ -475,6 +532,8 @@ class SimEngine:
                 continue  # aborted during the step
             req.num_computed_tokens += n
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            if self.cpu.enabled and n > 1:  # a prefill (chunk): prompt blocks to store
+                self._offload(req)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a chunk of a longer prefill
             reason = self._sample(req)
@@ -604,4 +663,5 @@ class SimEngine:
             "busy_model_seconds": self.stats.busy_model_seconds,
             "busy_wall_seconds": self.stats.busy_wall_seconds,
             "preemptions": self.stats.preemptions,
+            "cpu_tier_blocks": len(self.cpu),
         }

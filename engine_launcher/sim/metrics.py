@@ -22,7 +22,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition", "cache_thres
 
 class EngineMetrics:
     def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int,
-                 enable_prefix_caching: bool) -> None:
+                 enable_prefix_caching: bool, cpu_offload: bool = False) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         values = (model_name, "0")
@@ -68,6 +68,25 @@ class EngineMetrics:
         self.prompt_tokens_local_compute = by_source.labels(*values, "local_compute")
         self.prompt_tokens_local_cache_hit = by_source.labels(*values, "local_cache_hit")
         self.prompt_tokens_external = by_source.labels(*values, "external_kv_transfer")
+        # vLLM 0.32 (v1/metrics/loggers.py): hits by the tier that supplied them, counted at
+        # admission; device = GPU prefix cache, host = CPU tier, p2p = NIXL.
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+            "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.", labels + ["source"], registry=r)
+        self.cached_by_source = {source: cached_by_source.labels(*values, source) for source in
+                                 ("device", "host", "p2p", "disk", "external_unspecified")}
+        if cpu_offload:
+            # The OffloadingConnector's counters (offloading/metrics.py), only with a CPU tier.
+            self.offload_load_bytes = counter("vllm:kv_offload_load_bytes",
+                                              "Total bytes loaded from offload storage to GPU.")
+            self.offload_load_time = counter(
+                "vllm:kv_offload_load_time",
+                "Total load time from offload storage to GPU, in seconds.")
+            self.offload_store_bytes = counter("vllm:kv_offload_store_bytes",
+                                               "Total bytes stored from GPU to offload storage.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -103,6 +122,13 @@ class EngineMetrics:
                      ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"],
                      registry=r)
         info.labels(str(block_size), str(enable_prefix_caching), str(num_gpu_blocks), "0").set(1)
+
+    def offload_loaded(self, num_bytes: int, seconds: float) -> None:
+        self.offload_load_bytes.inc(num_bytes)
+        self.offload_load_time.inc(seconds)
+
+    def offload_stored(self, num_bytes: int) -> None:
+        self.offload_store_bytes.inc(num_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
