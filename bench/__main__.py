@@ -12,6 +12,7 @@
   suite            every routing mode on every suite workload: one regret table (bench/suite.py)
   slow-readers     router memory under streams whose clients never read (bench/slow_readers.py)
   fairness         one tenant's TTFT while another floods the router past its limits (bench/fairness.py)
+  engine-idle      idle CPU and NIXL transfer time of real vLLM engines (bench/engine_idle.py)
 """
 from __future__ import annotations
 
@@ -217,7 +218,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
 # Subcommands that are programs of their own, with their own flags: every argument after
 # the name goes to the module's main().
 FORWARDED = {"sim-capacity": "bench.sim_capacity", "soak": "bench.soak", "vllm-client": "bench.vllm_client",
-             "slow-readers": "bench.slow_readers", "fairness": "bench.fairness"}
+             "slow-readers": "bench.slow_readers", "fairness": "bench.fairness",
+             "engine-idle": "bench.engine_idle"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sim-capacity", help="the simulator's capacity (bench/sim_capacity.py; its own flags)")
     sub.add_parser("soak", help="steady load with periodic engine restarts (bench/soak.py; its own flags)")
     sub.add_parser("vllm-client", help="vllm bench serve through the router and direct (bench/vllm_client.py; its own flags)")
+    sub.add_parser("engine-idle", help="idle CPU and NIXL transfer time of real vLLM engines "
+                                       "(bench/engine_idle.py; its own flags)")
     return p
 
 

@@ -9,7 +9,9 @@ What it does in each process:
   happen everywhere before the first engine output is decoded;
 - patches the OpenAI request models so a per-request `cache_hit_threshold` (top-level or in
   `vllm_xargs`) is validated (400) and reaches the engine (`request_patch`);
-- patches `AsyncLLM.generate` so a rejected stream keeps its finishing chunk (`stream_patch`).
+- patches `AsyncLLM.generate` so a rejected stream keeps its finishing chunk (`stream_patch`);
+- with `CACHEHIT_NIXL_PROGRESS_DELAY_US` set, gives NIXL's progress thread a poll delay so an
+  idle engine does not spin a core (`nixl_progress`).
 
 The scheduling itself needs `--scheduler-cls engine_launcher.vllm_plugin.scheduler.
 ThresholdScheduler` (or `ThresholdAsyncScheduler`): see `scheduler` and docs/VLLM_PLUGIN.md.
@@ -38,11 +40,12 @@ def register() -> None:
     except UnsupportedVLLMVersion as exc:
         logger.error("%s", exc)
         return
-    from . import finish_reason, request_patch, stream_patch
+    from . import finish_reason, nixl_progress, request_patch, stream_patch
 
     finish_reason.ensure_extended()
     request_patch.apply()
     stream_patch.apply()
+    nixl_progress.apply()
     _registered = True
     logger.debug("cache-hit threshold plugin registered for vLLM %s", version)
 
