@@ -58,6 +58,13 @@ KV_ROLES = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_bo
 # eager mode shortens start-up; 32-token blocks (CPU needs multiples of 32, its default of
 # 128 would hide prefix hits shorter than 128 tokens from the cache-hit threshold).
 CPU_KVCACHE_SPACE_GIB = "1"
+
+# NIXL's progress thread polls with a zero timeout (a core at 100% on every idle engine); the
+# plugin's nixl_progress gives it this poll delay instead. It still wakes at once on UCX events,
+# so transfers are not slowed (docs/VLLM_PLUGIN.md has the measurement); the delay only bounds
+# how long a missed wake-up could wait.
+NIXL_PROGRESS_DELAY_ENV = "CACHEHIT_NIXL_PROGRESS_DELAY_US"
+NIXL_PROGRESS_DELAY_US = "10000"
 CPU_DTYPE = "float32"
 CPU_BLOCK_SIZE = "32"
 
@@ -235,11 +242,38 @@ def scheduler_cls(extra_args: Sequence[str], host: HostInfo) -> str:
     return ASYNC_SCHEDULER_CLS
 
 
-def kv_transfer_config(role: str, host: HostInfo) -> str:
-    return json.dumps({
+def kv_offload_bytes(gib: float) -> int:
+    """Host bytes of a `kv_offload_gib` CPU tier, converted as vLLM's `--kv-offloading-size`."""
+    return int(gib * (1 << 30))
+
+
+def kv_transfer_config(role: str, host: HostInfo, kv_offload_gib: float = 0.0) -> str:
+    """vLLM's `--kv-transfer-config`: NIXL alone, or with a CPU tier a MultiConnector of NIXL
+    and vLLM's OffloadingConnector.
+
+    Not `--kv-offloading-size`: vLLM 0.32 implements that flag by *replacing* the configured
+    connector with the OffloadingConnector (VllmConfig._post_init_kv_transfer_config), which
+    would drop NIXL. MultiConnector asks its children in order and loads from the first that
+    has tokens: NIXL first, so a decode leg pulls the producer's blocks (NIXL offers nothing
+    for other requests), then the CPU tier. Every child stores (the offloading connector
+    copies each computed block to host memory).
+    """
+    nixl = {
         "kv_connector": "NixlConnector",
         "kv_role": KV_ROLES[role],
         "kv_buffer_device": "cuda" if host.has_gpu else "cpu",
+    }
+    if kv_offload_gib <= 0:
+        return json.dumps(nixl, separators=(",", ":"))
+    offload = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": kv_offload_bytes(kv_offload_gib)},
+    }
+    return json.dumps({
+        "kv_connector": "MultiConnector",
+        "kv_role": KV_ROLES[role],
+        "kv_connector_extra_config": {"connectors": [nixl, offload]},
     }, separators=(",", ":"))
 
 
@@ -259,12 +293,13 @@ def vllm_command(engine: EngineConfig, ports: EnginePorts, host: HostInfo, *, lo
             "--enable-prefix-caching",
             # usage.prompt_tokens_details.cached_tokens: the router reports cache hits from it.
             "--enable-prompt-tokens-details",
-            "--kv-transfer-config", kv_transfer_config(engine.role, host),
+            "--kv-transfer-config", kv_transfer_config(engine.role, host, engine.kv_offload_gib),
             "--scheduler-cls", scheduler_cls(extra, host)]
     env = {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": engine.nixl_side_channel_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports.nixl),
+        NIXL_PROGRESS_DELAY_ENV: NIXL_PROGRESS_DELAY_US,
     }
     if host.has_gpu:
         if gpu_ids:
@@ -290,7 +325,16 @@ def vllm_command(engine: EngineConfig, ports: EnginePorts, host: HostInfo, *, lo
 
 def _sim_group_key(e: EngineConfig) -> tuple:
     # Everything that ends up in the process's argv or environment except the port.
-    return (e.host, e.model, e.served_model_name, e.role, e.extra_args, e.env, e.cpu_cores)
+    return (e.host, e.model, e.served_model_name, e.role, e.extra_args, e.env, e.cpu_cores,
+            e.kv_offload_gib)
+
+
+def sim_cpu_offload_tokens(gib: float) -> int:
+    """The simulator's CPU tier for `kv_offload_gib`: tokens of its model's KV in that many
+    bytes (Llama-3.1-8B in BF16, 128 KiB per token: 8,192 tokens per GiB)."""
+    from engine_launcher.sim.config import SimEngineConfig
+
+    return kv_offload_bytes(gib) // SimEngineConfig.kv_bytes_per_token
 
 
 def sim_command(group: Sequence[EngineConfig], ports: Mapping[str, EnginePorts], *,
@@ -304,6 +348,8 @@ def sim_command(group: Sequence[EngineConfig], ports: Mapping[str, EnginePorts],
     # The simulator serves one model name; the router registers served_model_name or model.
     if first.served_model_name or first.model:
         argv += ["--model", first.served_model_name or first.model]
+    if first.kv_offload_gib > 0 and not _has_flag(first.extra_args, "--cpu-offload-tokens"):
+        argv += ["--cpu-offload-tokens", str(sim_cpu_offload_tokens(first.kv_offload_gib))]
     argv += list(first.extra_args)
     env = {"PYTHONUNBUFFERED": "1"}
     env.update(dict(first.env))

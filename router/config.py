@@ -183,6 +183,9 @@ class EngineConfig:
     env: tuple[tuple[str, str], ...] = ()
     # Also register as a router backend.
     register: bool = True
+    # CPU tier of the KV cache (GiB of host memory per engine; 0: none): vLLM's
+    # OffloadingConnector next to NIXL, or the simulator's CPU tier (docs/LAUNCHER.md).
+    kv_offload_gib: float = 0.0
 
     @property
     def backend_role(self) -> str:
@@ -496,6 +499,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
             p.add(f"{key}.model: required for kind 'vllm' (a model path or name)")
         p.check(_port, f"{key}.port", e.port, allow_zero=True)
         p.check(_port, f"{key}.nixl_side_channel_port", e.nixl_side_channel_port, allow_zero=True)
+        p.check(_positive, f"{key}.kv_offload_gib", e.kv_offload_gib, allow_zero=True)
         try:
             ipaddress.ip_address(e.host)
         except ValueError:

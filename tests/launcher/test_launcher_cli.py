@@ -72,8 +72,8 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
     out = capsys.readouterr().out
     kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
                      "kv_buffer_device": "cuda"}, separators=(",", ":"))
-    assert (f"CUDA_VISIBLE_DEVICES=1 PYTHONUNBUFFERED=1 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 "
-            f"VLLM_NIXL_SIDE_CHANNEL_PORT=5601 {sys.executable} -m "
+    assert (f"CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 CUDA_VISIBLE_DEVICES=1 PYTHONUNBUFFERED=1 "
+            f"VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=5601 {sys.executable} -m "
             "vllm.entrypoints.openai.api_server --model /models/llama --served-model-name "
             "/models/llama --host 127.0.0.1 --port 8201 --enable-prefix-caching --enable-prompt-tokens-details "
             f"--kv-transfer-config '{kv}' --scheduler-cls "
@@ -81,6 +81,29 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
             ) in out.splitlines()
     assert "# log: /var/log/engines/prefill.log" in out
     assert "on a GPU host" in out
+
+
+def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
+    cfg = write(tmp_path, """
+        [[engines]]
+        name = "decode"
+        kind = "vllm"
+        role = "consumer"
+        model = "/models/llama"
+        port = 8201
+        nixl_side_channel_port = 5601
+        kv_offload_gib = 200
+        """)
+    assert main(["--config", cfg, "--dry-run", "--host-type", "gpu"]) == 0
+    out = capsys.readouterr().out
+    kv = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
+                     "kv_connector_extra_config": {"connectors": [
+                         {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                          "kv_buffer_device": "cuda"},
+                         {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"cpu_bytes_to_use": 200 * 2**30}}]}},
+                    separators=(",", ":"))
+    assert f"--kv-transfer-config '{kv}'" in out
 
 
 def test_dry_run_mentions_picked_ports(tmp_path, capsys):

@@ -55,6 +55,8 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
+        # NIXL's progress thread sleeps in poll() instead of spinning a core (plugin).
+        "CACHEHIT_NIXL_PROGRESS_DELAY_US": "10000",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         # A lone engine gets every CPU of the host.
         "VLLM_CPU_OMP_THREADS_BIND": "0,1",
@@ -82,10 +84,51 @@ def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+        "CACHEHIT_NIXL_PROGRESS_DELAY_US": "10000",
         "CUDA_VISIBLE_DEVICES": "2,3",
     }
     # A wildcard listener is reached through loopback.
     assert dict(cmd.urls) == {"g0": "http://127.0.0.1:8200"}
+
+
+@pytest.mark.parametrize("role,kv_role", [("producer", "kv_producer"),
+                                          ("consumer", "kv_consumer"),
+                                          ("both", "kv_both")])
+def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role):
+    cmd = one(vllm_engine("g0", role, kv_offload_gib=64.5), GPU_HOST)
+    argv = list(cmd.argv)
+    # Exactly this JSON: a MultiConnector, NIXL first, then the CPU tier in bytes (GiB * 2^30,
+    # as vLLM converts --kv-offloading-size), which that flag itself would not keep NIXL for.
+    assert argv[argv.index("--kv-transfer-config") + 1] == (
+        '{"kv_connector":"MultiConnector","kv_role":"' + kv_role + '",'
+        '"kv_connector_extra_config":{"connectors":['
+        '{"kv_connector":"NixlConnector","kv_role":"' + kv_role + '","kv_buffer_device":"cuda"},'
+        '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+        '"kv_connector_extra_config":{"cpu_bytes_to_use":69256347648}}]}}')
+    assert "--kv-offloading-size" not in argv
+    # Without the key: NIXL alone, as before.
+    plain = list(one(vllm_engine("g0", role), GPU_HOST).argv)
+    assert plain[plain.index("--kv-transfer-config") + 1] == kv_config(kv_role, "cuda")
+
+
+def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens():
+    e = EngineConfig(name="s0", kind="sim", role="both", kv_offload_gib=2.0)
+    cmd = one(e, CPU_HOST)
+    argv = list(cmd.argv)
+    # 2 GiB of 128 KiB-per-token KV (the simulated Llama-3.1-8B) = 16,384 tokens.
+    assert argv[argv.index("--cpu-offload-tokens") + 1] == "16384"
+    # Sim engines with different tiers are different processes.
+    engines = [e, EngineConfig(name="s1", kind="sim", role="both")]
+    cmds = build_commands(engines, {"s0": EnginePorts(9000), "s1": EnginePorts(9001)}, CPU_HOST,
+                          log_dir="logs", python=PY)
+    assert [c.engines for c in cmds] == [("s0",), ("s1",)]
+
+
+def test_kv_offload_gib_must_not_be_negative(tmp_path):
+    path = tmp_path / "router.toml"
+    path.write_text('[[engines]]\nname = "a"\nkind = "sim"\nkv_offload_gib = -1\n')
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.kv_offload_gib: expected a non-negative"):
+        load_config(path)
 
 
 def test_gpu_host_without_async_scheduling_uses_sync_scheduler():
@@ -224,7 +267,7 @@ def test_default_python_is_the_running_interpreter():
 
 def test_shell_line_quotes_json_and_puts_env_first():
     line = one(vllm_engine("e0", "producer"), CPU_HOST).shell_line()
-    assert line.startswith("PYTHONUNBUFFERED=1 UCX_TLS=tcp,self ")
+    assert line.startswith("CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 PYTHONUNBUFFERED=1 UCX_TLS=tcp,self ")
     assert "'{\"kv_connector\":\"NixlConnector\"" in line
 
 
