@@ -4,6 +4,7 @@
   compare          one table and PNG plots from run directories
   sweep-threshold  probe mode at T = 0.1 .. 0.9
   load-sweep       offered load from light to past capacity; rejection latency on a full engine
+  offload-sweep    hit ratio and TTFT against each engine's CPU KV tier (F x its GPU capacity)
   overhead         latency and throughput the router adds over an instant backend
   scaling          router CPU and memory as K grows, and with 1,000 open streams
   profile          py-spy profile of the router under load (hot functions)
@@ -75,6 +76,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks", type=int, default=0,
                    help="KV blocks per engine (default: scaled from the workload)")
     g.add_argument("--max-num-seqs", type=int, default=0, help="per engine (default: simulator's)")
+    g.add_argument("--cpu-offload-x", type=float, default=0.0,
+                   help="CPU tier of each engine's KV cache (vLLM's OffloadingConnector) as a "
+                        "multiple of its GPU KV capacity (default 0: none)")
     g.add_argument("--no-arrival-check", action="store_true",
                    help="engines check the threshold only at admission")
     g.add_argument("--threshold", type=float, default=0.5, help="routing.cache_hit_threshold")
@@ -113,6 +117,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     sim.arrival_check = not a.no_arrival_check
     if a.max_num_seqs:
         sim.max_num_seqs = a.max_num_seqs
+    sim.cpu_offload_x = getattr(a, "cpu_offload_x", 0.0)
     min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))
     ropts = RouterOptions(strategy=mode if mode in ("probe", "round_robin", "least_loaded", "prefix_tree")
                           else "probe", threshold=a.threshold, probe_deadline_ms=a.probe_deadline_ms,
@@ -198,6 +203,11 @@ def cmd_sweep_threshold(a: argparse.Namespace) -> int:
 def cmd_load_sweep(a: argparse.Namespace) -> int:
     from .sweeps import load_sweep
     return load_sweep(a)
+
+
+def cmd_offload_sweep(a: argparse.Namespace) -> int:
+    from .sweeps import offload_sweep
+    return offload_sweep(a)
 
 
 def cmd_overhead(a: argparse.Namespace) -> int:
@@ -290,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--quick", action="store_true")
     o.add_argument("--no-pin", action="store_true")
     o.set_defaults(fn=cmd_overhead)
+
+    of = sub.add_parser("offload-sweep", help="hit ratio and TTFT against each engine's CPU KV tier")
+    add_workload_args(of)
+    add_cluster_args(of)
+    of.add_argument("--factors", default="0,2,4,8,16", help="CPU tier sizes, x GPU KV capacity")
+    of.add_argument("--modes", default="probe,prefix_tree,round_robin")
+    of.add_argument("--out", required=True)
+    of.add_argument("--resume", action="store_true", help="keep runs whose summary.json exists")
+    of.set_defaults(fn=cmd_offload_sweep)
 
     sc = sub.add_parser("scaling", help="router CPU and memory as K grows; 1,000 open streams")
     sc.add_argument("--out", required=True)

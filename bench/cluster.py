@@ -37,6 +37,9 @@ class SimOptions:
     max_model_len: int = 8192  # lowered to what the KV cache holds, as the simulator requires
     prefill_token_s: float | None = None
     kv_transfer_token_s: float | None = None
+    # CPU tier of each engine, as a multiple of its GPU KV capacity (0: none), and its load cost.
+    cpu_offload_x: float = 0.0
+    cpu_load_token_s: float | None = None
     arrival_check: bool = True
     seed: int = 0
     extra: tuple[str, ...] = ()
@@ -53,6 +56,11 @@ class SimOptions:
             a += ["--prefill-token-s", repr(self.prefill_token_s)]
         if self.kv_transfer_token_s is not None:
             a += ["--kv-transfer-token-s", repr(self.kv_transfer_token_s)]
+        if self.cpu_offload_x > 0:
+            gpu_tokens = (self.num_gpu_blocks - 1) * self.block_size
+            a += ["--cpu-offload-tokens", str(round(self.cpu_offload_x * gpu_tokens))]
+            if self.cpu_load_token_s is not None:
+                a += ["--cpu-load-token-s", repr(self.cpu_load_token_s)]
         return a + list(self.extra)
 
 
@@ -192,6 +200,8 @@ async def engine_counters(session: aiohttp.ClientSession, urls: list[str]) -> di
     out = {}
     for u, m in zip(urls, pages):
         d = {n: metric_sum(m, n) for n in ENGINE_COUNTERS}
+        d["cpu_tier_hit_tokens"] = metric_sum(m, "vllm:prompt_tokens_cached_by_source_total",
+                                              source="host")
         for reason in ("cache_threshold", "length", "stop", "abort"):
             d[f"finished_{reason}"] = metric_sum(m, "vllm:request_success_total", finished_reason=reason)
         d["ttft_buckets"] = histogram_buckets(m, "vllm:time_to_first_token_seconds")

@@ -147,6 +147,7 @@ def default_sim(w: WorkloadSpec, speed: float, num_gpu_blocks: int | None = None
         sim.max_num_batched_tokens = max(64, round(8192 * s))
         sim.prefill_token_s = 0.000050 / s
         sim.kv_transfer_token_s = 0.000004 / s
+        sim.cpu_load_token_s = 0.0000026 / s
         sim.max_model_len = 16384
     elif w.kind == "prefix-groups":
         # Room for about a third of the groups' system prompts per engine (plus the running
@@ -353,6 +354,7 @@ def summarize(spec: RunSpec, base: dict, results: list[Result], wall: float, eng
         "engine_generated_tokens": int(decoder_gen),
         "engine_tokens_not_delivered": int(decoder_gen - out_tokens),
         "preemptions": int(sum(d["vllm:num_preemptions_total"] for d in eng.values())),
+        "cpu_tier_hit_tokens": int(sum(d.get("cpu_tier_hit_tokens", 0) for d in eng.values())),
         "engine_rejections": int(sum(d["finished_cache_threshold"] for d in eng.values())),
         "router_cpu_s": rnd(router_cpu), "router_cpu_s_per_1k": rnd(router_cpu / n * 1000 if router_cpu is not None and n else None),
         "router_rss_mb": rnd(router_rss / 2**20 if router_rss else None, 1),
