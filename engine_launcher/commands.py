@@ -400,7 +400,14 @@ def build_commands(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePo
     gpu = assign_gpus(engines, host) if host.has_gpu else {}
     sim_groups = {g[0].name: g for g in group_sim_engines(engines)}
     out: list[EngineCommand] = []
-    for e in engines:
+    for i, e in enumerate(engines):
+        if e.kind == "vllm" and e.kv_offload_gib > 0 and not host.has_gpu:
+            # Measured: the worker stops at start with "CPU Offloading is currently only
+            # supported on CUDA-alike and XPU GPUs" (vllm/v1/kv_offload/cpu/).
+            raise ConfigError(
+                f"engines[{i}].kv_offload_gib: vLLM 0.32's CPU offloading needs a CUDA or XPU "
+                f"GPU; the CPU build refuses it at start (use --host-type gpu to print GPU "
+                f"command lines, or kind 'sim')")
         if e.kind == "vllm":
             out.append(vllm_command(e, ports[e.name], host, log_dir=log_dir,
                                     cpu_cores=cpu.get(e.name, ()), gpu_ids=gpu.get(e.name, ()),

@@ -23,12 +23,17 @@ Two checks, one rule (`threshold.below_threshold`: hit tokens / (prompt + genera
    room, so under load a request that is going to be rejected waits in the queue for seconds.
    `add_request` therefore computes the hit rate at once with a read-only lookup:
    `KVCacheManager.get_computed_blocks` (dictionary lookups in the block pool, no ref counts,
-   no LRU touch, no stats: vLLM records prefix-cache stats only at admission) plus, for the
-   NIXL connectors only, the tokens of a decode leg (`do_remote_prefill`), which their
-   `get_num_new_matched_tokens` derive from the prompt length without side effects; a request
-   that is not a decode leg gets nothing from NIXL. With any other connector the arrival check cannot know the external hit and rejects nothing (the
-   admission check still applies). A request accepted at arrival is checked again at
-   admission; one rejected at arrival never enters the queue.
+   no LRU touch, no stats: vLLM records prefix-cache stats only at admission) plus the KV
+   connector's tokens where they can be known without side effects (`offload_lookup`):
+   - NIXL: the tokens of a decode leg (`do_remote_prefill`), which its
+     `get_num_new_matched_tokens` derives from the prompt length; a request that is not a
+     decode leg gets nothing from NIXL;
+   - the OffloadingConnector with vLLM's CPU backend (the CPU tier): the stored blocks that
+     follow the local hit, read from its manager's dictionary (no LRU touch, no stats);
+   - a MultiConnector of those: the first child that offers tokens, as vLLM's MultiConnector.
+   With any other connector the arrival check cannot know the external hit and rejects
+   nothing (the admission check still applies). A request accepted at arrival is checked
+   again at admission; one rejected at arrival never enters the queue.
 
 Prefill legs (`kv_transfer_params.do_remote_decode`) are never rejected.
 """
@@ -41,7 +46,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
-from . import finish_reason
+from . import finish_reason, offload_lookup
 from .stream_patch import REJECTION_MARK
 from .threshold import PluginConfig, below_threshold, effective_threshold, is_prefill_leg
 from .version import check_vllm_version
@@ -125,14 +130,9 @@ class ThresholdSchedulerMixin:
         _, num_local, _ = manager.get_computed_blocks(request)
         if self.connector is None:
             return num_local
-        if not _is_nixl(self.connector):
-            return None
-        params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill"):
-            return num_local  # NIXL loads nothing for a request that is not a decode leg
         partial_tail = num_local % self.block_size
         aligned = num_local - partial_tail
-        external, _ = self.connector.get_num_new_matched_tokens(request, aligned)
+        external = offload_lookup.external_tokens(self.connector, request, aligned)
         if external is None:
             return None
         # Same combination as the WAITING loop: a remote hit longer than the local
@@ -172,14 +172,6 @@ class ThresholdSchedulerMixin:
     def has_requests(self) -> bool:
         # Keep the engine core stepping until every rejection has been reported.
         return bool(self._threshold_outputs) or super().has_requests()
-
-
-def _is_nixl(connector) -> bool:
-    # NixlConnector is NixlPullConnector in 0.32; the push variant answers a decode leg's
-    # lookup the same side-effect-free way (prompt length minus the local hit).
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
-
-    return isinstance(connector, NixlBaseConnector)
 
 
 def _mark(stage: str, hit: int, total: int, threshold: float) -> dict[str, Any]:

@@ -111,6 +111,13 @@ def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role)
     assert plain[plain.index("--kv-transfer-config") + 1] == kv_config(kv_role, "cuda")
 
 
+def test_kv_offload_gib_on_a_cpu_host_is_a_configuration_error():
+    # vLLM 0.32's CPU build refuses the OffloadingConnector at start; say so before starting.
+    e = vllm_engine("e0", "both", kv_offload_gib=1.0)
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.kv_offload_gib: .*needs a CUDA or XPU GPU"):
+        one(e, CPU_HOST)
+
+
 def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens():
     e = EngineConfig(name="s0", kind="sim", role="both", kv_offload_gib=2.0)
     cmd = one(e, CPU_HOST)

@@ -101,3 +101,59 @@ def test_unsupported_vllm_version_refuses_to_start(plugin, monkeypatch):
     assert plugin_pkg._registered is False
     assert any("0.32.x" in r.getMessage() and r.levelno == logging.ERROR
                for r in handler.records)
+
+
+def test_nixl_progress_delay_parsing():
+    from engine_launcher.vllm_plugin.nixl_progress import ENV, configured_delay_us
+
+    assert configured_delay_us({}) is None
+    assert configured_delay_us({ENV: ""}) is None  # empty: NIXL's own behaviour
+    assert configured_delay_us({ENV: "10000"}) == 10000
+    for bad in ("-1", "1.5", "fast"):
+        with pytest.raises(ValueError, match=ENV):
+            configured_delay_us({ENV: bad})
+
+
+def test_nixl_agent_gets_the_progress_delay(plugin, monkeypatch):
+    """A real NIXL agent created the way vLLM's NIXL worker creates it (vllm.distributed.
+    nixl_utils' NixlWrapper and nixl_agent_config with num_threads) gets the poll delay, and
+    only agents with a progress thread do."""
+    import sys
+
+    from vllm.distributed import nixl_utils
+
+    from engine_launcher.vllm_plugin import nixl_progress
+
+    monkeypatch.setenv(nixl_progress.ENV, "10000")
+    monkeypatch.setattr(nixl_utils, "_load_nixl_attr", nixl_utils._load_nixl_attr)
+    monkeypatch.setattr(nixl_progress, "_applied", False)
+    monkeypatch.delitem(nixl_utils.__dict__, "NixlWrapper", raising=False)
+    wrapper_cls = nixl_utils._load_nixl_attr("NixlWrapper")
+    api = sys.modules[wrapper_cls.__module__]
+    monkeypatch.setattr(api, "nixlBind", api.nixlBind)  # undo the patch after the test
+    monkeypatch.delitem(nixl_utils.__dict__, "NixlWrapper")
+    nixl_progress.apply()
+
+    wrapper_cls = nixl_utils.NixlWrapper  # loaded again, through the plugin's hook
+    bindings = api.nixlBind
+    assert isinstance(bindings, nixl_progress._BindingsWithDelay)
+    seen = []
+    real = bindings._real
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def nixlAgent(self, name, config):  # noqa: N802
+            seen.append((config.useProgThread, config.pthrDelay))
+            return real.nixlAgent(name, config)
+
+    bindings._real = Recorder()
+    agent = wrapper_cls("cachehit-test-agent", nixl_utils.nixl_agent_config(
+        num_threads=4, capture_telemetry=True))
+    assert agent.name == "cachehit-test-agent"
+    no_thread = wrapper_cls("cachehit-test-agent-2", nixl_utils.nixl_agent_config(
+        enable_prog_thread=False))
+    assert no_thread.name == "cachehit-test-agent-2"
+    # NIXL's own default would be pthrDelay 0 (a poll timeout of 0: the spin).
+    assert seen == [(True, 10000), (False, 0)]
