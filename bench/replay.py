@@ -12,7 +12,9 @@ computed the prompt, over all prompt tokens of the workload:
 - a request answered by an engine that computed its prompt (route probe_hit or direct):
   the `cached_tokens` that engine reported in usage.prompt_tokens_details;
 - a request that went prefill/decode (route pd): the producer computed the prompt; its hits
-  are the producers' `vllm:prefix_cache_hits_total` (producers serve nothing else);
+  are the producers' `vllm:prefix_cache_hits_total` plus their
+  `vllm:external_prefix_cache_hits_total` (a producer pulls nothing over NIXL, so its
+  connector hits are its own CPU tier's; producers serve nothing else);
 - every other engine-side hit (a probe loser that started, the consumer's local blocks of a
   decode leg) is not a hit of the computing engine and is left out; the plain sum over
   engines is reported too, as `hit_ratio_engine_sum`.
@@ -319,7 +321,9 @@ def summarize(spec: RunSpec, base: dict, results: list[Result], wall: float, eng
         routes[route] = routes.get(route, 0) + 1
         if route != "pd":
             served_hits += r.cached_tokens or 0
-    producer_hits = sum(eng[u]["vllm:prefix_cache_hits_total"] for u in prefillers)
+    # A prefill engine never pulls over NIXL: its connector hits are its own CPU tier's.
+    producer_hits = sum(eng[u]["vllm:prefix_cache_hits_total"]
+                        + eng[u]["vllm:external_prefix_cache_hits_total"] for u in prefillers)
     hit_tokens = served_hits + producer_hits
     engine_sum = sum(d["vllm:prefix_cache_hits_total"] for d in eng.values())
     prefilled = sum(d["vllm:prefix_cache_queries_total"] - d["vllm:prefix_cache_hits_total"]
