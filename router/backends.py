@@ -48,6 +48,11 @@ BREAKER_STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+# Counters the cost model reads for what a cached token costs (a CPU-tier load or nothing).
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
+HITS_DEVICE = CACHED_BY_SOURCE + ":device"  # GPU prefix-cache hit tokens
+HITS_HOST = CACHED_BY_SOURCE + ":host"  # CPU-tier (OffloadingConnector) hit tokens
+OFFLOAD_LOAD_TIME = "vllm:kv_offload_load_time"
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,14 +279,17 @@ class BackendRegistry:
             s.decoding -= 1
         self.release(ticket.backend)
 
-    def learn_first_token(self, ticket: LegTicket, lacking_tokens: int) -> float | None:
+    def learn_first_token(self, ticket: LegTicket, lacking_tokens: int, held_tokens: int = 0) -> float | None:
         """One speed sample from a leg that reached its first token, now that its usage says
-        how many prompt tokens it lacked. Returns the observed seconds to first token."""
+        how many prompt tokens it lacked and held. Returns the observed seconds to first
+        token. The held tokens' load time (CPU tier) is the scraped counters' to explain,
+        so it is taken out of the sample before it teaches the prefill speed."""
         if ticket.first_token_at is None:
             return None
         seconds = ticket.first_token_at - ticket.sent_at
+        loading = self.learner.speed(ticket.backend).held_cost_s(held_tokens)
         self.learner.observe_first_token(ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0),
-                                         ticket.decoding, seconds)
+                                         ticket.decoding, max(seconds - loading, 0.0))
         return seconds
 
     # --- request-path feedback ---------------------------------------------------------
@@ -338,6 +346,9 @@ class BackendRegistry:
         s.others_waiting = min(others, max(s.waiting - s.prefilling, 0.0))
         s.others_running = others - s.others_waiting
         s.kv_usage = load.get(KV_USAGE, 0.0)
+        if HITS_DEVICE in load:
+            self.learner.observe_cache_tiers(name, load[HITS_DEVICE], load.get(HITS_HOST, 0.0),
+                                             load.get(OFFLOAD_LOAD_TIME, 0.0))
         s.last_scrape_ok = self.clock()
         if models is not None and not s.config.models and models != s.models:
             if s.models:
@@ -364,10 +375,20 @@ class BackendRegistry:
 
 
 def parse_load_metrics(text: str) -> dict[str, float]:
-    """Sum, over label sets, the gauges the load view uses from a Prometheus exposition."""
+    """Sum, over label sets, the gauges the load view uses from a Prometheus exposition,
+    and the counters of hit tokens by cache tier (`HITS_DEVICE`, `HITS_HOST`) and of CPU-tier
+    load seconds."""
     wanted = (RUNNING, WAITING, KV_USAGE)
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name in wanted:
             out[family.name] = sum(s.value for s in family.samples if s.name == family.name)
+        elif family.name == CACHED_BY_SOURCE:
+            for s in family.samples:
+                source = s.labels.get("source")
+                if s.name == CACHED_BY_SOURCE + "_total" and source in ("device", "host"):
+                    key = f"{CACHED_BY_SOURCE}:{source}"
+                    out[key] = out.get(key, 0.0) + s.value
+        elif family.name == OFFLOAD_LOAD_TIME:
+            out[family.name] = sum(s.value for s in family.samples if s.name == family.name + "_total")
     return out

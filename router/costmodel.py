@@ -7,7 +7,7 @@ overhead, a cost per prefilled token and a cost per decoding sequence. So the fi
 of a request sent now arrives once the engine has prefilled what is queued ahead of it
 plus what it lacks of this prompt, while its decoding sequences slow every step:
 
-    ttft(engine, lacking) = a + b * (queued_tokens + lacking) + c * decoding
+    ttft(engine, lacking, held) = a + b * (queued_tokens + lacking) + h * held + c * decoding
 
 - `queued_tokens`: prompt tokens still to prefill ahead of the request: what this router
   sent there and has not seen a first token for, plus, for traffic it did not send (other
@@ -15,10 +15,16 @@ plus what it lacks of this prompt, while its decoding sequences slow every step:
   prompt length (`BackendView.queued_tokens`);
 - `lacking`: prompt tokens of this request the engine does not hold (a rejection's
   `cached_tokens`, the prefix memory of where prompts went, else the whole prompt);
+- `held`: the prompt tokens it does hold. A hit in the GPU prefix cache is free, but an
+  engine with a CPU tier (vLLM's OffloadingConnector) loads part of its hits from host
+  memory first: each held token costs `h`, the engine's measured load time per CPU-hit
+  token times the share of its hits that come from the CPU tier (0 without a tier), never
+  more than recomputing it (`b`);
 - `decoding`: sequences generating on the engine (its own streams past their first
   token, or the scraped running count if larger);
 - a, b, c: the engine's measured speed (`EngineSpeed`), learned online per engine from
-  observed legs (router/speed_learner.py), starting at a prior.
+  observed legs (router/speed_learner.py), starting at a prior; h from the engine's own
+  offload counters, scraped.
 
 Prefill on a producer, KV over NIXL, decode on a consumer runs the producer's prefill in
 parallel with the consumer's own queue:
@@ -47,10 +53,19 @@ class EngineSpeed:
     per_token_s: float = 1e-4  # 10k prompt tokens/s: a prior, replaced by measurements
     per_decode_s: float = 1e-4
     samples: int = 0
+    # Mean cost of a prompt token the engine holds: 0 for GPU hits, more with a CPU tier.
+    held_per_token_s: float = 0.0
 
-    def ttft(self, prefill_tokens: float, decoding: float) -> float:
-        return (max(self.intercept_s, MIN_INTERCEPT_S) + max(self.per_token_s, MIN_PER_TOKEN_S) * prefill_tokens
-                + max(self.per_decode_s, 0.0) * decoding)
+    def ttft(self, prefill_tokens: float, decoding: float, held: float = 0.0) -> float:
+        per_token = max(self.per_token_s, MIN_PER_TOKEN_S)
+        return (max(self.intercept_s, MIN_INTERCEPT_S) + per_token * prefill_tokens
+                + max(self.per_decode_s, 0.0) * decoding + self.held_cost_s(held))
+
+    def held_cost_s(self, held: float) -> float:
+        """Seconds to make `held` cached prompt tokens usable (CPU-tier loads): more than a
+        GPU hit's nothing, never more than recomputing them."""
+        per_held = min(max(self.held_per_token_s, 0.0), max(self.per_token_s, MIN_PER_TOKEN_S))
+        return per_held * max(held, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +80,11 @@ class TransferSpeed:
         return max(self.intercept_s, 0.0) + max(self.per_token_s, 0.0) * tokens
 
 
-def ttft(speed: EngineSpeed, queued_tokens: float, decoding: float, lacking: float) -> float:
+def ttft(speed: EngineSpeed, queued_tokens: float, decoding: float, lacking: float, held: float = 0.0) -> float:
     """Predicted seconds to the first token of a request whose engine lacks `lacking`
-    prompt tokens, with `queued_tokens` of prefill ahead and `decoding` sequences."""
-    return speed.ttft(queued_tokens + max(lacking, 0.0), decoding)
+    prompt tokens and holds `held`, with `queued_tokens` of prefill ahead and `decoding`
+    sequences."""
+    return speed.ttft(queued_tokens + max(lacking, 0.0), decoding, held)
 
 
 def pd_ttft(producer: EngineSpeed, producer_queued: float, producer_decoding: float, producer_lacking: float,

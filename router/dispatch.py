@@ -314,7 +314,8 @@ class Dispatcher:
             if t.first_token_at is not None:
                 learner.observe_transfer(leg.prompt_tokens, t.first_token_at - t.sent_at)
             return
-        self.registry.learn_first_token(leg.ticket, leg.prompt_tokens - (leg.cached_tokens or 0))
+        self.registry.learn_first_token(leg.ticket, leg.prompt_tokens - (leg.cached_tokens or 0),
+                                        leg.cached_tokens or 0)
         learner.observe_prompt(leg.text_chars, leg.prompt_tokens)
 
     async def _acquire_after(self, error: UpstreamError | None, *args) -> Leg:
@@ -497,7 +498,8 @@ class Dispatcher:
         self.registry.record_success(backend)
         prompt = usage_prompt_tokens(resp)
         if prompt is not None:
-            self.registry.learn_first_token(ticket, prompt - (usage_cached_tokens(resp) or 0))
+            held = usage_cached_tokens(resp) or 0
+            self.registry.learn_first_token(ticket, prompt - held, held)
         return parse_prefill_response(resp).kv_transfer_params
 
     def _won(self, query: RouteQuery, result: RaceResult, route: str, rec: RequestRecord,

@@ -3,9 +3,10 @@
 A pure function of (query, snapshot, routing, the prompt's length, what each engine holds)
 over the one cost model (router/costmodel.py):
 
-- computed on decoder d: ttft(d, prompt - hit_d), where hit_d is what d's rejection
-  reported (or, larger, what the strategy expects it to hold: a prompt the router just
-  sent there and the engine is still computing);
+- computed on decoder d: ttft(d, prompt - hit_d, hit_d), where hit_d is what d's rejection
+  reported, counting both its GPU prefix cache and its CPU tier (or, larger, what the
+  strategy expects it to hold: a prompt the router just sent there and the engine is still
+  computing); held tokens cost what d's CPU-tier loads cost (router/costmodel.py);
 - split: prefill on producer p, KV over NIXL, decode on consumer c:
   pd_ttft = max(ttft(p, prompt) + transfer(prompt), ttft(c, 0)).
 
@@ -51,7 +52,7 @@ def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConf
         return None
     hits = hits or {}
     n = query.tokens(snap) if prompt_tokens is None else float(prompt_tokens)
-    decode, direct_s = fastest(decoders, lambda b: n - hits.get(b.name, 0.0), query.salt)
+    decode, direct_s = fastest(decoders, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
     lacking = max(n - hits.get(decode.name, 0.0), 0.0)
     best = FallbackPlan(decode=decode.name, prefill=None, decode_threshold=0.0,
                         prefill_tokens=round(lacking), predicted_ttft_s=direct_s)

@@ -80,17 +80,19 @@ class Plan:
         return not self.probes and self.direct is None
 
 
-def predicted_ttft(b: BackendView, lacking: float) -> float:
-    """The cost model on one backend as the snapshot sees it."""
-    return costmodel.ttft(b.speed, b.queued_tokens, b.decoding, lacking)
+def predicted_ttft(b: BackendView, lacking: float, prompt_tokens: float | None = None) -> float:
+    """The cost model on one backend as the snapshot sees it; with `prompt_tokens`, the
+    tokens it holds (prompt - lacking) cost what loading them from its CPU tier costs."""
+    held = 0.0 if prompt_tokens is None else max(prompt_tokens - max(lacking, 0.0), 0.0)
+    return costmodel.ttft(b.speed, b.queued_tokens, b.decoding, lacking, held)
 
 
 def fastest(candidates: Sequence[BackendView], lacking: Callable[[BackendView], float],
-            salt: int = 0) -> tuple[BackendView, float]:
+            salt: int = 0, prompt_tokens: float | None = None) -> tuple[BackendView, float]:
     """The backend with the least predicted time to first token, and that time; equal
     predictions rotate with `salt` (KV usage breaks ties first: more room, fewer preemptions)."""
     n = len(candidates)
-    costs = [predicted_ttft(b, lacking(b)) for b in candidates]
+    costs = [predicted_ttft(b, lacking(b), prompt_tokens) for b in candidates]
     best = min(range(n), key=lambda i: (costs[i], candidates[i].kv_usage, (i - salt) % n))
     return candidates[best], costs[best]
 
@@ -119,7 +121,7 @@ def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[st
 def _direct(query: RouteQuery, snap: ClusterSnapshot, candidates: Sequence[BackendView],
             hits: Mapping[str, float]) -> Plan:
     n = query.tokens(snap)
-    best, seconds = fastest(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt)
+    best, seconds = fastest(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
     return Plan(direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)),
                 predicted_ttft_s=seconds)
 
@@ -185,7 +187,7 @@ class ProbeStrategy:
                 return skip
         t = self.routing.cache_hit_threshold
         _, from_scratch = fastest(decoders, lambda b: n, query.salt)
-        as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0))), b) for b in decoders]
+        as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0)), n), b) for b in decoders]
         worth = [(s, b) for s, b in as_acceptor if s <= from_scratch]
         if not worth:
             return skip
@@ -297,7 +299,7 @@ def race_value(plan: Plan, snap: ClusterSnapshot, prompt_tokens: float, expected
     if cold is None or prompt_tokens <= 0:
         return 0.0
     held = reported.get(cold.name, expected.get(cold.name, 0.0))
-    cold_s = predicted_ttft(cold, prompt_tokens - held)
+    cold_s = predicted_ttft(cold, prompt_tokens - held, prompt_tokens)
     if winner is not None:
         if winner == cold.name:
             return 0.0

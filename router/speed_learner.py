@@ -17,6 +17,13 @@ configured per workload: each starts at a prior and follows the measurements:
   The fleet fit starts at the routing prior.
 - transfer: decode legs that pulled their KV, (prompt tokens) -> seconds to first token.
 - characters per token and the mean prompt length: from the engines' usage reports.
+- what a held token costs (`EngineSpeed.held_per_token_s`): an engine with a CPU tier
+  (vLLM's OffloadingConnector) loads part of its hits from host memory before the request
+  runs. Its scraped counters say how long those loads took (`vllm:kv_offload_load_time`)
+  and how many hit tokens came from each tier (`vllm:prompt_tokens_cached_by_source`:
+  device, host); between two scrapes, load seconds / host tokens is the cost of a CPU hit
+  token and host / (device + host) the share of hits it applies to, both averaged over
+  recent scrapes. A GPU-only engine's held tokens cost nothing.
 - what a race is worth: the share of a prompt's prefill time racing saved over going
   straight to the cold choice (`race_saving_share`, judged after each race with what the
   engines reported), and what waiting for the verdicts cost when nobody accepted
@@ -134,6 +141,10 @@ class SpeedLearner:
     _engines: dict[str, OnlineLinear] = field(default_factory=dict)
     _fleet: OnlineLinear | None = None
     _transfer: OnlineLinear | None = None
+    # Per engine: last scraped (device hits, host hits, load seconds) and the learned
+    # (share of hits from the CPU tier, seconds per CPU-hit token).
+    _tier_counters: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    _tier_cost: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def _new_fit(self, start: tuple[float, float, float]) -> OnlineLinear:
         p = self.prior
@@ -179,6 +190,30 @@ class SpeedLearner:
         if seconds >= 0.0 and tokens > 0:
             self._transfer_fit().observe((1.0, float(tokens)), seconds)
 
+    def observe_cache_tiers(self, engine: str, device_hits: float, host_hits: float, load_s: float) -> None:
+        """One scrape of an engine's cumulative hit counters by tier and CPU-tier load time."""
+        last = self._tier_counters.get(engine)
+        self._tier_counters[engine] = (device_hits, host_hits, load_s)
+        if last is None:
+            return
+        d_dev, d_host, d_load = device_hits - last[0], host_hits - last[1], load_s - last[2]
+        if d_dev < 0 or d_host < 0 or d_load < 0:
+            return  # counters went back: the engine restarted; the new values are the base
+        if d_dev + d_host <= 0:
+            return
+        # The first measurement sets each figure; later ones move it by a fifth.
+        share_now = d_host / (d_dev + d_host)
+        known = self._tier_cost.get(engine)
+        share = share_now if known is None else _ewma(known[0], share_now, 0.2)
+        per_token = 0.0 if known is None else known[1]
+        if d_host > 0 and d_load > 0:
+            per_token = d_load / d_host if per_token == 0.0 else _ewma(per_token, d_load / d_host, 0.2)
+        self._tier_cost[engine] = (share, per_token)
+
+    def held_per_token_s(self, engine: str) -> float:
+        share, per_token = self._tier_cost.get(engine, (0.0, 0.0))
+        return share * per_token
+
     def observe_prompt(self, text_chars: int, prompt_tokens: int) -> None:
         if prompt_tokens > 0:
             self.mean_prompt_tokens = _ewma(self.mean_prompt_tokens, prompt_tokens, 0.05)
@@ -196,14 +231,15 @@ class SpeedLearner:
     def speed(self, engine: str) -> EngineSpeed:
         fit = self._engines.get(engine)
         own_prior = engine in self.engine_per_token_s
+        held = self.held_per_token_s(engine)
         if fit is None and own_prior:
             p = self.prior
-            return EngineSpeed(p.intercept_s, self.engine_per_token_s[engine], p.per_decode_s, 0)
+            return EngineSpeed(p.intercept_s, self.engine_per_token_s[engine], p.per_decode_s, 0, held)
         if fit is None or (fit.samples < OWN_FIT_SAMPLES and not own_prior):
             a, b, c = self._fleet_fit().theta
-            return EngineSpeed(a, b, c, 0 if fit is None else fit.samples)
+            return EngineSpeed(a, b, c, 0 if fit is None else fit.samples, held)
         a, b, c = fit.theta
-        return EngineSpeed(a, b, c, fit.samples)
+        return EngineSpeed(a, b, c, fit.samples, held)
 
     def transfer(self) -> TransferSpeed:
         if self._transfer is None:
@@ -213,3 +249,5 @@ class SpeedLearner:
 
     def forget_engine(self, engine: str) -> None:
         self._engines.pop(engine, None)
+        self._tier_counters.pop(engine, None)
+        self._tier_cost.pop(engine, None)

@@ -492,8 +492,10 @@ class SimEngine:
 
     async def _load_from_cpu(self, req: SimRequest, tokens: int) -> None:
         """The OffloadingConnector's asynchronous load of CPU-tier blocks into the GPU cache."""
-        seconds = tokens * self.config.timing.cpu_load_token_s
-        await asyncio.sleep(seconds / self.config.speed)
+        # Wall-clock seconds, as vLLM's vllm:kv_offload_load_time counts them (a router
+        # compares them with the time to first token it observes).
+        seconds = tokens * self.config.timing.cpu_load_token_s / self.config.speed
+        await asyncio.sleep(seconds)
         if req.status is not Status.TRANSFERRING:
             return  # aborted meanwhile
         del self.transferring[req.request_id]

@@ -314,3 +314,22 @@ def test_a_drained_backend_is_never_planned_even_as_panic_routing():
     assert [b.name for b in snap(drained, view("d1", available=False)).decoders("m")] == ["d1"]
     assert ProbeStrategy(R).plan(Q, snap(drained)).empty
     assert plan_fallback(Q, snap(drained, view("p", decodes=False, prefills=True)), R, 1000) is None
+
+
+def test_a_cpu_tier_hit_costs_more_than_a_gpu_hit_and_less_than_a_recompute():
+    # Both engines hold 800 of the 1,000 tokens; "tiered" loads them from host memory at
+    # 5 us per token (a twentieth of recomputing them), "gpu" has them in its prefix cache.
+    tiered = view("tiered", speed=replace(SPEED, held_per_token_s=5e-6))
+    gpu = view("gpu")
+    cold = view("cold")
+    hits = {"tiered": 800.0, "gpu": 800.0}
+    assert predicted_ttft(tiered, 200, 1000) == ttft(SPEED, 0, 0, 200) + 800 * 5e-6
+    assert predicted_ttft(gpu, 200, 1000) == ttft(SPEED, 0, 0, 200)
+    for salt in range(4):
+        q = RouteQuery("m", Q.text, salt=salt, prompt_tokens=1000)
+        assert plan_fallback(q, snap(tiered, gpu, cold), R, 1000, hits=hits).decode == "gpu"
+        # Without the GPU copy, the CPU copy still beats computing the prompt.
+        assert plan_fallback(q, snap(tiered, cold), R, 1000, hits={"tiered": 800.0}).decode == "tiered"
+    # A measured load cost above the recompute cost never makes a hit worse than a miss.
+    slow = replace(SPEED, held_per_token_s=1.0)
+    assert ttft(slow, 0, 0, 200, 800) == ttft(SPEED, 0, 0, 1000)

@@ -9,6 +9,8 @@ from engine_launcher.sim import SimEngineConfig
 from engine_launcher.sim.cli import build_parser, config_from_args
 from engine_launcher.sim.cpu_tier import CpuTier
 from engine_launcher.sim.kv_cache import hash_blocks
+from router.backends import BackendRegistry, parse_load_metrics
+from router.config import BackendConfig, HealthConfig
 
 from sim_testutil import metric, parse_sse, post
 
@@ -119,6 +121,37 @@ async def test_the_cpu_tier_evicts_its_least_recently_used_blocks(make_engine, h
     _, body = await post(http, eng.url + "/v1/completions",
                          {"prompt": PROMPT_A, "max_tokens": 1})
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_the_router_learns_what_a_cpu_tier_hit_costs_from_the_engines_counters(
+        make_engine, http) -> None:
+    tiered = await make_engine(**SMALL_GPU, cpu_offload_tokens=1024)
+    gpu_only = await make_engine(**SMALL_GPU)
+    engines = {"tiered": tiered, "gpu": gpu_only}
+    registry = BackendRegistry([BackendConfig(name=n, url=e.url) for n, e in engines.items()],
+                               HealthConfig())
+
+    async def scrape() -> None:
+        for name, eng in engines.items():
+            async with http.get(eng.url + "/metrics") as r:
+                registry.record_scrape(name, parse_load_metrics(await r.text()), None)
+
+    for eng in engines.values():
+        await evict_a_from_gpu(http, eng.url)
+    await scrape()
+    for eng in engines.values():
+        for _ in range(2):  # tiered: 64 host hits, then 48 device + 16 host; gpu: 0, then 48
+            _, body = await post(http, eng.url + "/v1/completions",
+                                 {"prompt": PROMPT_A, "max_tokens": 1})
+            assert body["choices"][0]["finish_reason"] == "length"
+    await scrape()
+    timing, speed = tiered.engine.config.timing, tiered.engine.config.speed
+    load_s, recompute_s = timing.cpu_load_token_s / speed, timing.prefill_token_s / speed
+    held = registry.learner.speed("tiered").held_per_token_s
+    # Load seconds per host-hit token, over the share of hits from host memory (80 of 128).
+    assert held == pytest.approx(load_s * 80 / 128, rel=1e-6)
+    assert 0 < held < recompute_s
+    assert registry.learner.speed("gpu").held_per_token_s == 0.0
 
 
 def test_cli_flags_reach_the_config() -> None:
