@@ -30,6 +30,12 @@ $PY -m bench replay --speed 8 --mode oracle,probe,prefix_tree,round_robin --out 
 log "multi-turn sessions"
 $PY -m bench replay --workload multiturn --mode probe,prefix_tree,least_loaded,round_robin --out "$OUT/multiturn"
 
+log "CPU KV tier: hit ratio and TTFT against F = 0, 2, 4, 8, 16 x GPU KV (trace, first 1,500 requests)"
+$PY -m bench offload-sweep --resume --out "$OUT/offload-sweep"
+
+log "idle CPU and NIXL transfer time of real vLLM engines (NIXL's own progress thread, the launcher's default)"
+$PY -m bench engine-idle --out "$OUT/engine-idle"
+
 log "router overhead"
 $PY -m bench overhead --out "$OUT/overhead"
 
@@ -56,7 +62,7 @@ collect() {  # collect SRC DEST: *.md, *.json (not per-request data), *.png, and
     rel=${f#"$src"/}; cp "$f" "$dest/$(dirname "$rel" | tr '/' '_').summary.json"
   done
 }
-for d in suite prefix-groups trace trace-variants trace-light multiturn overhead sweep-threshold load-sweep scaling profile; do
+for d in suite prefix-groups trace trace-variants trace-light multiturn offload-sweep engine-idle overhead sweep-threshold load-sweep scaling profile; do
   [[ -d "$OUT/$d" ]] && collect "$OUT/$d" "bench/results/$d"
 done
 # The load sweep's per-mode CDF and bar plots have 25 entries each: too many to read.
