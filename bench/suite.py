@@ -27,6 +27,11 @@ from .suite_report import add_regret, load_line, suite_row, write_suite
 DEFAULT_MODES = ("oracle", "probe", "prefix_tree", "least_loaded", "round_robin")
 TRACE_HEAD = ("--workload", "trace", "--window", "head", "--limit", "400")
 TRACE_SPEED = 0.3  # engines at 0.3 of an H100: ~6 requests/s at utilisation 0.85 on K = 4
+# GPU KV of the cpu-tier workload: 8k tokens per engine, a fraction of what 400 requests of the
+# trace leave behind, so turns come back after eviction (the trace's prompts are scaled
+# down 16x from the trace's token counts; 28,000 blocks / 16 would be 1,750); the CPU tier
+# is 8x that.
+CPU_TIER_GPU_BLOCKS = 500
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class SuiteWorkload:
     speed: float = 1.0  # simulator speed unless --speed is given
     target: float | None = None  # utilisation the arrival rate is set for (None: the workload's own)
     bursts: tuple[float, float] | None = None  # (on s, off s): re-timed into bursts after the rate is set
+    # Cluster settings of this workload ((replay attribute, value)), used where the suite's
+    # own flag is left at its default.
+    cluster: tuple[tuple[str, float], ...] = ()
 
 
 WORKLOADS: tuple[SuiteWorkload, ...] = (
@@ -54,6 +62,10 @@ WORKLOADS: tuple[SuiteWorkload, ...] = (
                   TRACE_HEAD, ("--limit", "130"), TRACE_SPEED, target=0.85, bursts=(2.0, 6.0)),
     SuiteWorkload("overload", "anything that piles onto one engine or into P/D when every queue grows",
                   TRACE_HEAD, ("--limit", "130"), TRACE_SPEED, target=1.2),
+    SuiteWorkload("cpu-tier", "routers that only know what they sent or what the GPU holds: a conversation's "
+                  "next turn returns after its blocks left the GPU for one engine's CPU tier",
+                  TRACE_HEAD, ("--limit", "130"), TRACE_SPEED, target=0.85,
+                  cluster=(("num_gpu_blocks", CPU_TIER_GPU_BLOCKS), ("cpu_offload_x", 8.0))),
 )
 BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -73,6 +85,9 @@ def replay_args(a: argparse.Namespace, wd: SuiteWorkload, out: Path) -> argparse
     for k in cluster_keys():
         setattr(ns, k, getattr(a, k))
     ns.speed = a.speed or wd.speed
+    for k, v in wd.cluster:
+        if not getattr(a, k):
+            setattr(ns, k, v)
     ns.trace, ns.seed = a.trace, a.seed
     if a.requests:
         cap_requests(ns, a.requests)

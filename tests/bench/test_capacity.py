@@ -85,6 +85,20 @@ def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path):
     assert bursty["work_s"] == pytest.approx(near["work_s"])
 
 
+def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says_otherwise(tmp_path):
+    from bench.__main__ import run_spec_from_args
+    wd = suite.BY_NAME["cpu-tier"]
+    ns = suite.replay_args(_suite_args(tmp_path), wd, tmp_path)
+    sim = run_spec_from_args(ns, "probe", tmp_path).sim
+    assert sim.num_gpu_blocks == suite.CPU_TIER_GPU_BLOCKS and sim.cpu_offload_x == 8.0
+    assert "--cpu-offload-tokens" in sim.args()
+    # The suite's own cluster flags win; the other workloads keep the simulator's defaults.
+    ns = suite.replay_args(_suite_args(tmp_path, "--num-gpu-blocks", "900", "--cpu-offload-x", "2"), wd, tmp_path)
+    assert (ns.num_gpu_blocks, ns.cpu_offload_x) == (900, 2.0)
+    ns = suite.replay_args(_suite_args(tmp_path), suite.BY_NAME["low-reuse"], tmp_path)
+    assert (ns.num_gpu_blocks, ns.cpu_offload_x) == (0, 0.0)
+
+
 def test_closed_loop_multiturn_has_no_utilisation(tmp_path):
     ns = suite.replay_args(_suite_args(tmp_path), suite.BY_NAME["multiturn"], tmp_path)
     assert suite.set_rate(ns, suite.BY_NAME["multiturn"]) is None
