@@ -543,6 +543,8 @@ class Dispatcher:
             m.probe_latency.labels(o.verdict).observe(o.latency_s)
             if o.verdict == REJECTED:
                 rec.rejections += 1
+                if o.hit_tokens is not None:
+                    rec.rejected_hits[o.backend] = o.hit_tokens
                 m.probe_rejections.labels(o.backend).inc()
             elif o.verdict == LOST:
                 rec.losers += 1

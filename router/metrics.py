@@ -39,6 +39,9 @@ class RequestRecord:
     legs: list[str] = field(default_factory=list)  # "route:backend" per answer leg
     probes: int = 0
     rejections: int = 0
+    # Per rejecting engine: the prompt tokens its rejection said it holds (GPU prefix cache
+    # and what its KV connector can load, a CPU tier included), when it said.
+    rejected_hits: dict[str, int] = field(default_factory=dict)
     expired: int = 0
     losers: int = 0
     loser_tokens: int = 0
@@ -169,6 +172,7 @@ class RouterMetrics:
             "model": rec.model if rec.model is None else escape(rec.model),
             "stream": rec.stream, "tenant": rec.tenant, "route": rec.route, "winner": rec.winner, "prefill": rec.prefill, "legs": rec.legs,
             "probes": rec.probes, "rejections": rec.rejections, "expired": rec.expired,
+            **({"rejected_hits": rec.rejected_hits} if rec.rejected_hits else {}),
             "losers": rec.losers, "retries": rec.retries, "resumes": rec.resumes,
             "ttft_ms": None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2),
             "predicted_ttft_ms": None if rec.predicted_ttft_s is None else round(rec.predicted_ttft_s * 1000, 2),

@@ -5,7 +5,9 @@ what the engines did from their own state and vLLM-named metrics, never from the
 word alone.
 """
 import asyncio
+import logging
 
+import orjson
 import pytest
 
 from cluster_util import MODEL, PD_PREFERRED, long_prompt
@@ -276,3 +278,50 @@ async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_clust
         assert len(asked) == 2 and holder in asked, asked  # two probes, the holder among them
     assert c.routes()["probe_hit"] == 3
     assert refused_or_dropped() == 2 + 3  # each warm request: the holder wins, the other does not
+
+
+def _evicting_prompts(tag: str) -> list[str]:
+    # Two 900-token prompts: after them nothing of an earlier prompt is left in a 60-block
+    # (944-token) GPU cache.
+    return [long_prompt(f"{tag}{i}", 900) for i in range(2)]
+
+
+async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_reported(make_cluster, caplog):
+    # Both decoders computed P, then evicted it from their small GPU caches; d0 keeps P in its
+    # CPU tier (vLLM's OffloadingConnector), d1 has none. At T = 0.5 the GPU-only engine
+    # rejects and d0 accepts: only the engine knew it still held P.
+    small = {"num_gpu_blocks": 60, "max_model_len": 2048}
+    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"},
+                           per_engine={"d0": {**small, "cpu_offload_tokens": 4096}, "d1": small})
+    p = long_prompt("offloaded", 300)
+    for name in ("d0", "d1"):
+        for prompt in [p, *_evicting_prompts("evict")]:
+            async with c.session.post(c.engines[name].url + "/v1/completions",
+                                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+                assert r.status == 200
+    await c.wait_all_healthy()
+    status, out = await c.complete({"model": MODEL, "prompt": p, "max_tokens": 2})
+    assert status == 200, out
+    assert c.routes() == {"probe_hit": 1, "pd": 0, "direct": 0}
+    assert c.router_metric("cachehit_router_probe_rejections_total", backend="d1") == 1
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288
+    assert await c.engine_metric("d0", "vllm:prompt_tokens_cached_by_source_total") >= 288
+    assert c.engines["d0"].engine.cpu.loaded_blocks >= 18
+
+    # P and 400 new tokens (P is 41% < T): both reject, each rejection says what it holds
+    # (d0: P's blocks in host memory), the request log line carries it, and the prompt is
+    # computed where its prefix is.
+    q = p + " " + long_prompt("more", 400)
+    for name in ("d0", "d1"):
+        for prompt in _evicting_prompts("again"):
+            async with c.session.post(c.engines[name].url + "/v1/completions",
+                                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+                assert r.status == 200
+    with caplog.at_level(logging.INFO, logger="cachehit_router.requests"):
+        status, out = await c.complete({"model": MODEL, "prompt": q, "max_tokens": 2})
+    assert status == 200, out
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "cachehit_router.requests"]
+    assert lines[-1]["rejected_hits"]["d1"] == 0
+    assert lines[-1]["rejected_hits"]["d0"] == 288
+    assert lines[-1]["route"] == "direct" and lines[-1]["winner"] == "d0"
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
