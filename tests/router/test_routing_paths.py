@@ -7,7 +7,6 @@ word alone.
 import asyncio
 import logging
 
-import orjson
 import pytest
 
 from cluster_util import MODEL, PD_PREFERRED, long_prompt
@@ -320,7 +319,7 @@ async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_report
     with caplog.at_level(logging.INFO, logger="cachehit_router.requests"):
         status, out = await c.complete({"model": MODEL, "prompt": q, "max_tokens": 2})
     assert status == 200, out
-    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "cachehit_router.requests"]
+    lines = [r.request for r in caplog.records if r.name == "cachehit_router.requests"]
     assert lines[-1]["rejected_hits"]["d1"] == 0
     assert lines[-1]["rejected_hits"]["d0"] == 288
     assert lines[-1]["route"] == "direct" and lines[-1]["winner"] == "d0"
