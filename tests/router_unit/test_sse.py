@@ -111,7 +111,10 @@ def streams(draw):
         # Multi-line data: split the payload at a random point into two data lines.
         if len(p) > 1 and draw(st.booleans()):
             k = draw(st.integers(1, len(p) - 1))
-            parts.append(b"data: " + p[:k] + s + b"data:" + p[k:] + s + s)
+            # "data:" takes one optional space after the colon (WHATWG): a second line
+            # whose text starts with a space needs the separator space written out.
+            second = b"data: " if p[k:k + 1] == b" " else b"data:"
+            parts.append(b"data: " + p[:k] + s + second + p[k:] + s + s)
             continue
         parts.append(b"data: " + p + s + s)
     return b"".join(parts), payloads
