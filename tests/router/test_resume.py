@@ -59,7 +59,7 @@ async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(m
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster, stream):
-    c = await make_cluster(decoders=2, prefillers=0,
+    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"},
                            per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=30)}})
     prompt = long_prompt("dies", 200)
     # Warm d0 so the probe race picks it (cache hit), then it dies after 30 more tokens.

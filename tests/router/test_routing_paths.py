@@ -81,7 +81,7 @@ async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_c
     # Each prompt's first 300 of 700 tokens sit on one decoder (43% < T = 0.5): both reject,
     # the holder's rejection says how much it holds, and the prompt is computed there.
     # (Speed 1: a 700-token prefill costs far more than waiting for the verdicts.)
-    c = await make_cluster(decoders=2, prefillers=0, sim={"speed": 1.0})
+    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 1.0})
     for i in range(4):
         holder = f"d{i % 2}"
         head = long_prompt(f"holder{i}", 300)
@@ -104,7 +104,7 @@ async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(mak
     # P's first 40%. Both reject (below T = 0.5) and report what they hold: the router's
     # memory says the first engine holds all of P, but that was long enough ago for the
     # engine's own report (nothing) to be the truth, so P is computed where 40% is cached.
-    c = await make_cluster(decoders=2, prefillers=0, sim={"speed": 1.0})
+    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 1.0})
     p = long_prompt("evicted", 1000)
     status, out = await c.complete({"model": MODEL, "prompt": p, "max_tokens": 2})
     assert status == 200, out
@@ -153,7 +153,7 @@ async def test_streaming_answer_has_one_id_usage_and_done(make_cluster):
 
 
 async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluster):
-    c = await make_cluster(decoders=3, prefillers=0)
+    c = await make_cluster(decoders=3, prefillers=0, routing={"race": "always"})
     prompt = long_prompt("losers", 300)
     # Warm every decoder directly so all three hold the prompt and will accept a probe.
     for e in c.engines.values():
@@ -234,7 +234,7 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
     # shares A's head and arrives while both are computing, so every engine rejects B. The
     # router remembers where it sent A: there B lacks 10 tokens behind A's 2,010, on C's
     # engine it would lack 2,010 behind C's 2,010, so B joins A and reuses its blocks.
-    c = await make_cluster(decoders=2, prefillers=0, sim={"speed": 0.5})
+    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 0.5})
     head = long_prompt("leader", 2000)
     leader = asyncio.create_task(c.complete({"model": MODEL, "prompt": head + " " + long_prompt("a", 10),
                                              "max_tokens": 2}))
@@ -253,7 +253,7 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
 
 
 async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_cluster):
-    c = await make_cluster(decoders=4, routing={"max_probes": 2}, sim={"speed": 1.0})
+    c = await make_cluster(decoders=4, routing={"max_probes": 2, "race": "always"}, sim={"speed": 1.0})
     warm = {"model": MODEL, "prompt": long_prompt("bounded", 300), "max_tokens": 2}
     status, out = await c.complete(warm)  # cold: the two probes reject, the fallback computes it
     assert status == 200, out
