@@ -126,6 +126,12 @@ def _ewma(old: float, new: float, alpha: float) -> float:
     return old + alpha * (new - old)
 
 
+def _running_alpha(samples: int, floor: float) -> float:
+    """Weight of the next sample: a plain mean with the prior as one sample while samples
+    are few (a prior is a guess worth one observation), then a moving average."""
+    return max(1.0 / (samples + 2), floor)
+
+
 @dataclass
 class SpeedLearner:
     """Every learned number of the cost model, for one router replica."""
@@ -138,6 +144,8 @@ class SpeedLearner:
     race_wait_s: float = 0.005
     # Optimistic start: races are assumed worth half the prompt until measured.
     race_saving_share: float = 0.5
+    _races: int = 0  # races observed (race_saving_share)
+    _waits: int = 0  # races nobody won (race_wait_s)
     _engines: dict[str, OnlineLinear] = field(default_factory=dict)
     _fleet: OnlineLinear | None = None
     _transfer: OnlineLinear | None = None
@@ -223,9 +231,13 @@ class SpeedLearner:
     def observe_race(self, saving_share: float, waited_s: float | None) -> None:
         """One race: the share of the prompt's prefill time it saved, and (when nobody
         accepted) how long the verdicts took."""
-        self.race_saving_share = _ewma(self.race_saving_share, min(max(saving_share, 0.0), 1.0), 0.05)
+        alpha = _running_alpha(self._races, 0.05)
+        self._races += 1
+        self.race_saving_share = _ewma(self.race_saving_share, min(max(saving_share, 0.0), 1.0), alpha)
         if waited_s is not None and waited_s >= 0.0:
-            self.race_wait_s = _ewma(self.race_wait_s, waited_s, 0.05)
+            alpha = _running_alpha(self._waits, 0.05)
+            self._waits += 1
+            self.race_wait_s = _ewma(self.race_wait_s, waited_s, alpha)
 
     # --- what the planners read --------------------------------------------------------
     def speed(self, engine: str) -> EngineSpeed:

@@ -95,6 +95,16 @@ def test_learner_measures_characters_per_token_and_what_races_are_worth():
     assert learner.race_saving_share <= 0.01 + 0.05
 
 
+def test_the_race_priors_weigh_as_one_observation():
+    """Five races that saved nothing outweigh the optimistic prior at once (a guess is worth
+    one sample), so a router whose memory is right stops racing within a few requests."""
+    learner = SpeedLearner(SpeedPrior())
+    for _ in range(5):
+        learner.observe_race(0.0, 0.02)
+    assert learner.race_saving_share == pytest.approx(0.5 / 6)
+    assert learner.race_wait_s == pytest.approx((0.005 + 5 * 0.02) / 6)
+
+
 def _registry(clock):
     return BackendRegistry([BackendConfig("d0", "http://d0")], HealthConfig(), clock=clock)
 
