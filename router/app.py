@@ -2,8 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health
 (alive), GET /ready (a decode backend can take requests), GET /metrics, and the admin
-routes GET /admin/backends, POST /admin/backends/{name}/drain and .../enable (need
-server.admin_api_key). Lifecycle: start the engines the
+routes GET/POST /admin/backends, DELETE /admin/backends/{name}, POST
+/admin/backends/{name}/drain and .../enable (need server.admin_api_key; backends that come
+and go: `router/fleet.py`, SIGHUP reload: `router/reload.py`). Lifecycle: start the engines the
 configuration declares (engine_launcher's Supervisor), build the backend registry, run one
 health round before serving, scrape in the background, and on shutdown stop listening, let
 in-flight requests drain for up to server.drain_timeout_s, cancel the rest cleanly (503 or
@@ -25,6 +26,7 @@ from .backends import BREAKER_STATE_VALUE, BackendRegistry, BackendState
 from .clientlog import escape
 from .config import Config
 from .dispatch import Dispatcher
+from .fleet import ADMIN, CONFIG, ENGINES, Fleet, backend_from_admin
 from .forward import Forwarder
 from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
@@ -85,6 +87,7 @@ class RouterState:
         self.keys = KeyRing(config.server.api_keys, config.tenants, config.server.admin_api_key)
         for t in (self.limiter.anonymous, *self.keys.tenants):
             self._bind_tenant_gauges(t)
+        self.fleet: Fleet | None = None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
         self._handlers: set[asyncio.Task] = set()
@@ -111,6 +114,10 @@ class RouterState:
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
         self.client = UpstreamClient(cfg.timeouts, cfg.server.stream_buffer_bytes)
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
+        configured = {b.name for b in cfg.backends}
+        self.fleet = Fleet(self.registry, self.monitor, on_added=self._bind_backend_gauges,
+                           on_removed=self._unbind_backend_gauges,
+                           initial={n: CONFIG if n in configured else ENGINES for n in self.registry.states})
         await self.monitor.check_all()
         self.monitor.start()
         self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing), self.metrics)
@@ -154,6 +161,8 @@ class RouterState:
             await asyncio.wait(pending, timeout=5.0)
 
     async def stop(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.close()
         if self.monitor is not None:
             await self.monitor.stop()
         if self.client is not None:
@@ -201,6 +210,14 @@ class RouterState:
         self._client_inflight -= 1
         if not self._client_inflight:
             self._trimmer.idle()  # the burst is over: give the heap back soon
+
+    def _unbind_backend_gauges(self, name: str) -> None:
+        m = self.metrics
+        for gauge in (m.inflight, m.healthy, m.breaker, m.draining):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                pass
 
     # --- handlers ----------------------------------------------------------------------
     async def handle_generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
@@ -372,7 +389,12 @@ class RouterState:
         refusal = self._admin_refusal(request)
         if refusal is not None:
             return refusal
-        return json_response([_admin_view(s) for s in self.registry.states.values()])
+        return json_response([self._fleet_view(s) for s in self.registry.states.values()])
+
+    def _fleet_view(self, s: BackendState) -> dict:
+        name = s.config.name
+        return {**_admin_view(s), "source": self.fleet.owner.get(name) if self.fleet else None,
+                "removing": self.fleet.removing(name) if self.fleet else False}
 
     async def handle_admin_drain(self, request: web.Request, draining: bool) -> web.Response:
         """POST /admin/backends/{name}/drain | /enable: take a configured backend out of
@@ -388,8 +410,46 @@ class RouterState:
             return error_response(errors.RouterError(
                 404, f"No backend named {name!r}; configured: {', '.join(self.registry.states)}.",
                 param="name"))
+        if not draining and self.fleet is not None and self.fleet.removing(name):
+            return error_response(errors.RouterError(
+                409, f"Backend {name!r} is being removed; add it again instead.", param="name"))
         self.registry.set_draining(name, draining)
         return json_response(_admin_view(state))
+
+    async def handle_admin_add(self, request: web.Request) -> web.Response:
+        """POST /admin/backends {"name", "url", "role", "models"}: a new backend, in
+        rotation once its health check passes (201 with its state)."""
+        assert self.registry is not None and self.fleet is not None
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        try:
+            config = backend_from_admin(orjson.loads(await request.read()))
+        except orjson.JSONDecodeError:
+            return error_response(errors.bad_request("The body is not valid JSON."))
+        except errors.RouterError as e:
+            return error_response(e)
+        if config.name in self.registry.states and not (
+                self.fleet.removing(config.name) and self.registry.states[config.name].config == config):
+            return error_response(errors.RouterError(
+                409, f"A backend named {config.name!r} already exists.", param="name"))
+        state = await self.fleet.add(config, ADMIN)
+        return json_response(self._fleet_view(state), status=201)
+
+    async def handle_admin_remove(self, request: web.Request) -> web.Response:
+        """DELETE /admin/backends/{name}: drained now (no new requests), forgotten once the
+        requests it serves have finished (202; GET /admin/backends shows it until then)."""
+        assert self.registry is not None and self.fleet is not None
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        name = request.match_info["name"]
+        state = self.registry.states.get(name)
+        if state is None:
+            return error_response(errors.RouterError(
+                404, f"No backend named {name!r}; known: {', '.join(self.registry.states)}.", param="name"))
+        self.fleet.remove(name)
+        return json_response(self._fleet_view(state), status=202)
 
 
 def _admin_view(s: BackendState) -> dict:
@@ -487,6 +547,8 @@ def build_app(config: Config, *, start_engines: bool = True, span_exporter=None)
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)
     app.router.add_get("/admin/backends", state.handle_admin_backends)
+    app.router.add_post("/admin/backends", state.handle_admin_add)
+    app.router.add_delete("/admin/backends/{name}", state.handle_admin_remove)
     app.router.add_post("/admin/backends/{name}/drain", functools.partial(state.handle_admin_drain, draining=True))
     app.router.add_post("/admin/backends/{name}/enable", functools.partial(state.handle_admin_drain, draining=False))
     return app

@@ -25,6 +25,10 @@ sends holds a `LegTicket` from `open_leg` to `close_leg`; until its first token
 (`first_token`) its prompt tokens still to prefill are queued on the engine, after it the
 leg is one decoding sequence. The registry's `SpeedLearner` turns finished legs into each
 engine's measured speed, and every `BackendView` carries both.
+
+Backends come and go at run time (`router/fleet.py`: admin API, reload, discovery): `add`
+registers one, `remove` forgets a drained one once nothing is in flight on it. Feedback
+for a name that is gone (a health check or a failure that raced its removal) is ignored.
 """
 from __future__ import annotations
 
@@ -233,6 +237,22 @@ class BackendRegistry:
         return list(seen)
 
     # --- operator ----------------------------------------------------------------------
+    def add(self, config: BackendConfig) -> BackendState:
+        """Register a new backend: unhealthy (no requests) until a health check passes."""
+        if config.name in self.states:
+            raise ValueError(f"backend {config.name!r} already exists")
+        s = self.states[config.name] = BackendState(config=config, models=config.models)
+        return s
+
+    def remove(self, name: str) -> None:
+        """Forget a drained backend with nothing in flight (see `router/fleet.py`)."""
+        s = self.states.get(name)
+        if s is None:
+            return
+        if not s.draining or s.inflight:
+            raise ValueError(f"backend {name!r} must be drained and idle before removal")
+        del self.states[name]
+
     def set_draining(self, name: str, draining: bool) -> None:
         """Take `name` out of rotation (its in-flight requests finish) or put it back."""
         s = self.states[name]
@@ -313,7 +333,9 @@ class BackendRegistry:
             s.half_open_trial_taken = False
 
     def record_success(self, name: str) -> None:
-        s = self.states[name]
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
         s.consecutive_failures = 0
         if s.breaker != CLOSED or not s.healthy:
             log.info("backend %s: healthy again (breaker closed)", name)
@@ -322,7 +344,9 @@ class BackendRegistry:
         s.healthy = True
 
     def record_failure(self, name: str, reason: str) -> None:
-        s = self.states[name]
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
         s.consecutive_failures += 1
         s.last_error = reason
         if s.breaker == HALF_OPEN or (
@@ -336,7 +360,9 @@ class BackendRegistry:
 
     # --- scraper feedback ----------------------------------------------------------------
     def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
-        s = self.states[name]
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
         s.check_failures = 0
         s.running = load.get(RUNNING, 0.0)
         s.waiting = load.get(WAITING, 0.0)
@@ -364,7 +390,9 @@ class BackendRegistry:
         """A failed health check. Definitive failures (connection refused: nothing
         listens) mark the backend down at once; ambiguous ones (a timeout, which a loaded
         machine produces too) only after `failure_threshold` in a row."""
-        s = self.states[name]
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
         s.check_failures += 1
         if definitive or s.check_failures >= self.health.failure_threshold:
             if s.healthy:

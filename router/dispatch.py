@@ -188,7 +188,11 @@ class Dispatcher:
             if plan.direct is None:
                 break
             name = plan.direct
-            cfg = self.registry.states[name].config
+            state = self.registry.states.get(name)
+            if state is None:  # removed from the fleet since the snapshot
+                exclude.add(name)
+                continue
+            cfg = state.config
             ticket = self.registry.open_leg(name, plan.prefill_tokens)
             self._predicted(rec, loop.time(), plan.predicted_ttft_s)
             # A forwarded answer shows no first token: its prefill leaves the engine's queue
@@ -486,7 +490,7 @@ class Dispatcher:
         return result
 
     async def _prefill(self, backend: str, path: str, body: dict, deadline: float, tokens: int) -> dict:
-        state = self.registry.states[backend]
+        state = self._state(backend)
         ticket = self.registry.open_leg(backend, tokens)
         try:
             resp = await self.client.post_json(backend, state.config.url, path, prefill_leg_body(body),
@@ -524,7 +528,7 @@ class Dispatcher:
         """Opens one streamed leg per backend; each holds a LegTicket (its place in the
         engine's load) until the stream closes, kept in `tickets` by backend."""
         async def open_leg(name: str) -> UpstreamStream:
-            cfg = self.registry.states[name].config
+            cfg = self._state(name).config
             ticket = tickets[name] = self.registry.open_leg(name, tokens)
             try:
                 return await self.client.open_stream(name, cfg.url, path, body, api_key=cfg.api_key,
@@ -534,6 +538,14 @@ class Dispatcher:
                 self.registry.close_leg(ticket)
                 raise
         return open_leg
+
+    def _state(self, name: str):
+        """A planned backend's state; one removed from the fleet since the plan was made
+        (its drain finished meanwhile) fails like an engine that is gone."""
+        state = self.registry.states.get(name)
+        if state is None:
+            raise UpstreamError(name, CONNECT, "removed from the fleet")
+        return state
 
     def _account_race(self, result: RaceResult, rec: RequestRecord, probing: bool = True) -> None:
         m = self.metrics

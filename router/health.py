@@ -18,7 +18,7 @@ import orjson
 
 from . import capability
 from .backends import BackendRegistry, parse_load_metrics
-from .config import HealthConfig
+from .config import BackendConfig, HealthConfig
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.health")
@@ -40,32 +40,47 @@ class HealthMonitor:
         # late answer is not a dead engine.
         return max(2.0, min(5.0, 2 * self.health.scrape_interval_s))
 
+    async def check(self, config: BackendConfig, with_health: bool = True,
+                    want_models: bool = False) -> tuple[dict[str, float], tuple[str, ...] | None]:
+        """One health check of `config`'s engine (one not registered yet, too: discovery
+        checks before adding): its load, and its models when asked for. Raises on any
+        failure (connection, timeout, an HTTP error status)."""
+        load, cards = await self._read(config, with_health, want_models)
+        return load, None if cards is None else tuple(c["id"] for c in cards)
+
+    async def _read(self, config: BackendConfig, with_health: bool,
+                    want_cards: bool) -> tuple[dict[str, float], list[dict] | None]:
+        url, key = config.url, config.api_key
+        if with_health:
+            status, _ = await self.client.get_text(url + "/health", self._timeout_s, key)
+            if status != 200:
+                raise RuntimeError(f"/health answered HTTP {status}")
+        status, text = await self.client.get_text(url + "/metrics", self._timeout_s, key)
+        if status != 200:
+            raise RuntimeError(f"/metrics answered HTTP {status}")
+        load = parse_load_metrics(text)
+        cards = await self._model_cards(url, key) if want_cards else None
+        return load, cards
+
     async def check_one(self, name: str, with_health: bool) -> None:
-        state = self.registry.states[name]
+        state = self.registry.states.get(name)
+        if state is None:  # removed from the fleet meanwhile
+            return
         url, key = state.config.url, state.config.api_key
         try:
-            if with_health:
-                status, _ = await self.client.get_text(url + "/health", self._timeout_s, key)
-                if status != 200:
-                    raise RuntimeError(f"/health answered HTTP {status}")
-            status, text = await self.client.get_text(url + "/metrics", self._timeout_s, key)
-            if status != 200:
-                raise RuntimeError(f"/metrics answered HTTP {status}")
-            load = parse_load_metrics(text)
-            models = None
-            # Re-read with every /health check: LoRA adapters come and go at runtime.
-            if with_health or name not in self.model_cards:
-                cards = await self._model_cards(url, key)
-                if cards is not None:
-                    self.model_cards[name] = cards
-                    models = tuple(c["id"] for c in cards)
+            # Models re-read with every /health check: LoRA adapters come and go at runtime.
+            load, cards = await self._read(state.config, with_health,
+                                           with_health or name not in self.model_cards)
         except (Exception, asyncio.TimeoutError) as e:  # any failure means: not usable now
-            definitive = isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError)) or (
-                isinstance(e, RuntimeError))  # refused, or an HTTP error status from the engine
-            self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive)
+            self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}",
+                                                definitive_failure(e))
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None
             return
+        models = None
+        if cards is not None and name in self.registry.states:  # not removed while it answered
+            self.model_cards[name] = cards
+            models = tuple(c["id"] for c in cards)
         self.registry.record_scrape(name, load, models)
         # Unanswered (an engine failing requests): asked again with the next /health check.
         if state.threshold_capable is None and state.config.decodes and with_health:
@@ -74,6 +89,10 @@ class HealthMonitor:
             if capable is not None:
                 state.threshold_capable = capable
                 capability.report(name, capable)
+
+    def forget(self, name: str) -> None:
+        """A backend left the fleet: its models are no longer served through the router."""
+        self.model_cards.pop(name, None)
 
     async def _model_cards(self, url: str, key: str) -> list[dict] | None:
         """The engine's /v1/models entries (vLLM's ModelCard objects), None if unreadable."""
@@ -89,7 +108,7 @@ class HealthMonitor:
         return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
     async def check_all(self, with_health: bool = True) -> None:
-        await asyncio.gather(*(self.check_one(n, with_health) for n in self.registry.states))
+        await asyncio.gather(*(self.check_one(n, with_health) for n in list(self.registry.states)))
 
     async def _run(self) -> None:
         every = max(1, round(self.health.check_interval_s / self.health.scrape_interval_s))
@@ -110,3 +129,9 @@ class HealthMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+def definitive_failure(e: BaseException) -> bool:
+    """Refused (nothing listens), or an HTTP error status from the engine: not a timeout,
+    which a loaded machine produces too."""
+    return isinstance(e, (aiohttp.ClientConnectorError, ConnectionRefusedError, RuntimeError))

@@ -1,0 +1,146 @@
+"""Backends added and removed at run time through the admin API.
+
+POST /admin/backends adds an engine (it takes requests once its health check passes);
+DELETE /admin/backends/{name} drains it (the requests it serves finish) and forgets it once
+idle. Only the operator (server.admin_api_key) names hosts, and the URL must be a plain
+http(s) base URL.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from cluster_util import MODEL, long_prompt
+from engine_launcher.sim import SimEngineConfig, start_sim_engine
+
+ADMIN = {"Authorization": "Bearer sk-admin"}
+
+
+async def call(c, method: str, path: str, body=None, headers=ADMIN) -> tuple[int, object]:
+    data = None if body is None else (body if isinstance(body, bytes) else orjson.dumps(body))
+    async with c.session.request(method, c.url + path, data=data, headers=headers) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+async def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() >= end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def served(url: str, session) -> float:
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(make_cluster):
+    c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
+    extra = await start_sim_engine(SimEngineConfig(model=MODEL, speed=2.0, role="consumer"), port=0)
+    try:
+        status, view = await call(c, "POST", "/admin/backends",
+                                  {"name": "late", "url": extra.url, "role": "decode", "models": [MODEL]})
+        assert status == 201, view
+        assert view["name"] == "late" and view["source"] == "admin" and view["healthy"] is True
+        assert c.router_metric("cachehit_router_backend_healthy", backend="late") == 1
+
+        # The old engine is drained: every new request must go to the added one.
+        assert (await call(c, "POST", "/admin/backends/d0/drain"))[0] == 200
+        before = await served(extra.url, c.session)
+        status, out = await c.complete({"model": MODEL, "prompt": "hello there", "max_tokens": 3})
+        assert status == 200, out
+        assert await served(extra.url, c.session) > before
+        assert (await call(c, "POST", "/admin/backends/d0/enable"))[0] == 200
+
+        # A long stream runs on "late" (d0 drained again so it must land there) when it is removed.
+        assert (await call(c, "POST", "/admin/backends/d0/drain"))[0] == 200
+        stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("rm", 50),
+                                                "max_tokens": 60}))
+        await wait_for(lambda: extra.engine.num_running > 0 or stream.done(), what="the stream to run on the added engine")
+        assert not stream.done(), stream.result()
+        assert (await call(c, "POST", "/admin/backends/d0/enable"))[0] == 200
+        status, view = await call(c, "DELETE", "/admin/backends/late")
+        assert status == 202 and view["draining"] is True and view["removing"] is True
+        # Still listed (and refusing re-enabling) while its stream runs.
+        status, listed = await call(c, "GET", "/admin/backends")
+        assert {b["name"] for b in listed} == {"d0", "late"}
+        assert (await call(c, "POST", "/admin/backends/late/enable"))[0] == 409
+
+        status, events = await stream
+        assert status == 200 and events[-1] == "[DONE]"
+        assert not any("error" in e for e in events[:-1])
+        assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 60
+
+        await wait_for(lambda: "late" not in c.state.registry.states, what="the removal")
+        status, listed = await call(c, "GET", "/admin/backends")
+        assert [b["name"] for b in listed] == ["d0"]
+        # Its gauges are gone with it.
+        assert c.state.metrics.registry.get_sample_value(
+            "cachehit_router_backend_healthy", {"backend": "late"}) is None
+        before = await served(extra.url, c.session)
+        for i in range(3):
+            assert (await c.complete({"model": MODEL, "prompt": f"after {i}", "max_tokens": 2}))[0] == 200
+        assert await served(extra.url, c.session) == before
+    finally:
+        await extra.close()
+
+
+async def test_added_backend_that_does_not_answer_gets_no_requests(make_cluster):
+    c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
+    # Nothing listens on port 9 of loopback (discard; closed here).
+    status, view = await call(c, "POST", "/admin/backends",
+                              {"name": "dead", "url": "http://127.0.0.1:9", "role": "decode"})
+    assert status == 201 and view["healthy"] is False, view
+    for i in range(4):
+        status, out = await c.complete({"model": MODEL, "prompt": f"still fine {i}", "max_tokens": 2})
+        assert status == 200, out
+    assert c.router_metric("cachehit_router_upstream_errors_total", backend="dead", kind="connect") == 0
+
+
+async def test_admin_add_validates_the_operators_input(make_cluster):
+    c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
+    d0 = c.engines["d0"].url
+    bad = [
+        ({"name": "x", "url": "ftp://10.0.0.1:21"}, "url"),
+        ({"name": "x", "url": "http://"}, "url"),
+        ({"name": "x", "url": "http://10.0.0.1:8000/?next=evil"}, "url"),
+        ({"name": "x", "url": "http://10.0.0.1:99999"}, "url"),
+        ({"name": "x", "url": 5}, "url"),
+        ({"name": "a/b", "url": d0}, "name"),
+        ({"name": "", "url": d0}, "name"),
+        ({"url": d0}, "name"),
+        ({"name": "x", "url": d0, "role": "boss"}, "role"),
+        ({"name": "x", "url": d0, "models": "sim-model"}, "models"),
+        ({"name": "x", "url": d0, "weight": 3}, "weight"),
+    ]
+    for body, param in bad:
+        status, out = await call(c, "POST", "/admin/backends", body)
+        assert status == 400, (body, out)
+        assert out["error"]["param"] == param and out["error"]["type"] == "BadRequestError", (body, out)
+    status, out = await call(c, "POST", "/admin/backends", b"{not json")
+    assert status == 400 and "JSON" in out["error"]["message"]
+    status, out = await call(c, "POST", "/admin/backends", {"name": "d0", "url": d0})
+    assert status == 409 and out["error"]["param"] == "name"
+    # Only the operator: a client key does not open the admin routes.
+    status, out = await call(c, "POST", "/admin/backends", {"name": "x", "url": d0},
+                             headers={"Authorization": "Bearer sk-client"})
+    assert status == 401, out
+    status, out = await call(c, "DELETE", "/admin/backends/d0", headers={})
+    assert status == 401, out
+    status, out = await call(c, "DELETE", "/admin/backends/nope")
+    assert status == 404 and out["error"]["param"] == "name"
+    assert set(c.state.registry.states) == {"d0"}
+
+
+async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster):
+    c = await make_cluster(decoders=1)
+    status, out = await call(c, "POST", "/admin/backends", {"name": "x", "url": c.engines["d0"].url})
+    assert status == 404, out
+    status, out = await call(c, "DELETE", "/admin/backends/d0")
+    assert status == 404, out
+    assert set(c.state.registry.states) == {"d0"}
