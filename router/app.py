@@ -25,6 +25,7 @@ from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, parse_request
 from .backends import BREAKER_STATE_VALUE, BackendRegistry, BackendState
 from .clientlog import escape
 from .config import Config
+from .discovery import Discovery
 from .dispatch import Dispatcher
 from .fleet import ADMIN, CONFIG, ENGINES, Fleet, backend_from_admin
 from .forward import Forwarder
@@ -88,6 +89,7 @@ class RouterState:
         for t in (self.limiter.anonymous, *self.keys.tenants):
             self._bind_tenant_gauges(t)
         self.fleet: Fleet | None = None
+        self.discovery: Discovery | None = None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
         self._handlers: set[asyncio.Task] = set()
@@ -120,6 +122,8 @@ class RouterState:
                            initial={n: CONFIG if n in configured else ENGINES for n in self.registry.states})
         await self.monitor.check_all()
         self.monitor.start()
+        self.discovery = Discovery(self.fleet, cfg.discovery)
+        await self.discovery.start()
         self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing), self.metrics)
         ready = [n for n, s in self.registry.states.items() if s.healthy]
         log.info("router ready: %d/%d backends healthy (%s), strategy %s", len(ready),
@@ -161,6 +165,8 @@ class RouterState:
             await asyncio.wait(pending, timeout=5.0)
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.fleet is not None:
             await self.fleet.close()
         if self.monitor is not None:
@@ -171,6 +177,22 @@ class RouterState:
             await self.supervisor.stop()
         if self.tracing is not None:  # flushes the last spans (blocking HTTP: off the loop)
             await asyncio.to_thread(self.tracing.shutdown)
+
+    def apply_config(self, cfg: Config) -> None:
+        """A reload's live keys (router/reload.py): requests that start from now on see
+        them; those running keep what they started with."""
+        assert self.dispatcher is not None
+        old, self.config = self.config, cfg
+        if (cfg.server.api_keys, cfg.server.admin_api_key) != (old.server.api_keys, old.server.admin_api_key):
+            self.keys = KeyRing(cfg.server.api_keys, cfg.tenants, cfg.server.admin_api_key).keeping(self.keys)
+            for t in self.keys.tenants:
+                self._bind_tenant_gauges(t)
+        logging.getLogger().setLevel(cfg.server.log_level.upper())
+        if cfg.routing != old.routing:
+            strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
+            if strategy.name == before.name and hasattr(before, "memory"):
+                strategy.memory = before.memory  # where prompts went is still true
+            self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.metrics)
 
     def _bind_backend_gauges(self, s: BackendState) -> None:
         # The gauges read the backend's state when scraped: nothing to do on the request
@@ -397,9 +419,8 @@ class RouterState:
                 "removing": self.fleet.removing(name) if self.fleet else False}
 
     async def handle_admin_drain(self, request: web.Request, draining: bool) -> web.Response:
-        """POST /admin/backends/{name}/drain | /enable: take a configured backend out of
-        rotation (requests it is serving finish) or put it back. Names only: the admin API
-        cannot add a host the configuration does not list."""
+        """POST /admin/backends/{name}/drain | /enable: take a backend out of rotation
+        (requests it is serving finish) or put it back."""
         assert self.registry is not None
         refusal = self._admin_refusal(request)
         if refusal is not None:

@@ -32,6 +32,13 @@ class KeyRing:
         self._tenants = tuple((_digest(k.encode()), t) for k, t in build_tenants(api_keys, tenants).items())
         self._admin = _digest(admin_key.encode()) if admin_key else None
 
+    def keeping(self, old: "KeyRing") -> "KeyRing":
+        """This ring with `old`'s Tenant objects where the names match (a reload): a tenant's
+        running requests, queue and rate budget carry over."""
+        by_name = {t.name: t for t in old.tenants}
+        self._tenants = tuple((d, by_name.get(t.name, t)) for d, t in self._tenants)
+        return self
+
     @property
     def tenants(self) -> tuple[Tenant, ...]:
         return tuple(t for _, t in self._tenants)

@@ -1,17 +1,23 @@
-"""`router --config router.toml` serves; `router check-config --config router.toml` validates."""
+"""`router --config router.toml` serves; `router check-config --config router.toml` validates.
+
+Flags and CACHEHIT_ROUTER_* environment variables override the file (router/overrides.py);
+SIGHUP re-reads the file with the same overrides (router/reload.py)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import ssl
 import sys
+from typing import Callable
 
 import orjson
 
-from .config import ConfigError, load_config
+from . import overrides
+from .config import Config, ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,18 +25,35 @@ def _parser() -> argparse.ArgumentParser:
         "cachehit-router: an OpenAI-compatible router that asks vLLM engines where the KV cache is."))
     p.add_argument("command", nargs="?", choices=("serve", "check-config"), default="serve",
                    help="serve (default) or check-config (validate and print the resolved configuration)")
-    p.add_argument("--config", "-c", default="router.toml", help="path to router.toml (default: %(default)s)")
-    p.add_argument("--host", help="override server.host")
-    p.add_argument("--port", type=int, help="override server.port")
+    p.add_argument("--config", "-c", default=os.environ.get(overrides.CONFIG_PATH) or "router.toml",
+                   help=f"path to router.toml (default: ${overrides.CONFIG_PATH} or %(default)s)")
+    p.add_argument("--host", help="override server.host (and $CACHEHIT_ROUTER_HOST)")
+    p.add_argument("--port", type=int, help="override server.port (and $CACHEHIT_ROUTER_PORT)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="override server.log_level (and $CACHEHIT_ROUTER_LOG_LEVEL)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     p.add_argument("--no-engines", action="store_true",
                    help="do not start the [[engines]] (they run elsewhere); still route to them")
     return p
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"(cachehit-router) {version('cachehit-router')}"
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(cachehit-router) unknown version"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    flags = {"server.host": args.host, "server.port": args.port, "server.log_level": args.log_level}
+
+    def load() -> Config:
+        return overrides.load(args.config, os.environ, flags)
+
     try:
-        config = load_config(args.config)
+        config = load()
     except ConfigError as e:
         print(e.report("router"), file=sys.stderr)
         return 2
@@ -39,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"router: {args.config} is valid ({len(config.all_backends())} backends, "
               f"{len(config.engines)} engines to start)", file=sys.stderr)
         return 0
-    return serve(config, host=args.host, port=args.port, start_engines=not args.no_engines)
+    return serve(config, start_engines=not args.no_engines, reload_config=load)
 
 
 # Young-generation GC threshold once serving (CPython's default is 700). Under load the
@@ -60,7 +83,36 @@ async def _tune_gc(_app) -> None:
     gc.set_threshold(_GC_GEN0_THRESHOLD, g1, g2)
 
 
-def serve(config, *, host: str | None = None, port: int | None = None, start_engines: bool = True) -> int:
+def _reload_on_sighup(load: Callable[[], Config]):
+    """An on_startup hook (after the router started): SIGHUP re-reads the configuration;
+    reloads run one at a time, in the order the signals came."""
+    async def install(app) -> None:
+        from .app import ROUTER_KEY
+        from .reload import reload
+
+        loop = asyncio.get_running_loop()
+        state = app[ROUTER_KEY]
+        lock = asyncio.Lock()
+        tasks: set[asyncio.Task] = set()
+
+        async def one() -> None:
+            async with lock:
+                try:
+                    await reload(state, load)
+                except Exception:  # a reload must never take the router down
+                    logging.getLogger("cachehit_router.reload").exception("reload failed")
+
+        def on_hup() -> None:
+            task = loop.create_task(one())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    return install
+
+
+def serve(config, *, host: str | None = None, port: int | None = None, start_engines: bool = True,
+          reload_config: Callable[[], Config] | None = None) -> int:
     from aiohttp import web
 
     from .app import build_app
@@ -94,6 +146,8 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
 
     app.on_startup.append(announce)
     app.on_startup.append(_tune_gc)
+    if reload_config is not None:
+        app.on_startup.append(_reload_on_sighup(reload_config))
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                            logger=ServerLogger(), shutdown_timeout=config.server.drain_timeout_s)
     try:

@@ -212,6 +212,7 @@ class Config:
     engines: tuple[EngineConfig, ...] = ()
     # Client keys with limits of their own (router/tenants.py).
     tenants: tuple[TenantConfig, ...] = ()
+    discovery: tuple["DiscoveryConfig", ...] = ()  # router/discovery_config.py
 
     def all_backends(self, engine_urls: dict[str, str] | None = None) -> tuple[BackendConfig, ...]:
         """Backends declared directly plus registered engines.
@@ -233,7 +234,7 @@ class Config:
         d["server"]["api_keys"] = ["***"] * len(self.server.api_keys)
         if self.server.admin_api_key:
             d["server"]["admin_api_key"] = "***"
-        for b in d["backends"]:
+        for b in [*d["backends"], *d["discovery"]]:
             if b["api_key"]:
                 b["api_key"] = "***"
         for t in d["tenants"]:
@@ -507,6 +508,9 @@ def parse_config(raw: dict[str, Any]) -> Config:
                 p.add(f"{key}.host: expected an IP address or 'localhost', got {e.host!r}")
         engines.append(e)
 
+    from .discovery_config import parse_discovery  # it builds on this module's helpers
+    discovery = parse_discovery(p, raw.get("discovery", []))
+
     names = [b.name for b in backends] + [e.name for e in engines if e.register]
     seen: set[str] = set()
     for n in names:
@@ -523,11 +527,11 @@ def parse_config(raw: dict[str, Any]) -> Config:
 
     cfg = Config(server=server, routing=routing, timeouts=timeouts, health=health,
                  launcher=launcher, tracing=tracing, backends=tuple(backends), engines=tuple(engines),
-                 tenants=tuple(tenants))
+                 tenants=tuple(tenants), discovery=discovery)
     # Only once everything else holds: a backend that failed to parse is not counted.
-    if not any(b.decodes for b in cfg.all_backends()):
-        raise ConfigError("backends: expected at least one backend (or registered engine) with role "
-                          "'decode' or 'both' (engine role 'consumer' or 'both')")
+    if not any(b.decodes for b in cfg.all_backends()) and not any(d.role != "prefill" for d in discovery):
+        raise ConfigError("backends: expected at least one backend (or registered engine, or [[discovery]] "
+                          "table) with role 'decode' or 'both' (engine role 'consumer' or 'both')")
     return cfg
 
 
@@ -551,6 +555,11 @@ def _parse_tenants(p: _Problems, raw: Any, api_keys: tuple[str, ...]) -> list[Te
 
 
 def load_config(path: str | Path) -> Config:
+    return parse_config(read_toml(path))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The file's tables, before validation (router/overrides.py layers the environment on)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -560,4 +569,4 @@ def load_config(path: str | Path) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    return parse_config(raw)
+    return raw

@@ -51,9 +51,11 @@ class Fleet:
                 if o == source and n in self.registry.states and n not in self._removals}
 
     # --- changes ---------------------------------------------------------------------------
-    async def add(self, config: BackendConfig, source: str) -> BackendState:
+    async def add(self, config: BackendConfig, source: str,
+                  checked: tuple[dict[str, float], tuple[str, ...] | None] | None = None) -> BackendState:
         """Register `config` and run its first health check (it takes requests once one
-        passes). A name that is being removed with the same configuration is put back."""
+        passes), or take `checked`, the result of one that just passed (it is then in
+        rotation at once). A name being removed with the same configuration is put back."""
         name = config.name
         task = self._removals.get(name)
         if task is not None and self.registry.states[name].config == config:
@@ -67,7 +69,10 @@ class Fleet:
         self.owner[name] = source
         self._on_added(state)
         log.info("backend %s (%s, role %s) added by %s", name, config.url, config.role, source)
-        await self.monitor.check_one(name, with_health=True)
+        if checked is not None:
+            self.registry.record_scrape(name, *checked)
+        else:
+            await self.monitor.check_one(name, with_health=True)
         return state
 
     def remove(self, name: str) -> asyncio.Task:
@@ -117,16 +122,18 @@ class Fleet:
                     self._replacing[name] = config
                     self._spawn(self._replace(name, config, source))
                 continue
+            checked = None
             if check_first:
                 try:
-                    await self.monitor.check(config, with_health=True)
+                    checked = await self.monitor.check(config, with_health=True,
+                                                       want_models=not config.models)
                 except (Exception, asyncio.TimeoutError) as e:
                     log.info("%s: %s (%s) not added yet, its health check failed: %s",
                              source, name, config.url, e)
                     continue
                 if name in self.registry.states:  # added meanwhile
                     continue
-            await self.add(config, source)
+            await self.add(config, source, checked)
 
     async def _replace(self, name: str, config: BackendConfig, source: str) -> None:
         removal = self._removals.get(name)

@@ -5,6 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# dnsmasq: the real DNS server of the discovery tests.
+if ! command -v dnsmasq >/dev/null && [ ! -x /usr/sbin/dnsmasq ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq-base
+    else
+        echo "scripts/test.sh: install dnsmasq (Debian: apt-get install dnsmasq-base) for the discovery tests" >&2
+    fi
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

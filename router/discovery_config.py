@@ -1,0 +1,103 @@
+"""`[[discovery]]` tables: where the router finds engines at run time (docs/CONFIG.md).
+
+kind "dns": every address a DNS name resolves to (A and AAAA records: a Kubernetes
+headless Service, a Consul or Compose service name) is an engine on `port`.
+kind "kubernetes": every ready pod matching `label_selector` in `namespace`, read from the
+Kubernetes API (the `kubernetes` extra is not needed: plain HTTP with the pod's
+service-account token).
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ROLES, ConfigError, _build, _port, _positive, _Problems, _str_list, _url
+
+KINDS = ("dns", "kubernetes")
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    kind: str = "dns"
+    # kind dns: the name to resolve.
+    name: str = ""
+    # Engine port on every address found (kind kubernetes: the container port, by number).
+    port: int = 8000
+    role: str = "decode"
+    # Served model names; empty: read from each engine's /v1/models.
+    models: tuple[str, ...] = ()
+    # Seconds between two look-ups.
+    interval_s: float = 10.0
+    scheme: str = "http"
+    # Sent to the engines found as Authorization: Bearer.
+    api_key: str = ""
+    # kind dns: "ip" or "ip:port" ("[v6]:port") of the DNS servers; empty: the system's.
+    nameservers: tuple[str, ...] = ()
+    # kind kubernetes.
+    namespace: str = ""  # empty: the router pod's own namespace
+    label_selector: str = ""
+    api_server: str = ""  # empty: in-cluster (KUBERNETES_SERVICE_HOST / _PORT)
+    token_file: str = f"{SERVICE_ACCOUNT}/token"
+    ca_file: str = f"{SERVICE_ACCOUNT}/ca.crt"
+
+    @property
+    def source(self) -> str:
+        """The fleet source name of this table's backends (stable across reloads)."""
+        return f"discovery:{self.kind}:{self.name or self.label_selector}"
+
+
+def parse_nameserver(key: str, value: str) -> tuple[str, int]:
+    """"10.0.0.2", "10.0.0.2:5353", "::1", "[::1]:5353" -> (address, port)."""
+    host, port = value, 53
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                raise ConfigError(f"{key}: expected an IP address with an optional :port, got {value!r}")
+            port = int(rest[1:])
+    elif value.count(":") == 1:
+        host, _, p = value.partition(":")
+        if not p.isdigit():
+            raise ConfigError(f"{key}: expected an IP address with an optional :port, got {value!r}")
+        port = int(p)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"{key}: expected an IP address with an optional :port, got {value!r}") from None
+    _port(key, port, allow_zero=False)
+    return host, port
+
+
+def parse_discovery(p: _Problems, raw: Any) -> tuple[DiscoveryConfig, ...]:
+    if not isinstance(raw, list):
+        p.add("discovery: expected an array of tables ([[discovery]])")
+        return ()
+    out = []
+    for i, rd in enumerate(raw):
+        key = f"discovery[{i}]"
+        d = _build(p, DiscoveryConfig, key, rd, {"models": _str_list, "nameservers": _str_list})
+        if d is None:
+            continue
+        if d.kind not in KINDS:
+            p.add(f"{key}.kind: expected one of {', '.join(KINDS)}, got {d.kind!r}")
+        elif d.kind == "dns" and not d.name:
+            p.add(f"{key}.name: required for kind 'dns' (the DNS name to resolve)")
+        elif d.kind == "kubernetes" and not d.label_selector:
+            p.add(f"{key}.label_selector: required for kind 'kubernetes' (for example 'app=vllm-decode')")
+        if d.role not in ROLES:
+            p.add(f"{key}.role: expected one of {', '.join(ROLES)}, got {d.role!r}")
+        if d.scheme not in ("http", "https"):
+            p.add(f"{key}.scheme: expected 'http' or 'https', got {d.scheme!r}")
+        p.check(_port, f"{key}.port", d.port, allow_zero=False)
+        p.check(_positive, f"{key}.interval_s", d.interval_s)
+        for j, ns in enumerate(d.nameservers):
+            p.check(parse_nameserver, f"{key}.nameservers[{j}]", ns)
+        if d.api_server:
+            p.check(_url, f"{key}.api_server", d.api_server)
+        out.append(d)
+    sources = [d.source for d in out]
+    for s in sorted({s for s in sources if sources.count(s) > 1}):
+        p.add(f"discovery: two tables look up the same {s.split(':', 2)[2]!r}")
+    return tuple(out)

@@ -1,0 +1,182 @@
+"""Engines found through DNS, against a real DNS server (dnsmasq).
+
+A `[[discovery]]` table names a DNS name; every address it resolves to is an engine on the
+table's port. An address that appears joins once its health check passes; one that
+vanishes is drained (its running stream finishes) and removed; a DNS server that stops
+answering changes nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from cluster_util import MODEL, long_prompt
+from dnsmasq_util import dns_server  # noqa: F401  (fixture)
+from engine_launcher.sim import SimEngineConfig, start_sim_engine
+from router.app import ROUTER_KEY, build_app
+from router.config import parse_config
+
+NAME = "engines.fleet.test"
+ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+def common_port() -> int:
+    """A port free on every loopback address the test uses (engines share the table's port)."""
+    for _ in range(20):
+        with socket.socket() as s:
+            s.bind((ADDRS[0], 0))
+            port = s.getsockname()[1]
+        try:
+            for a in ADDRS:
+                with socket.socket() as s:
+                    s.bind((a, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no common free port")
+
+
+async def wait_for(cond, timeout: float = 15.0, what: str = "condition") -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() >= end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def dns_router(dns_server):
+    port = common_port()
+    engines = {}
+    runners = []
+    session = aiohttp.ClientSession()
+
+    async def start_engine(addr: str, speed: float = 50.0):
+        engines[addr] = await start_sim_engine(SimEngineConfig(model=MODEL, speed=speed, role="consumer"),
+                                               host=addr, port=port)
+        return engines[addr]
+
+    async def start_router(interval_s: float = 0.2):
+        config = parse_config({
+            "server": {"port": 0},
+            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4},
+            "discovery": [{"kind": "dns", "name": NAME, "port": port, "role": "decode",
+                           "models": [MODEL], "interval_s": interval_s,
+                           "nameservers": [dns_server.nameserver]}],
+        })
+        app = build_app(config, start_engines=False)
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        return app[ROUTER_KEY], f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    yield port, start_engine, start_router, session
+    await session.close()
+    for r in runners:
+        await r.cleanup()
+    for e in engines.values():
+        await e.close()
+
+
+async def finished(session, engine) -> float:
+    async with session.get(engine.url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def backend(addr: str, port: int) -> str:
+    return f"{NAME}@{addr}:{port}"
+
+
+async def complete(session, url: str, prompt: str, max_tokens: int = 2) -> tuple[int, dict]:
+    async with session.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                          "max_tokens": max_tokens}) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_server, dns_router):
+    port, start_engine, start_router, session = dns_router
+    a, b, dead = ADDRS
+    first = await start_engine(a)
+    second = await start_engine(b, speed=0.5)  # slow: its stream is still running when it vanishes
+    await dns_server.publish({NAME: [a]})
+    state, url = await start_router()
+    # Found before serving: the first round runs at start, like the first health round.
+    assert set(state.registry.states) == {backend(a, port)}
+    assert state.registry.states[backend(a, port)].healthy
+    assert (await complete(session, url, "hello"))[0] == 200
+
+    # A new address, and one where nothing listens: only the one that answers joins, and
+    # it is healthy from the moment it appears (its check ran first).
+    seen_unhealthy = []
+
+    def joined() -> bool:
+        s = state.registry.states.get(backend(b, port))
+        if s is not None and not s.healthy:
+            seen_unhealthy.append(True)
+        return s is not None
+    await dns_server.publish({NAME: [a, b, dead]})
+    await wait_for(joined, what="the new address to join")
+    assert not seen_unhealthy
+    rounds = state.discovery.rounds[f"discovery:dns:{NAME}"]
+    await wait_for(lambda: state.discovery.rounds[f"discovery:dns:{NAME}"] >= rounds + 3,
+                   what="more discovery rounds")
+    assert backend(dead, port) not in state.registry.states
+
+    # The first engine is drained by hand so the stream lands on the second.
+    state.registry.set_draining(backend(a, port), True)
+    stream = asyncio.create_task(complete(session, url, long_prompt("dns", 40), max_tokens=60))
+    await wait_for(lambda: second.engine.num_running > 0 or stream.done(), what="the stream to start")
+    assert not stream.done()
+    state.registry.set_draining(backend(a, port), False)
+
+    # The second address vanishes from DNS while its stream runs.
+    await dns_server.publish({NAME: [a]})
+    await wait_for(lambda: state.registry.states.get(backend(b, port)) is None
+                   or state.registry.states[backend(b, port)].draining, what="the drain")
+    assert not stream.done(), "the stream must still be running when the drain starts"
+    status, out = await stream
+    assert status == 200 and out["usage"]["completion_tokens"] == 60, out
+    await wait_for(lambda: backend(b, port) not in state.registry.states, what="the removal")
+    before = {e: await finished(session, e) for e in (first, second)}
+    for i in range(3):
+        assert (await complete(session, url, f"after {i}"))[0] == 200
+    assert await finished(session, second) == before[second]
+    assert await finished(session, first) >= before[first] + 3
+
+
+async def test_nxdomain_removes_the_engines_and_an_outage_keeps_them(dns_server, dns_router):
+    port, start_engine, start_router, session = dns_router
+    a = ADDRS[0]
+    await start_engine(a)
+    await dns_server.publish({NAME: [a]})
+    state, url = await start_router()
+    source = f"discovery:dns:{NAME}"
+    assert set(state.registry.states) == {backend(a, port)}
+
+    await dns_server.publish({})  # the name is gone (NXDOMAIN): an answer, zero engines
+    await wait_for(lambda: not state.registry.states, what="the removal")
+    async with session.get(url + "/ready") as r:
+        assert r.status == 503
+    status, out = await complete(session, url, "nobody home")
+    assert status == 503, out
+
+    await dns_server.publish({NAME: [a]})
+    await wait_for(lambda: backend(a, port) in state.registry.states, what="the address to come back")
+    assert (await complete(session, url, "back"))[0] == 200
+
+    dns_server.close()  # the DNS server is gone: look-ups time out
+    failures = state.discovery.failures.get(source, 0)
+    await wait_for(lambda: state.discovery.failures.get(source, 0) >= failures + 2, what="failed look-ups")
+    assert set(state.registry.states) == {backend(a, port)}
+    assert not state.registry.states[backend(a, port)].draining
+    assert (await complete(session, url, "during the outage"))[0] == 200
