@@ -8,46 +8,17 @@ answering changes nothing.
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from cluster_util import MODEL, long_prompt
 from dnsmasq_util import dns_server  # noqa: F401  (fixture)
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from router.app import ROUTER_KEY, build_app
-from router.config import parse_config
+from fleet_util import ADDRS, common_port, finished, start_router, wait_for
 
 NAME = "engines.fleet.test"
-ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-
-
-def common_port() -> int:
-    """A port free on every loopback address the test uses (engines share the table's port)."""
-    for _ in range(20):
-        with socket.socket() as s:
-            s.bind((ADDRS[0], 0))
-            port = s.getsockname()[1]
-        try:
-            for a in ADDRS:
-                with socket.socket() as s:
-                    s.bind((a, port))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no common free port")
-
-
-async def wait_for(cond, timeout: float = 15.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() >= end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -62,35 +33,21 @@ async def dns_router(dns_server):
                                                host=addr, port=port)
         return engines[addr]
 
-    async def start_router(interval_s: float = 0.2):
-        config = parse_config({
+    async def start(interval_s: float = 0.2):
+        return await start_router({
             "server": {"port": 0},
             "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4},
             "discovery": [{"kind": "dns", "name": NAME, "port": port, "role": "decode",
                            "models": [MODEL], "interval_s": interval_s,
                            "nameservers": [dns_server.nameserver]}],
-        })
-        app = build_app(config, start_engines=False)
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        return app[ROUTER_KEY], f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        }, runners)
 
-    yield port, start_engine, start_router, session
+    yield port, start_engine, start, session
     await session.close()
     for r in runners:
         await r.cleanup()
     for e in engines.values():
         await e.close()
-
-
-async def finished(session, engine) -> float:
-    async with session.get(engine.url + "/metrics") as r:
-        text = await r.text()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total"))
 
 
 def backend(addr: str, port: int) -> str:
@@ -105,7 +62,7 @@ async def complete(session, url: str, prompt: str, max_tokens: int = 2) -> tuple
 
 async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_server, dns_router):
     port, start_engine, start_router, session = dns_router
-    a, b, dead = ADDRS
+    a, b, dead = ADDRS[:3]
     first = await start_engine(a)
     second = await start_engine(b, speed=0.5)  # slow: its stream is still running when it vanishes
     await dns_server.publish({NAME: [a]})
