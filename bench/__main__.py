@@ -126,7 +126,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         setattr(ropts, k, v)
     return RunSpec(mode=mode, out=out, workload=w, engines=a.engines, prefill=a.prefill, sim=sim,
                    router=ropts, slo_ttft_ms=a.slo_ttft_ms, pin=a.pin,
-                   engines_per_process=getattr(a, "engines_per_process", 1))
+                   engines_per_process=getattr(a, "engines_per_process", 1),
+                   routers=getattr(a, "routers", 1), restart_engine_at=getattr(a, "restart_engine_at", 0.0))
 
 
 def expand_modes(text: str) -> list[str]:
@@ -242,7 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(r)
     r.add_argument("--mode", default="probe",
                    help="probe | round_robin | least_loaded | prefix_tree | oracle | vllm_router_rr | "
-                        "vllm_router_cache_aware, a comma list, or 'all' (each into OUT/<mode>)")
+                        "vllm_router_cache_aware | smg_rr | smg_cache_aware, a comma list, or 'all' "
+                        "(each into OUT/<mode>)")
+    r.add_argument("--routers", type=int, default=1,
+                   help="router replicas in front of the same engines, requests round robin over them "
+                        "(bench/fleet.py; default %(default)s)")
+    r.add_argument("--restart-engine-at", type=float, default=0.0, metavar="S",
+                   help="restart one decode engine S seconds into the run (its cache is lost); "
+                        "summary.json gets the hit ratio before and per 25 requests after")
     r.add_argument("--out", required=True)
     r.add_argument("--label", help="name of the run in compare tables (default: the mode)")
     r.add_argument("--full", action="store_true", help="the whole trace (default: first 400 requests)")

@@ -133,10 +133,20 @@ def make_session(connections: int = 0) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=conn)
 
 
-async def run_open_loop(url: str, reqs: Sequence[BenchRequest], *, extra_body: dict | None = None,
+def _rotation(url: str | Sequence[str]):
+    """Request k goes to url k mod n: round robin over router replicas, as an L4 load
+    balancer spreads connections."""
+    urls = [url] if isinstance(url, str) else list(url)
+    counter = iter(range(1 << 62))
+    return lambda: urls[next(counter) % len(urls)]
+
+
+async def run_open_loop(url: str | Sequence[str], reqs: Sequence[BenchRequest], *, extra_body: dict | None = None,
                         max_in_flight: int = 4096, timeout_s: float = 600.0,
                         progress=None) -> tuple[list[Result], float]:
-    """Send each request at its arrival time; returns (results in request order, wall seconds)."""
+    """Send each request at its arrival time (to `url`, or round robin over several);
+    returns (results in request order, wall seconds)."""
+    next_url = _rotation(url)
     results = [Result(index=r.index, tag=r.tag, arrival_s=r.arrival_s, max_tokens=r.max_tokens,
                       expected_prompt_tokens=r.prompt_tokens) for r in reqs]
     sem = asyncio.Semaphore(max_in_flight)
@@ -145,10 +155,10 @@ async def run_open_loop(url: str, reqs: Sequence[BenchRequest], *, extra_body: d
         t0 = loop.time()
         tasks = []
 
-        async def one(r: BenchRequest, res: Result) -> None:
+        async def one(r: BenchRequest, res: Result, target: str) -> None:
             async with sem:
                 res.start_s = loop.time() - t0
-                await stream_completion(session, url, completion_body(r.prompt, r.max_tokens, extra_body),
+                await stream_completion(session, target, completion_body(r.prompt, r.max_tokens, extra_body),
                                         res, timeout_s=timeout_s)
                 if progress is not None:
                     progress()
@@ -157,15 +167,17 @@ async def run_open_loop(url: str, reqs: Sequence[BenchRequest], *, extra_body: d
             delay = t0 + r.arrival_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(r, res)))
+            tasks.append(asyncio.ensure_future(one(r, res, next_url())))
         await asyncio.gather(*tasks)
         wall = loop.time() - t0
     return results, wall
 
 
-async def run_sessions(url: str, sessions: Sequence[Session], *, extra_body: dict | None = None,
+async def run_sessions(url: str | Sequence[str], sessions: Sequence[Session], *, extra_body: dict | None = None,
                        timeout_s: float = 600.0, progress=None) -> tuple[list[Result], list[str], float]:
-    """Multi-turn: returns (results in send order, the prompts sent, wall seconds)."""
+    """Multi-turn (every turn to the next of the urls, round robin): returns (results in
+    send order, the prompts sent, wall seconds)."""
+    next_url = _rotation(url)
     results: list[Result] = []
     prompts: list[str] = []
     async with make_session() as session:
@@ -182,7 +194,7 @@ async def run_sessions(url: str, sessions: Sequence[Session], *, extra_body: dic
                 results.append(res)
                 prompts.append(prompt)
                 res.index = len(results) - 1
-                await stream_completion(session, url, completion_body(prompt, s.max_tokens, extra_body),
+                await stream_completion(session, next_url(), completion_body(prompt, s.max_tokens, extra_body),
                                         res, keep_text=True, timeout_s=timeout_s)
                 if progress is not None:
                     progress()

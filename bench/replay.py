@@ -38,11 +38,12 @@ from . import workloads as wl
 from .cluster import (EXTERNAL_MODES, ROUTER_MODES, Cluster, RouterOptions, SimOptions, buckets_delta,
                       counters_delta, engine_counters, histogram_buckets, histogram_quantile, metric_sum,
                       scrape, sum_buckets)
+from .fleet import SMG_MODES, Samplers, recovery, restart_engine_at, scrape_all, start_replicas
 from .loadgen import Result, run_open_loop, run_sessions
 from .procs import ProcessSet, RSSSampler, cpu_list
 from .stats import mean, percentile, rnd
 
-ALL_MODES = ROUTER_MODES + tuple(EXTERNAL_MODES) + ("oracle",)
+ALL_MODES = ROUTER_MODES + tuple(EXTERNAL_MODES) + tuple(SMG_MODES) + ("oracle",)
 SUMMARY_KEYS = ("mode", "requests", "errors", "hit_ratio", "oracle_hit_ratio", "ttft_p50_ms", "ttft_p99_ms",
                 "itl_p50_ms", "e2e_p50_ms", "throughput_rps", "output_tokens_per_s", "probes_per_request",
                 "loser_tokens", "router_cpu_s_per_1k", "router_rss_mb")
@@ -97,6 +98,8 @@ class RunSpec:
     pin: bool = False
     quiet: bool = False
     engines_per_process: int = 1
+    routers: int = 1  # router replicas; requests round robin over them (bench/fleet.py)
+    restart_engine_at: float = 0.0  # > 0: restart one decode engine this many seconds in
 
 
 def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
@@ -225,7 +228,7 @@ async def run_replay(spec: RunSpec) -> dict:
     base: dict[str, Any] = {
         "mode": spec.mode, "workload": {**asdict(w), **(wl.describe(reqs) if reqs is not None else {})},
         "engines": spec.engines, "prefill": spec.prefill, "sim": asdict(spec.sim),
-        "router_options": asdict(spec.router), "machine": machine_info(),
+        "router_options": asdict(spec.router), "machine": machine_info(), "routers": spec.routers,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if spec.mode == "oracle":
@@ -249,7 +252,13 @@ async def run_replay(spec: RunSpec) -> dict:
     try:
         await cluster.start_engines(spec.engines, spec.prefill if spec.mode in ROUTER_MODES else 0,
                                     spec.sim, cores=other_cores, engines_per_process=spec.engines_per_process)
-        if spec.mode in ROUTER_MODES:
+        urls: list[str] | None = None
+        if spec.routers > 1 or spec.mode in SMG_MODES:
+            strategy = spec.mode if spec.mode in ROUTER_MODES else "probe"
+            urls = await start_replicas(cluster, spec.mode, spec.routers,
+                                        RouterOptions(**{**asdict(spec.router), "strategy": strategy}),
+                                        spec.out, cores=router_cores)
+        elif spec.mode in ROUTER_MODES:
             await cluster.start_router(RouterOptions(**{**asdict(spec.router), "strategy": spec.mode}),
                                        spec.out, cores=router_cores)
         elif spec.mode in EXTERNAL_MODES:
@@ -263,21 +272,26 @@ async def run_replay(spec: RunSpec) -> dict:
             os.sched_setaffinity(0, other_cores)
         async with aiohttp.ClientSession() as s:
             eng_before = await engine_counters(s, cluster.engines)
-            rm_before = await scrape(s, cluster.url) if cluster.router_kind == "ours" else {}
-        sampler = RSSSampler(cluster.router.pid) if cluster.router is not None else None
+            rm_before = await scrape_all(s, urls or [cluster.url]) if cluster.router_kind == "ours" else {}
+        sampler = (Samplers(cluster.replicas) if urls else RSSSampler(cluster.router.pid)) \
+            if cluster.router is not None else None
         if sampler:
             sampler.start()
         t_start = time.time()
+        restart = (asyncio.ensure_future(restart_engine_at(cluster, spec.restart_engine_at))
+                   if spec.restart_engine_at > 0 else None)
         if sessions is not None:
-            results, prompts, wall = await run_sessions(cluster.url, sessions)
+            results, prompts, wall = await run_sessions(urls or cluster.url, sessions)
         else:
-            results, wall = await run_open_loop(cluster.url, reqs)
+            results, wall = await run_open_loop(urls or cluster.url, reqs)
             prompts = None
+        if restart is not None:
+            base["restart"] = await restart
         router_cpu, router_rss = (await sampler.stop()) if sampler else (None, None)
         await asyncio.sleep(0.2)
         async with aiohttp.ClientSession() as s:
             eng_after = await engine_counters(s, cluster.engines)
-            rm_after = await scrape(s, cluster.url) if cluster.router_kind == "ours" else {}
+            rm_after = await scrape_all(s, urls or [cluster.url]) if cluster.router_kind == "ours" else {}
         decoders, prefillers = list(cluster.decoders), list(cluster.prefillers)
     finally:
         await cluster.stop()
@@ -295,12 +309,18 @@ async def run_replay(spec: RunSpec) -> dict:
         for r, p in zip(results, prompts):
             r.expected_prompt_tokens = len(simtok.encode(p))
         base["workload"].update({"requests": len(results), "prompt_tokens": total})
-    logs = parse_router_log(spec.out / "logs" / "router.log") if cluster.router_kind == "ours" else {}
+    logs = {}
+    if cluster.router_kind == "ours":
+        for log_file in sorted((spec.out / "logs").glob("router*.log")):
+            logs.update(parse_router_log(log_file))
     summary = summarize(spec, base, results, wall, eng, decoders, prefillers, rm_before, rm_after, logs,
                         oracle, router_cpu, router_rss)
     summary["wall_clock_start"] = t_start
     summary["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     write_outputs(spec.out, summary, results, logs)
+    if "restart" in base:
+        summary["recovery"] = recovery(load_requests(spec.out), base["restart"]["down_at_s"])
+        (spec.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
