@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 
 from cluster_util import MODEL, long_prompt
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
@@ -144,3 +145,35 @@ async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster
     status, out = await call(c, "DELETE", "/admin/backends/d0")
     assert status == 404, out
     assert set(c.state.registry.states) == {"d0"}
+
+
+@pytest.mark.parametrize("strategy, stream", [("round_robin", False), ("probe", False), ("probe", True)])
+async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster, strategy, stream):
+    """A drain that ends right after a request was planned (the plan names a backend that is
+    gone by the time its leg opens): the leg fails like a dead engine and goes elsewhere."""
+    c = await make_cluster(decoders=2, routing={"strategy": strategy})
+    state = c.state
+    strategy_obj = state.dispatcher.strategy
+    planned = strategy_obj.plan
+    removed = []
+
+    def plan_then_lose_d0(query, snap, exclude=frozenset()):
+        plan = planned(query, snap, exclude)
+        while not removed and plan.direct == "d1":  # round robin: until it names d0
+            plan = planned(query, snap, exclude)
+        if not removed and "d0" in state.registry.states:
+            assert "d0" in (plan.direct, *plan.probes)
+            state.registry.set_draining("d0", True)
+            state.registry.remove("d0")  # idle: forgotten at once
+            removed.append(plan)
+        return plan
+
+    strategy_obj.plan = plan_then_lose_d0
+    body = {"model": MODEL, "prompt": "planned before the removal", "max_tokens": 3}
+    if stream:
+        status, events = await c.stream(body)
+        assert status == 200 and events[-1] == "[DONE]", events
+    else:
+        status, out = await c.complete(body)
+        assert status == 200, out
+    assert removed and "d0" not in state.registry.states
