@@ -14,6 +14,7 @@
   slow-readers     router memory under streams whose clients never read (bench/slow_readers.py)
   fairness         one tenant's TTFT while another floods the router past its limits (bench/fairness.py)
   engine-idle      idle CPU and NIXL transfer time of real vLLM engines (bench/engine_idle.py)
+  fleet            router replicas N = 1, 2, 4 on several workloads, one table (bench/fleet_table.py)
 """
 from __future__ import annotations
 
@@ -188,6 +189,11 @@ def cmd_suite(a: argparse.Namespace) -> int:
     return run_suite(a)
 
 
+def cmd_fleet(a: argparse.Namespace) -> int:
+    from .fleet_table import main as fleet_main
+    return fleet_main(a)
+
+
 def cmd_compare(a: argparse.Namespace) -> int:
     from .report import compare
     dirs = [Path(d) for d in a.dirs]
@@ -336,6 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--log-level", default="info")
     pr.add_argument("--top", type=int, default=25)
     pr.set_defaults(fn=cmd_profile)
+
+    fl = sub.add_parser("fleet", help="router replicas N = 1, 2, 4 on several workloads, one table")
+    add_workload_args(fl)
+    add_cluster_args(fl)
+    fl.add_argument("--workloads", default="prefix-groups,multiturn,trace",
+                    help="comma list of workloads (default %(default)s)")
+    fl.add_argument("--routers-list", default="1,2,4", help="replica counts (default %(default)s)")
+    fl.add_argument("--modes", default="probe,prefix_tree,vllm_router_cache_aware,smg_cache_aware",
+                    help="comma list; modes whose router is not installed are left out (default %(default)s)")
+    fl.add_argument("--restart-engine-at", type=float, default=0.0, metavar="S",
+                    help="also run each mode at the largest N with one decode engine restarted S seconds in")
+    fl.add_argument("--resume", action="store_true", help="keep runs whose summary.json exists")
+    fl.add_argument("--out", required=True)
+    fl.set_defaults(fn=cmd_fleet)
 
     sub.add_parser("sim-capacity", help="the simulator's capacity (bench/sim_capacity.py; its own flags)")
     sub.add_parser("soak", help="steady load with periodic engine restarts (bench/soak.py; its own flags)")

@@ -9,6 +9,7 @@ import pytest
 
 from bench.__main__ import build_parser, run_spec_from_args
 from bench.fleet import recovery
+from bench.fleet_table import fleet_rows, recovered_after, recovery_rows, targets, write_tables
 from bench.loadgen import _rotation
 from bench.replay import load_requests, run_replay
 
@@ -52,6 +53,49 @@ def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path):
     assert s["restart"]["down_at_s"] == pytest.approx(1.0, abs=0.5)
     assert s["recovery"]["after"] and s["recovery"]["before_100"] is not None
     assert (tmp_path / "probe" / "logs" / "sim-consumer-0-restarted.log").exists()
+
+
+def _summary(hit, p50, p99, **kw):
+    return {"hit_ratio": hit, "ttft_p50_ms": p50, "ttft_p99_ms": p99, "requests": 40, "errors": 0, **kw}
+
+
+def test_fleet_table_compares_each_mode_with_its_own_single_router(tmp_path):
+    summaries = {
+        ("prefix-groups", "probe", 1): _summary(0.80, 100, 400),
+        ("prefix-groups", "probe", 4): _summary(0.78, 110, 420),  # -2.5 %: within 3 %
+        ("prefix-groups", "prefix_tree", 1): _summary(0.80, 90, 380),
+        ("prefix-groups", "prefix_tree", 4): _summary(0.50, 150, 900),
+        ("multiturn", "probe", 1): _summary(0.60, 50, 200),
+        ("multiturn", "probe", 4): _summary(0.50, 60, 210),  # -16.7 %: missed
+        ("multiturn", "prefix_tree", 4): _summary(0.55, 40, 300),
+    }
+    rows = fleet_rows(summaries)
+    by = {(r["workload"], r["mode"], r["routers"]): r for r in rows}
+    assert by[("prefix-groups", "probe", 4)]["hit_vs_1_pct"] == -2.5
+    assert by[("prefix-groups", "prefix_tree", 4)]["hit_vs_1_pct"] == -37.5
+    assert by[("multiturn", "prefix_tree", 4)]["hit_vs_1_pct"] is None  # no N = 1 run to compare
+    checks = {(c["workload"], c["check"]): c for c in targets(rows)}
+    assert checks[("prefix-groups", "probe hit ratio at N=4 vs N=1")]["met"] is True
+    assert checks[("multiturn", "probe hit ratio at N=4 vs N=1")]["met"] is False
+    assert checks[("prefix-groups", "probe ttft_p50 < prefix_tree")]["met"] is True
+    assert checks[("multiturn", "probe ttft_p50 < prefix_tree")]["met"] is False  # 60 vs 40
+    assert checks[("multiturn", "probe ttft_p99 < prefix_tree")]["met"] is True
+    assert checks[("prefix-groups", "probe ttft_p50 < smg_cache_aware")]["met"] is None  # not measured
+    text = write_tables(tmp_path, rows, targets(rows), [])
+    assert "| prefix-groups | probe | 4 |" in text and (tmp_path / "fleet.json").exists()
+
+
+def test_recovery_counts_requests_until_the_hit_ratio_is_back():
+    assert recovered_after({"before_100": 0.8, "window": 25, "after": [0.1, 0.5, 0.79, 0.8]}) == 75
+    assert recovered_after({"before_100": 0.8, "window": 25, "after": [0.1, None, 0.2]}) is None
+    assert recovered_after({"before_100": None, "window": 25, "after": [0.9]}) is None
+    rows = recovery_rows({("trace", "probe"): {"routers": 4, "errors": 0, "recovery": {
+        "before_100": 0.6, "window": 25, "after": [0.2, 0.3, 0.4, 0.5, 0.59]}}})
+    assert rows[0]["recovered_after"] == 125 and rows[0]["within_100"] is False
+    assert rows[0]["after"] == "0.20 0.30 0.40 0.50 0.59"
+    # A run that ended before any window after the restart says nothing about recovery.
+    ended = recovery_rows({("multiturn", "probe"): {"recovery": {"before_100": 0.5, "window": 25, "after": []}}})
+    assert ended[0]["within_100"] is None
 
 
 @pytest.mark.skipif(not shutil.which("smg"), reason="sglang-router (smg) is a bench baseline, not a test dependency")
