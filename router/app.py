@@ -235,7 +235,7 @@ class RouterState:
 
     def _unbind_backend_gauges(self, name: str) -> None:
         m = self.metrics
-        for gauge in (m.inflight, m.healthy, m.breaker, m.draining):
+        for gauge in (m.inflight, m.healthy, m.breaker, m.draining, m.queued_tokens, m.prefill_speed):
             try:
                 gauge.remove(name)
             except KeyError:

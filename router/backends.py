@@ -252,6 +252,8 @@ class BackendRegistry:
         if not s.draining or s.inflight:
             raise ValueError(f"backend {name!r} must be drained and idle before removal")
         del self.states[name]
+        # A backend added again under this name may be another machine: its speed is learnt anew.
+        self.learner.forget_engine(name)
 
     def set_draining(self, name: str, draining: bool) -> None:
         """Take `name` out of rotation (its in-flight requests finish) or put it back."""

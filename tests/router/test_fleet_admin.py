@@ -81,8 +81,9 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         status, listed = await call(c, "GET", "/admin/backends")
         assert [b["name"] for b in listed] == ["d0"]
         # Its gauges are gone with it.
-        assert c.state.metrics.registry.get_sample_value(
-            "cachehit_router_backend_healthy", {"backend": "late"}) is None
+        for gauge in ("cachehit_router_backend_healthy", "cachehit_router_backend_queued_prefill_tokens",
+                      "cachehit_router_backend_prefill_tokens_per_second"):
+            assert c.state.metrics.registry.get_sample_value(gauge, {"backend": "late"}) is None, gauge
         before = await served(extra.url, c.session)
         for i in range(3):
             assert (await c.complete({"model": MODEL, "prompt": f"after {i}", "max_tokens": 2}))[0] == 200
