@@ -181,7 +181,7 @@ class RouterState:
     def apply_config(self, cfg: Config) -> None:
         """A reload's live keys (router/reload.py): requests that start from now on see
         them; those running keep what they started with."""
-        assert self.dispatcher is not None
+        assert self.dispatcher is not None and self.registry is not None
         old, self.config = self.config, cfg
         if (cfg.server.api_keys, cfg.server.admin_api_key) != (old.server.api_keys, old.server.admin_api_key):
             self.keys = KeyRing(cfg.server.api_keys, cfg.tenants, cfg.server.admin_api_key).keeping(self.keys)
@@ -189,6 +189,8 @@ class RouterState:
                 self._bind_tenant_gauges(t)
         logging.getLogger().setLevel(cfg.server.log_level.upper())
         if cfg.routing != old.routing:
+            # The cost model's priors; what it measured since the start stays.
+            self.registry.learner.prior = speed_prior(cfg.routing)
             strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
             if strategy.name == before.name and hasattr(before, "memory"):
                 strategy.memory = before.memory  # where prompts went is still true

@@ -242,6 +242,8 @@ class BackendRegistry:
         if config.name in self.states:
             raise ValueError(f"backend {config.name!r} already exists")
         s = self.states[config.name] = BackendState(config=config, models=config.models)
+        if config.prefill_tokens_per_s > 0:
+            self.learner.engine_per_token_s[config.name] = 1.0 / config.prefill_tokens_per_s
         return s
 
     def remove(self, name: str) -> None:
@@ -254,6 +256,7 @@ class BackendRegistry:
         del self.states[name]
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
+        self.learner.engine_per_token_s.pop(name, None)
 
     def set_draining(self, name: str, draining: bool) -> None:
         """Take `name` out of rotation (its in-flight requests finish) or put it back."""

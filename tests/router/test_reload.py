@@ -61,8 +61,9 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
         state.registry.set_draining("d0", False)
 
         backends = [b for b in configured(c) if b["name"] == "d0"] + [
-            {"name": "e0", "url": extra.url, "role": "decode", "models": [MODEL]}]
-        raw = raw_of(c, backends, routing={"cache_hit_threshold": 0.8}, server={"port": 1234})
+            {"name": "e0", "url": extra.url, "role": "decode", "models": [MODEL], "prefill_tokens_per_s": 3000.0}]
+        raw = raw_of(c, backends, routing={"cache_hit_threshold": 0.8, "prior_prefill_tokens_per_s": 5000.0},
+                     server={"port": 1234})
         with caplog.at_level(logging.WARNING, logger="cachehit_router.reload"):
             fixed = await reload(state, lambda: parse_config(raw))
         assert fixed == ["server.port"]
@@ -71,6 +72,9 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
         assert state.config.routing.cache_hit_threshold == 0.8
         assert state.dispatcher.routing.cache_hit_threshold == 0.8
         assert state.registry.states["e0"].healthy  # checked when added
+        # The cost model starts from the new priors: the fleet's, and the added engine's own.
+        assert state.registry.learner.prior.per_token_s == 1.0 / 5000.0
+        assert state.registry.learner.speed("e0").per_token_s == 1.0 / 3000.0
         assert state.registry.states["d1"].draining and state.fleet.removing("d1")
 
         status, events = await stream

@@ -170,3 +170,13 @@ def test_a_scrape_is_a_moment_of_the_past():
     now[0] = 0.5
     assert r.snapshot().get("d0").queued_tokens == 0.0
     assert r.snapshot().get("d0").decoding == 1.0
+
+
+def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it():
+    r = _registry(lambda: 0.0)
+    r.add(BackendConfig("late", "http://late", prefill_tokens_per_s=2000.0))
+    assert r.learner.speed("late").per_token_s == 1.0 / 2000.0  # not the fleet-wide prior
+    r.set_draining("late", True)
+    r.remove("late")
+    r.add(BackendConfig("late", "http://elsewhere"))  # another machine under the same name
+    assert r.learner.speed("late").per_token_s == r.learner.prior.per_token_s
