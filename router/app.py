@@ -237,7 +237,8 @@ class RouterState:
 
     def _unbind_backend_gauges(self, name: str) -> None:
         m = self.metrics
-        for gauge in (m.inflight, m.healthy, m.breaker, m.draining, m.queued_tokens, m.prefill_speed):
+        for gauge in (m.inflight, m.healthy, m.breaker, m.draining, m.queued_tokens, m.prefill_speed,
+                      m.threshold_capable):
             try:
                 gauge.remove(name)
             except KeyError:

@@ -302,7 +302,10 @@ class Forwarder:
             if name is None or len(exclude) >= attempts and not find:
                 break
             exclude.add(name)
-            cfg = registry.states[name].config
+            chosen = registry.states.get(name)
+            if chosen is None:  # removed from the fleet while it was being chosen
+                continue
+            cfg = chosen.config
             leg, trace = tracing.start_leg(tracing.LEG_FORWARD, name, request.path)
             headers = {**trace, **({"Content-Type": content_type} if content_type else {})}
             if cfg.api_key:

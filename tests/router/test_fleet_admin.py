@@ -82,8 +82,11 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         assert [b["name"] for b in listed] == ["d0"]
         # Its gauges are gone with it.
         for gauge in ("cachehit_router_backend_healthy", "cachehit_router_backend_queued_prefill_tokens",
-                      "cachehit_router_backend_prefill_tokens_per_second"):
+                      "cachehit_router_backend_prefill_tokens_per_second",
+                      "cachehit_router_backend_threshold_capable"):
             assert c.state.metrics.registry.get_sample_value(gauge, {"backend": "late"}) is None, gauge
+        # Its model entries no longer merge into the router's /v1/models.
+        assert "late" not in c.state.monitor.model_cards
         before = await served(extra.url, c.session)
         for i in range(3):
             assert (await c.complete({"model": MODEL, "prompt": f"after {i}", "max_tokens": 2}))[0] == 200
@@ -148,7 +151,8 @@ async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster
     assert set(c.state.registry.states) == {"d0"}
 
 
-@pytest.mark.parametrize("strategy, stream", [("round_robin", False), ("probe", False), ("probe", True)])
+@pytest.mark.parametrize("strategy, stream", [("round_robin", False), ("probe", False), ("probe", True),
+                                              ("round_robin", "whole")])
 async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster, strategy, stream):
     """A drain that ends right after a request was planned (the plan names a backend that is
     gone by the time its leg opens): the leg fails like a dead engine and goes elsewhere."""
@@ -171,7 +175,10 @@ async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster, 
 
     strategy_obj.plan = plan_then_lose_its_engine
     body = {"model": MODEL, "prompt": "planned before the removal", "max_tokens": 3}
-    if stream:
+    if stream == "whole":  # n > 1: answered whole by one engine, through the forwarder
+        status, out = await c.complete({**body, "n": 2, "temperature": 1.0})
+        assert status == 200 and len(out["choices"]) == 2, out
+    elif stream:
         status, events = await c.stream(body)
         assert status == 200 and events[-1] == "[DONE]", events
     else:
