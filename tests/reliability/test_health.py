@@ -39,6 +39,8 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
     engines = {n: procs.sim("--speed", "5") for n in ("d0", "d1")}
     router = procs.router({
         "server": {"admin_api_key": ADMIN},
+        # Every request races: the engine's return is shown by its winning a race.
+        "routing": {"race": "always"},
         "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, "failure_threshold": 3,
                    "cooldown_s": 1.0},
         "backends": sim_backends(engines),
