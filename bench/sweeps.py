@@ -1,4 +1,5 @@
-"""Threshold sweep and offered-load sweep (issue 5.4 and issue 7.5)."""
+"""Threshold sweep (hits, fallbacks, probe cost and TTFT against T) and offered-load sweep
+(TTFT against the request rate)."""
 from __future__ import annotations
 
 import asyncio

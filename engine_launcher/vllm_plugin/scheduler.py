@@ -18,7 +18,7 @@ Two checks, one rule (`threshold.below_threshold`: hit tokens / (prompt + genera
    vLLM reports grammar errors. A preempted request rejected here keeps the tokens it
    generated: the API server already has them (streamed, or accumulated for the final body).
 
-2. Arrival (issue 7.1, on by default; `--additional-config '{"cache_hit_arrival_check":
+2. Arrival (on by default; `--additional-config '{"cache_hit_arrival_check":
    false}'` turns it off). The WAITING loop only looks at a request once the running set has
    room, so under load a request that is going to be rejected waits in the queue for seconds.
    `add_request` therefore computes the hit rate at once with a read-only lookup:

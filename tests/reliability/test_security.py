@@ -1,4 +1,4 @@
-"""Security (issue 6, item 6).
+"""Security: what a hostile client must not reach.
 
 - client API keys (Authorization: Bearer, 401), the separate admin key, body limit (413);
 - internal fields stripped and hop-by-hop / client headers never forwarded: a capture

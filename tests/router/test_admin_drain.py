@@ -1,4 +1,4 @@
-"""An operator takes a backend out of rotation and puts it back (admin API, issue 6).
+"""An operator takes a backend out of rotation and puts it back (admin API).
 
 POST /admin/backends/{name}/drain: no new request or leg goes there (not even when every
 other backend is down: draining beats panic routing), the requests it serves finish;

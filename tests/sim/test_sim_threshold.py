@@ -1,4 +1,4 @@
-"""The cache-hit threshold (vLLM RFC 24256) and the arrival-time check (issue 7.2)."""
+"""The cache-hit threshold (vLLM RFC 24256) and the arrival-time check."""
 from __future__ import annotations
 
 import asyncio
