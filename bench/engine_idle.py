@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             r = run_setting(setting, a, log_dir)
             results.append(r)
             print(json.dumps(r), flush=True)
-    print(f"\n| setting | idle CPU % of a core (producer, consumer) before / after transfers "
-          f"| prefill p50 ms | decode (NIXL pull) p50 / p90 ms |")
+    print("\n| setting | idle CPU % of a core (producer, consumer) before / after transfers "
+          "| prefill p50 ms | decode (NIXL pull) p50 / p90 ms |")
     print("|---|---|---|---|")
     for r in results:
         b = ", ".join(f"{x:.1f}" for x in r["idle_cpu_pct_before"])

@@ -37,7 +37,7 @@ from engine_launcher.sim import tokenizer as simtok
 from . import workloads as wl
 from .cluster import (EXTERNAL_MODES, ROUTER_MODES, Cluster, RouterOptions, SimOptions, buckets_delta,
                       counters_delta, engine_counters, histogram_buckets, histogram_quantile, metric_sum,
-                      scrape, sum_buckets)
+                      sum_buckets)
 from .fleet import SMG_MODES, Samplers, recovery, restart_engine_at, scrape_all, start_replicas
 from .loadgen import Result, run_open_loop, run_sessions
 from .procs import ProcessSet, RSSSampler, cpu_list

@@ -14,10 +14,13 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import urlsplit
 
 from .tenants import TenantConfig, validate_tenant
+
+if TYPE_CHECKING:  # discovery_config imports this module
+    from .discovery_config import DiscoveryConfig
 
 
 class ConfigError(ValueError):
@@ -212,7 +215,7 @@ class Config:
     engines: tuple[EngineConfig, ...] = ()
     # Client keys with limits of their own (router/tenants.py).
     tenants: tuple[TenantConfig, ...] = ()
-    discovery: tuple["DiscoveryConfig", ...] = ()  # router/discovery_config.py
+    discovery: tuple[DiscoveryConfig, ...] = ()  # router/discovery_config.py
 
     def all_backends(self, engine_urls: dict[str, str] | None = None) -> tuple[BackendConfig, ...]:
         """Backends declared directly plus registered engines.
