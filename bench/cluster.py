@@ -16,7 +16,12 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 import tomli_w
 
+from router.config import RoutingConfig, ServerConfig
+
 from .procs import PY, Proc, ProcessSet, free_ports, pinned, wait_http
+
+_ROUTING = RoutingConfig()
+_SERVER = ServerConfig()
 
 MODEL = "sim-model"
 
@@ -66,14 +71,17 @@ class SimOptions:
 
 @dataclass
 class RouterOptions:
-    strategy: str = "probe"
-    threshold: float = 0.5
-    probe_deadline_ms: float = 250.0
-    min_pd_prompt_tokens: int = 256
-    decode_guard_threshold: float = 0.0
-    max_probe_waiting: int = 0
-    max_probes: int = 0
-    log_level: str = "info"
+    """The routing keys a bench run sets; defaults are the router's own."""
+
+    strategy: str = _ROUTING.strategy
+    threshold: float = _ROUTING.cache_hit_threshold
+    probe_deadline_ms: float = _ROUTING.probe_deadline_ms
+    min_pd_prompt_tokens: int = _ROUTING.min_pd_prompt_tokens
+    decode_guard_threshold: float = _ROUTING.decode_guard_threshold
+    max_probe_waiting: int = _ROUTING.max_probe_waiting
+    max_probes: int = _ROUTING.max_probes
+    log_level: str = _SERVER.log_level
+    # Far above the router's defaults: a bench measures routing, not admission control.
     max_concurrent_requests: int = 4096
     max_queued_requests: int = 4096
     extra_routing: dict = field(default_factory=dict)

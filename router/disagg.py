@@ -12,7 +12,6 @@ forwarded to a consumer always come from a configured producer's answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from .legs import streamed_leg_body
 from .upstream import ENGINE_ERROR, STATUS, UpstreamError
@@ -48,25 +47,18 @@ def decode_leg_body(body: dict, kv_transfer_params: dict, threshold: float) -> d
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    kv_transfer_params: dict
-    prompt_tokens: int | None
-
-
 class PrefillProtocolError(ValueError):
     """The producer's answer lacks usable transfer parameters."""
 
 
-def parse_prefill_response(resp: dict) -> PrefillResult:
+def parse_prefill_response(resp: dict) -> dict:
+    """The producer's `kv_transfer_params`, which the decode leg sends on verbatim."""
     params = resp.get(KV_TRANSFER_PARAMS)
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         raise PrefillProtocolError(
             "the prefill engine returned no kv_transfer_params with do_remote_prefill; is it "
             "started with a kv_producer NixlConnector?")
-    usage = resp.get("usage")
-    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return PrefillResult(params, prompt_tokens if isinstance(prompt_tokens, int) else None)
+    return params
 
 
 def recompute_after_failed_decode(error: UpstreamError | None) -> bool:

@@ -504,7 +504,7 @@ class Dispatcher:
         if prompt is not None:
             held = usage_cached_tokens(resp) or 0
             self.registry.learn_first_token(ticket, prompt - held, held)
-        return parse_prefill_response(resp).kv_transfer_params
+        return parse_prefill_response(resp)
 
     def _won(self, query: RouteQuery, result: RaceResult, route: str, rec: RequestRecord,
              tickets: dict[str, LegTicket]) -> Leg:

@@ -61,10 +61,6 @@ class RaceResult:
         return {o.backend: o.hit_tokens for o in self.outcomes if o.hit_tokens}
 
     @property
-    def loser_tokens(self) -> int:
-        return sum(o.tokens_seen for o in self.outcomes if o.verdict == LOST)
-
-    @property
     def client_error(self) -> UpstreamError | None:
         """An engine refused the request itself (4xx): the same request fails everywhere."""
         for o in self.outcomes:

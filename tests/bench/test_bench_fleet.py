@@ -3,7 +3,6 @@ scale, and the recovery figure on hand-made rows."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import pytest
 
@@ -98,8 +97,8 @@ def test_recovery_counts_requests_until_the_hit_ratio_is_back():
     assert ended[0]["within_100"] is None
 
 
-@pytest.mark.skipif(not shutil.which("smg"), reason="sglang-router (smg) is a bench baseline, not a test dependency")
 def test_smg_replicas(tmp_path):
+    # sglang-router comes with the bench extra, which the test command installs.
     a = build_parser().parse_args(["replay", *TINY, "--routers", "2", "--out", str(tmp_path)])
     s = asyncio.run(run_replay(run_spec_from_args(a, "smg_cache_aware", tmp_path / "smg")))
     assert s["routers"] == 2 and s["errors"] == 0, s.get("error_examples")
