@@ -12,7 +12,8 @@ configured per workload: each starts at a prior and follows the measurements:
   Engines of a fleet are usually alike, so every sample also feeds one fleet-wide fit; an
   engine with fewer than `OWN_FIT_SAMPLES` samples of its own is predicted by the fleet's
   (an engine judged by the prior while its peers are measured would be wrongly skipped or
-  wrongly chosen), and its own fit starts from the fleet's. An engine configured with its
+  wrongly chosen), and its own fit starts from the fleet's; its per-token cost stays within
+  `OWN_FIT_SPREAD` of the fleet's. An engine configured with its
   own speed (`[[backends]] prefill_tokens_per_s`: other hardware) starts from that instead.
   The fleet fit starts at the routing prior.
 - transfer: decode legs that pulled their KV, (prompt tokens) -> seconds to first token.
@@ -36,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import RoutingConfig
-from .costmodel import EngineSpeed, TransferSpeed
+from .costmodel import MIN_PER_TOKEN_S, EngineSpeed, TransferSpeed
 
 # Forgetting factor: a sample's weight halves after ~70 newer samples, so the fit follows
 # an engine that slows down (a noisy neighbour, a bigger batch) within a minute or two.
@@ -44,8 +45,15 @@ FORGET = 0.99
 # Residuals are clipped at this many times their running mean size once warmed up.
 CLIP_SCALE = 5.0
 WARMUP_SAMPLES = 8
-# Samples an engine needs before its own fit replaces the fleet's.
-OWN_FIT_SAMPLES = 5
+# Samples an engine needs before its own fit replaces the fleet's: three coefficients from
+# samples that scatter by hundreds of milliseconds under load need a couple of dozen.
+OWN_FIT_SAMPLES = 20
+# How far an engine's own per-token cost may stray from the fleet's (engines of one fleet
+# differ by a hardware generation or two, ~2-3x). A fit past it is the model's error, not
+# the engine's: one first token that came far sooner than the queue ahead implied (a
+# scheduler that interleaves prefills) once drove an engine's cost to ~0, so it looked idle
+# whatever its queue and drew every request until its own late first tokens corrected it.
+OWN_FIT_SPREAD = 4.0
 # Typical scatter of an observed time to first token around the model (seconds).
 NOISE_S = 0.005
 
@@ -251,6 +259,9 @@ class SpeedLearner:
             a, b, c = self._fleet_fit().theta
             return EngineSpeed(a, b, c, 0 if fit is None else fit.samples, held)
         a, b, c = fit.theta
+        if not own_prior:  # an engine configured as other hardware is judged on its own
+            fleet = max(self._fleet_fit().theta[1], MIN_PER_TOKEN_S)
+            b = min(max(b, fleet / OWN_FIT_SPREAD), fleet * OWN_FIT_SPREAD)
         return EngineSpeed(a, b, c, fit.samples, held)
 
     def transfer(self) -> TransferSpeed:

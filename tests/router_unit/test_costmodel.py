@@ -180,3 +180,19 @@ def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_re
     r.remove("late")
     r.add(BackendConfig("late", "http://elsewhere"))  # another machine under the same name
     assert r.learner.speed("late").per_token_s == r.learner.prior.per_token_s
+
+
+def test_one_surprising_first_token_cannot_make_an_engine_look_idle():
+    """An engine's own fit stays within a few times the fleet's per-token cost: a first
+    token far sooner than the queue ahead implied (a scheduler that interleaves prefills)
+    must not make the engine look free whatever its queue, or a load-aware policy sends it
+    everything."""
+    learner = SpeedLearner(SpeedPrior())
+    rng = random.Random(9)
+    for i in range(40):  # a loaded fleet: 3 ms per token, first tokens scattered -50%..+80%
+        n = rng.uniform(30, 2000) + rng.uniform(0, 3000)
+        learner.observe_first_token(f"d{i % 4}", n, rng.randint(0, 8), (0.02 + 3e-3 * n) * rng.uniform(0.5, 1.8))
+    fleet = learner.speed("d1").per_token_s
+    learner.observe_first_token("d1", 10_000, 2, 0.07)  # 10,000 tokens ahead, answered in 70 ms
+    assert learner.speed("d1").per_token_s >= fleet / 4 * 0.99
+    assert learner.speed("d1").ttft(10_000, 2) > 5.0
