@@ -112,7 +112,8 @@ class RouterState:
         for s in self.registry.states.values():
             self._bind_backend_gauges(s)
         learner = self.registry.learner
-        self.metrics.race_saving_share.set_function(lambda: learner.race_saving_share)
+        self.metrics.race_saving_share.labels("placed").set_function(lambda: learner.race_saving_share)
+        self.metrics.race_saving_share.labels("unplaced").set_function(lambda: learner.race_saving_share_unplaced)
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
         self.client = UpstreamClient(cfg.timeouts, cfg.server.stream_buffer_bytes)
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)

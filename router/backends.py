@@ -101,6 +101,7 @@ class ClusterSnapshot:
     chars_per_token: float = 4.0
     race_wait_s: float = 0.005  # what waiting for the verdicts of a race nobody won costs
     race_saving_share: float = 0.5  # share of a prompt's prefill time races have been saving
+    race_saving_share_unplaced: float = 0.5  # the same for prompts the memory places nowhere
 
     def decoders(self, model: str | None) -> list[BackendView]:
         """Available decode backends for `model`. If none is available, every decode
@@ -197,7 +198,7 @@ class BackendRegistry:
                 speed=learner.speed(c.name),
                 threshold_capable=s.threshold_capable is not False))
         return ClusterSnapshot(tuple(views), learner.transfer(), learner.chars_per_token, learner.race_wait_s,
-                               learner.race_saving_share)
+                               learner.race_saving_share, learner.race_saving_share_unplaced)
 
     def _queued_tokens(self, s: BackendState, now: float) -> float:
         """Own queued prefill tokens, plus other replicas' waiting requests as the last

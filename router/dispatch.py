@@ -404,7 +404,8 @@ class Dispatcher:
         learner = self.registry.learner
         if exclude is None:
             assert result.winner is not None
-            learner.observe_race(race_value(plan, snap, n, expected, result.winner.backend, None, reported), None)
+            learner.observe_race(race_value(plan, snap, n, expected, result.winner.backend, None, reported), None,
+                                 plan.placed)
             return None
         decoders = [b for b in snap.backends if b.decodes]
         recent = 2.0 * max((predicted_ttft(b, n) for b in decoders), default=0.0)
@@ -419,7 +420,8 @@ class Dispatcher:
         fallback = (plan_fallback(query, snap, self.routing, n, exclude | silent, hits)
                     or plan_fallback(query, snap, self.routing, n, exclude, hits))
         learner.observe_race(race_value(plan, snap, n, expected, None,
-                                        fallback.predicted_ttft_s if fallback else None, reported), waited_s)
+                                        fallback.predicted_ttft_s if fallback else None, reported), waited_s,
+                             plan.placed)
         return fallback
 
     @staticmethod

@@ -107,8 +107,9 @@ class RouterMetrics:
         self.prefill_speed = Gauge("cachehit_router_backend_prefill_tokens_per_second",
                                    "The cost model's measured prefill speed of the engine", ["backend"], registry=r)
         self.race_saving_share = Gauge("cachehit_router_race_saving_share",
-                                       "Share of a prompt's prefill time probe races have been saving (measured)",
-                                       registry=r)
+                                       "Share of a prompt's prefill time probe races have been saving (measured), "
+                                       "for prompts the router's prefix memory places on an engine or not",
+                                       ["memory"], registry=r)
         self.race_wait = Gauge("cachehit_router_race_wait_seconds",
                                "What waiting for the verdicts of a race nobody won has been costing (measured)",
                                registry=r)

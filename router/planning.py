@@ -74,6 +74,9 @@ class Plan:
     # The race was skipped: the prompt is computed where the fallback's cost model says,
     # which may be a prefill/decode split (router/fallback.py).
     skipped_race: bool = False
+    # The prefix memory expected the prompt on some engine (what a race is worth is
+    # measured apart for prompts it places and prompts it does not).
+    placed: bool = True
 
     @property
     def empty(self) -> bool:
@@ -178,12 +181,14 @@ class ProbeStrategy:
         best = snap.get(cold.direct)
         # What the memory expects is a guess (engines evict; other replicas route too), so
         # the most a race can save is the whole prompt's prefill on the cold choice.
-        skip = replace(cold, skipped_race=True)
+        placed = any(v > 0.0 for v in hits.values())
+        skip = replace(cold, skipped_race=True, placed=placed)
         most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
         if self.routing.race == "auto":
             if most <= snap.race_wait_s:
                 return skip
-            if snap.race_saving_share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
+            share = snap.race_saving_share if placed else snap.race_saving_share_unplaced
+            if share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
                 return skip
         t = self.routing.cache_hit_threshold
         _, from_scratch = fastest(decoders, lambda b: n, query.salt)
@@ -205,7 +210,7 @@ class ProbeStrategy:
                     deadline_s=self.routing.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
                     deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
                     probe_ttft_s=tuple(s for s, _ in worth), cold=cold.direct,
-                    cold_ttft_s=cold.predicted_ttft_s, scratch_ttft_s=from_scratch)
+                    cold_ttft_s=cold.predicted_ttft_s, scratch_ttft_s=from_scratch, placed=placed)
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.memory.insert(self.memory.chunk_hashes(query.text), backend)

@@ -152,7 +152,11 @@ class SpeedLearner:
     race_wait_s: float = 0.005
     # Optimistic start: races are assumed worth half the prompt until measured.
     race_saving_share: float = 0.5
+    # The same for prompts the router's prefix memory places nowhere: cold, or sent by
+    # other replicas. Only the engines can find those, so the two are measured apart.
+    race_saving_share_unplaced: float = 0.5
     _races: int = 0  # races observed (race_saving_share)
+    _races_unplaced: int = 0
     _waits: int = 0  # races nobody won (race_wait_s)
     _engines: dict[str, OnlineLinear] = field(default_factory=dict)
     _fleet: OnlineLinear | None = None
@@ -236,12 +240,19 @@ class SpeedLearner:
             if text_chars > 0:
                 self.chars_per_token = _ewma(self.chars_per_token, text_chars / prompt_tokens, 0.05)
 
-    def observe_race(self, saving_share: float, waited_s: float | None) -> None:
+    def observe_race(self, saving_share: float, waited_s: float | None, placed: bool = True) -> None:
         """One race: the share of the prompt's prefill time it saved, and (when nobody
-        accepted) how long the verdicts took."""
-        alpha = _running_alpha(self._races, 0.05)
-        self._races += 1
-        self.race_saving_share = _ewma(self.race_saving_share, min(max(saving_share, 0.0), 1.0), alpha)
+        accepted) how long the verdicts took. `placed`: the prefix memory expected the
+        prompt on some engine."""
+        share = min(max(saving_share, 0.0), 1.0)
+        if placed:
+            alpha = _running_alpha(self._races, 0.05)
+            self._races += 1
+            self.race_saving_share = _ewma(self.race_saving_share, share, alpha)
+        else:
+            alpha = _running_alpha(self._races_unplaced, 0.05)
+            self._races_unplaced += 1
+            self.race_saving_share_unplaced = _ewma(self.race_saving_share_unplaced, share, alpha)
         if waited_s is not None and waited_s >= 0.0:
             alpha = _running_alpha(self._waits, 0.05)
             self._waits += 1

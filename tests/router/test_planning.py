@@ -26,8 +26,9 @@ def view(name, *, decodes=True, prefills=False, available=True, inflight=0, runn
 
 
 def snap(*views, transfer=TransferSpeed(0.005, 1e-5), race_wait_s=0.002, race_saving_share=0.5):
+    # Races measured alike for prompts the memory places and prompts it does not.
     return ClusterSnapshot(tuple(views), transfer=transfer, chars_per_token=4.0, race_wait_s=race_wait_s,
-                           race_saving_share=race_saving_share)
+                           race_saving_share=race_saving_share, race_saving_share_unplaced=race_saving_share)
 
 
 Q = RouteQuery(model="m", text="hello world " * 100, prompt_tokens=1000)
@@ -333,3 +334,19 @@ def test_a_cpu_tier_hit_costs_more_than_a_gpu_hit_and_less_than_a_recompute():
     # A measured load cost above the recompute cost never makes a hit worse than a miss.
     slow = replace(SPEED, held_per_token_s=1.0)
     assert ttft(slow, 0, 0, 200, 800) == ttft(SPEED, 0, 0, 1000)
+
+
+def test_probe_races_prompts_its_memory_does_not_place_where_those_races_pay():
+    # Races over placed prompts saved nothing, races over unplaced ones (other replicas'
+    # traffic) half the prefill: a prompt the memory knows goes straight to its holder,
+    # one it does not know is raced.
+    s = ClusterSnapshot((view("d0"), view("d1")), transfer=TransferSpeed(0.005, 1e-5), chars_per_token=4.0,
+                        race_wait_s=0.01, race_saving_share=0.0, race_saving_share_unplaced=0.5)
+    probe = ProbeStrategy(R)
+    unknown = RouteQuery("m", "never seen " * 100, salt=1, prompt_tokens=1000)
+    plan = probe.plan(unknown, s)
+    assert plan.probes == ("d0", "d1") and plan.placed is False
+    known = RouteQuery("m", Q.text, salt=1, prompt_tokens=1000)
+    probe.on_routed(known, "d1")
+    plan = probe.plan(known, s)
+    assert plan.skipped_race and plan.placed and plan.direct == "d1"

@@ -196,3 +196,15 @@ def test_one_surprising_first_token_cannot_make_an_engine_look_idle():
     learner.observe_first_token("d1", 10_000, 2, 0.07)  # 10,000 tokens ahead, answered in 70 ms
     assert learner.speed("d1").per_token_s >= fleet / 4 * 0.99
     assert learner.speed("d1").ttft(10_000, 2) > 5.0
+
+
+def test_races_are_judged_apart_for_prompts_the_memory_places_and_prompts_it_does_not():
+    """With one router the memory knows where prompts went and races save nothing; behind
+    other replicas the prompts this router never saw are found only by racing. The two
+    are measured apart, so the one does not talk the router out of the other."""
+    learner = SpeedLearner(SpeedPrior())
+    for _ in range(30):
+        learner.observe_race(0.0, None, placed=True)
+        learner.observe_race(0.6, None, placed=False)
+    assert learner.race_saving_share < 0.05
+    assert learner.race_saving_share_unplaced > 0.5
