@@ -24,9 +24,17 @@ def _dnsmasq_binary() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free for both UDP and TCP on loopback (dnsmasq listens on both)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.bind(("127.0.0.1", 0))
+            port = udp.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+                try:
+                    tcp.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
 
 
 class DnsServer:
@@ -89,15 +97,28 @@ async def dns_server(tmp_path):
         if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE"):
             pytest.fail(message)
         pytest.skip(message)
-    server = DnsServer(binary, tmp_path)
+    server = await _start(binary, tmp_path)
     try:
-        loop = asyncio.get_running_loop()
+        yield server
+    finally:
+        server.close()
+
+
+async def _start(binary: str, workdir: Path, attempts: int = 5) -> DnsServer:
+    """Start dnsmasq and wait until it answers; another process may take the free port between
+    choosing it and dnsmasq binding it, so a bind failure tries a new port."""
+    loop = asyncio.get_running_loop()
+    for attempt in range(attempts):
+        server = DnsServer(binary, workdir)
         end = loop.time() + 10.0
         while await server.resolve("nothing.test") is None:  # up and answering (NXDOMAIN)
             if server.proc.poll() is not None or loop.time() >= end:
                 server.close()
-                raise RuntimeError(f"dnsmasq did not start: {server.proc.stderr.read().decode()}")
+                error = server.proc.stderr.read().decode()
+                if "Address already in use" in error and attempt + 1 < attempts:
+                    break
+                raise RuntimeError(f"dnsmasq did not start: {error}")
             await asyncio.sleep(0.02)
-        yield server
-    finally:
-        server.close()
+        else:
+            return server
+    raise AssertionError("unreachable")
