@@ -1,10 +1,9 @@
 """The aiohttp application: routes, middlewares and lifecycle.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health
-(alive), GET /ready (a decode backend can take requests), GET /metrics, and the admin
-routes GET/POST /admin/backends, DELETE /admin/backends/{name}, POST
-/admin/backends/{name}/drain and .../enable (need server.admin_api_key; backends that come
-and go: `router/fleet.py`, SIGHUP reload: `router/reload.py`). Lifecycle: start the engines the
+(alive), GET /ready (a decode backend can take requests), GET /metrics, vLLM's other routes
+(`router/forward.py`) and the admin routes (`router/admin.py`; backends that come and go:
+`router/fleet.py`, SIGHUP reload: `router/reload.py`). Lifecycle: start the engines the
 configuration declares (engine_launcher's Supervisor), build the backend registry, run one
 health round before serving, scrape in the background, and on shutdown stop listening, let
 in-flight requests drain for up to server.drain_timeout_s, cancel the rest cleanly (503 or
@@ -17,17 +16,17 @@ import functools
 import logging
 import time
 
-import orjson
 from aiohttp import web
 
 from . import errors
+from .admin import AdminApi
 from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, parse_request
-from .backends import BREAKER_STATE_VALUE, BackendRegistry, BackendState
+from .backends import BackendRegistry
 from .clientlog import escape
 from .config import Config
 from .discovery import Discovery
 from .dispatch import Dispatcher
-from .fleet import ADMIN, CONFIG, ENGINES, Fleet, backend_from_admin
+from .fleet import CONFIG, ENGINES, Fleet
 from .forward import Forwarder
 from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
@@ -35,7 +34,8 @@ from .memtrim import IdleTrimmer
 from .metrics import RequestRecord, RouterMetrics
 from .planning import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
-from .respond import ClientStalled, SSEWriter
+from .respond import ClientStalled, SSEWriter, error_response, json_response
+from .request_body import check_length, expect_handler, read_body
 from .shaping import ResponseShaper
 from . import tracing
 from .trace_context import answer_request_id, client_request_id
@@ -46,16 +46,6 @@ from .upstream import UpstreamClient
 log = logging.getLogger("cachehit_router.app")
 
 ROUTER_KEY = web.AppKey("router", "RouterState")
-
-
-def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
-                        headers=headers)
-
-
-def error_response(err: errors.RouterError) -> web.Response:
-    return web.Response(body=err.body_bytes(), status=err.status, content_type="application/json",
-                        headers=err.headers or None)
 
 
 class RouterState:
@@ -87,7 +77,7 @@ class RouterState:
         self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
         self.keys = KeyRing(config.server.api_keys, config.tenants, config.server.admin_api_key)
         for t in (self.limiter.anonymous, *self.keys.tenants):
-            self._bind_tenant_gauges(t)
+            self.metrics.bind_tenant(t)
         self.fleet: Fleet | None = None
         self.discovery: Discovery | None = None
         # Graceful shutdown (drain): the generation handlers running now, whether the
@@ -109,17 +99,17 @@ class RouterState:
             engine_urls = await self.supervisor.start(progress=_log_progress)
         self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health,
                                         learner=SpeedLearner(speed_prior(cfg.routing)))
-        for s in self.registry.states.values():
-            self._bind_backend_gauges(s)
         learner = self.registry.learner
+        for s in self.registry.states.values():
+            self.metrics.bind_backend(s, learner)
         self.metrics.race_saving_share.labels("placed").set_function(lambda: learner.race_saving_share)
         self.metrics.race_saving_share.labels("unplaced").set_function(lambda: learner.race_saving_share_unplaced)
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
         self.client = UpstreamClient(cfg.timeouts, cfg.server.stream_buffer_bytes)
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
         configured = {b.name for b in cfg.backends}
-        self.fleet = Fleet(self.registry, self.monitor, on_added=self._bind_backend_gauges,
-                           on_removed=self._unbind_backend_gauges,
+        self.fleet = Fleet(self.registry, self.monitor, on_added=lambda s: self.metrics.bind_backend(s, learner),
+                           on_removed=self.metrics.unbind_backend,
                            initial={n: CONFIG if n in configured else ENGINES for n in self.registry.states})
         await self.monitor.check_all()
         self.monitor.start()
@@ -187,7 +177,7 @@ class RouterState:
         if (cfg.server.api_keys, cfg.server.admin_api_key) != (old.server.api_keys, old.server.admin_api_key):
             self.keys = KeyRing(cfg.server.api_keys, cfg.tenants, cfg.server.admin_api_key).keeping(self.keys)
             for t in self.keys.tenants:
-                self._bind_tenant_gauges(t)
+                self.metrics.bind_tenant(t)
         logging.getLogger().setLevel(cfg.server.log_level.upper())
         if cfg.routing != old.routing:
             # The cost model's priors; what it measured since the start stays.
@@ -196,26 +186,6 @@ class RouterState:
             if strategy.name == before.name and hasattr(before, "memory"):
                 strategy.memory = before.memory  # where prompts went is still true
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.metrics)
-
-    def _bind_backend_gauges(self, s: BackendState) -> None:
-        # The gauges read the backend's state when scraped: nothing to do on the request
-        # path, and always the current values.
-        name = s.config.name
-        m = self.metrics
-        m.inflight.labels(name).set_function(lambda: s.inflight)
-        m.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)
-        m.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
-        m.draining.labels(name).set_function(lambda: 1 if s.draining else 0)
-        registry = self.registry
-        assert registry is not None
-        m.queued_tokens.labels(name).set_function(lambda: s.queued_tokens)
-        m.prefill_speed.labels(name).set_function(lambda: 1.0 / max(registry.learner.speed(name).per_token_s, 1e-9))
-        m.threshold_capable.labels(name).set_function(
-            lambda: -1 if s.threshold_capable is None else int(s.threshold_capable))
-
-    def _bind_tenant_gauges(self, t: Tenant) -> None:
-        self.metrics.tenant_inflight.labels(t.name).set_function(lambda: t.active)
-        self.metrics.tenant_queued.labels(t.name).set_function(lambda: t.queued)
 
     def identify(self, request: web.Request) -> tuple[Tenant, int]:
         """The request's tenant (401 for a missing or wrong key) and its priority."""
@@ -236,15 +206,6 @@ class RouterState:
         if not self._client_inflight:
             self._trimmer.idle()  # the burst is over: give the heap back soon
 
-    def _unbind_backend_gauges(self, name: str) -> None:
-        m = self.metrics
-        for gauge in (m.inflight, m.healthy, m.breaker, m.draining, m.queued_tokens, m.prefill_speed,
-                      m.threshold_capable):
-            try:
-                gauge.remove(name)
-            except KeyError:
-                pass
-
     # --- handlers ----------------------------------------------------------------------
     async def handle_generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         assert self.registry is not None and self.dispatcher is not None
@@ -262,12 +223,12 @@ class RouterState:
             if self.draining:
                 raise errors.RouterError(503, "The router is shutting down; send the request again "
                                               "(it reaches another router or this one once restarted).")
-            self._check_length(request)
+            check_length(request, self.config.server)
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
             async with self.limiter.slot(tenant, priority):
                 header_id = client_request_id(request)
-                raw = await self._read_body(request)
+                raw = await read_body(request, self.config.server)
                 served = self.registry.models()
                 spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None,
                                      header_request_id=header_id)
@@ -351,41 +312,11 @@ class RouterState:
                 rec.completion_tokens = len(shaper.generated_token_ids)
             self.metrics.record(rec)
 
-    def _check_length(self, request: web.Request) -> None:
-        limit = self.config.server.max_body_bytes
-        length = request.content_length  # parsed from the headers on every access
-        if length is not None and length > limit:
-            raise errors.payload_too_large(limit)
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.config.server.max_body_bytes
-        self._check_length(request)
-        timeout = self.config.server.body_timeout_s
-        try:
-            if not request.content.is_eof():
-                await _invite_body(request)
-            if request.content.is_eof():
-                # The whole body is already buffered (a small body arrives with the
-                # headers): read() cannot wait, so no timer to arm and cancel.
-                return await request.read()
-            async with asyncio.timeout(timeout):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise errors.payload_too_large(limit) from None
-        except web.RequestPayloadError as e:
-            # The body is not what its headers say (a Content-Encoding it is not encoded
-            # in, broken chunked framing): the client's error.
-            detail = getattr(e.__cause__, "message", None) or str(e)
-            raise errors.RouterError(400, f"The request body could not be read: {detail.strip()}") from None
-        except TimeoutError:
-            raise errors.RouterError(
-                408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s.") from None
-
     async def handle_models(self, request: web.Request) -> web.Response:
         assert self.registry is not None
         if self.keys.required and self.keys.tenant_of(request.headers) is None:
             return error_response(errors.unauthorized())
-        return json_response(models_answer(self.registry, self.monitor.model_cards if self.monitor else {}))
+        return json_response(self.monitor.models_answer() if self.monitor else {"object": "list", "data": []})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -402,127 +333,9 @@ class RouterState:
         return web.Response(body=self.metrics.exposition(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    def _admin_refusal(self, request: web.Request) -> web.Response | None:
-        """Admin routes exist only with server.admin_api_key, and only for that key."""
-        if not self.keys.has_admin:
-            return error_response(errors.route_not_found())
-        if not self.keys.is_admin(request.headers):
-            return error_response(errors.unauthorized())
-        return None
-
-    async def handle_admin_backends(self, request: web.Request) -> web.Response:
-        assert self.registry is not None
-        refusal = self._admin_refusal(request)
-        if refusal is not None:
-            return refusal
-        return json_response([self._fleet_view(s) for s in self.registry.states.values()])
-
-    def _fleet_view(self, s: BackendState) -> dict:
-        name = s.config.name
-        return {**_admin_view(s), "source": self.fleet.owner.get(name) if self.fleet else None,
-                "removing": self.fleet.removing(name) if self.fleet else False}
-
-    async def handle_admin_drain(self, request: web.Request, draining: bool) -> web.Response:
-        """POST /admin/backends/{name}/drain | /enable: take a backend out of rotation
-        (requests it is serving finish) or put it back."""
-        assert self.registry is not None
-        refusal = self._admin_refusal(request)
-        if refusal is not None:
-            return refusal
-        name = request.match_info["name"]
-        state = self.registry.states.get(name)
-        if state is None:
-            return error_response(errors.RouterError(
-                404, f"No backend named {name!r}; configured: {', '.join(self.registry.states)}.",
-                param="name"))
-        if not draining and self.fleet is not None and self.fleet.removing(name):
-            return error_response(errors.RouterError(
-                409, f"Backend {name!r} is being removed; add it again instead.", param="name"))
-        self.registry.set_draining(name, draining)
-        return json_response(_admin_view(state))
-
-    async def handle_admin_add(self, request: web.Request) -> web.Response:
-        """POST /admin/backends {"name", "url", "role", "models"}: a new backend, in
-        rotation once its health check passes (201 with its state)."""
-        assert self.registry is not None and self.fleet is not None
-        refusal = self._admin_refusal(request)
-        if refusal is not None:
-            return refusal
-        try:
-            config = backend_from_admin(orjson.loads(await request.read()))
-        except orjson.JSONDecodeError:
-            return error_response(errors.bad_request("The body is not valid JSON."))
-        except errors.RouterError as e:
-            return error_response(e)
-        if config.name in self.registry.states and not (
-                self.fleet.removing(config.name) and self.registry.states[config.name].config == config):
-            return error_response(errors.RouterError(
-                409, f"A backend named {config.name!r} already exists.", param="name"))
-        state = await self.fleet.add(config, ADMIN)
-        return json_response(self._fleet_view(state), status=201)
-
-    async def handle_admin_remove(self, request: web.Request) -> web.Response:
-        """DELETE /admin/backends/{name}: drained now (no new requests), forgotten once the
-        requests it serves have finished (202; GET /admin/backends shows it until then)."""
-        assert self.registry is not None and self.fleet is not None
-        refusal = self._admin_refusal(request)
-        if refusal is not None:
-            return refusal
-        name = request.match_info["name"]
-        state = self.registry.states.get(name)
-        if state is None:
-            return error_response(errors.RouterError(
-                404, f"No backend named {name!r}; known: {', '.join(self.registry.states)}.", param="name"))
-        self.fleet.remove(name)
-        return json_response(self._fleet_view(state), status=202)
-
-
-def _admin_view(s: BackendState) -> dict:
-    return {
-        "name": s.config.name, "url": s.config.url, "role": s.config.role, "models": list(s.models),
-        "healthy": s.healthy, "breaker": s.breaker, "draining": s.draining, "inflight": s.inflight,
-        "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
-        "consecutive_failures": s.consecutive_failures, "last_error": s.last_error}
-
-
-def models_answer(registry: BackendRegistry, cards: dict[str, list[dict]]) -> dict:
-    """vLLM's ModelList over the healthy backends: each model once, as an engine serving it
-    describes it (root, parent for a LoRA adapter, max_model_len); a model only known from
-    the configuration gets a card of its own."""
-    out: dict[str, dict] = {}
-    served = set(registry.models())
-    for name, state in registry.states.items():
-        if not state.healthy:
-            continue
-        for c in cards.get(name, ()):
-            if c["id"] in served:
-                out.setdefault(c["id"], c)
-    created = int(time.time())
-    for m in served - out.keys():
-        out[m] = {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
-                  "parent": None, "max_model_len": None, "permission": []}
-    return {"object": "list", "data": list(out.values())}
-
 
 async def _discard(chunks: list[dict]) -> None:
     return None
-
-
-async def _expect_handler(request: web.Request) -> web.Response | None:
-    """`Expect: 100-continue` on the generation routes is answered later, by
-    `_invite_body`, once the request passed authentication and the size check and holds
-    a slot: a body that would be refused (401, 413, 429) is never invited."""
-    expect = request.headers.get("Expect", "")
-    if expect.lower() == "100-continue":
-        return None
-    resp = error_response(errors.RouterError(417, f"Unknown Expect: {expect[:80]!r}"))
-    resp.force_close()
-    return resp
-
-
-async def _invite_body(request: web.Request) -> None:
-    if (request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue"):
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
 def _log_progress(event) -> None:
@@ -563,17 +376,13 @@ def build_app(config: Config, *, start_engines: bool = True, span_exporter=None)
     # partial, not a lambda: aiohttp sees a coroutine function and calls it directly (a plain
     # function gets wrapped in an extra coroutine that re-checks its result on every request).
     app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS),
-                        expect_handler=_expect_handler)
+                        expect_handler=expect_handler)
     app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT),
-                        expect_handler=_expect_handler)
+                        expect_handler=expect_handler)
     app.router.add_get("/v1/models", state.handle_models)
     state.forwarder.add_routes(app.router)  # vLLM's other routes (router/forward.py)
     app.router.add_get("/health", state.handle_health)
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)
-    app.router.add_get("/admin/backends", state.handle_admin_backends)
-    app.router.add_post("/admin/backends", state.handle_admin_add)
-    app.router.add_delete("/admin/backends/{name}", state.handle_admin_remove)
-    app.router.add_post("/admin/backends/{name}/drain", functools.partial(state.handle_admin_drain, draining=True))
-    app.router.add_post("/admin/backends/{name}/enable", functools.partial(state.handle_admin_drain, draining=False))
+    AdminApi(state).add_routes(app.router)  # router/admin.py
     return app

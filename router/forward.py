@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
@@ -42,6 +41,7 @@ from .admission import ID_PREFIX, RequestSpec
 from .backends import ClusterSnapshot
 from .metrics import RequestRecord
 from .planning import ROUTE_DIRECT
+from .request_body import FORM_BOUNDARY, check_length, read_body, read_form_prefix
 from . import tracing
 from .trace_context import client_request_id
 
@@ -64,10 +64,6 @@ STORED_RESPONSE_ROUTES = (("GET", "/v1/responses/{response_id}"),
 _ANSWER_HEADERS = ("Content-Type", "Content-Disposition", "Cache-Control", "metadata")
 # Statuses worth another engine: the engine failed, not the request.
 _RETRY_STATUSES = frozenset((500, 502, 503, 504))
-# Form fields read before the file part of an upload to find `model`; past it, any engine.
-MAX_FORM_PREFIX_BYTES = 64 * 1024
-_PART_NAME = re.compile(rb'name="([^"]*)"', re.IGNORECASE)
-_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 
 
 def least_loaded(snapshot: ClusterSnapshot, model: str | None, exclude: frozenset[str]) -> str | None:
@@ -76,26 +72,6 @@ def least_loaded(snapshot: ClusterSnapshot, model: str | None, exclude: frozense
     if not candidates:
         return None
     return min(candidates, key=lambda b: (b.load, b.inflight, b.name)).name
-
-
-def model_from_form_prefix(prefix: bytes, boundary: bytes) -> tuple[bool, str | None]:
-    """(decided, model) from the start of a multipart/form-data body: decided once the
-    `model` field is complete or a file part has begun (then None: not sent before it)."""
-    delim = b"--" + boundary
-    parts = prefix.split(delim)
-    for i, part in enumerate(parts[1:], start=1):
-        head, sep, value = part.partition(b"\r\n\r\n")
-        if not sep:
-            return False, None  # the part's headers are not all here yet
-        m = _PART_NAME.search(head)
-        if b"filename=" in head.lower():
-            return True, None
-        if m is None or m.group(1) != b"model":
-            continue
-        if i == len(parts) - 1:
-            return False, None  # the value may still be arriving
-        return True, value.removesuffix(b"\r\n").decode("utf-8", "replace").strip() or None
-    return False, None
 
 
 class _UploadTooLarge(Exception):
@@ -121,7 +97,7 @@ class Forwarder:
     # --- handlers ----------------------------------------------------------------------
     async def handle_json(self, request: web.Request) -> web.StreamResponse:
         async def serve(rec: RequestRecord) -> web.StreamResponse:
-            raw = await self.state._read_body(request)
+            raw = await read_body(request, self.state.config.server)
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError as e:
@@ -143,10 +119,10 @@ class Forwarder:
             if request.content_length is not None and request.content_length > limit:
                 raise errors.payload_too_large(limit)
             ctype = request.headers.get("Content-Type", "")
-            m = _BOUNDARY.search(ctype)
+            m = FORM_BOUNDARY.search(ctype)
             if not ctype.lower().startswith("multipart/form-data") or m is None:
                 raise errors.bad_request("Expected a multipart/form-data body with a boundary.")
-            prefix, model = await self._read_form_prefix(request, m.group(1).encode())
+            prefix, model = await read_form_prefix(request, m.group(1).encode(), self.state.config.server)
             rec.model = model
             return await self._forward(request, rec, self._check_model(model), prefix, ctype,
                                        rest=request.content, limit=limit)
@@ -159,7 +135,7 @@ class Forwarder:
 
     async def handle_stored_response(self, request: web.Request) -> web.StreamResponse:
         async def serve(rec: RequestRecord) -> web.StreamResponse:
-            body = await self.state._read_body(request) if request.method == "POST" else None
+            body = await read_body(request, self.state.config.server) if request.method == "POST" else None
             return await self._forward(request, rec, None, body, "application/json" if body else None,
                                        find=True)
         return await self._run(request, serve, need_slot=True)
@@ -198,7 +174,7 @@ class Forwarder:
             rec.request_id = header_id or ""
             if need_slot:
                 if request.path not in MULTIPART_ROUTES:  # uploads have their own limit
-                    state._check_length(request)
+                    check_length(request, state.config.server)
                 async with state.limiter.slot(tenant, priority):
                     return await serve(rec)
             return await serve(rec)
@@ -232,25 +208,6 @@ class Forwarder:
         if model is not None and served and model not in served:
             raise errors.model_not_found(model, served)
         return model
-
-    async def _read_form_prefix(self, request: web.Request, boundary: bytes) -> tuple[bytes, str | None]:
-        """The upload's first bytes, up to the `model` field or the file part."""
-        prefix = b""
-        timeout = self.state.config.server.body_timeout_s
-        while len(prefix) < MAX_FORM_PREFIX_BYTES:
-            decided, model = model_from_form_prefix(prefix, boundary)
-            if decided:
-                return prefix, model
-            try:
-                async with asyncio.timeout(timeout):
-                    data = await request.content.readany()
-            except TimeoutError:
-                raise errors.RouterError(
-                    408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s.") from None
-            if not data:
-                break
-            prefix += data
-        return prefix, model_from_form_prefix(prefix, boundary)[1]
 
     # --- upstream --------------------------------------------------------------------------
     async def _forward(self, request: web.Request, rec: RequestRecord, model: str | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import aiohttp
 import orjson
@@ -130,6 +131,24 @@ class HealthMonitor:
                 await self._task
             self._task = None
 
+    def models_answer(self) -> dict:
+        """vLLM's ModelList over the healthy backends: each model once, as an engine serving it
+        describes it (root, parent for a LoRA adapter, max_model_len); a model only known from
+        the configuration gets a card of its own."""
+        out: dict[str, dict] = {}
+        registry, cards = self.registry, self.model_cards
+        served = set(registry.models())
+        for name, state in registry.states.items():
+            if not state.healthy:
+                continue
+            for c in cards.get(name, ()):
+                if c["id"] in served:
+                    out.setdefault(c["id"], c)
+        created = int(time.time())
+        for m in served - out.keys():
+            out[m] = {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
+                      "parent": None, "max_model_len": None, "permission": []}
+        return {"object": "list", "data": list(out.values())}
 
 def definitive_failure(e: BaseException) -> bool:
     """Refused (nothing listens), or an HTTP error status from the engine: not a timeout,

@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .tracing import annotate_request
+from .backends import BREAKER_STATE_VALUE
 from .clientlog import escape
+
+if TYPE_CHECKING:
+    from .backends import BackendState
+    from .speed_learner import SpeedLearner
+    from .tenants import Tenant
 
 log = logging.getLogger("cachehit_router.requests")
 
@@ -135,6 +141,31 @@ class RouterMetrics:
         self.tenant_queued = Gauge("cachehit_router_tenant_queued", "Requests of a tenant waiting for a slot",
                                    ["tenant"], registry=r)
         self._tenant_requests_by: dict[tuple[str, int], Counter] = {}
+
+    # The per-backend and per-tenant gauges read their object's state when scraped:
+    # nothing to do on the request path, and always the current values.
+    def bind_backend(self, s: BackendState, learner: SpeedLearner) -> None:
+        name = s.config.name
+        self.inflight.labels(name).set_function(lambda: s.inflight)
+        self.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)
+        self.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
+        self.draining.labels(name).set_function(lambda: 1 if s.draining else 0)
+        self.queued_tokens.labels(name).set_function(lambda: s.queued_tokens)
+        self.prefill_speed.labels(name).set_function(lambda: 1.0 / max(learner.speed(name).per_token_s, 1e-9))
+        self.threshold_capable.labels(name).set_function(
+            lambda: -1 if s.threshold_capable is None else int(s.threshold_capable))
+
+    def unbind_backend(self, name: str) -> None:
+        for gauge in (self.inflight, self.healthy, self.breaker, self.draining, self.queued_tokens,
+                      self.prefill_speed, self.threshold_capable):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                pass
+
+    def bind_tenant(self, t: Tenant) -> None:
+        self.tenant_inflight.labels(t.name).set_function(lambda: t.active)
+        self.tenant_queued.labels(t.name).set_function(lambda: t.queued)
 
     def tenant_rejection(self, tenant: str, reason: str) -> None:
         self.tenant_rejections.labels(tenant or "none", reason).inc()

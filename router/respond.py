@@ -1,4 +1,4 @@
-"""The client-facing writer for streaming answers.
+"""Writing answers to the client: JSON bodies, OpenAI-shaped errors, and streaming answers.
 
 Headers go out with the first chunk, not before: until then a failure can still be an
 HTTP error status with a JSON body. After that, an error travels as vLLM sends it, an
@@ -16,10 +16,21 @@ import asyncio
 import contextlib
 import socket
 
+import orjson
 from aiohttp import web
 
 from .errors import RouterError, sse_error_event
 from .sse import DONE_EVENT, format_event
+
+
+def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(err: RouterError) -> web.Response:
+    return web.Response(body=err.body_bytes(), status=err.status, content_type="application/json",
+                        headers=err.headers or None)
 
 
 class ClientStalled(ConnectionResetError):
