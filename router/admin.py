@@ -9,7 +9,7 @@ translates HTTP to it.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .app import RouterState
 
 
-def backend_view(s: BackendState) -> dict:
+def backend_view(s: BackendState) -> dict[str, Any]:
     return {
         "name": s.config.name, "url": s.config.url, "role": s.config.role, "models": list(s.models),
         "healthy": s.healthy, "breaker": s.breaker, "draining": s.draining, "inflight": s.inflight,
@@ -52,7 +52,7 @@ class AdminApi:
             return error_response(errors.unauthorized())
         return None
 
-    def _fleet_view(self, s: BackendState) -> dict:
+    def _fleet_view(self, s: BackendState) -> dict[str, Any]:
         name, fleet = s.config.name, self.state.fleet
         return {**backend_view(s), "source": fleet.owner.get(name) if fleet else None,
                 "removing": fleet.removing(name) if fleet else False}

@@ -54,6 +54,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -90,7 +91,7 @@ class RequestSpec:
     request_id: str            # client-facing id, vLLM style: "cmpl-<hex>" / "chatcmpl-<hex>"
     endpoint: str              # ENDPOINT_COMPLETIONS | ENDPOINT_CHAT
     model: str | None          # as the client asked, else the default model
-    body: dict                 # sanitized client body; never mutated after admission (legs copy it)
+    body: dict[str, Any]       # sanitized client body; never mutated after admission (legs copy it)
     stream: bool
     include_usage: bool        # stream_options.include_usage (streaming clients only)
     continuous_usage: bool     # stream_options.continuous_usage_stats (streaming clients only)
@@ -116,12 +117,12 @@ def _vllm_bad(message: str, param: str, value: object = None) -> RouterError:
     return RouterError(400, f"{message} ({extras})", param=param)
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     # bool is an int subclass in Python but not a JSON number.
     return type(v) is int
 
 
-def _opt_bool(body: dict, key: str, param: str | None = None) -> bool:
+def _opt_bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
     v = body.get(key)
     if v is None:
         return False
@@ -137,7 +138,7 @@ def _kind(v: object) -> str:
             list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
 
 
-def _budget(body: dict, key: str) -> int | None:
+def _budget(body: dict[str, Any], key: str) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -150,7 +151,7 @@ def _budget(body: dict, key: str) -> int | None:
     return v
 
 
-def _token_ids(v: list, param: str) -> tuple[int, ...]:
+def _token_ids(v: list[Any], param: str) -> tuple[int, ...]:
     for t in v:
         if not _is_int(t) or t < 0 or t > MAX_TOKEN_ID:
             raise _bad(f"`{param}` token ids must be integers in [0, {MAX_TOKEN_ID}], got {t!r:.40}.", param)
@@ -160,7 +161,7 @@ def _token_ids(v: list, param: str) -> tuple[int, ...]:
 _NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 
 
-def _parse_prompt(body: dict) -> tuple[str, tuple[int, ...] | None]:
+def _parse_prompt(body: dict[str, Any]) -> tuple[str, tuple[int, ...] | None]:
     """(routing text, token ids or None) of a completions prompt."""
     if body.get("prompt_embeds") is not None:
         raise _bad("`prompt_embeds` is not supported by the router (resuming needs token ids).",
@@ -173,7 +174,7 @@ def _parse_prompt(body: dict) -> tuple[str, tuple[int, ...] | None]:
     return _one_prompt(p, "prompt")
 
 
-def is_batch(p: object) -> bool:
+def is_batch(p: object) -> TypeGuard[list[Any]]:
     """A list of prompts (strings or token-id lists), as opposed to one prompt's ids."""
     return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
 
@@ -199,7 +200,7 @@ def _one_prompt(p: object, param: str) -> tuple[str, tuple[int, ...] | None]:
 def _nesting_exceeds(value: object, limit: int) -> bool:
     """Whether arrays and objects in `value` nest deeper than `limit` (iterative: a deep
     body must not exhaust the Python stack either)."""
-    stack = [(value, 1)]
+    stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         v, depth = stack.pop()
         if depth > limit:
@@ -209,7 +210,7 @@ def _nesting_exceeds(value: object, limit: int) -> bool:
     return False
 
 
-def _parse_messages(body: dict) -> str:
+def _parse_messages(body: dict[str, Any]) -> str:
     """Validate `messages` as far as the router reads it; render it as `role: content`
     lines for prefix-affinity planners."""
     msgs = body.get("messages")

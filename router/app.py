@@ -15,8 +15,10 @@ import asyncio
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from . import errors
 from .admin import AdminApi
@@ -43,15 +45,16 @@ from .auth import KeyRing, request_priority
 from .tenants import Tenant
 from .upstream import UpstreamClient
 
+if TYPE_CHECKING:
+    from engine_launcher.supervisor import Supervisor
+    from opentelemetry.sdk.trace.export import SpanExporter
+
 log = logging.getLogger("cachehit_router.app")
-
-ROUTER_KEY = web.AppKey("router", "RouterState")
-
 
 class RouterState:
     """Everything one running router owns."""
 
-    def __init__(self, config: Config, *, start_engines: bool = True, span_exporter=None):
+    def __init__(self, config: Config, *, start_engines: bool = True, span_exporter: SpanExporter | None = None):
         self.config = config
         # OpenTelemetry ([tracing]); span_exporter: tests' in-memory exporter instead of OTLP.
         self.tracing = tracing.Tracing(config.tracing, span_exporter) if config.tracing.enabled else None
@@ -69,7 +72,7 @@ class RouterState:
         self._client_inflight = 0
         self._trimmer = IdleTrimmer()
         self.metrics.client_inflight.set_function(lambda: self._client_inflight)
-        self.supervisor = None
+        self.supervisor: Supervisor | None = None
         self.registry: BackendRegistry | None = None
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
@@ -82,7 +85,7 @@ class RouterState:
         self.discovery: Discovery | None = None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
-        self._handlers: set[asyncio.Task] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
         self.draining = False
         self._drain_expired = False
         self._drained = False
@@ -185,15 +188,17 @@ class RouterState:
             strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
             if strategy.name == before.name and hasattr(before, "memory"):
                 strategy.memory = before.memory  # where prompts went is still true
+            assert self.client is not None
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.metrics)
 
     def identify(self, request: web.Request) -> tuple[Tenant, int]:
         """The request's tenant (401 for a missing or wrong key) and its priority."""
         tenant = self.limiter.anonymous
         if self.keys.required:
-            tenant = self.keys.tenant_of(request.headers)
-            if tenant is None:
+            found = self.keys.tenant_of(request.headers)
+            if found is None:
                 raise errors.unauthorized()
+            tenant = found
         return tenant, request_priority(request.headers, tenant)
 
     def request_began(self) -> None:
@@ -334,17 +339,20 @@ class RouterState:
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-async def _discard(chunks: list[dict]) -> None:
+ROUTER_KEY: web.AppKey[RouterState] = web.AppKey("router", RouterState)
+
+
+async def _discard(chunks: list[dict[str, Any]]) -> None:
     return None
 
 
-def _log_progress(event) -> None:
+def _log_progress(event: Any) -> None:
     log.info("engine %s: %s %s", getattr(event, "name", "?"), getattr(event, "state", ""),
              getattr(event, "detail", ""))
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler):
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every answer, even aiohttp's own 404/405/413, in the OpenAI error shape."""
     try:
         return await handler(request)
@@ -360,13 +368,14 @@ async def error_middleware(request: web.Request, handler):
         raise
 
 
-def build_app(config: Config, *, start_engines: bool = True, span_exporter=None) -> web.Application:
+def build_app(config: Config, *, start_engines: bool = True,
+              span_exporter: SpanExporter | None = None) -> web.Application:
     state = RouterState(config, start_engines=start_engines, span_exporter=span_exporter)
     app = web.Application(middlewares=[tracing.middleware(lambda: state.tracing), error_middleware],
                           client_max_size=config.server.max_body_bytes)
     app[ROUTER_KEY] = state
 
-    async def lifecycle(app: web.Application):
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.start()
         yield
         await state.stop()

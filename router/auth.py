@@ -12,7 +12,7 @@ import hmac
 from typing import Mapping
 
 from . import errors
-from .tenants import Tenant, build_tenants, parse_priority
+from .tenants import Tenant, TenantConfig, build_tenants, parse_priority
 
 
 def _digest(key: bytes) -> bytes:
@@ -28,7 +28,7 @@ def bearer_digest(headers: Mapping[str, str]) -> bytes | None:
 
 
 class KeyRing:
-    def __init__(self, api_keys: tuple[str, ...], tenants, admin_key: str):
+    def __init__(self, api_keys: tuple[str, ...], tenants: tuple[TenantConfig, ...], admin_key: str):
         self._tenants = tuple((_digest(k.encode()), t) for k, t in build_tenants(api_keys, tenants).items())
         self._admin = _digest(admin_key.encode()) if admin_key else None
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import Any
 
 from .upstream import UpstreamClient, UpstreamError
 
@@ -31,7 +32,7 @@ CHECK_PATH = "/v1/completions"
 CHECK_PROMPT_PREFIX = "cachehit-router threshold check "
 
 
-def check_body(model: str | None) -> dict:
+def check_body(model: str | None) -> dict[str, Any]:
     """A one-token completion at T = 1.0 on a prompt no engine holds."""
     body = {"prompt": CHECK_PROMPT_PREFIX + os.urandom(16).hex(), "max_tokens": 1,
             "stream": False, "cache_hit_threshold": 1.0, "vllm_xargs": {"cache_hit_threshold": 1.0}}
@@ -40,7 +41,7 @@ def check_body(model: str | None) -> dict:
     return body
 
 
-def verdict(answer: dict) -> bool | None:
+def verdict(answer: dict[str, Any]) -> bool | None:
     """True: rejected as the plugin does; False: generated (stock vLLM); None: unclear."""
     choices = answer.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):

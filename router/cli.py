@@ -12,12 +12,15 @@ import os
 import signal
 import ssl
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import orjson
 
 from . import overrides
 from .config import Config, ConfigError
+
+if TYPE_CHECKING:  # aiohttp is imported when serving, not for --version or check-config
+    from aiohttp import web
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 _GC_GEN0_THRESHOLD = 10_000
 
 
-async def _tune_gc(_app) -> None:
+async def _tune_gc(_app: web.Application) -> None:
     """After startup (engines started, backends checked): move everything that exists now
     (modules, configuration, the app) out of the collector's reach (gc.freeze), so full
     collections only walk objects made since, and raise the young-generation threshold."""
@@ -83,17 +86,17 @@ async def _tune_gc(_app) -> None:
     gc.set_threshold(_GC_GEN0_THRESHOLD, g1, g2)
 
 
-def _reload_on_sighup(load: Callable[[], Config]):
+def _reload_on_sighup(load: Callable[[], Config]) -> Callable[[web.Application], Awaitable[None]]:
     """An on_startup hook (after the router started): SIGHUP re-reads the configuration;
     reloads run one at a time, in the order the signals came."""
-    async def install(app) -> None:
+    async def install(app: web.Application) -> None:
         from .app import ROUTER_KEY
         from .reload import reload
 
         loop = asyncio.get_running_loop()
         state = app[ROUTER_KEY]
         lock = asyncio.Lock()
-        tasks: set[asyncio.Task] = set()
+        tasks: set[asyncio.Task[Any]] = set()
 
         async def one() -> None:
             async with lock:
@@ -111,7 +114,7 @@ def _reload_on_sighup(load: Callable[[], Config]):
     return install
 
 
-def serve(config, *, host: str | None = None, port: int | None = None, start_engines: bool = True,
+def serve(config: Config, *, host: str | None = None, port: int | None = None, start_engines: bool = True,
           reload_config: Callable[[], Config] | None = None) -> int:
     from aiohttp import web
 
@@ -130,6 +133,7 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
     if config.server.tls_cert:
         ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_ctx.load_cert_chain(config.server.tls_cert, config.server.tls_key)
+    loop: asyncio.AbstractEventLoop
     try:
         import uvloop
         loop = uvloop.new_event_loop()
@@ -139,7 +143,7 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
     app = build_app(config, start_engines=start_engines)
     scheme = "https" if ssl_ctx else "http"
 
-    async def announce(_app) -> None:
+    async def announce(_app: web.Application) -> None:
         print(f"router: serving the OpenAI API on {scheme}://{host}:{port}\n"
               f"  try: curl -s {scheme}://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
               "-d '{\"prompt\": \"Hello, router\", \"max_tokens\": 16}'", flush=True)
@@ -167,7 +171,7 @@ def serve(config, *, host: str | None = None, port: int | None = None, start_eng
 DRAIN_QUIET_S = 0.5
 
 
-async def _serve_until_signalled(runner, host: str, port: int, ssl_ctx) -> None:
+async def _serve_until_signalled(runner: web.AppRunner, host: str, port: int, ssl_ctx: ssl.SSLContext | None) -> None:
     """Serve until SIGTERM or SIGINT, then drain. Unlike web.run_app, which closes the
     open keep-alive connections before the drain, the connections stay served while the
     drain runs: a request a client sends on one meanwhile gets a 503 (and Connection:

@@ -46,7 +46,7 @@ def is_client_event(exc: BaseException | None) -> bool:
                             ConnectionError))
 
 
-class ServerLogger(logging.LoggerAdapter):
+class ServerLogger(logging.LoggerAdapter[logging.Logger]):
     """aiohttp's server logger (`logger=` of the web server): its "Error handling
     request" reports of client events become one escaped INFO line; anything else keeps
     its traceback."""

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import dns.asyncresolver
 import dns.exception
@@ -84,7 +84,7 @@ class Discovery:
         self.fleet = fleet
         self.tables = tables
         self.lookup_factory = lookup_factory
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
         self.rounds: dict[str, int] = {}  # source -> look-ups that answered
         self.failures: dict[str, int] = {}  # source -> look-ups that did not
 

@@ -13,6 +13,7 @@ import ipaddress
 import os
 import ssl
 from pathlib import Path
+from typing import Any, Mapping
 
 import aiohttp
 import orjson
@@ -24,7 +25,7 @@ from .discovery_config import SERVICE_ACCOUNT, DiscoveryConfig
 _TIMEOUT_S = 5.0
 
 
-def ready_pods(pod_list: dict) -> list[tuple[str, str]]:
+def ready_pods(pod_list: dict[str, Any]) -> list[tuple[str, str]]:
     """(pod name, pod IP) of every pod a Service would route to, from a PodList."""
     out = []
     for pod in pod_list.get("items") or []:
@@ -85,7 +86,7 @@ class KubernetesLookup:
         return {b.name: b for b in (backend_for(self.d, ip, name) for name, ip in ready_pods(pod_list))}
 
 
-def _in_cluster_api(env) -> str:
+def _in_cluster_api(env: Mapping[str, str]) -> str:
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
     if not host:
         raise LookupFailed("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST is unset): "

@@ -29,6 +29,7 @@ builds the first of those two.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import orjson
 
@@ -60,7 +61,7 @@ def error_type_for(status: int) -> str:
 
 
 def error_body(status: int, message: str, *, type: str | None = None, param: str | None = None,
-               code: str | int | None = None) -> dict:
+               code: str | int | None = None) -> dict[str, Any]:
     """`{"error": {"message", "type", "param", "code"}}`; `code` defaults to `status`."""
     return {"error": {
         "message": message,
@@ -89,7 +90,7 @@ class RouterError(Exception):
         self.headers = headers or {}
         self.reason = ""  # why a 429 was given (metrics); see too_many_requests
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, type=self.type, param=self.param, code=self.code)
 
     def body_bytes(self) -> bytes:
@@ -189,7 +190,7 @@ def from_upstream_body(status: int, raw: bytes) -> RouterError:
     return err
 
 
-def from_error_object(obj: dict, status: int | None = None) -> RouterError | None:
+def from_error_object(obj: dict[str, Any], status: int | None = None) -> RouterError | None:
     """A parsed `{"error": {...}}` object (an engine's error body or a mid-stream error
     event) as a RouterError, or None when `obj` is not an error object. The status is the
     object's integer `code` when it looks like an HTTP status, else `status`, else 500."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Coroutine, Mapping
 
 from . import errors
 from .backends import BackendRegistry, BackendState
@@ -38,9 +38,9 @@ class Fleet:
         self._on_added = on_added
         self._on_removed = on_removed
         self.owner: dict[str, str] = dict(initial)  # backend name -> source
-        self._removals: dict[str, asyncio.Task] = {}
+        self._removals: dict[str, asyncio.Task[Any]] = {}
         self._replacing: dict[str, BackendConfig] = {}  # name -> its config once drained
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- queries ---------------------------------------------------------------------------
     def removing(self, name: str) -> bool:
@@ -75,7 +75,7 @@ class Fleet:
             await self.monitor.check_one(name, with_health=True)
         return state
 
-    def remove(self, name: str) -> asyncio.Task:
+    def remove(self, name: str) -> asyncio.Task[Any]:
         """Drain `name`, then forget it once its last request ended (the returned task)."""
         task = self._removals.get(name)
         if task is not None:
@@ -142,7 +142,7 @@ class Fleet:
         if self._replacing.pop(name, None) == config and name not in self.registry.states:
             await self.add(config, source)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

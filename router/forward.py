@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import Any, TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -159,7 +159,8 @@ class Forwarder:
                                    request_id_header=False, answer_id=answer_id)
 
     # --- the frame shared by every route ---------------------------------------------------
-    async def _run(self, request: web.Request, serve, need_slot: bool) -> web.StreamResponse:
+    async def _run(self, request: web.Request, serve: Callable[[RequestRecord], Awaitable[web.StreamResponse]],
+                   need_slot: bool) -> web.StreamResponse:
         state = self.state
         t0 = time.monotonic()
         rec = RequestRecord(request_id="", endpoint=request.path, model=None, stream=False)
@@ -204,7 +205,9 @@ class Forwarder:
 
     def _check_model(self, model: str | None) -> str | None:
         """The model to route by; 404 in vLLM's words for one no backend serves."""
-        served = self.state.registry.models()
+        registry = self.state.registry
+        assert registry is not None  # routes are served only after start()
+        served = registry.models()
         if model is not None and served and model not in served:
             raise errors.model_not_found(model, served)
         return model
@@ -218,19 +221,21 @@ class Forwarder:
         """`choose` (generations): the engine and the prompt tokens it will prefill, for the
         cost model's load (a `LegTicket`), instead of the least loaded engine."""
         state = self.state
-        registry, timeouts = state.registry, state.config.timeouts
+        registry, client, timeouts = state.registry, state.client, state.config.timeouts
+        assert registry is not None and client is not None  # routes are served only after start()
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeouts.total_s
         attempts = state.config.routing.max_retries + 1
         exclude: set[str] = set()
-        last: tuple[int, bytes, dict] | None = None  # the last engine's error answer
+        last: tuple[int, bytes, dict[str, str]] | None = None  # the last engine's error answer
         last_problem = ""
         rest_started = [False]
         sent = [len(body or b"")]
         too_large = [False]  # aiohttp wraps what the body generator raises: a flag says it
 
         async def upload() -> AsyncIterator[bytes]:
+            assert rest is not None  # an upload's body after its form prefix
             if body:
                 yield body
             rest_started[0] = True
@@ -278,7 +283,7 @@ class Forwarder:
             try:
                 try:
                     async with asyncio.timeout_at(min(deadline, loop.time() + timeouts.first_token_s)):
-                        resp = await state.client.session.request(
+                        resp = await client.session.request(
                             request.method, cfg.url + request.path_qs, data=data, headers=headers)
                         first = b"" if resp.status in _RETRY_STATUSES else await resp.content.readany()
                         if ticket is not None:
@@ -333,7 +338,7 @@ class Forwarder:
             raise errors.RouterError(502, f"No engine could answer: {last_problem}")
         raise errors.no_backend(model)
 
-    def _answer_with_id(self, headers: dict, rec: RequestRecord, answer_id: str | None = None) -> dict:
+    def _answer_with_id(self, headers: dict[str, Any], rec: RequestRecord, answer_id: str | None = None) -> dict[str, Any]:
         if answer_id or rec.request_id:
             headers["X-Request-Id"] = answer_id or rec.request_id
         return headers

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 import aiohttp
 import orjson
@@ -30,10 +31,10 @@ class HealthMonitor:
         self.registry = registry
         self.client = client
         self.health = health
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
         self._rounds = 0
         # Backend -> its /v1/models entries as last read (GET /v1/models merges them).
-        self.model_cards: dict[str, list[dict]] = {}
+        self.model_cards: dict[str, list[dict[str, Any]]] = {}
 
     @property
     def _timeout_s(self) -> float:
@@ -50,7 +51,7 @@ class HealthMonitor:
         return load, None if cards is None else tuple(c["id"] for c in cards)
 
     async def _read(self, config: BackendConfig, with_health: bool,
-                    want_cards: bool) -> tuple[dict[str, float], list[dict] | None]:
+                    want_cards: bool) -> tuple[dict[str, float], list[dict[str, Any]] | None]:
         url, key = config.url, config.api_key
         if with_health:
             status, _ = await self.client.get_text(url + "/health", self._timeout_s, key)
@@ -95,7 +96,7 @@ class HealthMonitor:
         """A backend left the fleet: its models are no longer served through the router."""
         self.model_cards.pop(name, None)
 
-    async def _model_cards(self, url: str, key: str) -> list[dict] | None:
+    async def _model_cards(self, url: str, key: str) -> list[dict[str, Any]] | None:
         """The engine's /v1/models entries (vLLM's ModelCard objects), None if unreadable."""
         status, body = await self.client.get_text(url + "/v1/models", self._timeout_s, key)
         if status != 200:
@@ -131,11 +132,11 @@ class HealthMonitor:
                 await self._task
             self._task = None
 
-    def models_answer(self) -> dict:
+    def models_answer(self) -> dict[str, Any]:
         """vLLM's ModelList over the healthy backends: each model once, as an engine serving it
         describes it (root, parent for a LoRA adapter, max_model_len); a model only known from
         the configuration gets a card of its own."""
-        out: dict[str, dict] = {}
+        out: dict[str, dict[str, Any]] = {}
         registry, cards = self.registry, self.model_cards
         served = set(registry.models())
         for name, state in registry.states.items():

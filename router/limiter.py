@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from typing import Any
 
 from . import errors
 from .tenants import ANONYMOUS, Tenant
@@ -29,7 +30,7 @@ class ConcurrencyLimiter:
         self.queued = 0
         self.anonymous = Tenant(ANONYMOUS)
         # Tenants with waiters -> their heap of [-priority, arrival number, future].
-        self._waiting: dict[Tenant, list[list]] = {}
+        self._waiting: dict[Tenant, list[list[Any]]] = {}
         self._arrivals = itertools.count()
 
     def slot(self, tenant: Tenant | None = None, priority: int = 0) -> "_Slot":

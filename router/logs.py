@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import orjson
 
@@ -25,7 +26,7 @@ def _json_formatter() -> logging.Formatter:
     from pythonjsonlogger.orjson import OrjsonFormatter
 
     class RequestJsonFormatter(OrjsonFormatter):
-        def process_log_record(self, log_data):
+        def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
             fields = log_data.pop(REQUEST_FIELD, None)
             if isinstance(fields, dict):
                 log_data.update(fields)

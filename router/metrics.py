@@ -181,10 +181,10 @@ class RouterMetrics:
             counter = self._requests_by[key] = self.requests.labels(rec.route or "none", str(rec.status), model)
         counter.inc()
         if rec.tenant:
-            key = (rec.tenant, rec.status)
-            counter = self._tenant_requests_by.get(key)
+            tenant_key = (rec.tenant, rec.status)
+            counter = self._tenant_requests_by.get(tenant_key)
             if counter is None:
-                counter = self._tenant_requests_by[key] = self.tenant_requests.labels(rec.tenant, str(rec.status))
+                counter = self._tenant_requests_by[tenant_key] = self.tenant_requests.labels(rec.tenant, str(rec.status))
             counter.inc()
         hists = self._by_model.get(model)
         if hists is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any, Awaitable
 
 import orjson
 from aiohttp import web
@@ -71,7 +72,7 @@ class SSEWriter:
         self.response = resp
         return resp
 
-    async def send(self, chunks: list[dict]) -> None:
+    async def send(self, chunks: list[dict[str, Any]]) -> None:
         if not chunks:
             return
         if self.response is None:
@@ -79,12 +80,12 @@ class SSEWriter:
         data = format_event(chunks[0]) if len(chunks) == 1 else b"".join(format_event(c) for c in chunks)
         # drain=False: aiohttp would wait for a paused socket without a timeout; the wait
         # below has one, and a timer is armed only when there is something to wait for.
-        await self.request.writer.write(data, drain=False)
+        await self.request.writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
         transport = self.request.transport
         if transport is not None and transport.get_write_buffer_size() > self._buffer_bytes:
             await self._bounded(self.request.writer.drain())
 
-    async def _bounded(self, aw) -> None:
+    async def _bounded(self, aw: Awaitable[None]) -> None:
         """Await a write that waits for the client, for at most timeouts.idle_s (and not
         past the total deadline); then drop the connection: `ClientStalled`."""
         wait = self._idle_s

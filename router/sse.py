@@ -9,6 +9,8 @@ common case (LF only, `data: ` prefix) runs on bytes.find and slices, no regexes
 """
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 DONE_PAYLOAD = b"[DONE]"
@@ -24,7 +26,7 @@ class SSEError(ValueError):
     """The byte stream cannot be SSE (a line exceeded the size bound)."""
 
 
-def format_event(obj: dict) -> bytes:
+def format_event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 

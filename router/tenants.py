@@ -44,7 +44,7 @@ class TenantConfig:
     max_priority: int = 0
 
 
-def validate_tenant(key: str, t: TenantConfig, environ: dict[str, str] | os._Environ,
+def validate_tenant(key: str, t: TenantConfig, environ: dict[str, str] | os._Environ[str],
                     add: Callable[[str], None]) -> TenantConfig:
     """Problems of one [[tenants]] table, each naming its key; the tenant with its key
     resolved from the environment."""
@@ -79,7 +79,8 @@ class TokenBucket:
 
     def __init__(self, rate: float, burst: int):
         self.rate, self.burst = rate, burst
-        self._tokens, self._t = float(burst), None
+        self._tokens = float(burst)
+        self._t: float | None = None
 
     def take(self, now: float) -> float:
         """Take one request's token: 0.0, or the seconds until one is there (none taken)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import uuid
 from contextvars import ContextVar, Token
+from typing import Any
 
 from aiohttp import web
 
@@ -76,10 +77,10 @@ def upstream_headers() -> dict[str, str]:
     return _UPSTREAM.get()
 
 
-def push_upstream_headers(headers: dict[str, str]) -> Token:
+def push_upstream_headers(headers: dict[str, str]) -> Token[Any]:
     """Set for the request being served (tracing.middleware); `pop_upstream_headers` after."""
     return _UPSTREAM.set(headers)
 
 
-def pop_upstream_headers(token: Token) -> None:
+def pop_upstream_headers(token: Token[Any]) -> None:
     _UPSTREAM.reset(token)

@@ -27,6 +27,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from .trace_context import pop_upstream_headers, push_upstream_headers, trace_headers, upstream_headers
 
@@ -71,11 +72,11 @@ class Tracing:
         self.provider.shutdown()
 
 
-def middleware(get_tracing: Callable[[], Tracing | None]):
+def middleware(get_tracing: Callable[[], Tracing | None]) -> Middleware:
     """The request's trace context (and span, with tracing on) for everything it runs."""
 
     @web.middleware
-    async def trace_middleware(request: web.Request, handler):
+    async def trace_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         headers = trace_headers(request)
         tracing = get_tracing()
         if tracing is None:
@@ -131,15 +132,16 @@ def mark_resuming() -> None:
     _RESUMING.set(True)
 
 
-def span(name: str, **attributes: Any):
+def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[Any]:
     """A child span of the current one made current for the block (no-op without tracing)."""
     tracing = _TRACER.get()
     if tracing is None:
         return contextlib.nullcontext()
-    return tracing.tracer.start_as_current_span(name, attributes=attributes)
+    manager: contextlib.AbstractContextManager[Any] = tracing.tracer.start_as_current_span(name, attributes=attributes)
+    return manager
 
 
-def leg_kind(path: str, body: dict) -> str:
+def leg_kind(path: str, body: dict[str, Any]) -> str:
     """What an engine call is, from what it asks."""
     if _RESUMING.get():
         return LEG_RESUME

@@ -89,7 +89,7 @@ class UpstreamStream:
         self.chunks_read = 0
         self._span = None  # the leg's trace span (router/tracing.py), ended on close
 
-    async def next_chunk(self) -> dict | None:
+    async def next_chunk(self) -> dict[str, Any] | None:
         """The next chunk, or None once the engine sent `[DONE]`."""
         while not self._pending:
             if self._done:
@@ -97,7 +97,7 @@ class UpstreamStream:
             await self._read_more()
         return self._parse_next()
 
-    async def next_chunks(self) -> list[dict]:
+    async def next_chunks(self) -> list[dict[str, Any]]:
         """Every chunk already received (at least one, waiting for it if need be), or []
         once the engine sent `[DONE]`. A chunk that cannot be read is raised on the call
         after the chunks before it, so none of those is lost."""
@@ -112,10 +112,11 @@ class UpstreamStream:
             except UpstreamError:
                 break  # left pending: the next call raises it
             pending.popleft()
-            out.append(chunk)
+            if chunk is not None:  # peeked past "[DONE]" never: the loop stops there
+                out.append(chunk)
         return out
 
-    def _parse_next(self, peek: bool = False) -> dict | None:
+    def _parse_next(self, peek: bool = False) -> dict[str, Any] | None:
         payload = self._pending[0] if peek else self._pending.popleft()
         if payload == b"[DONE]":
             self._done = True
@@ -178,7 +179,7 @@ class UpstreamStream:
             tracing.end_leg(span, outcome)
 
 
-def _upstream_socket(rcvbuf: int, addr_info) -> socket.socket:
+def _upstream_socket(rcvbuf: int, addr_info: Any) -> socket.socket:
     """An engine connection's socket with a bounded receive buffer (set before connect,
     so the TCP window is sized for it; Linux doubles the value)."""
     family, type_, proto, _, _ = addr_info
@@ -225,7 +226,7 @@ class UpstreamClient:
             h["Authorization"] = f"Bearer {api_key}"
         return h
 
-    async def _post(self, backend: str, url: str, body: dict, api_key: str,
+    async def _post(self, backend: str, url: str, body: dict[str, Any], api_key: str,
                     deadline: float | None, timeout_kind: str = TOTAL_TIMEOUT,
                     trace: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """POST and wait for the response headers until `deadline`; a miss is an
@@ -257,7 +258,7 @@ class UpstreamClient:
                                 status=resp.status, body=raw)
         return resp
 
-    async def open_stream(self, backend: str, base_url: str, path: str, body: dict, *,
+    async def open_stream(self, backend: str, base_url: str, path: str, body: dict[str, Any], *,
                           api_key: str = "", total_deadline: float | None = None,
                           on_close: Callable[[], None] | None = None) -> UpstreamStream:
         """Open a streamed leg. `on_close` runs once when the leg is finished or aborted
@@ -282,7 +283,7 @@ class UpstreamClient:
         stream._span = leg
         return stream
 
-    async def post_raw(self, backend: str, base_url: str, path: str, body: dict, *,
+    async def post_raw(self, backend: str, base_url: str, path: str, body: dict[str, Any], *,
                        api_key: str = "", total_deadline: float | None = None) -> bytes:
         """A non-streaming call: the engine's 200 answer as bytes (errors raise)."""
         loop = asyncio.get_running_loop()
@@ -297,7 +298,7 @@ class UpstreamClient:
         tracing.end_leg(leg, "done")
         return raw
 
-    async def _post_raw(self, backend: str, url: str, body: dict, api_key: str, total_deadline: float,
+    async def _post_raw(self, backend: str, url: str, body: dict[str, Any], api_key: str, total_deadline: float,
                         trace: dict[str, str] | None) -> bytes:
         # One timer for headers and body (each timer is a heap entry on every request).
         try:
@@ -314,8 +315,8 @@ class UpstreamClient:
         except TimeoutError:
             raise UpstreamError(backend, TOTAL_TIMEOUT, "no complete response in time") from None
 
-    async def post_json(self, backend: str, base_url: str, path: str, body: dict, *,
-                        api_key: str = "", total_deadline: float | None = None) -> dict:
+    async def post_json(self, backend: str, base_url: str, path: str, body: dict[str, Any], *,
+                        api_key: str = "", total_deadline: float | None = None) -> dict[str, Any]:
         raw = await self.post_raw(backend, base_url, path, body, api_key=api_key,
                                   total_deadline=total_deadline)
         try:
