@@ -19,7 +19,8 @@ import aiohttp
 import orjson
 
 from . import capability
-from .backends import BackendRegistry, parse_load_metrics
+from .backends import BackendRegistry
+from .engine_metrics import parse_load_metrics
 from .config import BackendConfig, HealthConfig
 from .upstream import UpstreamClient
 

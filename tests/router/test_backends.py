@@ -1,5 +1,6 @@
 """Backend registry: circuit breaker, in-flight counts, scraped load, snapshot."""
-from router.backends import CLOSED, HALF_OPEN, OPEN, BackendRegistry, parse_load_metrics
+from router.backends import CLOSED, HALF_OPEN, OPEN, BackendRegistry
+from router.engine_metrics import parse_load_metrics
 from router.config import BackendConfig, HealthConfig
 
 
