@@ -68,6 +68,20 @@ def _run_plain(url: str, body: dict) -> dict:
 
 
 MAX_TOKENS = 140  # with ~81-85 prompt tokens, about --max-model-len 224
+BLOCK_TOKENS = 32  # the preemption engine's --block-size (conftest.py)
+
+
+def two_full_blocks(url: str, tag: str) -> str:
+    """A prefix that fills two KV blocks and a few tokens more, counted by the engine's own
+    tokenizer: the random tag tokenizes to a varying number of tokens, and one token short
+    of two blocks would cache one block only (every request then rejected on arrival)."""
+    for n in range(24, 48):
+        text = words(n, tag)
+        status, answer = post_json(url, "/tokenize", {"model": "tiny", "prompt": text})
+        assert status == 200, answer
+        if answer["count"] >= 2 * BLOCK_TOKENS + 2:
+            return text
+    raise AssertionError("no word count gives two full blocks")
 MAX_MODEL_LEN = 224  # the preemption engine's (conftest.py)
 
 
@@ -78,8 +92,7 @@ def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemp
     generated), below the requests' threshold 0.75 (a new request's is 64/~80 ~ 0.8, so it
     is admitted)."""
     url = preemption_engine.base_url
-    prefix_tag = uuid.uuid4().hex[:12]
-    shared = words(32, prefix_tag)  # ~70 tokens with the BOS: two full 32-token blocks
+    shared = two_full_blocks(url, uuid.uuid4().hex[:12])
     # Put the shared prefix in the prefix cache (T=0: always served).
     status, warm = post_json(url, "/v1/completions", long_body(shared, 1))
     assert status == 200
