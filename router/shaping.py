@@ -1,6 +1,6 @@
 """Upstream chunks in, client chunks out: one unbroken answer from several upstream legs.
 
-Every leg the router opens streams with usage and token ids (router/legs.py). A client's
+Every leg the router opens streams with usage and token ids (router/wire.py). A client's
 answer is the chosen leg, then zero or more resume legs, which are `/v1/completions`
 streams even for a chat request. `ResponseShaper` turns that sequence into what one vLLM
 engine would have sent for the client's own request:
@@ -65,128 +65,12 @@ from __future__ import annotations
 from array import array
 
 from router.admission import ENDPOINT_CHAT, RequestSpec
+from router.wire import CACHE_THRESHOLD, MalformedChunk, check_choice, check_ids, Usage, message_usage
 
-CACHE_THRESHOLD = "cache_threshold"
 _CHAT_CHUNK = "chat.completion.chunk"
 _TEXT_COMPLETION = "text_completion"
 # Generated text pieces joined into one block at a time (see ResponseShaper.__init__).
 _TEXT_BLOCK_PARTS = 256
-
-
-def is_rejection_chunk(chunk: dict) -> bool | None:
-    """Did the engine reject (True) or accept (False) the leg, or is it still undecided
-    (None: role-only chat chunk, chat echo chunk, usage chunk, empty chunk)?
-
-    Rejected: `finish_reason == "cache_threshold"` with nothing generated in the chunk.
-    Accepted: the first chunk carrying generated text or token ids, or another finish
-    reason. vLLM sends the chat role chunk (and, with `echo`, a chunk repeating the last
-    message) on the request's first output, before the scheduler has decided anything,
-    also for a request it then rejects (docs/VLLM_WIRE.md). Those are the only chat chunks
-    without a `token_ids` key (every chunk of generated output has one, null when token
-    ids were not asked for), which is how they are told apart from generated text.
-    """
-    choices = chunk.get("choices")
-    if not choices:
-        return None
-    c = choices[0]
-    if not isinstance(c, dict):
-        return None
-    fr = c.get("finish_reason")
-    if fr == CACHE_THRESHOLD:
-        return not (c.get("token_ids") or _has_output(c))
-    if fr is not None or c.get("token_ids"):
-        return False
-    if "delta" in c and "token_ids" not in c:
-        return None
-    return False if _has_output(c) else None
-
-
-def _has_output(c: dict) -> bool:
-    if c.get("text"):
-        return True
-    d = c.get("delta")
-    if isinstance(d, dict):
-        return bool(d.get("content") or d.get("reasoning") or d.get("reasoning_content")
-                    or d.get("tool_calls"))
-    return False
-
-
-class MalformedChunk(ValueError):
-    """An upstream chunk the shaper cannot read (the engine broke the protocol)."""
-
-
-def _check_ids(ids, what: str) -> None:
-    if type(ids) is list:
-        for t in ids:
-            if type(t) is not int:
-                break
-        else:
-            return
-    raise MalformedChunk(f"upstream chunk: `{what}` is not a list of integers")
-
-
-def _check_choice(c, *, chat: bool) -> None:
-    """Types of the choice fields the shaper reads (cheap: a handful of type checks)."""
-    if type(c) is not dict:
-        raise MalformedChunk("upstream chunk: a choice is not an object")
-    ids = c.get("token_ids")
-    if ids is not None:
-        _check_ids(ids, "token_ids")
-    fr = c.get("finish_reason")
-    if fr is not None and type(fr) is not str:
-        raise MalformedChunk("upstream chunk: `finish_reason` is not a string")
-    lp = c.get("logprobs")
-    if lp is not None:
-        _check_logprobs(lp)
-    if chat:
-        d = c.get("delta")
-        if d is None:
-            return
-        if type(d) is not dict:
-            raise MalformedChunk("upstream chunk: `delta` is not an object")
-        if len(d) == 1 and type(d.get("content")) is str:
-            return  # the common token chunk
-        for k in ("role", "content", "reasoning", "reasoning_content"):
-            v = d.get(k)
-            if v is not None and type(v) is not str:
-                raise MalformedChunk(f"upstream chunk: `delta.{k}` is not a string")
-        tc = d.get("tool_calls")
-        if tc is not None:
-            if type(tc) is not list:
-                raise MalformedChunk("upstream chunk: `delta.tool_calls` is not a list")
-            for call in tc:
-                if type(call) is not dict or type(call.get("index", 0)) is not int:
-                    raise MalformedChunk("upstream chunk: a tool call delta without an integer `index`")
-                f = call.get("function")
-                if f is not None and (type(f) is not dict or any(
-                        f.get(k) is not None and type(f.get(k)) is not str for k in ("name", "arguments"))):
-                    raise MalformedChunk("upstream chunk: a tool call `function` is malformed")
-    else:
-        t = c.get("text")
-        if t is not None and type(t) is not str:
-            raise MalformedChunk("upstream chunk: `text` is not a string")
-
-
-def _check_logprobs(lp) -> None:
-    """Completion logprobs (parallel lists) or chat logprobs (`content` entries)."""
-    if type(lp) is not dict:
-        raise MalformedChunk("upstream chunk: `logprobs` is not an object")
-    content = lp.get("content")
-    if content is not None:
-        if type(content) is not list or not all(
-                type(e) is dict and type(e.get("token")) is str for e in content):
-            raise MalformedChunk("upstream chunk: `logprobs.content` is malformed")
-        return
-    offsets = lp.get("text_offset")
-    tokens = lp.get("tokens")
-    if offsets is not None and (type(offsets) is not list or not all(type(o) is int for o in offsets)):
-        raise MalformedChunk("upstream chunk: `logprobs.text_offset` is malformed")
-    if tokens is not None and (type(tokens) is not list or not all(type(t) is str for t in tokens)):
-        raise MalformedChunk("upstream chunk: `logprobs.tokens` is malformed")
-    for k in ("token_logprobs", "top_logprobs"):
-        v = lp.get(k)
-        if v is not None and type(v) is not list:
-            raise MalformedChunk(f"upstream chunk: `logprobs.{k}` is not a list")
 
 
 def _lp_entries(lp) -> bool:
@@ -235,7 +119,7 @@ class ResponseShaper:
 
         # --- per leg ---
         self._is_resume = False
-        self._leg_usage: dict | None = None
+        self._leg_completion_tokens: int | None = None  # the leg's usage, if it sent one
         self._offset_base = 0         # completion logprobs: text_offset of this leg's start
         self._offset_end = 0          # end of the text covered by logprobs so far
 
@@ -285,15 +169,14 @@ class ResponseShaper:
                 # The leg's last content must still reach the client, without the finish.
                 self._pending.append(self._without_finish(held))
         self.leg_tokens = 0
-        self._leg_usage = None
+        self._leg_completion_tokens = None
         self.finish_reason = None
         self.stop_reason = None
         self._offset_base = self._offset_end
 
     def _close_leg(self) -> None:
-        u = self._leg_usage
-        n = u.get("completion_tokens") if u else None
-        self._completion_done += n if isinstance(n, int) and n >= self.leg_tokens else self.leg_tokens
+        n = self._leg_completion_tokens
+        self._completion_done += n if n is not None and n >= self.leg_tokens else self.leg_tokens
 
     # --- streaming ----------------------------------------------------------------------------
     def shape(self, chunk: dict) -> list[dict]:
@@ -325,16 +208,16 @@ class ResponseShaper:
         if not choices:
             usage = chunk.get("usage")
             if isinstance(usage, dict):
-                self._note_usage(usage)
+                self._note_usage(message_usage(chunk))
             return []
         if type(choices) is not list:
             raise MalformedChunk("upstream chunk: `choices` is not a list")
         c = choices[0]
-        _check_choice(c, chat=self._chat and not self._is_resume)
+        check_choice(c, chat=self._chat and not self._is_resume)
         if self.prompt_token_ids is None and not self._is_resume:
             pti = chunk.get("prompt_token_ids") if "delta" in c else c.get("prompt_token_ids")
             if pti is not None:
-                _check_ids(pti, "prompt_token_ids")
+                check_ids(pti, "prompt_token_ids")
         if self._pending:
             pending = self._flush_pending()
             if self._is_resume or not self._chat:
@@ -630,25 +513,23 @@ class ResponseShaper:
         return out
 
     # --- usage ---------------------------------------------------------------------------------
-    def _note_usage(self, usage: dict) -> None:
-        self._leg_usage = usage
-        n = usage.get("completion_tokens")
-        if isinstance(n, int) and n > self.leg_tokens:
+    def _note_usage(self, usage: Usage) -> None:
+        self._leg_completion_tokens = n = usage.completion_tokens
+        if n is not None and n > self.leg_tokens:
             # Token ids can be hidden (chat with a reasoning parser and include_reasoning
             # false); the engine's count is then the only one.
             self.leg_tokens = n
             self.token_ids_complete = False
-        if not self._is_resume and self._prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
-            self._prompt_tokens = usage["prompt_tokens"]
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict):
+        if not self._is_resume and self._prompt_tokens is None and usage.prompt_tokens is not None:
+            self._prompt_tokens = usage.prompt_tokens
+        details = usage.prompt_tokens_details
+        if details is not None:
             productive = self.leg_tokens > 0
             if self._prompt_details is None or (productive and not self._details_productive):
                 self._prompt_details = details
                 self._details_productive = productive
-        ctd = usage.get("completion_tokens_details")
-        if isinstance(ctd, dict) and isinstance(ctd.get("reasoning_tokens"), int):
-            self._reasoning_tokens = (self._reasoning_tokens or 0) + ctd["reasoning_tokens"]
+        if usage.reasoning_tokens is not None:
+            self._reasoning_tokens = (self._reasoning_tokens or 0) + usage.reasoning_tokens
 
     def _client_prompt_tokens(self) -> int:
         if self._prompt_tokens is not None:
@@ -656,9 +537,8 @@ class ResponseShaper:
         return len(self.prompt_token_ids) if self.prompt_token_ids is not None else 0
 
     def _completion_tokens(self) -> int:
-        u = self._leg_usage
-        n = u.get("completion_tokens") if u else None
-        leg = n if isinstance(n, int) and n >= self.leg_tokens else self.leg_tokens
+        n = self._leg_completion_tokens
+        leg = n if n is not None and n >= self.leg_tokens else self.leg_tokens
         return self._completion_done + (leg if self.legs else 0)
 
     def _running_usage(self) -> dict:

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
-from router.shaping import CACHE_THRESHOLD, MalformedChunk, ResponseShaper, is_rejection_chunk
+from router.shaping import ResponseShaper
+from router.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
 
 from vllm_shapes import (Gen, Step, _chat_logprobs, _completion_logprobs, chat_full, chat_stream,
                          completion_full, completion_stream)
