@@ -348,7 +348,7 @@ class RouterState:
                 self._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0
             if shaper is not None:  # also for answers cut short (disconnect, error)
-                rec.completion_tokens = len(shaper.generated_token_ids)
+                rec.completion_tokens = len(shaper.answer.generated_token_ids)
             self.metrics.record(rec)
 
     def _check_length(self, request: web.Request) -> None:

@@ -85,6 +85,7 @@ class Dispatcher:
         path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
         exclude: set[str] = set()
         leg = await self._acquire_leg(query, path, spec.body, rec, exclude, deadline)
+        answer = shaper.answer
         shaper.begin_leg(is_resume=False)
         while True:
             error: UpstreamError | None = None
@@ -93,15 +94,15 @@ class Dispatcher:
             except UpstreamError as e:
                 error = e
                 self._note_failure(e)
-            if error is not None and shaper.finish_reason not in (None, "cache_threshold"):
+            if error is not None and answer.finish_reason not in (None, "cache_threshold"):
                 # The engine finished the answer, then the connection broke before [DONE]:
                 # nothing is missing, and a resume would generate past the real end.
                 error = None
-            answer_tokens = len(shaper.generated_token_ids)
+            answer_tokens = len(answer.generated_token_ids)
             if error is not None and error.kind == TOTAL_TIMEOUT:
                 # The request's own deadline passed: no other leg could finish it in time.
                 raise self._client_error(error)
-            reason = resume_reason(shaper.finish_reason, shaper.leg_tokens, error, answer_tokens)
+            reason = resume_reason(answer.finish_reason, answer.leg_tokens, error, answer_tokens)
             if reason is None and error is None:
                 return
             if reason is None:
@@ -123,8 +124,8 @@ class Dispatcher:
                 # Interrupted right at the budget: nothing is missing, end as the engine did.
                 await emit(shaper.release_held())
                 return
-            prompt_ids = shaper.prompt_token_ids
-            if prompt_ids is None or not shaper.token_ids_complete:
+            prompt_ids = answer.prompt_token_ids
+            if prompt_ids is None or not answer.token_ids_complete:
                 raise errors.RouterError(
                     502, f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
                          "the engine did not return the token ids it needs.")
@@ -132,11 +133,11 @@ class Dispatcher:
             tracing.mark_resuming()
             log.info("request %s: resuming after %s on %s (%d tokens so far)",
                      spec.request_id, reason, leg.backend, answer_tokens)
-            body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, shaper.generated_token_ids,
+            body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, answer.generated_token_ids,
                                    spec.max_tokens)
             # Prefix-affinity text grows the way the prompt was given (token ids: "id," each).
-            grown = ("".join(f"{i}," for i in shaper.generated_token_ids)
-                     if spec.prompt_token_ids is not None else shaper.generated_text)
+            grown = ("".join(f"{i}," for i in answer.generated_token_ids)
+                     if spec.prompt_token_ids is not None else answer.generated_text)
             resume_query = RouteQuery(spec.model, spec.routing_text + grown, query.salt,
                                       len(prompt_ids) + answer_tokens)
             # A resume starts a new leg: only the engine that just failed is kept out. One
@@ -277,7 +278,7 @@ class Dispatcher:
                     except MalformedChunk as e:
                         bad = e
                         break
-                    if rec.ttft_s is None and shaper.first_token_seen:
+                    if rec.ttft_s is None and shaper.answer.first_token_seen:
                         rec.ttft_s = loop.time() - started
                 if batch:
                     await emit(batch)
