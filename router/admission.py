@@ -28,7 +28,7 @@ answer, streamed or not:
 - `echo: true` on completions: with `return_token_ids` vLLM echoes an empty prompt text
   and puts the prompt ids into the generated ids, which would corrupt resumption.
   (Chat `echo` is raced: its echo chunk carries no token ids, and
-  `shaping.is_rejection_chunk` does not take it for an acceptance.)
+  `wire.is_rejection_chunk` does not take it for an acceptance.)
 - `prompt_logprobs`: vLLM does not send them in streams, and every leg is a stream.
 
 Rejected because the router cannot honour them (400, param named):

@@ -314,7 +314,7 @@ class RouterState:
                 self._handlers.discard(task)
             rec.duration_s = time.monotonic() - t0
             if shaper is not None:  # also for answers cut short (disconnect, error)
-                rec.completion_tokens = len(shaper.generated_token_ids)
+                rec.completion_tokens = len(shaper.answer.generated_token_ids)
             self.metrics.record(rec)
 
     async def handle_models(self, request: web.Request) -> web.Response:

@@ -1,50 +1,20 @@
-"""The NIXL prefill/decode protocol of vLLM 0.32, as the router drives it.
+"""The NIXL prefill/decode protocol of vLLM 0.32: the producer's answer and when a failed
+decode is computed again.
 
 Prefill leg (producer): the client's body with `max_tokens` 1, non-streaming, and
-`kv_transfer_params` asking for a remote decode. The producer computes the prompt's KV
-cache, holds its blocks under a lease and answers with the `kv_transfer_params` a
-consumer needs to pull them (engine id, block ids, host and port of its side channel).
-Decode leg (consumer): the client's body plus those params verbatim, streamed, with the
-guard threshold. This module is the only place that knows these shapes.
+`kv_transfer_params` asking for a remote decode (`wire.prefill_leg_body`). The producer
+computes the prompt's KV cache, holds its blocks under a lease and answers with the
+`kv_transfer_params` a consumer needs to pull them (engine id, block ids, host and port of
+its side channel), which this module reads. Decode leg (consumer): the client's body plus
+those params verbatim, streamed, with the guard threshold (`wire.decode_leg_body`).
 
 Client-supplied `kv_transfer_params` never get here (admission strips them); the params
 forwarded to a consumer always come from a configured producer's answer.
 """
 from __future__ import annotations
 
-
-from .legs import streamed_leg_body
 from .upstream import ENGINE_ERROR, STATUS, UpstreamError
-
-KV_TRANSFER_PARAMS = "kv_transfer_params"
-
-PREFILL_REQUEST_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-# Fields that make no sense on a one-token, non-streaming prefill leg.
-_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
-
-
-def prefill_leg_body(body: dict) -> dict:
-    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out[KV_TRANSFER_PARAMS] = dict(PREFILL_REQUEST_PARAMS)
-    return out
-
-
-def decode_leg_body(body: dict, kv_transfer_params: dict, threshold: float) -> dict:
-    out = streamed_leg_body(body, threshold)
-    out[KV_TRANSFER_PARAMS] = kv_transfer_params
-    return out
+from .wire import KV_TRANSFER_PARAMS
 
 
 class PrefillProtocolError(ValueError):

@@ -26,18 +26,18 @@ from . import errors, tracing
 from .admission import RequestSpec
 from .backends import BackendRegistry, LegTicket
 from .config import Config
-from .disagg import (PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body,
-                     recompute_after_failed_decode)
-from .legs import streamed_leg_body
+from .disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from .metrics import RequestRecord, RouterMetrics
 from .fallback import FallbackPlan, plan_fallback
 from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, Plan, RouteQuery, Strategy, predicted_ttft,
                        race_value)
-from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race, usage_cached_tokens, usage_prompt_tokens
-from .resume import resume_leg_body, resume_reason
-from .shaping import MalformedChunk, ResponseShaper
+from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race
+from .resume import resume_reason
+from .shaping import ResponseShaper
 from .upstream import (PROTOCOL, CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
                        UpstreamClient, UpstreamError, UpstreamStream)
+from .wire import (MalformedChunk, decode_leg_body, message_usage, one_token_probe, prefill_leg_body,
+                   resume_leg_body, streamed_leg_body, unary_leg_body)
 
 log = logging.getLogger("cachehit_router.dispatch")
 
@@ -58,21 +58,6 @@ class Leg:
     # The leg's usage (its last chunk), for the cost model's speed sample.
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
-
-
-# What a probe for a request answered whole must not carry: one choice of one prompt and
-# one token, nothing the race's stream reader does not expect.
-_WHOLE_ONLY = ("n", "best_of", "use_beam_search", "echo", "prompt_logprobs", "logprobs", "top_logprobs",
-               "max_completion_tokens", "min_tokens")
-
-
-def one_token_probe(body: dict) -> dict:
-    out = {k: v for k, v in body.items() if k not in _WHOLE_ONLY}
-    out["max_tokens"] = 1
-    prompt = out.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        out["prompt"] = prompt[0]  # a batch races on its first prompt
-    return out
 
 
 def route_query(spec: RequestSpec) -> RouteQuery:
@@ -100,6 +85,7 @@ class Dispatcher:
         path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
         exclude: set[str] = set()
         leg = await self._acquire_leg(query, path, spec.body, rec, exclude, deadline)
+        answer = shaper.answer
         shaper.begin_leg(is_resume=False)
         while True:
             error: UpstreamError | None = None
@@ -108,15 +94,15 @@ class Dispatcher:
             except UpstreamError as e:
                 error = e
                 self._note_failure(e)
-            if error is not None and shaper.finish_reason not in (None, "cache_threshold"):
+            if error is not None and answer.finish_reason not in (None, "cache_threshold"):
                 # The engine finished the answer, then the connection broke before [DONE]:
                 # nothing is missing, and a resume would generate past the real end.
                 error = None
-            answer_tokens = len(shaper.generated_token_ids)
+            answer_tokens = len(answer.generated_token_ids)
             if error is not None and error.kind == TOTAL_TIMEOUT:
                 # The request's own deadline passed: no other leg could finish it in time.
                 raise self._client_error(error)
-            reason = resume_reason(shaper.finish_reason, shaper.leg_tokens, error, answer_tokens)
+            reason = resume_reason(answer.finish_reason, answer.leg_tokens, error, answer_tokens)
             if reason is None and error is None:
                 return
             if reason is None:
@@ -138,8 +124,8 @@ class Dispatcher:
                 # Interrupted right at the budget: nothing is missing, end as the engine did.
                 await emit(shaper.release_held())
                 return
-            prompt_ids = shaper.prompt_token_ids
-            if prompt_ids is None or not shaper.token_ids_complete:
+            prompt_ids = answer.prompt_token_ids
+            if prompt_ids is None or not answer.token_ids_complete:
                 raise errors.RouterError(
                     502, f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
                          "the engine did not return the token ids it needs.")
@@ -147,11 +133,11 @@ class Dispatcher:
             tracing.mark_resuming()
             log.info("request %s: resuming after %s on %s (%d tokens so far)",
                      spec.request_id, reason, leg.backend, answer_tokens)
-            body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, shaper.generated_token_ids,
+            body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, answer.generated_token_ids,
                                    spec.max_tokens)
             # Prefix-affinity text grows the way the prompt was given (token ids: "id," each).
-            grown = ("".join(f"{i}," for i in shaper.generated_token_ids)
-                     if spec.prompt_token_ids is not None else shaper.generated_text)
+            grown = ("".join(f"{i}," for i in answer.generated_token_ids)
+                     if spec.prompt_token_ids is not None else answer.generated_text)
             resume_query = RouteQuery(spec.model, spec.routing_text + grown, query.salt,
                                       len(prompt_ids) + answer_tokens)
             # A resume starts a new leg: only the engine that just failed is kept out. One
@@ -177,8 +163,7 @@ class Dispatcher:
         deadline = started + self.timeouts.total_s
         query = route_query(spec)
         path = CHAT_PATH if spec.endpoint == "chat" else COMPLETIONS_PATH
-        # Explicit T = 0: an engine-wide default threshold must not reject a routed request.
-        body = {**spec.body, "stream": False, "cache_hit_threshold": 0.0}
+        body = unary_leg_body(spec.body)
         exclude: set[str] = set()
         last_error: UpstreamError | None = None
         for attempt in range(self.routing.max_retries + 1):
@@ -286,14 +271,14 @@ class Dispatcher:
                 bad: MalformedChunk | None = None
                 for chunk in chunks:
                     if chunk.get("usage"):
-                        leg.prompt_tokens = usage_prompt_tokens(chunk)
-                        leg.cached_tokens = usage_cached_tokens(chunk)
+                        usage = message_usage(chunk)
+                        leg.prompt_tokens, leg.cached_tokens = usage.prompt_tokens, usage.cached_tokens
                     try:
                         batch += shaper.shape(chunk)
                     except MalformedChunk as e:
                         bad = e
                         break
-                    if rec.ttft_s is None and shaper.first_token_seen:
+                    if rec.ttft_s is None and shaper.answer.first_token_seen:
                         rec.ttft_s = loop.time() - started
                 if batch:
                     await emit(batch)
@@ -502,10 +487,10 @@ class Dispatcher:
         finally:
             self.registry.close_leg(ticket)
         self.registry.record_success(backend)
-        prompt = usage_prompt_tokens(resp)
-        if prompt is not None:
-            held = usage_cached_tokens(resp) or 0
-            self.registry.learn_first_token(ticket, prompt - held, held)
+        usage = message_usage(resp)
+        if usage.prompt_tokens is not None:
+            held = usage.cached_tokens or 0
+            self.registry.learn_first_token(ticket, usage.prompt_tokens - held, held)
         return parse_prefill_response(resp)
 
     def _won(self, query: RouteQuery, result: RaceResult, route: str, rec: RequestRecord,

@@ -14,8 +14,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Sequence
 
-from .shaping import is_rejection_chunk
 from .upstream import UpstreamError, UpstreamStream
+from .wire import generated_tokens, is_rejection_chunk, message_usage
 
 ACCEPTED = "accepted"
 REJECTED = "rejected"
@@ -39,7 +39,7 @@ class ProbeOutcome:
 
     @property
     def tokens_seen(self) -> int:
-        return sum(_chunk_tokens(c) for c in self.buffered)
+        return sum(generated_tokens(c) for c in self.buffered)
 
 
 @dataclass
@@ -69,31 +69,6 @@ class RaceResult:
         return None
 
 
-def _chunk_tokens(chunk: dict) -> int:
-    n = 0
-    for c in chunk.get("choices") or ():
-        ids = c.get("token_ids")
-        if ids:
-            n += len(ids)
-        elif c.get("text") or (c.get("delta") or {}).get("content"):
-            n += 1
-    return n
-
-
-def usage_prompt_tokens(chunk: dict) -> int | None:
-    usage = chunk.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        return usage["prompt_tokens"]
-    return None
-
-
-def usage_cached_tokens(chunk: dict) -> int | None:
-    usage = chunk.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
-
-
 OpenProbe = Callable[[str], Awaitable[UpstreamStream]]
 
 
@@ -119,15 +94,16 @@ async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEven
             latency = loop.time() - t0
             # Rejected. The usage chunk follows at once; read it for the prompt length
             # (the fallback needs it), then hand the connection back to the pool.
-            prompt_tokens = usage_prompt_tokens(chunk)
-            hit_tokens = usage_cached_tokens(chunk)
+            usage = message_usage(chunk)
+            prompt_tokens, hit_tokens = usage.prompt_tokens, usage.cached_tokens
             for _ in range(4):  # a rejection is followed by the usage chunk and [DONE] only
                 more = await stream.next_chunk()
                 if more is None:
                     stream.finish()
                     break
-                prompt_tokens = prompt_tokens or usage_prompt_tokens(more)
-                hit_tokens = hit_tokens if hit_tokens is not None else usage_cached_tokens(more)
+                usage = message_usage(more)
+                prompt_tokens = prompt_tokens or usage.prompt_tokens
+                hit_tokens = hit_tokens if hit_tokens is not None else usage.cached_tokens
             else:
                 stream.abort()
             return ProbeOutcome(backend, REJECTED, latency, prompt_tokens=prompt_tokens,

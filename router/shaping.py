@@ -1,6 +1,6 @@
 """Upstream chunks in, client chunks out: one unbroken answer from several upstream legs.
 
-Every leg the router opens streams with usage and token ids (router/legs.py). A client's
+Every leg the router opens streams with usage and token ids (router/wire.py). A client's
 answer is the chosen leg, then zero or more resume legs, which are `/v1/completions`
 streams even for a chat request. `ResponseShaper` turns that sequence into what one vLLM
 engine would have sent for the client's own request:
@@ -10,13 +10,14 @@ streaming (`shape`, `release_held`, `final_chunks`)
   client asked for, else the first leg's), the client endpoint's `object`;
 - chat: the role chunk (`delta: {"role": "assistant", "content": ""}`) goes out once per
   answer; a retry leg's role chunk is dropped. Resume-leg completion chunks become chat
-  deltas `{"content": text}` with chat-shaped logprobs;
+  deltas `{"content": text}` with chat-shaped logprobs (router/logprobs.py);
 - `token_ids` / `prompt_token_ids`: kept when the client asked for them (prompt ids once,
   from the first leg); otherwise set to null, which is exactly what vLLM sends when token
   ids were not requested (the fields are explicitly set, hence present, in its chunks);
 - completion logprobs' `text_offset` continues across legs (each leg counts from 0);
 - per-leg usage chunks are swallowed; `final_chunks` sends one usage chunk with totals
-  over legs. With `continuous_usage_stats`, every chunk carries running totals;
+  over legs (router/usage_totals.py). With `continuous_usage_stats`, every chunk carries
+  running totals;
 - HELD BACK: every finish chunk (the chunk whose `finish_reason` is set). Whether it
   ends the answer is only known after the leg ends (the lead may resume), and vLLM puts
   the fingerprint on the last chunk, which is only known at the end too. So `shape`
@@ -33,165 +34,26 @@ streaming (`shape`, `release_held`, `final_chunks`)
   A normal finish is followed upstream by the usage chunk and [DONE] at once, so holding
   it costs no latency.
 
-non-streaming (`accumulate_response`)
-- the JSON vLLM 0.32 returns for the same request with `stream: false` (every field that
-  `model_dump()` writes, nulls included), built from every chunk seen across legs; `shape`
-  builds no client chunks for such a client and returns [].
-- not reproducible from streams, hence null: `prompt_logprobs` (admission rejects the
-  option), `prompt_text`, `metrics` (per-request timing, only with an engine flag),
-  `kv_transfer_params` (internal, never shown to clients), `routed_experts`.
+non-streaming (`accumulate_response`): `shape` returns [] and router/assembly.py builds
+the body from every chunk seen across legs.
 
-State for the lead (resume, accounting): `prompt_token_ids` (spec's, else the first
-non-resume leg's), `generated_token_ids` and `generated_text` across legs,
-`finish_reason`/`stop_reason`/`leg_tokens` of the current leg, `first_token_seen`,
-`emitted` (a chunk went to the client: errors must now travel as SSE events), `legs`,
-`token_ids_complete` (False: the engine hid some token ids, do not resume from them).
+For the lead: `answer` (router/answer.py), `emitted` (a chunk went to the client: errors
+must now travel as SSE events).
 
 Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
 must not use the chunk afterwards. That saves a copy per chunk on the hot path.
-
-Usage totals (client view):
-- prompt_tokens: the client's prompt, i.e. the first non-resume leg's usage (a resume
-  leg's prompt also holds generated tokens), else the length of the prompt token ids;
-- completion_tokens: the sum over legs (a leg's usage chunk, else the token ids it sent);
-- prompt_tokens_details: from the first leg that generated tokens (the leg that actually
-  processed the client's prompt for this answer), else from the first leg that reported
-  usage; cached_tokens is capped at prompt_tokens, since a resume leg's cache can cover
-  generated tokens too;
-- completion_tokens_details.reasoning_tokens: summed over the legs that report it.
 """
 from __future__ import annotations
 
-from array import array
+from .admission import ENDPOINT_CHAT, RequestSpec
+from .answer import Answer
+from .assembly import ResponseAssembler
+from .logprobs import TextOffsets, chat_logprobs_from_completion, has_logprob_entries
+from .usage_totals import UsageTotals
+from .wire import CACHE_THRESHOLD, MalformedChunk, check_choice, check_ids, message_usage
 
-from router.admission import ENDPOINT_CHAT, RequestSpec
-
-CACHE_THRESHOLD = "cache_threshold"
 _CHAT_CHUNK = "chat.completion.chunk"
 _TEXT_COMPLETION = "text_completion"
-# Generated text pieces joined into one block at a time (see ResponseShaper.__init__).
-_TEXT_BLOCK_PARTS = 256
-
-
-def is_rejection_chunk(chunk: dict) -> bool | None:
-    """Did the engine reject (True) or accept (False) the leg, or is it still undecided
-    (None: role-only chat chunk, chat echo chunk, usage chunk, empty chunk)?
-
-    Rejected: `finish_reason == "cache_threshold"` with nothing generated in the chunk.
-    Accepted: the first chunk carrying generated text or token ids, or another finish
-    reason. vLLM sends the chat role chunk (and, with `echo`, a chunk repeating the last
-    message) on the request's first output, before the scheduler has decided anything,
-    also for a request it then rejects (docs/VLLM_WIRE.md). Those are the only chat chunks
-    without a `token_ids` key (every chunk of generated output has one, null when token
-    ids were not asked for), which is how they are told apart from generated text.
-    """
-    choices = chunk.get("choices")
-    if not choices:
-        return None
-    c = choices[0]
-    if not isinstance(c, dict):
-        return None
-    fr = c.get("finish_reason")
-    if fr == CACHE_THRESHOLD:
-        return not (c.get("token_ids") or _has_output(c))
-    if fr is not None or c.get("token_ids"):
-        return False
-    if "delta" in c and "token_ids" not in c:
-        return None
-    return False if _has_output(c) else None
-
-
-def _has_output(c: dict) -> bool:
-    if c.get("text"):
-        return True
-    d = c.get("delta")
-    if isinstance(d, dict):
-        return bool(d.get("content") or d.get("reasoning") or d.get("reasoning_content")
-                    or d.get("tool_calls"))
-    return False
-
-
-class MalformedChunk(ValueError):
-    """An upstream chunk the shaper cannot read (the engine broke the protocol)."""
-
-
-def _check_ids(ids, what: str) -> None:
-    if type(ids) is list:
-        for t in ids:
-            if type(t) is not int:
-                break
-        else:
-            return
-    raise MalformedChunk(f"upstream chunk: `{what}` is not a list of integers")
-
-
-def _check_choice(c, *, chat: bool) -> None:
-    """Types of the choice fields the shaper reads (cheap: a handful of type checks)."""
-    if type(c) is not dict:
-        raise MalformedChunk("upstream chunk: a choice is not an object")
-    ids = c.get("token_ids")
-    if ids is not None:
-        _check_ids(ids, "token_ids")
-    fr = c.get("finish_reason")
-    if fr is not None and type(fr) is not str:
-        raise MalformedChunk("upstream chunk: `finish_reason` is not a string")
-    lp = c.get("logprobs")
-    if lp is not None:
-        _check_logprobs(lp)
-    if chat:
-        d = c.get("delta")
-        if d is None:
-            return
-        if type(d) is not dict:
-            raise MalformedChunk("upstream chunk: `delta` is not an object")
-        if len(d) == 1 and type(d.get("content")) is str:
-            return  # the common token chunk
-        for k in ("role", "content", "reasoning", "reasoning_content"):
-            v = d.get(k)
-            if v is not None and type(v) is not str:
-                raise MalformedChunk(f"upstream chunk: `delta.{k}` is not a string")
-        tc = d.get("tool_calls")
-        if tc is not None:
-            if type(tc) is not list:
-                raise MalformedChunk("upstream chunk: `delta.tool_calls` is not a list")
-            for call in tc:
-                if type(call) is not dict or type(call.get("index", 0)) is not int:
-                    raise MalformedChunk("upstream chunk: a tool call delta without an integer `index`")
-                f = call.get("function")
-                if f is not None and (type(f) is not dict or any(
-                        f.get(k) is not None and type(f.get(k)) is not str for k in ("name", "arguments"))):
-                    raise MalformedChunk("upstream chunk: a tool call `function` is malformed")
-    else:
-        t = c.get("text")
-        if t is not None and type(t) is not str:
-            raise MalformedChunk("upstream chunk: `text` is not a string")
-
-
-def _check_logprobs(lp) -> None:
-    """Completion logprobs (parallel lists) or chat logprobs (`content` entries)."""
-    if type(lp) is not dict:
-        raise MalformedChunk("upstream chunk: `logprobs` is not an object")
-    content = lp.get("content")
-    if content is not None:
-        if type(content) is not list or not all(
-                type(e) is dict and type(e.get("token")) is str for e in content):
-            raise MalformedChunk("upstream chunk: `logprobs.content` is malformed")
-        return
-    offsets = lp.get("text_offset")
-    tokens = lp.get("tokens")
-    if offsets is not None and (type(offsets) is not list or not all(type(o) is int for o in offsets)):
-        raise MalformedChunk("upstream chunk: `logprobs.text_offset` is malformed")
-    if tokens is not None and (type(tokens) is not list or not all(type(t) is str for t in tokens)):
-        raise MalformedChunk("upstream chunk: `logprobs.tokens` is malformed")
-    for k in ("token_logprobs", "top_logprobs"):
-        v = lp.get(k)
-        if v is not None and type(v) is not list:
-            raise MalformedChunk(f"upstream chunk: `logprobs.{k}` is not a list")
-
-
-def _lp_entries(lp) -> bool:
-    """Logprobs that cover at least one token (an empty object covers none)."""
-    return isinstance(lp, dict) and bool(lp.get("tokens") or lp.get("content"))
 
 
 class ResponseShaper:
@@ -205,78 +67,32 @@ class ResponseShaper:
         self._rid = spec.request_id
         self._created = spec.created
         self._want_ids = spec.return_token_ids
-        self._accumulate = not spec.stream
         body = spec.body
         # Chat logprobs asked for: how many alternatives (resume legs' logprobs are converted).
         # Admission does not validate top_logprobs (the engine does), so read it defensively.
         top = body.get("top_logprobs")
         self._chat_top_logprobs = (top if type(top) is int else 0) if self._chat and body.get("logprobs") else None
 
-        # --- state the lead reads ---
-        self.prompt_token_ids: list[int] | None = (
-            list(spec.prompt_token_ids) if spec.prompt_token_ids is not None else None)
-        # Compact: 8 bytes a token instead of a list entry and an int object (~36 bytes),
-        # and the text in blocks of _TEXT_BLOCK_PARTS pieces: an answer's state is kept
-        # for resumption, and it should cost little next to the bounded stream buffers.
-        self.generated_token_ids: array[int] = array("q")
-        self._text_blocks: list[str] = []
-        self._text_parts: list[str] = []
-        self._text_cache: str | None = ""
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.leg_tokens = 0
-        self.first_token_seen = False
-        # False once a leg generated tokens whose ids were not sent (vLLM hides them in chat
-        # streams when a reasoning parser runs with include_reasoning false): then
-        # generated_token_ids is incomplete and the answer cannot be resumed from it.
-        self.token_ids_complete = True
+        self.answer = Answer(list(spec.prompt_token_ids) if spec.prompt_token_ids is not None else None)
         self.emitted = False          # anything returned for the client yet
-        self.legs = 0
-
-        # --- per leg ---
-        self._is_resume = False
-        self._leg_usage: dict | None = None
-        self._offset_base = 0         # completion logprobs: text_offset of this leg's start
-        self._offset_end = 0          # end of the text covered by logprobs so far
-
-        # --- across legs ---
+        self._usage = UsageTotals(self.answer, chat=self._chat)
+        self._offsets = TextOffsets()
+        # Only a non-streaming client's answer is accumulated.
+        self._accumulate = not spec.stream
+        self._assembler = ResponseAssembler(spec, self.answer, chat=self._chat,
+                                            chat_top_logprobs=self._chat_top_logprobs)
+        self._is_resume = False       # the current leg is a resume leg
         self._held: dict | None = None
         self._held_has_content = False
         self._pending: list[dict] = []   # content of a discarded held chunk, sent next
         self._role_sent = False
         self._prompt_ids_sent = False
-        self._completion_done = 0     # completion tokens of finished legs
-        self._prompt_tokens: int | None = None
-        self._prompt_details: dict | None = None
-        self._details_productive = False
-        self._reasoning_tokens: int | None = None
         self._fingerprint: str | None = None
-
-        # --- accumulation (non-streaming clients) ---
-        self._role: str | None = None
-        self._content_parts: list[str] = []
-        self._content_seen = False
-        self._reasoning_parts: list[str] = []
-        self._tool_calls: dict[int, dict] = {}
-        self._lp_seen = False
-        self._lp_content: list[dict] = []          # chat
-        self._lp_tokens: list[str] = []            # completions
-        self._lp_token_logprobs: list = []
-        self._lp_top: list = []
-        self._lp_offsets: list[int] = []
-
-    # --- lead-facing state ------------------------------------------------------------------
-    @property
-    def generated_text(self) -> str:
-        if self._text_cache is None:
-            self._text_cache = "".join(self._text_blocks) + "".join(self._text_parts)
-        return self._text_cache
 
     def begin_leg(self, *, is_resume: bool) -> None:
         """A new upstream leg starts; `is_resume` legs are /v1/completions streams."""
-        if self.legs:
-            self._close_leg()
-        self.legs += 1
+        self._usage.begin_leg()
+        self.answer.begin_leg()
         self._is_resume = is_resume
         held = self._held
         if held is not None:
@@ -284,23 +100,11 @@ class ResponseShaper:
             if self._held_has_content:
                 # The leg's last content must still reach the client, without the finish.
                 self._pending.append(self._without_finish(held))
-        self.leg_tokens = 0
-        self._leg_usage = None
-        self.finish_reason = None
-        self.stop_reason = None
-        self._offset_base = self._offset_end
-
-    def _close_leg(self) -> None:
-        u = self._leg_usage
-        n = u.get("completion_tokens") if u else None
-        self._completion_done += n if isinstance(n, int) and n >= self.leg_tokens else self.leg_tokens
+        self._offsets.begin_leg()
 
     # --- streaming ----------------------------------------------------------------------------
     def shape(self, chunk: dict) -> list[dict]:
         """One parsed upstream chunk -> the chunks for a streaming client (maybe none).
-
-        For a non-streaming client it only records the chunk for `accumulate_response` and
-        returns nothing (no client chunks are built on that path).
 
         Raises MalformedChunk (a ValueError) for a chunk it cannot read; the types of the
         fields the answer is built from are checked before any state changes, so a bad
@@ -325,16 +129,16 @@ class ResponseShaper:
         if not choices:
             usage = chunk.get("usage")
             if isinstance(usage, dict):
-                self._note_usage(usage)
+                self._note_usage(chunk)
             return []
         if type(choices) is not list:
             raise MalformedChunk("upstream chunk: `choices` is not a list")
         c = choices[0]
-        _check_choice(c, chat=self._chat and not self._is_resume)
-        if self.prompt_token_ids is None and not self._is_resume:
+        check_choice(c, chat=self._chat and not self._is_resume)
+        if self.answer.prompt_token_ids is None and not self._is_resume:
             pti = chunk.get("prompt_token_ids") if "delta" in c else c.get("prompt_token_ids")
             if pti is not None:
-                _check_ids(pti, "prompt_token_ids")
+                check_ids(pti, "prompt_token_ids")
         if self._pending:
             pending = self._flush_pending()
             if self._is_resume or not self._chat:
@@ -346,34 +150,25 @@ class ResponseShaper:
 
     def _note_ids(self, c: dict, top_prompt_ids) -> list:
         """Record prompt ids (first non-resume leg) and this chunk's generated ids."""
-        if self.prompt_token_ids is None and not self._is_resume and top_prompt_ids is not None:
-            self.prompt_token_ids = top_prompt_ids
+        answer = self.answer
+        if answer.prompt_token_ids is None and not self._is_resume and top_prompt_ids is not None:
+            answer.prompt_token_ids = top_prompt_ids
         ids = c.get("token_ids")
         if ids:
-            try:
-                self.generated_token_ids.extend(ids)
-            except OverflowError:
-                raise MalformedChunk("upstream chunk: a token id does not fit 64 bits") from None
-            self.leg_tokens += len(ids)
-            self.first_token_seen = True
+            answer.add_token_ids(ids)
             return ids
         return ()
-
-    def _note_text(self, text: str) -> None:
-        parts = self._text_parts
-        parts.append(text)
-        if len(parts) >= _TEXT_BLOCK_PARTS:
-            self._text_blocks.append("".join(parts))
-            parts.clear()
-        self._text_cache = None
-        self.first_token_seen = True
 
     def _note_finish(self, c: dict) -> str | None:
         fr = c.get("finish_reason")
         if fr is not None:
-            self.finish_reason = fr
-            self.stop_reason = c.get("stop_reason")
+            self.answer.note_finish(fr, c.get("stop_reason"))
         return fr
+
+    def _note_usage(self, chunk: dict) -> None:
+        usage = message_usage(chunk)
+        self.answer.note_engine_count(usage.completion_tokens)
+        self._usage.note(usage, is_resume=self._is_resume)
 
     def _stamp(self, chunk: dict) -> None:
         chunk["id"] = self._rid
@@ -381,7 +176,7 @@ class ResponseShaper:
         chunk["created"] = self._created
         chunk["model"] = self._model
         if self.spec.continuous_usage:
-            chunk["usage"] = self._running_usage()
+            chunk["usage"] = self._usage.running()
         elif "usage" in chunk:
             del chunk["usage"]
 
@@ -391,30 +186,20 @@ class ResponseShaper:
         ids = self._note_ids(c, prompt_ids)
         text = c.get("text") or ""
         if text:
-            self._note_text(text)
+            self.answer.add_text(text)
         fr = self._note_finish(c)
         lp = c.get("logprobs")
         if isinstance(lp, dict):
-            lp = self._rebase_completion_logprobs(lp)
+            lp = self._offsets.rebase(lp)
         if self._accumulate:
-            if text:
-                self._content_parts.append(text)
-            if self._chat:
-                if lp is not None:
-                    self._lp_seen = True
-                    self._lp_content.extend(self._chat_logprobs_from_completion(lp))
-            else:
-                self._accumulate_completion_logprobs(lp)
+            self._assembler.add_completion(text, lp)
             return []
 
         if self._chat:
             # A resume leg of a chat answer: rebuild the chunk as a chat delta.
-            if not self._role_sent:
-                pre = [self._role_chunk()]
-            else:
-                pre = []
+            pre = [self._role_chunk()] if not self._role_sent else []
             choice = {"index": 0, "delta": {"content": text},
-                      "logprobs": ({"content": self._chat_logprobs_from_completion(lp)}
+                      "logprobs": ({"content": chat_logprobs_from_completion(lp, self._chat_top_logprobs)}
                                    if lp is not None and self._chat_top_logprobs is not None else None),
                       "finish_reason": fr}
             if fr is not None:
@@ -423,9 +208,9 @@ class ResponseShaper:
             out = {"id": self._rid, "object": _CHAT_CHUNK, "created": self._created, "model": self._model,
                    "choices": [choice]}
             if self.spec.continuous_usage:
-                out["usage"] = self._running_usage()
+                out["usage"] = self._usage.running()
             if fr is not None:
-                res = self._hold(out, choice, bool(text or ids or _lp_entries(lp)))
+                res = self._hold(out, choice, bool(text or ids or has_logprob_entries(lp)))
             else:
                 res = self._out(out, choice)
             if pre:
@@ -439,7 +224,7 @@ class ResponseShaper:
         # Completion chunks carry the prompt's ids inside the choice.
         self._normalize(chunk, c, prompt_ids_in=c)
         if fr is not None:
-            return self._hold(chunk, c, bool(text or ids or _lp_entries(lp)))
+            return self._hold(chunk, c, bool(text or ids or has_logprob_entries(lp)))
         return self._out(chunk, c)
 
     def _normalize(self, chunk: dict, c: dict, prompt_ids_in: dict) -> None:
@@ -470,29 +255,14 @@ class ResponseShaper:
             reasoning = delta.get("reasoning_content")
         tool_calls = delta.get("tool_calls")
         if content:
-            self._note_text(content)
+            self.answer.add_text(content)
         elif reasoning or tool_calls:
-            self.first_token_seen = True
+            self.answer.first_token_seen = True
         if (content or reasoning or tool_calls) and "token_ids" in c and c["token_ids"] is None:
-            self.token_ids_complete = False
+            self.answer.token_ids_complete = False
         lp = c.get("logprobs")
         if self._accumulate:
-            if role is not None:
-                if self._role is None:
-                    self._role = role
-            elif content is not None:
-                self._content_seen = True
-            if content:
-                self._content_parts.append(content)
-            if reasoning:
-                self._reasoning_parts.append(reasoning)
-            if tool_calls:
-                self._accumulate_tool_calls(tool_calls)
-            if isinstance(lp, dict):
-                self._lp_seen = True
-                lc = lp.get("content")
-                if lc:
-                    self._lp_content.extend(lc)
+            self._assembler.add_chat(role, content, reasoning, tool_calls, lp)
             return []
 
         new_role = False
@@ -500,14 +270,14 @@ class ResponseShaper:
             if self._role_sent:
                 # A retry leg's role chunk: the client already has one.
                 del delta["role"]
-                if not (content or reasoning or tool_calls or ids or fr or _lp_entries(lp)):
+                if not (content or reasoning or tool_calls or ids or fr or has_logprob_entries(lp)):
                     return []
             else:
                 self._role_sent = new_role = True
         # Chat chunks carry the prompt's ids at the top level.
         self._normalize(chunk, c, prompt_ids_in=chunk)
         if fr is not None:
-            has_content = bool(content or reasoning or tool_calls or ids or _lp_entries(lp))
+            has_content = bool(content or reasoning or tool_calls or ids or has_logprob_entries(lp))
             if new_role and not has_content:
                 # The role rides on the held chunk; if that is discarded, the next leg's
                 # first chunk must carry the role.
@@ -530,23 +300,22 @@ class ResponseShaper:
         return [chunk]
 
     def _take_prompt_ids(self) -> list[int] | None:
-        if self._prompt_ids_sent or self.prompt_token_ids is None:
+        prompt_ids = self.answer.prompt_token_ids
+        if self._prompt_ids_sent or prompt_ids is None:
             return None
         self._prompt_ids_sent = True
-        return self.prompt_token_ids
+        return prompt_ids
 
     def _role_chunk(self) -> dict:
         """The role chunk vLLM sends first, for a chat answer whose first leg sent none."""
         self._role_sent = True
-        if self._role is None:
-            self._role = "assistant"
         out = {"id": self._rid, "object": _CHAT_CHUNK, "created": self._created, "model": self._model,
                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}]}
         out["prompt_token_ids"] = self._take_prompt_ids() if self._want_ids else None
         out["prompt_text"] = None
         if self.spec.continuous_usage:
-            out["usage"] = self._running_usage()
+            out["usage"] = self._usage.running()
         return out
 
     def _without_finish(self, chunk: dict) -> dict:
@@ -568,12 +337,8 @@ class ResponseShaper:
         return out
 
     def _hold(self, chunk: dict, c: dict, has_content: bool) -> list[dict]:
-        """Keep a finish chunk back until the lead knows whether the answer ends with it.
-
-        A normal finish is held whole (vLLM's own shape; [DONE] follows at once, so the
-        delay is nil). A cache_threshold finish that carries content is split, so the
-        content is not delayed by a resume; it does not happen with vLLM, whose preemption
-        finish comes in a chunk of its own."""
+        """Keep a finish chunk back until the lead knows whether the answer ends with it:
+        whole, or split when it is a cache_threshold finish with content (module docstring)."""
         if not has_content or c.get("finish_reason") != CACHE_THRESHOLD:
             self._held = chunk
             self._held_has_content = has_content
@@ -607,7 +372,7 @@ class ResponseShaper:
             return out
         self._held = None
         if self.spec.continuous_usage:
-            held["usage"] = self._running_usage()
+            held["usage"] = self._usage.running()
         if not self.spec.include_usage and self._fingerprint is not None:
             # vLLM stamps the fingerprint on the last chunk: the usage chunk when there is
             # one, else the finish chunk. Upstream legs always have a usage chunk, so the
@@ -622,205 +387,13 @@ class ResponseShaper:
         out = self.release_held()
         if self.spec.include_usage:
             chunk = {"id": self._rid, "object": self._object, "created": self._created,
-                     "model": self._model, "choices": [], "usage": self._usage(streaming=True)}
+                     "model": self._model, "choices": [], "usage": self._usage.totals(streaming=True)}
             if self._fingerprint is not None:
                 chunk["system_fingerprint"] = self._fingerprint
             out.append(chunk)
             self.emitted = True
         return out
 
-    # --- usage ---------------------------------------------------------------------------------
-    def _note_usage(self, usage: dict) -> None:
-        self._leg_usage = usage
-        n = usage.get("completion_tokens")
-        if isinstance(n, int) and n > self.leg_tokens:
-            # Token ids can be hidden (chat with a reasoning parser and include_reasoning
-            # false); the engine's count is then the only one.
-            self.leg_tokens = n
-            self.token_ids_complete = False
-        if not self._is_resume and self._prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
-            self._prompt_tokens = usage["prompt_tokens"]
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict):
-            productive = self.leg_tokens > 0
-            if self._prompt_details is None or (productive and not self._details_productive):
-                self._prompt_details = details
-                self._details_productive = productive
-        ctd = usage.get("completion_tokens_details")
-        if isinstance(ctd, dict) and isinstance(ctd.get("reasoning_tokens"), int):
-            self._reasoning_tokens = (self._reasoning_tokens or 0) + ctd["reasoning_tokens"]
-
-    def _client_prompt_tokens(self) -> int:
-        if self._prompt_tokens is not None:
-            return self._prompt_tokens
-        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else 0
-
-    def _completion_tokens(self) -> int:
-        u = self._leg_usage
-        n = u.get("completion_tokens") if u else None
-        leg = n if isinstance(n, int) and n >= self.leg_tokens else self.leg_tokens
-        return self._completion_done + (leg if self.legs else 0)
-
-    def _running_usage(self) -> dict:
-        """continuous_usage_stats: running totals, in vLLM's key order. Chat chunks also
-        carry `completion_tokens_details` (null unless the engine counts reasoning tokens):
-        vLLM passes it explicitly there and dumps with exclude_unset (chat serving.py);
-        completion chunks do not have it."""
-        p = self._client_prompt_tokens()
-        n = self._completion_done + self.leg_tokens
-        if self._chat:
-            return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n,
-                    "completion_tokens_details": None}
-        return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
-
-    def _usage(self, *, streaming: bool) -> dict:
-        """Totals over legs. `streaming`: vLLM's usage chunk drops null fields; the
-        non-streaming body writes every field."""
-        p = self._client_prompt_tokens()
-        n = self._completion_tokens()
-        usage: dict = {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
-        details = self._prompt_details
-        if details is not None:
-            d = dict(details)
-            if isinstance(d.get("cached_tokens"), int) and d["cached_tokens"] > p:
-                d["cached_tokens"] = p
-            if not streaming:
-                d = {"cached_tokens": d.get("cached_tokens"), "created_cache_tokens": d.get("created_cache_tokens"),
-                     "multimodal_tokens": d.get("multimodal_tokens"), **d}
-        else:
-            d = None
-        ctd = {"reasoning_tokens": self._reasoning_tokens} if self._reasoning_tokens is not None else None
-        if streaming:
-            if d is not None:
-                usage["prompt_tokens_details"] = d
-            if ctd is not None:
-                usage["completion_tokens_details"] = ctd
-        else:
-            usage["prompt_tokens_details"] = d
-            usage["completion_tokens_details"] = ctd
-        return usage
-
-    # --- logprobs --------------------------------------------------------------------------------
-    def _rebase_completion_logprobs(self, lp: dict) -> dict:
-        """Shift this leg's text offsets by the text of the legs before it, and track the end
-        (vLLM's own rule: next offset = last offset + len(last token))."""
-        offsets = lp.get("text_offset")
-        tokens = lp.get("tokens")
-        if offsets:
-            base = self._offset_base
-            if base:
-                offsets = lp["text_offset"] = [o + base for o in offsets]
-            if tokens and isinstance(tokens[-1], str):
-                self._offset_end = offsets[-1] + len(tokens[-1])
-        return lp
-
-    def _accumulate_completion_logprobs(self, lp) -> None:
-        if not isinstance(lp, dict):
-            return
-        self._lp_seen = True
-        self._lp_offsets.extend(lp.get("text_offset") or ())
-        self._lp_token_logprobs.extend(lp.get("token_logprobs") or ())
-        self._lp_tokens.extend(lp.get("tokens") or ())
-        self._lp_top.extend(lp.get("top_logprobs") or ())
-
-    def _chat_logprobs_from_completion(self, lp: dict) -> list[dict]:
-        """Completion logprobs (a resume leg) as chat `logprobs.content` entries.
-
-        vLLM's completion top_logprobs hold top_logprobs + 1 entries (the sampled token
-        first when it is outside the top), the chat ones exactly top_logprobs, from the same
-        ordered map, so the first top_logprobs entries are the chat list."""
-        k = self._chat_top_logprobs or 0
-        out: list[dict] = []
-        tops = lp.get("top_logprobs") or ()
-        lps = lp.get("token_logprobs") or ()
-        for i, tok in enumerate(lp.get("tokens") or ()):
-            lpv = lps[i] if i < len(lps) else None
-            top = tops[i] if i < len(tops) else None
-            entry = {"token": tok, "logprob": -9999.0 if lpv is None else lpv,
-                     "bytes": list(tok.encode("utf-8", "replace")),
-                     "top_logprobs": [
-                         {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
-                         for j, (t, v) in enumerate(top.items()) if j < k
-                     ] if isinstance(top, dict) else []}
-            out.append(entry)
-        return out
-
-    # --- tool calls --------------------------------------------------------------------------------
-    def _accumulate_tool_calls(self, deltas: list) -> None:
-        for d in deltas:
-            if not isinstance(d, dict):
-                continue
-            idx = d.get("index", 0)
-            tc = self._tool_calls.get(idx)
-            if tc is None:
-                tc = self._tool_calls[idx] = {"id": None, "type": "function",
-                                              "function": {"name": None, "arguments": ""}}
-            if d.get("id") and tc["id"] is None:
-                tc["id"] = d["id"]
-            f = d.get("function")
-            if isinstance(f, dict):
-                if f.get("name") and tc["function"]["name"] is None:
-                    tc["function"]["name"] = f["name"]
-                if f.get("arguments"):
-                    tc["function"]["arguments"] += f["arguments"]
-
-    # --- non-streaming -------------------------------------------------------------------------------
     def accumulate_response(self) -> dict:
         """The body vLLM 0.32 returns for this request with stream=false."""
-        if self._chat:
-            return self._chat_response()
-        return self._completion_response()
-
-    def _completion_response(self) -> dict:
-        logprobs = None
-        if self._lp_seen:
-            logprobs = {"text_offset": self._lp_offsets, "token_logprobs": self._lp_token_logprobs,
-                        "tokens": self._lp_tokens, "top_logprobs": self._lp_top}
-        choice = {
-            "index": 0,
-            "text": "".join(self._content_parts),
-            "logprobs": logprobs,
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-            "token_ids": list(self.generated_token_ids) if self._want_ids else None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": list(self.prompt_token_ids) if self._want_ids and self.prompt_token_ids is not None else None,
-            "routed_experts": None,
-        }
-        return {
-            "id": self._rid, "object": "text_completion", "created": self._created, "model": self._model,
-            "choices": [choice], "service_tier": None, "system_fingerprint": self._fingerprint,
-            "usage": self._usage(streaming=False),
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
-        }
-
-    def _chat_response(self) -> dict:
-        reasoning = "".join(self._reasoning_parts) if self._reasoning_parts else None
-        tool_calls = [self._tool_calls[i] for i in sorted(self._tool_calls)]
-        if self._content_seen or self._content_parts:
-            content: str | None = "".join(self._content_parts)
-        else:
-            # A reasoning/tool parser answers content null when the model wrote none.
-            content = None if (reasoning is not None or tool_calls) else ""
-        message: dict = {"role": self._role or "assistant", "content": content, "refusal": None,
-                         "annotations": None, "audio": None, "function_call": None}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        message["reasoning"] = reasoning
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": {"content": self._lp_content} if self._lp_seen else None,
-            "finish_reason": self.finish_reason or "stop",
-            "stop_reason": self.stop_reason,
-            "token_ids": list(self.generated_token_ids) if self._want_ids else None,
-            "routed_experts": None,
-        }
-        return {
-            "id": self._rid, "object": "chat.completion", "created": self._created, "model": self._model,
-            "choices": [choice], "service_tier": None, "system_fingerprint": self._fingerprint,
-            "usage": self._usage(streaming=False),
-            "prompt_logprobs": None,
-            "prompt_token_ids": list(self.prompt_token_ids) if self._want_ids and self.prompt_token_ids is not None else None,
-            "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
-        }
+        return self._assembler.response(self._model, self._fingerprint, self._usage.totals(streaming=False))

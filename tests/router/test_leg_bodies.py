@@ -1,8 +1,8 @@
 """The bodies the router sends upstream: probe/direct, NIXL prefill and decode, resume."""
-from router.disagg import (PREFILL_REQUEST_PARAMS, PrefillProtocolError, decode_leg_body, parse_prefill_response,
-                           prefill_leg_body, recompute_after_failed_decode)
-from router.legs import streamed_leg_body
-from router.resume import FAILURE, PREEMPTED, REJECTED, resume_leg_body, resume_reason
+from router.disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
+from router.resume import FAILURE, PREEMPTED, REJECTED, resume_reason
+from router.wire import (PREFILL_REQUEST_PARAMS, decode_leg_body, prefill_leg_body, resume_leg_body,
+                         streamed_leg_body)
 from router.upstream import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
 
 import pytest

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 from cluster_util import MODEL, long_prompt
-from router.legs import streamed_leg_body
 from router.race import run_race
+from router.wire import streamed_leg_body
 
 
 async def _settled(c, timeout: float = 10.0) -> dict[str, int]:

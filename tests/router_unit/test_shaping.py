@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
-from router.shaping import CACHE_THRESHOLD, MalformedChunk, ResponseShaper, is_rejection_chunk
+from router.shaping import ResponseShaper
+from router.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
 
 from vllm_shapes import (Gen, Step, _chat_logprobs, _completion_logprobs, chat_full, chat_stream,
                          completion_full, completion_stream)
@@ -127,9 +128,9 @@ def test_completions_stream_one_leg_matches_vllm():
     sh, out = run_legs(spec, [(False, completion_stream(g))])
     assert out == completion_stream(client_view(spec, g))
     assert {c["id"] for c in out} == {spec.request_id} and {c["model"] for c in out} == {"client-model"}
-    assert list(sh.generated_token_ids) == [1000, 1001, 1002] and sh.generated_text == "t0t1t2"
-    assert sh.prompt_token_ids == PROMPT and sh.finish_reason == "length" and sh.leg_tokens == 3
-    assert sh.first_token_seen and sh.emitted
+    assert list(sh.answer.generated_token_ids) == [1000, 1001, 1002] and sh.answer.generated_text == "t0t1t2"
+    assert sh.answer.prompt_token_ids == PROMPT and sh.answer.finish_reason == "length" and sh.answer.leg_tokens == 3
+    assert sh.answer.first_token_seen and sh.emitted
 
 
 def test_chat_stream_one_leg_matches_vllm():
@@ -254,10 +255,10 @@ def test_any_legs_read_as_one_answer(scenario):
         assert out == expect_stream
     else:
         assert sh.accumulate_response() == expect_full
-    assert list(sh.generated_token_ids) == [t for s in g.steps for t in s.token_ids]
-    assert sh.generated_text == "".join(s.text for s in g.steps)
-    assert sh.prompt_token_ids == PROMPT
-    assert sh.finish_reason == g.steps[-1].finish_reason
+    assert list(sh.answer.generated_token_ids) == [t for s in g.steps for t in s.token_ids]
+    assert sh.answer.generated_text == "".join(s.text for s in g.steps)
+    assert sh.answer.prompt_token_ids == PROMPT
+    assert sh.answer.finish_reason == g.steps[-1].finish_reason
 
 
 def test_chat_resumed_through_completion_leg_reads_as_one_chat_stream():
@@ -292,7 +293,7 @@ def test_cache_threshold_finish_is_held_until_released():
     chunks = completion_stream(g)
     shaped = [sh.shape(c) for c in chunks]
     assert [len(s) for s in shaped] == [1, 1, 0, 0]   # the finish and the usage chunk are kept
-    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 2
+    assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 2
     held = sh.release_held()
     assert len(held) == 1 and held[0]["choices"][0]["finish_reason"] == CACHE_THRESHOLD
     assert held[0]["id"] == spec.request_id
@@ -369,7 +370,7 @@ def test_content_of_a_dropped_finish_chunk_still_reaches_the_client():
     out += sh.final_chunks()
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in out] == [
         ("a", None), ("b", None), ("c", "stop")]
-    assert list(sh.generated_token_ids) == [1, 2, 3]
+    assert list(sh.answer.generated_token_ids) == [1, 2, 3]
 
 
 def test_pending_content_flushed_by_final_chunks_when_no_leg_follows():
@@ -498,7 +499,7 @@ def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client)
         assert normalized(out) == normalized(stream_chunks(client))
     else:
         assert normalized(sh.accumulate_response()) == normalized(body(client))
-    assert list(sh.generated_token_ids) == [t for c in tokens for t in c["choices"][0]["token_ids"]]
+    assert list(sh.answer.generated_token_ids) == [t for c in tokens for t in c["choices"][0]["token_ids"]]
 
 
 THRESHOLD_STREAMS = {"threshold_chat_stream_rejected": ("threshold_chat_rejected", [None, True, None]),
@@ -521,7 +522,7 @@ def test_real_threshold_rejection_captures(stream_name):
     sh.begin_leg(is_resume=False)
     out = [c for ch in stream_chunks(stream_name) for c in sh.shape(ch)]
     assert all(c["choices"][0]["finish_reason"] is None for c in out)      # the finish is held
-    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 0 and not sh.generated_token_ids
+    assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 0 and not sh.answer.generated_token_ids
     out += sh.release_held() + sh.final_chunks()
     assert orjson.dumps(normalized(out)) == orjson.dumps(normalized(chunks))
 
@@ -577,7 +578,7 @@ def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
     ]
     for c in chunks:
         assert sh.shape(c) == []          # nothing is built for a non-streaming client
-    assert not sh.emitted and sh.first_token_seen
+    assert not sh.emitted and sh.answer.first_token_seen
     msg = sh.accumulate_response()["choices"][0]
     assert msg["finish_reason"] == "tool_calls"
     assert msg["message"] == {
@@ -586,7 +587,7 @@ def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
         "tool_calls": [{"id": "chatcmpl-tool-1", "type": "function",
                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}],
         "reasoning": "think more"}
-    assert list(sh.generated_token_ids) == [1, 2, 3, 4, 5, 6]
+    assert list(sh.answer.generated_token_ids) == [1, 2, 3, 4, 5, 6]
 
 
 def test_reasoning_then_content():
@@ -624,14 +625,14 @@ def test_lead_state_after_a_preempted_leg():
     sh.begin_leg(is_resume=False)
     for c in legs[0][1]:
         sh.shape(c)
-    assert (sh.finish_reason, sh.leg_tokens, list(sh.generated_token_ids), sh.prompt_token_ids) == (
+    assert (sh.answer.finish_reason, sh.answer.leg_tokens, list(sh.answer.generated_token_ids), sh.answer.prompt_token_ids) == (
         CACHE_THRESHOLD, 2, [1000, 1001], PROMPT)
     sh.begin_leg(is_resume=True)
-    assert (sh.finish_reason, sh.leg_tokens) == (None, 0)
+    assert (sh.answer.finish_reason, sh.answer.leg_tokens) == (None, 0)
     for c in legs[1][1]:
         sh.shape(c)
-    assert (sh.finish_reason, sh.leg_tokens, len(sh.generated_token_ids)) == ("stop", 1, 3)
-    assert sh.prompt_token_ids == PROMPT    # not the resume leg's prompt
+    assert (sh.answer.finish_reason, sh.answer.leg_tokens, len(sh.answer.generated_token_ids)) == ("stop", 1, 3)
+    assert sh.answer.prompt_token_ids == PROMPT    # not the resume leg's prompt
 
 
 # --- vllm_shapes against vLLM's own pydantic models (slow: importing vLLM takes seconds) ----------
@@ -774,8 +775,8 @@ def test_odd_upstream_chunks_never_crash_the_shaper(endpoint, stream, script):
         orjson.dumps(out)
     orjson.dumps(sh.release_held() + sh.final_chunks())
     orjson.dumps(sh.accumulate_response())
-    assert all(type(t) is int for t in sh.generated_token_ids)
-    assert isinstance(sh.generated_text, str)
+    assert all(type(t) is int for t in sh.answer.generated_token_ids)
+    assert isinstance(sh.answer.generated_text, str)
 
 
 def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume():
@@ -789,7 +790,7 @@ def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume():
     out = [c for ch in leg1 for c in sh.shape(ch)]
     assert "".join(c["choices"][0]["text"] for c in out) == "abc"
     assert all(c["choices"][0]["finish_reason"] is None for c in out)
-    assert sh.finish_reason == CACHE_THRESHOLD and sh.leg_tokens == 2
+    assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 2
     sh.begin_leg(is_resume=True)                     # the held finish is dropped
     leg2 = completion_stream(Gen(PROMPT + [1, 2], [Step("d", [3], "stop")], include_usage=False))
     out += [c for ch in leg2 for c in sh.shape(ch)] + sh.final_chunks()
@@ -803,14 +804,14 @@ def test_hidden_token_ids_make_the_answer_unresumable():
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
     sh.shape(chat_stream(Gen(PROMPT, []))[0])
-    assert sh.token_ids_complete
+    assert sh.answer.token_ids_complete
     # vLLM with a reasoning parser and include_reasoning false: token_ids null in the chunks.
     sh.shape({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "tiny",
               "choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None,
                            "token_ids": None}]})
-    assert not sh.token_ids_complete
+    assert not sh.answer.token_ids_complete
     sh2 = ResponseShaper(spec)
     sh2.begin_leg(is_resume=False)
     for c in chat_stream(Gen(PROMPT, steps_for(2))):
         sh2.shape(c)
-    assert sh2.token_ids_complete and sh2.leg_tokens == 2
+    assert sh2.answer.token_ids_complete and sh2.answer.leg_tokens == 2
