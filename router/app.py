@@ -125,7 +125,7 @@ class RouterState:
         self.monitor.start()
         self.discovery = Discovery(self.fleet, cfg.discovery)
         await self.discovery.start()
-        self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing), self.metrics)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing))
         ready = [n for n, s in self.registry.states.items() if s.healthy]
         log.info("router ready: %d/%d backends healthy (%s), strategy %s", len(ready),
                  len(self.registry.states), ", ".join(ready) or "none", cfg.routing.strategy)
@@ -195,7 +195,7 @@ class RouterState:
             strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
             if strategy.name == before.name and hasattr(before, "memory"):
                 strategy.memory = before.memory  # where prompts went is still true
-            self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.metrics)
+            self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy)
 
     def _bind_backend_gauges(self, s: BackendState) -> None:
         # The gauges read the backend's state when scraped: nothing to do on the request

@@ -29,7 +29,7 @@ from . import errors, tracing
 from .admission import RequestSpec
 from .backends import BackendRegistry
 from .config import Config
-from .metrics import RequestRecord, RouterMetrics
+from .metrics import RequestRecord
 from .placement import LegPlacer, client_error
 from .planning import ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, RouteQuery, Strategy
 from .race import usage_cached_tokens, usage_prompt_tokens
@@ -70,15 +70,13 @@ def request_path(spec: RequestSpec) -> str:
 
 
 class Dispatcher:
-    def __init__(self, config: Config, registry: BackendRegistry, client: UpstreamClient,
-                 strategy: Strategy, metrics: RouterMetrics):
+    def __init__(self, config: Config, registry: BackendRegistry, client: UpstreamClient, strategy: Strategy):
         self.config = config
         self.routing = config.routing
         self.timeouts = config.timeouts
         self.registry = registry
         self.client = client
         self.strategy = strategy
-        self.metrics = metrics
         self.placer = LegPlacer(config, registry, client, strategy)
 
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict) -> RequestContext:

@@ -18,7 +18,7 @@ import logging
 from dataclasses import replace
 
 from . import errors, tracing
-from .backends import BackendRegistry, LegTicket
+from .backends import BackendRegistry, ClusterSnapshot, LegTicket
 from .config import Config, TimeoutsConfig
 from .disagg import (PrefillProtocolError, decode_leg_body, parse_prefill_response, prefill_leg_body,
                      recompute_after_failed_decode)
@@ -51,6 +51,8 @@ def client_error(e: UpstreamError, timeouts: TimeoutsConfig) -> errors.RouterErr
 
 
 class LegPlacer:
+    """The stages that place one request's answer legs (see the module docstring)."""
+
     def __init__(self, config: Config, registry: BackendRegistry, client: UpstreamClient, strategy: Strategy):
         self.routing = config.routing
         self.timeouts = config.timeouts
@@ -129,7 +131,10 @@ class LegPlacer:
         ctx.record_scratch(race.sent, plan.scratch_ttft_s)
         return self._accepted(ctx, race.result, ROUTE_PROBE_HIT, race.tickets)
 
-    def _race_figures(self, query: RouteQuery, result: RaceResult):
+    def _race_figures(self, query: RouteQuery,
+                      result: RaceResult) -> tuple[ClusterSnapshot, float, dict[str, float], dict[str, float]]:
+        """The snapshot, the prompt's length, what the strategy expects each engine to hold
+        and what the rejections reported holding."""
         snap = self.registry.snapshot()
         n = result.prompt_tokens or query.tokens(snap)  # every probe silent: estimated
         reported = {o.backend: float(o.hit_tokens or 0) for o in result.by_verdict(REJECTED)}

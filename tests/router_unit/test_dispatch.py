@@ -63,7 +63,7 @@ class Harness:
         self.metrics = RouterMetrics()
         self.up = up
         self.planner = planner
-        self.dispatcher = Dispatcher(config, self.registry, up, planner, self.metrics)
+        self.dispatcher = Dispatcher(config, self.registry, up, planner)
         self.emitted: list[dict] = []
 
     async def serve(self, max_tokens: int = 16) -> RequestRecord:
