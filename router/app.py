@@ -118,7 +118,7 @@ class RouterState:
         self.monitor.start()
         self.discovery = Discovery(self.fleet, cfg.discovery)
         await self.discovery.start()
-        self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing), self.metrics)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing))
         ready = [n for n, s in self.registry.states.items() if s.healthy]
         log.info("router ready: %d/%d backends healthy (%s), strategy %s", len(ready),
                  len(self.registry.states), ", ".join(ready) or "none", cfg.routing.strategy)
@@ -189,7 +189,7 @@ class RouterState:
             if strategy.name == before.name and hasattr(before, "memory"):
                 strategy.memory = before.memory  # where prompts went is still true
             assert self.client is not None
-            self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.metrics)
+            self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy)
 
     def identify(self, request: web.Request) -> tuple[Tenant, int]:
         """The request's tenant (401 for a missing or wrong key) and its priority."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .race import EXPIRED, LOST, REJECTED
 from .tracing import annotate_request
 from .backends import BREAKER_STATE_VALUE
 from .clientlog import escape
@@ -32,9 +33,21 @@ def latency_buckets(total_s: float) -> tuple[float, ...]:
     return (*out, float(total_s))
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One engine's verdict in a race, or on a leg sent to it alone (router/race.py)."""
+
+    backend: str
+    verdict: str
+    latency_s: float
+    tokens: int = 0  # a loser's tokens, read before it was cancelled
+    probe: bool = True  # False: a fallback or decode leg, not a probe
+
+
 @dataclass
 class RequestRecord:
-    """What one request did; filled in along its path, recorded once at the end."""
+    """What one request did; filled in along its path, recorded once at the end (the
+    request's metrics included: `RouterMetrics.record` writes them all from here)."""
 
     request_id: str
     endpoint: str
@@ -43,15 +56,13 @@ class RequestRecord:
     route: str = ""  # probe_hit | pd | direct
     winner: str = ""
     legs: list[str] = field(default_factory=list)  # "route:backend" per answer leg
-    probes: int = 0
-    rejections: int = 0
+    verdicts: list[Verdict] = field(default_factory=list)
     # Per rejecting engine: the prompt tokens its rejection said it holds (GPU prefix cache
     # and what its KV connector can load, a CPU tier included), when it said.
     rejected_hits: dict[str, int] = field(default_factory=dict)
-    expired: int = 0
-    losers: int = 0
-    loser_tokens: int = 0
     retries: int = 0
+    retried_backends: list[str] = field(default_factory=list)  # the failed engine per dispatch retry
+    upstream_errors: list[tuple[str, str]] = field(default_factory=list)  # (backend, kind)
     resumes: list[str] = field(default_factory=list)
     prefill: str = ""
     ttft_s: float | None = None
@@ -68,6 +79,29 @@ class RequestRecord:
     scratch_ttft_s: float | None = None
     dispatch_started: float = 0.0
     tenant: str = ""  # the API key's tenant name (router/tenants.py), never the key
+
+    @property
+    def probes(self) -> int:
+        return sum(1 for v in self.verdicts if v.probe)
+
+    @property
+    def rejections(self) -> int:
+        return self._count(REJECTED)
+
+    @property
+    def expired(self) -> int:
+        return self._count(EXPIRED)
+
+    @property
+    def losers(self) -> int:
+        return self._count(LOST)
+
+    @property
+    def loser_tokens(self) -> int:
+        return sum(v.tokens for v in self.verdicts if v.verdict == LOST)
+
+    def _count(self, verdict: str) -> int:
+        return sum(1 for v in self.verdicts if v.verdict == verdict)
 
 
 class RouterMetrics:
@@ -194,6 +228,19 @@ class RouterMetrics:
         hists[1].observe(rec.duration_s)
         for reason in rec.resumes:
             self.resumes.labels(reason).inc()
+        for v in rec.verdicts:
+            self.probe_latency.labels(v.verdict).observe(v.latency_s)
+            if v.verdict == REJECTED:
+                self.probe_rejections.labels(v.backend).inc()
+            elif v.verdict == LOST:
+                self.probe_losers.labels(v.backend).inc()
+                self.probe_loser_tokens.labels(v.backend).inc(v.tokens)
+            elif v.verdict == EXPIRED:
+                self.probe_deadline_expiries.labels(v.backend).inc()
+        for backend in rec.retried_backends:
+            self.retries.labels(backend).inc()
+        for backend, kind in rec.upstream_errors:
+            self.upstream_errors.labels(backend, kind).inc()
         annotate_request(rec)
         if not log.isEnabledFor(logging.INFO):
             return

@@ -30,8 +30,8 @@ async def _settled(c, timeout: float = 10.0) -> dict[str, int]:
 def _opener(c, body: dict):
     loop = asyncio.get_running_loop()
     # Each leg holds a LegTicket for its prompt's tokens until its stream closes.
-    return c.state.dispatcher._opener("/v1/completions", streamed_leg_body(body, 0.0),
-                                      loop.time() + 30.0, tokens=100, tickets={})
+    return c.state.dispatcher.placer._opener("/v1/completions", streamed_leg_body(body, 0.0),
+                                             loop.time() + 30.0, tokens=100, tickets={})
 
 
 async def test_cancelled_while_an_accepted_probe_is_unread(make_cluster):
