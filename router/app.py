@@ -33,7 +33,8 @@ from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .memtrim import IdleTrimmer
 from .metrics import RequestRecord, RouterMetrics
-from .planning import make_strategy
+from .names import BreakerState
+from .policies import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
 from .respond import ClientStalled, SSEWriter
 from .shaping import ResponseShaper
@@ -203,7 +204,7 @@ class RouterState:
         name = s.config.name
         m = self.metrics
         m.inflight.labels(name).set_function(lambda: s.inflight)
-        m.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)
+        m.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != BreakerState.OPEN else 0)
         m.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
         m.draining.labels(name).set_function(lambda: 1 if s.draining else 0)
         registry = self.registry

@@ -31,8 +31,8 @@ from .disagg import (PrefillProtocolError, decode_leg_body, parse_prefill_respon
 from .legs import streamed_leg_body
 from .metrics import RequestRecord, RouterMetrics
 from .fallback import FallbackPlan, plan_fallback
-from .planning import (ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, Plan, RouteQuery, Strategy, predicted_ttft,
-                       race_value)
+from .names import Route
+from .planning import Plan, RouteQuery, Strategy, predicted_ttft, race_value
 from .race import EXPIRED, FAILED, LOST, REJECTED, RaceResult, run_race, usage_cached_tokens, usage_prompt_tokens
 from .resume import resume_leg_body, resume_reason
 from .shaping import MalformedChunk, ResponseShaper
@@ -215,8 +215,8 @@ class Dispatcher:
                 self.registry.close_leg(ticket)
             self.registry.record_success(name)
             self.strategy.on_routed(query, name)
-            rec.route, rec.winner = ROUTE_DIRECT, name
-            rec.legs.append(f"{ROUTE_DIRECT}:{name}")
+            rec.route, rec.winner = Route.DIRECT, name
+            rec.legs.append(f"{Route.DIRECT}:{name}")
             rec.retries = attempt
             rec.ttft_s = loop.time() - started
             return raw
@@ -240,7 +240,7 @@ class Dispatcher:
         plan = self.strategy.plan(query, self.registry.snapshot(), exclude)
         if plan.empty:
             return None
-        rec.route = ROUTE_DIRECT
+        rec.route = Route.DIRECT
         if not plan.probes:
             assert plan.direct is not None
             self.strategy.on_routed(query, plan.direct)
@@ -260,7 +260,7 @@ class Dispatcher:
             if winner.stream is not None:
                 winner.stream.abort()  # its token is not the answer; the prompt is cached now
             self.strategy.on_routed(query, winner.backend)
-            rec.route = ROUTE_PROBE_HIT
+            rec.route = Route.PROBE_HIT
             return winner.backend, 0
         client_err = result.client_error
         if client_err is not None:
@@ -312,7 +312,7 @@ class Dispatcher:
         if leg.ticket is None or leg.prompt_tokens is None:
             return
         learner = self.registry.learner
-        if leg.route == ROUTE_PD:
+        if leg.route == Route.PD:
             # Its prompt arrived over NIXL: the time to its first token is the transfer's.
             t = leg.ticket
             if t.first_token_at is not None:
@@ -360,7 +360,7 @@ class Dispatcher:
                     self._predicted(rec, sent, dict(zip(plan.probes, plan.probe_ttft_s)).get(result.winner.backend))
                     if plan.scratch_ttft_s is not None and rec.scratch_ttft_s is None:
                         rec.scratch_ttft_s = sent - rec.dispatch_started + plan.scratch_ttft_s
-                    return self._won(query, result, ROUTE_PROBE_HIT, rec, tickets)
+                    return self._won(query, result, Route.PROBE_HIT, rec, tickets)
                 client_err = result.client_error
                 if client_err is not None:
                     raise self._client_error(client_err)
@@ -452,9 +452,9 @@ class Dispatcher:
             except PrefillProtocolError as e:
                 log.warning("prefill on %s: %s; computing the prompt on %s instead", fb.prefill, e, fb.decode)
         if kv_params is not None:
-            leg_body, route, tokens = decode_leg_body(body, kv_params, fb.decode_threshold), ROUTE_PD, 0
+            leg_body, route, tokens = decode_leg_body(body, kv_params, fb.decode_threshold), Route.PD, 0
         else:
-            leg_body, route, tokens = streamed_leg_body(body, 0.0), ROUTE_DIRECT, fb.prefill_tokens
+            leg_body, route, tokens = streamed_leg_body(body, 0.0), Route.DIRECT, fb.prefill_tokens
         # Noted now, not at the first token: a request sharing this prompt's prefix that
         # arrives while the decoder computes it should follow it there.
         self.strategy.on_routed(query, fb.decode)
@@ -470,7 +470,7 @@ class Dispatcher:
             log.warning("decode on %s with the cache from %s did not start (%s); computing the "
                         "prompt on %s", fb.decode, fb.prefill,
                         failed[0].error if failed else "guard threshold", fb.decode)
-            route = ROUTE_DIRECT
+            route = Route.DIRECT
             result = await self._single(fb.decode, path, streamed_leg_body(body, 0.0), rec, deadline,
                                         fb.prefill_tokens, tickets)
         if result.winner is not None:
@@ -515,7 +515,7 @@ class Dispatcher:
         ticket = tickets.get(w.backend)
         if ticket is not None:
             self.registry.first_token(ticket)
-        if route == ROUTE_PROBE_HIT:  # a fallback was noted when it was sent (_run_fallback)
+        if route == Route.PROBE_HIT:  # a fallback was noted when it was sent (_run_fallback)
             self.strategy.on_routed(query, w.backend)
         if not rec.route:  # route and winner describe where the answer was first placed
             rec.route = route
