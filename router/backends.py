@@ -37,10 +37,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from .config import BackendConfig, HealthConfig
 from .costmodel import EngineSpeed, TransferSpeed
+from .load_metrics import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from .names import BreakerState
 from .speed_learner import SpeedLearner
 
@@ -48,16 +47,6 @@ log = logging.getLogger("cachehit_router.backends")
 
 # The breaker gauge's values.
 BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-
-# vLLM metrics the load view reads (gauges, summed over label sets).
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-# Counters the cost model reads for what a cached token costs (a CPU-tier load or nothing).
-CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
-HITS_DEVICE = CACHED_BY_SOURCE + ":device"  # GPU prefix-cache hit tokens
-HITS_HOST = CACHED_BY_SOURCE + ":host"  # CPU-tier (OffloadingConnector) hit tokens
-OFFLOAD_LOAD_TIME = "vllm:kv_offload_load_time"
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,24 +395,3 @@ class BackendRegistry:
                 log.warning("backend %s: unreachable (%s), skipped until it answers", name, reason)
             s.healthy = False
         s.last_error = reason
-
-
-
-def parse_load_metrics(text: str) -> dict[str, float]:
-    """Sum, over label sets, the gauges the load view uses from a Prometheus exposition,
-    and the counters of hit tokens by cache tier (`HITS_DEVICE`, `HITS_HOST`) and of CPU-tier
-    load seconds."""
-    wanted = (RUNNING, WAITING, KV_USAGE)
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in wanted:
-            out[family.name] = sum(s.value for s in family.samples if s.name == family.name)
-        elif family.name == CACHED_BY_SOURCE:
-            for s in family.samples:
-                source = s.labels.get("source")
-                if s.name == CACHED_BY_SOURCE + "_total" and source in ("device", "host"):
-                    key = f"{CACHED_BY_SOURCE}:{source}"
-                    out[key] = out.get(key, 0.0) + s.value
-        elif family.name == OFFLOAD_LOAD_TIME:
-            out[family.name] = sum(s.value for s in family.samples if s.name == family.name + "_total")
-    return out

@@ -17,7 +17,8 @@ import aiohttp
 import orjson
 
 from . import capability
-from .backends import BackendRegistry, parse_load_metrics
+from .backends import BackendRegistry
+from .load_metrics import parse_load_metrics
 from .config import BackendConfig, HealthConfig
 from .upstream import UpstreamClient
 

@@ -1,5 +1,6 @@
 """Backend registry: circuit breaker, in-flight counts, scraped load, snapshot."""
-from router.backends import BackendRegistry, parse_load_metrics
+from router.backends import BackendRegistry
+from router.load_metrics import parse_load_metrics
 from router.names import BreakerState
 from router.config import BackendConfig, HealthConfig
 

@@ -9,7 +9,8 @@ from engine_launcher.sim import SimEngineConfig
 from engine_launcher.sim.cli import build_parser, config_from_args
 from engine_launcher.sim.cpu_tier import CpuTier
 from engine_launcher.sim.kv_cache import hash_blocks
-from router.backends import BackendRegistry, parse_load_metrics
+from router.backends import BackendRegistry
+from router.load_metrics import parse_load_metrics
 from router.config import BackendConfig, HealthConfig
 
 from sim_testutil import metric, parse_sse, post
