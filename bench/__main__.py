@@ -110,7 +110,7 @@ def workload_from_args(a: argparse.Namespace):
 
 
 def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_over):
-    from .cluster import RouterOptions
+    from .cluster import ROUTER_MODES, RouterOptions
     from .replay import RunSpec, default_sim
     w = workload_from_args(a)
     speed = a.speed or (3.0 if w.kind == "trace" else 1.0)
@@ -120,9 +120,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         sim.max_num_seqs = a.max_num_seqs
     sim.cpu_offload_x = getattr(a, "cpu_offload_x", 0.0)
     min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))
-    ropts = RouterOptions(strategy=mode if mode in ("probe", "round_robin", "least_loaded", "prefix_tree")
-                          else "probe", threshold=a.threshold, probe_deadline_ms=a.probe_deadline_ms,
-                          min_pd_prompt_tokens=min_pd, max_probes=a.max_probes)
+    ropts = RouterOptions(strategy=mode if mode in ROUTER_MODES else "probe", threshold=a.threshold,
+                          probe_deadline_ms=a.probe_deadline_ms, min_pd_prompt_tokens=min_pd, max_probes=a.max_probes)
     for k, v in router_over.items():
         setattr(ropts, k, v)
     return RunSpec(mode=mode, out=out, workload=w, engines=a.engines, prefill=a.prefill, sim=sim,

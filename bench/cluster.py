@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import tomli_w
 
 from router.config import RoutingConfig, ServerConfig
+from router.policies import POLICIES
 
 from .procs import PY, Proc, ProcessSet, free_ports, pinned, wait_http
 
@@ -26,7 +27,8 @@ _SERVER = ServerConfig()
 MODEL = "sim-model"
 
 # Router modes (our router's [routing] strategy) and external baselines.
-ROUTER_MODES = ("probe", "round_robin", "least_loaded", "prefix_tree")
+# Plain strings, like the external modes: orjson refuses str subclasses as dict keys.
+ROUTER_MODES = tuple(str(name) for name in POLICIES)
 EXTERNAL_MODES = {"vllm_router_rr": "round_robin", "vllm_router_cache_aware": "cache_aware"}
 
 

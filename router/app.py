@@ -34,7 +34,7 @@ from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .memtrim import IdleTrimmer
 from .metrics import RequestRecord, RouterMetrics
-from .planning import make_strategy
+from .policies import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
 from .respond import ClientStalled, SSEWriter, error_response, json_response
 from .request_body import check_length, expect_handler, read_body

@@ -40,12 +40,14 @@ from typing import Callable, Iterable
 from .config import BackendConfig, HealthConfig
 from .costmodel import EngineSpeed, TransferSpeed
 from .engine_metrics import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
+from .names import BreakerState
 from .speed_learner import SpeedLearner
 
 log = logging.getLogger("cachehit_router.backends")
 
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-BREAKER_STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}
+# The breaker gauge's values.
+BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
 
 @dataclass(frozen=True, slots=True)
 class BackendView:
@@ -121,7 +123,7 @@ class BackendState:
     kv_usage: float = 0.0
     consecutive_failures: int = 0
     check_failures: int = 0  # consecutive failed health checks
-    breaker: str = CLOSED
+    breaker: BreakerState = BreakerState.CLOSED
     opened_at: float = 0.0
     half_open_trial_taken: bool = False
     trial_at: float = 0.0
@@ -206,10 +208,10 @@ class BackendRegistry:
     def _available(self, s: BackendState, now: float) -> bool:
         if s.draining:
             return False
-        if s.breaker == OPEN:
+        if s.breaker == BreakerState.OPEN:
             # After the cool-down the breaker lets one trial through.
             return s.healthy and now - s.opened_at >= self.health.cooldown_s
-        if s.breaker == HALF_OPEN:
+        if s.breaker == BreakerState.HALF_OPEN:
             return s.healthy and (not s.half_open_trial_taken
                                   or now - s.trial_at >= self.health.cooldown_s)
         return s.healthy
@@ -311,17 +313,17 @@ class BackendRegistry:
         s = self.states[name]
         s.inflight += 1
         now = self.clock()
-        if s.breaker == OPEN and now - s.opened_at >= self.health.cooldown_s:
-            s.breaker = HALF_OPEN
+        if s.breaker == BreakerState.OPEN and now - s.opened_at >= self.health.cooldown_s:
+            s.breaker = BreakerState.HALF_OPEN
             log.info("backend %s: circuit half-open, one trial request", name)
-        if s.breaker == HALF_OPEN:
+        if s.breaker == BreakerState.HALF_OPEN:
             s.half_open_trial_taken = True
             s.trial_at = now
 
     def release(self, name: str) -> None:
         s = self.states[name]
         s.inflight -= 1
-        if s.breaker == HALF_OPEN:
+        if s.breaker == BreakerState.HALF_OPEN:
             # The trial's verdict (record_success / record_failure) follows if it had one;
             # a trial without one (rejected or cancelled probe) frees the slot.
             s.half_open_trial_taken = False
@@ -331,9 +333,9 @@ class BackendRegistry:
         if s is None:  # removed meanwhile
             return
         s.consecutive_failures = 0
-        if s.breaker != CLOSED or not s.healthy:
+        if s.breaker != BreakerState.CLOSED or not s.healthy:
             log.info("backend %s: healthy again (breaker closed)", name)
-        s.breaker = CLOSED
+        s.breaker = BreakerState.CLOSED
         s.half_open_trial_taken = False
         s.healthy = True
 
@@ -343,12 +345,12 @@ class BackendRegistry:
             return
         s.consecutive_failures += 1
         s.last_error = reason
-        if s.breaker == HALF_OPEN or (
-                s.breaker == CLOSED and s.consecutive_failures >= self.health.failure_threshold):
-            if s.breaker != OPEN:
+        if s.breaker == BreakerState.HALF_OPEN or (
+                s.breaker == BreakerState.CLOSED and s.consecutive_failures >= self.health.failure_threshold):
+            if s.breaker != BreakerState.OPEN:
                 log.warning("backend %s: circuit opened after %d failures (%s)",
                             name, s.consecutive_failures, reason)
-            s.breaker = OPEN
+            s.breaker = BreakerState.OPEN
             s.opened_at = self.clock()
             s.half_open_trial_taken = False
 
@@ -376,7 +378,7 @@ class BackendRegistry:
             s.models = models
         if not s.healthy:
             log.info("backend %s: answers its health checks again%s", name,
-                     "" if s.breaker == CLOSED else f" (circuit {s.breaker} until a trial request succeeds)")
+                     "" if s.breaker == BreakerState.CLOSED else f" (circuit {s.breaker} until a trial request succeeds)")
         # Healthy, but the breaker is left alone: only requests close it.
         s.healthy = True
 

@@ -12,7 +12,10 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ROLES, ConfigError, _build, _port, _positive, _Problems, _str_list, _url
+from .config import ConfigError
+from .config_checks import (Problems, build_table, check_one_of, check_port, check_positive, check_url,
+                            str_list)
+from .names import Role
 
 KINDS = ("dns", "kubernetes")
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -25,7 +28,7 @@ class DiscoveryConfig:
     name: str = ""
     # Engine port on every address found (kind kubernetes: the container port, by number).
     port: int = 8000
-    role: str = "decode"
+    role: Role = Role.DECODE
     # Served model names; empty: read from each engine's /v1/models.
     models: tuple[str, ...] = ()
     # Seconds between two look-ups.
@@ -66,18 +69,18 @@ def parse_nameserver(key: str, value: str) -> tuple[str, int]:
         ipaddress.ip_address(host)
     except ValueError:
         raise ConfigError(f"{key}: expected an IP address with an optional :port, got {value!r}") from None
-    _port(key, port, allow_zero=False)
+    check_port(key, port, allow_zero=False)
     return host, port
 
 
-def parse_discovery(p: _Problems, raw: Any) -> tuple[DiscoveryConfig, ...]:
+def parse_discovery(p: Problems, raw: Any) -> tuple[DiscoveryConfig, ...]:
     if not isinstance(raw, list):
         p.add("discovery: expected an array of tables ([[discovery]])")
         return ()
     out = []
     for i, rd in enumerate(raw):
         key = f"discovery[{i}]"
-        d = _build(p, DiscoveryConfig, key, rd, {"models": _str_list, "nameservers": _str_list})
+        d = build_table(p, DiscoveryConfig, key, rd, {"models": str_list, "nameservers": str_list})
         if d is None:
             continue
         if d.kind not in KINDS:
@@ -86,16 +89,15 @@ def parse_discovery(p: _Problems, raw: Any) -> tuple[DiscoveryConfig, ...]:
             p.add(f"{key}.name: required for kind 'dns' (the DNS name to resolve)")
         elif d.kind == "kubernetes" and not d.label_selector:
             p.add(f"{key}.label_selector: required for kind 'kubernetes' (for example 'app=vllm-decode')")
-        if d.role not in ROLES:
-            p.add(f"{key}.role: expected one of {', '.join(ROLES)}, got {d.role!r}")
+        p.check(check_one_of, f"{key}.role", d.role, Role)
         if d.scheme not in ("http", "https"):
             p.add(f"{key}.scheme: expected 'http' or 'https', got {d.scheme!r}")
-        p.check(_port, f"{key}.port", d.port, allow_zero=False)
-        p.check(_positive, f"{key}.interval_s", d.interval_s)
+        p.check(check_port, f"{key}.port", d.port, allow_zero=False)
+        p.check(check_positive, f"{key}.interval_s", d.interval_s)
         for j, ns in enumerate(d.nameservers):
             p.check(parse_nameserver, f"{key}.nameservers[{j}]", ns)
         if d.api_server:
-            p.check(_url, f"{key}.api_server", d.api_server)
+            p.check(check_url, f"{key}.api_server", d.api_server)
         out.append(d)
     sources = [d.source for d in out]
     for s in sorted({s for s in sources if sources.count(s) > 1}):

@@ -31,7 +31,8 @@ from .backends import BackendRegistry
 from .config import Config
 from .metrics import RequestRecord
 from .placement import LegPlacer, client_error
-from .planning import ROUTE_DIRECT, ROUTE_PD, ROUTE_PROBE_HIT, RouteQuery, Strategy
+from .names import Route
+from .planning import RouteQuery, Strategy
 from .request_context import Leg, LegOutcome, RequestContext
 from .resume import resume_reason
 from .shaping import ResponseShaper
@@ -182,7 +183,7 @@ class Dispatcher:
             return None
         # A finished leg is one sample for the cost model (router/speed_learner.py).
         learner = self.registry.learner
-        if leg.route == ROUTE_PD:
+        if leg.route == Route.PD:
             # Its prompt arrived over NIXL: the time to its first token is the transfer's.
             t = leg.ticket
             if t.first_token_at is not None:
@@ -239,7 +240,7 @@ class Dispatcher:
                 self.registry.close_leg(ticket)
             self.registry.record_success(name)
             self.strategy.on_routed(ctx.query, name)
-            ctx.record_leg(ROUTE_DIRECT, name)
+            ctx.record_leg(Route.DIRECT, name)
             ctx.record_first_token(loop.time())
             return raw
         if last_error is not None:
@@ -265,7 +266,7 @@ class Dispatcher:
         plan = self.strategy.plan(query, self.registry.snapshot(), exclude)
         if plan.empty:
             return None
-        ctx.record_route(ROUTE_DIRECT)
+        ctx.record_route(Route.DIRECT)
         if not plan.probes:
             assert plan.direct is not None
             self.strategy.on_routed(query, plan.direct)
@@ -277,7 +278,7 @@ class Dispatcher:
             if winner.stream is not None:
                 winner.stream.abort()  # its token is not the answer; the prompt is cached now
             self.strategy.on_routed(query, winner.backend)
-            ctx.record_route(ROUTE_PROBE_HIT)
+            ctx.record_route(Route.PROBE_HIT)
             return winner.backend, 0
         client_err = race.result.client_error
         if client_err is not None:

@@ -24,7 +24,8 @@ from typing import Mapping
 from . import costmodel
 from .backends import ClusterSnapshot
 from .config import RoutingConfig
-from .planning import ROUTE_DIRECT, ROUTE_PD, RouteQuery, decoders_for, fastest
+from .names import Mode, Route
+from .planning import RouteQuery, decoders_for, fastest
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class FallbackPlan:
 
     @property
     def route(self) -> str:
-        return ROUTE_PD if self.prefill else ROUTE_DIRECT
+        return Route.PD if self.prefill else Route.DIRECT
 
 
 def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConfig,
@@ -60,7 +61,7 @@ def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConf
     if not producers or n < routing.min_pd_prompt_tokens:
         return best
     # split "always": any split beats computing on a decoder.
-    best_key = (float("inf") if routing.split == "always" else direct_s, 0.0)
+    best_key = (float("inf") if routing.split == Mode.ALWAYS else direct_s, 0.0)
     for p in producers:
         # Ties (the consumer's queue decides) go to the producer that finishes sooner.
         prefill_s = costmodel.ttft(p.speed, p.queued_tokens, p.decoding, n)

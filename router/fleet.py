@@ -17,8 +17,10 @@ from typing import Any, Callable, Coroutine, Mapping
 
 from . import errors
 from .backends import BackendRegistry, BackendState
-from .config import ROLES, BackendConfig, ConfigError, _url
+from .config import BackendConfig, ConfigError
+from .config_checks import check_url
 from .health import HealthMonitor
+from .names import Role
 
 log = logging.getLogger("cachehit_router.fleet")
 
@@ -169,16 +171,16 @@ def backend_from_admin(raw: Any) -> BackendConfig:
         raise errors.bad_request("'url' must be a string: the engine's http:// or https:// base URL.",
                                      param="url")
     try:
-        _url("url", url)
+        check_url("url", url)
     except ConfigError as e:
         raise errors.bad_request(str(e), param="url") from None
-    role = raw.get("role", "decode")
-    if role not in ROLES:
-        raise errors.bad_request(f"'role' must be one of {', '.join(ROLES)}.", param="role")
+    role = raw.get("role", Role.DECODE)
+    if role not in tuple(Role):
+        raise errors.bad_request(f"'role' must be one of {', '.join(Role)}.", param="role")
     models = raw.get("models", [])
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
         raise errors.bad_request("'models' must be a list of model names.", param="models")
     api_key = raw.get("api_key", "")
     if not isinstance(api_key, str):
         raise errors.bad_request("'api_key' must be a string.", param="api_key")
-    return BackendConfig(name=name, url=url.rstrip("/"), role=role, models=tuple(models), api_key=api_key)
+    return BackendConfig(name=name, url=url.rstrip("/"), role=Role(role), models=tuple(models), api_key=api_key)

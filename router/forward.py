@@ -40,7 +40,7 @@ from . import errors
 from .admission import ID_PREFIX, RequestSpec
 from .backends import ClusterSnapshot
 from .metrics import RequestRecord
-from .planning import ROUTE_DIRECT
+from .names import Route
 from .request_body import FORM_BOUNDARY, check_length, read_body, read_form_prefix
 from . import tracing
 from .trace_context import client_request_id
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cachehit_router.forward")
 
-ROUTE_FORWARD = "forward"
 
 # POST routes with a JSON body, as vLLM 0.32's OpenAI server registers them.
 JSON_ROUTES = ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score",
@@ -315,7 +314,7 @@ class Forwarder:
                     continue
                 if resp.status < 500:
                     registry.record_success(name)
-                route = ROUTE_FORWARD if choose is None else rec.route or ROUTE_DIRECT
+                route = Route.FORWARD if choose is None else rec.route or Route.DIRECT
                 rec.route, rec.winner, rec.status = route, name, resp.status
                 rec.legs.append(f"{route}:{name}")
                 rec.ttft_s = loop.time() - started

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .race import EXPIRED, LOST, REJECTED
 from .tracing import annotate_request
 from .backends import BREAKER_STATE_VALUE
+from .names import BreakerState
 from .clientlog import escape
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class RouterMetrics:
     def bind_backend(self, s: BackendState, learner: SpeedLearner) -> None:
         name = s.config.name
         self.inflight.labels(name).set_function(lambda: s.inflight)
-        self.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != "open" else 0)
+        self.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != BreakerState.OPEN else 0)
         self.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
         self.draining.labels(name).set_function(lambda: 1 if s.draining else 0)
         self.queued_tokens.labels(name).set_function(lambda: s.queued_tokens)

@@ -22,7 +22,8 @@ from .backends import BackendRegistry, ClusterSnapshot, LegTicket
 from .config import Config, TimeoutsConfig
 from .disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from .fallback import FallbackPlan, plan_fallback
-from .planning import ROUTE_PROBE_HIT, Plan, RouteQuery, Strategy, predicted_ttft, race_value
+from .names import Route
+from .planning import Plan, RouteQuery, Strategy, predicted_ttft, race_value
 from .race import EXPIRED, FAILED, REJECTED, RaceResult, run_race
 from .request_context import FallbackOutcome, Leg, RaceOutcome, RequestContext, fallback_direct
 from .upstream import (CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
@@ -128,7 +129,7 @@ class LegPlacer:
         self.learn_race_won(ctx.query, race)
         ctx.record_predicted(race.sent, dict(zip(plan.probes, plan.probe_ttft_s)).get(winner.backend))
         ctx.record_scratch(race.sent, plan.scratch_ttft_s)
-        return self._accepted(ctx, race.result, ROUTE_PROBE_HIT, race.tickets)
+        return self._accepted(ctx, race.result, Route.PROBE_HIT, race.tickets)
 
     def _race_figures(self, query: RouteQuery,
                       result: RaceResult) -> tuple[ClusterSnapshot, float, dict[str, float], dict[str, float]]:
@@ -255,7 +256,7 @@ class LegPlacer:
         ticket = tickets.get(w.backend)
         if ticket is not None:
             self.registry.first_token(ticket)
-        if route == ROUTE_PROBE_HIT:  # a fallback was noted when it was sent (run_fallback)
+        if route == Route.PROBE_HIT:  # a fallback was noted when it was sent (run_fallback)
             self.strategy.on_routed(ctx.query, w.backend)
         ctx.record_leg(route, w.backend)
         return Leg(w.backend, w.stream, w.buffered, route, ticket,

@@ -1,4 +1,5 @@
-"""Routing strategies: pure planners over a `ClusterSnapshot`, all reading one cost model.
+"""What every routing strategy shares: the query, the plan, the `Strategy` interface and
+the cost-model helpers the planners in router/policies/ are built from.
 
 A strategy answers one question, `plan(query, snapshot, exclude) -> Plan`: which backends
 to probe with which cache-hit threshold, or which single backend to send the request to.
@@ -13,26 +14,13 @@ measured speed). Ties rotate with a per-request salt so equal engines share traf
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 from . import costmodel
 from .backends import BackendView, ClusterSnapshot
 from .config import RoutingConfig
-from .prefix_memory import PrefixMemory
-
-ROUTE_PROBE_HIT = "probe_hit"
-ROUTE_PD = "pd"
-ROUTE_DIRECT = "direct"
-
-# Of the requests whose race the learned figures call not worth it, one in this many races
-# anyway, so that what races are worth keeps being measured as traffic changes.
-EXPLORE_ONE_IN = 16
-
-# The race deadline allows an acceptor this many times its predicted time to first token:
-# predictions are medians, and an acceptor cut off at the deadline costs a whole fallback.
-DEADLINE_MARGIN = 2.0
+from .names import StrategyName
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +89,14 @@ def fastest(candidates: Sequence[BackendView], lacking: Callable[[BackendView], 
 
 
 class Strategy(Protocol):
-    name: str
+    """A routing policy (router/policies/): a planner and the feedback it learns from."""
+
+    name: StrategyName
+
+    @staticmethod
+    def validate(routing: RoutingConfig) -> list[str]:
+        """Problems of the `routing` keys this policy reads, each naming its key."""
+        ...
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         ...
@@ -121,176 +116,14 @@ def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[st
     return [b for b in snap.decoders(query.model) if b.name not in exclude]
 
 
-def _direct(query: RouteQuery, snap: ClusterSnapshot, candidates: Sequence[BackendView],
-            hits: Mapping[str, float]) -> Plan:
+def direct_plan(query: RouteQuery, snap: ClusterSnapshot, candidates: Sequence[BackendView],
+                hits: Mapping[str, float]) -> Plan:
+    """Send to the candidate with the least predicted time to first token, each lacking
+    the prompt minus its expected hit."""
     n = query.tokens(snap)
     best, seconds = fastest(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
     return Plan(direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)),
                 predicted_ttft_s=seconds)
-
-
-class ProbeStrategy:
-    """Ask the engines: probe the decode backends at threshold T.
-
-    Which ones, from the cost model: an engine that accepts holds at least T of the prompt
-    (or what the prefix memory expects it to hold, if more), so its predicted time to first
-    token as an acceptor is ttft(queue, prompt - max(T * prompt, expected hit)). It is probed
-    only if that is no later than the best engine computing the whole prompt: an acceptor
-    slower than that can only make the request wait. (The bound leaves the memory out: it
-    may be stale, and an engine it wrongly favours must not keep the others from being
-    asked.) With `max_probes` the qualifying engines are ranked by that prediction; with
-    `max_probe_waiting` engines with a longer scraped queue are skipped.
-
-    Whether to race at all: a race is worth what the engines know that the router does not
-    (a prefix another replica sent, an eviction the memory missed, a CPU-tier copy). The
-    router measures it (`race_value`): the share of the prompt's prefill time that racing
-    saved over the cold choice. The request races if that share of its prefill time on the
-    cold choice is more than what waiting for verdicts has cost (`race_wait_s`); otherwise it
-    goes straight to the cold choice, as does one whose prompt is too short for any hit to
-    beat the wait. One in `EXPLORE_ONE_IN` of the skipped requests races anyway, so the
-    measurement follows the traffic.
-
-    The prefix memory (`on_routed`) also serves the fallback: an engine still computing a
-    cold prompt rejects a follower sharing its prefix (the blocks are not cached yet), so
-    `expected_hits` adds what the engines will hold to what they said they hold.
-    """
-
-    name = "probe"
-
-    def __init__(self, routing: RoutingConfig, memory: PrefixMemory | None = None):
-        self.routing = routing
-        self.memory = memory or PrefixMemory()
-
-    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
-        decoders = decoders_for(query, snap, exclude)
-        if not decoders:
-            return Plan()
-        # Engines without the threshold would accept every probe: never probed, only sent
-        # to directly when no engine can be probed, or as a fallback.
-        n = query.tokens(snap)
-        hits = self.expected_hits(query, n)
-        capable = [b for b in decoders if b.threshold_capable]
-        if not capable:
-            return _direct(query, snap, decoders, hits)
-        decoders = capable
-        bound = self.routing.max_probe_waiting
-        if bound:
-            decoders = [b for b in decoders if b.waiting <= bound] or decoders
-        cold = _direct(query, snap, decoders, hits)
-        assert cold.predicted_ttft_s is not None and cold.direct is not None
-        best = snap.get(cold.direct)
-        # What the memory expects is a guess (engines evict; other replicas route too), so
-        # the most a race can save is the whole prompt's prefill on the cold choice.
-        placed = any(v > 0.0 for v in hits.values())
-        skip = replace(cold, skipped_race=True, placed=placed)
-        most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
-        if self.routing.race == "auto":
-            if most <= snap.race_wait_s:
-                return skip
-            share = snap.race_saving_share if placed else snap.race_saving_share_unplaced
-            if share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
-                return skip
-        t = self.routing.cache_hit_threshold
-        _, from_scratch = fastest(decoders, lambda b: n, query.salt)
-        as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0)), n), b) for b in decoders]
-        worth = [(s, b) for s, b in as_acceptor if s <= from_scratch]
-        if not worth:
-            return skip
-        limit = self.routing.max_probes
-        if limit and len(worth) > limit:
-            k = len(decoders)
-            order = {b.name: i for i, b in enumerate(decoders)}
-            worth.sort(key=lambda sb: (sb[0], (order[sb[1].name] - query.salt) % k))
-            worth = worth[:limit]
-        # Deadline: the slowest probed engine's predicted time as an acceptor, with margin,
-        # on top of the configured floor; it grows with the prompt once a rejection says
-        # how long the prompt is (the estimate from characters may be short).
-        slowest = max(b.speed.per_token_s for _, b in worth)
-        return Plan(probes=tuple(b.name for _, b in worth), threshold=t,
-                    deadline_s=self.routing.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
-                    deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
-                    probe_ttft_s=tuple(s for s, _ in worth), cold=cold.direct,
-                    cold_ttft_s=cold.predicted_ttft_s, scratch_ttft_s=from_scratch, placed=placed)
-
-    def on_routed(self, query: RouteQuery, backend: str) -> None:
-        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
-
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
-        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
-
-
-class RoundRobinStrategy:
-    """Each request to the next decode backend in turn: blind to load and cache."""
-
-    name = "round_robin"
-
-    def __init__(self, routing: RoutingConfig):
-        self._counter = itertools.count()
-
-    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
-        decoders = decoders_for(query, snap, exclude)
-        if not decoders:
-            return Plan()
-        b = decoders[next(self._counter) % len(decoders)]
-        n = query.tokens(snap)
-        return Plan(direct=b.name, prefill_tokens=round(n), predicted_ttft_s=predicted_ttft(b, n))
-
-    def on_routed(self, query: RouteQuery, backend: str) -> None:
-        pass
-
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
-        return {}
-
-
-class LeastLoadedStrategy:
-    """The least predicted time to first token, blind to the cache (every engine is
-    assumed to compute the whole prompt): load-aware only, the baseline of the cost model."""
-
-    name = "least_loaded"
-
-    def __init__(self, routing: RoutingConfig):
-        pass
-
-    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
-        decoders = decoders_for(query, snap, exclude)
-        if not decoders:
-            return Plan()
-        return _direct(query, snap, decoders, {})
-
-    def on_routed(self, query: RouteQuery, backend: str) -> None:
-        pass
-
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
-        return {}
-
-
-class PrefixTreeStrategy:
-    """Prefix affinity weighed by load, as a router-side index does it (SGLang's and
-    vllm-router's cache_aware, Dynamo's KV router): the least predicted time to first
-    token, where each engine lacks the prompt minus what the prefix memory says the router
-    sent it. Its load bound is the cost model itself: an engine holding the prefix wins
-    unless another computes the whole prompt sooner than it works through its queue."""
-
-    name = "prefix_tree"
-
-    def __init__(self, routing: RoutingConfig, memory: PrefixMemory | None = None):
-        self.memory = memory or PrefixMemory()
-
-    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
-        decoders = decoders_for(query, snap, exclude)
-        if not decoders:
-            return Plan()
-        return _direct(query, snap, decoders, self.expected_hits(query, query.tokens(snap)))
-
-    def on_routed(self, query: RouteQuery, backend: str) -> None:
-        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
-
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
-        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
 
 
 def race_value(plan: Plan, snap: ClusterSnapshot, prompt_tokens: float, expected: Mapping[str, float],
@@ -312,15 +145,3 @@ def race_value(plan: Plan, snap: ClusterSnapshot, prompt_tokens: float, expected
     if chosen_ttft_s is None:
         return 0.0
     return max(cold_s - chosen_ttft_s, 0.0) / costmodel.hit_saving_s(cold.speed, prompt_tokens)
-
-
-STRATEGY_CLASSES = {
-    "probe": ProbeStrategy,
-    "round_robin": RoundRobinStrategy,
-    "least_loaded": LeastLoadedStrategy,
-    "prefix_tree": PrefixTreeStrategy,
-}
-
-
-def make_strategy(routing: RoutingConfig) -> Strategy:
-    return STRATEGY_CLASSES[routing.strategy](routing)

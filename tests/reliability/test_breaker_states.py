@@ -1,7 +1,8 @@
 """The circuit breaker's state machine with a fake clock (the HTTP-level behaviour is in
 test_health.py): health checks never close it, a trial without a verdict frees the slot,
 a silent trial expires, an unhealthy backend gets no trial."""
-from router.backends import CLOSED, HALF_OPEN, OPEN, BackendRegistry
+from router.backends import BackendRegistry
+from router.names import BreakerState
 from router.config import BackendConfig, HealthConfig
 
 
@@ -24,7 +25,7 @@ def _registry(clock, threshold=2, cooldown=5.0):
 def _open(r):
     r.record_failure("a", "500")
     r.record_failure("a", "500")
-    assert r.states["a"].breaker == OPEN
+    assert r.states["a"].breaker == BreakerState.OPEN
 
 
 def test_a_good_health_check_does_not_close_an_open_breaker():
@@ -32,7 +33,7 @@ def test_a_good_health_check_does_not_close_an_open_breaker():
     r = _registry(clock)
     _open(r)
     r.record_scrape("a", {}, None)
-    assert r.states["a"].breaker == OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.OPEN and not r.snapshot().get("a").available
     assert [b.name for b in r.snapshot().decoders(None)] == ["b"]  # not even probed
 
 
@@ -40,7 +41,7 @@ def test_health_check_failures_do_not_open_the_breaker():
     r = _registry(Clock(), threshold=2)
     for _ in range(5):
         r.record_scrape_failure("a", "timeout", definitive=False)
-    assert r.states["a"].breaker == CLOSED and not r.states["a"].healthy
+    assert r.states["a"].breaker == BreakerState.CLOSED and not r.states["a"].healthy
     r.record_scrape("a", {}, None)
     assert r.snapshot().get("a").available
 
@@ -51,13 +52,13 @@ def test_a_trial_without_verdict_frees_the_slot():
     _open(r)
     clock.t += 5.0
     r.acquire("a")  # the trial (a probe)
-    assert r.states["a"].breaker == HALF_OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.HALF_OPEN and not r.snapshot().get("a").available
     r.release("a")  # rejected or lost the race: no verdict
     assert r.snapshot().get("a").available
     r.acquire("a")
     r.release("a")
     r.record_success("a")
-    assert r.states["a"].breaker == CLOSED
+    assert r.states["a"].breaker == BreakerState.CLOSED
 
 
 def test_a_silent_trial_expires_after_the_cooldown():
@@ -80,7 +81,7 @@ def test_a_failed_trial_reopens_for_a_full_cooldown():
     r.acquire("a")
     r.release("a")
     r.record_failure("a", "still 500")
-    assert r.states["a"].breaker == OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.OPEN and not r.snapshot().get("a").available
     clock.t += 4.9
     assert not r.snapshot().get("a").available
     clock.t += 0.2
@@ -95,4 +96,4 @@ def test_an_unhealthy_open_backend_gets_no_trial():
     clock.t += 60
     assert not r.snapshot().get("a").available
     r.record_scrape("a", {}, None)
-    assert r.snapshot().get("a").available and r.states["a"].breaker == OPEN
+    assert r.snapshot().get("a").available and r.states["a"].breaker == BreakerState.OPEN

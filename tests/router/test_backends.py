@@ -1,6 +1,7 @@
 """Backend registry: circuit breaker, in-flight counts, scraped load, snapshot."""
-from router.backends import CLOSED, HALF_OPEN, OPEN, BackendRegistry
+from router.backends import BackendRegistry
 from router.engine_metrics import parse_load_metrics
+from router.names import BreakerState
 from router.config import BackendConfig, HealthConfig
 
 
@@ -26,22 +27,22 @@ def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open
     assert r.snapshot().get("a").available
     r.record_failure("a", "x")
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == CLOSED and r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.CLOSED and r.snapshot().get("a").available
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.OPEN and not r.snapshot().get("a").available
     assert not r.ready()  # the only decoder is open
     clock.t += 5.0
     assert r.snapshot().get("a").available  # cool-down over: one trial allowed
     r.acquire("a")
-    assert r.states["a"].breaker == HALF_OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.HALF_OPEN and not r.snapshot().get("a").available
     r.release("a")
     r.record_failure("a", "still broken")
-    assert r.states["a"].breaker == OPEN
+    assert r.states["a"].breaker == BreakerState.OPEN
     clock.t += 5.0
     r.acquire("a")
     r.release("a")
     r.record_success("a")
-    assert r.states["a"].breaker == CLOSED and r.snapshot().get("a").available and r.ready()
+    assert r.states["a"].breaker == BreakerState.CLOSED and r.snapshot().get("a").available and r.ready()
 
 
 def test_success_resets_the_failure_count():
@@ -50,7 +51,7 @@ def test_success_resets_the_failure_count():
     r.record_failure("a", "x")
     r.record_success("a")
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == CLOSED
+    assert r.states["a"].breaker == BreakerState.CLOSED
 
 
 def test_scrape_failure_marks_unhealthy_until_it_answers():

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, load_config, parse_config
+from router import policies
+from router.config import ConfigError, RoutingConfig, load_config, parse_config
+from router.names import EngineRole, Mode, Role, StrategyName
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_BACKEND = {"backends": [{"name": "d0", "url": "http://127.0.0.1:9001"}]}
@@ -87,6 +89,34 @@ def test_every_problem_is_reported_at_once():
     report = e.value.report("router")
     assert report.startswith("router: 11 configuration errors:\n  server.port: expected an integer")
     assert ConfigError("x.y: bad").report("router") == "router: configuration error: x.y: bad"
+
+
+def test_every_strategy_name_has_a_policy_and_the_registry_is_what_config_accepts():
+    assert set(policies.POLICIES) == set(StrategyName)
+    assert all(name == cls.name for name, cls in policies.POLICIES.items())
+    for name in StrategyName:
+        cfg = parse_config({**MIN_BACKEND, "routing": {"strategy": str(name)}})
+        assert policies.make_strategy(cfg.routing).name == name
+
+
+def test_a_policy_names_the_routing_keys_it_reads():
+    bad = RoutingConfig(race="sometimes", max_probes=-1)
+    assert policies.ProbeStrategy.validate(bad) == [
+        "routing.race: expected one of auto, always, got 'sometimes'",
+        "routing.max_probes: expected a non-negative number, got -1"]
+    assert policies.RoundRobinStrategy.validate(bad) == []
+    # Checked whatever the strategy: a reload or the environment may switch to the policy
+    # that reads them.
+    with pytest.raises(ConfigError, match="routing.race: expected one of auto, always"):
+        parse_config({**MIN_BACKEND, "routing": {"strategy": "round_robin", "race": "sometimes"}})
+
+
+def test_parsed_names_are_enum_members_that_read_as_their_strings():
+    cfg = parse_config({**MIN_BACKEND, "routing": {"strategy": "prefix_tree", "split": "always"},
+                        "engines": [{"name": "p", "kind": "sim", "role": "producer", "port": 9001}]})
+    assert cfg.routing.strategy is StrategyName.PREFIX_TREE and cfg.routing.split is Mode.ALWAYS
+    assert cfg.backends[0].role is Role.DECODE and cfg.engines[0].role is EngineRole.PRODUCER
+    assert cfg.engines[0].backend_role == "prefill" and f"{cfg.routing.race}" == "auto"
 
 
 def test_engines_become_backends_with_mapped_roles():

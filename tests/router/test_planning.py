@@ -11,8 +11,10 @@ from router.backends import BackendView, ClusterSnapshot
 from router.config import RoutingConfig
 from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
 from router.fallback import plan_fallback
-from router.planning import (LeastLoadedStrategy, PrefixMemory, PrefixTreeStrategy, ProbeStrategy,
-                             EXPLORE_ONE_IN, RoundRobinStrategy, RouteQuery, fastest, predicted_ttft, race_value)
+from router.planning import RouteQuery, fastest, predicted_ttft, race_value
+from router.policies import LeastLoadedStrategy, PrefixTreeStrategy, ProbeStrategy, RoundRobinStrategy
+from router.policies.probe import EXPLORE_ONE_IN
+from router.prefix_memory import PrefixMemory
 
 # 10 ms per step, 100 us per prompt token (10k tokens/s), 1 ms per decoding sequence.
 SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)

@@ -1,0 +1,71 @@
+"""The router's fixed vocabularies (routes, breaker states, roles, modes, strategy names) as
+string enums.
+
+They are `enum.StrEnum`s so that a member is its string: comparisons with config values,
+metric labels, JSON log fields and `check-config` output read exactly as the plain
+strings did.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Route(StrEnum):
+    """How a request's first token was reached (the `route` log field and metric label)."""
+
+    PROBE_HIT = "probe_hit"  # an engine accepted a probe
+    PD = "pd"  # prefill on a producer, decode on a consumer
+    DIRECT = "direct"  # sent to one engine at threshold 0
+    FORWARD = "forward"  # a non-generation route relayed as it is
+
+
+class BreakerState(StrEnum):
+    """A backend's circuit breaker."""
+
+    CLOSED = "closed"
+    HALF_OPEN = "half_open"  # lets one trial request through
+    OPEN = "open"
+
+
+class Role(StrEnum):
+    """What a router backend does (`[[backends]].role`, `[[discovery]].role`)."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    BOTH = "both"
+
+
+class EngineRole(StrEnum):
+    """What a launched engine does in NIXL's terms (`[[engines]].role`)."""
+
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+    BOTH = "both"
+
+    @property
+    def backend_role(self) -> Role:
+        return {EngineRole.PRODUCER: Role.PREFILL, EngineRole.CONSUMER: Role.DECODE,
+                EngineRole.BOTH: Role.BOTH}[self]
+
+
+class EngineKind(StrEnum):
+    """What the launcher starts (`[[engines]].kind`)."""
+
+    SIM = "sim"
+    VLLM = "vllm"
+
+
+class Mode(StrEnum):
+    """`routing.race` and `routing.split`: decided by the cost model, or every time."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+
+
+class StrategyName(StrEnum):
+    """`routing.strategy`; router/policies/ maps each to its planner."""
+
+    PROBE = "probe"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    PREFIX_TREE = "prefix_tree"

@@ -1,0 +1,40 @@
+"""`prefix_tree`: prefix affinity from the router's own memory of where it sent prompts,
+weighed by load through the cost model.
+"""
+from __future__ import annotations
+
+from ..backends import ClusterSnapshot
+from ..config import RoutingConfig
+from ..names import StrategyName
+from ..planning import Plan, RouteQuery, decoders_for, direct_plan
+from ..prefix_memory import PrefixMemory
+
+
+class PrefixTreeStrategy:
+    """Prefix affinity weighed by load, as a router-side index does it (SGLang's and
+    vllm-router's cache_aware, Dynamo's KV router): the least predicted time to first
+    token, where each engine lacks the prompt minus what the prefix memory says the router
+    sent it. Its load bound is the cost model itself: an engine holding the prefix wins
+    unless another computes the whole prompt sooner than it works through its queue."""
+
+    name = StrategyName.PREFIX_TREE
+
+    def __init__(self, routing: RoutingConfig, memory: PrefixMemory | None = None):
+        self.memory = memory or PrefixMemory()
+
+    @staticmethod
+    def validate(routing: RoutingConfig) -> list[str]:
+        return []  # reads no routing keys
+
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        decoders = decoders_for(query, snap, exclude)
+        if not decoders:
+            return Plan()
+        return direct_plan(query, snap, decoders, self.expected_hits(query, query.tokens(snap)))
+
+    def on_routed(self, query: RouteQuery, backend: str) -> None:
+        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
+
+    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
+                      sent_within_s: float | None = None) -> dict[str, float]:
+        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
