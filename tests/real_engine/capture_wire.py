@@ -29,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the `support` package
 sys.path.insert(0, str(HERE))
 
 from real_engine_util import (  # noqa: E402
