@@ -3,7 +3,6 @@
 The command line comes from the launcher itself (`engine_launcher.commands.vllm_command`),
 so these tests also check that what the launcher starts in production really serves.
 Only the standard library is used for HTTP so the capture script runs anywhere.
-`free_port` here picks below the kernel's ephemeral range (see support.ports).
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from support.metrics import Metrics, parse_metrics
-from support.ports import free_port_below_ephemeral_range as free_port
 from support.processes import group_has_live_members, start_group, stop_group
 from support.sse import decode_payload, parse_sse
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from real_engine_util import (free_port, iter_sse, parse_sse, post_json, request, scrape_metrics,
-                              scrape_metrics_patiently)
+from real_engine_util import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
+from support.ports import free_port_below_ephemeral_range
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -290,7 +290,7 @@ def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_eng
             "remote_block_ids": None, "remote_host": None, "remote_port": None}))
     assert status == 200, answer
     kv = {**answer["kv_transfer_params"], "remote_engine_id": str(uuid.uuid4()),
-          "remote_host": "127.0.0.1", "remote_port": free_port()}
+          "remote_host": "127.0.0.1", "remote_port": free_port_below_ephemeral_range()}
     url = spare_engine.base_url
     # A just-started engine on a busy core may answer its first scrape late (CI saw > 10 s).
     before = scrape_metrics_patiently(url).value("vllm:nixl_num_failed_transfers_total")
