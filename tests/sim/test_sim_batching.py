@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from engine_launcher.sim import TimingModel
-from sim_testutil import post, wait_until
+from sim_testutil import post
+from support.polling import eventually
 
 
 def test_step_time_formula() -> None:
@@ -76,7 +77,7 @@ async def test_engine_keeps_many_streams_with_one_loop_task(make_engine, http) -
     before = len(asyncio.all_tasks())
     tasks = [asyncio.create_task(post(http, eng.url + "/v1/completions", {
         "prompt": [i % 500 + 2] * 10, "max_tokens": 30, "stream": True})) for i in range(200)]
-    await wait_until(lambda: eng.engine.num_running > 50)
+    await eventually(lambda: eng.engine.num_running > 50)
     # Per request: the client task and the server handler task; no per-token tasks.
     assert len(asyncio.all_tasks()) <= before + 2 * 200 + 5
     results = await asyncio.gather(*tasks)
