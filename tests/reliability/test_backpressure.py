@@ -94,7 +94,7 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs):
         t = asyncio.create_task(burst())
         while not t.done():
             peak = max(peak, router.rss())
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # sampling rate of the RSS peak
         await t
         statuses = collections.Counter(r[0] if isinstance(r, tuple) else type(r).__name__ for r in results)
         print(f"\nburst of {N_BURST} x {len(big) / 2**20:.1f} MiB bodies: {dict(statuses)}; router RSS "

@@ -135,7 +135,8 @@ async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_tr
         assert ms.value("cachehit_router_retries_total", backend="d0") >= 2
         opened_errors = await d0_errors()
         assert opened_errors == 2  # opened at the threshold, then never tried again
-        # /health and /metrics of d0 stay fine (scrapes succeed), yet it stays out.
+        # /health and /metrics of d0 stay fine (scrapes succeed), yet it stays out: let a few
+        # scrape intervals pass before sending more.
         await asyncio.sleep(0.6)
         for i in range(6):
             status, out = await _complete(s, router.url, f"open {i}")
@@ -145,7 +146,7 @@ async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_tr
 
         # The engine recovers; after the cool-down one trial request closes the breaker.
         await set_faults(s, engines["d0"].url, error_rate=0.0)
-        await asyncio.sleep(2.2)
+        await asyncio.sleep(2.2)  # the cool-down (cooldown_s = 2) passes before any trial
 
         async def closed() -> bool:
             await _complete(s, router.url, "trial")

@@ -57,7 +57,7 @@ async def test_max_num_seqs_bounds_the_running_set(make_engine, http) -> None:
     async def watch() -> None:
         while not all(t.done() for t in tasks):
             seen.append(eng.engine.num_running)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # sample the running set at every scheduling point
 
     await asyncio.gather(watch(), *tasks)
     assert max(seen) == 3
