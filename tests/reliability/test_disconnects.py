@@ -98,8 +98,8 @@ async def test_early_hang_ups_leak_no_inflight_count(procs):
             await eventually(settled, 30.0, "router in-flight gauges back to 0")
         finally:
             ms = await scrape_metrics(s, router.url)
-            per_backend = {n: v for (name, labels), v in ms.items()
-                           if name == "cachehit_router_backend_inflight" for _, n in labels}
+            per_backend = {x.labels.get("backend"): x.value for x in ms.samples
+                           if x.name == "cachehit_router_backend_inflight"}
             print("backend in-flight after the storm:", per_backend)
         assert await eventually(lambda: _idle_or_none(s, engines), 30.0, "engines idle")
         # The router still serves.
