@@ -1,4 +1,4 @@
-"""Shared helpers for the launcher tests.
+"""Shared helpers for the launcher tests (`kill_leftovers` is in tests/conftest.py).
 
 `fake_python` is a stand-in interpreter for failure paths the real simulator cannot be
 made to show on demand (never healthy, ignores SIGTERM, leaves a grandchild). It is passed
@@ -12,8 +12,6 @@ as `Supervisor(python=...)`, ignores `-m module`, and behaves as FAKE_MODE says:
 """
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -69,14 +67,3 @@ def fake_python(tmp_path: Path) -> str:
     script.chmod(0o755)
     return str(script)
 
-
-@pytest.fixture
-def kill_leftovers():
-    """Process groups a test registers are SIGKILLed at teardown if still alive (by pgid)."""
-    groups: list[int] = []
-    yield groups
-    for g in groups:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass

@@ -1,60 +1,12 @@
-"""Process helpers shared by the launcher tests (by PID / process group only, never by name)."""
+"""The launcher as a subprocess for the launcher tests (stopped by process group only, never by name)."""
 from __future__ import annotations
 
-import os
 import queue
-import signal
-import socket
 import subprocess
 import threading
 import time
-from pathlib import Path
 
-
-def pid_gone(pid: int) -> bool:
-    """True when the process is dead: gone, or a zombie waiting for its reaper."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    # A zombie still answers kill(0).
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return True
-    return False
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of pid, from /proc."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if int(fields[1]) == pid:
-            out.append(int(d.name))
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.processes import children_of, signal_group, start_group
 
 
 class LauncherProcess:
@@ -65,8 +17,8 @@ class LauncherProcess:
     """
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=cwd, start_new_session=True)
+        self.proc = start_group(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=cwd)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         self.engine_groups: set[int] = set()
@@ -118,10 +70,7 @@ class LauncherProcess:
 
     def kill(self) -> None:
         for pgid in [self.proc.pid, *self.engine_groups]:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(pgid)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from engine_launcher.cli import main
-from launcher_testutil import LauncherProcess, children_of, free_port, group_gone, pid_gone
+from launcher_testutil import LauncherProcess
+from support.ports import free_port
+from support.processes import children_of, group_gone, pid_gone
 
 REPO = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120

@@ -17,7 +17,9 @@ import urllib.request
 
 import pytest
 
-from launcher_testutil import LauncherProcess, children_of, free_port, group_gone, pid_gone
+from launcher_testutil import LauncherProcess
+from support.ports import free_port
+from support.processes import children_of, group_gone, pid_gone
 
 # Engine start-up may take minutes on a loaded 2-core machine (START_GUARD_S below).
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]

@@ -22,7 +22,8 @@ from engine_launcher.supervisor import (
 )
 from router.config import EngineConfig, LauncherConfig
 
-from launcher_testutil import group_gone, pid_gone
+from support.polling import eventually
+from support.processes import group_gone, pid_gone
 
 # Hang guard for awaited events (not a timing assertion: a healthy run takes a fraction).
 EVENT_TIMEOUT_S = 60
@@ -68,10 +69,8 @@ def group_pids(sup: Supervisor) -> list[int]:
 
 
 async def wait_gone(pids: list[int]) -> None:
-    async def poll() -> None:
-        while not all(pid_gone(p) and group_gone(p) for p in pids):
-            await asyncio.sleep(0.05)
-    await asyncio.wait_for(poll(), EVENT_TIMEOUT_S)
+    await eventually(lambda: all(pid_gone(p) and group_gone(p) for p in pids), EVENT_TIMEOUT_S,
+                     f"engine processes {pids} and their groups gone", interval=0.05)
 
 
 async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_leftovers):

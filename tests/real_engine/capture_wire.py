@@ -29,11 +29,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the `support` package
 sys.path.insert(0, str(HERE))
 
 from real_engine_util import (  # noqa: E402
-    EngineProcess, engine_command, free_port, parse_sse, request,
+    EngineProcess, engine_command, parse_sse, request,
 )
+from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"
 
@@ -305,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (args.only_plugin or args.details):
             for name, role, core in (("producer", "producer", 0), ("consumer", "consumer", 1)):
-                port = free_port()
-                argv_, env = engine_command(model, name=name, port=port, nixl_port=free_port(),
+                port = free_port_below_ephemeral_range()
+                argv_, env = engine_command(model, name=name, port=port, nixl_port=free_port_below_ephemeral_range(),
                                             role=role, cpu_cores=(core,), plugin=False,
                                             extra_args=("--max-model-len", "2048"),
                                             env=ENGINE_ENV)
@@ -321,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                 e.stop()
             engines.clear()
         if args.details:
-            port = free_port()
-            argv_, env = engine_command(model, name="details", port=port, nixl_port=free_port(),
+            port = free_port_below_ephemeral_range()
+            argv_, env = engine_command(model, name="details", port=port, nixl_port=free_port_below_ephemeral_range(),
                                         role="both", cpu_cores=(0,), plugin=True,
                                         extra_args=("--max-model-len", "2048"), env=ENGINE_ENV)
             if "--enable-prompt-tokens-details" not in argv_:
@@ -333,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             run_cases(e.base_url, DETAILS_CASES)
             return 0
         if args.plugin or args.only_plugin:
-            port = free_port()
-            argv_, env = engine_command(model, name="plugin", port=port, nixl_port=free_port(),
+            port = free_port_below_ephemeral_range()
+            argv_, env = engine_command(model, name="plugin", port=port, nixl_port=free_port_below_ephemeral_range(),
                                         role="both", cpu_cores=(0,), plugin=True,
                                         extra_args=("--max-model-len", "2048"),
                                         env=ENGINE_ENV)

@@ -34,9 +34,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from real_engine_util import (  # noqa: E402
-    EngineProcess, EngineStartError, engine_command, free_port, post_json, real_engine_required,
-    vllm_missing_reason,
+    EngineProcess, EngineStartError, engine_command, post_json, real_engine_required, vllm_missing_reason,
 )
+from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 NIXL_WARMUP_ATTEMPTS = 3
 STARTUP_TIMEOUT_S = float(os.environ.get("CACHEHIT_ENGINE_STARTUP_TIMEOUT", "420"))
@@ -118,9 +118,9 @@ class EngineSet:
 
     def _spawn(self, name: str, attempt: int) -> EngineProcess:
         spec = ENGINE_SPECS[name]
-        port = free_port()
+        port = free_port_below_ephemeral_range()
         argv, env = engine_command(
-            self.model_dir, name=name, port=port, nixl_port=free_port(),
+            self.model_dir, name=name, port=port, nixl_port=free_port_below_ephemeral_range(),
             role="both", cpu_cores=spec["cpu_cores"], extra_args=spec["extra_args"],
             env=ENGINE_ENV, log_dir=self.workdir)
         log = self.workdir / (f"{name}.log" if attempt == 0 else f"{name}.retry{attempt}.log")
@@ -226,9 +226,9 @@ def spare_engine(real_engines, tiny_model, engine_workdir):
     peer is one: vLLM keeps retrying it in the background, and an engine here stopped
     answering HTTP for ~18 s after two of them (CI's next test then timed out)."""
     real_engines.get("threshold")  # the shared engines start first (and fail first)
-    port = free_port()
+    port = free_port_below_ephemeral_range()
     argv, env = engine_command(
-        tiny_model, name="spare", port=port, nixl_port=free_port(), role="both", cpu_cores=(1,),
+        tiny_model, name="spare", port=port, nixl_port=free_port_below_ephemeral_range(), role="both", cpu_cores=(1,),
         extra_args=("--max-model-len", "512", "--max-num-seqs", "2"), env=ENGINE_ENV,
         log_dir=engine_workdir)
     engine = EngineProcess(argv, env, port, engine_workdir / "spare.log").start()

@@ -9,15 +9,16 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from support.metrics import Metrics, parse_metrics
+from support.processes import group_has_live_members, start_group, stop_group
+from support.sse import decode_payload, parse_sse
 
 REQUIRE_ENV = "CACHEHIT_REQUIRE_REAL_ENGINE"
 
@@ -43,39 +44,6 @@ def vllm_missing_reason() -> str | None:
     except Exception as exc:  # pragma: no cover - defensive
         return f"cannot inspect installed packages: {exc}"
     return None
-
-
-_rng = random.Random()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A port free now, chosen below the kernel's ephemeral range.
-
-    Asking the kernel for port 0 returns an ephemeral port, which any outgoing connection on
-    this busy machine may take before the engine binds it (it happened: NIXL's handshake
-    listener failed with "Address already in use"). Ports below the ephemeral range are only
-    taken by listeners.
-    """
-    low, _ = _ephemeral_range()
-    for _ in range(200):
-        port = _rng.randrange(20000, max(low, 20001))
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_command(
@@ -147,8 +115,8 @@ class EngineProcess:
         # A new session makes the engine the leader of its own process group, so teardown
         # can kill the API server, the engine core and its workers together (and nothing
         # else: other engineers' engines on this machine are in other groups).
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.proc = start_group(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
         log.close()
         return self
 
@@ -179,49 +147,12 @@ class EngineProcess:
             f"vLLM not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is None or not _group_alive(self.proc.pid):
-            if self.proc is not None:
-                self.proc.poll()
+        if self.proc is None:
             return
-        pgid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(pgid):
-                try:
-                    self.proc.wait(timeout=0.2)
-                except subprocess.TimeoutExpired:
-                    pass
-            if not _group_alive(pgid):
-                break
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any non-zombie process is still in the group (engine core and workers too)."""
-    return _group_has_live_members(pgid)
-
-
-def _group_has_live_members(pgid: int) -> bool:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the command name (which may contain spaces) start after the last ')'.
-        fields = stat.rsplit(")", 1)[1].split()
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp == pgid and state != "Z":
-            return True
-    return False
+        if not group_has_live_members(self.proc.pid):
+            self.proc.poll()
+            return
+        stop_group(self.proc, grace=grace_s)
 
 
 # --------------------------------------------------------------------------------- HTTP
@@ -250,19 +181,6 @@ def post_json(base_url: str, path: str, body: Any, **kw) -> tuple[int, Any]:
     return status, json.loads(data)
 
 
-def parse_sse(raw: bytes) -> list[Any]:
-    """`data:` payloads in order; JSON decoded, the final `[DONE]` kept as the string."""
-    events: list[Any] = []
-    for block in raw.decode().split("\n\n"):
-        block = block.strip()
-        if not block:
-            continue
-        assert block.startswith("data: "), f"unexpected SSE block {block!r}"
-        payload = block[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
-
-
 def post_sse(base_url: str, path: str, body: Any, **kw) -> tuple[int, list[Any]]:
     status, data = request(base_url, "POST", path, body, **kw)
     if status != 200:
@@ -270,23 +188,14 @@ def post_sse(base_url: str, path: str, body: Any, **kw) -> tuple[int, list[Any]]
     return status, parse_sse(data)
 
 
-def scrape_metrics(base_url: str) -> dict[str, float]:
-    """`/metrics` samples as {'name{labels}': value} (labels as printed by vLLM)."""
+def scrape_metrics(base_url: str) -> Metrics:
+    """`/metrics`, parsed (`Metrics.value(name, **labels)` sums the matching samples)."""
     status, data = request(base_url, "GET", "/metrics", timeout=10)
     assert status == 200
-    out: dict[str, float] = {}
-    for line in data.decode().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key] = float(value)
-        except ValueError:
-            continue
-    return out
+    return parse_metrics(data.decode())
 
 
-def scrape_metrics_patiently(base_url: str, within_s: float = 90.0) -> dict[str, float]:
+def scrape_metrics_patiently(base_url: str, within_s: float = 90.0) -> Metrics:
     """`scrape_metrics` of an engine that may answer late (just started, or busy retrying a
     NIXL handshake on this 2-core machine): a socket timeout is retried until `within_s`."""
     deadline = time.monotonic() + within_s
@@ -296,17 +205,6 @@ def scrape_metrics_patiently(base_url: str, within_s: float = 90.0) -> dict[str,
         except OSError:
             if time.monotonic() >= deadline:
                 raise
-
-
-def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
-    total = 0.0
-    for key, value in samples.items():
-        base = key.split("{", 1)[0]
-        if base != name:
-            continue
-        if all(f'{k}="{v}"' in key for k, v in labels.items()):
-            total += value
-    return total
 
 
 def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0):
@@ -329,9 +227,9 @@ def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0):
             line = line.strip()
             if not line.startswith(b"data: "):
                 continue
-            payload = line[len(b"data: "):].decode()
-            yield payload if payload == "[DONE]" else json.loads(payload)
-            if payload == "[DONE]":
+            event = decode_payload(line[len(b"data: "):])
+            yield event
+            if event == "[DONE]":
                 return
     finally:
         conn.close()

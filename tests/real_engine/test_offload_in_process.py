@@ -80,10 +80,10 @@ def make_tiered(tiny_model, vllm_plugin, monkeypatch):
     """make_tiered(cpu_tier: bool, **additional_config): OffloadWorkerLoop with a CPU tier
     (MultiConnector of NIXL and the OffloadingConnector), else EngineLoop (NIXL alone)."""
     from engine_launcher.vllm_plugin.scheduler import ThresholdScheduler
-    from real_engine_util import free_port
+    from support.ports import free_port_below_ephemeral_range
 
     # NIXL's scheduler side serves its handshake on this port: never a fixed one.
-    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port_below_ephemeral_range()))
 
     def make(cpu_tier: bool, **additional_config) -> OffloadWorkerLoop:
         import torch

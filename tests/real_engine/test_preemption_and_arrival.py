@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from real_engine_util import (free_port, iter_sse, metric_sum, parse_sse, post_json, request, scrape_metrics,
-                              scrape_metrics_patiently)
+from real_engine_util import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
+from support.ports import free_port_below_ephemeral_range
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -107,7 +107,7 @@ def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemp
         results = [f.result(timeout=600) for f in futures]
     elapsed = time.monotonic() - t0
     # Stats reach /metrics about once a second.
-    preemptions = _grown(url, "vllm:num_preemptions_total", metric_sum(before, "vllm:num_preemptions_total"), 1)
+    preemptions = _grown(url, "vllm:num_preemptions_total", before.value("vllm:num_preemptions_total"), 1)
     print(f"\n[preemption] {elapsed:.1f} s, preemptions {preemptions:.0f}, results:")
     for r in results:
         print(f"  {r['mode']:6s} finish={r['finish_reason']:16s} tokens={r['tokens']}")
@@ -138,7 +138,7 @@ def _grown(url: str, name: str, before: float, target: float, timeout_s: float =
     deadline passes (vLLM publishes engine stats to /metrics about once a second)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        grown = metric_sum(scrape_metrics(url), name) - before
+        grown = scrape_metrics(url).value(name) - before
         if grown >= target or time.monotonic() > deadline:
             return grown
         time.sleep(0.1)
@@ -146,7 +146,7 @@ def _grown(url: str, name: str, before: float, target: float, timeout_s: float =
 
 def _rejections(url: str) -> dict[str, float]:
     m = scrape_metrics(url)
-    return {stage: metric_sum(m, "cachehit_threshold_rejections_total", stage=stage)
+    return {stage: m.value("cachehit_threshold_rejections_total", stage=stage)
             for stage in ("arrival", "admission")}
 
 
@@ -283,7 +283,7 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
     assert out["choices"][0]["finish_reason"] == "length", out
     assert out["usage"]["completion_tokens"] == 8
     external = _grown(url, "vllm:external_prefix_cache_hits_total",
-                      metric_sum(before, "vllm:external_prefix_cache_hits_total"),
+                      before.value("vllm:external_prefix_cache_hits_total"),
                       out["usage"]["prompt_tokens"] - 32)
     assert external >= out["usage"]["prompt_tokens"] - 32, external
 
@@ -303,10 +303,10 @@ def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_eng
             "remote_block_ids": None, "remote_host": None, "remote_port": None}))
     assert status == 200, answer
     kv = {**answer["kv_transfer_params"], "remote_engine_id": str(uuid.uuid4()),
-          "remote_host": "127.0.0.1", "remote_port": free_port()}
+          "remote_host": "127.0.0.1", "remote_port": free_port_below_ephemeral_range()}
     url = spare_engine.base_url
     # A just-started engine on a busy core may answer its first scrape late (CI saw > 10 s).
-    before = metric_sum(scrape_metrics_patiently(url), "vllm:nixl_num_failed_transfers_total")
+    before = scrape_metrics_patiently(url).value("vllm:nixl_num_failed_transfers_total")
     body = long_body(prompt, 4, kv_transfer_params=kv)
     status, out = post_json(url, "/v1/completions", body, timeout=120)
     assert status == 500, out
@@ -322,8 +322,8 @@ def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_eng
     deadline = time.monotonic() + 90
     failed = 0.0
     while time.monotonic() < deadline:
-        failed = metric_sum(scrape_metrics_patiently(url, deadline - time.monotonic()),
-                            "vllm:nixl_num_failed_transfers_total") - before
+        failed = (scrape_metrics_patiently(url, deadline - time.monotonic())
+                  .value("vllm:nixl_num_failed_transfers_total") - before)
         if failed >= 2:
             break
         time.sleep(1.0)

@@ -23,7 +23,8 @@ from aiohttp import web
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.app import ROUTER_KEY, build_app
 from router.config import parse_config
-from real_engine_util import metric_sum, scrape_metrics
+from real_engine_util import scrape_metrics
+from support.sse import read_sse
 
 # Engine start-up (the session fixture) is charged to the first test: allow for a slow machine.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
@@ -77,9 +78,7 @@ class RealCluster:
 
     async def stream(self, body: dict) -> tuple[int, list]:
         async with self.session.post(self.url + "/v1/completions", json={**body, "stream": True}) as r:
-            raw = await r.read()
-        events = [l[6:] for l in raw.split(b"\n") if l.startswith(b"data: ")]
-        return r.status, ["[DONE]" if e == b"[DONE]" else orjson.loads(e) for e in events]
+            return r.status, (await read_sse(r) if r.status == 200 else [])
 
 
 async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshold_engine, preemption_engine,
@@ -91,8 +90,7 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
         # kv_load_failure_policy "fail": e.g. a NIXL handshake past vLLM's 5 s on this loaded
         # machine, though conftest.py warms the handshakes up), the router computes the
         # prompt on the consumer instead and the client still gets its answer.
-        failed_before = metric_sum(scrape_metrics(preemption_engine.base_url),
-                                   "vllm:nixl_num_failed_transfers_total")
+        failed_before = scrape_metrics(preemption_engine.base_url).value("vllm:nixl_num_failed_transfers_total")
         status, out = await c.complete({"model": MODEL, "prompt": cold_prompt("handshake", 30),
                                         "max_tokens": 8, "temperature": 0})
         assert status == 200, (out, preemption_engine.log_tail())
@@ -100,8 +98,9 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
         if c.metric("cachehit_router_requests_total", route="pd", status="200") != 1:
             assert c.metric("cachehit_router_requests_total", route="direct", status="200") == 1
             assert "did not start" in caplog.text, caplog.text[-3000:]
-            print(f"\n[real engine] first NIXL transfer failed (failed transfers counted: "
-                  f"{metric_sum(scrape_metrics(preemption_engine.base_url), 'vllm:nixl_num_failed_transfers_total') - failed_before:.0f}); "
+            failed = (scrape_metrics(preemption_engine.base_url).value("vllm:nixl_num_failed_transfers_total")
+                      - failed_before)
+            print(f"\n[real engine] first NIXL transfer failed (failed transfers counted: {failed:.0f}); "
                   "the router computed the prompt on the consumer")
 
         before = scrape_metrics(preemption_engine.base_url)
@@ -122,8 +121,8 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
                 + c.metric("cachehit_router_probe_deadline_expiries_total", backend="consumer")
                 - rejections_before) == 1, caplog.text[-3000:]
     after = scrape_metrics(preemption_engine.base_url)
-    external = (metric_sum(after, "vllm:external_prefix_cache_hits_total")
-                - metric_sum(before, "vllm:external_prefix_cache_hits_total"))
+    external = (after.value("vllm:external_prefix_cache_hits_total")
+                - before.value("vllm:external_prefix_cache_hits_total"))
     # The consumer pulled the prompt's KV over NIXL (vLLM recomputes at most the last token's block).
     assert external >= prompt_tokens - 32, (external, prompt_tokens)
 
@@ -153,8 +152,8 @@ async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engi
             assert finishes[-1] == "length" and "cache_threshold" not in finishes
         resumed = c.metric("cachehit_router_resumes_total", reason="preempted")
     after = scrape_metrics(preemption_engine.base_url)
-    preemptions = (metric_sum(after, "vllm:num_preemptions_total")
-                   - metric_sum(before, "vllm:num_preemptions_total"))
+    preemptions = (after.value("vllm:num_preemptions_total")
+                   - before.value("vllm:num_preemptions_total"))
     print(f"\n[real engine] preemptions on the consumer: {preemptions:.0f}, router resumes: {resumed:.0f}")
     assert preemptions >= 1
     assert resumed >= 1

@@ -8,10 +8,8 @@ name: other engineers run engines on the same machine). Engines are the simulato
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,35 +19,15 @@ from typing import Any
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 import tomli_w
 
 from router.sse import SSEDecoder
+from support.ports import free_port
+from support.processes import signal_group, start_group, stop_group
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
-    """SIGTERM the process group, then SIGKILL it; by group id only."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
 
 
 def rss_bytes(pid: int) -> int:
@@ -77,19 +55,18 @@ class SimProc:
         cmd = [PY, "-m", "engine_launcher.sim", "--port", str(self.port), "--model", MODEL,
                "--enable-admin", "--log-level", "warning", *self.args]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = start_group(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         wait_http(self.url + "/health", timeout, self.proc)
         return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
+            signal_group(self.proc.pid, sig)
             self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop_group(self.proc)
+            stop_group(self.proc)
 
     def restart(self, timeout: float = 30.0) -> "SimProc":
         """Start again on the same port (a restarted engine keeps its URL)."""
@@ -153,9 +130,9 @@ class RouterProc:
             self.scheme = "https"
         cfg_path = self.workdir / "router.toml"
         cfg_path.write_text(to_toml(self.config))
-        self.proc = subprocess.Popen(
+        self.proc = start_group(
             [PY, "-m", "router.cli", "--config", str(cfg_path), *self.extra_args], cwd=ROOT,
-            stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
         try:
             wait_http(self.url + "/health", timeout, self.proc, ssl_ctx=ssl_ctx)
         except RuntimeError:
@@ -171,7 +148,7 @@ class RouterProc:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop_group(self.proc, timeout=15.0)
+            stop_group(self.proc, grace=15.0)
 
     def rss(self) -> int:
         assert self.proc is not None
@@ -182,25 +159,6 @@ def sim_backends(engines: dict[str, SimProc]) -> list[dict]:
     return [{"name": n, "url": e.url, "role": "decode", "models": [MODEL]} for n, e in engines.items()]
 
 
-async def metrics(session: aiohttp.ClientSession, url: str) -> dict[tuple, float]:
-    """/metrics as {(sample name, sorted label items): value}."""
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def metric(ms: dict[tuple, float], name: str, **labels: str) -> float:
-    return ms.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def metric_sum(ms: dict[tuple, float], name: str) -> float:
-    return sum(v for (n, _), v in ms.items() if n == name)
-
-
 async def set_faults(session: aiohttp.ClientSession, engine_url: str, **faults: float) -> None:
     async with session.post(engine_url + "/_sim/faults", json=faults) as r:
         assert r.status == 200, await r.text()
@@ -209,22 +167,6 @@ async def set_faults(session: aiohttp.ClientSession, engine_url: str, **faults: 
 async def sim_state(session: aiohttp.ClientSession, engine_url: str) -> dict:
     async with session.get(engine_url + "/_sim/state") as r:
         return orjson.loads(await r.read())
-
-
-async def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
-    """Poll an async or sync predicate until truthy (a liveness bound, not a speed check)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    last = None
-    while True:
-        last = pred()
-        if asyncio.iscoroutine(last):
-            last = await last
-        if last:
-            return last
-        if loop.time() > end:
-            raise AssertionError(f"{what}: not reached within {timeout} s (last: {last!r})")
-        await asyncio.sleep(interval)
 
 
 @dataclass

@@ -11,7 +11,9 @@ import orjson
 
 N_BURST = 300
 
-from relutil import MODEL, metric, metrics, set_faults, sim_backends, wait_for
+from relutil import MODEL, set_faults, sim_backends
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: bytes | dict, stream: bool = False):
@@ -39,9 +41,9 @@ async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_
                  for i in range(20)]
 
         async def queue_full():
-            m = await metrics(s, router.url)
-            return metric(m, "cachehit_router_queued_requests") == 2
-        await wait_for(queue_full, 10, "two requests queued")
+            m = await scrape_metrics(s, router.url)
+            return m.value("cachehit_router_queued_requests") == 2
+        await eventually(queue_full, 10, "two requests queued")
         results = await asyncio.gather(*tasks)
         by_status = collections.Counter(st for st, _, _ in results)
         assert by_status == {200: 3, 429: 17}, by_status
@@ -50,10 +52,10 @@ async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_
                 err = orjson.loads(raw)["error"]
                 assert err["code"] == 429 and err["type"] == "RateLimitError"
                 assert int(headers["Retry-After"]) >= 1
-        ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_overload_rejections_total") == 17
-        assert metric(ms, "cachehit_router_queued_requests") == 0
-        assert metric(ms, "cachehit_router_inflight_requests") == 0
+        ms = await scrape_metrics(s, router.url)
+        assert ms.value("cachehit_router_overload_rejections_total") == 17
+        assert ms.value("cachehit_router_queued_requests") == 0
+        assert ms.value("cachehit_router_inflight_requests") == 0
 
         # Without the stall, queued requests get a slot as soon as one frees.
         await set_faults(s, engines["d0"].url, stall_after_tokens=0, stall_seconds=0.0)
@@ -92,7 +94,7 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs):
         t = asyncio.create_task(burst())
         while not t.done():
             peak = max(peak, router.rss())
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # sampling rate of the RSS peak
         await t
         statuses = collections.Counter(r[0] if isinstance(r, tuple) else type(r).__name__ for r in results)
         print(f"\nburst of {N_BURST} x {len(big) / 2**20:.1f} MiB bodies: {dict(statuses)}; router RSS "

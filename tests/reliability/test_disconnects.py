@@ -16,7 +16,9 @@ import aiohttp
 import orjson
 import pytest
 
-from relutil import MODEL, metric_sum, metrics, sim_backends, wait_for
+from relutil import MODEL, sim_backends
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 STORM_REQUESTS = 1500
 STORM_CONCURRENCY = 48
@@ -69,8 +71,8 @@ async def early_hang_up_storm(port: int, n: int, concurrency: int, seed: int = 0
 async def _engines_idle(s: aiohttp.ClientSession, engines) -> dict[str, float]:
     out = {}
     for name, e in engines.items():
-        ms = await metrics(s, e.url)
-        out[name] = metric_sum(ms, "vllm:num_requests_running") + metric_sum(ms, "vllm:num_requests_waiting")
+        ms = await scrape_metrics(s, e.url)
+        out[name] = ms.value("vllm:num_requests_running") + ms.value("vllm:num_requests_waiting")
     return out
 
 
@@ -86,20 +88,20 @@ async def test_early_hang_ups_leak_no_inflight_count(procs):
     await early_hang_up_storm(router.port, STORM_REQUESTS, STORM_CONCURRENCY)
     async with aiohttp.ClientSession() as s:
         async def settled():
-            ms = await metrics(s, router.url)
-            counts = (metric_sum(ms, "cachehit_router_backend_inflight"),
-                      metric_sum(ms, "cachehit_router_inflight_requests"))
+            ms = await scrape_metrics(s, router.url)
+            counts = (ms.value("cachehit_router_backend_inflight"),
+                      ms.value("cachehit_router_inflight_requests"))
             return counts if counts == (0, 0) else None
 
         # Each hung-up request is aborted within moments; a leaked count never returns.
         try:
-            await wait_for(settled, 30.0, "router in-flight gauges back to 0")
+            await eventually(settled, 30.0, "router in-flight gauges back to 0")
         finally:
-            ms = await metrics(s, router.url)
-            per_backend = {n: v for (name, labels), v in ms.items()
-                           if name == "cachehit_router_backend_inflight" for _, n in labels}
+            ms = await scrape_metrics(s, router.url)
+            per_backend = {x.labels.get("backend"): x.value for x in ms.samples
+                           if x.name == "cachehit_router_backend_inflight"}
             print("backend in-flight after the storm:", per_backend)
-        assert await wait_for(lambda: _idle_or_none(s, engines), 30.0, "engines idle")
+        assert await eventually(lambda: _idle_or_none(s, engines), 30.0, "engines idle")
         # The router still serves.
         async with s.post(router.url + "/v1/completions",
                           json={"model": MODEL, "prompt": "after the storm", "max_tokens": 4}) as r:

@@ -10,7 +10,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from relutil import MODEL, metric, metrics, sim_backends, wait_for
+from relutil import MODEL, sim_backends
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 FLOOD_KEY, QUIET_KEY, METERED_KEY = "sk-flood-0123", "sk-quiet-4567", "sk-metered-89ab"
 
@@ -45,16 +47,16 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
         flood = [asyncio.create_task(_post(s, router.url, FLOOD_KEY)) for _ in range(30)]
 
         async def flood_saturated():
-            ms = await metrics(s, router.url)
-            return (metric(ms, "cachehit_router_tenant_inflight", tenant="flood") == 2
-                    and metric(ms, "cachehit_router_tenant_queued", tenant="flood") == 6)
-        await wait_for(flood_saturated, 60.0, "flood at its concurrency and queue limits")
+            ms = await scrape_metrics(s, router.url)
+            return (ms.value("cachehit_router_tenant_inflight", tenant="flood") == 2
+                    and ms.value("cachehit_router_tenant_queued", tenant="flood") == 6)
+        await eventually(flood_saturated, 60.0, "flood at its concurrency and queue limits")
         # While flood is at its limits, quiet's requests are served (two slots are free for
         # them), and with priority 1, which its key allows.
         quiet = await asyncio.gather(*(_post(s, router.url, QUIET_KEY, headers={"X-Request-Priority": "1"})
                                        for _ in range(4)))
-        ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_tenant_queued", tenant="flood") > 0  # still held back
+        ms = await scrape_metrics(s, router.url)
+        assert ms.value("cachehit_router_tenant_queued", tenant="flood") > 0  # still held back
         assert [q[0] for q in quiet] == [200] * 4, quiet
         flood_out = await asyncio.gather(*flood)
         statuses = sorted(f[0] for f in flood_out)
@@ -62,13 +64,13 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
         rejected = [f for f in flood_out if f[0] == 429]
         assert all(int(f[1]["Retry-After"]) >= 1 and "'flood'" in f[2] for f in rejected)
 
-        ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_tenant_requests_total", tenant="quiet", status="200") == 4
-        assert metric(ms, "cachehit_router_tenant_rejections_total", tenant="flood",
+        ms = await scrape_metrics(s, router.url)
+        assert ms.value("cachehit_router_tenant_requests_total", tenant="quiet", status="200") == 4
+        assert ms.value("cachehit_router_tenant_rejections_total", tenant="flood",
                       reason="tenant_queue") == len(rejected)
-        assert metric(ms, "cachehit_router_tenant_rejections_total", tenant="quiet", reason="tenant_queue") == 0
+        assert ms.value("cachehit_router_tenant_rejections_total", tenant="quiet", reason="tenant_queue") == 0
         for t in ("flood", "quiet", "metered"):
-            assert metric(ms, "cachehit_router_tenant_inflight", tenant=t) == 0
+            assert ms.value("cachehit_router_tenant_inflight", tenant=t) == 0
         async with s.get(router.url + "/metrics") as r:
             text = await r.text()
         assert not any(k in text for k in (FLOOD_KEY, QUIET_KEY, METERED_KEY))
@@ -98,6 +100,6 @@ async def test_per_key_rate_limit_and_priority_rules(router):
                               json={"model": MODEL, "input": "share the engine"}) as r:
                 assert r.status == expected, (key, r.status, await r.text())
 
-        ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_tenant_rejections_total", tenant="metered", reason="rate") == 2
-        assert metric(ms, "cachehit_router_tenant_requests_total", tenant="metered", status="429") == 2
+        ms = await scrape_metrics(s, router.url)
+        assert ms.value("cachehit_router_tenant_rejections_total", tenant="metered", reason="rate") == 2
+        assert ms.value("cachehit_router_tenant_requests_total", tenant="metered", status="429") == 2

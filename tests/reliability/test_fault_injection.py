@@ -18,8 +18,9 @@ import signal
 import aiohttp
 import pytest
 
-from relutil import (MODEL, Outcome, metric, metric_sum, metrics, set_faults, sim_backends,
-                     sim_state, stream_request, unary_request, wait_for)
+from relutil import MODEL, Outcome, set_faults, sim_backends, sim_state, stream_request, unary_request
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 N_STREAMS = 200
 MAX_TOKENS = 48
@@ -73,19 +74,19 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
                  for i in range(N_STREAMS)]
 
         # Kill d0 once it is generating for a good number of streams.
-        await wait_for(lambda: sim_state(s, engines["d0"].url), 30, "d0 state")
+        await eventually(lambda: sim_state(s, engines["d0"].url), 30, "d0 state")
 
         async def d0_busy():
             st = await sim_state(s, engines["d0"].url)
             return st["running"] >= 5 and st["generated"] >= 40
-        await wait_for(d0_busy, 60, "d0 running streams")
+        await eventually(d0_busy, 60, "d0 running streams")
         engines["d0"].kill(signal.SIGKILL)
 
         outcomes: list[Outcome] = await asyncio.gather(*tasks)
         counts = collections.Counter(o.kind for o in outcomes)
-        ms = await metrics(s, router.url)
-        resumed = metric_sum(ms, "cachehit_router_resumes_total")
-        retried = metric_sum(ms, "cachehit_router_retries_total")
+        ms = await scrape_metrics(s, router.url)
+        resumed = ms.value("cachehit_router_resumes_total")
+        retried = ms.value("cachehit_router_retries_total")
         errors_by_msg = collections.Counter(o.detail[:120] for o in outcomes if o.kind == "error")
         lost = [o for o in outcomes if o.kind == "lost"]
         print(f"\nfault injection: {N_STREAMS} streams: completed={counts['completed']} "
@@ -101,21 +102,21 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
         # resumes): most requests must complete, and the faults must have been exercised.
         assert counts["completed"] >= N_STREAMS * 0.9
         assert resumed >= 1  # d0's and d1's streams were continued elsewhere
-        assert metric(ms, "cachehit_router_upstream_errors_total", backend="d2", kind="status") >= 1
+        assert ms.value("cachehit_router_upstream_errors_total", backend="d2", kind="status") >= 1
 
         # Everything drains: router gauges and the surviving engines' queues go to zero.
         async def drained():
-            m = await metrics(s, router.url)
-            return (metric(m, "cachehit_router_inflight_requests") == 0
-                    and all(metric(m, "cachehit_router_backend_inflight", backend=n) == 0 for n in engines))
-        await wait_for(drained, 15, "router in-flight gauges at zero")
+            m = await scrape_metrics(s, router.url)
+            return (m.value("cachehit_router_inflight_requests") == 0
+                    and all(m.value("cachehit_router_backend_inflight", backend=n) == 0 for n in engines))
+        await eventually(drained, 15, "router in-flight gauges at zero")
         for n in ("d1", "d2", "d3"):
             async def idle(n=n):
                 st = await sim_state(s, engines[n].url)
                 return st["running"] == 0 and st["waiting"] == 0
-            await wait_for(idle, 30, f"{n} running nothing")
-        ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_backend_healthy", backend="d0") == 0
+            await eventually(idle, 30, f"{n} running nothing")
+        ms = await scrape_metrics(s, router.url)
+        assert ms.value("cachehit_router_backend_healthy", backend="d0") == 0
         rss_after = router.rss()
         print(f"router RSS: before {rss_before / 2**20:.1f} MiB, after {rss_after / 2**20:.1f} MiB")
         # Near the warmed-up level: CPython keeps some freed arenas, but a leak of

@@ -14,7 +14,9 @@ import signal
 import aiohttp
 import orjson
 
-from relutil import MODEL, metric, metric_sum, metrics, set_faults, sim_backends, wait_for
+from relutil import MODEL, set_faults, sim_backends
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 ADMIN = "admin-secret"
 
@@ -32,7 +34,7 @@ async def _complete(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens:
 
 
 async def _healthy(s, router, name) -> float:
-    return metric(await metrics(s, router.url), "cachehit_router_backend_healthy", backend=name)
+    return (await scrape_metrics(s, router.url)).value("cachehit_router_backend_healthy", backend=name)
 
 
 async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_same_port(procs):
@@ -47,12 +49,12 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
     })
     async with aiohttp.ClientSession() as s:
         assert (await _get(s, router.url + "/ready"))[0] == 200
-        ms = await metrics(s, router.url)
-        assert [metric(ms, "cachehit_router_backend_healthy", backend=n) for n in engines] == [1, 1]
-        assert [metric(ms, "cachehit_router_backend_circuit_state", backend=n) for n in engines] == [0, 0]
+        ms = await scrape_metrics(s, router.url)
+        assert [ms.value("cachehit_router_backend_healthy", backend=n) for n in engines] == [1, 1]
+        assert [ms.value("cachehit_router_backend_circuit_state", backend=n) for n in engines] == [0, 0]
 
         engines["d0"].kill(signal.SIGKILL)
-        await wait_for(lambda: _is_zero(s, router, "d0"), 10, "d0 marked unhealthy")
+        await eventually(lambda: _is_zero(s, router, "d0"), 10, "d0 marked unhealthy")
         status, admin = await _get(s, router.url + "/admin/backends",
                                    headers={"Authorization": f"Bearer {ADMIN}"})
         assert status == 200
@@ -61,13 +63,13 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
         assert (await _get(s, router.url + "/ready"))[0] == 200  # d1 still takes requests
 
         # Skipped: every request succeeds on d1 and the router does not even try d0.
-        before = metric_sum(await metrics(s, router.url), "cachehit_router_upstream_errors_total")
+        before = (await scrape_metrics(s, router.url)).value("cachehit_router_upstream_errors_total")
         results = await asyncio.gather(*(_complete(s, router.url, f"while d0 is down {i}") for i in range(10)))
         assert all(st == 200 and out["usage"]["completion_tokens"] == 3 for st, out in results), results
-        assert metric_sum(await metrics(s, router.url), "cachehit_router_upstream_errors_total") == before
+        assert (await scrape_metrics(s, router.url)).value("cachehit_router_upstream_errors_total") == before
 
         engines["d0"].restart()
-        await wait_for(lambda: _is_one(s, router, "d0"), 10, "d0 healthy again")
+        await eventually(lambda: _is_one(s, router, "d0"), 10, "d0 healthy again")
         # Used again: a prompt only d0 holds wins the probe race there.
         prompt = "warm on d0 only " + " ".join(f"x{i}" for i in range(60))
         async with s.post(engines["d0"].url + "/v1/completions",
@@ -81,12 +83,12 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
         # Everything down: /ready says so and requests end at once with a clear error.
         engines["d0"].kill()
         engines["d1"].kill()
-        await wait_for(lambda: _ready_status(s, router, 503), 10, "/ready 503")
+        await eventually(lambda: _ready_status(s, router, 503), 10, "/ready 503")
         async with asyncio.timeout(15):
             status, out = await _complete(s, router.url, "nobody home")
         assert status in (502, 503) and out["error"]["code"] == status, out
         engines["d1"].restart()
-        await wait_for(lambda: _ready_status(s, router, 200), 10, "/ready 200 after restart")
+        await eventually(lambda: _ready_status(s, router, 200), 10, "/ready 200 after restart")
         status, out = await _complete(s, router.url, "back again")
         assert status == 200, out
 
@@ -120,35 +122,36 @@ async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_tr
         await set_faults(s, engines["d0"].url, error_rate=1.0)
 
         async def d0_errors() -> float:
-            return metric(await metrics(s, router.url), "cachehit_router_upstream_errors_total",
+            return (await scrape_metrics(s, router.url)).value("cachehit_router_upstream_errors_total",
                           backend="d0", kind="status")
 
         # Round robin sends every other request to d0 first; each 500 is retried on d1.
         for i in range(6):
             status, out = await _complete(s, router.url, f"breaker {i}")
             assert status == 200, out
-        ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_backend_circuit_state", backend="d0") == 2
-        assert metric(ms, "cachehit_router_backend_healthy", backend="d0") == 0
-        assert metric(ms, "cachehit_router_retries_total", backend="d0") >= 2
+        ms = await scrape_metrics(s, router.url)
+        assert ms.value("cachehit_router_backend_circuit_state", backend="d0") == 2
+        assert ms.value("cachehit_router_backend_healthy", backend="d0") == 0
+        assert ms.value("cachehit_router_retries_total", backend="d0") >= 2
         opened_errors = await d0_errors()
         assert opened_errors == 2  # opened at the threshold, then never tried again
-        # /health and /metrics of d0 stay fine (scrapes succeed), yet it stays out.
+        # /health and /metrics of d0 stay fine (scrapes succeed), yet it stays out: let a few
+        # scrape intervals pass before sending more.
         await asyncio.sleep(0.6)
         for i in range(6):
             status, out = await _complete(s, router.url, f"open {i}")
             assert status == 200, out
         assert await d0_errors() == opened_errors
-        assert metric(await metrics(s, router.url), "cachehit_router_backend_circuit_state", backend="d0") == 2
+        assert (await scrape_metrics(s, router.url)).value("cachehit_router_backend_circuit_state", backend="d0") == 2
 
         # The engine recovers; after the cool-down one trial request closes the breaker.
         await set_faults(s, engines["d0"].url, error_rate=0.0)
-        await asyncio.sleep(2.2)
+        await asyncio.sleep(2.2)  # the cool-down (cooldown_s = 2) passes before any trial
 
         async def closed() -> bool:
             await _complete(s, router.url, "trial")
-            return metric(await metrics(s, router.url), "cachehit_router_backend_circuit_state", backend="d0") == 0
-        await wait_for(closed, 15, "breaker closed after a successful trial", interval=0.1)
+            return (await scrape_metrics(s, router.url)).value("cachehit_router_backend_circuit_state", backend="d0") == 0
+        await eventually(closed, 15, "breaker closed after a successful trial", interval=0.1)
         assert await _healthy(s, router, "d0") == 1
 
 
@@ -168,8 +171,8 @@ async def test_ready_follows_the_breaker_of_the_only_decoder(procs):
         assert (await _get(s, router.url + "/ready"))[0] == 503
         await set_faults(s, engines["d0"].url, error_rate=0.0)
         # After the cool-down the open breaker admits a trial: ready again, and the trial closes it.
-        await wait_for(lambda: _ready_status(s, router, 200), 10, "/ready after cool-down")
+        await eventually(lambda: _ready_status(s, router, 200), 10, "/ready after cool-down")
         status, out = await _complete(s, router.url, "trial")
         assert status == 200, out
-        ms = await metrics(s, router.url)
-        assert metric(ms, "cachehit_router_backend_circuit_state", backend="d0") == 0
+        ms = await scrape_metrics(s, router.url)
+        assert ms.value("cachehit_router_backend_circuit_state", backend="d0") == 0

@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from relutil import MODEL, RouterProc, SimProc, sim_backends
+from support.polling import eventually_blocking
 
 KEY = "client-key-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -207,12 +208,8 @@ def test_client_events_are_one_escaped_info_line_without_traceback(router):
             assert b"data: {" in _read_until(sock, b"data: {", 10.0)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     # Every hang-up is recorded (status 499) on the request's own line, once.
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        log = router.log_path.read_bytes()
-        if log.count(b'"request_id":"cmpl-hangs-up"') >= 5:
-            break
-        time.sleep(0.1)
+    eventually_blocking(lambda: router.log_path.read_bytes().count(b'"request_id":"cmpl-hangs-up"') >= 5, 20,
+                        "five hang-ups logged", interval=0.1)
     log = router.log_path.read_bytes()
     assert log.count(b'"request_id":"cmpl-hangs-up"') == 5
     assert log.count(b'"status":499') >= 5

@@ -14,7 +14,8 @@ import socket
 import aiohttp
 import orjson
 
-from relutil import MODEL, wait_for
+from relutil import MODEL
+from support.polling import eventually
 
 ADMIN = "admin-key"
 
@@ -71,7 +72,7 @@ async def test_sigterm_lets_a_stream_finish_within_the_drain_and_stops_the_engin
         r, first = await _open_stream(s, router.url, max_tokens=60)
         os.kill(router.proc.pid, signal.SIGTERM)
         # Not accepting any more, while the stream goes on.
-        await wait_for(lambda: _refuses(router.port), 5, "listening socket closed")
+        await eventually(lambda: _refuses(router.port), 5, "listening socket closed")
         async with asyncio.timeout(30):
             events = await _read_rest(r, first)
         assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
@@ -139,7 +140,7 @@ async def test_sigterm_answers_503_on_open_keep_alive_connections(procs, tmp_pat
     stop_sending = asyncio.Event()
     clients = [asyncio.create_task(_keep_alive_client(router.url, i, outcomes, stop_sending))
                for i in range(24)]
-    await wait_for(lambda: outcomes.count("completed") >= 24, 30, "every client served once")
+    await eventually(lambda: outcomes.count("completed") >= 24, 30, "every client served once")
     os.kill(router.proc.pid, signal.SIGTERM)
     async with asyncio.timeout(60):
         await asyncio.gather(*clients)

@@ -15,7 +15,9 @@ import orjson
 import aiohttp
 import pytest
 
-from relutil import MODEL, metric_sum, metrics, sim_backends, wait_for
+from relutil import MODEL, sim_backends
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 MAX_TOKENS = 30_000
 ENGINE_ARGS = ("--speed", "100", "--max-model-len", "40000")
@@ -55,11 +57,11 @@ async def _read_all(reader: asyncio.StreamReader) -> bytes:
 
 
 async def _gauges(s: aiohttp.ClientSession, router_url: str, engine_url: str) -> tuple[float, float, float]:
-    rm = await metrics(s, router_url)
-    em = await metrics(s, engine_url)
-    return (metric_sum(rm, "cachehit_router_inflight_requests"),
-            metric_sum(rm, "cachehit_router_backend_inflight"),
-            metric_sum(em, "vllm:num_requests_running"))
+    rm = await scrape_metrics(s, router_url)
+    em = await scrape_metrics(s, engine_url)
+    return (rm.value("cachehit_router_inflight_requests"),
+            rm.value("cachehit_router_backend_inflight"),
+            em.value("vllm:num_requests_running"))
 
 
 @pytest.mark.timeout(120)
@@ -73,7 +75,7 @@ async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs):
             # The router's write waits for the client, not for ever: timeouts.idle_s applies
             # to a client that accepts nothing, as it does to an engine that sends nothing.
             # (Before bounded buffering the stream stayed open until total_s.)
-            await wait_for(lambda: _released(s, router.url, engine.url), 30.0,
+            await eventually(lambda: _released(s, router.url, engine.url), 30.0,
                            "stalled stream dropped, router gauges and engine back to 0")
         got = await _read_all(reader)
         assert b"data: [DONE]" not in got  # cut, as the client stopped reading
@@ -98,12 +100,12 @@ async def test_a_client_that_pauses_gets_the_whole_answer(procs):
             # The engine finishes generating while the stream is held back, unread.
             async def generated_but_held():
                 g = await _gauges(s, router.url, engine.url)
-                em = await metrics(s, engine.url)
-                done = metric_sum(em, "vllm:generation_tokens_total") >= MAX_TOKENS
+                em = await scrape_metrics(s, engine.url)
+                done = em.value("vllm:generation_tokens_total") >= MAX_TOKENS
                 return g if done and g == (1, 1, 0) else None
-            await wait_for(generated_but_held, 60.0, "answer generated, stream still open at the router")
+            await eventually(generated_but_held, 60.0, "answer generated, stream still open at the router")
             got = await _read_all(reader)
-            await wait_for(lambda: _released(s, router.url, engine.url), 30.0, "gauges back to 0")
+            await eventually(lambda: _released(s, router.url, engine.url), 30.0, "gauges back to 0")
     finally:
         writer.transport.abort()
     head, _, payload = got.partition(b"\r\n\r\n")

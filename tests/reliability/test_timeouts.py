@@ -127,7 +127,7 @@ async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster):
             except BlockingIOError:
                 pass
             fillers.append(f)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # the kernel completes the fillers' handshakes: the backlog is full
         async with asyncio.timeout(15):
             status, out = await c.complete({"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert status == 504, out

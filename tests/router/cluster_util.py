@@ -7,13 +7,15 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from aiohttp import web
 
 from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
 from engine_launcher.sim.tokenizer import WORDS
 from router.app import ROUTER_KEY, build_app
 from router.config import parse_config
+from support.metrics import scrape_metrics
+from support.polling import eventually
+from support.sse import read_sse
 
 MODEL = "sim-model"
 # Fast enough for tests, slow enough that streams are still running when a test looks.
@@ -49,13 +51,7 @@ class Cluster:
         async with await self.post(path, {**body, "stream": True}) as r:
             if r.status != 200:
                 return r.status, [orjson.loads(await r.read())]
-            events = []
-            async for line in r.content:
-                line = line.strip()
-                if line.startswith(b"data: "):
-                    payload = line[6:]
-                    events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
-            return r.status, events
+            return r.status, await read_sse(r)
 
     def router_metric(self, name: str, **labels) -> float:
         """A router sample summed over the label sets that include `labels` (so a test
@@ -75,30 +71,21 @@ class Cluster:
         return await self._raw_engine_metric(name, metric) - self.baseline.get((name, metric), 0.0)
 
     async def _raw_engine_metric(self, name: str, metric: str) -> float:
-        async with self.session.get(self.engines[name].url + "/metrics") as r:
-            text = await r.text()
-        return sum(s.value for fam in text_string_to_metric_families(text)
-                   for s in fam.samples if s.name == metric)
+        return (await scrape_metrics(self.session, self.engines[name].url)).value(metric)
 
     async def wait_capability_checked(self, timeout: float = 15.0) -> None:
         """Until the router knows whether each decode engine runs the threshold, then note
         the engines' counters: tests count from there."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
         states = self.state.registry.states
         # An engine that fails requests on purpose (fault injection) cannot answer the check.
         failing = {n for n, e in self.engines.items() if e.config.faults.error_rate > 0}
-        while any(s.threshold_capable is None for n, s in states.items() if s.config.decodes and n not in failing):
-            if loop.time() >= end:
-                raise AssertionError("threshold capability never checked")
-            await asyncio.sleep(0.02)
+        await eventually(lambda: not any(s.threshold_capable is None for n, s in states.items()
+                                         if s.config.decodes and n not in failing),
+                         timeout, "threshold capability checked on every decode engine")
         for n, e in self.engines.items():
-            async with self.session.get(e.url + "/metrics") as r:
-                text = await r.text()
-            for fam in text_string_to_metric_families(text):
-                for s in fam.samples:
-                    if s.name.endswith("_total"):
-                        self.baseline[(n, s.name)] = self.baseline.get((n, s.name), 0.0) + s.value
+            for s in (await scrape_metrics(self.session, e.url)).samples:
+                if s.name.endswith("_total"):
+                    self.baseline[(n, s.name)] = self.baseline.get((n, s.name), 0.0) + s.value
 
     async def engine_metrics(self, metric: str) -> dict[str, float]:
         return {n: await self.engine_metric(n, metric) for n in self.engines}
@@ -110,14 +97,13 @@ class Cluster:
         """Until the router has seen every backend answer a health check. Its first check at
         start may time out on a loaded machine (the backend then stays unused until the next
         scrape), and a test that counts where requests went must start from the full set."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
         states = self.state.registry.states
-        while not all(s.healthy for s in states.values()):
-            if loop.time() >= end:
-                raise AssertionError("backends the router never saw healthy: "
-                                     f"{ {n: s.last_error for n, s in states.items() if not s.healthy} }")
-            await asyncio.sleep(0.02)
+
+        def all_healthy() -> bool:
+            unhealthy = {n: s.last_error for n, s in states.items() if not s.healthy}
+            assert not unhealthy, f"backends the router never saw healthy: {unhealthy}"
+            return True
+        await eventually(all_healthy, timeout, "every backend healthy")
 
     async def wait_idle(self, timeout: float = 5.0) -> dict[str, int]:
         """Until every engine reports, on its own /metrics, no running and no waiting

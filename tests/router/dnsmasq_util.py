@@ -8,7 +8,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
@@ -17,24 +16,12 @@ import dns.nameserver
 import dns.resolver
 import pytest
 
+from support.ports import free_port
+
 
 def _dnsmasq_binary() -> str | None:
     return shutil.which("dnsmasq") or next(
         (p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.access(p, os.X_OK)), None)
-
-
-def _free_port() -> int:
-    """A port free for both UDP and TCP on loopback (dnsmasq listens on both)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            udp.bind(("127.0.0.1", 0))
-            port = udp.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-                try:
-                    tcp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
 
 
 class DnsServer:
@@ -42,7 +29,7 @@ class DnsServer:
         self.hosts = workdir / "hosts"
         self.hosts.write_text("")
         self.hosts.chmod(0o644)
-        self.port = _free_port()
+        self.port = free_port(udp=True)  # dnsmasq listens on both
         self.proc = subprocess.Popen(
             [binary, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
              f"--addn-hosts={self.hosts}", "--local=/test/", "--listen-address=127.0.0.1", "--bind-interfaces",

@@ -12,6 +12,7 @@ import asyncio
 import orjson
 
 from cluster_util import MODEL, long_prompt
+from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
 
@@ -38,8 +39,7 @@ async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(ma
 
     # A long stream on the holder is running when the operator drains it.
     stream = asyncio.create_task(c.stream({**warm, "max_tokens": 60}))
-    while not c.engine_running()[holder]:
-        await asyncio.sleep(0.005)
+    await eventually(lambda: c.engine_running()[holder], what="the stream running on the holder", interval=0.005)
     status, view = await admin(c, f"/admin/backends/{holder}/drain")
     assert status == 200 and view["name"] == holder and view["draining"] is True
     assert c.router_metric("cachehit_router_backend_draining", backend=holder) == 1

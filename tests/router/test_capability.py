@@ -3,27 +3,24 @@ T = 1.0 on a random prompt (a stock vLLM; the simulator with threshold_plugin of
 routed to without probes, with a warning and cachehit_router_backend_threshold_capable."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import replace
 
 from engine_launcher.sim import start_sim_engine
 
 from cluster_util import MODEL, long_prompt
+from support.polling import eventually
 
 GAUGE = "cachehit_router_backend_threshold_capable"
 
 
 async def _checked(c, timeout: float = 10.0) -> dict[str, float]:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
+    def checked() -> dict[str, float]:
         values = {n: c.router_metric(GAUGE, backend=n) for n in c.engines}
-        if all(v != -1 for v in values.values()) and all(
-                s.threshold_capable is not None for s in c.state.registry.states.values()):
-            return values
-        assert loop.time() < end, f"capability never checked: {values}"
-        await asyncio.sleep(0.02)
+        assert all(v != -1 for v in values.values()) and all(
+            s.threshold_capable is not None for s in c.state.registry.states.values()), values
+        return values
+    return await eventually(checked, timeout, "the capability check of every engine")
 
 
 async def test_stock_engine_is_never_probed(make_cluster, caplog):
@@ -70,10 +67,6 @@ async def test_a_backend_back_from_down_is_checked_again(make_cluster):
     old = c.engines["d0"]
     port = old.port
     await old.close()
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 10
-    while c.router_metric(GAUGE, backend="d0") != -1:  # down: capability forgotten
-        assert loop.time() < end
-        await asyncio.sleep(0.02)
+    await eventually(lambda: c.router_metric(GAUGE, backend="d0") == -1, 10, "d0 down: its capability forgotten")
     c.engines["d0"] = await start_sim_engine(replace(old.config, threshold_plugin=False), port=port)
     assert await _checked(c) == {"d0": 0.0}

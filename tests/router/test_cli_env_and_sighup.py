@@ -2,11 +2,9 @@
 SIGHUP re-reading the file in a real router process."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +17,8 @@ from cluster_util import MODEL
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config import ConfigError
 from router.overrides import layer, load
+from support.polling import eventually
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,31 +74,10 @@ def test_version():
     assert r.stdout.strip() == f"router (cachehit-router) {version('cachehit-router')}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _poll(fn, timeout: float = 30.0, what: str = "condition"):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
-        try:
-            value = await fn()
-            if value:
-                return value
-        except aiohttp.ClientError:
-            pass
-        if loop.time() >= end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(tmp_path):
     a = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
     b = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
-    port = _free_port()
+    port = free_port()
     f = tmp_path / "router.toml"
     f.write_text(toml([("a", a.url)], "[health]\nscrape_interval_s = 0.2\ncheck_interval_s = 0.4\n"))
     proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--config", str(f), "--port", str(port)],
@@ -109,16 +88,19 @@ async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(
     try:
         async with aiohttp.ClientSession() as s:
             async def names():
-                async with s.get(url + "/admin/backends", headers=admin) as r:
-                    return r.status == 200 and {x["name"] for x in await r.json() if x["healthy"]
-                                                and not x["removing"]}
-            assert await _poll(names, what="the router to start") == {"a"}
+                try:
+                    async with s.get(url + "/admin/backends", headers=admin) as r:
+                        return r.status == 200 and {x["name"] for x in await r.json() if x["healthy"]
+                                                    and not x["removing"]}
+                except aiohttp.ClientError:  # not listening yet
+                    return False
+            assert await eventually(names, 30, "the router to start") == {"a"}
             # b replaces a; a timeout cannot change while running (a warning names it). The
             # port in the file does not count: the --port flag still overrides it.
             f.write_text(toml([("b", b.url)], "[health]\nscrape_interval_s = 0.2\ncheck_interval_s = 0.4\n"
                                               "[server]\nport = 1\n[timeouts]\nidle_s = 7\n"))
             proc.send_signal(signal.SIGHUP)
-            await _poll(lambda: _eq(names, {"b"}), what="the reload")
+            await eventually(lambda: _eq(names, {"b"}), 30, "the reload")
             async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
                 assert r.status == 200  # still serving on the same port
     finally:

@@ -17,7 +17,9 @@ from aiohttp import web
 
 from cluster_util import MODEL
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from fleet_util import ADDRS, common_port, finished, start_router, wait_for
+from fleet_util import ADDRS, finished, start_router
+from support.polling import eventually
+from support.ports import free_port_on
 from router.discovery_k8s import ready_pods
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubernetes"
@@ -69,7 +71,7 @@ async def kube(tmp_path):
     await site.start()
     api.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     api.token_file = token_file
-    port = common_port()
+    port = free_port_on(ADDRS)
     # Every pod IP has an engine that answers, the pods that are not ready too: only the
     # API's view decides.
     engines = {a: await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"),
@@ -106,13 +108,14 @@ async def test_ready_pods_join_and_leave(kube):
 
     # A pod goes away (scale-down): drained and removed.
     api.present.discard(READY[1])
-    await wait_for(lambda: set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"},
-                   what="the pod's removal")
+    await eventually(lambda: set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"},
+                     timeout=15, what="the pod's removal")
 
     # The API refuses (RBAC): nothing changes.
     api.forbidden = True
     failures = state.discovery.failures.get(source, 0)
-    await wait_for(lambda: state.discovery.failures.get(source, 0) >= failures + 2, what="refused look-ups")
+    await eventually(lambda: state.discovery.failures.get(source, 0) >= failures + 2,
+                     timeout=15, what="refused look-ups")
     assert set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}
     api.forbidden = False
 
@@ -120,5 +123,5 @@ async def test_ready_pods_join_and_leave(kube):
     api.token = "token-2"
     api.token_file.write_text("token-2\n")
     api.present.add(READY[1])
-    await wait_for(lambda: set(state.registry.states) == names, what="the pod's return")
+    await eventually(lambda: set(state.registry.states) == names, timeout=15, what="the pod's return")
     assert api.requests > 0

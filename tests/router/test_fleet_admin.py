@@ -14,6 +14,7 @@ import pytest
 
 from cluster_util import MODEL, long_prompt
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
+from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
 
@@ -22,15 +23,6 @@ async def call(c, method: str, path: str, body=None, headers=ADMIN) -> tuple[int
     data = None if body is None else (body if isinstance(body, bytes) else orjson.dumps(body))
     async with c.session.request(method, c.url + path, data=data, headers=headers) as r:
         return r.status, orjson.loads(await r.read())
-
-
-async def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() >= end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def served(url: str, session) -> float:
@@ -62,7 +54,7 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         assert (await call(c, "POST", "/admin/backends/d0/drain"))[0] == 200
         stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("rm", 50),
                                                 "max_tokens": 60}))
-        await wait_for(lambda: extra.engine.num_running > 0 or stream.done(), what="the stream to run on the added engine")
+        await eventually(lambda: extra.engine.num_running > 0 or stream.done(), what="the stream to run on the added engine")
         assert not stream.done(), stream.result()
         assert (await call(c, "POST", "/admin/backends/d0/enable"))[0] == 200
         status, view = await call(c, "DELETE", "/admin/backends/late")
@@ -77,7 +69,7 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         assert not any("error" in e for e in events[:-1])
         assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 60
 
-        await wait_for(lambda: "late" not in c.state.registry.states, what="the removal")
+        await eventually(lambda: "late" not in c.state.registry.states, what="the removal")
         status, listed = await call(c, "GET", "/admin/backends")
         assert [b["name"] for b in listed] == ["d0"]
         # Its gauges are gone with it.

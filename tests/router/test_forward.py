@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 
 from cluster_util import MODEL, FaultConfig
+from support.polling import eventually
 
 
 async def _post(c, path, body, headers=None):
@@ -146,11 +147,8 @@ async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster):
             yield chunk
         released.set()
         # Only once the engine has received part of the file does the rest follow.
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 10
-        while aux.upload_bytes < 512 * 1024:
-            assert loop.time() < end, f"engine saw only {aux.upload_bytes} bytes"
-            await asyncio.sleep(0.01)
+        await eventually(lambda: aux.upload_bytes >= 512 * 1024, 10,
+                         "the engine receiving the first half of the file", interval=0.01)
         for _ in range(4):
             yield chunk
 

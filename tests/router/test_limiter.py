@@ -5,6 +5,7 @@ import pytest
 
 from router.errors import RouterError
 from router.limiter import ConcurrencyLimiter
+from support.polling import eventually
 
 
 async def test_queue_then_429_when_full():
@@ -18,8 +19,7 @@ async def test_queue_then_429_when_full():
             await release.wait()
 
     tasks = [asyncio.create_task(job(i)) for i in range(3)]
-    await asyncio.sleep(0.01)
-    assert lim.active == 2 and lim.queued == 1
+    await eventually(lambda: lim.active == 2 and lim.queued == 1, what="two jobs running, one queued")
     with pytest.raises(RouterError) as e:
         async with lim.slot():
             pass
@@ -39,7 +39,7 @@ async def test_queue_timeout_gives_429_and_leaves_no_waiter():
             await hold.wait()
 
     t = asyncio.create_task(holder())
-    await asyncio.sleep(0)
+    await eventually(lambda: lim.active == 1, what="the holder in its slot")
     with pytest.raises(RouterError) as e:
         async with lim.slot():
             pass
@@ -59,14 +59,14 @@ async def test_cancelled_waiter_does_not_leak_a_slot():
             await hold.wait()
 
     t = asyncio.create_task(holder())
-    await asyncio.sleep(0)
+    await eventually(lambda: lim.active == 1, what="the holder in its slot")
 
     async def waiter():
         async with lim.slot():
             pass
 
     w = asyncio.create_task(waiter())
-    await asyncio.sleep(0.01)
+    await eventually(lambda: lim.queued == 1, what="the waiter queued")
     w.cancel()
     await asyncio.gather(w, return_exceptions=True)
     hold.set()
@@ -93,8 +93,7 @@ async def _holders(lim, n, tenant=None):
             await release.wait()
 
     tasks = [asyncio.create_task(hold()) for _ in range(n)]
-    while started < min(n, lim.max_concurrent):
-        await asyncio.sleep(0)
+    await eventually(lambda: started >= min(n, lim.max_concurrent), what="the holders in their slots")
     return release, tasks
 
 
@@ -111,10 +110,9 @@ async def test_the_highest_priority_waiter_gets_the_next_slot():
     order: list[str] = []
     tasks = [asyncio.create_task(_waiter(lim, order, "low")),
              asyncio.create_task(_waiter(lim, order, "background", priority=-5))]
-    await asyncio.sleep(0)
+    await eventually(lambda: lim.queued == 2, what="low and background queued first")
     tasks.append(asyncio.create_task(_waiter(lim, order, "urgent", priority=3)))
-    await asyncio.sleep(0)
-    assert lim.queued == 3
+    await eventually(lambda: lim.queued == 3, what="urgent queued behind them")
     release.set()
     await asyncio.gather(*holders, *tasks)
     assert order == ["urgent", "low", "background"]
@@ -128,13 +126,12 @@ async def test_a_flooding_tenant_does_not_starve_another():
     order: list[str] = []
     hold = asyncio.Event()
     tasks = [asyncio.create_task(_waiter(lim, order, f"flood{i}", flood, hold=hold)) for i in range(20)]
-    await asyncio.sleep(0)
+    await eventually(lambda: flood.queued == 20, what="the flood queued first")
     tasks.append(asyncio.create_task(_waiter(lim, order, "quiet", quiet, hold=hold)))
-    await asyncio.sleep(0)
-    assert lim.queued == 21 and flood.queued == 20 and quiet.queued == 1
+    await eventually(lambda: lim.queued == 21 and flood.queued == 20 and quiet.queued == 1,
+                     what="quiet queued behind the flood")
     release.set()  # two slots free: one for the tenant with none executing, one for flood
-    while len(order) < 2:
-        await asyncio.sleep(0)
+    await eventually(lambda: len(order) >= 2, what="two waiters in the freed slots")
     assert "quiet" in order and len(order) == 2
     hold.set()
     await asyncio.gather(*holders, *tasks)
@@ -147,8 +144,8 @@ async def test_a_tenant_at_its_own_limit_waits_while_others_start():
     release, holders = await _holders(lim, 1, capped)
     order: list[str] = []
     waiting = asyncio.create_task(_waiter(lim, order, "capped2", capped))
-    await asyncio.sleep(0)
-    assert capped.queued == 1 and lim.active == 1  # a free slot, yet capped waits
+    # a free slot, yet capped waits
+    await eventually(lambda: capped.queued == 1 and lim.active == 1, what="capped2 queued")
     async with lim.slot(other):  # at once
         pass
     with pytest.raises(RouterError) as e:  # its own queue (max_queued = 1) is full

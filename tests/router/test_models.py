@@ -3,9 +3,9 @@ or unloaded on an engine after start-up followed by the router (it re-reads each
 models with its health checks)."""
 from __future__ import annotations
 
-import asyncio
 
 from cluster_util import MODEL
+from support.polling import eventually
 
 
 async def _router_models(c) -> dict[str, dict]:
@@ -14,17 +14,6 @@ async def _router_models(c) -> dict[str, dict]:
         body = await r.json()
     assert body["object"] == "list"
     return {m["id"]: m for m in body["data"]}
-
-
-async def _until(pred, what: str, timeout: float = 10.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
-        value = await pred()
-        if value:
-            return value
-        assert loop.time() < end, what
-        await asyncio.sleep(0.05)
 
 
 async def test_models_are_the_engines_cards(make_cluster):
@@ -46,7 +35,7 @@ async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster
     async def listed():
         models = await _router_models(c)
         return models if "sql-lora" in models else None
-    models = await _until(listed, "the router never listed the adapter")
+    models = await eventually(listed, what="the adapter listed by the router", interval=0.05)
     assert models["sql-lora"]["parent"] == MODEL and models["sql-lora"]["root"] == "/adapters/sql"
     assert models["sql-lora"]["max_model_len"] is None
 
@@ -66,6 +55,6 @@ async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster
 
     async def gone():
         return "sql-lora" not in await _router_models(c)
-    await _until(gone, "the router still lists the unloaded adapter")
+    await eventually(gone, what="the unloaded adapter gone from the router's list", interval=0.05)
     status, err = await c.complete({"model": "sql-lora", "prompt": "hello", "max_tokens": 2})
     assert status == 404 and err["error"]["param"] == "model"

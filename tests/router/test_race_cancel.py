@@ -15,16 +15,15 @@ import asyncio
 from cluster_util import MODEL, long_prompt
 from router.race import run_race
 from router.wire import streamed_leg_body
+from support.polling import eventually
 
 
 async def _settled(c, timeout: float = 10.0) -> dict[str, int]:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
+    def settled() -> dict[str, int]:
         counts = {n: s.inflight for n, s in c.state.registry.states.items()}
-        if not any(counts.values()) or loop.time() > end:
-            return counts
-        await asyncio.sleep(0.02)
+        assert not any(counts.values()), f"requests still in flight: {counts}"
+        return counts
+    return await eventually(settled, timeout, "no request in flight")
 
 
 def _opener(c, body: dict):

@@ -2,6 +2,7 @@
 import asyncio
 
 from cluster_util import MODEL, long_prompt
+from support.polling import eventually
 
 
 async def test_silent_busy_engine_expires_and_is_cancelled(make_cluster):
@@ -13,21 +14,15 @@ async def test_silent_busy_engine_expires_and_is_cancelled(make_cluster):
                            per_engine={"d0": {"arrival_check": False, "max_num_seqs": 1}})
     hog = asyncio.create_task(c.session.post(c.engines["d0"].url + "/v1/completions", json={
         "model": MODEL, "prompt": "hog", "max_tokens": 3000, "ignore_eos": True}))
-    for _ in range(100):
-        if c.engines["d0"].engine.num_running == 1:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: c.engines["d0"].engine.num_running == 1, what="the hog running on d0", interval=0.01)
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("deadline", 200), "max_tokens": 4})
     assert status == 200, out
     assert c.router_metric("cachehit_router_probe_deadline_expiries_total", backend="d0") == 1
     assert c.router_metric("cachehit_router_probe_rejections_total", backend="d1") == 1
     assert c.routes()["direct"] == 1
     # The expired probe was dropped from d0's queue; only the hog remains there.
-    for _ in range(100):
-        if c.engines["d0"].engine.num_waiting == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert c.engines["d0"].engine.num_waiting == 0
+    await eventually(lambda: c.engines["d0"].engine.num_waiting == 0, what="the expired probe dropped from d0's queue",
+                     interval=0.01)
     assert c.engines["d1"].engine.num_running == 0
     hog.cancel()
     await asyncio.gather(hog, return_exceptions=True)
@@ -63,10 +58,7 @@ async def test_fallback_never_picks_an_engine_whose_probe_expired(make_cluster):
                            per_backend={"d1": {"prefill_tokens_per_s": 100.0}})
     hog = asyncio.create_task(c.session.post(c.engines["d0"].url + "/v1/completions", json={
         "model": MODEL, "prompt": "hog", "max_tokens": 3000, "ignore_eos": True}))
-    for _ in range(100):
-        if c.engines["d0"].engine.num_running == 1:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: c.engines["d0"].engine.num_running == 1, what="the hog running on d0", interval=0.01)
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("stuck", 200), "max_tokens": 4})
     assert status == 200, out
     assert c.router_metric("cachehit_router_probe_deadline_expiries_total", backend="d0") == 1

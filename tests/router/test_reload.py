@@ -11,6 +11,7 @@ from cluster_util import MODEL, long_prompt
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config import parse_config
 from router.reload import changed_keys, reload, split_changes
+from support.polling import eventually
 
 
 def raw_of(c, backends: list[dict], **tables) -> dict:
@@ -26,15 +27,6 @@ def raw_of(c, backends: list[dict], **tables) -> dict:
 
 def configured(c) -> list[dict]:
     return [{"name": n, "url": e.url, "role": "decode"} for n, e in c.engines.items()]
-
-
-async def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() >= end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def test_live_and_fixed_keys_are_told_apart():
@@ -57,7 +49,7 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
         state.registry.set_draining("d0", True)
         stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("hup", 40),
                                                "max_tokens": 40}))
-        await wait_for(lambda: c.engines["d1"].engine.num_running > 0, what="the stream on d1")
+        await eventually(lambda: c.engines["d1"].engine.num_running > 0, what="the stream on d1")
         state.registry.set_draining("d0", False)
 
         backends = [b for b in configured(c) if b["name"] == "d0"] + [
@@ -81,7 +73,7 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
         assert status == 200 and events[-1] == "[DONE]"
         assert not any("error" in e for e in events[:-1])
         assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 40
-        await wait_for(lambda: "d1" not in state.registry.states, what="d1's removal")
+        await eventually(lambda: "d1" not in state.registry.states, what="d1's removal")
         assert set(state.registry.states) == {"d0", "e0"}
         for i in range(4):
             status, out = await c.complete({"model": MODEL, "prompt": f"after the reload {i}", "max_tokens": 2})

@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from cluster_util import MODEL, PD_PREFERRED, long_prompt
+from support.polling import eventually
 
 
 async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(make_cluster):
@@ -186,8 +187,8 @@ async def test_client_disconnect_stops_upstream_work(make_cluster):
     assert sum(c.engine_running().values()) == 1  # the decode engine is generating
     resp.close()  # the client goes away mid-stream
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
-    await asyncio.sleep(0.1)
-    assert all(s.inflight == 0 for s in c.state.registry.states.values())
+    await eventually(lambda: all(s.inflight == 0 for s in c.state.registry.states.values()),
+                     what="the router's in-flight counts back to 0")
 
 
 async def test_chat_non_streaming_through_pd(make_cluster):
@@ -238,12 +239,10 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
     head = long_prompt("leader", 2000)
     leader = asyncio.create_task(c.complete({"model": MODEL, "prompt": head + " " + long_prompt("a", 10),
                                              "max_tokens": 2}))
-    while not any(c.engine_running().values()):  # A's leg reached an engine
-        await asyncio.sleep(0.002)
+    await eventually(lambda: any(c.engine_running().values()), what="A's leg on an engine", interval=0.002)
     other = asyncio.create_task(c.complete({"model": MODEL, "prompt": long_prompt("other", 2010),
                                             "max_tokens": 2}))
-    while sum(c.engine_running().values()) < 2:  # C's leg too
-        await asyncio.sleep(0.002)
+    await eventually(lambda: sum(c.engine_running().values()) >= 2, what="C's leg on the other engine", interval=0.002)
     status, b = await c.complete({"model": MODEL, "prompt": head + " " + long_prompt("b", 10), "max_tokens": 2})
     (status_a, a), (status_c, _) = await leader, await other
     assert status == 200 and status_a == 200 and status_c == 200, (a, b)

@@ -353,4 +353,6 @@ def test_requests_vllm_accepts_are_admitted():
                  "chat_max_completion_tokens", "completions_unknown_field_cache_hit_threshold"):
         req = wire_load(name)["request"]
         endpoint = ENDPOINT_CHAT if "chat" in req["path"] else ENDPOINT_COMPLETIONS
-        parse_request(endpoint, orjson.dumps(req["body"]))
+        spec = parse_request(endpoint, orjson.dumps(req["body"]))
+        assert (spec.endpoint, spec.model, spec.stream) == (
+            endpoint, req["body"]["model"], bool(req["body"].get("stream"))), name

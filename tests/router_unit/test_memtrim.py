@@ -1,15 +1,6 @@
 """The router gives freed heap back once idle: once per burst, never while busy."""
-import asyncio
-
 from router.memtrim import IdleTrimmer, malloc_trim
-
-
-async def _until(pred, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.005)
+from support.polling import eventually
 
 
 async def test_trims_once_after_a_burst_and_never_while_busy():
@@ -21,7 +12,7 @@ async def test_trims_once_after_a_burst_and_never_while_busy():
     t.busy()  # a request before the idle time passed: no trim under load
     assert t._timer is None
     t.idle()
-    await _until(lambda: calls == [0])
+    await eventually(lambda: calls == [0], 5.0, "one trim after the idle time", interval=0.005)
     t.idle()  # no request since: no second trim
     assert t._timer is None and calls == [0]
 

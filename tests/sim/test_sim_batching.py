@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from engine_launcher.sim import TimingModel
-from sim_testutil import post, wait_until
+from sim_testutil import post
+from support.polling import eventually
 
 
 def test_step_time_formula() -> None:
@@ -56,7 +57,7 @@ async def test_max_num_seqs_bounds_the_running_set(make_engine, http) -> None:
     async def watch() -> None:
         while not all(t.done() for t in tasks):
             seen.append(eng.engine.num_running)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # sample the running set at every scheduling point
 
     await asyncio.gather(watch(), *tasks)
     assert max(seen) == 3
@@ -76,7 +77,7 @@ async def test_engine_keeps_many_streams_with_one_loop_task(make_engine, http) -
     before = len(asyncio.all_tasks())
     tasks = [asyncio.create_task(post(http, eng.url + "/v1/completions", {
         "prompt": [i % 500 + 2] * 10, "max_tokens": 30, "stream": True})) for i in range(200)]
-    await wait_until(lambda: eng.engine.num_running > 50)
+    await eventually(lambda: eng.engine.num_running > 50)
     # Per request: the client task and the server handler task; no per-token tasks.
     assert len(asyncio.all_tasks()) <= before + 2 * 200 + 5
     results = await asyncio.gather(*tasks)

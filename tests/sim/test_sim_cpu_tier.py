@@ -13,7 +13,9 @@ from router.backends import BackendRegistry
 from router.engine_metrics import parse_load_metrics
 from router.config import BackendConfig, HealthConfig
 
-from sim_testutil import metric, parse_sse, post
+from sim_testutil import post
+from support.metrics import scrape_metrics
+from support.sse import parse_sse
 
 BS = 16
 PROMPT_A = list(range(400, 464))        # 64 tokens = 4 blocks
@@ -70,19 +72,19 @@ async def test_an_offloaded_prefix_is_a_hit_that_a_gpu_only_engine_lacks(make_en
     assert accepted["choices"][0]["finish_reason"] == "length"
     assert accepted["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
     url = tiered.url
-    assert await metric(http, url, "vllm:prompt_tokens_cached_by_source_total", source="host") == 64
-    assert await metric(http, url, "vllm:external_prefix_cache_hits_total") == 64
-    assert await metric(http, url, "vllm:kv_offload_load_bytes_total") == 64 * 131072
-    assert await metric(http, url, "vllm:kv_offload_load_time_total") > 0
+    assert (await scrape_metrics(http, url)).value("vllm:prompt_tokens_cached_by_source_total", source="host") == 64
+    assert (await scrape_metrics(http, url)).value("vllm:external_prefix_cache_hits_total") == 64
+    assert (await scrape_metrics(http, url)).value("vllm:kv_offload_load_bytes_total") == 64 * 131072
+    assert (await scrape_metrics(http, url)).value("vllm:kv_offload_load_time_total") > 0
     # Stored: the 4 + 7 + 7 prompt blocks, once each (A's reload stored nothing new).
-    assert await metric(http, url, "vllm:kv_offload_store_bytes_total") == 18 * BS * 131072
+    assert (await scrape_metrics(http, url)).value("vllm:kv_offload_store_bytes_total") == 18 * BS * 131072
     # The loaded blocks are in the GPU cache again: a third request hits 3 of them there
     # (the GPU lookup stops before the last token's block) and the 4th in host memory.
     _, again = await post(http, url + "/v1/completions", {"prompt": PROMPT_A, "max_tokens": 1})
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
-    assert await metric(http, url, "vllm:prompt_tokens_cached_by_source_total", source="device") == 48
-    assert await metric(http, url, "vllm:prompt_tokens_cached_by_source_total", source="host") == 80
-    assert await metric(http, gpu_only.url, "vllm:kv_offload_load_bytes_total") == 0  # absent
+    assert (await scrape_metrics(http, url)).value("vllm:prompt_tokens_cached_by_source_total", source="device") == 48
+    assert (await scrape_metrics(http, url)).value("vllm:prompt_tokens_cached_by_source_total", source="host") == 80
+    assert (await scrape_metrics(http, gpu_only.url)).value("vllm:kv_offload_load_bytes_total") == 0  # absent
 
 
 @pytest.mark.parametrize("arrival_check", [True, False])
@@ -99,7 +101,7 @@ async def test_a_rejection_counts_the_cpu_tier_in_cached_tokens(make_engine, htt
     assert events[0]["choices"][0]["finish_reason"] == "cache_threshold"
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
     stage = "arrival" if arrival_check else "admission"
-    assert await metric(http, eng.url, "cachehit_threshold_rejections_total", stage=stage) == 1
+    assert (await scrape_metrics(http, eng.url)).value("cachehit_threshold_rejections_total", stage=stage) == 1
     # A rejection loads nothing.
     assert eng.engine.cpu.loaded_blocks == 0
 

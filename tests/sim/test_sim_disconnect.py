@@ -6,7 +6,8 @@ import asyncio
 import aiohttp
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from sim_testutil import metric, wait_until
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 
 async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
@@ -17,10 +18,10 @@ async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
     await resp.content.readuntil(b"\n\n")  # first chunk: the request is running
     assert eng.engine.num_running == 1 and eng.engine.kv.usage > 0
     resp.close()  # drop the connection mid-stream
-    await wait_until(lambda: eng.engine.num_running == 0)
+    await eventually(lambda: eng.engine.num_running == 0)
     assert eng.engine.kv.usage == 0.0
-    assert await metric(http, eng.url, "vllm:num_requests_running") == 0
-    assert await metric(http, eng.url, "vllm:request_success_total", finished_reason="abort") == 1
+    assert (await scrape_metrics(http, eng.url)).value("vllm:num_requests_running") == 0
+    assert (await scrape_metrics(http, eng.url)).value("vllm:request_success_total", finished_reason="abort") == 1
 
 
 async def test_non_streaming_disconnect_aborts_the_request(make_engine) -> None:
@@ -28,9 +29,9 @@ async def test_non_streaming_disconnect_aborts_the_request(make_engine) -> None:
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
             "prompt": list(range(2, 50)), "max_tokens": 1000, "ignore_eos": True}))
-        await wait_until(lambda: eng.engine.num_running == 1)
+        await eventually(lambda: eng.engine.num_running == 1)
         task.cancel()
-    await wait_until(lambda: eng.engine.num_running == 0)
+    await eventually(lambda: eng.engine.num_running == 0)
     assert eng.engine.kv.usage == 0.0
 
 
@@ -39,14 +40,14 @@ async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine) -
     async with aiohttp.ClientSession() as s:
         first = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
             "prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True}))
-        await wait_until(lambda: eng.engine.num_running == 1)
+        await eventually(lambda: eng.engine.num_running == 1)
         second = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
             "prompt": [6] * 10, "max_tokens": 10}))
-        await wait_until(lambda: eng.engine.num_waiting == 1)
+        await eventually(lambda: eng.engine.num_waiting == 1)
         second.cancel()
-        await wait_until(lambda: eng.engine.num_waiting == 0)
+        await eventually(lambda: eng.engine.num_waiting == 0)
         first.cancel()
-    await wait_until(lambda: eng.engine.num_running == 0)
+    await eventually(lambda: eng.engine.num_running == 0)
 
 
 async def test_closing_an_engine_ends_open_streams(make_engine, http) -> None:

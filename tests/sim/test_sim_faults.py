@@ -9,7 +9,9 @@ import aiohttp
 import pytest
 
 from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
-from sim_testutil import parse_sse, post, wait_until
+from sim_testutil import post
+from support.polling import eventually
+from support.sse import parse_sse
 
 
 async def test_error_rate_one_fails_every_request_with_a_500(make_engine, http) -> None:
@@ -39,7 +41,7 @@ async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine
             chunk = parse_sse(await r.content.readuntil(b"\n\n"))[0]
             received += len(chunk["choices"][0]["token_ids"])
         # The engine finishes the whole generation while the stream is stalled.
-        await wait_until(lambda: eng.engine.stats.total_generated == 20)
+        await eventually(lambda: eng.engine.stats.total_generated == 20)
         assert received < 20
         rest = parse_sse(await r.read())
     received += sum(len(c["choices"][0]["token_ids"]) for c in rest[:-1])
@@ -53,7 +55,7 @@ async def test_exit_fault_drops_connections_and_stops_serving(make_engine, http)
                 "prompt": [9] * 8, "max_tokens": 100, "stream": True}) as r:
             await r.read()
     assert eng.engine.dead
-    await wait_until(lambda: eng.server._runner is None)
+    await eventually(lambda: eng.server._runner is None)
     with pytest.raises(aiohttp.ClientError):
         async with http.get(eng.url + "/health") as r:
             await r.read()
@@ -94,7 +96,7 @@ async def test_reset_prefix_cache(make_engine, http) -> None:
     # Refused while a request holds blocks (as vLLM).
     task = asyncio.create_task(post(http, url, {"prompt": prompt, "max_tokens": 500,
                                                 "ignore_eos": True}))
-    await wait_until(lambda: eng.engine.num_running == 1)
+    await eventually(lambda: eng.engine.num_running == 1)
     async with http.post(eng.url + "/reset_prefix_cache") as r:
         assert (await r.json()) == {"success": False}
     await task

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from sim_testutil import metric, post, wait_until
+from sim_testutil import post
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 PROMPT = list(range(200, 300))  # 100 tokens
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -51,9 +53,9 @@ async def test_decode_leg_pulls_counts_external_hits_and_ends_the_lease(make_eng
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 100
     assert body["kv_transfer_params"] is None
-    assert await metric(http, consumer.url, "vllm:external_prefix_cache_hits_total") == 100
-    assert await metric(http, consumer.url, "vllm:external_prefix_cache_queries_total") == 100
-    assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 0
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:external_prefix_cache_hits_total") == 100
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:external_prefix_cache_queries_total") == 100
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 0
     assert producer.engine.snapshot()["leases"] == 0
     assert producer.engine.kv.usage == 0.0
     # The consumer computed one prompt token (the last), not the whole prompt.
@@ -64,8 +66,8 @@ async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(make_e
     producer = await make_engine(role="producer", kv_lease_duration=0.05)
     consumer = await make_engine(role="consumer")
     kv = await prefill(http, producer)
-    await wait_until(lambda: not producer.engine.leases)
-    assert await metric(http, producer.url, "vllm:nixl_num_kv_expired_reqs_total") == 1
+    await eventually(lambda: not producer.engine.leases)
+    assert (await scrape_metrics(http, producer.url)).value("vllm:nixl_num_kv_expired_reqs_total") == 1
     assert producer.engine.kv.usage == 0.0
     # kv_load_failure_policy "fail": vLLM ends the request with FinishReason.ERROR, a 500.
     status, body = await post(http, consumer.url + "/v1/completions",
@@ -73,8 +75,8 @@ async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(make_e
     assert status == 500
     assert body == {"error": {"message": "Internal server error", "type": "InternalServerError",
                               "param": None, "code": 500}}
-    assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 1
-    assert await metric(http, consumer.url, "vllm:request_success_total",
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:request_success_total",
                         finished_reason="error") == 1
     assert consumer.engine.num_running == 0 and consumer.engine.kv.usage == 0.0
     # Streamed, the 200 has begun: one error event, then [DONE].
@@ -90,11 +92,11 @@ async def test_expired_lease_with_the_recompute_policy_computes_the_prompt(make_
     producer = await make_engine(role="producer", kv_lease_duration=0.05)
     consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
     kv = await prefill(http, producer)
-    await wait_until(lambda: not producer.engine.leases)
+    await eventually(lambda: not producer.engine.leases)
     body = await decode(http, consumer, kv)
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 1
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
 
 
 async def test_pull_from_a_producer_that_is_gone_falls_back(make_engine, http) -> None:
@@ -103,7 +105,7 @@ async def test_pull_from_a_producer_that_is_gone_falls_back(make_engine, http) -
     kv = await prefill(http, producer)
     await producer.close()
     await decode(http, consumer, kv)
-    assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 1
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
 
 
 async def test_pull_of_an_unknown_request_falls_back(make_engine, http) -> None:
@@ -111,12 +113,12 @@ async def test_pull_of_an_unknown_request_falls_back(make_engine, http) -> None:
     consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
     kv = await prefill(http, producer)
     await decode(http, consumer, {**kv, "remote_request_id": "cmpl-unknown"})
-    assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 1
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
     assert producer.engine.snapshot()["leases"] == 1  # the real lease is untouched
     # The lease can still be pulled once, and only once.
     await decode(http, consumer, kv)
     await decode(http, consumer, kv)
-    assert await metric(http, consumer.url, "vllm:nixl_num_failed_transfers_total") == 2
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 2
 
 
 async def test_side_channel_errors(make_engine, http) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from engine_launcher.sim import tokenizer as tok
-from sim_testutil import metric, post, wait_until
+from sim_testutil import post
+from support.metrics import scrape_metrics
+from support.polling import eventually
 
 
 async def test_tiny_cache_forces_preemption_and_everything_still_completes(make_engine, http) -> None:
@@ -13,7 +15,7 @@ async def test_tiny_cache_forces_preemption_and_everything_still_completes(make_
     results = await asyncio.gather(*(post(http, eng.url + "/v1/completions", {
         "prompt": [i + 2] * 8, "max_tokens": 40, "ignore_eos": True, "return_token_ids": True})
         for i in range(4)))
-    assert await metric(http, eng.url, "vllm:num_preemptions_total") > 0
+    assert (await scrape_metrics(http, eng.url)).value("vllm:num_preemptions_total") > 0
     for status, body in results:
         assert status == 200
         ch = body["choices"][0]
@@ -32,7 +34,7 @@ async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(make_e
     await post(http, url, {"prompt": a_prompt, "max_tokens": 1})  # warm: 0.75 hit later
     others = [asyncio.create_task(post(http, url, {
         "prompt": [i + 2] * 4, "max_tokens": 40, "ignore_eos": True})) for i in range(2)]
-    await wait_until(lambda: eng.engine.num_running == 2)
+    await eventually(lambda: eng.engine.num_running == 2)
     # Admitted last, so the first to be preempted; its cache is gone when it comes back.
     status, body = await post(http, url, {
         "prompt": a_prompt, "max_tokens": 40, "ignore_eos": True, "cache_hit_threshold": 0.5,
@@ -46,8 +48,8 @@ async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(make_e
     assert body["usage"]["completion_tokens"] == len(ch["token_ids"])
     # It was accepted at first with a 12-token hit.
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 12
-    assert await metric(http, eng.url, "vllm:num_preemptions_total") >= 1
-    assert await metric(http, eng.url, "cachehit_threshold_rejections_total",
+    assert (await scrape_metrics(http, eng.url)).value("vllm:num_preemptions_total") >= 1
+    assert (await scrape_metrics(http, eng.url)).value("cachehit_threshold_rejections_total",
                         stage="readmission") == 1
 
 
@@ -61,7 +63,7 @@ async def test_preempted_stream_ends_with_cache_threshold_after_its_tokens(make_
     await post(http, url, {"prompt": a_prompt, "max_tokens": 1})
     others = [asyncio.create_task(post(http, url, {
         "prompt": [i + 2] * 4, "max_tokens": 40, "ignore_eos": True})) for i in range(2)]
-    await wait_until(lambda: eng.engine.num_running == 2)
+    await eventually(lambda: eng.engine.num_running == 2)
     _, events = await post(http, url, {
         "prompt": a_prompt, "max_tokens": 40, "ignore_eos": True, "cache_hit_threshold": 0.5,
         "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}})

@@ -5,7 +5,10 @@ import asyncio
 
 import pytest
 
-from sim_testutil import metric, parse_sse, post, wait_until
+from sim_testutil import post
+from support.metrics import scrape_metrics
+from support.polling import eventually
+from support.sse import parse_sse
 
 PROMPT = list(range(400, 464))  # 64 token ids = 4 blocks of 16
 
@@ -24,7 +27,7 @@ async def test_cold_request_below_threshold_is_rejected_without_tokens(make_engi
     assert ch["finish_reason"] == "cache_threshold"
     assert ch["text"] == "" and ch["token_ids"] == []
     assert body["usage"]["completion_tokens"] == 0
-    assert await metric(http, eng.url, "vllm:request_success_total",
+    assert (await scrape_metrics(http, eng.url)).value("vllm:request_success_total",
                         finished_reason="cache_threshold") == 1
     assert eng.engine.kv.usage == 0.0
 
@@ -126,7 +129,7 @@ async def _run_with_full_running_set(make_engine, http, arrival_check: bool):
     long_tokens = 150
     long_task = asyncio.create_task(post(http, eng.url + "/v1/completions", {
         "prompt": PROMPT, "max_tokens": long_tokens, "ignore_eos": True}))
-    await wait_until(lambda: eng.engine.num_running == 1)
+    await eventually(lambda: eng.engine.num_running == 1)
     (long_req,) = eng.engine.running
     _, body = await post(http, eng.url + "/v1/completions", {
         "prompt": list(range(300, 364)), "max_tokens": 4, "cache_hit_threshold": 0.5})
@@ -144,7 +147,7 @@ async def test_arrival_check_rejects_at_once_under_a_full_running_set(make_engin
     assert generated_then < long_tokens
     assert eng.engine.stats.arrival_rejections == 1
     assert eng.engine.stats.admission_rejections == 0
-    assert await metric(http, eng.url, "cachehit_threshold_rejections_total", stage="arrival") == 1
+    assert (await scrape_metrics(http, eng.url)).value("cachehit_threshold_rejections_total", stage="arrival") == 1
 
 
 async def test_without_arrival_check_the_rejection_waits_in_the_queue(make_engine, http) -> None:
@@ -168,14 +171,14 @@ async def test_admission_is_the_final_word_after_the_arrival_check(make_engine, 
     # A long request whose blocks evict the warm prompt while it runs (8 blocks total).
     long_task = asyncio.create_task(post(http, url, {
         "prompt": list(range(600, 616)), "max_tokens": 100, "ignore_eos": True}))
-    await wait_until(lambda: eng.engine.num_running == 1)
+    await eventually(lambda: eng.engine.num_running == 1)
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 4,
                                      "cache_hit_threshold": 0.5})
     await long_task
     assert eng.engine.stats.arrival_rejections == 0
     assert eng.engine.stats.admission_rejections == 1
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
-    assert await metric(http, eng.url, "cachehit_threshold_rejections_total",
+    assert (await scrape_metrics(http, eng.url)).value("cachehit_threshold_rejections_total",
                         stage="admission") == 1
 
 

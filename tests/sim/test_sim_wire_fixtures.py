@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from sim_testutil import parse_sse
+from support.sse import parse_sse
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_wire"
 ALL = sorted(p.name for p in FIXTURES.glob("*.json"))

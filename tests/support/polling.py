@@ -1,0 +1,55 @@
+"""Waiting for a condition instead of sleeping for a guessed time.
+
+The timeout is a liveness bound for a loaded machine, never a speed check.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from typing import Any, Callable
+
+
+def _describe(what: str | None, condition: Callable) -> str:
+    return what or getattr(condition, "__name__", repr(condition))
+
+
+async def eventually(condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None,
+                     interval: float = 0.02) -> Any:
+    """Call `condition` (sync, or async returning an awaitable) until it returns something
+    truthy, and return that. An AssertionError it raises counts as "not yet". After
+    `timeout` seconds fails with `what`, the last value or assertion message."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        last_error = None
+        try:
+            last = condition()
+            if inspect.isawaitable(last):
+                last = await last
+        except AssertionError as e:
+            last, last_error = None, e
+        if last_error is None and last:
+            return last
+        if loop.time() >= end:
+            detail = f"last assertion: {last_error}" if last_error is not None else f"last value: {last!r}"
+            raise AssertionError(f"{_describe(what, condition)}: not reached within {timeout} s ({detail})")
+        await asyncio.sleep(interval)
+
+
+def eventually_blocking(condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None,
+                        interval: float = 0.05) -> Any:
+    """`eventually` for tests without an event loop (it blocks the calling thread)."""
+    end = time.monotonic() + timeout
+    while True:
+        last_error = None
+        try:
+            last = condition()
+        except AssertionError as e:
+            last, last_error = None, e
+        if last_error is None and last:
+            return last
+        if time.monotonic() >= end:
+            detail = f"last assertion: {last_error}" if last_error is not None else f"last value: {last!r}"
+            raise AssertionError(f"{_describe(what, condition)}: not reached within {timeout} s ({detail})")
+        time.sleep(interval)
