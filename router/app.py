@@ -4,7 +4,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 (alive), GET /ready (a decode backend can take requests), GET /metrics, vLLM's other routes
 (`router/forward.py`) and the admin routes (`router/admin.py`; backends that come and go:
 `router/fleet.py`, SIGHUP reload: `router/reload.py`). Lifecycle: start the engines the
-configuration declares (engine_launcher's Supervisor), build the backend registry, run one
+configuration declares (the launcher plugin: `router/engine_starter.py`), build the backend registry, run one
 health round before serving, scrape in the background, and on shutdown stop listening, let
 in-flight requests drain for up to server.drain_timeout_s, cancel the rest cleanly (503 or
 an error event then [DONE]), then stop the engines (`RouterState.drain`, `stop`).
@@ -28,6 +28,7 @@ from .clientlog import escape
 from .config import Config
 from .discovery import Discovery
 from .dispatch import Dispatcher
+from .engine_starter import EngineStarter, engine_starter
 from .fleet import CONFIG, ENGINES, Fleet
 from .forward import Forwarder
 from .health import HealthMonitor
@@ -46,7 +47,6 @@ from .tenants import Tenant
 from .upstream import UpstreamClient
 
 if TYPE_CHECKING:
-    from engine_launcher.supervisor import Supervisor
     from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("cachehit_router.app")
@@ -72,7 +72,7 @@ class RouterState:
         self._client_inflight = 0
         self._trimmer = IdleTrimmer()
         self.metrics.client_inflight.set_function(lambda: self._client_inflight)
-        self.supervisor: Supervisor | None = None
+        self.supervisor: EngineStarter | None = None  # engines started from [[engines]]
         self.registry: BackendRegistry | None = None
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
@@ -96,8 +96,7 @@ class RouterState:
         cfg = self.config
         engine_urls: dict[str, str] = {}
         if cfg.engines and self.start_engines:
-            from engine_launcher.supervisor import Supervisor  # only routers that start engines need it
-            self.supervisor = Supervisor(cfg.engines, cfg.launcher)
+            self.supervisor = engine_starter(cfg.engines, cfg.launcher)
             log.info("starting %d engine(s) from [[engines]]", len(cfg.engines))
             engine_urls = await self.supervisor.start(progress=_log_progress)
         self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health,
