@@ -35,6 +35,7 @@ from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .memtrim import IdleTrimmer
 from .metrics import RequestRecord, RouterMetrics
+from .planning import RemembersPrefixes
 from .policies import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
 from .respond import ClientStalled, SSEWriter, error_response, json_response
@@ -185,8 +186,9 @@ class RouterState:
             # The cost model's priors; what it measured since the start stays.
             self.registry.learner.prior = speed_prior(cfg.routing)
             strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
-            if strategy.name == before.name and hasattr(before, "memory"):
-                strategy.memory = before.memory  # where prompts went is still true
+            if (strategy.name == before.name and isinstance(before, RemembersPrefixes)
+                    and isinstance(strategy, RemembersPrefixes)):
+                strategy.memory = before.memory
             assert self.client is not None
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy)
 

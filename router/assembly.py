@@ -8,6 +8,8 @@ never shown to clients), `routed_experts`.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .admission import RequestSpec
 from .answer import Answer
 from .logprobs import CompletionLogprobs, chat_logprobs_from_completion
@@ -25,13 +27,13 @@ class ResponseAssembler:
         self._content_parts: list[str] = []
         self._content_seen = False
         self._reasoning_parts: list[str] = []
-        self._tool_calls: dict[int, dict] = {}
+        self._tool_calls: dict[int, dict[str, Any]] = {}
         self._chat_lp_seen = False
-        self._chat_lp_content: list[dict] = []
+        self._chat_lp_content: list[dict[str, Any]] = []
         self._completion_lp = CompletionLogprobs()
 
     # --- accumulation ------------------------------------------------------------------------
-    def add_completion(self, text: str, lp: dict | None) -> None:
+    def add_completion(self, text: str, lp: dict[str, Any] | None) -> None:
         """A chunk of a completion stream (a completions client's, or a resume leg's)."""
         if text:
             self._content_parts.append(text)
@@ -42,7 +44,7 @@ class ResponseAssembler:
         else:
             self._completion_lp.add(lp)
 
-    def add_chat(self, role, content, reasoning, tool_calls, lp) -> None:
+    def add_chat(self, role: Any, content: Any, reasoning: Any, tool_calls: Any, lp: Any) -> None:
         """A chunk of a chat stream: its delta's fields and its logprobs."""
         if role is not None:
             if self._role is None:
@@ -61,7 +63,7 @@ class ResponseAssembler:
             if lc:
                 self._chat_lp_content.extend(lc)
 
-    def _add_tool_calls(self, deltas: list) -> None:
+    def _add_tool_calls(self, deltas: list[Any]) -> None:
         """Tool call deltas merged by index: the first id and name, the arguments joined."""
         for d in deltas:
             if not isinstance(d, dict):
@@ -81,7 +83,7 @@ class ResponseAssembler:
                     tc["function"]["arguments"] += f["arguments"]
 
     # --- the body ------------------------------------------------------------------------------
-    def response(self, model: str | None, fingerprint: str | None, usage: dict) -> dict:
+    def response(self, model: str | None, fingerprint: str | None, usage: dict[str, Any]) -> dict[str, Any]:
         """The body vLLM 0.32 returns for this request with stream=false."""
         if self._chat:
             return self._chat_response(model, fingerprint, usage)
@@ -94,7 +96,7 @@ class ResponseAssembler:
             return None, None
         return list(a.generated_token_ids), list(a.prompt_token_ids) if a.prompt_token_ids is not None else None
 
-    def _completion_response(self, model: str | None, fingerprint: str | None, usage: dict) -> dict:
+    def _completion_response(self, model: str | None, fingerprint: str | None, usage: dict[str, Any]) -> dict[str, Any]:
         spec, a = self._spec, self._answer
         token_ids, prompt_token_ids = self._token_ids()
         choice = {
@@ -115,7 +117,7 @@ class ResponseAssembler:
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
         }
 
-    def _chat_response(self, model: str | None, fingerprint: str | None, usage: dict) -> dict:
+    def _chat_response(self, model: str | None, fingerprint: str | None, usage: dict[str, Any]) -> dict[str, Any]:
         spec, a = self._spec, self._answer
         reasoning = "".join(self._reasoning_parts) if self._reasoning_parts else None
         tool_calls = [self._tool_calls[i] for i in sorted(self._tool_calls)]
@@ -124,7 +126,7 @@ class ResponseAssembler:
         else:
             # A reasoning/tool parser answers content null when the model wrote none.
             content = None if (reasoning is not None or tool_calls) else ""
-        message: dict = {"role": self._role or "assistant", "content": content, "refusal": None,
+        message: dict[str, Any] = {"role": self._role or "assistant", "content": content, "refusal": None,
                          "annotations": None, "audio": None, "function_call": None}
         if tool_calls:
             message["tool_calls"] = tool_calls

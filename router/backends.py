@@ -347,9 +347,8 @@ class BackendRegistry:
         s.last_error = reason
         if s.breaker == BreakerState.HALF_OPEN or (
                 s.breaker == BreakerState.CLOSED and s.consecutive_failures >= self.health.failure_threshold):
-            if s.breaker != BreakerState.OPEN:
-                log.warning("backend %s: circuit opened after %d failures (%s)",
-                            name, s.consecutive_failures, reason)
+            log.warning("backend %s: circuit opened after %d failures (%s)",
+                        name, s.consecutive_failures, reason)
             s.breaker = BreakerState.OPEN
             s.opened_at = self.clock()
             s.half_open_trial_taken = False

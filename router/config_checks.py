@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 from enum import StrEnum
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
 from .config import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class Problems:
@@ -81,8 +86,8 @@ def _enum_member(key: str, value: Any, names: type[StrEnum]) -> Any:
     return names(value) if value in names._value2member_map_ else value
 
 
-def build_table(problems: Problems, cls: type, key: str, raw: Any,
-                special: dict[str, Any] | None = None) -> Any:
+def build_table(problems: Problems, cls: type[T], key: str, raw: Any,
+                special: dict[str, Any] | None = None) -> T | None:
     """Dataclass `cls` from table `raw`. Unknown keys and wrong types are recorded in
     `problems` and the default is kept for them, so that the checks of the table's other
     values still run; None when `raw` is not a table or a required key is missing."""
@@ -98,6 +103,8 @@ def build_table(problems: Problems, cls: type, key: str, raw: Any,
             problems.add(f"{sub}: unknown key (expected one of: {', '.join(sorted(fields))})")
             continue
         default = fields[k].default
+        parse: Callable[..., Any]
+        args: tuple[Any, ...]
         if k in special:
             parse, args = special[k], (sub, v)
         elif isinstance(default, tuple):
@@ -111,7 +118,7 @@ def build_table(problems: Problems, cls: type, key: str, raw: Any,
         if len(problems.found) == found:
             kwargs[k] = value
     required = [n for n, f in fields.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # type: ignore[misc]
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     for n in required:
         if n not in raw:
             problems.add(f"{key}.{n}: required key is missing")

@@ -230,6 +230,8 @@ def parse_sections(raw: dict[str, Any]) -> Config:
     tenants = parse_tenants(p, raw.get("tenants", []), server.api_keys if server is not None else ())
     p.raise_if_any()
 
+    # raise_if_any raised if a section failed to parse: every one is here.
+    assert server and routing and timeouts and health and launcher and tracing
     cfg = Config(server=server, routing=routing, timeouts=timeouts, health=health,
                  launcher=launcher, tracing=tracing, backends=tuple(backends), engines=tuple(engines),
                  tenants=tuple(tenants), discovery=discovery)

@@ -13,6 +13,8 @@ forwarded to a consumer always come from a configured producer's answer.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .upstream import ENGINE_ERROR, STATUS, UpstreamError
 from .wire import KV_TRANSFER_PARAMS
 
@@ -21,7 +23,7 @@ class PrefillProtocolError(ValueError):
     """The producer's answer lacks usable transfer parameters."""
 
 
-def parse_prefill_response(resp: dict) -> dict:
+def parse_prefill_response(resp: dict[str, Any]) -> dict[str, Any]:
     """The producer's `kv_transfer_params`, which the decode leg sends on verbatim."""
     params = resp.get(KV_TRANSFER_PARAMS)
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from . import errors, tracing
 from .admission import RequestSpec
@@ -44,7 +44,7 @@ log = logging.getLogger("cachehit_router.dispatch")
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
 
-Emit = Callable[[list[dict]], Awaitable[None]]
+Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 
 
 def route_query(spec: RequestSpec) -> RouteQuery:
@@ -66,7 +66,7 @@ class Dispatcher:
         self.strategy = strategy
         self.placer = LegPlacer(config, registry, client, strategy)
 
-    def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict) -> RequestContext:
+    def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
         started = rec.dispatch_started = asyncio.get_running_loop().time()
         return RequestContext(route_query(spec), request_path(spec), body, started,
                               started + self.timeouts.total_s, rec)
@@ -92,6 +92,7 @@ class Dispatcher:
             if reason is None and error is None:
                 return
             if reason is None:
+                assert error is not None  # neither a reason nor an error returned above
                 # Failed before the answer's first token: the client's own request is sent
                 # again elsewhere (nothing of the answer exists yet).
                 if ctx.record_retry(error.backend) > self.routing.max_retries:
@@ -145,7 +146,7 @@ class Dispatcher:
             chunks = leg.buffered or await stream.next_chunks()
             while chunks:
                 # Everything already received goes to the client in one write.
-                batch: list[dict] = []
+                batch: list[dict[str, Any]] = []
                 bad: MalformedChunk | None = None
                 for chunk in chunks:
                     if chunk.get("usage"):

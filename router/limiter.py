@@ -137,6 +137,5 @@ class _Slot:
     async def __aenter__(self) -> None:
         await self._limiter._acquire(self._tenant, self._priority)
 
-    async def __aexit__(self, *exc: object) -> bool:
+    async def __aexit__(self, *exc: object) -> None:  # None: exceptions pass through
         self._limiter._release(self._tenant)
-        return False

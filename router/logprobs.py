@@ -2,8 +2,10 @@
 completion logprobs accumulated for a non-streaming answer."""
 from __future__ import annotations
 
+from typing import Any
 
-def has_logprob_entries(lp) -> bool:
+
+def has_logprob_entries(lp: Any) -> bool:
     """Logprobs that cover at least one token (an empty object covers none)."""
     return isinstance(lp, dict) and bool(lp.get("tokens") or lp.get("content"))
 
@@ -18,7 +20,7 @@ class TextOffsets:
     def begin_leg(self) -> None:
         self._base = self._end
 
-    def rebase(self, lp: dict) -> dict:
+    def rebase(self, lp: dict[str, Any]) -> dict[str, Any]:
         """Shift this leg's text offsets by the text of the legs before it, and track the end
         (vLLM's own rule: next offset = last offset + len(last token))."""
         offsets = lp.get("text_offset")
@@ -32,14 +34,14 @@ class TextOffsets:
         return lp
 
 
-def chat_logprobs_from_completion(lp: dict, top_logprobs: int) -> list[dict]:
+def chat_logprobs_from_completion(lp: dict[str, Any], top_logprobs: int) -> list[dict[str, Any]]:
     """Completion logprobs (a resume leg) as chat `logprobs.content` entries.
 
     vLLM's completion top_logprobs hold top_logprobs + 1 entries (the sampled token
     first when it is outside the top), the chat ones exactly top_logprobs, from the same
     ordered map, so the first top_logprobs entries are the chat list."""
     k = top_logprobs
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     tops = lp.get("top_logprobs") or ()
     lps = lp.get("token_logprobs") or ()
     for i, tok in enumerate(lp.get("tokens") or ()):
@@ -61,11 +63,11 @@ class CompletionLogprobs:
     def __init__(self) -> None:
         self.seen = False
         self._offsets: list[int] = []
-        self._token_logprobs: list = []
+        self._token_logprobs: list[Any] = []
         self._tokens: list[str] = []
-        self._top: list = []
+        self._top: list[Any] = []
 
-    def add(self, lp) -> None:
+    def add(self, lp: Any) -> None:
         if not isinstance(lp, dict):
             return
         self.seen = True
@@ -74,7 +76,7 @@ class CompletionLogprobs:
         self._tokens.extend(lp.get("tokens") or ())
         self._top.extend(lp.get("top_logprobs") or ())
 
-    def as_dict(self) -> dict | None:
+    def as_dict(self) -> dict[str, Any] | None:
         if not self.seen:
             return None
         return {"text_offset": self._offsets, "token_logprobs": self._token_logprobs,

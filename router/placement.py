@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
+from typing import Any, Awaitable, Callable
 
 from . import errors, tracing
-from .backends import BackendRegistry, ClusterSnapshot, LegTicket
+from .backends import BackendRegistry, BackendState, ClusterSnapshot, LegTicket
 from .config import Config, TimeoutsConfig
 from .disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from .fallback import FallbackPlan, plan_fallback
@@ -218,7 +219,7 @@ class LegPlacer:
         failures = result.by_verdict(FAILED)
         return FallbackOutcome(None, failures[0].error if failures else None, (*failed, fb.decode))
 
-    async def _single(self, ctx: RequestContext, fb: FallbackPlan, kv_params: dict | None,
+    async def _single(self, ctx: RequestContext, fb: FallbackPlan, kv_params: dict[str, Any] | None,
                       tickets: dict[str, LegTicket]) -> RaceResult:
         """The fallback's decode leg: a one-engine race (same verdict logic); the leg's own
         first-token timeout bounds it."""
@@ -232,7 +233,7 @@ class LegPlacer:
         self._record_race(ctx, result, probing=False)
         return result
 
-    async def _prefill(self, ctx: RequestContext, backend: str, tokens: int) -> dict:
+    async def _prefill(self, ctx: RequestContext, backend: str, tokens: int) -> dict[str, Any]:
         state = self._state(backend)
         ticket = self.registry.open_leg(backend, tokens)
         try:
@@ -263,7 +264,8 @@ class LegPlacer:
                    len(ctx.query.text) if ctx.query.prompt_tokens is None else 0)
 
     # --- bookkeeping ---------------------------------------------------------------------
-    def _opener(self, path: str, body: dict, deadline: float, tokens: int, tickets: dict[str, LegTicket]):
+    def _opener(self, path: str, body: dict[str, Any], deadline: float, tokens: int,
+                tickets: dict[str, LegTicket]) -> Callable[[str], Awaitable[UpstreamStream]]:
         """Opens one streamed leg per backend; each holds a LegTicket (its place in the
         engine's load) until the stream closes, kept in `tickets` by backend."""
         async def open_leg(name: str) -> UpstreamStream:
@@ -278,7 +280,7 @@ class LegPlacer:
                 raise
         return open_leg
 
-    def _state(self, name: str):
+    def _state(self, name: str) -> BackendState:
         """A planned backend's state; one removed from the fleet since the plan was made
         (its drain finished meanwhile) fails like an engine that is gone."""
         state = self.registry.states.get(name)

@@ -15,12 +15,13 @@ measured speed). Ties rotate with a per-request salt so equal engines share traf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from . import costmodel
 from .backends import BackendView, ClusterSnapshot
 from .config import RoutingConfig
 from .names import StrategyName
+from .prefix_memory import PrefixMemory
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,26 @@ class Strategy(Protocol):
         """Prompt tokens each backend is expected to hold (with `sent_within_s`: because
         the router sent it the prompt that recently, so it may still be computing it)."""
         ...
+
+
+class Policy(Protocol):
+    """A policy as the registry holds it (router/policies/): its class, which names itself,
+    validates the routing keys it reads, and builds a planner from them."""
+
+    name: StrategyName
+
+    def __call__(self, routing: RoutingConfig) -> Strategy: ...
+
+    @staticmethod
+    def validate(routing: RoutingConfig) -> list[str]: ...
+
+
+@runtime_checkable
+class RemembersPrefixes(Protocol):
+    """A planner that remembers where it sent prompts: a reload that keeps the policy
+    hands the memory on (where prompts went is still true)."""
+
+    memory: PrefixMemory
 
 
 def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str]) -> list[BackendView]:

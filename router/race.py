@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from .upstream import UpstreamError, UpstreamStream
 from .wire import generated_tokens, is_rejection_chunk, message_usage
@@ -30,7 +30,7 @@ class ProbeOutcome:
     verdict: str
     latency_s: float = 0.0
     stream: UpstreamStream | None = None
-    buffered: list[dict] = field(default_factory=list)
+    buffered: list[dict[str, Any]] = field(default_factory=list)
     prompt_tokens: int | None = None
     # A rejection's prompt_tokens_details.cached_tokens: how much of the prompt the engine
     # holds (the threshold plugin and the simulator report it; plain vLLM says 0).
@@ -77,7 +77,7 @@ async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEven
     stream: UpstreamStream | None = None
     try:
         stream = await open_probe(backend)
-        buffered: list[dict] = []
+        buffered: list[dict[str, Any]] = []
         while True:
             chunk = await stream.next_chunk()
             if chunk is None:
@@ -140,15 +140,17 @@ async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: f
         raise
 
 
-def _abort_all(tasks: Iterable[asyncio.Future]) -> None:
+def _abort_all(tasks: Iterable[asyncio.Future[ProbeOutcome]]) -> None:
     for t in tasks:
         if not t.done():
             t.cancel()  # the probe aborts its own stream
-        elif not t.cancelled() and t.exception() is None and t.result().stream is not None:
-            t.result().stream.abort()
+        elif not t.cancelled() and t.exception() is None:
+            stream = t.result().stream
+            if stream is not None:
+                stream.abort()
 
 
-async def _settle(tasks: dict[asyncio.Future, str], loop: asyncio.AbstractEventLoop, deadline_s: float,
+async def _settle(tasks: dict[asyncio.Task[ProbeOutcome], str], loop: asyncio.AbstractEventLoop, deadline_s: float,
                   deadline_per_prompt_token_s: float) -> RaceResult:
     outcomes: list[ProbeOutcome] = []
     winner: ProbeOutcome | None = None

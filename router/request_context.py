@@ -8,6 +8,7 @@ log line are written at the end (router/metrics.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .backends import LegTicket
 from .fallback import FallbackPlan
@@ -23,7 +24,7 @@ class Leg:
 
     backend: str
     stream: UpstreamStream
-    buffered: list[dict]  # chunks the race read before it knew the verdict
+    buffered: list[dict[str, Any]]  # chunks the race read before it knew the verdict
     # probe_hit | pd | direct. A pd leg's prompt arrived over NIXL, so its time to first
     # token measures the transfer, not the engine's prefill speed.
     route: str
@@ -82,7 +83,7 @@ class RequestContext:
 
     query: RouteQuery
     path: str
-    body: dict
+    body: dict[str, Any]
     started: float  # event-loop time the dispatch started
     deadline: float  # the whole answer's (timeouts.total_s)
     record: RequestRecord

@@ -45,6 +45,8 @@ must not use the chunk afterwards. That saves a copy per chunk on the hot path.
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from .admission import ENDPOINT_CHAT, RequestSpec
 from .answer import Answer
 from .assembly import ResponseAssembler
@@ -82,9 +84,9 @@ class ResponseShaper:
         self._assembler = ResponseAssembler(spec, self.answer, chat=self._chat,
                                             chat_top_logprobs=self._chat_top_logprobs)
         self._is_resume = False       # the current leg is a resume leg
-        self._held: dict | None = None
+        self._held: dict[str, Any] | None = None
         self._held_has_content = False
-        self._pending: list[dict] = []   # content of a discarded held chunk, sent next
+        self._pending: list[dict[str, Any]] = []   # content of a discarded held chunk, sent next
         self._role_sent = False
         self._prompt_ids_sent = False
         self._fingerprint: str | None = None
@@ -103,7 +105,7 @@ class ResponseShaper:
         self._offsets.begin_leg()
 
     # --- streaming ----------------------------------------------------------------------------
-    def shape(self, chunk: dict) -> list[dict]:
+    def shape(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """One parsed upstream chunk -> the chunks for a streaming client (maybe none).
 
         Raises MalformedChunk (a ValueError) for a chunk it cannot read; the types of the
@@ -117,7 +119,7 @@ class ResponseShaper:
             # Something deeper in an odd chunk (e.g. logprob entries of the wrong type).
             raise MalformedChunk(f"unreadable upstream chunk ({type(e).__name__}: {e})") from e
 
-    def _shape(self, chunk: dict) -> list[dict]:
+    def _shape(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         if type(chunk) is not dict:
             raise MalformedChunk("upstream chunk is not a JSON object")
         if self._model is None and isinstance(chunk.get("model"), str):
@@ -148,29 +150,28 @@ class ResponseShaper:
             return self._shape_completion(chunk, c)
         return self._shape_chat(chunk, c)
 
-    def _note_ids(self, c: dict, top_prompt_ids) -> list:
+    def _note_ids(self, c: dict[str, Any], top_prompt_ids: Any) -> Sequence[int]:
         """Record prompt ids (first non-resume leg) and this chunk's generated ids."""
         answer = self.answer
         if answer.prompt_token_ids is None and not self._is_resume and top_prompt_ids is not None:
             answer.prompt_token_ids = top_prompt_ids
-        ids = c.get("token_ids")
+        ids: list[int] = c.get("token_ids") or []  # checked by the wire schema
         if ids:
             answer.add_token_ids(ids)
-            return ids
-        return ()
+        return ids
 
-    def _note_finish(self, c: dict) -> str | None:
+    def _note_finish(self, c: dict[str, Any]) -> str | None:
         fr = c.get("finish_reason")
         if fr is not None:
             self.answer.note_finish(fr, c.get("stop_reason"))
         return fr
 
-    def _note_usage(self, chunk: dict) -> None:
+    def _note_usage(self, chunk: dict[str, Any]) -> None:
         usage = message_usage(chunk)
         self.answer.note_engine_count(usage.completion_tokens)
         self._usage.note(usage, is_resume=self._is_resume)
 
-    def _stamp(self, chunk: dict) -> None:
+    def _stamp(self, chunk: dict[str, Any]) -> None:
         chunk["id"] = self._rid
         chunk["object"] = self._object
         chunk["created"] = self._created
@@ -180,7 +181,7 @@ class ResponseShaper:
         elif "usage" in chunk:
             del chunk["usage"]
 
-    def _shape_completion(self, chunk: dict, c: dict) -> list[dict]:
+    def _shape_completion(self, chunk: dict[str, Any], c: dict[str, Any]) -> list[dict[str, Any]]:
         """A chunk of a completion stream: a completions client's, or a resume leg's."""
         prompt_ids = c.get("prompt_token_ids")
         ids = self._note_ids(c, prompt_ids)
@@ -227,7 +228,7 @@ class ResponseShaper:
             return self._hold(chunk, c, bool(text or ids or has_logprob_entries(lp)))
         return self._out(chunk, c)
 
-    def _normalize(self, chunk: dict, c: dict, prompt_ids_in: dict) -> None:
+    def _normalize(self, chunk: dict[str, Any], c: dict[str, Any], prompt_ids_in: dict[str, Any]) -> None:
         """The rewrite every client chunk gets: one choice at index 0, token ids hidden
         unless asked (null, as vLLM sends them), the answer's stable id and stamps."""
         if c.get("index"):
@@ -241,7 +242,7 @@ class ResponseShaper:
             del choices[1:]
         self._stamp(chunk)
 
-    def _shape_chat(self, chunk: dict, c: dict) -> list[dict]:
+    def _shape_chat(self, chunk: dict[str, Any], c: dict[str, Any]) -> list[dict[str, Any]]:
         """A chunk of a chat stream (the client's own endpoint)."""
         ids = self._note_ids(c, chunk.get("prompt_token_ids"))
         delta = c.get("delta")
@@ -285,7 +286,7 @@ class ResponseShaper:
             return self._hold(chunk, c, has_content)
         return self._out(chunk, c)
 
-    def _out(self, chunk: dict, c: dict) -> list[dict]:
+    def _out(self, chunk: dict[str, Any], c: dict[str, Any]) -> list[dict[str, Any]]:
         """`chunk` goes to the client now. The client's prompt ids (when asked for) ride on
         the first chunk that actually goes out, where vLLM puts them: a chat answer's role
         chunk (top level), a completion's first chunk (in the choice). A held chunk that
@@ -306,7 +307,7 @@ class ResponseShaper:
         self._prompt_ids_sent = True
         return prompt_ids
 
-    def _role_chunk(self) -> dict:
+    def _role_chunk(self) -> dict[str, Any]:
         """The role chunk vLLM sends first, for a chat answer whose first leg sent none."""
         self._role_sent = True
         out = {"id": self._rid, "object": _CHAT_CHUNK, "created": self._created, "model": self._model,
@@ -318,7 +319,7 @@ class ResponseShaper:
             out["usage"] = self._usage.running()
         return out
 
-    def _without_finish(self, chunk: dict) -> dict:
+    def _without_finish(self, chunk: dict[str, Any]) -> dict[str, Any]:
         c = chunk["choices"][0]
         c["finish_reason"] = None
         if self._chat:
@@ -328,15 +329,15 @@ class ResponseShaper:
             c["stop_reason"] = None
         return chunk
 
-    def _flush_pending(self) -> list[dict]:
+    def _flush_pending(self) -> list[dict[str, Any]]:
         pending = self._pending
         self._pending = []
-        out: list[dict] = []
+        out: list[dict[str, Any]] = []
         for chunk in pending:
             out.extend(self._out(chunk, chunk["choices"][0]))
         return out
 
-    def _hold(self, chunk: dict, c: dict, has_content: bool) -> list[dict]:
+    def _hold(self, chunk: dict[str, Any], c: dict[str, Any], has_content: bool) -> list[dict[str, Any]]:
         """Keep a finish chunk back until the lead knows whether the answer ends with it:
         whole, or split when it is a cache_threshold finish with content (module docstring)."""
         if not has_content or c.get("finish_reason") != CACHE_THRESHOLD:
@@ -363,7 +364,7 @@ class ResponseShaper:
         self._held_has_content = False
         return self._out(self._without_finish(chunk), c)
 
-    def release_held(self) -> list[dict]:
+    def release_held(self) -> list[dict[str, Any]]:
         """The held finish chunk (and anything still pending before it), when the lead ends
         the answer with it."""
         out = self._flush_pending() if self._pending else []
@@ -381,7 +382,7 @@ class ResponseShaper:
         out.extend(self._out(held, held["choices"][0]))
         return out
 
-    def final_chunks(self) -> list[dict]:
+    def final_chunks(self) -> list[dict[str, Any]]:
         """At the end of the answer: a still-held finish, then the usage chunk if the client
         asked for it (no [DONE]: the writer adds it)."""
         out = self.release_held()
@@ -394,6 +395,6 @@ class ResponseShaper:
             self.emitted = True
         return out
 
-    def accumulate_response(self) -> dict:
+    def accumulate_response(self) -> dict[str, Any]:
         """The body vLLM 0.32 returns for this request with stream=false."""
         return self._assembler.response(self._model, self._fingerprint, self._usage.totals(streaming=False))

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .answer import Answer
 from .wire import Usage
 
@@ -24,7 +26,7 @@ class UsageTotals:
         self._leg_completion_tokens: int | None = None  # the current leg's usage, if it sent one
         self._completion_done = 0     # completion tokens of finished legs
         self._prompt_tokens: int | None = None
-        self._prompt_details: dict | None = None
+        self._prompt_details: dict[str, Any] | None = None
         self._details_productive = False
         self._reasoning_tokens: int | None = None
 
@@ -62,7 +64,7 @@ class UsageTotals:
     def _completion_tokens(self) -> int:
         return self._completion_done + (self._leg_tokens() if self._answer.legs else 0)
 
-    def running(self) -> dict:
+    def running(self) -> dict[str, Any]:
         """continuous_usage_stats: running totals, in vLLM's key order. Chat chunks also
         carry `completion_tokens_details` (null unless the engine counts reasoning tokens):
         vLLM passes it explicitly there and dumps with exclude_unset (chat serving.py);
@@ -74,12 +76,12 @@ class UsageTotals:
                     "completion_tokens_details": None}
         return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
 
-    def totals(self, *, streaming: bool) -> dict:
+    def totals(self, *, streaming: bool) -> dict[str, Any]:
         """Totals over legs. `streaming`: vLLM's usage chunk drops null fields; the
         non-streaming body writes every field."""
         p = self._client_prompt_tokens()
         n = self._completion_tokens()
-        usage: dict = {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
+        usage: dict[str, Any] = {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
         details = self._prompt_details
         if details is not None:
             d = dict(details)

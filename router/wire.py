@@ -15,6 +15,7 @@ router reads (an engine that breaks them is a protocol error, not a router crash
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 CACHE_THRESHOLD = "cache_threshold"
 THRESHOLD_KEY = "cache_hit_threshold"
@@ -23,7 +24,7 @@ KV_TRANSFER_PARAMS = "kv_transfer_params"
 
 # --- leg bodies ----------------------------------------------------------------------------
 
-def streamed_leg_body(body: dict, threshold: float) -> dict:
+def streamed_leg_body(body: dict[str, Any], threshold: float) -> dict[str, Any]:
     """A probe at `threshold`, or a direct leg at 0 (explicit, to override an engine-wide
     default)."""
     out = dict(body)
@@ -36,7 +37,7 @@ def streamed_leg_body(body: dict, threshold: float) -> dict:
     return out
 
 
-def unary_leg_body(body: dict) -> dict:
+def unary_leg_body(body: dict[str, Any]) -> dict[str, Any]:
     """A non-streaming client's body forwarded as is to one engine; explicit T = 0, so an
     engine-wide default threshold does not reject a routed request."""
     return {**body, "stream": False, THRESHOLD_KEY: 0.0}
@@ -48,7 +49,7 @@ _WHOLE_ONLY = ("n", "best_of", "use_beam_search", "echo", "prompt_logprobs", "lo
                "max_completion_tokens", "min_tokens")
 
 
-def one_token_probe(body: dict) -> dict:
+def one_token_probe(body: dict[str, Any]) -> dict[str, Any]:
     """The body to race for a request answered whole: its (first) prompt, one token; the
     caller makes it a streamed leg."""
     out = {k: v for k, v in body.items() if k not in _WHOLE_ONLY}
@@ -72,7 +73,7 @@ PREFILL_REQUEST_PARAMS = {
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_leg_body(body: dict) -> dict:
+def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
     """The NIXL producer's leg: one token, not streamed, asking for a remote decode."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
     out["max_tokens"] = 1
@@ -83,7 +84,7 @@ def prefill_leg_body(body: dict) -> dict:
     return out
 
 
-def decode_leg_body(body: dict, kv_transfer_params: dict, threshold: float) -> dict:
+def decode_leg_body(body: dict[str, Any], kv_transfer_params: dict[str, Any], threshold: float) -> dict[str, Any]:
     """The NIXL consumer's leg: streamed, with the producer's params verbatim and the guard
     threshold."""
     out = streamed_leg_body(body, threshold)
@@ -107,8 +108,8 @@ def remaining_tokens(max_tokens: int | None, generated: int) -> int | None:
     return None if max_tokens is None else max_tokens - generated
 
 
-def resume_leg_body(body: dict, endpoint: str, prompt_token_ids: list[int],
-                    generated_token_ids: list[int], max_tokens: int | None) -> dict:
+def resume_leg_body(body: dict[str, Any], endpoint: str, prompt_token_ids: Sequence[int],
+                    generated_token_ids: Sequence[int], max_tokens: int | None) -> dict[str, Any]:
     """A `/v1/completions` body continuing `body` after `generated_token_ids` (the caller
     makes it a streamed leg)."""
     if endpoint == "chat":
@@ -135,7 +136,7 @@ def resume_leg_body(body: dict, endpoint: str, prompt_token_ids: list[int],
 
 # --- a probe's verdict -----------------------------------------------------------------------
 
-def is_rejection_chunk(chunk: dict) -> bool | None:
+def is_rejection_chunk(chunk: dict[str, Any]) -> bool | None:
     """Did the engine reject (True) or accept (False) the leg, or is it still undecided
     (None: role-only chat chunk, chat echo chunk, usage chunk, empty chunk)?
 
@@ -163,7 +164,7 @@ def is_rejection_chunk(chunk: dict) -> bool | None:
     return False if has_output(c) else None
 
 
-def has_output(c: dict) -> bool:
+def has_output(c: dict[str, Any]) -> bool:
     """Does the choice carry generated text (completion text, chat content, reasoning or
     tool calls)?"""
     if c.get("text"):
@@ -175,7 +176,7 @@ def has_output(c: dict) -> bool:
     return False
 
 
-def generated_tokens(chunk: dict) -> int:
+def generated_tokens(chunk: dict[str, Any]) -> int:
     """Tokens a chunk carries: its token ids, else one per choice with text."""
     n = 0
     for c in chunk.get("choices") or ():
@@ -189,7 +190,7 @@ def generated_tokens(chunk: dict) -> int:
 
 # --- usage -----------------------------------------------------------------------------------
 
-def _count(v) -> int | None:
+def _count(v: Any) -> int | None:
     return v if isinstance(v, int) else None
 
 
@@ -201,14 +202,14 @@ class Usage:
     # prompt_tokens_details.cached_tokens: the prompt tokens the engine held (its prefix
     # cache plus what its KV connector loads).
     cached_tokens: int | None = None
-    prompt_tokens_details: dict | None = None
+    prompt_tokens_details: dict[str, Any] | None = None
     reasoning_tokens: int | None = None  # completion_tokens_details.reasoning_tokens
 
 
 NO_USAGE = Usage()
 
 
-def parse_usage(usage) -> Usage:
+def parse_usage(usage: Any) -> Usage:
     """A `usage` object (NO_USAGE when it is not one)."""
     if not isinstance(usage, dict):
         return NO_USAGE
@@ -226,7 +227,7 @@ def parse_usage(usage) -> Usage:
     )
 
 
-def message_usage(message: dict) -> Usage:
+def message_usage(message: dict[str, Any]) -> Usage:
     """The usage of a chunk or a non-streaming answer (NO_USAGE when it has none)."""
     return parse_usage(message.get("usage"))
 
@@ -237,7 +238,7 @@ class MalformedChunk(ValueError):
     """An upstream chunk the router cannot read (the engine broke the protocol)."""
 
 
-def check_ids(ids, what: str) -> None:
+def check_ids(ids: Any, what: str) -> None:
     if type(ids) is list:
         for t in ids:
             if type(t) is not int:
@@ -247,7 +248,7 @@ def check_ids(ids, what: str) -> None:
     raise MalformedChunk(f"upstream chunk: `{what}` is not a list of integers")
 
 
-def check_choice(c, *, chat: bool) -> None:
+def check_choice(c: Any, *, chat: bool) -> None:
     """Types of the choice fields the shaper reads (cheap: a handful of type checks)."""
     if type(c) is not dict:
         raise MalformedChunk("upstream chunk: a choice is not an object")
@@ -289,7 +290,7 @@ def check_choice(c, *, chat: bool) -> None:
             raise MalformedChunk("upstream chunk: `text` is not a string")
 
 
-def check_logprobs(lp) -> None:
+def check_logprobs(lp: Any) -> None:
     """Completion logprobs (parallel lists) or chat logprobs (`content` entries)."""
     if type(lp) is not dict:
         raise MalformedChunk("upstream chunk: `logprobs` is not an object")

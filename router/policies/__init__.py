@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from ..config import RoutingConfig
 from ..names import StrategyName
-from ..planning import Strategy
+from ..planning import Policy, Strategy
 from .least_loaded import LeastLoadedStrategy
 from .prefix_tree import PrefixTreeStrategy
 from .probe import ProbeStrategy
 from .round_robin import RoundRobinStrategy
 
-POLICIES: dict[StrategyName, type[Strategy]] = {
+POLICIES: dict[StrategyName, Policy] = {
     policy.name: policy for policy in (ProbeStrategy, RoundRobinStrategy, LeastLoadedStrategy, PrefixTreeStrategy)
 }
 
