@@ -22,6 +22,7 @@ left for a perfect router). On route pd the prompt is computed on the P prefill 
 instead: `pd_prefill_utilisation` is their load if every request fell back to
 prefill/decode (with no hits).
 """
+
 from __future__ import annotations
 
 import math
@@ -48,19 +49,21 @@ class Load:
 def timing_of(sim: SimOptions) -> TimingModel:
     """The timing model the bench's engines run with (SimOptions overrides the per-token costs)."""
     t = TimingModel()
-    return TimingModel(step_overhead_s=t.step_overhead_s,
-                       prefill_token_s=t.prefill_token_s if sim.prefill_token_s is None else sim.prefill_token_s,
-                       decode_seq_s=t.decode_seq_s,
-                       kv_transfer_token_s=t.kv_transfer_token_s if sim.kv_transfer_token_s is None
-                       else sim.kv_transfer_token_s)
+    return TimingModel(
+        step_overhead_s=t.step_overhead_s,
+        prefill_token_s=t.prefill_token_s if sim.prefill_token_s is None else sim.prefill_token_s,
+        decode_seq_s=t.decode_seq_s,
+        kv_transfer_token_s=t.kv_transfer_token_s if sim.kv_transfer_token_s is None else sim.kv_transfer_token_s,
+    )
 
 
 def request_work_s(computed_tokens: int, output_tokens: int, sim: SimOptions) -> float:
     """Engine-seconds one request costs (module docstring)."""
     t = timing_of(sim)
     chunks = max(1, math.ceil(computed_tokens / sim.max_num_batched_tokens))
-    return (t.prefill_token_s * computed_tokens + t.decode_seq_s * output_tokens
-            + t.step_overhead_s * chunks) / sim.speed
+    return (
+        t.prefill_token_s * computed_tokens + t.decode_seq_s * output_tokens + t.step_overhead_s * chunks
+    ) / sim.speed
 
 
 def prefill_work_s(computed_tokens: int, sim: SimOptions) -> float:
@@ -69,8 +72,15 @@ def prefill_work_s(computed_tokens: int, sim: SimOptions) -> float:
     return (t.prefill_token_s * computed_tokens + t.step_overhead_s * chunks) / sim.speed
 
 
-def offered_load(prompt_tokens: Sequence[int], hit_tokens: Sequence[int], output_tokens: Sequence[int],
-                 span_s: float, sim: SimOptions, engines: int, prefill: int = 0) -> Load:
+def offered_load(
+    prompt_tokens: Sequence[int],
+    hit_tokens: Sequence[int],
+    output_tokens: Sequence[int],
+    span_s: float,
+    sim: SimOptions,
+    engines: int,
+    prefill: int = 0,
+) -> Load:
     """Load of n requests (prompt, oracle hit and output tokens of each) arriving over span_s."""
     n = len(prompt_tokens)
     if n == 0 or span_s <= 0 or engines <= 0:
@@ -78,9 +88,16 @@ def offered_load(prompt_tokens: Sequence[int], hit_tokens: Sequence[int], output
     work = sum(request_work_s(p, o, sim) for p, o in zip(prompt_tokens, output_tokens))
     work_or = sum(request_work_s(p - h, o, sim) for p, h, o in zip(prompt_tokens, hit_tokens, output_tokens))
     pd = sum(prefill_work_s(p, sim) for p in prompt_tokens) / span_s / prefill if prefill > 0 else None
-    return Load(requests=n, span_s=span_s, offered_rps=n / span_s, work_s=work, work_oracle_s=work_or,
-                utilisation=work / span_s / engines, utilisation_oracle=work_or / span_s / engines,
-                pd_prefill_utilisation=pd)
+    return Load(
+        requests=n,
+        span_s=span_s,
+        offered_rps=n / span_s,
+        work_s=work,
+        work_oracle_s=work_or,
+        utilisation=work / span_s / engines,
+        utilisation_oracle=work_or / span_s / engines,
+        pd_prefill_utilisation=pd,
+    )
 
 
 def span_for_utilisation(work_s: float, engines: int, target: float) -> float:

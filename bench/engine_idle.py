@@ -15,6 +15,7 @@ Settings: `nixl` = NIXL's own progress thread (CACHEHIT_NIXL_PROGRESS_DELAY_US u
 thread polls with timeout 0), `launcher` = the launcher's default, or a number of
 microseconds. Engines are stopped by process group. Needs vLLM (CPU build) and NIXL.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,14 @@ import urllib.request
 from .procs import ProcessSet, free_ports
 
 PROGRESS_ENV = "CACHEHIT_NIXL_PROGRESS_DELAY_US"
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def tree_cpu_s(pgid: int) -> float:
@@ -61,8 +68,7 @@ def idle_cpu(pgids: list[int], seconds: float) -> list[float]:
 
 
 def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -99,13 +105,26 @@ def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict:
     with ProcessSet(log_dir / setting) as ps:
         for i, role in enumerate(("producer", "consumer")):
             core = (cores[i % len(cores)],)
-            e = EngineConfig(name=role, kind="vllm", role=role, port=ports[2 * i], model=a.model,
-                             served_model_name="tiny", nixl_side_channel_port=ports[2 * i + 1],
-                             cpu_cores=core, extra_args=("--max-model-len", "2048"),
-                             env=(("TORCHDYNAMO_DISABLE", "1"),))
-            cmd = vllm_command(e, EnginePorts(http=ports[2 * i], nixl=ports[2 * i + 1]),
-                               HostInfo(gpu_count=0, cpu_ids=tuple(cores)), log_dir=str(log_dir),
-                               cpu_cores=core, python=sys.executable)
+            e = EngineConfig(
+                name=role,
+                kind="vllm",
+                role=role,
+                port=ports[2 * i],
+                model=a.model,
+                served_model_name="tiny",
+                nixl_side_channel_port=ports[2 * i + 1],
+                cpu_cores=core,
+                extra_args=("--max-model-len", "2048"),
+                env=(("TORCHDYNAMO_DISABLE", "1"),),
+            )
+            cmd = vllm_command(
+                e,
+                EnginePorts(http=ports[2 * i], nixl=ports[2 * i + 1]),
+                HostInfo(gpu_count=0, cpu_ids=tuple(cores)),
+                log_dir=str(log_dir),
+                cpu_cores=core,
+                python=sys.executable,
+            )
             env = dict(cmd.env)
             if setting == "nixl":  # empty: the plugin leaves NIXL alone
                 env[PROGRESS_ENV] = ""
@@ -121,13 +140,15 @@ def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict:
         for n in range(a.transfers + 1):
             prompt = f"{setting} {n} " + "hello world " * (a.prompt_words // 2)
             t0 = time.monotonic()
-            pre = post(urls[0] + "/v1/completions",
-                       {"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                        "kv_transfer_params": PREFILL_PARAMS})
+            pre = post(
+                urls[0] + "/v1/completions",
+                {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS},
+            )
             t1 = time.monotonic()
-            dec = post(urls[1] + "/v1/completions",
-                       {"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                        "kv_transfer_params": pre["kv_transfer_params"]})
+            dec = post(
+                urls[1] + "/v1/completions",
+                {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": pre["kv_transfer_params"]},
+            )
             t2 = time.monotonic()
             if n == 0:
                 continue  # the first exchange includes the NIXL handshake
@@ -137,8 +158,11 @@ def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict:
         time.sleep(a.settle_s)
         idle_after = idle_cpu(pgids, a.idle_s)
     return {
-        "setting": setting, "idle_cpu_pct_before": idle_before, "idle_cpu_pct_after": idle_after,
-        "transfers": a.transfers, "prompt_tokens": statistics.median(pulled),
+        "setting": setting,
+        "idle_cpu_pct_before": idle_before,
+        "idle_cpu_pct_after": idle_after,
+        "transfers": a.transfers,
+        "prompt_tokens": statistics.median(pulled),
         "prefill_p50_ms": 1000 * statistics.median(prefill_s),
         "decode_p50_ms": 1000 * statistics.median(decode_s),
         "decode_p90_ms": 1000 * statistics.quantiles(decode_s, n=10)[-1],
@@ -146,21 +170,24 @@ def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench engine-idle", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench engine-idle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", help="model dir (default: build the tiny random model in a temp dir)")
     p.add_argument("--settings", default="nixl,launcher")
     p.add_argument("--transfers", type=int, default=20)
     p.add_argument("--prompt-words", type=int, default=500)
     p.add_argument("--idle-s", type=float, default=15.0)
-    p.add_argument("--settle-s", type=float, default=35.0,
-                   help="wait before each idle measurement (past vLLM's 30 s KV lease)")
+    p.add_argument(
+        "--settle-s", type=float, default=35.0, help="wait before each idle measurement (past vLLM's 30 s KV lease)"
+    )
     p.add_argument("--startup-timeout", type=float, default=420.0)
     p.add_argument("--out", help="write results.json here")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="engine-idle-") as tmp:
         if not a.model:
             from engine_launcher.tiny_model import build_tiny_model
+
             a.model = str(build_tiny_model(Path(tmp) / "tiny-model"))
         log_dir = Path(a.out or tmp) / "logs"
         results = []
@@ -168,14 +195,18 @@ def main(argv: list[str] | None = None) -> int:
             r = run_setting(setting, a, log_dir)
             results.append(r)
             print(json.dumps(r), flush=True)
-    print("\n| setting | idle CPU % of a core (producer, consumer) before / after transfers "
-          "| prefill p50 ms | decode (NIXL pull) p50 / p90 ms |")
+    print(
+        "\n| setting | idle CPU % of a core (producer, consumer) before / after transfers "
+        "| prefill p50 ms | decode (NIXL pull) p50 / p90 ms |"
+    )
     print("|---|---|---|---|")
     for r in results:
         b = ", ".join(f"{x:.1f}" for x in r["idle_cpu_pct_before"])
         af = ", ".join(f"{x:.1f}" for x in r["idle_cpu_pct_after"])
-        print(f"| {r['setting']} | {b} / {af} | {r['prefill_p50_ms']:.0f} | "
-              f"{r['decode_p50_ms']:.0f} / {r['decode_p90_ms']:.0f} |")
+        print(
+            f"| {r['setting']} | {b} / {af} | {r['prefill_p50_ms']:.0f} | "
+            f"{r['decode_p50_ms']:.0f} / {r['decode_p90_ms']:.0f} |"
+        )
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "results.json").write_text(json.dumps(results, indent=2))

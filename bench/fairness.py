@@ -15,6 +15,7 @@ Printed (and written to `--out`/fairness.json): the victim's TTFT p50/p99 per ph
 the target figure: p99(flood_over_limit) / p99(flood_at_limit) <= 1.10, i.e. a tenant
 pushing past its limit does not make another tenant wait longer than the limit itself does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,21 @@ VICTIM_KEY, FLOOD_KEY = "bench-victim-key", "bench-flood-key"
 
 async def _ttft_ms(s: aiohttp.ClientSession, url: str, key: str, i: int, max_tokens: int) -> float | None:
     """One streamed request; the time to its first text chunk (None if it failed)."""
-    body = orjson.dumps({"model": MODEL, "prompt": f"tenant {key[-10:]} request {i} " + "w " * 32,
-                         "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "prompt": f"tenant {key[-10:]} request {i} " + "w " * 32,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    )
     t0 = time.perf_counter()
-    async with s.post(url + "/v1/completions", data=body, headers={
-            "Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+    async with s.post(
+        url + "/v1/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    ) as r:
         if r.status != 200:
             await r.read()
             return None
@@ -53,13 +64,13 @@ async def _ttft_ms(s: aiohttp.ClientSession, url: str, key: str, i: int, max_tok
         return ttft
 
 
-async def _closed_loop(url: str, key: str, clients: int, until: float, max_tokens: int,
-                       out: list[float] | None) -> int:
+async def _closed_loop(url: str, key: str, clients: int, until: float, max_tokens: int, out: list[float] | None) -> int:
     """`clients` loops sending one request after the other until `until`; TTFTs into `out`."""
     failed = 0
     counter = iter(range(10**9))
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
+
         async def loop():
             nonlocal failed
             while time.monotonic() < until:
@@ -68,6 +79,7 @@ async def _closed_loop(url: str, key: str, clients: int, until: float, max_token
                     failed += 1
                 elif out is not None:
                     out.append(t)
+
         await asyncio.gather(*(loop() for _ in range(clients)))
     return failed
 
@@ -76,8 +88,16 @@ async def _flood(url: str, clients: int, seconds: float, max_tokens: int) -> int
     """The flood in a process of its own, so that its clients do not slow down the
     victim's clock-keeping event loop; the number of its requests that failed."""
     proc = await asyncio.create_subprocess_exec(
-        PY, "-m", "bench.fairness", "--flood-worker", url, str(clients), str(seconds), str(max_tokens),
-        stdout=asyncio.subprocess.PIPE)
+        PY,
+        "-m",
+        "bench.fairness",
+        "--flood-worker",
+        url,
+        str(clients),
+        str(seconds),
+        str(max_tokens),
+        stdout=asyncio.subprocess.PIPE,
+    )
     out, _ = await proc.communicate()
     return int(out.strip() or -1)
 
@@ -89,22 +109,39 @@ async def _phase(url: str, a: argparse.Namespace, flood_clients: int) -> dict:
     if flood_clients:
         jobs.append(_flood(url, flood_clients, a.phase_s, a.max_tokens))
     failed = await asyncio.gather(*jobs)
-    return {"victim_requests": len(victim), "victim_failed": failed[0],
-            "flood_failed": failed[1] if flood_clients else 0,
-            "victim_ttft_p50_ms": rnd(percentile(victim, 50), 1), "victim_ttft_p99_ms": rnd(percentile(victim, 99), 1)}
+    return {
+        "victim_requests": len(victim),
+        "victim_failed": failed[0],
+        "flood_failed": failed[1] if flood_clients else 0,
+        "victim_ttft_p50_ms": rnd(percentile(victim, 50), 1),
+        "victim_ttft_p99_ms": rnd(percentile(victim, 99), 1),
+    }
 
 
 def _router_config(port: int, engines: list[tuple[str, int]], a: argparse.Namespace, tenants: bool) -> dict:
     cfg: dict = {
-        "server": {"port": port, "host": "127.0.0.1", "max_concurrent_requests": a.router_slots,
-                   "max_queued_requests": 4096, "queue_timeout_s": 120.0, "log_level": "warning"},
-        "backends": [{"name": n, "url": f"http://127.0.0.1:{p}", "role": "decode", "models": [MODEL]}
-                     for n, p in engines]}
+        "server": {
+            "port": port,
+            "host": "127.0.0.1",
+            "max_concurrent_requests": a.router_slots,
+            "max_queued_requests": 4096,
+            "queue_timeout_s": 120.0,
+            "log_level": "warning",
+        },
+        "backends": [
+            {"name": n, "url": f"http://127.0.0.1:{p}", "role": "decode", "models": [MODEL]} for n, p in engines
+        ],
+    }
     if tenants:
         cfg["tenants"] = [
             {"name": "victim", "api_key": VICTIM_KEY},
-            {"name": "flood", "api_key": FLOOD_KEY, "max_concurrent_requests": a.flood_limit,
-             "max_queued_requests": a.flood_clients}]
+            {
+                "name": "flood",
+                "api_key": FLOOD_KEY,
+                "max_concurrent_requests": a.flood_limit,
+                "max_queued_requests": a.flood_clients,
+            },
+        ]
     else:
         cfg["server"]["api_keys"] = [VICTIM_KEY, FLOOD_KEY]
     return cfg
@@ -116,8 +153,22 @@ async def run(a: argparse.Namespace, out: Path) -> dict:
     with ProcessSet(out / "logs") as ps:
         engines = [(f"d{i}", ports[i]) for i in range(a.engines)]
         for n, p in engines:
-            proc = ps.start(n, [PY, "-m", "engine_launcher.sim", "--port", str(p), "--model", MODEL,
-                                "--speed", str(a.speed), "--log-level", "warning"])
+            proc = ps.start(
+                n,
+                [
+                    PY,
+                    "-m",
+                    "engine_launcher.sim",
+                    "--port",
+                    str(p),
+                    "--model",
+                    MODEL,
+                    "--speed",
+                    str(a.speed),
+                    "--log-level",
+                    "warning",
+                ],
+            )
             await wait_http(f"http://127.0.0.1:{p}/health", proc)
         rport = ports[-1]
         for tenants in (True, False):
@@ -126,15 +177,21 @@ async def run(a: argparse.Namespace, out: Path) -> dict:
             router = ps.start(name, [PY, "-m", "router.cli", "--config", str(out / f"{name}.toml"), "--no-engines"])
             url = f"http://127.0.0.1:{rport}"
             await wait_http(url + "/ready", router)
-            plan = ([("alone", 0), ("flood_at_limit", a.flood_limit), ("flood_over_limit", a.flood_clients)]
-                    if tenants else [("no_tenant_limits", a.flood_clients)])
+            plan = (
+                [("alone", 0), ("flood_at_limit", a.flood_limit), ("flood_over_limit", a.flood_clients)]
+                if tenants
+                else [("no_tenant_limits", a.flood_clients)]
+            )
             for phase, flood in plan:
                 phases[phase] = await _phase(url, a, flood)
                 print(f"{phase:18s} {phases[phase]}", flush=True)
             ps.stop(router)
     at, over = phases["flood_at_limit"]["victim_ttft_p99_ms"], phases["flood_over_limit"]["victim_ttft_p99_ms"]
-    return {"config": vars(a), "phases": phases,
-            "p99_over_limit_vs_at_limit": rnd(over / at, 3) if at and over else None}
+    return {
+        "config": vars(a),
+        "phases": phases,
+        "p99_over_limit_vs_at_limit": rnd(over / at, 3) if at and over else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     res = asyncio.run(run(a, out))
     (out / "fairness.json").write_text(json.dumps(res, indent=2))
-    print(f"victim TTFT p99, flood over its limit / flood at its limit: {res['p99_over_limit_vs_at_limit']} "
-          "(target <= 1.10)")
+    print(
+        f"victim TTFT p99, flood over its limit / flood at its limit: {res['p99_over_limit_vs_at_limit']} "
+        "(target <= 1.10)"
+    )
     print(f"results in {out}/fairness.json")
     return 0
 

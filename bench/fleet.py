@@ -11,6 +11,7 @@ it routed itself.
 again on the same port (a new process: its KV cache is empty), then `recovery` reports
 the hit ratio of the requests before it and of each window of requests after it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,9 @@ def _exe(name: str) -> str:
     return exe
 
 
-async def start_replicas(cluster: Cluster, mode: str, n: int, opts: RouterOptions, work_dir: Path,
-                         cores: list[int] | None = None) -> list[str]:
+async def start_replicas(
+    cluster: Cluster, mode: str, n: int, opts: RouterOptions, work_dir: Path, cores: list[int] | None = None
+) -> list[str]:
     """N routers of `mode` in front of the cluster's engines; their URLs. The first is also
     `cluster.router` / `cluster.url` (its log is logs/router.log, the others router-<i>.log)."""
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -56,9 +58,20 @@ async def start_replicas(cluster: Cluster, mode: str, n: int, opts: RouterOption
             vllm = mode in VLLM_ROUTER_MODES
             policy = (VLLM_ROUTER_MODES if vllm else SMG_MODES)[mode]
             cmd = [_exe("vllm-router")] if vllm else [_exe("smg"), "launch"]
-            cmd += ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *cluster.decoders,
-                    "--policy", policy, "--prometheus-port", str(prom),
-                    "--log-level", "warning" if vllm else "warn"]
+            cmd += [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker-urls",
+                *cluster.decoders,
+                "--policy",
+                policy,
+                "--prometheus-port",
+                str(prom),
+                "--log-level",
+                "warning" if vllm else "warn",
+            ]
             kind, ready = ("vllm-router" if vllm else "smg"), "/health"
         else:
             raise SystemExit(f"--routers: mode {mode!r} has no router to replicate")
@@ -102,8 +115,9 @@ async def restart_engine_at(cluster: Cluster, delay_s: float, engine: int = 0) -
     new = cluster.procs.start(f"{proc.name}-restarted", cmd)
     cluster._owners[engine] = new
     await wait_http(url + "/health", new, 60)
-    print(f"  engine {url} restarted at {down:.1f} s (back after {time.monotonic() - t0 - down:.1f} s)",
-          file=sys.stderr)
+    print(
+        f"  engine {url} restarted at {down:.1f} s (back after {time.monotonic() - t0 - down:.1f} s)", file=sys.stderr
+    )
     return {"engine": url, "down_at_s": round(down, 3), "up_at_s": round(time.monotonic() - t0, 3)}
 
 
@@ -111,15 +125,21 @@ def recovery(rows: list[dict], restart_s: float, window: int = 25, windows: int 
     """Hit ratio (cached prompt tokens reported to the client over prompt tokens; a request
     that went prefill/decode counts as computed) of the 100 requests sent before the
     restart and of each `window` requests sent after it, in send order."""
+
     def ratio(rs: list[dict]) -> float | None:
         prompt = sum(r.get("expected_prompt_tokens") or 0 for r in rs)
         hit = sum((r.get("cached_tokens") or 0) for r in rs if r.get("route") != "pd")
         return round(hit / prompt, 4) if prompt else None
+
     ordered = sorted((r for r in rows if r.get("status") == 200), key=lambda r: r["start_s"])
     before = [r for r in ordered if r["start_s"] < restart_s][-100:]
     after = [r for r in ordered if r["start_s"] >= restart_s]
-    return {"restart_at_s": restart_s, "before_100": ratio(before), "window": window,
-            "after": [ratio(after[i:i + window]) for i in range(0, min(len(after), window * windows), window)]}
+    return {
+        "restart_at_s": restart_s,
+        "before_100": ratio(before),
+        "window": window,
+        "after": [ratio(after[i : i + window]) for i in range(0, min(len(after), window * windows), window)],
+    }
 
 
 async def scrape_all(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, list[tuple[dict, float]]]:

@@ -12,6 +12,7 @@ come back.
 The table is built from the summaries alone (`fleet_rows`, `targets`, `recovery_rows`),
 so `--resume` re-tabulates runs that are done without running them again.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ RECOVERED = 0.97  # a window after the restart whose hit ratio is this share of 
 def available_modes(modes: list[str]) -> tuple[list[str], list[str]]:
     """(modes that can run here, modes left out because their router is not installed)."""
     from .fleet import _exe
+
     ok, missing = [], []
     for m in modes:
         exe = "vllm-router" if m.startswith("vllm_router") else "smg" if m.startswith("smg") else None
@@ -49,11 +51,20 @@ def fleet_rows(summaries: dict[tuple[str, str, int], dict]) -> list[dict]:
     for (workload, mode, n), s in sorted(summaries.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         one = summaries.get((workload, mode, 1))
         h, h1 = s.get("hit_ratio"), (one or {}).get("hit_ratio")
-        rows.append({"workload": workload, "mode": mode, "routers": n, "requests": s.get("requests"),
-                     "errors": s.get("errors"), "hit_ratio": h,
-                     "hit_vs_1_pct": round(100.0 * (h - h1) / h1, 2) if h is not None and h1 else None,
-                     "ttft_p50_ms": s.get("ttft_p50_ms"), "ttft_p99_ms": s.get("ttft_p99_ms"),
-                     "router_cpu_s_per_1k": s.get("router_cpu_s_per_1k")})
+        rows.append(
+            {
+                "workload": workload,
+                "mode": mode,
+                "routers": n,
+                "requests": s.get("requests"),
+                "errors": s.get("errors"),
+                "hit_ratio": h,
+                "hit_vs_1_pct": round(100.0 * (h - h1) / h1, 2) if h is not None and h1 else None,
+                "ttft_p50_ms": s.get("ttft_p50_ms"),
+                "ttft_p99_ms": s.get("ttft_p99_ms"),
+                "router_cpu_s_per_1k": s.get("router_cpu_s_per_1k"),
+            }
+        )
     return rows
 
 
@@ -68,15 +79,28 @@ def targets(rows: list[dict]) -> list[dict]:
         at = {r["mode"]: r for r in mine if r["routers"] == top}
         probe = at.get("probe")
         d = None if probe is None else probe["hit_vs_1_pct"]
-        out.append({"workload": workload, "routers": top, "check": f"probe hit ratio at N={top} vs N=1",
-                    "value": d, "met": None if d is None else d >= -100.0 * HIT_TOLERANCE})
+        out.append(
+            {
+                "workload": workload,
+                "routers": top,
+                "check": f"probe hit ratio at N={top} vs N=1",
+                "value": d,
+                "met": None if d is None else d >= -100.0 * HIT_TOLERANCE,
+            }
+        )
         for mode in INDEX_MODES:
             other = at.get(mode)
             for q in ("ttft_p50_ms", "ttft_p99_ms"):
                 a, b = (probe or {}).get(q), (other or {}).get(q)
-                out.append({"workload": workload, "routers": top, "check": f"probe {q[:-3]} < {mode}",
-                            "value": None if a is None or b is None else f"{a:.0f} vs {b:.0f}",
-                            "met": None if a is None or b is None else a < b})
+                out.append(
+                    {
+                        "workload": workload,
+                        "routers": top,
+                        "check": f"probe {q[:-3]} < {mode}",
+                        "value": None if a is None or b is None else f"{a:.0f} vs {b:.0f}",
+                        "met": None if a is None or b is None else a < b,
+                    }
+                )
     return out
 
 
@@ -99,28 +123,56 @@ def recovery_rows(restarts: dict[tuple[str, str], dict]) -> list[dict]:
     for (workload, mode), s in sorted(restarts.items()):
         rec = s.get("recovery") or {}
         n = recovered_after(rec)
-        rows.append({"workload": workload, "mode": mode, "routers": s.get("routers"),
-                     "errors": s.get("errors"), "before_100": rec.get("before_100"),
-                     "after": " ".join("-" if x is None else f"{x:.2f}" for x in rec.get("after") or []),
-                     # Unknown, not missed, when the run ended before any window after the restart.
-                     "recovered_after": n, "within_100": None if not rec.get("after") else n is not None and n <= 100})
+        rows.append(
+            {
+                "workload": workload,
+                "mode": mode,
+                "routers": s.get("routers"),
+                "errors": s.get("errors"),
+                "before_100": rec.get("before_100"),
+                "after": " ".join("-" if x is None else f"{x:.2f}" for x in rec.get("after") or []),
+                # Unknown, not missed, when the run ended before any window after the restart.
+                "recovered_after": n,
+                "within_100": None if not rec.get("after") else n is not None and n <= 100,
+            }
+        )
     return rows
 
 
-ROW_COLS = [("workload", "workload"), ("mode", "mode"), ("routers", "N"), ("requests", "req"),
-            ("errors", "err"), ("hit_ratio", "hit ratio"), ("hit_vs_1_pct", "vs N=1 %"),
-            ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-            ("router_cpu_s_per_1k", "router CPU s/1k")]
+ROW_COLS = [
+    ("workload", "workload"),
+    ("mode", "mode"),
+    ("routers", "N"),
+    ("requests", "req"),
+    ("errors", "err"),
+    ("hit_ratio", "hit ratio"),
+    ("hit_vs_1_pct", "vs N=1 %"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("router_cpu_s_per_1k", "router CPU s/1k"),
+]
 TARGET_COLS = [("workload", "workload"), ("routers", "N"), ("check", "check"), ("value", "value"), ("met", "met")]
-RECOVERY_COLS = [("workload", "workload"), ("mode", "mode"), ("routers", "N"), ("errors", "err"),
-                 ("before_100", "hit before"), ("after", "hit per window after"),
-                 ("recovered_after", "recovered after req"), ("within_100", "within 100")]
+RECOVERY_COLS = [
+    ("workload", "workload"),
+    ("mode", "mode"),
+    ("routers", "N"),
+    ("errors", "err"),
+    ("before_100", "hit before"),
+    ("after", "hit per window after"),
+    ("recovered_after", "recovered after req"),
+    ("within_100", "within 100"),
+]
 ND = {"hit_ratio": 3, "hit_vs_1_pct": 2, "before_100": 3, "router_cpu_s_per_1k": 2}
 
 
 def write_tables(out: Path, rows: list[dict], checks: list[dict], rec: list[dict]) -> str:
-    parts = ["## Router replicas", markdown_table(ROW_COLS, rows, ND), "",
-             "## Targets", markdown_table(TARGET_COLS, checks, ND)]
+    parts = [
+        "## Router replicas",
+        markdown_table(ROW_COLS, rows, ND),
+        "",
+        "## Targets",
+        markdown_table(TARGET_COLS, checks, ND),
+    ]
     if rec:
         parts += ["", "## After an engine restart", markdown_table(RECOVERY_COLS, rec, ND)]
     text = "\n".join(parts) + "\n"
@@ -146,6 +198,7 @@ def _args_for(a: argparse.Namespace, workload: str, mode: str, n: int, restart_s
 def _run(a: argparse.Namespace, mode: str, d: Path) -> dict:
     from .__main__ import run_spec_from_args
     from .replay import run_replay
+
     done = d / "summary.json"
     if a.resume and done.exists():
         return json.loads(done.read_text())
@@ -172,8 +225,7 @@ def main(a: argparse.Namespace) -> int:
             for mode in modes:
                 d = out / workload / f"N{ns[-1]}-restart" / mode
                 console.print(f"[bold]fleet[/bold] {workload} N={ns[-1]} mode={mode}, engine restart -> {d}")
-                restarts[(workload, mode)] = _run(_args_for(a, workload, mode, ns[-1], a.restart_engine_at),
-                                                  mode, d)
+                restarts[(workload, mode)] = _run(_args_for(a, workload, mode, ns[-1], a.restart_engine_at), mode, d)
     rows = fleet_rows(summaries)
     write_tables(out, rows, targets(rows), recovery_rows(restarts))
     return 0

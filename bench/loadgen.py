@@ -6,6 +6,7 @@ Open loop: each request is sent at its arrival time whether or not earlier ones 
 time to first token (first chunk that carries text), inter-token latencies (gaps between
 text chunks) and the end; every figure is measured on the client's clock.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,35 +48,54 @@ class Result:
         return self.status == 200 and not self.error
 
     def row(self) -> dict:
-        d = {"index": self.index, "tag": self.tag, "arrival_s": round(self.arrival_s, 4),
-             "start_s": round(self.start_s, 4),
-             "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
-             "e2e_ms": None if self.e2e_ms is None else round(self.e2e_ms, 3),
-             "itl_p50_ms": round(statistics.median(self.itl_ms), 3) if self.itl_ms else None,
-             "itl_max_ms": round(max(self.itl_ms), 3) if self.itl_ms else None,
-             "prompt_tokens": self.prompt_tokens, "expected_prompt_tokens": self.expected_prompt_tokens,
-             "cached_tokens": self.cached_tokens,
-             "output_tokens": self.output_tokens, "max_tokens": self.max_tokens,
-             "finish_reason": self.finish_reason, "status": self.status, "error": self.error,
-             "id": self.response_id}
+        d = {
+            "index": self.index,
+            "tag": self.tag,
+            "arrival_s": round(self.arrival_s, 4),
+            "start_s": round(self.start_s, 4),
+            "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
+            "e2e_ms": None if self.e2e_ms is None else round(self.e2e_ms, 3),
+            "itl_p50_ms": round(statistics.median(self.itl_ms), 3) if self.itl_ms else None,
+            "itl_max_ms": round(max(self.itl_ms), 3) if self.itl_ms else None,
+            "prompt_tokens": self.prompt_tokens,
+            "expected_prompt_tokens": self.expected_prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "max_tokens": self.max_tokens,
+            "finish_reason": self.finish_reason,
+            "status": self.status,
+            "error": self.error,
+            "id": self.response_id,
+        }
         return d
 
 
 def completion_body(prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
-    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0,
-            **(extra or {})}
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+        **(extra or {}),
+    }
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict, res: Result,
-                            keep_text: bool = False, timeout_s: float = 600.0) -> Result:
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, body: dict, res: Result, keep_text: bool = False, timeout_s: float = 600.0
+) -> Result:
     t0 = time.perf_counter()
     last = None
     texts: list[str] = []
     try:
-        async with session.post(url + "/v1/completions", data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json"},
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with session.post(
+            url + "/v1/completions",
+            data=orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as r:
             res.status = r.status
             if r.status != 200:
                 payload = await r.read()
@@ -128,8 +148,9 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
 
 
 def make_session(connections: int = 0) -> aiohttp.ClientSession:
-    conn = aiohttp.TCPConnector(limit=connections, limit_per_host=connections, force_close=False,
-                                enable_cleanup_closed=True)
+    conn = aiohttp.TCPConnector(
+        limit=connections, limit_per_host=connections, force_close=False, enable_cleanup_closed=True
+    )
     return aiohttp.ClientSession(connector=conn)
 
 
@@ -141,14 +162,28 @@ def _rotation(url: str | Sequence[str]):
     return lambda: urls[next(counter) % len(urls)]
 
 
-async def run_open_loop(url: str | Sequence[str], reqs: Sequence[BenchRequest], *, extra_body: dict | None = None,
-                        max_in_flight: int = 4096, timeout_s: float = 600.0,
-                        progress=None) -> tuple[list[Result], float]:
+async def run_open_loop(
+    url: str | Sequence[str],
+    reqs: Sequence[BenchRequest],
+    *,
+    extra_body: dict | None = None,
+    max_in_flight: int = 4096,
+    timeout_s: float = 600.0,
+    progress=None,
+) -> tuple[list[Result], float]:
     """Send each request at its arrival time (to `url`, or round robin over several);
     returns (results in request order, wall seconds)."""
     next_url = _rotation(url)
-    results = [Result(index=r.index, tag=r.tag, arrival_s=r.arrival_s, max_tokens=r.max_tokens,
-                      expected_prompt_tokens=r.prompt_tokens) for r in reqs]
+    results = [
+        Result(
+            index=r.index,
+            tag=r.tag,
+            arrival_s=r.arrival_s,
+            max_tokens=r.max_tokens,
+            expected_prompt_tokens=r.prompt_tokens,
+        )
+        for r in reqs
+    ]
     sem = asyncio.Semaphore(max_in_flight)
     async with make_session() as session:
         loop = asyncio.get_running_loop()
@@ -158,8 +193,9 @@ async def run_open_loop(url: str | Sequence[str], reqs: Sequence[BenchRequest], 
         async def one(r: BenchRequest, res: Result, target: str) -> None:
             async with sem:
                 res.start_s = loop.time() - t0
-                await stream_completion(session, target, completion_body(r.prompt, r.max_tokens, extra_body),
-                                        res, timeout_s=timeout_s)
+                await stream_completion(
+                    session, target, completion_body(r.prompt, r.max_tokens, extra_body), res, timeout_s=timeout_s
+                )
                 if progress is not None:
                     progress()
 
@@ -173,8 +209,14 @@ async def run_open_loop(url: str | Sequence[str], reqs: Sequence[BenchRequest], 
     return results, wall
 
 
-async def run_sessions(url: str | Sequence[str], sessions: Sequence[Session], *, extra_body: dict | None = None,
-                       timeout_s: float = 600.0, progress=None) -> tuple[list[Result], list[str], float]:
+async def run_sessions(
+    url: str | Sequence[str],
+    sessions: Sequence[Session],
+    *,
+    extra_body: dict | None = None,
+    timeout_s: float = 600.0,
+    progress=None,
+) -> tuple[list[Result], list[str], float]:
     """Multi-turn (every turn to the next of the urls, round robin): returns (results in
     send order, the prompts sent, wall seconds)."""
     next_url = _rotation(url)
@@ -194,8 +236,14 @@ async def run_sessions(url: str | Sequence[str], sessions: Sequence[Session], *,
                 results.append(res)
                 prompts.append(prompt)
                 res.index = len(results) - 1
-                await stream_completion(session, next_url(), completion_body(prompt, s.max_tokens, extra_body),
-                                        res, keep_text=True, timeout_s=timeout_s)
+                await stream_completion(
+                    session,
+                    next_url(),
+                    completion_body(prompt, s.max_tokens, extra_body),
+                    res,
+                    keep_text=True,
+                    timeout_s=timeout_s,
+                )
                 if progress is not None:
                     progress()
                 if not res.ok:

@@ -23,6 +23,7 @@ this process to the others (taskset), so the proxy under test has one core to it
 The probe race's own cost: our router in probe mode with K = 2, 4, 8 backends (all accept at
 once, so every request has K - 1 losers to cancel): latency and CPU per request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,10 @@ SMALL = {"model": "sim-model", "prompt": "Hello router, this is a small request.
 
 def http_request(host: str, port: int, path: str, body: dict) -> bytes:
     b = json.dumps(body, separators=(",", ":")).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(b)}\r\n\r\n").encode() + b
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(b)}\r\n\r\n"
+    ).encode() + b
 
 
 class BlockingClient:
@@ -88,7 +91,7 @@ class BlockingClient:
             buf += self._recv()
         end = buf.index(b"\r\n\r\n")
         head = buf[:end].decode("latin-1")
-        rest = buf[end + 4:]
+        rest = buf[end + 4 :]
         status = int(head.split(" ", 2)[1])
         lower = head.lower()
         m = re.search(r"content-length:\s*(\d+)", lower)
@@ -149,8 +152,12 @@ def measure_latency(port: int, path: str, body: dict, n: int) -> dict:
         whole.append(t * 1e6)
         first.append(f * 1e6)
     c.close()
-    return {"p50_us": percentile(whole, 50), "p99_us": percentile(whole, 99),
-            "first_p50_us": percentile(first, 50), "errors": bad}
+    return {
+        "p50_us": percentile(whole, 50),
+        "p99_us": percentile(whole, 99),
+        "first_p50_us": percentile(first, 50),
+        "errors": bad,
+    }
 
 
 WRK_LUA = """wrk.method = "POST"
@@ -159,22 +166,36 @@ wrk.headers["Content-Type"] = "application/json"
 """
 
 
-def run_wrk(port: int, body: dict, connections: int, duration: float, cores: list[int] | None,
-            tmp: Path) -> dict:
+def run_wrk(port: int, body: dict, connections: int, duration: float, cores: list[int] | None, tmp: Path) -> dict:
     script = tmp / f"wrk_{abs(hash(json.dumps(body)))}.lua"
     script.write_text(WRK_LUA.format(body=json.dumps(body, separators=(",", ":"))))
-    cmd = pinned(["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "10s",
-                  "-s", str(script), f"http://127.0.0.1:{port}/v1/completions"], cores)
+    cmd = pinned(
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{max(1, round(duration))}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            f"http://127.0.0.1:{port}/v1/completions",
+        ],
+        cores,
+    )
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 60)
     out = p.stdout
     rps = re.search(r"Requests/sec:\s*([\d.]+)", out)
     total = re.search(r"(\d+) requests in", out)
     non2xx = re.search(r"Non-2xx or 3xx responses:\s*(\d+)", out)
     errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    return {"rps": float(rps.group(1)) if rps else None, "requests": int(total.group(1)) if total else 0,
-            "non2xx": int(non2xx.group(1)) if non2xx else 0,
-            "socket_errors": sum(map(int, errs.groups())) if errs else 0,
-            "raw": out if not rps else ""}
+    return {
+        "rps": float(rps.group(1)) if rps else None,
+        "requests": int(total.group(1)) if total else 0,
+        "non2xx": int(non2xx.group(1)) if non2xx else 0,
+        "socket_errors": sum(map(int, errs.groups())) if errs else 0,
+        "raw": out if not rps else "",
+    }
 
 
 class Target:
@@ -183,8 +204,9 @@ class Target:
         self.samples: list[dict] = []
 
 
-async def start_targets(procs: ProcessSet, backend_urls: list[str], names: list[str], proxy_cores,
-                        work: Path) -> list[Target]:
+async def start_targets(
+    procs: ProcessSet, backend_urls: list[str], names: list[str], proxy_cores, work: Path
+) -> list[Target]:
     targets = []
     up = backend_urls[0]
     for name in names:
@@ -193,8 +215,9 @@ async def start_targets(procs: ProcessSet, backend_urls: list[str], names: list[
             continue
         port = free_ports(1)[0]
         if name == "passthrough":
-            proc = procs.start(name, pinned([PY, "-m", "bench.passthrough", "--port", str(port), "--upstream", up],
-                                            proxy_cores))
+            proc = procs.start(
+                name, pinned([PY, "-m", "bench.passthrough", "--port", str(port), "--upstream", up], proxy_cores)
+            )
             await wait_http(f"http://127.0.0.1:{port}/health", proc, 30)
         elif name.startswith("router_"):
             strategy, log_level, k = "round_robin", "info", 1
@@ -214,9 +237,27 @@ async def start_targets(procs: ProcessSet, backend_urls: list[str], names: list[
             exe = shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
             policy = "cache_aware" if name.endswith("cache_aware") else "round_robin"
             prom = free_ports(1)[0]
-            proc = procs.start(name, pinned([exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", up,
-                                             "--policy", policy, "--prometheus-port", str(prom),
-                                             "--log-level", "warning"], proxy_cores))
+            proc = procs.start(
+                name,
+                pinned(
+                    [
+                        exe,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--worker-urls",
+                        up,
+                        "--policy",
+                        policy,
+                        "--prometheus-port",
+                        str(prom),
+                        "--log-level",
+                        "warning",
+                    ],
+                    proxy_cores,
+                ),
+            )
             await wait_http(f"http://127.0.0.1:{port}/health", proc, 60)
         else:
             raise SystemExit(f"unknown overhead target {name!r}")
@@ -231,6 +272,7 @@ def cpu_of(t: Target):
 def backend_counts(port: int) -> tuple[int, int]:
     """(connections accepted, requests answered) so far by the instant backend on `port`."""
     import urllib.request
+
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
@@ -245,8 +287,14 @@ def measure_target(t: Target, a, cores_other, tmp: Path, backend_port: int | Non
     lat = measure_latency(t.port, "/v1/completions", SMALL, a.latency_requests)
     s.update({"lat_p50_us": lat["p50_us"], "lat_p99_us": lat["p99_us"], "lat_errors": lat["errors"]})
     lat_s = measure_latency(t.port, "/v1/completions", {**SMALL, "stream": True}, a.latency_requests)
-    s.update({"stream_p50_us": lat_s["p50_us"], "stream_p99_us": lat_s["p99_us"],
-              "stream_first_p50_us": lat_s["first_p50_us"], "stream_errors": lat_s["errors"]})
+    s.update(
+        {
+            "stream_p50_us": lat_s["p50_us"],
+            "stream_p99_us": lat_s["p99_us"],
+            "stream_first_p50_us": lat_s["first_p50_us"],
+            "stream_errors": lat_s["errors"],
+        }
+    )
     sampler = cpu_of(t)
     c0, r0 = backend_counts(backend_port) if backend_port else (0, 0)
     w = run_wrk(t.port, SMALL, a.connections, a.duration, cores_other, tmp)
@@ -254,22 +302,38 @@ def measure_target(t: Target, a, cores_other, tmp: Path, backend_port: int | Non
     c1, r1 = backend_counts(backend_port) if backend_port else (0, 0)
     if r1 > r0:
         s["upstream_conns_per_1k"] = (c1 - c0) / (r1 - r0) * 1000
-    s.update({"rps": w["rps"], "wrk_requests": w["requests"], "wrk_non2xx": w["non2xx"],
-              "wrk_socket_errors": w["socket_errors"],
-              "cpu_us_per_req": (cpu / w["requests"] * 1e6) if cpu is not None and w["requests"] else None})
+    s.update(
+        {
+            "rps": w["rps"],
+            "wrk_requests": w["requests"],
+            "wrk_non2xx": w["non2xx"],
+            "wrk_socket_errors": w["socket_errors"],
+            "cpu_us_per_req": (cpu / w["requests"] * 1e6) if cpu is not None and w["requests"] else None,
+        }
+    )
     if w["raw"]:
         s["wrk_output"] = w["raw"][-500:]
     return s
 
 
 def summarize_target(t: Target, direct: dict | None) -> dict:
-    keys = ["lat_p50_us", "lat_p99_us", "stream_p50_us", "stream_p99_us", "stream_first_p50_us", "rps",
-            "cpu_us_per_req", "upstream_conns_per_1k"]
+    keys = [
+        "lat_p50_us",
+        "lat_p99_us",
+        "stream_p50_us",
+        "stream_p99_us",
+        "stream_first_p50_us",
+        "rps",
+        "cpu_us_per_req",
+        "upstream_conns_per_1k",
+    ]
     out = {"target": t.name, "reps": len(t.samples)}
     for k in keys:
         out[k] = rnd(median([s[k] for s in t.samples if s.get(k) is not None]), 1)
-    out["errors"] = sum(s.get("lat_errors", 0) + s.get("stream_errors", 0) + s.get("wrk_non2xx", 0)
-                        + s.get("wrk_socket_errors", 0) for s in t.samples)
+    out["errors"] = sum(
+        s.get("lat_errors", 0) + s.get("stream_errors", 0) + s.get("wrk_non2xx", 0) + s.get("wrk_socket_errors", 0)
+        for s in t.samples
+    )
     if direct is not None and t.name != "direct":
         for k in ("lat_p50_us", "lat_p99_us", "stream_p50_us", "stream_first_p50_us"):
             if out.get(k) is not None and direct.get(k) is not None:
@@ -288,23 +352,46 @@ def main(a) -> int:
     pin = not a.no_pin and len(cores) >= 2
     proxy_cores, other_cores = ([cores[-1]], cores[:-1]) if pin else (None, None)
     own = os.sched_getaffinity(0)
-    names = [n for n in (a.targets.split(",") if a.targets else
-                         ["direct", "passthrough", "router_round_robin", "router_least_loaded",
-                          "router_round_robin_quiet", "router_probe_k1", "vllm_router_rr"]) if n]
-    if "vllm_router_rr" in names and not (shutil.which("vllm-router", path=str(Path(PY).parent))
-                                          or shutil.which("vllm-router")):
+    names = [
+        n
+        for n in (
+            a.targets.split(",")
+            if a.targets
+            else [
+                "direct",
+                "passthrough",
+                "router_round_robin",
+                "router_least_loaded",
+                "router_round_robin_quiet",
+                "router_probe_k1",
+                "vllm_router_rr",
+            ]
+        )
+        if n
+    ]
+    if "vllm_router_rr" in names and not (
+        shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
+    ):
         names.remove("vllm_router_rr")
     ks = [int(k) for k in a.probe_k.split(",") if k]
-    result: dict = {"machine": {"cpus": len(cores), "pinned": pin, "loadavg_before": os.getloadavg()},
-                    "connections": a.connections,
-                    "duration_s": a.duration, "reps": a.reps, "latency_requests": a.latency_requests}
+    result: dict = {
+        "machine": {"cpus": len(cores), "pinned": pin, "loadavg_before": os.getloadavg()},
+        "connections": a.connections,
+        "duration_s": a.duration,
+        "reps": a.reps,
+        "latency_requests": a.latency_requests,
+    }
     with tempfile.TemporaryDirectory() as tmpd, ProcessSet(out / "logs") as procs:
         tmp = Path(tmpd)
         nports = max([8] + ks)
         bports = free_ports(nports)
-        backend = procs.start("instant_backend", pinned([PY, "-m", "bench.instant_backend",
-                                                          *sum((["--port", str(p)] for p in bports), []),
-                                                          "--chunks", "32"], other_cores))
+        backend = procs.start(
+            "instant_backend",
+            pinned(
+                [PY, "-m", "bench.instant_backend", *sum((["--port", str(p)] for p in bports), []), "--chunks", "32"],
+                other_cores,
+            ),
+        )
         burls = [f"http://127.0.0.1:{p}" for p in bports]
         asyncio.run(_wait_all(burls, backend))
         targets = asyncio.run(start_targets(procs, burls, names, proxy_cores, tmp))
@@ -338,9 +425,15 @@ def main(a) -> int:
                     sampler = cpu_of(t)
                     w = run_wrk(t.port, SMALL, min(16, a.connections), max(2.0, a.duration / 2), other_cores, tmp)
                     cpu = sampler.cpu_s() - sampler.cpu0
-                    samples.append({"lat_p50_us": lat["p50_us"], "lat_p99_us": lat["p99_us"], "rps": w["rps"],
-                                    "cpu_us_per_req": cpu / w["requests"] * 1e6 if w["requests"] else None,
-                                    "errors": lat["errors"] + w["non2xx"] + w["socket_errors"]})
+                    samples.append(
+                        {
+                            "lat_p50_us": lat["p50_us"],
+                            "lat_p99_us": lat["p99_us"],
+                            "rps": w["rps"],
+                            "cpu_us_per_req": cpu / w["requests"] * 1e6 if w["requests"] else None,
+                            "errors": lat["errors"] + w["non2xx"] + w["socket_errors"],
+                        }
+                    )
                 row = {"k": k}
                 for key in ("lat_p50_us", "lat_p99_us", "rps", "cpu_us_per_req"):
                     row[key] = rnd(median([s[key] for s in samples if s.get(key) is not None]), 1)
@@ -351,38 +444,73 @@ def main(a) -> int:
                 procs.stop(t.proc)
             k1 = next((r for r in rows if r["target"] == "router_probe_k1"), None)
             if k1:
-                probe_rows.insert(0, {"k": 1, **{k: k1.get(k) for k in ("lat_p50_us", "lat_p99_us", "rps",
-                                                                           "cpu_us_per_req", "added_lat_p50_us")},
-                                      "errors": k1.get("errors")})
+                probe_rows.insert(
+                    0,
+                    {
+                        "k": 1,
+                        **{
+                            k: k1.get(k)
+                            for k in ("lat_p50_us", "lat_p99_us", "rps", "cpu_us_per_req", "added_lat_p50_us")
+                        },
+                        "errors": k1.get("errors"),
+                    },
+                )
             result["probe_race"] = probe_rows
         finally:
             os.sched_setaffinity(0, own)
     result["machine"]["loadavg_after"] = os.getloadavg()
     (out / "overhead.json").write_text(json.dumps(result, indent=2))
-    cols = [("target", "target"), ("lat_p50_us", "p50 us"), ("added_lat_p50_us", "added p50 us"),
-            ("added_vs_passthrough", "x passthrough"), ("lat_p99_us", "p99 us"), ("added_lat_p99_us", "added p99 us"),
-            ("stream_p50_us", "stream p50 us"), ("added_stream_p50_us", "stream added p50 us"),
-            ("stream_added_vs_passthrough", "stream x passthrough"),
-            ("added_stream_first_p50_us", "stream first-byte added us"),
-            ("rps", f"req/s @{a.connections}"), ("cpu_us_per_req", "CPU us/req"),
-            ("cpu_vs_passthrough", "CPU x passthrough"), ("upstream_conns_per_1k", "new upstream conns/1k"),
-            ("errors", "errors")]
+    cols = [
+        ("target", "target"),
+        ("lat_p50_us", "p50 us"),
+        ("added_lat_p50_us", "added p50 us"),
+        ("added_vs_passthrough", "x passthrough"),
+        ("lat_p99_us", "p99 us"),
+        ("added_lat_p99_us", "added p99 us"),
+        ("stream_p50_us", "stream p50 us"),
+        ("added_stream_p50_us", "stream added p50 us"),
+        ("stream_added_vs_passthrough", "stream x passthrough"),
+        ("added_stream_first_p50_us", "stream first-byte added us"),
+        ("rps", f"req/s @{a.connections}"),
+        ("cpu_us_per_req", "CPU us/req"),
+        ("cpu_vs_passthrough", "CPU x passthrough"),
+        ("upstream_conns_per_1k", "new upstream conns/1k"),
+        ("errors", "errors"),
+    ]
     nd = {"added_vs_passthrough": 2, "stream_added_vs_passthrough": 2, "cpu_vs_passthrough": 2}
-    console.print(table("Router overhead (instant backend, medians of interleaved repetitions)", cols,
-                        result["targets"], nd))
-    pcols = [("k", "K engines"), ("lat_p50_us", "p50 us"), ("added_lat_p50_us", "added p50 us"),
-             ("lat_p99_us", "p99 us"), ("rps", "req/s @16"), ("cpu_us_per_req", "CPU us/req"), ("errors", "errors")]
-    console.print(table("Probe race cost (all K accept; K-1 losers cancelled per request)", pcols,
-                        result["probe_race"]))
-    (out / "overhead.md").write_text(markdown_table(cols, result["targets"], nd) + "\n\n" +
-                                     markdown_table(pcols, result["probe_race"]) + "\n")
+    console.print(
+        table("Router overhead (instant backend, medians of interleaved repetitions)", cols, result["targets"], nd)
+    )
+    pcols = [
+        ("k", "K engines"),
+        ("lat_p50_us", "p50 us"),
+        ("added_lat_p50_us", "added p50 us"),
+        ("lat_p99_us", "p99 us"),
+        ("rps", "req/s @16"),
+        ("cpu_us_per_req", "CPU us/req"),
+        ("errors", "errors"),
+    ]
+    console.print(
+        table("Probe race cost (all K accept; K-1 losers cancelled per request)", pcols, result["probe_race"])
+    )
+    (out / "overhead.md").write_text(
+        markdown_table(cols, result["targets"], nd) + "\n\n" + markdown_table(pcols, result["probe_race"]) + "\n"
+    )
     rows = [r for r in result["targets"] if r["target"] != "direct"]
-    bar_plot(out / "overhead_added_latency.png", [r["target"] for r in rows],
-             [r.get("added_lat_p50_us") or 0 for r in rows], "added latency p50 (us)",
-             "Added latency, non-streaming, 1 connection")
-    bar_plot(out / "overhead_rps.png", [r["target"] for r in result["targets"]],
-             [r.get("rps") or 0 for r in result["targets"]], f"requests/s at {a.connections} connections",
-             "Maximum throughput, small non-streaming requests")
+    bar_plot(
+        out / "overhead_added_latency.png",
+        [r["target"] for r in rows],
+        [r.get("added_lat_p50_us") or 0 for r in rows],
+        "added latency p50 (us)",
+        "Added latency, non-streaming, 1 connection",
+    )
+    bar_plot(
+        out / "overhead_rps.png",
+        [r["target"] for r in result["targets"]],
+        [r.get("rps") or 0 for r in result["targets"]],
+        f"requests/s at {a.connections} connections",
+        "Maximum throughput, small non-streaming requests",
+    )
     return 0
 
 

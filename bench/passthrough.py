@@ -7,6 +7,7 @@ POST /v1/completions and /v1/chat/completions are forwarded to one upstream over
 is relayed chunk by chunk, a JSON answer whole. No parsing, no validation, no metrics: what
 any Python proxy must at least spend.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def build_app(upstream: str) -> web.Application:
 
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        async with state["s"].post(upstream + request.path, data=body,
-                                   headers={"Content-Type": "application/json"}) as up:
+        async with state["s"].post(
+            upstream + request.path, data=body, headers={"Content-Type": "application/json"}
+        ) as up:
             ctype = up.headers.get("Content-Type", "application/json")
             if ctype.startswith("text/event-stream"):
                 resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype})
@@ -57,12 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         import uvloop
+
         loop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover
         import asyncio
+
         loop = asyncio.new_event_loop()
-    web.run_app(build_app(a.upstream.rstrip("/")), host="127.0.0.1", port=a.port, print=None,
-                access_log=None, loop=loop)
+    web.run_app(
+        build_app(a.upstream.rstrip("/")), host="127.0.0.1", port=a.port, print=None, access_log=None, loop=loop
+    )
     return 0
 
 

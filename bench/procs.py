@@ -4,6 +4,7 @@ Every process starts in its own process group and is stopped by that group's id 
 then SIGKILL after a grace period); `ProcessSet` owns a run's processes and stops them
 all on exit, also when the run fails. Nothing is ever killed by name.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -85,9 +86,14 @@ class ProcessSet:
         log_path = self.log_dir / f"{name}.log"
         f = open(log_path, "wb")
         try:
-            popen = subprocess.Popen(list(cmd), stdout=f, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+            popen = subprocess.Popen(
+                list(cmd),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
         finally:
             f.close()
         p = Proc(name, popen, log_path)
@@ -128,16 +134,16 @@ class ProcessSet:
         self.stop_all()
 
 
-async def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0,
-                    expect: int = 200) -> None:
+async def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0, expect: int = 200) -> None:
     """Until GET url answers `expect`; raises with the process's log tail on failure."""
     deadline = time.monotonic() + timeout_s
     last = ""
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             if proc is not None and not proc.alive():
-                raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}) before {url} answered:\n"
-                                   f"{proc.log_tail()}")
+                raise RuntimeError(
+                    f"{proc.name} exited ({proc.popen.returncode}) before {url} answered:\n{proc.log_tail()}"
+                )
             try:
                 async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     await r.read()
@@ -156,6 +162,7 @@ class RSSSampler:
 
     def __init__(self, pid: int, interval_s: float = 0.25):
         import psutil
+
         self.proc = psutil.Process(pid)
         self.interval_s = interval_s
         self.peak_rss = 0

@@ -5,6 +5,7 @@ Starts the instant backend and our router (strategy of choice), drives it with w
 functions with the most samples, by own time (the function on top of the stack) and by
 inclusive time (anywhere on the stack). Writes profile.json and the raw collapsed stacks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,12 @@ def aggregate(raw_lines: list[str], top: int = 25) -> tuple[list[dict], list[dic
         own[_short(frames[-1])] += n
         for f in set(_short(x) for x in frames):
             incl[f] += n
+
     def rows(c: Counter) -> list[dict]:
-        return [{"function": f, "samples": n, "pct": 100.0 * n / total if total else 0.0} for f, n in c.most_common(top)]
+        return [
+            {"function": f, "samples": n, "pct": 100.0 * n / total if total else 0.0} for f, n in c.most_common(top)
+        ]
+
     return rows(own), rows(incl), total
 
 
@@ -71,14 +76,19 @@ def main(a) -> int:
     with tempfile.TemporaryDirectory() as tmpd, ProcessSet(out / "logs") as procs:
         tmp = Path(tmpd)
         bports = free_ports(a.k)
-        backend = procs.start("instant_backend", pinned([PY, "-m", "bench.instant_backend",
-                                                          *sum((["--port", str(p)] for p in bports), [])], other))
+        backend = procs.start(
+            "instant_backend",
+            pinned([PY, "-m", "bench.instant_backend", *sum((["--port", str(p)] for p in bports), [])], other),
+        )
         urls = [f"http://127.0.0.1:{p}" for p in bports]
         asyncio.run(_wait(urls, backend))
         port = free_ports(1)[0]
         cfg = tmp / "router.toml"
-        cfg.write_text(router_toml(port, urls, [], RouterOptions(strategy=a.strategy, log_level=a.log_level,
-                                                                 probe_deadline_ms=1000.0)))
+        cfg.write_text(
+            router_toml(
+                port, urls, [], RouterOptions(strategy=a.strategy, log_level=a.log_level, probe_deadline_ms=1000.0)
+            )
+        )
         router = procs.start("router", pinned([*router_command(), "--config", str(cfg), "--no-engines"], proxy_cores))
         asyncio.run(wait_http(f"http://127.0.0.1:{port}/ready", router, 60))
         body = {**SMALL, "stream": True} if a.stream else SMALL
@@ -90,21 +100,52 @@ def main(a) -> int:
 
         th = threading.Thread(target=drive)
         th.start()
-        subprocess.run([spy, "record", "-p", str(router.pid), "-d", str(int(a.duration)), "-r", "250",
-                        "--format", "raw", "-o", str(raw), "--nonblocking"], capture_output=True, timeout=a.duration + 60)
+        subprocess.run(
+            [
+                spy,
+                "record",
+                "-p",
+                str(router.pid),
+                "-d",
+                str(int(a.duration)),
+                "-r",
+                "250",
+                "--format",
+                "raw",
+                "-o",
+                str(raw),
+                "--nonblocking",
+            ],
+            capture_output=True,
+            timeout=a.duration + 60,
+        )
         th.join()
     lines = raw.read_text().splitlines() if raw.exists() else []
     own, incl, total = aggregate(lines, a.top)
-    doc = {"strategy": a.strategy, "stream": a.stream, "connections": a.connections, "samples": total,
-           "wrk_rps": result.get("wrk", {}).get("rps"), "own": own, "inclusive": incl,
-           "loadavg": os.getloadavg()}
+    doc = {
+        "strategy": a.strategy,
+        "stream": a.stream,
+        "connections": a.connections,
+        "samples": total,
+        "wrk_rps": result.get("wrk", {}).get("rps"),
+        "own": own,
+        "inclusive": incl,
+        "loadavg": os.getloadavg(),
+    }
     (out / f"profile_{a.strategy}{'_stream' if a.stream else ''}.json").write_text(json.dumps(doc, indent=2))
     cols = [("function", "function (file)"), ("samples", "samples"), ("pct", "% of samples")]
-    console.print(table(f"Router own time: {a.strategy}, {'streaming' if a.stream else 'non-streaming'}, "
-                        f"wrk {a.connections} connections ({doc['wrk_rps']} req/s), {total} samples", cols, own))
+    console.print(
+        table(
+            f"Router own time: {a.strategy}, {'streaming' if a.stream else 'non-streaming'}, "
+            f"wrk {a.connections} connections ({doc['wrk_rps']} req/s), {total} samples",
+            cols,
+            own,
+        )
+    )
     console.print(table("Router inclusive time", cols, incl))
     (out / f"profile_{a.strategy}{'_stream' if a.stream else ''}.md").write_text(
-        "Own time\n\n" + markdown_table(cols, own) + "\n\nInclusive time\n\n" + markdown_table(cols, incl) + "\n")
+        "Own time\n\n" + markdown_table(cols, own) + "\n\nInclusive time\n\n" + markdown_table(cols, incl) + "\n"
+    )
     return 0
 
 

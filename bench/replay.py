@@ -19,6 +19,7 @@ computed the prompt, over all prompt tokens of the workload:
   decode leg) is not a hit of the computing engine and is left out; the plain sum over
   engines is reported too, as `hit_ratio_engine_sum`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,18 +36,43 @@ import orjson
 from engine_launcher.sim import tokenizer as simtok
 
 from . import workloads as wl
-from .cluster import (EXTERNAL_MODES, ROUTER_MODES, Cluster, RouterOptions, SimOptions, buckets_delta,
-                      counters_delta, engine_counters, histogram_buckets, histogram_quantile, metric_sum,
-                      sum_buckets)
+from .cluster import (
+    EXTERNAL_MODES,
+    ROUTER_MODES,
+    Cluster,
+    RouterOptions,
+    SimOptions,
+    buckets_delta,
+    counters_delta,
+    engine_counters,
+    histogram_buckets,
+    histogram_quantile,
+    metric_sum,
+    sum_buckets,
+)
 from .fleet import SMG_MODES, Samplers, recovery, restart_engine_at, scrape_all, start_replicas
 from .loadgen import Result, run_open_loop, run_sessions
 from .procs import ProcessSet, RSSSampler, cpu_list
 from .stats import mean, percentile, rnd
 
 ALL_MODES = ROUTER_MODES + tuple(EXTERNAL_MODES) + tuple(SMG_MODES) + ("oracle",)
-SUMMARY_KEYS = ("mode", "requests", "errors", "hit_ratio", "oracle_hit_ratio", "ttft_p50_ms", "ttft_p99_ms",
-                "itl_p50_ms", "e2e_p50_ms", "throughput_rps", "output_tokens_per_s", "probes_per_request",
-                "loser_tokens", "router_cpu_s_per_1k", "router_rss_mb")
+SUMMARY_KEYS = (
+    "mode",
+    "requests",
+    "errors",
+    "hit_ratio",
+    "oracle_hit_ratio",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "e2e_p50_ms",
+    "throughput_rps",
+    "output_tokens_per_s",
+    "probes_per_request",
+    "loser_tokens",
+    "router_cpu_s_per_1k",
+    "router_rss_mb",
+)
 
 
 @dataclass
@@ -106,21 +132,38 @@ def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
     if w.kind == "trace":
         if w.window == "tail":
             records = wl.load_trace(w.trace)
-            records = records[-w.limit:] if w.limit else records
+            records = records[-w.limit :] if w.limit else records
         else:
-            records = wl.load_trace(w.trace, None if w.limit is None else w.offset + w.limit)[w.offset:]
-        reqs = wl.mooncake_requests(records, block_tokens=w.block_tokens, time_scale=w.time_scale,
-                                    output_scale=w.output_scale, max_output=w.max_output, seed=w.seed)
+            records = wl.load_trace(w.trace, None if w.limit is None else w.offset + w.limit)[w.offset :]
+        reqs = wl.mooncake_requests(
+            records,
+            block_tokens=w.block_tokens,
+            time_scale=w.time_scale,
+            output_scale=w.output_scale,
+            max_output=w.max_output,
+            seed=w.seed,
+        )
     elif w.kind == "prefix-groups":
-        reqs = wl.prefix_group_requests(groups=w.groups, per_group=w.per_group, system_tokens=w.system_tokens,
-                                        question_tokens=w.question_tokens, output_tokens=w.output_tokens,
-                                        rate=w.rate or 8.0, seed=w.seed)
+        reqs = wl.prefix_group_requests(
+            groups=w.groups,
+            per_group=w.per_group,
+            system_tokens=w.system_tokens,
+            question_tokens=w.question_tokens,
+            output_tokens=w.output_tokens,
+            rate=w.rate or 8.0,
+            seed=w.seed,
+        )
         if w.limit:
-            reqs = reqs[:w.limit]
+            reqs = reqs[: w.limit]
     elif w.kind == "hetero":
-        reqs = wl.heterogeneous_requests(n=w.limit or 400, min_tokens=w.min_prompt_tokens,
-                                         max_tokens=w.max_prompt_tokens, output_tokens=w.output_tokens,
-                                         rate=w.rate or 8.0, seed=w.seed)
+        reqs = wl.heterogeneous_requests(
+            n=w.limit or 400,
+            min_tokens=w.min_prompt_tokens,
+            max_tokens=w.max_prompt_tokens,
+            output_tokens=w.output_tokens,
+            rate=w.rate or 8.0,
+            seed=w.seed,
+        )
     else:
         raise ValueError(f"no request list for workload {w.kind!r}")
     if w.rate > 0 and w.kind == "trace":
@@ -128,16 +171,22 @@ def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
             r.arrival_s = t
     if w.burst_on_s > 0 and w.burst_off_s > 0 and len(reqs) > 1:
         span = reqs[-1].arrival_s - reqs[0].arrival_s
-        for r, t in zip(reqs, wl.on_off_arrivals(len(reqs), len(reqs) / span, w.burst_on_s, w.burst_off_s,
-                                                 w.seed)):
+        for r, t in zip(reqs, wl.on_off_arrivals(len(reqs), len(reqs) / span, w.burst_on_s, w.burst_off_s, w.seed)):
             r.arrival_s = t
     return reqs
 
 
 def build_sessions(w: WorkloadSpec) -> list[wl.Session]:
-    return wl.multiturn_sessions(sessions=w.sessions, turns=w.turns, system_tokens=w.system_tokens,
-                                 message_tokens=w.message_tokens, output_tokens=w.output_tokens,
-                                 rate=w.rate or 1.0, think_s=w.think_s, seed=w.seed)
+    return wl.multiturn_sessions(
+        sessions=w.sessions,
+        turns=w.turns,
+        system_tokens=w.system_tokens,
+        message_tokens=w.message_tokens,
+        output_tokens=w.output_tokens,
+        rate=w.rate or 1.0,
+        think_s=w.think_s,
+        seed=w.seed,
+    )
 
 
 def default_sim(w: WorkloadSpec, speed: float, num_gpu_blocks: int | None = None) -> SimOptions:
@@ -168,8 +217,13 @@ def default_sim(w: WorkloadSpec, speed: float, num_gpu_blocks: int | None = None
 
 def machine_info() -> dict:
     import os
-    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": len(cpu_list()),
-            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": len(cpu_list()),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -199,7 +253,7 @@ def parse_router_log(path: Path) -> dict[str, dict]:
                 i = line.find("cachehit_router.requests: ")
                 if i < 0:
                     continue
-                d = json.loads(line[i + len("cachehit_router.requests: "):])
+                d = json.loads(line[i + len("cachehit_router.requests: ") :])
         except ValueError:
             continue
         if isinstance(d, dict) and d.get("request_id"):
@@ -226,41 +280,70 @@ async def run_replay(spec: RunSpec) -> dict:
     if reqs is not None:
         oracle = wl.oracle_for_requests(reqs, block)
     base: dict[str, Any] = {
-        "mode": spec.mode, "workload": {**asdict(w), **(wl.describe(reqs) if reqs is not None else {})},
-        "engines": spec.engines, "prefill": spec.prefill, "sim": asdict(spec.sim),
-        "router_options": asdict(spec.router), "machine": machine_info(), "routers": spec.routers,
+        "mode": spec.mode,
+        "workload": {**asdict(w), **(wl.describe(reqs) if reqs is not None else {})},
+        "engines": spec.engines,
+        "prefill": spec.prefill,
+        "sim": asdict(spec.sim),
+        "router_options": asdict(spec.router),
+        "machine": machine_info(),
+        "routers": spec.routers,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if spec.mode == "oracle":
         if oracle is None:
-            raise SystemExit("oracle: the multi-turn oracle depends on the engines' answers; "
-                             "it is reported with every run of a mode instead")
-        summary = {**{k: None for k in SUMMARY_KEYS}, **base, "requests": len(reqs), "errors": 0,
-                   "hit_ratio": oracle["oracle_hit_ratio"], "oracle_hit_ratio": oracle["oracle_hit_ratio"],
-                   "prompt_tokens": oracle["prompt_tokens"], "hit_tokens": oracle["oracle_hit_tokens"]}
+            raise SystemExit(
+                "oracle: the multi-turn oracle depends on the engines' answers; "
+                "it is reported with every run of a mode instead"
+            )
+        summary = {
+            **{k: None for k in SUMMARY_KEYS},
+            **base,
+            "requests": len(reqs),
+            "errors": 0,
+            "hit_ratio": oracle["oracle_hit_ratio"],
+            "oracle_hit_ratio": oracle["oracle_hit_ratio"],
+            "prompt_tokens": oracle["prompt_tokens"],
+            "hit_tokens": oracle["oracle_hit_tokens"],
+        }
         (spec.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        (spec.out / "requests.jsonl").write_text("".join(
-            json.dumps({"index": r.index, "prompt_tokens": r.prompt_tokens, "oracle_hit_tokens": h}) + "\n"
-            for r, h in zip(reqs, oracle["per_request"])))
+        (spec.out / "requests.jsonl").write_text(
+            "".join(
+                json.dumps({"index": r.index, "prompt_tokens": r.prompt_tokens, "oracle_hit_tokens": h}) + "\n"
+                for r, h in zip(reqs, oracle["per_request"])
+            )
+        )
         return summary
 
     router_cores, other_cores = _pinning(spec)
     import os
+
     own_affinity = os.sched_getaffinity(0)
     procs = ProcessSet(spec.out / "logs")
     cluster = Cluster(procs, [], [])
     try:
-        await cluster.start_engines(spec.engines, spec.prefill if spec.mode in ROUTER_MODES else 0,
-                                    spec.sim, cores=other_cores, engines_per_process=spec.engines_per_process)
+        await cluster.start_engines(
+            spec.engines,
+            spec.prefill if spec.mode in ROUTER_MODES else 0,
+            spec.sim,
+            cores=other_cores,
+            engines_per_process=spec.engines_per_process,
+        )
         urls: list[str] | None = None
         if spec.routers > 1 or spec.mode in SMG_MODES:
             strategy = spec.mode if spec.mode in ROUTER_MODES else "probe"
-            urls = await start_replicas(cluster, spec.mode, spec.routers,
-                                        RouterOptions(**{**asdict(spec.router), "strategy": strategy}),
-                                        spec.out, cores=router_cores)
+            urls = await start_replicas(
+                cluster,
+                spec.mode,
+                spec.routers,
+                RouterOptions(**{**asdict(spec.router), "strategy": strategy}),
+                spec.out,
+                cores=router_cores,
+            )
         elif spec.mode in ROUTER_MODES:
-            await cluster.start_router(RouterOptions(**{**asdict(spec.router), "strategy": spec.mode}),
-                                       spec.out, cores=router_cores)
+            await cluster.start_router(
+                RouterOptions(**{**asdict(spec.router), "strategy": spec.mode}), spec.out, cores=router_cores
+            )
         elif spec.mode in EXTERNAL_MODES:
             await cluster.start_vllm_router(EXTERNAL_MODES[spec.mode], cores=router_cores)
         elif spec.mode == "direct":
@@ -273,13 +356,19 @@ async def run_replay(spec: RunSpec) -> dict:
         async with aiohttp.ClientSession() as s:
             eng_before = await engine_counters(s, cluster.engines)
             rm_before = await scrape_all(s, urls or [cluster.url]) if cluster.router_kind == "ours" else {}
-        sampler = (Samplers(cluster.replicas) if urls else RSSSampler(cluster.router.pid)) \
-            if cluster.router is not None else None
+        sampler = (
+            (Samplers(cluster.replicas) if urls else RSSSampler(cluster.router.pid))
+            if cluster.router is not None
+            else None
+        )
         if sampler:
             sampler.start()
         t_start = time.time()
-        restart = (asyncio.ensure_future(restart_engine_at(cluster, spec.restart_engine_at))
-                   if spec.restart_engine_at > 0 else None)
+        restart = (
+            asyncio.ensure_future(restart_engine_at(cluster, spec.restart_engine_at))
+            if spec.restart_engine_at > 0
+            else None
+        )
         if sessions is not None:
             results, prompts, wall = await run_sessions(urls or cluster.url, sessions)
         else:
@@ -304,8 +393,12 @@ async def run_replay(spec: RunSpec) -> dict:
             ids = simtok.encode(p)
             seqs.append((ids, simtok.encode(p + r.text) if r.ok else None))
         hits, total, per = wl.oracle_hit_tokens(seqs, block)
-        oracle = {"oracle_hit_tokens": hits, "prompt_tokens": total,
-                  "oracle_hit_ratio": hits / total if total else 0.0, "per_request": per}
+        oracle = {
+            "oracle_hit_tokens": hits,
+            "prompt_tokens": total,
+            "oracle_hit_ratio": hits / total if total else 0.0,
+            "per_request": per,
+        }
         for r, p in zip(results, prompts):
             r.expected_prompt_tokens = len(simtok.encode(p))
         base["workload"].update({"requests": len(results), "prompt_tokens": total})
@@ -313,8 +406,9 @@ async def run_replay(spec: RunSpec) -> dict:
     if cluster.router_kind == "ours":
         for log_file in sorted((spec.out / "logs").glob("router*.log")):
             logs.update(parse_router_log(log_file))
-    summary = summarize(spec, base, results, wall, eng, decoders, prefillers, rm_before, rm_after, logs,
-                        oracle, router_cpu, router_rss)
+    summary = summarize(
+        spec, base, results, wall, eng, decoders, prefillers, rm_before, rm_after, logs, oracle, router_cpu, router_rss
+    )
     summary["wall_clock_start"] = t_start
     summary["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     write_outputs(spec.out, summary, results, logs)
@@ -324,9 +418,21 @@ async def run_replay(spec: RunSpec) -> dict:
     return summary
 
 
-def summarize(spec: RunSpec, base: dict, results: list[Result], wall: float, eng: dict, decoders: list[str],
-              prefillers: list[str], rm_before: dict, rm_after: dict, logs: dict, oracle: dict,
-              router_cpu: float | None, router_rss: int | None) -> dict:
+def summarize(
+    spec: RunSpec,
+    base: dict,
+    results: list[Result],
+    wall: float,
+    eng: dict,
+    decoders: list[str],
+    prefillers: list[str],
+    rm_before: dict,
+    rm_after: dict,
+    logs: dict,
+    oracle: dict,
+    router_cpu: float | None,
+    router_rss: int | None,
+) -> dict:
     ok = [r for r in results if r.ok]
     n = len(results)
     total_prompt = sum(r.expected_prompt_tokens or 0 for r in results)
@@ -336,18 +442,31 @@ def summarize(spec: RunSpec, base: dict, results: list[Result], wall: float, eng
     for r in ok:
         route = (logs.get(r.response_id) or {}).get("route")
         if route is None:  # no router log: an external pull shows as cached == prompt
-            route = "pd" if (r.cached_tokens is not None and r.prompt_tokens and
-                             r.cached_tokens >= r.prompt_tokens and prefillers) else "direct"
+            route = (
+                "pd"
+                if (
+                    r.cached_tokens is not None
+                    and r.prompt_tokens
+                    and r.cached_tokens >= r.prompt_tokens
+                    and prefillers
+                )
+                else "direct"
+            )
         routes[route] = routes.get(route, 0) + 1
         if route != "pd":
             served_hits += r.cached_tokens or 0
     # A prefill engine never pulls over NIXL: its connector hits are its own CPU tier's.
-    producer_hits = sum(eng[u]["vllm:prefix_cache_hits_total"]
-                        + eng[u]["vllm:external_prefix_cache_hits_total"] for u in prefillers)
+    producer_hits = sum(
+        eng[u]["vllm:prefix_cache_hits_total"] + eng[u]["vllm:external_prefix_cache_hits_total"] for u in prefillers
+    )
     hit_tokens = served_hits + producer_hits
     engine_sum = sum(d["vllm:prefix_cache_hits_total"] for d in eng.values())
-    prefilled = sum(d["vllm:prefix_cache_queries_total"] - d["vllm:prefix_cache_hits_total"]
-                    - d["vllm:external_prefix_cache_hits_total"] for d in eng.values())
+    prefilled = sum(
+        d["vllm:prefix_cache_queries_total"]
+        - d["vllm:prefix_cache_hits_total"]
+        - d["vllm:external_prefix_cache_hits_total"]
+        for d in eng.values()
+    )
     decoder_gen = sum(eng[u]["vllm:generation_tokens_total"] for u in decoders)
     out_tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
@@ -355,64 +474,89 @@ def summarize(spec: RunSpec, base: dict, results: list[Result], wall: float, eng
     e2e = [r.e2e_ms for r in ok]
     good = [r for r in ok if r.ttft_ms is not None and r.ttft_ms <= spec.slo_ttft_ms]
     s: dict[str, Any] = dict(base)
-    s.update({
-        "requests": n, "errors": n - len(ok),
-        "error_examples": sorted({r.error for r in results if not r.ok})[:5],
-        "hit_ratio": rnd(hit_tokens / total_prompt if total_prompt else None, 4),
-        "oracle_hit_ratio": rnd(oracle["oracle_hit_ratio"], 4) if oracle else None,
-        "hit_tokens": int(hit_tokens), "prompt_tokens": total_prompt,
-        "hit_ratio_engine_sum": rnd(engine_sum / total_prompt if total_prompt else None, 4),
-        "prefilled_tokens": int(prefilled),
-        "ttft_p50_ms": rnd(percentile(ttft, 50)), "ttft_p90_ms": rnd(percentile(ttft, 90)),
-        "ttft_p99_ms": rnd(percentile(ttft, 99)), "ttft_mean_ms": rnd(mean(ttft)),
-        "itl_p50_ms": rnd(percentile(itl, 50)), "itl_p99_ms": rnd(percentile(itl, 99)),
-        "e2e_p50_ms": rnd(percentile(e2e, 50)), "e2e_p99_ms": rnd(percentile(e2e, 99)),
-        "wall_s": rnd(wall), "offered_rps": base["workload"].get("offered_rps"),
-        "throughput_rps": rnd(len(ok) / wall if wall else None),
-        "output_tokens": out_tokens, "output_tokens_per_s": rnd(out_tokens / wall if wall else None, 1),
-        "slo_ttft_ms": spec.slo_ttft_ms, "goodput_rps": rnd(len(good) / wall if wall else None),
-        "goodput_fraction": rnd(len(good) / n if n else None, 4),
-        "routes": routes,
-        "engine_ttft_p50_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.5),
-        "engine_ttft_p90_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.9),
-        "engine_generated_tokens": int(decoder_gen),
-        "engine_tokens_not_delivered": int(decoder_gen - out_tokens),
-        "preemptions": int(sum(d["vllm:num_preemptions_total"] for d in eng.values())),
-        "cpu_tier_hit_tokens": int(sum(d.get("cpu_tier_hit_tokens", 0) for d in eng.values())),
-        "engine_rejections": int(sum(d["finished_cache_threshold"] for d in eng.values())),
-        "router_cpu_s": rnd(router_cpu), "router_cpu_s_per_1k": rnd(router_cpu / n * 1000 if router_cpu is not None and n else None),
-        "router_rss_mb": rnd(router_rss / 2**20 if router_rss else None, 1),
-    })
+    s.update(
+        {
+            "requests": n,
+            "errors": n - len(ok),
+            "error_examples": sorted({r.error for r in results if not r.ok})[:5],
+            "hit_ratio": rnd(hit_tokens / total_prompt if total_prompt else None, 4),
+            "oracle_hit_ratio": rnd(oracle["oracle_hit_ratio"], 4) if oracle else None,
+            "hit_tokens": int(hit_tokens),
+            "prompt_tokens": total_prompt,
+            "hit_ratio_engine_sum": rnd(engine_sum / total_prompt if total_prompt else None, 4),
+            "prefilled_tokens": int(prefilled),
+            "ttft_p50_ms": rnd(percentile(ttft, 50)),
+            "ttft_p90_ms": rnd(percentile(ttft, 90)),
+            "ttft_p99_ms": rnd(percentile(ttft, 99)),
+            "ttft_mean_ms": rnd(mean(ttft)),
+            "itl_p50_ms": rnd(percentile(itl, 50)),
+            "itl_p99_ms": rnd(percentile(itl, 99)),
+            "e2e_p50_ms": rnd(percentile(e2e, 50)),
+            "e2e_p99_ms": rnd(percentile(e2e, 99)),
+            "wall_s": rnd(wall),
+            "offered_rps": base["workload"].get("offered_rps"),
+            "throughput_rps": rnd(len(ok) / wall if wall else None),
+            "output_tokens": out_tokens,
+            "output_tokens_per_s": rnd(out_tokens / wall if wall else None, 1),
+            "slo_ttft_ms": spec.slo_ttft_ms,
+            "goodput_rps": rnd(len(good) / wall if wall else None),
+            "goodput_fraction": rnd(len(good) / n if n else None, 4),
+            "routes": routes,
+            "engine_ttft_p50_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.5),
+            "engine_ttft_p90_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.9),
+            "engine_generated_tokens": int(decoder_gen),
+            "engine_tokens_not_delivered": int(decoder_gen - out_tokens),
+            "preemptions": int(sum(d["vllm:num_preemptions_total"] for d in eng.values())),
+            "cpu_tier_hit_tokens": int(sum(d.get("cpu_tier_hit_tokens", 0) for d in eng.values())),
+            "engine_rejections": int(sum(d["finished_cache_threshold"] for d in eng.values())),
+            "router_cpu_s": rnd(router_cpu),
+            "router_cpu_s_per_1k": rnd(router_cpu / n * 1000 if router_cpu is not None and n else None),
+            "router_rss_mb": rnd(router_rss / 2**20 if router_rss else None, 1),
+        }
+    )
     # Router-side probe accounting.
     if rm_after:
+
         def d(name: str, **lab: str) -> float:
             return metric_sum(rm_after, name, **lab) - metric_sum(rm_before, name, **lab)
+
         rej = d("cachehit_router_probe_rejections_total")
         losers = d("cachehit_router_probe_losers_total")
         expired = d("cachehit_router_probe_deadline_expiries_total")
-        hits_route = sum(d("cachehit_router_requests_total", route="probe_hit", status=st)
-                         for st in {lab.get("status") for lab, _ in rm_after.get("cachehit_router_requests_total", ())})
+        hits_route = sum(
+            d("cachehit_router_requests_total", route="probe_hit", status=st)
+            for st in {lab.get("status") for lab, _ in rm_after.get("cachehit_router_requests_total", ())}
+        )
         probes_metric = rej + losers + expired + hits_route if spec.mode == "probe" else 0.0
         probes_log = [x.get("probes", 0) for x in logs.values()]
-        s["probes_per_request"] = rnd((sum(probes_log) / len(probes_log)) if probes_log
-                                      else (probes_metric / n if n else None))
+        s["probes_per_request"] = rnd(
+            (sum(probes_log) / len(probes_log)) if probes_log else (probes_metric / n if n else None)
+        )
         s["probes_per_request_metrics"] = rnd(probes_metric / n if n else None)
         s["probe_rejections"] = int(rej)
         s["probe_losers"] = int(losers)
         s["probe_deadline_expiries"] = int(expired)
         s["loser_tokens"] = int(d("cachehit_router_probe_loser_tokens_total"))
-        s["router_routes"] = {route: int(sum(d("cachehit_router_requests_total", route=route, status=st)
-                                             for st in {lab.get("status") for lab, _ in
-                                                        rm_after.get("cachehit_router_requests_total", ())}))
-                              for route in ("probe_hit", "pd", "direct")}
+        s["router_routes"] = {
+            route: int(
+                sum(
+                    d("cachehit_router_requests_total", route=route, status=st)
+                    for st in {lab.get("status") for lab, _ in rm_after.get("cachehit_router_requests_total", ())}
+                )
+            )
+            for route in ("probe_hit", "pd", "direct")
+        }
         for verdict in ("rejected", "expired", "accepted"):
-            b = buckets_delta(histogram_buckets(rm_before, "cachehit_router_probe_verdict_seconds", verdict=verdict),
-                              histogram_buckets(rm_after, "cachehit_router_probe_verdict_seconds", verdict=verdict))
+            b = buckets_delta(
+                histogram_buckets(rm_before, "cachehit_router_probe_verdict_seconds", verdict=verdict),
+                histogram_buckets(rm_after, "cachehit_router_probe_verdict_seconds", verdict=verdict),
+            )
             for q in (50, 99):
                 v = histogram_quantile(b, q / 100)
                 s[f"probe_{verdict}_p{q}_ms"] = rnd(v * 1000 if v is not None else None)
-        pd_ttft = [r.ttft_ms for r in ok if (logs.get(r.response_id) or {}).get("route") == "pd"
-                   and r.ttft_ms is not None]
+        pd_ttft = [
+            r.ttft_ms for r in ok if (logs.get(r.response_id) or {}).get("route") == "pd" and r.ttft_ms is not None
+        ]
         s["ttft_pd_p50_ms"] = rnd(percentile(pd_ttft, 50))
         s["ttft_pd_p99_ms"] = rnd(percentile(pd_ttft, 99))
     else:
@@ -433,14 +577,22 @@ def write_outputs(out: Path, summary: dict, results: list[Result], logs: dict) -
             row = r.row()
             lg = logs.get(r.response_id)
             if lg:
-                row.update({"route": lg.get("route"), "winner": lg.get("winner"), "prefill": lg.get("prefill"),
-                            "probes": lg.get("probes"), "rejections": lg.get("rejections"),
-                            "losers": lg.get("losers"), "expired": lg.get("expired"),
-                            "router_ttft_ms": lg.get("ttft_ms"),
-                            # the routing cost model's TTFT prediction for the leg that answered
-                            "predicted_ttft_ms": lg.get("predicted_ttft_ms"),
-                            # probe hits: the predicted TTFT of the best engine computing the whole prompt
-                            "scratch_ttft_ms": lg.get("scratch_ttft_ms")})
+                row.update(
+                    {
+                        "route": lg.get("route"),
+                        "winner": lg.get("winner"),
+                        "prefill": lg.get("prefill"),
+                        "probes": lg.get("probes"),
+                        "rejections": lg.get("rejections"),
+                        "losers": lg.get("losers"),
+                        "expired": lg.get("expired"),
+                        "router_ttft_ms": lg.get("ttft_ms"),
+                        # the routing cost model's TTFT prediction for the leg that answered
+                        "predicted_ttft_ms": lg.get("predicted_ttft_ms"),
+                        # probe hits: the predicted TTFT of the best engine computing the whole prompt
+                        "scratch_ttft_ms": lg.get("scratch_ttft_ms"),
+                    }
+                )
             f.write(orjson.dumps(row) + b"\n")
 
 

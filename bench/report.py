@@ -1,4 +1,5 @@
 """Tables (rich) and plots (matplotlib) from run directories."""
+
 from __future__ import annotations
 
 import json
@@ -45,15 +46,34 @@ def markdown_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict], nd:
 
 
 COMPARE_COLUMNS = [
-    ("label", "mode"), ("requests", "req"), ("errors", "err"), ("offered_rps", "offered/s"),
-    ("hit_ratio", "hit ratio"), ("pct_of_oracle", "% of oracle"), ("ttft_p50_ms", "TTFT p50 ms"),
-    ("ttft_p99_ms", "TTFT p99 ms"), ("itl_p50_ms", "ITL p50 ms"), ("e2e_p50_ms", "e2e p50 ms"),
-    ("throughput_rps", "req/s"), ("output_tokens_per_s", "out tok/s"), ("goodput_fraction", "SLO ok"),
-    ("probes_per_request", "probes/req"), ("loser_tokens_pct_of_output", "loser tok %"),
-    ("pd_share", "P/D share"), ("router_cpu_s_per_1k", "router CPU s/1k"), ("router_rss_mb", "router RSS MB"),
+    ("label", "mode"),
+    ("requests", "req"),
+    ("errors", "err"),
+    ("offered_rps", "offered/s"),
+    ("hit_ratio", "hit ratio"),
+    ("pct_of_oracle", "% of oracle"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"),
+    ("e2e_p50_ms", "e2e p50 ms"),
+    ("throughput_rps", "req/s"),
+    ("output_tokens_per_s", "out tok/s"),
+    ("goodput_fraction", "SLO ok"),
+    ("probes_per_request", "probes/req"),
+    ("loser_tokens_pct_of_output", "loser tok %"),
+    ("pd_share", "P/D share"),
+    ("router_cpu_s_per_1k", "router CPU s/1k"),
+    ("router_rss_mb", "router RSS MB"),
 ]
-COMPARE_ND = {"hit_ratio": 3, "goodput_fraction": 3, "pct_of_oracle": 1, "probes_per_request": 2,
-              "loser_tokens_pct_of_output": 3, "pd_share": 3, "router_cpu_s_per_1k": 2}
+COMPARE_ND = {
+    "hit_ratio": 3,
+    "goodput_fraction": 3,
+    "pct_of_oracle": 1,
+    "probes_per_request": 2,
+    "loser_tokens_pct_of_output": 3,
+    "pd_share": 3,
+    "router_cpu_s_per_1k": 2,
+}
 
 
 def label_of(d: Path, s: dict) -> str:
@@ -82,8 +102,9 @@ def compare(dirs: Sequence[Path], out: Path | None = None, title: str = "Routing
     out = out or (Path(dirs[0]).parent if dirs else Path("."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.md").write_text(markdown_table(COMPARE_COLUMNS, rows, COMPARE_ND) + "\n")
-    (out / "compare.json").write_text(json.dumps([{k: r.get(k) for k, _ in COMPARE_COLUMNS} | {"dir": r["dir"]}
-                                                  for r in rows], indent=2))
+    (out / "compare.json").write_text(
+        json.dumps([{k: r.get(k) for k, _ in COMPARE_COLUMNS} | {"dir": r["dir"]} for r in rows], indent=2)
+    )
     plots = plot_compare(dirs, rows, out)
     for p in plots:
         console.print(f"wrote {p}")
@@ -92,6 +113,7 @@ def compare(dirs: Sequence[Path], out: Path | None = None, title: str = "Routing
 
 def plot_compare(dirs: Sequence[Path], rows: list[dict], out: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -143,8 +165,9 @@ def plot_compare(dirs: Sequence[Path], rows: list[dict], out: Path) -> list[Path
     series: dict[str, list[tuple[float, float, float]]] = {}
     for r in rows:
         if r.get("sweep_series") and r.get("offered_rps") and r.get("ttft_p50_ms") is not None:
-            series.setdefault(r["sweep_series"], []).append((r["offered_rps"], r["ttft_p50_ms"],
-                                                             r.get("ttft_p99_ms") or float("nan")))
+            series.setdefault(r["sweep_series"], []).append(
+                (r["offered_rps"], r["ttft_p50_ms"], r.get("ttft_p99_ms") or float("nan"))
+            )
     if series:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
         for name, pts in sorted(series.items()):
@@ -166,11 +189,14 @@ def plot_compare(dirs: Sequence[Path], rows: list[dict], out: Path) -> list[Path
     return written
 
 
-def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, title: str,
-             errs: list[float] | None = None) -> Path:
+def bar_plot(
+    path: Path, labels: list[str], values: list[float], ylabel: str, title: str, errs: list[float] | None = None
+) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(labels, values, yerr=errs, color="tab:blue", capsize=3)
     ax.set_ylabel(ylabel)
@@ -182,11 +208,20 @@ def bar_plot(path: Path, labels: list[str], values: list[float], ylabel: str, ti
     return path
 
 
-def line_plot(path: Path, series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str,
-              logy: bool = False, logx: bool = False) -> Path:
+def line_plot(
+    path: Path,
+    series: dict[str, list[tuple[float, float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logy: bool = False,
+    logx: bool = False,
+) -> Path:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pts in series.items():
         pts = sorted(pts)

@@ -1,4 +1,5 @@
 """Small statistics helpers (no numpy needed)."""
+
 from __future__ import annotations
 
 import math

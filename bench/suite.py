@@ -11,6 +11,7 @@ moment; the order rotates from one workload to the next so that no mode always r
 (or last) on a warming or cooling machine. Rates of the near-capacity, bursty and overload
 workloads are derived from the simulator's timing model (`bench/capacity.py`), not guessed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,23 +50,74 @@ class SuiteWorkload:
 
 
 WORKLOADS: tuple[SuiteWorkload, ...] = (
-    SuiteWorkload("low-reuse", "probe's P/D fallback and prefix_tree: little to hit, so load balance decides",
-                  TRACE_HEAD, ("--limit", "130"), TRACE_SPEED, target=0.85),
-    SuiteWorkload("prefix-groups", "round_robin and least_loaded: they scatter each group's prefix",
-                  ("--workload", "prefix-groups", "--rate", "8"), ("--per-group", "8")),
-    SuiteWorkload("multiturn", "cache-blind policies: each turn extends the previous turn's cached prompt",
-                  ("--workload", "multiturn"), ("--sessions", "6")),
-    SuiteWorkload("hetero", "least_loaded and round_robin: requests are not work; long prompts block short ones",
-                  ("--workload", "hetero", "--limit", "400", "--rate", "8", "--min-prompt-tokens", "32",
-                   "--max-prompt-tokens", "8000", "--output-tokens", "64"), ("--limit", "130"), 0.15, target=0.85),
-    SuiteWorkload("bursty", "load signals that lag: a burst lands before the queues show it",
-                  TRACE_HEAD, ("--limit", "130"), TRACE_SPEED, target=0.85, bursts=(2.0, 6.0)),
-    SuiteWorkload("overload", "anything that piles onto one engine or into P/D when every queue grows",
-                  TRACE_HEAD, ("--limit", "130"), TRACE_SPEED, target=1.2),
-    SuiteWorkload("cpu-tier", "routers that only know what they sent or what the GPU holds: a conversation's "
-                  "next turn returns after its blocks left the GPU for one engine's CPU tier",
-                  TRACE_HEAD, ("--limit", "130"), TRACE_SPEED, target=0.85,
-                  cluster=(("num_gpu_blocks", CPU_TIER_GPU_BLOCKS), ("cpu_offload_x", 8.0))),
+    SuiteWorkload(
+        "low-reuse",
+        "probe's P/D fallback and prefix_tree: little to hit, so load balance decides",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+    ),
+    SuiteWorkload(
+        "prefix-groups",
+        "round_robin and least_loaded: they scatter each group's prefix",
+        ("--workload", "prefix-groups", "--rate", "8"),
+        ("--per-group", "8"),
+    ),
+    SuiteWorkload(
+        "multiturn",
+        "cache-blind policies: each turn extends the previous turn's cached prompt",
+        ("--workload", "multiturn"),
+        ("--sessions", "6"),
+    ),
+    SuiteWorkload(
+        "hetero",
+        "least_loaded and round_robin: requests are not work; long prompts block short ones",
+        (
+            "--workload",
+            "hetero",
+            "--limit",
+            "400",
+            "--rate",
+            "8",
+            "--min-prompt-tokens",
+            "32",
+            "--max-prompt-tokens",
+            "8000",
+            "--output-tokens",
+            "64",
+        ),
+        ("--limit", "130"),
+        0.15,
+        target=0.85,
+    ),
+    SuiteWorkload(
+        "bursty",
+        "load signals that lag: a burst lands before the queues show it",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+        bursts=(2.0, 6.0),
+    ),
+    SuiteWorkload(
+        "overload",
+        "anything that piles onto one engine or into P/D when every queue grows",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=1.2,
+    ),
+    SuiteWorkload(
+        "cpu-tier",
+        "routers that only know what they sent or what the GPU holds: a conversation's "
+        "next turn returns after its blocks left the GPU for one engine's CPU tier",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+        cluster=(("num_gpu_blocks", CPU_TIER_GPU_BLOCKS), ("cpu_offload_x", 8.0)),
+    ),
 )
 BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -73,6 +125,7 @@ BY_NAME = {w.name: w for w in WORKLOADS}
 def cluster_keys() -> list[str]:
     """The cluster flags of `replay` (add_cluster_args): the suite passes them through."""
     from .__main__ import add_cluster_args
+
     p = argparse.ArgumentParser()
     add_cluster_args(p)
     return list(vars(p.parse_args([])))
@@ -81,6 +134,7 @@ def cluster_keys() -> list[str]:
 def replay_args(a: argparse.Namespace, wd: SuiteWorkload, out: Path) -> argparse.Namespace:
     """The `replay` arguments of one suite workload: its flags, the suite's cluster flags."""
     from .__main__ import build_parser
+
     ns = build_parser().parse_args(["replay", "--out", str(out), *wd.flags, *(wd.quick_flags if a.quick else ())])
     for k in cluster_keys():
         setattr(ns, k, getattr(a, k))
@@ -109,14 +163,16 @@ def workload_load(ns: argparse.Namespace) -> Load | None:
     arrivals depend on the answers)."""
     from .__main__ import run_spec_from_args
     from .replay import build_requests
+
     if ns.workload == "multiturn":
         return None
     spec = run_spec_from_args(ns, "oracle", Path(ns.out))
     reqs = build_requests(spec.workload)
     hits = wl.oracle_for_requests(reqs, spec.sim.block_size)["per_request"]
     span = reqs[-1].arrival_s - reqs[0].arrival_s
-    return offered_load([r.prompt_tokens for r in reqs], hits, [r.max_tokens for r in reqs], span, spec.sim,
-                        spec.engines, spec.prefill)
+    return offered_load(
+        [r.prompt_tokens for r in reqs], hits, [r.max_tokens for r in reqs], span, spec.sim, spec.engines, spec.prefill
+    )
 
 
 def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict | None:
@@ -134,8 +190,15 @@ def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict | None:
     load = workload_load(ns) if (wd.target or wd.bursts) else load
     if load is None:
         return None
-    return {**asdict(load), "engines": ns.engines, "prefill": ns.prefill, "speed": ns.speed, "target": wd.target,
-            "time_scale": ns.time_scale, "rate": ns.rate}
+    return {
+        **asdict(load),
+        "engines": ns.engines,
+        "prefill": ns.prefill,
+        "speed": ns.speed,
+        "target": wd.target,
+        "time_scale": ns.time_scale,
+        "rate": ns.rate,
+    }
 
 
 def mode_order(modes: list[str], i: int) -> list[str]:
@@ -158,6 +221,7 @@ def select(text: str, known: dict, what: str) -> list:
 def run_suite(a: argparse.Namespace) -> int:
     from .__main__ import expand_modes, run_spec_from_args
     from .replay import load_requests, run_replay
+
     out = Path(a.out)
     chosen = select(a.workloads, BY_NAME, "workload")
     modes = expand_modes(a.modes)
@@ -184,9 +248,17 @@ def run_suite(a: argparse.Namespace) -> int:
     rank = {m: j for j, m in enumerate(modes)}
     rows.sort(key=lambda r: ([w.name for w in chosen].index(r["workload"]), rank.get(r["mode"], 99)))
     add_regret(rows)
-    config = {"workloads": [w.name for w in chosen], "modes": modes, "quick": a.quick, "engines": a.engines,
-              "prefill": a.prefill, "speed": a.speed or None, "seed": a.seed, "trace": a.trace or "generated",
-              "requests": a.requests or None}
+    config = {
+        "workloads": [w.name for w in chosen],
+        "modes": modes,
+        "quick": a.quick,
+        "engines": a.engines,
+        "prefill": a.prefill,
+        "speed": a.speed or None,
+        "seed": a.seed,
+        "trace": a.trace or "generated",
+        "requests": a.requests or None,
+    }
     for p in write_suite(out, rows, loads, config):
         console.print(f"wrote {p}")
     for f in failures:

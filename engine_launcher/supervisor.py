@@ -39,6 +39,7 @@ API:
   exited, restarting, failed, stopped), during start() and afterwards; exceptions in the
   callback are not caught.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,7 +70,13 @@ from .commands import (
 
 # Unit (process) states.
 PENDING, STARTING, HEALTHY, RESTARTING, FAILED, STOPPED = (
-    "pending", "starting", "healthy", "restarting", "failed", "stopped")
+    "pending",
+    "starting",
+    "healthy",
+    "restarting",
+    "failed",
+    "stopped",
+)
 EXITED = "exited"  # an event only: the process ended; the state becomes restarting/failed
 
 
@@ -121,8 +128,8 @@ class _Unit:
     role: str
     proc: asyncio.subprocess.Process | None = None
     state: str = PENDING
-    restarts: int = 0          # total over the supervisor's life (display)
-    consecutive: int = 0       # restarts since the process last stayed up stable_after_s
+    restarts: int = 0  # total over the supervisor's life (display)
+    consecutive: int = 0  # restarts since the process last stayed up stable_after_s
     healthy_at: float | None = None
     last_exit_code: int | None = None
     attempt: int = 0
@@ -130,6 +137,7 @@ class _Unit:
 
 
 # --- port reservation ----------------------------------------------------------------
+
 
 class PortReservation:
     """Free ports picked by binding port 0 and kept bound until released.
@@ -193,6 +201,7 @@ def _child_setup(parent_pid: int) -> Callable[[], None] | None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
+
     return setup
 
 
@@ -229,12 +238,21 @@ def _now() -> str:
 
 # --- the supervisor ------------------------------------------------------------------
 
+
 class Supervisor:
-    def __init__(self, engines: Sequence[EngineConfig], launcher: LauncherConfig | None = None,
-                 host_has_gpu: bool | None = None, *, host: HostInfo | None = None,
-                 python: str = sys.executable, stop_timeout_s: float = 15.0,
-                 health_poll_s: float = 0.25, backoff_max_s: float = 60.0,
-                 stable_after_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        engines: Sequence[EngineConfig],
+        launcher: LauncherConfig | None = None,
+        host_has_gpu: bool | None = None,
+        *,
+        host: HostInfo | None = None,
+        python: str = sys.executable,
+        stop_timeout_s: float = 15.0,
+        health_poll_s: float = 0.25,
+        backoff_max_s: float = 60.0,
+        stable_after_s: float = 60.0,
+    ) -> None:
         self.engines = tuple(engines)
         self.launcher = launcher or LauncherConfig()
         host = host or detect_host()
@@ -274,8 +292,7 @@ class Supervisor:
                 for name, which, host in ports_to_pick(self.engines):
                     self._reservation.pick(name, which, host)
                 ports = resolve_ports(self.engines, self._reservation.picked)
-                cmds = build_commands(self.engines, ports, self.host,
-                                      log_dir=self.launcher.log_dir, python=self.python)
+                cmds = build_commands(self.engines, ports, self.host, log_dir=self.launcher.log_dir, python=self.python)
             except BaseException:
                 self._reservation.release_all()
                 raise
@@ -354,12 +371,21 @@ class Supervisor:
         await self.stop()
 
     def status(self) -> list[UnitStatus]:
-        return [UnitStatus(name=u.cmd.name, kind=u.cmd.kind, role=u.role, engines=u.cmd.engines,
-                           urls=dict(u.cmd.urls),
-                           pid=u.proc.pid if u.proc and u.proc.returncode is None else None,
-                           state=u.state, restarts=u.restarts, last_exit_code=u.last_exit_code,
-                           log_file=u.cmd.log_file)
-                for u in self._units]
+        return [
+            UnitStatus(
+                name=u.cmd.name,
+                kind=u.cmd.kind,
+                role=u.role,
+                engines=u.cmd.engines,
+                urls=dict(u.cmd.urls),
+                pid=u.proc.pid if u.proc and u.proc.returncode is None else None,
+                state=u.state,
+                restarts=u.restarts,
+                last_exit_code=u.last_exit_code,
+                log_file=u.cmd.log_file,
+            )
+            for u in self._units
+        ]
 
     # -- internals ---------------------------------------------------------------------
 
@@ -396,15 +422,23 @@ class Supervisor:
         cmd = unit.cmd
         self._set(unit, STARTING, f"attempt {unit.attempt}")
         with open(cmd.log_file, "ab") as log:
-            log.write(f"\n==== engine-launcher: {_now()} start {cmd.name} (attempt {unit.attempt})"
-                      f" serving {', '.join(cmd.engines)}\n$ {cmd.shell_line()}\n".encode())
+            log.write(
+                f"\n==== engine-launcher: {_now()} start {cmd.name} (attempt {unit.attempt})"
+                f" serving {', '.join(cmd.engines)}\n$ {cmd.shell_line()}\n".encode()
+            )
             log.flush()
             # The engine binds these ports next; stop holding them.
             self._reservation.release(cmd.engines)
             unit.proc = await asyncio.create_subprocess_exec(
-                *cmd.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                stderr=asyncio.subprocess.STDOUT, env={**os.environ, **cmd.env}, cwd=cmd.cwd,
-                start_new_session=True, preexec_fn=_child_setup(os.getpid()))
+                *cmd.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **cmd.env},
+                cwd=cmd.cwd,
+                start_new_session=True,
+                preexec_fn=_child_setup(os.getpid()),
+            )
         unit.healthy_at = None
         if cmd.cpu_affinity:
             with contextlib.suppress(OSError):
@@ -430,8 +464,9 @@ class Supervisor:
         finally:
             exited.cancel()
 
-    async def _poll_health(self, unit: _Unit, proc: asyncio.subprocess.Process,
-                           exited: asyncio.Future, deadline: float) -> None:
+    async def _poll_health(
+        self, unit: _Unit, proc: asyncio.subprocess.Process, exited: asyncio.Future, deadline: float
+    ) -> None:
         loop = asyncio.get_running_loop()
         pending = dict(unit.cmd.health_urls())
         while pending:
@@ -439,7 +474,8 @@ class Supervisor:
                 raise self._start_error(unit, f"exited with code {proc.returncode} before it was healthy")
             if loop.time() > deadline:
                 raise self._start_error(
-                    unit, f"did not answer GET /health within {self.launcher.startup_timeout_s:g} s")
+                    unit, f"did not answer GET /health within {self.launcher.startup_timeout_s:g} s"
+                )
             results = await asyncio.gather(*(self._healthy_once(u) for u in pending.values()))
             for name, ok in zip(list(pending), results):
                 if ok:
@@ -451,8 +487,7 @@ class Supervisor:
         self._set(unit, HEALTHY, f"pid {proc.pid}")
 
     def _start_error(self, unit: _Unit, reason: str) -> EngineStartError:
-        return EngineStartError(unit.cmd.name, reason, unit.cmd.log_file,
-                                read_log_tail(unit.cmd.log_file))
+        return EngineStartError(unit.cmd.name, reason, unit.cmd.log_file, read_log_tail(unit.cmd.log_file))
 
     async def _terminate(self, unit: _Unit) -> None:
         """SIGTERM the unit's process group, wait up to stop_timeout_s, then SIGKILL it."""
@@ -500,17 +535,22 @@ class Supervisor:
             self._set(unit, unit.state, failure or f"exit code {code}", event=EXITED)
             failure = None
             if unit.consecutive >= self.launcher.max_restarts:
-                self._set(unit, FAILED, f"gave up after {unit.consecutive} restart(s); "
-                                        f"exit code {code}; see {unit.cmd.log_file}")
+                self._set(
+                    unit,
+                    FAILED,
+                    f"gave up after {unit.consecutive} restart(s); exit code {code}; see {unit.cmd.log_file}",
+                )
                 if all(u.state == FAILED for u in self._units):
                     self._done.set()
                 return
             unit.consecutive += 1
             unit.restarts += 1
-            delay = min(self.launcher.restart_backoff_s * 2 ** (unit.consecutive - 1),
-                        self.backoff_max_s)
-            self._set(unit, RESTARTING, f"exit code {code}; restart {unit.consecutive}/"
-                                        f"{self.launcher.max_restarts} in {delay:.1f} s")
+            delay = min(self.launcher.restart_backoff_s * 2 ** (unit.consecutive - 1), self.backoff_max_s)
+            self._set(
+                unit,
+                RESTARTING,
+                f"exit code {code}; restart {unit.consecutive}/{self.launcher.max_restarts} in {delay:.1f} s",
+            )
             await asyncio.sleep(delay)
             try:
                 await self._spawn(unit)
@@ -522,6 +562,19 @@ class Supervisor:
                 await self._terminate(unit)
 
 
-__all__ = ["Supervisor", "EngineStartError", "ProgressEvent", "ProgressCallback", "UnitStatus",
-           "PortReservation", "read_log_tail",
-           "PENDING", "STARTING", "HEALTHY", "RESTARTING", "FAILED", "STOPPED", "EXITED"]
+__all__ = [
+    "Supervisor",
+    "EngineStartError",
+    "ProgressEvent",
+    "ProgressCallback",
+    "UnitStatus",
+    "PortReservation",
+    "read_log_tail",
+    "PENDING",
+    "STARTING",
+    "HEALTHY",
+    "RESTARTING",
+    "FAILED",
+    "STOPPED",
+    "EXITED",
+]

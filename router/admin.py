@@ -6,6 +6,7 @@ like any unknown route): GET /admin/backends, POST /admin/backends {"name", "url
 Backends that come and go are the fleet's business (router/fleet.py); this module only
 translates HTTP to it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,10 +26,20 @@ if TYPE_CHECKING:
 
 def backend_view(s: BackendState) -> dict[str, Any]:
     return {
-        "name": s.config.name, "url": s.config.url, "role": s.config.role, "models": list(s.models),
-        "healthy": s.healthy, "breaker": s.breaker, "draining": s.draining, "inflight": s.inflight,
-        "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
-        "consecutive_failures": s.consecutive_failures, "last_error": s.last_error}
+        "name": s.config.name,
+        "url": s.config.url,
+        "role": s.config.role,
+        "models": list(s.models),
+        "healthy": s.healthy,
+        "breaker": s.breaker,
+        "draining": s.draining,
+        "inflight": s.inflight,
+        "running": s.running,
+        "waiting": s.waiting,
+        "kv_usage": s.kv_usage,
+        "consecutive_failures": s.consecutive_failures,
+        "last_error": s.last_error,
+    }
 
 
 class AdminApi:
@@ -54,14 +65,20 @@ class AdminApi:
 
     def _fleet_view(self, s: BackendState) -> dict[str, Any]:
         name, fleet = s.config.name, self.state.fleet
-        return {**backend_view(s), "source": fleet.owner.get(name) if fleet else None,
-                "removing": fleet.removing(name) if fleet else False}
+        return {
+            **backend_view(s),
+            "source": fleet.owner.get(name) if fleet else None,
+            "removing": fleet.removing(name) if fleet else False,
+        }
 
     def _unknown(self, name: str, listed_as: str) -> web.Response:
         registry = self.state.registry
         assert registry is not None
-        return error_response(errors.RouterError(
-            404, f"No backend named {name!r}; {listed_as}: {', '.join(registry.states)}.", param="name"))
+        return error_response(
+            errors.RouterError(
+                404, f"No backend named {name!r}; {listed_as}: {', '.join(registry.states)}.", param="name"
+            )
+        )
 
     async def handle_list(self, request: web.Request) -> web.Response:
         registry = self.state.registry
@@ -83,8 +100,9 @@ class AdminApi:
         if state is None:
             return self._unknown(name, "configured")
         if not draining and fleet is not None and fleet.removing(name):
-            return error_response(errors.RouterError(
-                409, f"Backend {name!r} is being removed; add it again instead.", param="name"))
+            return error_response(
+                errors.RouterError(409, f"Backend {name!r} is being removed; add it again instead.", param="name")
+            )
         registry.set_draining(name, draining)
         return json_response(backend_view(state))
 
@@ -102,9 +120,11 @@ class AdminApi:
         except errors.RouterError as e:
             return error_response(e)
         if config.name in registry.states and not (
-                fleet.removing(config.name) and registry.states[config.name].config == config):
-            return error_response(errors.RouterError(
-                409, f"A backend named {config.name!r} already exists.", param="name"))
+            fleet.removing(config.name) and registry.states[config.name].config == config
+        ):
+            return error_response(
+                errors.RouterError(409, f"A backend named {config.name!r} already exists.", param="name")
+            )
         state = await fleet.add(config, ADMIN)
         return json_response(self._fleet_view(state), status=201)
 

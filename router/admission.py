@@ -48,6 +48,7 @@ Differences from vLLM a client can notice:
 to the context length (None); chat takes `max_completion_tokens`, else `max_tokens`, else
 None (the engine's default).
 """
+
 from __future__ import annotations
 
 import os
@@ -88,18 +89,18 @@ _STRIPPED_TOP_LEVEL = (*_INTERNAL, "return_token_ids", "stream", "stream_options
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    request_id: str            # client-facing id, vLLM style: "cmpl-<hex>" / "chatcmpl-<hex>"
-    endpoint: str              # ENDPOINT_COMPLETIONS | ENDPOINT_CHAT
-    model: str | None          # as the client asked, else the default model
-    body: dict[str, Any]       # sanitized client body; never mutated after admission (legs copy it)
+    request_id: str  # client-facing id, vLLM style: "cmpl-<hex>" / "chatcmpl-<hex>"
+    endpoint: str  # ENDPOINT_COMPLETIONS | ENDPOINT_CHAT
+    model: str | None  # as the client asked, else the default model
+    body: dict[str, Any]  # sanitized client body; never mutated after admission (legs copy it)
     stream: bool
-    include_usage: bool        # stream_options.include_usage (streaming clients only)
-    continuous_usage: bool     # stream_options.continuous_usage_stats (streaming clients only)
+    include_usage: bool  # stream_options.include_usage (streaming clients only)
+    continuous_usage: bool  # stream_options.continuous_usage_stats (streaming clients only)
     return_token_ids: bool
-    max_tokens: int | None     # the generation budget; None: the engine's default
-    prompt_token_ids: tuple[int, ...] | None   # when the prompt was given as token ids
-    routing_text: str          # prompt text, rendered chat, or token ids as "1,2,3," (see _parse_prompt)
-    created: int               # unix seconds, stamped on the client-facing chunks
+    max_tokens: int | None  # the generation budget; None: the engine's default
+    prompt_token_ids: tuple[int, ...] | None  # when the prompt was given as token ids
+    routing_text: str  # prompt text, rendered chat, or token ids as "1,2,3," (see _parse_prompt)
+    created: int  # unix seconds, stamped on the client-facing chunks
     # Answered whole by one engine without race or resume (n > 1, batches, echo,
     # prompt_logprobs, beam search); `body` then keeps stream, stream_options and
     # return_token_ids as the client sent them.
@@ -134,8 +135,14 @@ def _opt_bool(body: dict[str, Any], key: str, param: str | None = None) -> bool:
 def _kind(v: object) -> str:
     if v is None:
         return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(v), type(v).__name__)
 
 
 def _budget(body: dict[str, Any], key: str) -> int | None:
@@ -164,8 +171,7 @@ _NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 def _parse_prompt(body: dict[str, Any]) -> tuple[str, tuple[int, ...] | None]:
     """(routing text, token ids or None) of a completions prompt."""
     if body.get("prompt_embeds") is not None:
-        raise _bad("`prompt_embeds` is not supported by the router (resuming needs token ids).",
-                   "prompt_embeds")
+        raise _bad("`prompt_embeds` is not supported by the router (resuming needs token ids).", "prompt_embeds")
     p = body.get("prompt")
     if is_batch(p):
         for i, x in enumerate(p[1:], start=1):  # each is checked; the first routes the batch
@@ -231,16 +237,18 @@ def _parse_messages(body: dict[str, Any]) -> str:
         elif isinstance(content, list):
             # Content parts: the text parts are what a prefix shares; other parts (images,
             # audio) are left to the engine to validate and render.
-            text = "".join(part["text"] for part in content
-                           if isinstance(part, dict) and isinstance(part.get("text"), str))
+            text = "".join(
+                part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
         else:
             text = ""
         lines.append(f"{role}: {text}")
     return "\n".join(lines)
 
 
-def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None,
-                  header_request_id: str | None = None) -> RequestSpec:
+def parse_request(
+    endpoint: str, raw: bytes, *, default_model: str | None = None, header_request_id: str | None = None
+) -> RequestSpec:
     """Validate `raw` (the client's body) for `endpoint`; raises RouterError(400).
     `header_request_id` (the client's X-Request-Id, checked) names the answer before the
     body's `request_id`, as in vLLM."""
@@ -257,8 +265,7 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
     # Counting brackets is cheap and bounds the depth: walk the body only when it could be
     # too deep (brackets inside strings make this conservative, never wrong).
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nesting_exceeds(body, MAX_JSON_DEPTH):
-        raise _bad(f"Request body is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects.",
-                   None)
+        raise _bad(f"Request body is nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects.", None)
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -318,8 +325,9 @@ def parse_request(endpoint: str, raw: bytes, *, default_model: str | None = None
         request_id = ID_PREFIX[endpoint] + header_request_id
     elif client_id is not None:
         if not isinstance(client_id, str) or not client_id or len(client_id) > MAX_REQUEST_ID_CHARS:
-            raise _bad(f"`request_id` must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
-                       "characters.", "request_id")
+            raise _bad(
+                f"`request_id` must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} characters.", "request_id"
+            )
         request_id = ID_PREFIX[endpoint] + client_id
     else:
         request_id = f"{ID_PREFIX[endpoint]}{_ID_RANDOM.getrandbits(128):032x}"

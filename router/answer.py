@@ -1,4 +1,5 @@
 """The answer so far across its legs: what the router needs to resume it and account for it."""
+
 from __future__ import annotations
 
 from array import array

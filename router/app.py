@@ -9,6 +9,7 @@ health round before serving, scrape in the background, and on shutdown stop list
 in-flight requests drain for up to server.drain_timeout_s, cancel the rest cleanly (503 or
 an error event then [DONE]), then stop the engines (`RouterState.drain`, `stop`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cachehit_router.app")
 
+
 class RouterState:
     """Everything one running router owns."""
 
@@ -61,11 +63,12 @@ class RouterState:
         self.tracing = tracing.Tracing(config.tracing, span_exporter) if config.tracing.enabled else None
         self.start_engines = start_engines
         # The model label's values: what the backends serve (self.registry, set in start).
-        self.metrics = RouterMetrics(config.timeouts.total_s,
-                                     lambda: self.registry.models() if self.registry is not None else ())
-        self.limiter = ConcurrencyLimiter(config.server.max_concurrent_requests,
-                                          config.server.max_queued_requests,
-                                          config.server.queue_timeout_s)
+        self.metrics = RouterMetrics(
+            config.timeouts.total_s, lambda: self.registry.models() if self.registry is not None else ()
+        )
+        self.limiter = ConcurrencyLimiter(
+            config.server.max_concurrent_requests, config.server.max_queued_requests, config.server.queue_timeout_s
+        )
         # Read at scrape time: always the current queue length.
         self.metrics.queued.set_function(lambda: self.limiter.queued)
         # Client requests being served, also read at scrape time: a plain int on the
@@ -100,8 +103,9 @@ class RouterState:
             self.supervisor = engine_starter(cfg.engines, cfg.launcher)
             log.info("starting %d engine(s) from [[engines]]", len(cfg.engines))
             engine_urls = await self.supervisor.start(progress=_log_progress)
-        self.registry = BackendRegistry(cfg.all_backends(engine_urls), cfg.health,
-                                        learner=SpeedLearner(speed_prior(cfg.routing)))
+        self.registry = BackendRegistry(
+            cfg.all_backends(engine_urls), cfg.health, learner=SpeedLearner(speed_prior(cfg.routing))
+        )
         learner = self.registry.learner
         for s in self.registry.states.values():
             self.metrics.bind_backend(s, learner)
@@ -111,17 +115,26 @@ class RouterState:
         self.client = UpstreamClient(cfg.timeouts, cfg.server.stream_buffer_bytes)
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
         configured = {b.name for b in cfg.backends}
-        self.fleet = Fleet(self.registry, self.monitor, on_added=lambda s: self.metrics.bind_backend(s, learner),
-                           on_removed=self.metrics.unbind_backend,
-                           initial={n: CONFIG if n in configured else ENGINES for n in self.registry.states})
+        self.fleet = Fleet(
+            self.registry,
+            self.monitor,
+            on_added=lambda s: self.metrics.bind_backend(s, learner),
+            on_removed=self.metrics.unbind_backend,
+            initial={n: CONFIG if n in configured else ENGINES for n in self.registry.states},
+        )
         await self.monitor.check_all()
         self.monitor.start()
         self.discovery = Discovery(self.fleet, cfg.discovery)
         await self.discovery.start()
         self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing))
         ready = [n for n, s in self.registry.states.items() if s.healthy]
-        log.info("router ready: %d/%d backends healthy (%s), strategy %s", len(ready),
-                 len(self.registry.states), ", ".join(ready) or "none", cfg.routing.strategy)
+        log.info(
+            "router ready: %d/%d backends healthy (%s), strategy %s",
+            len(ready),
+            len(self.registry.states),
+            ", ".join(ready) or "none",
+            cfg.routing.strategy,
+        )
 
     async def drain(self, _app: web.Application | None = None, quiet_s: float = 0.0) -> None:
         """Shutting down (SIGTERM/SIGINT; also on_shutdown): the listening socket is
@@ -151,8 +164,11 @@ class RouterState:
             await asyncio.sleep(min(quiet_s - quiet_for, end - loop.time()))
         self._drained = True
         if pending:
-            log.warning("shutting down: cancelling %d request(s) still running after "
-                        "server.drain_timeout_s = %g s", len(pending), timeout)
+            log.warning(
+                "shutting down: cancelling %d request(s) still running after server.drain_timeout_s = %g s",
+                len(pending),
+                timeout,
+            )
             self._drain_expired = True
             for t in pending:
                 t.cancel()
@@ -186,8 +202,11 @@ class RouterState:
             # The cost model's priors; what it measured since the start stays.
             self.registry.learner.prior = speed_prior(cfg.routing)
             strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
-            if (strategy.name == before.name and isinstance(before, RemembersPrefixes)
-                    and isinstance(strategy, RemembersPrefixes)):
+            if (
+                strategy.name == before.name
+                and isinstance(before, RemembersPrefixes)
+                and isinstance(strategy, RemembersPrefixes)
+            ):
                 strategy.memory = before.memory
             assert self.client is not None
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy)
@@ -227,8 +246,11 @@ class RouterState:
             tenant, priority = self.identify(request)
             rec.tenant = tenant.name
             if self.draining:
-                raise errors.RouterError(503, "The router is shutting down; send the request again "
-                                              "(it reaches another router or this one once restarted).")
+                raise errors.RouterError(
+                    503,
+                    "The router is shutting down; send the request again "
+                    "(it reaches another router or this one once restarted).",
+                )
             check_length(request, self.config.server)
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
@@ -236,8 +258,9 @@ class RouterState:
                 header_id = client_request_id(request)
                 raw = await read_body(request, self.config.server)
                 served = self.registry.models()
-                spec = parse_request(endpoint, raw, default_model=served[0] if len(served) == 1 else None,
-                                     header_request_id=header_id)
+                spec = parse_request(
+                    endpoint, raw, default_model=served[0] if len(served) == 1 else None, header_request_id=header_id
+                )
                 answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
                 if spec.model is not None and served and spec.model not in served:
@@ -246,14 +269,16 @@ class RouterState:
                     return await self.forwarder.forward_generation(request, spec, rec, answer_id)
                 if self.dispatcher.passes_through(spec):
                     raw = await self.dispatcher.serve_unary(spec, rec)
-                    return web.Response(body=raw, content_type="application/json",
-                                        headers={"X-Request-Id": answer_id})
+                    return web.Response(body=raw, content_type="application/json", headers={"X-Request-Id": answer_id})
                 shaper = ResponseShaper(spec)
                 if spec.stream:
-                    writer = SSEWriter(request, answer_id,
-                                       buffer_bytes=self.config.server.stream_buffer_bytes,
-                                       idle_s=self.config.timeouts.idle_s,
-                                       deadline=asyncio.get_running_loop().time() + self.config.timeouts.total_s)
+                    writer = SSEWriter(
+                        request,
+                        answer_id,
+                        buffer_bytes=self.config.server.stream_buffer_bytes,
+                        idle_s=self.config.timeouts.idle_s,
+                        deadline=asyncio.get_running_loop().time() + self.config.timeouts.total_s,
+                    )
                     try:
                         await self.dispatcher.serve(spec, shaper, writer.send, rec)
                         await writer.send(shaper.final_chunks())
@@ -284,8 +309,11 @@ class RouterState:
                 raise
             # Still running when the drain ran out: end it cleanly (the upstream legs are
             # already aborted), an error event then [DONE] if the stream started.
-            err = errors.RouterError(503, "The router is shutting down: the request was cancelled after "
-                                          f"server.drain_timeout_s = {self.config.server.drain_timeout_s:g} s.")
+            err = errors.RouterError(
+                503,
+                "The router is shutting down: the request was cancelled after "
+                f"server.drain_timeout_s = {self.config.server.drain_timeout_s:g} s.",
+            )
             rec.status, rec.error = 503, err.message
             if writer is not None and writer.started:
                 return await writer.fail(err)
@@ -336,8 +364,9 @@ class RouterState:
         return json_response({"status": "not ready", "reason": "no healthy decode backend"}, status=503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.exposition(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=self.metrics.exposition(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
 
 
 ROUTER_KEY: web.AppKey[RouterState] = web.AppKey("router", RouterState)
@@ -348,8 +377,7 @@ async def _discard(chunks: list[dict[str, Any]]) -> None:
 
 
 def _log_progress(event: Any) -> None:
-    log.info("engine %s: %s %s", getattr(event, "name", "?"), getattr(event, "state", ""),
-             getattr(event, "detail", ""))
+    log.info("engine %s: %s %s", getattr(event, "name", "?"), getattr(event, "state", ""), getattr(event, "detail", ""))
 
 
 @web.middleware
@@ -369,11 +397,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
 
 
-def build_app(config: Config, *, start_engines: bool = True,
-              span_exporter: SpanExporter | None = None) -> web.Application:
+def build_app(
+    config: Config, *, start_engines: bool = True, span_exporter: SpanExporter | None = None
+) -> web.Application:
     state = RouterState(config, start_engines=start_engines, span_exporter=span_exporter)
-    app = web.Application(middlewares=[tracing.middleware(lambda: state.tracing), error_middleware],
-                          client_max_size=config.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[tracing.middleware(lambda: state.tracing), error_middleware],
+        client_max_size=config.server.max_body_bytes,
+    )
     app[ROUTER_KEY] = state
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -385,10 +416,16 @@ def build_app(config: Config, *, start_engines: bool = True,
     app.on_shutdown.append(state.drain)
     # partial, not a lambda: aiohttp sees a coroutine function and calls it directly (a plain
     # function gets wrapped in an extra coroutine that re-checks its result on every request).
-    app.router.add_post("/v1/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS),
-                        expect_handler=expect_handler)
-    app.router.add_post("/v1/chat/completions", functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT),
-                        expect_handler=expect_handler)
+    app.router.add_post(
+        "/v1/completions",
+        functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS),
+        expect_handler=expect_handler,
+    )
+    app.router.add_post(
+        "/v1/chat/completions",
+        functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT),
+        expect_handler=expect_handler,
+    )
     app.router.add_get("/v1/models", state.handle_models)
     state.forwarder.add_routes(app.router)  # vLLM's other routes (router/forward.py)
     app.router.add_get("/health", state.handle_health)

@@ -6,6 +6,7 @@ from streams, hence null: `prompt_logprobs` (admission rejects the option), `pro
 `metrics` (per-request timing, only with an engine flag), `kv_transfer_params` (internal,
 never shown to clients), `routed_experts`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -71,8 +72,11 @@ class ResponseAssembler:
             idx = d.get("index", 0)
             tc = self._tool_calls.get(idx)
             if tc is None:
-                tc = self._tool_calls[idx] = {"id": None, "type": "function",
-                                              "function": {"name": None, "arguments": ""}}
+                tc = self._tool_calls[idx] = {
+                    "id": None,
+                    "type": "function",
+                    "function": {"name": None, "arguments": ""},
+                }
             if d.get("id") and tc["id"] is None:
                 tc["id"] = d["id"]
             f = d.get("function")
@@ -111,10 +115,17 @@ class ResponseAssembler:
             "routed_experts": None,
         }
         return {
-            "id": spec.request_id, "object": "text_completion", "created": spec.created, "model": model,
-            "choices": [choice], "service_tier": None, "system_fingerprint": fingerprint,
+            "id": spec.request_id,
+            "object": "text_completion",
+            "created": spec.created,
+            "model": model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": fingerprint,
             "usage": usage,
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
 
     def _chat_response(self, model: str | None, fingerprint: str | None, usage: dict[str, Any]) -> dict[str, Any]:
@@ -126,8 +137,14 @@ class ResponseAssembler:
         else:
             # A reasoning/tool parser answers content null when the model wrote none.
             content = None if (reasoning is not None or tool_calls) else ""
-        message: dict[str, Any] = {"role": self._role or "assistant", "content": content, "refusal": None,
-                         "annotations": None, "audio": None, "function_call": None}
+        message: dict[str, Any] = {
+            "role": self._role or "assistant",
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        }
         if tool_calls:
             message["tool_calls"] = tool_calls
         message["reasoning"] = reasoning
@@ -142,10 +159,18 @@ class ResponseAssembler:
             "routed_experts": None,
         }
         return {
-            "id": spec.request_id, "object": "chat.completion", "created": spec.created, "model": model,
-            "choices": [choice], "service_tier": None, "system_fingerprint": fingerprint,
+            "id": spec.request_id,
+            "object": "chat.completion",
+            "created": spec.created,
+            "model": model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": fingerprint,
             "usage": usage,
             "prompt_logprobs": None,
             "prompt_token_ids": prompt_token_ids,
-            "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }

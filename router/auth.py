@@ -5,6 +5,7 @@ and compared with every key without an early exit, so the time taken says nothin
 which key matched or of the keys' lengths. Each client key is a tenant
 (router/tenants.py): its limits, its priority rule, its metrics.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -30,6 +30,7 @@ Backends come and go at run time (`router/fleet.py`: admin API, reload, discover
 registers one, `remove` forgets a drained one once nothing is in flight on it. Feedback
 for a name that is gone (a health check or a failure that raced its removal) is ignored.
 """
+
 from __future__ import annotations
 
 import logging
@@ -180,15 +181,34 @@ class BackendRegistry:
         learner = self.learner
         for s in self.states.values():
             c = s.config
-            views.append(BackendView(
-                name=c.name, url=c.url, decodes=c.decodes, prefills=c.prefills,
-                models=s.models, available=self._available(s, now), inflight=s.inflight,
-                running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, drained=s.draining,
-                queued_tokens=self._queued_tokens(s, now), decoding=self._decoding(s), prefilling=s.prefilling,
-                speed=learner.speed(c.name),
-                threshold_capable=s.threshold_capable is not False))
-        return ClusterSnapshot(tuple(views), learner.transfer(), learner.chars_per_token, learner.race_wait_s,
-                               learner.race_saving_share, learner.race_saving_share_unplaced)
+            views.append(
+                BackendView(
+                    name=c.name,
+                    url=c.url,
+                    decodes=c.decodes,
+                    prefills=c.prefills,
+                    models=s.models,
+                    available=self._available(s, now),
+                    inflight=s.inflight,
+                    running=s.running,
+                    waiting=s.waiting,
+                    kv_usage=s.kv_usage,
+                    drained=s.draining,
+                    queued_tokens=self._queued_tokens(s, now),
+                    decoding=self._decoding(s),
+                    prefilling=s.prefilling,
+                    speed=learner.speed(c.name),
+                    threshold_capable=s.threshold_capable is not False,
+                )
+            )
+        return ClusterSnapshot(
+            tuple(views),
+            learner.transfer(),
+            learner.chars_per_token,
+            learner.race_wait_s,
+            learner.race_saving_share,
+            learner.race_saving_share_unplaced,
+        )
 
     def _queued_tokens(self, s: BackendState, now: float) -> float:
         """Own queued prefill tokens, plus other replicas' waiting requests as the last
@@ -212,8 +232,7 @@ class BackendRegistry:
             # After the cool-down the breaker lets one trial through.
             return s.healthy and now - s.opened_at >= self.health.cooldown_s
         if s.breaker == BreakerState.HALF_OPEN:
-            return s.healthy and (not s.half_open_trial_taken
-                                  or now - s.trial_at >= self.health.cooldown_s)
+            return s.healthy and (not s.half_open_trial_taken or now - s.trial_at >= self.health.cooldown_s)
         return s.healthy
 
     def ready(self) -> bool:
@@ -253,8 +272,9 @@ class BackendRegistry:
         """Take `name` out of rotation (its in-flight requests finish) or put it back."""
         s = self.states[name]
         if s.draining != draining:
-            log.warning("backend %s: %s by the operator", name,
-                        "draining (no new requests)" if draining else "back in rotation")
+            log.warning(
+                "backend %s: %s by the operator", name, "draining (no new requests)" if draining else "back in rotation"
+            )
         s.draining = draining
 
     # --- legs: token-level load and speed samples -------------------------------------
@@ -304,8 +324,9 @@ class BackendRegistry:
             return None
         seconds = ticket.first_token_at - ticket.sent_at
         loading = self.learner.speed(ticket.backend).held_cost_s(held_tokens)
-        self.learner.observe_first_token(ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0),
-                                         ticket.decoding, max(seconds - loading, 0.0))
+        self.learner.observe_first_token(
+            ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
+        )
         return seconds
 
     # --- request-path feedback ---------------------------------------------------------
@@ -346,9 +367,9 @@ class BackendRegistry:
         s.consecutive_failures += 1
         s.last_error = reason
         if s.breaker == BreakerState.HALF_OPEN or (
-                s.breaker == BreakerState.CLOSED and s.consecutive_failures >= self.health.failure_threshold):
-            log.warning("backend %s: circuit opened after %d failures (%s)",
-                        name, s.consecutive_failures, reason)
+            s.breaker == BreakerState.CLOSED and s.consecutive_failures >= self.health.failure_threshold
+        ):
+            log.warning("backend %s: circuit opened after %d failures (%s)", name, s.consecutive_failures, reason)
             s.breaker = BreakerState.OPEN
             s.opened_at = self.clock()
             s.half_open_trial_taken = False
@@ -368,16 +389,20 @@ class BackendRegistry:
         s.others_running = others - s.others_waiting
         s.kv_usage = load.get(KV_USAGE, 0.0)
         if HITS_DEVICE in load:
-            self.learner.observe_cache_tiers(name, load[HITS_DEVICE], load.get(HITS_HOST, 0.0),
-                                             load.get(OFFLOAD_LOAD_TIME, 0.0))
+            self.learner.observe_cache_tiers(
+                name, load[HITS_DEVICE], load.get(HITS_HOST, 0.0), load.get(OFFLOAD_LOAD_TIME, 0.0)
+            )
         s.last_scrape_ok = self.clock()
         if models is not None and not s.config.models and models != s.models:
             if s.models:
                 log.info("backend %s: now serves %s", name, ", ".join(models))
             s.models = models
         if not s.healthy:
-            log.info("backend %s: answers its health checks again%s", name,
-                     "" if s.breaker == BreakerState.CLOSED else f" (circuit {s.breaker} until a trial request succeeds)")
+            log.info(
+                "backend %s: answers its health checks again%s",
+                name,
+                "" if s.breaker == BreakerState.CLOSED else f" (circuit {s.breaker} until a trial request succeeds)",
+            )
         # Healthy, but the breaker is left alone: only requests close it.
         s.healthy = True
 

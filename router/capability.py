@@ -14,6 +14,7 @@ it stopped answering (it may have been replaced by another engine), or the check
 was not answered (an engine failing requests; asked again every `health.check_interval_s`).
 Until an engine has answered, it is probed as if it ran the threshold.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,13 @@ CHECK_PROMPT_PREFIX = "cachehit-router threshold check "
 
 def check_body(model: str | None) -> dict[str, Any]:
     """A one-token completion at T = 1.0 on a prompt no engine holds."""
-    body = {"prompt": CHECK_PROMPT_PREFIX + os.urandom(16).hex(), "max_tokens": 1,
-            "stream": False, "cache_hit_threshold": 1.0, "vllm_xargs": {"cache_hit_threshold": 1.0}}
+    body = {
+        "prompt": CHECK_PROMPT_PREFIX + os.urandom(16).hex(),
+        "max_tokens": 1,
+        "stream": False,
+        "cache_hit_threshold": 1.0,
+        "vllm_xargs": {"cache_hit_threshold": 1.0},
+    }
     if model:
         body["model"] = model
     return body
@@ -52,14 +58,16 @@ def verdict(answer: dict[str, Any]) -> bool | None:
     return False if isinstance(reason, str) else None
 
 
-async def threshold_capable(client: UpstreamClient, name: str, url: str, api_key: str,
-                            model: str | None, timeout_s: float) -> bool | None:
+async def threshold_capable(
+    client: UpstreamClient, name: str, url: str, api_key: str, model: str | None, timeout_s: float
+) -> bool | None:
     """The engine's answer to the check; None when it could not be asked (tried again at
     the next health round)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
-        answer = await client.post_json(name, url, CHECK_PATH, check_body(model), api_key=api_key,
-                                        total_deadline=deadline)
+        answer = await client.post_json(
+            name, url, CHECK_PATH, check_body(model), api_key=api_key, total_deadline=deadline
+        )
     except UpstreamError as e:
         log.info("backend %s: threshold check not answered (%s); trying again later", name, e.kind)
         return None
@@ -70,7 +78,10 @@ def report(name: str, capable: bool) -> None:
     if capable:
         log.info("backend %s: runs the cache-hit threshold", name)
     else:
-        log.warning("backend %s: accepted a probe at cache_hit_threshold = 1.0 on a random prompt: "
-                    "it does not run the threshold plugin (a stock vLLM?). It is routed to without "
-                    "probes (directly and as a fallback); install the plugin (docs/VLLM_PLUGIN.md) "
-                    "to route to it by cache hits.", name)
+        log.warning(
+            "backend %s: accepted a probe at cache_hit_threshold = 1.0 on a random prompt: "
+            "it does not run the threshold plugin (a stock vLLM?). It is routed to without "
+            "probes (directly and as a fallback); install the plugin (docs/VLLM_PLUGIN.md) "
+            "to route to it by cache hits.",
+            name,
+        )

@@ -2,6 +2,7 @@
 
 Flags and CACHEHIT_ROUTER_* environment variables override the file (router/overrides.py);
 SIGHUP re-reads the file with the same overrides (router/reload.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,24 +25,42 @@ if TYPE_CHECKING:  # aiohttp is imported when serving, not for --version or chec
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="router", description=(
-        "cachehit-router: an OpenAI-compatible router that asks vLLM engines where the KV cache is."))
-    p.add_argument("command", nargs="?", choices=("serve", "check-config"), default="serve",
-                   help="serve (default) or check-config (validate and print the resolved configuration)")
-    p.add_argument("--config", "-c", default=os.environ.get(overrides.CONFIG_PATH) or "router.toml",
-                   help=f"path to router.toml (default: ${overrides.CONFIG_PATH} or %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="router",
+        description=("cachehit-router: an OpenAI-compatible router that asks vLLM engines where the KV cache is."),
+    )
+    p.add_argument(
+        "command",
+        nargs="?",
+        choices=("serve", "check-config"),
+        default="serve",
+        help="serve (default) or check-config (validate and print the resolved configuration)",
+    )
+    p.add_argument(
+        "--config",
+        "-c",
+        default=os.environ.get(overrides.CONFIG_PATH) or "router.toml",
+        help=f"path to router.toml (default: ${overrides.CONFIG_PATH} or %(default)s)",
+    )
     p.add_argument("--host", help="override server.host (and $CACHEHIT_ROUTER_HOST)")
     p.add_argument("--port", type=int, help="override server.port (and $CACHEHIT_ROUTER_PORT)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                   help="override server.log_level (and $CACHEHIT_ROUTER_LOG_LEVEL)")
+    p.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="override server.log_level (and $CACHEHIT_ROUTER_LOG_LEVEL)",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    p.add_argument("--no-engines", action="store_true",
-                   help="do not start the [[engines]] (they run elsewhere); still route to them")
+    p.add_argument(
+        "--no-engines",
+        action="store_true",
+        help="do not start the [[engines]] (they run elsewhere); still route to them",
+    )
     return p
 
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return f"(cachehit-router) {version('cachehit-router')}"
     except PackageNotFoundError:  # run from a source tree that was never installed
@@ -62,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "check-config":
         sys.stdout.write(orjson.dumps(config.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
-        print(f"router: {args.config} is valid ({len(config.all_backends())} backends, "
-              f"{len(config.engines)} engines to start)", file=sys.stderr)
+        print(
+            f"router: {args.config} is valid ({len(config.all_backends())} backends, "
+            f"{len(config.engines)} engines to start)",
+            file=sys.stderr,
+        )
         return 0
     return serve(config, start_engines=not args.no_engines, reload_config=load)
 
@@ -89,6 +111,7 @@ async def _tune_gc(_app: web.Application) -> None:
 def _reload_on_sighup(load: Callable[[], Config]) -> Callable[[web.Application], Awaitable[None]]:
     """An on_startup hook (after the router started): SIGHUP re-reads the configuration;
     reloads run one at a time, in the order the signals came."""
+
     async def install(app: web.Application) -> None:
         from .app import ROUTER_KEY
         from .reload import reload
@@ -111,17 +134,25 @@ def _reload_on_sighup(load: Callable[[], Config]) -> Callable[[web.Application],
             task.add_done_callback(tasks.discard)
 
         loop.add_signal_handler(signal.SIGHUP, on_hup)
+
     return install
 
 
-def serve(config: Config, *, host: str | None = None, port: int | None = None, start_engines: bool = True,
-          reload_config: Callable[[], Config] | None = None) -> int:
+def serve(
+    config: Config,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    start_engines: bool = True,
+    reload_config: Callable[[], Config] | None = None,
+) -> int:
     from aiohttp import web
 
     from .app import build_app
     from .clientlog import ServerLogger
 
     from . import logs
+
     logs.configure(config.server.log_level, config.server.log_format)
     # The logging HOWTO's "Optimization": no caller frame, thread or process lookups for
     # fields the format does not print (a third of the cost of each request's log line).
@@ -136,6 +167,7 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None, s
     loop: asyncio.AbstractEventLoop
     try:
         import uvloop
+
         loop = uvloop.new_event_loop()
     except ImportError:  # uvloop is not available on every platform
         loop = asyncio.new_event_loop()
@@ -144,16 +176,25 @@ def serve(config: Config, *, host: str | None = None, port: int | None = None, s
     scheme = "https" if ssl_ctx else "http"
 
     async def announce(_app: web.Application) -> None:
-        print(f"router: serving the OpenAI API on {scheme}://{host}:{port}\n"
-              f"  try: curl -s {scheme}://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
-              "-d '{\"prompt\": \"Hello, router\", \"max_tokens\": 16}'", flush=True)
+        print(
+            f"router: serving the OpenAI API on {scheme}://{host}:{port}\n"
+            f"  try: curl -s {scheme}://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
+            '-d \'{"prompt": "Hello, router", "max_tokens": 16}\'',
+            flush=True,
+        )
 
     app.on_startup.append(announce)
     app.on_startup.append(_tune_gc)
     if reload_config is not None:
         app.on_startup.append(_reload_on_sighup(reload_config))
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           logger=ServerLogger(), shutdown_timeout=config.server.drain_timeout_s)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        handler_cancellation=True,
+        logger=ServerLogger(),
+        shutdown_timeout=config.server.drain_timeout_s,
+    )
     try:
         loop.run_until_complete(_serve_until_signalled(runner, host, port, ssl_ctx))
     except Exception as e:  # startup failures (port taken, engines failed to start): say what

@@ -7,6 +7,7 @@ events, a malformed HTTP message or a connection dropped mid-answer, are one INF
 without a traceback; tracebacks are kept for the router's own bugs, so operators are not
 drowned in what hostile or impatient clients do.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,7 @@ def _escape_char(c: str) -> str:
 def is_client_event(exc: BaseException | None) -> bool:
     """A failure the client caused: a malformed HTTP message (aiohttp's parser errors),
     a body that is not what its headers say, or a connection the client dropped."""
-    return isinstance(exc, (http_exceptions.HttpProcessingError, web_protocol.RequestPayloadError,
-                            ConnectionError))
+    return isinstance(exc, (http_exceptions.HttpProcessingError, web_protocol.RequestPayloadError, ConnectionError))
 
 
 class ServerLogger(logging.LoggerAdapter[logging.Logger]):

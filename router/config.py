@@ -5,6 +5,7 @@ Every error names the key (dotted path, with list indexes) and what was expected
 `router check-config` and a failed start tell the user exactly what to fix.
 Defaults are safe: listen on loopback, bounded bodies, bounded concurrency, timeouts on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -239,6 +240,7 @@ def parse_config(raw: dict[str, Any]) -> Config:
     # Imported here: the section parsers read the policy registry, whose planners import
     # this module's dataclasses.
     from .config_parse import parse_sections
+
     return parse_sections(raw)
 
 

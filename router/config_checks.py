@@ -3,6 +3,7 @@ and the collector that reports every problem of a file at once.
 
 Every message names the key (dotted path, with list indexes) and what was expected.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,8 +87,9 @@ def _enum_member(key: str, value: Any, names: type[StrEnum]) -> Any:
     return names(value) if value in names._value2member_map_ else value
 
 
-def build_table(problems: Problems, cls: type[T], key: str, raw: Any,
-                special: dict[str, Any] | None = None) -> T | None:
+def build_table(
+    problems: Problems, cls: type[T], key: str, raw: Any, special: dict[str, Any] | None = None
+) -> T | None:
     """Dataclass `cls` from table `raw`. Unknown keys and wrong types are recorded in
     `problems` and the default is kept for them, so that the checks of the table's other
     values still run; None when `raw` is not a table or a required key is missing."""
@@ -117,8 +119,9 @@ def build_table(problems: Problems, cls: type[T], key: str, raw: Any,
         value = problems.check(parse, *args)
         if len(problems.found) == found:
             kwargs[k] = value
-    required = [n for n, f in fields.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     for n in required:
         if n not in raw:
             problems.add(f"{key}.{n}: required key is missing")

@@ -6,6 +6,7 @@ made of are router/config_checks.py; `[[discovery]]` is router/discovery_config.
 `[[tenants]]` router/tenants.py; each routing policy checks the keys it reads
 (router/policies/).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,30 @@ import os
 from typing import Any
 
 from . import policies
-from .config import (BackendConfig, Config, ConfigError, EngineConfig, HealthConfig, LauncherConfig, RoutingConfig,
-                     ServerConfig, TimeoutsConfig, TracingConfig)
-from .config_checks import (Problems, build_table, check_fraction, check_one_of, check_port, check_positive,
-                            check_url, int_list, str_list, string_table)
+from .config import (
+    BackendConfig,
+    Config,
+    ConfigError,
+    EngineConfig,
+    HealthConfig,
+    LauncherConfig,
+    RoutingConfig,
+    ServerConfig,
+    TimeoutsConfig,
+    TracingConfig,
+)
+from .config_checks import (
+    Problems,
+    build_table,
+    check_fraction,
+    check_one_of,
+    check_port,
+    check_positive,
+    check_url,
+    int_list,
+    str_list,
+    string_table,
+)
 from .discovery_config import parse_discovery
 from .names import EngineKind, EngineRole, Mode, Role
 from .tenants import TenantConfig, validate_tenant
@@ -58,8 +79,7 @@ def parse_server(p: Problems, raw: Any) -> ServerConfig | None:
     p.check(check_positive, "server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
     p.check(check_positive, "server.body_timeout_s", server.body_timeout_s)
     if not 4096 <= server.stream_buffer_bytes <= 16 * 2**20:
-        p.add(f"server.stream_buffer_bytes: expected an integer in [4096, 16777216], "
-              f"got {server.stream_buffer_bytes}")
+        p.add(f"server.stream_buffer_bytes: expected an integer in [4096, 16777216], got {server.stream_buffer_bytes}")
     if bool(server.tls_cert) != bool(server.tls_key):
         p.add("server.tls_cert: tls_cert and tls_key must be given together")
     if server.log_level not in ("debug", "info", "warning", "error"):
@@ -128,8 +148,10 @@ def parse_tracing(p: Problems, raw: Any) -> TracingConfig | None:
     p.check(check_fraction, "tracing.sample_ratio", tracing.sample_ratio)
     p.check(check_positive, "tracing.export_timeout_s", tracing.export_timeout_s)
     if tracing.enabled and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is None:
-        p.add("tracing.enabled: needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
-              "pip install 'cachehit-router[tracing]'")
+        p.add(
+            "tracing.enabled: needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
+            "pip install 'cachehit-router[tracing]'"
+        )
     return tracing
 
 
@@ -158,8 +180,13 @@ def parse_engines(p: Problems, raw: Any) -> list[EngineConfig]:
     engines = []
     for i, table in enumerate(_array(p, raw, "engines")):
         key = f"engines[{i}]"
-        e = build_table(p, EngineConfig, key, table, {
-            "gpu_ids": int_list, "cpu_cores": int_list, "extra_args": str_list, "env": string_table})
+        e = build_table(
+            p,
+            EngineConfig,
+            key,
+            table,
+            {"gpu_ids": int_list, "cpu_cores": int_list, "extra_args": str_list, "env": string_table},
+        )
         if e is None:
             continue
         p.check(check_one_of, f"{key}.kind", e.kind, EngineKind)
@@ -232,11 +259,22 @@ def parse_sections(raw: dict[str, Any]) -> Config:
 
     # raise_if_any raised if a section failed to parse: every one is here.
     assert server and routing and timeouts and health and launcher and tracing
-    cfg = Config(server=server, routing=routing, timeouts=timeouts, health=health,
-                 launcher=launcher, tracing=tracing, backends=tuple(backends), engines=tuple(engines),
-                 tenants=tuple(tenants), discovery=discovery)
+    cfg = Config(
+        server=server,
+        routing=routing,
+        timeouts=timeouts,
+        health=health,
+        launcher=launcher,
+        tracing=tracing,
+        backends=tuple(backends),
+        engines=tuple(engines),
+        tenants=tuple(tenants),
+        discovery=discovery,
+    )
     # Only once everything else holds: a backend that failed to parse is not counted.
     if not any(b.decodes for b in cfg.all_backends()) and not any(d.role != Role.PREFILL for d in discovery):
-        raise ConfigError("backends: expected at least one backend (or registered engine, or [[discovery]] "
-                          "table) with role 'decode' or 'both' (engine role 'consumer' or 'both')")
+        raise ConfigError(
+            "backends: expected at least one backend (or registered engine, or [[discovery]] "
+            "table) with role 'decode' or 'both' (engine role 'consumer' or 'both')"
+        )
     return cfg

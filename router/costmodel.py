@@ -35,6 +35,7 @@ with transfer(n) = t0 + t1 * n learned from observed decode legs (`TransferSpeed
 
 Nothing here does I/O or keeps state: plain numbers in, seconds out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,12 @@ class EngineSpeed:
 
     def ttft(self, prefill_tokens: float, decoding: float, held: float = 0.0) -> float:
         per_token = max(self.per_token_s, MIN_PER_TOKEN_S)
-        return (max(self.intercept_s, MIN_INTERCEPT_S) + per_token * prefill_tokens
-                + max(self.per_decode_s, 0.0) * decoding + self.held_cost_s(held))
+        return (
+            max(self.intercept_s, MIN_INTERCEPT_S)
+            + per_token * prefill_tokens
+            + max(self.per_decode_s, 0.0) * decoding
+            + self.held_cost_s(held)
+        )
 
     def held_cost_s(self, held: float) -> float:
         """Seconds to make `held` cached prompt tokens usable (CPU-tier loads): more than a
@@ -87,9 +92,17 @@ def ttft(speed: EngineSpeed, queued_tokens: float, decoding: float, lacking: flo
     return speed.ttft(queued_tokens + max(lacking, 0.0), decoding, held)
 
 
-def pd_ttft(producer: EngineSpeed, producer_queued: float, producer_decoding: float, producer_lacking: float,
-            consumer: EngineSpeed, consumer_queued: float, consumer_decoding: float,
-            transfer: TransferSpeed, prompt_tokens: float) -> float:
+def pd_ttft(
+    producer: EngineSpeed,
+    producer_queued: float,
+    producer_decoding: float,
+    producer_lacking: float,
+    consumer: EngineSpeed,
+    consumer_queued: float,
+    consumer_decoding: float,
+    transfer: TransferSpeed,
+    prompt_tokens: float,
+) -> float:
     """Predicted seconds to the first token through prefill/decode: the producer prefills
     while the consumer works through its own queue; the decode starts when both are done."""
     prefill = ttft(producer, producer_queued, producer_decoding, producer_lacking)

@@ -11,6 +11,7 @@ those params verbatim, streamed, with the guard threshold (`wire.decode_leg_body
 Client-supplied `kv_transfer_params` never get here (admission strips them); the params
 forwarded to a consumer always come from a configured producer's answer.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,7 +30,8 @@ def parse_prefill_response(resp: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         raise PrefillProtocolError(
             "the prefill engine returned no kv_transfer_params with do_remote_prefill; is it "
-            "started with a kv_producer NixlConnector?")
+            "started with a kv_producer NixlConnector?"
+        )
     return params
 
 

@@ -7,6 +7,7 @@ that fails (a DNS timeout, the API server unreachable) changes nothing: an outag
 directory is not an outage of the engines. "No such name" (NXDOMAIN, no records) is an
 answer: zero engines.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,13 @@ def backend_for(d: DiscoveryConfig, address: str, label: str) -> BackendConfig:
     """The backend of one address found by table `d`; `label` makes the name readable
     (the DNS name, or the pod's name)."""
     host = f"[{address}]" if ":" in address else address
-    return BackendConfig(name=f"{label}@{host}:{d.port}", url=f"{d.scheme}://{host}:{d.port}",
-                         role=d.role, models=d.models, api_key=d.api_key)
+    return BackendConfig(
+        name=f"{label}@{host}:{d.port}",
+        url=f"{d.scheme}://{host}:{d.port}",
+        role=d.role,
+        models=d.models,
+        api_key=d.api_key,
+    )
 
 
 class DnsLookup:
@@ -48,15 +54,15 @@ class DnsLookup:
         self.resolver = dns.asyncresolver.Resolver(configure=not d.nameservers)
         if d.nameservers:
             self.resolver.nameservers = [
-                dns.nameserver.Do53Nameserver(*parse_nameserver("nameservers", ns)) for ns in d.nameservers]
+                dns.nameserver.Do53Nameserver(*parse_nameserver("nameservers", ns)) for ns in d.nameservers
+            ]
         self.resolver.cache = None  # every round asks: the point is to see changes
 
     async def __call__(self) -> dict[str, BackendConfig]:
         addresses: list[str] = []
         for rdtype in ("A", "AAAA"):
             try:
-                answer = await self.resolver.resolve(self.d.name, rdtype, lifetime=_DNS_LIFETIME_S,
-                                                     search=False)
+                answer = await self.resolver.resolve(self.d.name, rdtype, lifetime=_DNS_LIFETIME_S, search=False)
             except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
                 continue  # an answer: no such records
             except dns.exception.DNSException as e:  # half an answer is no answer
@@ -72,6 +78,7 @@ Lookup = Callable[[], Awaitable[dict[str, BackendConfig]]]
 def make_lookup(d: DiscoveryConfig) -> Lookup:
     if d.kind == "kubernetes":
         from .discovery_k8s import KubernetesLookup
+
         return KubernetesLookup(d)
     return DnsLookup(d)
 
@@ -79,8 +86,12 @@ def make_lookup(d: DiscoveryConfig) -> Lookup:
 class Discovery:
     """The loops of every `[[discovery]]` table, feeding one fleet."""
 
-    def __init__(self, fleet: Fleet, tables: tuple[DiscoveryConfig, ...],
-                 lookup_factory: Callable[[DiscoveryConfig], Lookup] = make_lookup):
+    def __init__(
+        self,
+        fleet: Fleet,
+        tables: tuple[DiscoveryConfig, ...],
+        lookup_factory: Callable[[DiscoveryConfig], Lookup] = make_lookup,
+    ):
         self.fleet = fleet
         self.tables = tables
         self.lookup_factory = lookup_factory

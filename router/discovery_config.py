@@ -6,6 +6,7 @@ kind "kubernetes": every ready pod matching `label_selector` in `namespace`, rea
 Kubernetes API (the `kubernetes` extra is not needed: plain HTTP with the pod's
 service-account token).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError
-from .config_checks import (Problems, build_table, check_one_of, check_port, check_positive, check_url,
-                            str_list)
+from .config_checks import Problems, build_table, check_one_of, check_port, check_positive, check_url, str_list
 from .names import Role
 
 KINDS = ("dns", "kubernetes")
@@ -52,7 +52,7 @@ class DiscoveryConfig:
 
 
 def parse_nameserver(key: str, value: str) -> tuple[str, int]:
-    """"10.0.0.2", "10.0.0.2:5353", "::1", "[::1]:5353" -> (address, port)."""
+    """ "10.0.0.2", "10.0.0.2:5353", "::1", "[::1]:5353" -> (address, port)."""
     host, port = value, 53
     if value.startswith("["):
         host, _, rest = value[1:].partition("]")

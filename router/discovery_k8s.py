@@ -7,6 +7,7 @@ on pods in that namespace (deploy/ has the Role).
 A pod counts once it is Running, its Ready condition is True, it is not being deleted and
 it has an IP: the same pods a Service would send traffic to.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -70,8 +71,9 @@ class KubernetesLookup:
         timeout = aiohttp.ClientTimeout(total=_TIMEOUT_S)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as s:
-                async with s.get(url, params={"labelSelector": self.d.label_selector},
-                                 headers=self._headers(), ssl=self._ssl()) as r:
+                async with s.get(
+                    url, params={"labelSelector": self.d.label_selector}, headers=self._headers(), ssl=self._ssl()
+                ) as r:
                     body = await r.read()
                     if r.status != 200:
                         raise LookupFailed(f"{url} answered HTTP {r.status}: {body[:200]!r}")
@@ -89,8 +91,7 @@ class KubernetesLookup:
 def _in_cluster_api(env: Mapping[str, str]) -> str:
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
     if not host:
-        raise LookupFailed("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST is unset): "
-                           "set discovery.api_server")
+        raise LookupFailed("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST is unset): set discovery.api_server")
     return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
 
 

@@ -18,6 +18,7 @@ ends. Errors the client must see are raised as `RouterError`; `emitted` on the s
 tells the caller whether they can still become an HTTP status or must travel as a stream
 event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,8 +49,12 @@ Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 
 
 def route_query(spec: RequestSpec) -> RouteQuery:
-    return RouteQuery(spec.model, spec.routing_text, salt=hash(spec.request_id) & 0xFFFF,
-                      prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids))
+    return RouteQuery(
+        spec.model,
+        spec.routing_text,
+        salt=hash(spec.request_id) & 0xFFFF,
+        prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids),
+    )
 
 
 def request_path(spec: RequestSpec) -> str:
@@ -68,8 +73,9 @@ class Dispatcher:
 
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
         started = rec.dispatch_started = asyncio.get_running_loop().time()
-        return RequestContext(route_query(spec), request_path(spec), body, started,
-                              started + self.timeouts.total_s, rec)
+        return RequestContext(
+            route_query(spec), request_path(spec), body, started, started + self.timeouts.total_s, rec
+        )
 
     # --- the answer ------------------------------------------------------------------------
     async def serve(self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord) -> None:
@@ -104,9 +110,11 @@ class Dispatcher:
                 continue
             if len(rec.resumes) >= self.routing.max_resumes:
                 raise errors.RouterError(
-                    502, f"The answer was interrupted {len(rec.resumes) + 1} times "
-                         f"(last: {reason} on backend {leg.backend!r}); giving up after "
-                         f"routing.max_resumes = {self.routing.max_resumes} resumes.")
+                    502,
+                    f"The answer was interrupted {len(rec.resumes) + 1} times "
+                    f"(last: {reason} on backend {leg.backend!r}); giving up after "
+                    f"routing.max_resumes = {self.routing.max_resumes} resumes.",
+                )
             if spec.max_tokens is not None and answer_tokens >= spec.max_tokens:
                 # Interrupted right at the budget: nothing is missing, end as the engine did.
                 await emit(shaper.release_held())
@@ -114,25 +122,38 @@ class Dispatcher:
             prompt_ids = answer.prompt_token_ids
             if prompt_ids is None or not answer.token_ids_complete:
                 raise errors.RouterError(
-                    502, f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
-                         "the engine did not return the token ids it needs.")
+                    502,
+                    f"Cannot resume the answer after {reason} on backend {leg.backend!r}: "
+                    "the engine did not return the token ids it needs.",
+                )
             ctx.record_resume(reason)
             tracing.mark_resuming()
-            log.info("request %s: resuming after %s on %s (%d tokens so far)",
-                     spec.request_id, reason, leg.backend, answer_tokens)
-            body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, answer.generated_token_ids,
-                                   spec.max_tokens)
+            log.info(
+                "request %s: resuming after %s on %s (%d tokens so far)",
+                spec.request_id,
+                reason,
+                leg.backend,
+                answer_tokens,
+            )
+            body = resume_leg_body(spec.body, spec.endpoint, prompt_ids, answer.generated_token_ids, spec.max_tokens)
             # Prefix-affinity text grows the way the prompt was given (token ids: "id," each).
-            grown = ("".join(f"{i}," for i in answer.generated_token_ids)
-                     if spec.prompt_token_ids is not None else answer.generated_text)
-            query = RouteQuery(spec.model, spec.routing_text + grown, first.query.salt,
-                               len(prompt_ids) + answer_tokens)
+            grown = (
+                "".join(f"{i}," for i in answer.generated_token_ids)
+                if spec.prompt_token_ids is not None
+                else answer.generated_text
+            )
+            query = RouteQuery(spec.model, spec.routing_text + grown, first.query.salt, len(prompt_ids) + answer_tokens)
             # A resume starts a new leg: only the engine that just failed is kept out. One
             # that failed an earlier leg may be healthy again (the breaker and the health
             # checks say whether it is available), and with it out too a long answer on a
             # small cluster could run out of engines; max_resumes bounds the ping-pong.
-            ctx = replace(first, query=query, path=COMPLETIONS_PATH, body=body,
-                          tried={error.backend} if error is not None else set())
+            ctx = replace(
+                first,
+                query=query,
+                path=COMPLETIONS_PATH,
+                body=body,
+                tried={error.backend} if error is not None else set(),
+            )
             leg = await self.placer.acquire_after(ctx, error)
             shaper.begin_leg(is_resume=True)
 
@@ -223,11 +244,15 @@ class Dispatcher:
             ctx.record_predicted(loop.time(), plan.predicted_ttft_s)
             # A forwarded answer shows no first token: its prefill leaves the engine's queue
             # when the cost model predicted it would.
-            timer = (loop.call_later(plan.predicted_ttft_s, self.registry.first_token, ticket)
-                     if plan.predicted_ttft_s is not None else None)
+            timer = (
+                loop.call_later(plan.predicted_ttft_s, self.registry.first_token, ticket)
+                if plan.predicted_ttft_s is not None
+                else None
+            )
             try:
-                raw = await self.client.post_raw(name, cfg.url, ctx.path, ctx.body, api_key=cfg.api_key,
-                                                 total_deadline=ctx.deadline)
+                raw = await self.client.post_raw(
+                    name, cfg.url, ctx.path, ctx.body, api_key=cfg.api_key, total_deadline=ctx.deadline
+                )
             except UpstreamError as e:
                 self.placer.note_failure(ctx, e)
                 if e.client_fault:
@@ -249,8 +274,9 @@ class Dispatcher:
         raise errors.no_backend(ctx.query.model)
 
     # --- where a request answered whole goes ----------------------------------------------
-    async def place_whole(self, spec: RequestSpec, rec: RequestRecord,
-                          exclude: frozenset[str]) -> tuple[str, int] | None:
+    async def place_whole(
+        self, spec: RequestSpec, rec: RequestRecord, exclude: frozenset[str]
+    ) -> tuple[str, int] | None:
         """(engine, prompt tokens it will prefill) for a request one engine answers whole
         (n > 1, batches, echo, prompt_logprobs: router/forward.py). When the strategy races,
         the race is run on a one-token probe of the (first) prompt and its winner, which
@@ -261,8 +287,15 @@ class Dispatcher:
         if not rec.dispatch_started:
             rec.dispatch_started = loop.time()
         now = loop.time()
-        ctx = RequestContext(route_query(spec), request_path(spec), one_token_probe(spec.body),
-                             rec.dispatch_started, now + self.timeouts.total_s, rec, set(exclude))
+        ctx = RequestContext(
+            route_query(spec),
+            request_path(spec),
+            one_token_probe(spec.body),
+            rec.dispatch_started,
+            now + self.timeouts.total_s,
+            rec,
+            set(exclude),
+        )
         query = ctx.query
         plan = self.strategy.plan(query, self.registry.snapshot(), exclude)
         if plan.empty:

@@ -4,6 +4,7 @@ The load view reads the running and waiting request gauges and the KV cache usag
 cost model reads the counters of prompt tokens served from each cache tier and the CPU
 tier's load seconds, to learn what a cached token costs (router/speed_learner.py).
 """
+
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families

@@ -6,6 +6,7 @@ so the dependency runs one way): the launcher registers its Supervisor under the
 configuration declares engines loads it from there. A router without `[[engines]]` needs
 no launcher at all.
 """
+
 from __future__ import annotations
 
 from importlib.metadata import entry_points
@@ -28,8 +29,10 @@ def engine_starter(engines: Sequence[EngineConfig], launcher: LauncherConfig) ->
     """The registered launcher, set up for these engines."""
     found = entry_points(group=ENTRY_POINT_GROUP)
     if not found:
-        raise RuntimeError(f"[[engines]] needs the engine launcher, and no {ENTRY_POINT_GROUP!r} entry point is "
-                           "installed: install this package with pip (pip install -e .) or remove [[engines]]")
+        raise RuntimeError(
+            f"[[engines]] needs the engine launcher, and no {ENTRY_POINT_GROUP!r} entry point is "
+            "installed: install this package with pip (pip install -e .) or remove [[engines]]"
+        )
     factory = next(iter(found)).load()
     starter: EngineStarter = factory(engines, launcher)
     return starter

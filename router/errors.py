@@ -26,6 +26,7 @@ then sends `data: <ErrorResponse JSON>\\n\\n` followed by `data: [DONE]\\n\\n`
 (`completion_stream_generator` / `chat_completion_stream_generator`); `sse_error_event`
 builds the first of those two.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,15 +61,18 @@ def error_type_for(status: int) -> str:
     return "InternalServerError" if status >= 500 else "BadRequestError"
 
 
-def error_body(status: int, message: str, *, type: str | None = None, param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, *, type: str | None = None, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
     """`{"error": {"message", "type", "param", "code"}}`; `code` defaults to `status`."""
-    return {"error": {
-        "message": message,
-        "type": type if type is not None else error_type_for(status),
-        "param": param,
-        "code": code if code is not None else status,
-    }}
+    return {
+        "error": {
+            "message": message,
+            "type": type if type is not None else error_type_for(status),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
 class RouterError(Exception):
@@ -78,9 +82,16 @@ class RouterError(Exception):
     status in `code` as vLLM does.
     """
 
-    def __init__(self, status: int, message: str, *, type: str | None = None,
-                 param: str | None = None, code: str | int | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -108,6 +119,7 @@ def sse_error_event(err: RouterError) -> bytes:
 
 # --- the common cases -------------------------------------------------------------------
 
+
 def bad_request(message: str, param: str | None = None) -> RouterError:
     return RouterError(400, message, param=param)
 
@@ -120,8 +132,11 @@ def unauthorized(message: str = "Invalid or missing API key.") -> RouterError:
 def model_not_found(model: str, served: list[str] | tuple[str, ...]) -> RouterError:
     """vLLM's exact wording and fields for an unknown model (BaseServing._check_model)."""
     return RouterError(
-        404, f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
-        type="NotFoundError", param="model")
+        404,
+        f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+        type="NotFoundError",
+        param="model",
+    )
 
 
 def route_not_found() -> RouterError:
@@ -143,8 +158,8 @@ def too_many_requests(retry_after_s: float, message: str | None = None, *, reaso
     the rejection's metric: queue, queue_timeout, rate, tenant_queue."""
     secs = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 1
     err = RouterError(
-        429, message or f"The router is at capacity; retry after {secs} s.",
-        headers={"Retry-After": str(secs)})
+        429, message or f"The router is at capacity; retry after {secs} s.", headers={"Retry-After": str(secs)}
+    )
     err.reason = reason
     return err
 
@@ -177,8 +192,9 @@ def from_upstream_body(status: int, raw: bytes) -> RouterError:
     so does 401/403: the engine refused the router's own key, a configuration fault the
     client cannot fix."""
     if status in (401, 403):
-        return RouterError(502, f"Upstream engine refused the router's credentials (HTTP {status}); "
-                                "check backends[].api_key.")
+        return RouterError(
+            502, f"Upstream engine refused the router's credentials (HTTP {status}); check backends[].api_key."
+        )
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -206,7 +222,9 @@ def from_error_object(obj: dict[str, Any], status: int | None = None) -> RouterE
     etype = e.get("type")
     param = e.get("param")
     return RouterError(
-        st, message if isinstance(message, str) else "Upstream engine error.",
+        st,
+        message if isinstance(message, str) else "Upstream engine error.",
         type=etype if isinstance(etype, str) else None,
         param=param if isinstance(param, str) else None,
-        code=code if isinstance(code, (int, str)) and not isinstance(code, bool) else None)
+        code=code if isinstance(code, (int, str)) and not isinstance(code, bool) else None,
+    )

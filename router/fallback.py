@@ -16,6 +16,7 @@ operator's floor: below it a KV transfer is never worth its moving parts). With
 `routing.split = "always"` such a split is always taken (the fastest pair), to keep
 prefills off the decoders.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,9 +45,14 @@ class FallbackPlan:
         return Route.PD if self.prefill else Route.DIRECT
 
 
-def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConfig,
-                  prompt_tokens: float | None, exclude: frozenset[str] = frozenset(),
-                  hits: Mapping[str, float] | None = None) -> FallbackPlan | None:
+def plan_fallback(
+    query: RouteQuery,
+    snap: ClusterSnapshot,
+    routing: RoutingConfig,
+    prompt_tokens: float | None,
+    exclude: frozenset[str] = frozenset(),
+    hits: Mapping[str, float] | None = None,
+) -> FallbackPlan | None:
     """See the module docstring. `prompt_tokens` None: estimated from the query."""
     decoders = decoders_for(query, snap, exclude)
     if not decoders:
@@ -55,8 +61,9 @@ def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConf
     n = query.tokens(snap) if prompt_tokens is None else float(prompt_tokens)
     decode, direct_s = fastest(decoders, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
     lacking = max(n - hits.get(decode.name, 0.0), 0.0)
-    best = FallbackPlan(decode=decode.name, prefill=None, decode_threshold=0.0,
-                        prefill_tokens=round(lacking), predicted_ttft_s=direct_s)
+    best = FallbackPlan(
+        decode=decode.name, prefill=None, decode_threshold=0.0, prefill_tokens=round(lacking), predicted_ttft_s=direct_s
+    )
     producers = [b for b in snap.prefillers(query.model) if b.name not in exclude]
     if not producers or n < routing.min_pd_prompt_tokens:
         return best
@@ -68,12 +75,16 @@ def plan_fallback(query: RouteQuery, snap: ClusterSnapshot, routing: RoutingConf
         for c in decoders:
             if c.name == p.name or n - hits.get(c.name, 0.0) < routing.min_pd_prompt_tokens:
                 continue
-            s = costmodel.pd_ttft(p.speed, p.queued_tokens, p.decoding, n, c.speed, c.queued_tokens,
-                                  c.decoding, snap.transfer, n)
+            s = costmodel.pd_ttft(
+                p.speed, p.queued_tokens, p.decoding, n, c.speed, c.queued_tokens, c.decoding, snap.transfer, n
+            )
             if (s, prefill_s) < best_key:
                 best_key = (s, prefill_s)
-                best = FallbackPlan(decode=c.name, prefill=p.name,
-                                    decode_threshold=routing.decode_guard_threshold,
-                                    prefill_tokens=round(n), predicted_ttft_s=s)
+                best = FallbackPlan(
+                    decode=c.name,
+                    prefill=p.name,
+                    decode_threshold=routing.decode_guard_threshold,
+                    prefill_tokens=round(n),
+                    predicted_ttft_s=s,
+                )
     return best
-

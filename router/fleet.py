@@ -8,6 +8,7 @@ went away. Removal never drops a request: the backend is drained first (no new r
 leg goes there) and forgotten only once nothing is in flight on it. An address that comes
 back while its drain is still running is simply put back in rotation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,9 +33,15 @@ _IDLE_POLL_S = 0.02
 
 
 class Fleet:
-    def __init__(self, registry: BackendRegistry, monitor: HealthMonitor, *,
-                 on_added: Callable[[BackendState], None], on_removed: Callable[[str], None],
-                 initial: Mapping[str, str]):
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        monitor: HealthMonitor,
+        *,
+        on_added: Callable[[BackendState], None],
+        on_removed: Callable[[str], None],
+        initial: Mapping[str, str],
+    ):
         self.registry = registry
         self.monitor = monitor
         self._on_added = on_added
@@ -49,12 +56,16 @@ class Fleet:
         return name in self._removals
 
     def owned_by(self, source: str) -> dict[str, BackendConfig]:
-        return {n: self.registry.states[n].config for n, o in self.owner.items()
-                if o == source and n in self.registry.states and n not in self._removals}
+        return {
+            n: self.registry.states[n].config
+            for n, o in self.owner.items()
+            if o == source and n in self.registry.states and n not in self._removals
+        }
 
     # --- changes ---------------------------------------------------------------------------
-    async def add(self, config: BackendConfig, source: str,
-                  checked: tuple[dict[str, float], tuple[str, ...] | None] | None = None) -> BackendState:
+    async def add(
+        self, config: BackendConfig, source: str, checked: tuple[dict[str, float], tuple[str, ...] | None] | None = None
+    ) -> BackendState:
         """Register `config` and run its first health check (it takes requests once one
         passes), or take `checked`, the result of one that just passed (it is then in
         rotation at once). A name being removed with the same configuration is put back."""
@@ -102,8 +113,7 @@ class Fleet:
         self._on_removed(name)
         log.info("backend %s removed (drained, nothing in flight)", name)
 
-    async def reconcile(self, source: str, wanted: Mapping[str, BackendConfig], *,
-                        check_first: bool = False) -> None:
+    async def reconcile(self, source: str, wanted: Mapping[str, BackendConfig], *, check_first: bool = False) -> None:
         """Make `source`'s backends those of `wanted`. With `check_first`, a new backend
         joins only once a health check passed (else the next reconcile tries again)."""
         current = self.owned_by(source)
@@ -127,11 +137,9 @@ class Fleet:
             checked = None
             if check_first:
                 try:
-                    checked = await self.monitor.check(config, with_health=True,
-                                                       want_models=not config.models)
+                    checked = await self.monitor.check(config, with_health=True, want_models=not config.models)
                 except (Exception, asyncio.TimeoutError) as e:
-                    log.info("%s: %s (%s) not added yet, its health check failed: %s",
-                             source, name, config.url, e)
+                    log.info("%s: %s (%s) not added yet, its health check failed: %s", source, name, config.url, e)
                     continue
                 if name in self.registry.states:  # added meanwhile
                     continue
@@ -161,15 +169,17 @@ def backend_from_admin(raw: Any) -> BackendConfig:
         raise errors.bad_request("Expected a JSON object with name, url, role and models.")
     unknown = sorted(set(raw) - {"name", "url", "role", "models", "api_key"})
     if unknown:
-        raise errors.bad_request(f"Unknown field {unknown[0]!r}; expected name, url, role, models, api_key.",
-                                     param=unknown[0])
+        raise errors.bad_request(
+            f"Unknown field {unknown[0]!r}; expected name, url, role, models, api_key.", param=unknown[0]
+        )
     name, url = raw.get("name"), raw.get("url")
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise errors.bad_request("'name' must be 1-128 characters: letters, digits and . _ : @ [ ] -, "
-                                     "starting with a letter or digit.", param="name")
+        raise errors.bad_request(
+            "'name' must be 1-128 characters: letters, digits and . _ : @ [ ] -, starting with a letter or digit.",
+            param="name",
+        )
     if not isinstance(url, str):
-        raise errors.bad_request("'url' must be a string: the engine's http:// or https:// base URL.",
-                                     param="url")
+        raise errors.bad_request("'url' must be a string: the engine's http:// or https:// base URL.", param="url")
     try:
         check_url("url", url)
     except ConfigError as e:

@@ -25,6 +25,7 @@ of one-token probes), with the client's body minus the router's internal fields.
 one engine's memory: every engine that could hold it is asked in turn until one does not
 answer 404.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,12 +53,23 @@ log = logging.getLogger("cachehit_router.forward")
 
 
 # POST routes with a JSON body, as vLLM 0.32's OpenAI server registers them.
-JSON_ROUTES = ("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score",
-               "/rerank", "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize", "/v1/responses")
+JSON_ROUTES = (
+    "/v1/embeddings",
+    "/v2/embed",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/tokenize",
+    "/detokenize",
+    "/v1/responses",
+)
 MULTIPART_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 GET_ROUTES = ("/version", "/tokenizer_info")
-STORED_RESPONSE_ROUTES = (("GET", "/v1/responses/{response_id}"),
-                          ("POST", "/v1/responses/{response_id}/cancel"))
+STORED_RESPONSE_ROUTES = (("GET", "/v1/responses/{response_id}"), ("POST", "/v1/responses/{response_id}/cancel"))
 
 # Answer headers passed back to the client (the rest are hop-by-hop or the router's own).
 _ANSWER_HEADERS = ("Content-Type", "Content-Disposition", "Cache-Control", "metadata")
@@ -108,8 +120,8 @@ class Forwarder:
                 raise errors.bad_request("`model` must be a string.", "model")
             rec.model = model
             rec.stream = body.get("stream") is True
-            return await self._forward(request, rec, self._check_model(model), raw,
-                                       "application/json")
+            return await self._forward(request, rec, self._check_model(model), raw, "application/json")
+
         return await self._run(request, serve, need_slot=True)
 
     async def handle_upload(self, request: web.Request) -> web.StreamResponse:
@@ -123,24 +135,28 @@ class Forwarder:
                 raise errors.bad_request("Expected a multipart/form-data body with a boundary.")
             prefix, model = await read_form_prefix(request, m.group(1).encode(), self.state.config.server)
             rec.model = model
-            return await self._forward(request, rec, self._check_model(model), prefix, ctype,
-                                       rest=request.content, limit=limit)
+            return await self._forward(
+                request, rec, self._check_model(model), prefix, ctype, rest=request.content, limit=limit
+            )
+
         return await self._run(request, serve, need_slot=True)
 
     async def handle_get(self, request: web.Request) -> web.StreamResponse:
         async def serve(rec: RequestRecord) -> web.StreamResponse:
             return await self._forward(request, rec, None, None, None)
+
         return await self._run(request, serve, need_slot=False)
 
     async def handle_stored_response(self, request: web.Request) -> web.StreamResponse:
         async def serve(rec: RequestRecord) -> web.StreamResponse:
             body = await read_body(request, self.state.config.server) if request.method == "POST" else None
-            return await self._forward(request, rec, None, body, "application/json" if body else None,
-                                       find=True)
+            return await self._forward(request, rec, None, body, "application/json" if body else None, find=True)
+
         return await self._run(request, serve, need_slot=True)
 
-    async def forward_generation(self, request: web.Request, spec: RequestSpec, rec: RequestRecord,
-                                 answer_id: str) -> web.StreamResponse:
+    async def forward_generation(
+        self, request: web.Request, spec: RequestSpec, rec: RequestRecord, answer_id: str
+    ) -> web.StreamResponse:
         """A generation answered whole by one engine (`spec.whole`): vLLM's own answer."""
         dispatcher = self.state.dispatcher
         assert dispatcher is not None
@@ -151,15 +167,29 @@ class Forwarder:
         # Explicit T = 0: an engine-wide default threshold must not reject the request. The
         # engine names its answer after the body's request_id (in the body: a client's id
         # need not be a valid header value), as the router would have.
-        body = orjson.dumps({**spec.body, "cache_hit_threshold": 0.0,
-                             "request_id": spec.request_id.removeprefix(ID_PREFIX[spec.endpoint])})
+        body = orjson.dumps(
+            {
+                **spec.body,
+                "cache_hit_threshold": 0.0,
+                "request_id": spec.request_id.removeprefix(ID_PREFIX[spec.endpoint]),
+            }
+        )
         rec.stream = spec.stream
-        return await self._forward(request, rec, spec.model, body, "application/json", choose=choose,
-                                   request_id_header=False, answer_id=answer_id)
+        return await self._forward(
+            request,
+            rec,
+            spec.model,
+            body,
+            "application/json",
+            choose=choose,
+            request_id_header=False,
+            answer_id=answer_id,
+        )
 
     # --- the frame shared by every route ---------------------------------------------------
-    async def _run(self, request: web.Request, serve: Callable[[RequestRecord], Awaitable[web.StreamResponse]],
-                   need_slot: bool) -> web.StreamResponse:
+    async def _run(
+        self, request: web.Request, serve: Callable[[RequestRecord], Awaitable[web.StreamResponse]], need_slot: bool
+    ) -> web.StreamResponse:
         state = self.state
         t0 = time.monotonic()
         rec = RequestRecord(request_id="", endpoint=request.path, model=None, stream=False)
@@ -184,8 +214,9 @@ class Forwarder:
                 state.metrics.rejected_overload.inc()
                 if e.reason:
                     state.metrics.tenant_rejection(rec.tenant, e.reason)
-            resp = web.Response(body=e.body_bytes(), status=e.status, content_type="application/json",
-                                headers=e.headers or None)
+            resp = web.Response(
+                body=e.body_bytes(), status=e.status, content_type="application/json", headers=e.headers or None
+            )
             if not request.content.is_eof():
                 resp.force_close()  # refused before its body was read (see app.handle_generate)
             return resp
@@ -212,11 +243,21 @@ class Forwarder:
         return model
 
     # --- upstream --------------------------------------------------------------------------
-    async def _forward(self, request: web.Request, rec: RequestRecord, model: str | None,
-                       body: bytes | None, content_type: str | None, *, find: bool = False,
-                       rest: aiohttp.StreamReader | None = None, limit: int = 0,
-                       choose: Callable[[frozenset[str]], Awaitable[tuple[str, int] | None]] | None = None,
-                       request_id_header: bool = True, answer_id: str | None = None) -> web.StreamResponse:
+    async def _forward(
+        self,
+        request: web.Request,
+        rec: RequestRecord,
+        model: str | None,
+        body: bytes | None,
+        content_type: str | None,
+        *,
+        find: bool = False,
+        rest: aiohttp.StreamReader | None = None,
+        limit: int = 0,
+        choose: Callable[[frozenset[str]], Awaitable[tuple[str, int] | None]] | None = None,
+        request_id_header: bool = True,
+        answer_id: str | None = None,
+    ) -> web.StreamResponse:
         """`choose` (generations): the engine and the prompt tokens it will prefill, for the
         cost model's load (a `LegTicket`), instead of the least loaded engine."""
         state = self.state
@@ -283,7 +324,8 @@ class Forwarder:
                 try:
                     async with asyncio.timeout_at(min(deadline, loop.time() + timeouts.first_token_s)):
                         resp = await client.session.request(
-                            request.method, cfg.url + request.path_qs, data=data, headers=headers)
+                            request.method, cfg.url + request.path_qs, data=data, headers=headers
+                        )
                         first = b"" if resp.status in _RETRY_STATUSES else await resp.content.readany()
                         if ticket is not None:
                             registry.first_token(ticket)
@@ -337,18 +379,28 @@ class Forwarder:
             raise errors.RouterError(502, f"No engine could answer: {last_problem}")
         raise errors.no_backend(model)
 
-    def _answer_with_id(self, headers: dict[str, Any], rec: RequestRecord, answer_id: str | None = None) -> dict[str, Any]:
+    def _answer_with_id(
+        self, headers: dict[str, Any], rec: RequestRecord, answer_id: str | None = None
+    ) -> dict[str, Any]:
         if answer_id or rec.request_id:
             headers["X-Request-Id"] = answer_id or rec.request_id
         return headers
 
-    async def _relay(self, request: web.Request, rec: RequestRecord, resp: aiohttp.ClientResponse,
-                     first: bytes, deadline: float, answer_id: str | None = None) -> web.StreamResponse:
+    async def _relay(
+        self,
+        request: web.Request,
+        rec: RequestRecord,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        deadline: float,
+        answer_id: str | None = None,
+    ) -> web.StreamResponse:
         """The engine's answer to the client as it arrives, within timeouts.idle_s between
         chunks and the request's total deadline. A failure from here on can only close the
         connection: the status is sent."""
-        out = web.StreamResponse(status=resp.status,
-                                 headers=self._answer_with_id(_answer_headers(resp), rec, answer_id))
+        out = web.StreamResponse(
+            status=resp.status, headers=self._answer_with_id(_answer_headers(resp), rec, answer_id)
+        )
         if resp.content_length is not None and resp.content_length == len(first):
             out.content_length = resp.content_length
         await out.prepare(request)

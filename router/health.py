@@ -7,6 +7,7 @@ marks the backend unhealthy (skipped by planners) until it answers again. Each b
 no models serve what it says (LoRA adapters loaded after start-up included), and the
 router's own `/v1/models` shows the engines' entries as they are.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,16 +44,18 @@ class HealthMonitor:
         # late answer is not a dead engine.
         return max(2.0, min(5.0, 2 * self.health.scrape_interval_s))
 
-    async def check(self, config: BackendConfig, with_health: bool = True,
-                    want_models: bool = False) -> tuple[dict[str, float], tuple[str, ...] | None]:
+    async def check(
+        self, config: BackendConfig, with_health: bool = True, want_models: bool = False
+    ) -> tuple[dict[str, float], tuple[str, ...] | None]:
         """One health check of `config`'s engine (one not registered yet, too: discovery
         checks before adding): its load, and its models when asked for. Raises on any
         failure (connection, timeout, an HTTP error status)."""
         load, cards = await self._read(config, with_health, want_models)
         return load, None if cards is None else tuple(c["id"] for c in cards)
 
-    async def _read(self, config: BackendConfig, with_health: bool,
-                    want_cards: bool) -> tuple[dict[str, float], list[dict[str, Any]] | None]:
+    async def _read(
+        self, config: BackendConfig, with_health: bool, want_cards: bool
+    ) -> tuple[dict[str, float], list[dict[str, Any]] | None]:
         url, key = config.url, config.api_key
         if with_health:
             status, _ = await self.client.get_text(url + "/health", self._timeout_s, key)
@@ -72,11 +75,9 @@ class HealthMonitor:
         url, key = state.config.url, state.config.api_key
         try:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
-            load, cards = await self._read(state.config, with_health,
-                                           with_health or name not in self.model_cards)
+            load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
         except (Exception, asyncio.TimeoutError) as e:  # any failure means: not usable now
-            self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}",
-                                                definitive_failure(e))
+            self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive_failure(e))
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None
             return
@@ -148,9 +149,18 @@ class HealthMonitor:
                     out.setdefault(c["id"], c)
         created = int(time.time())
         for m in served - out.keys():
-            out[m] = {"id": m, "object": "model", "created": created, "owned_by": "vllm", "root": m,
-                      "parent": None, "max_model_len": None, "permission": []}
+            out[m] = {
+                "id": m,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": m,
+                "parent": None,
+                "max_model_len": None,
+                "permission": [],
+            }
         return {"object": "list", "data": list(out.values())}
+
 
 def definitive_failure(e: BaseException) -> bool:
     """Refused (nothing listens), or an HTTP error status from the engine: not a timeout,

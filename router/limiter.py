@@ -10,6 +10,7 @@ tenant over its request rate gets 429 at once; one at its own concurrency limit 
 with the highest priority, then to the tenant with the fewest requests executing, then
 to the oldest request: a tenant that floods the queue cannot starve the others.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,11 @@ class ConcurrencyLimiter:
             wait = t.bucket.take(asyncio.get_running_loop().time())
             if wait > 0:
                 raise errors.too_many_requests(
-                    wait, f"API key '{t.name}' is over its limit of {t.bucket.rate:g} requests per second "
-                          "(tenants.requests_per_s).", reason="rate")
+                    wait,
+                    f"API key '{t.name}' is over its limit of {t.bucket.rate:g} requests per second "
+                    "(tenants.requests_per_s).",
+                    reason="rate",
+                )
         # Whenever a slot is free, no waiter that could take it is left (_dispatch runs
         # on every release): a free slot is this request's if its tenant may start one.
         if self.active < self.max_concurrent and t.may_start():
@@ -57,7 +61,9 @@ class ConcurrencyLimiter:
             raise errors.too_many_requests(
                 max(1.0, self.queue_timeout_s),
                 f"API key '{t.name}' has {t.active} requests executing and {t.queued} waiting, its limits "
-                "(tenants.max_concurrent_requests, tenants.max_queued_requests).", reason="tenant_queue")
+                "(tenants.max_concurrent_requests, tenants.max_queued_requests).",
+                reason="tenant_queue",
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting.setdefault(t, []), [-priority, next(self._arrivals), fut])
         t.queued += 1
@@ -77,7 +83,8 @@ class ConcurrencyLimiter:
                 raise errors.too_many_requests(
                     self.queue_timeout_s,
                     f"The router is at capacity and no slot freed within {self.queue_timeout_s:g} s.",
-                    reason="queue_timeout") from None
+                    reason="queue_timeout",
+                ) from None
             raise
 
     def _grant(self, t: Tenant) -> None:

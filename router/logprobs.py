@@ -1,5 +1,6 @@
 """Logprobs across legs: completion text offsets rebased, resume legs' logprobs in chat form,
 completion logprobs accumulated for a non-streaming answer."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +15,8 @@ class TextOffsets:
     """Completion logprobs' `text_offset` continued across legs (each leg counts from 0)."""
 
     def __init__(self) -> None:
-        self._base = 0   # text_offset of this leg's start
-        self._end = 0    # end of the text covered by logprobs so far
+        self._base = 0  # text_offset of this leg's start
+        self._end = 0  # end of the text covered by logprobs so far
 
     def begin_leg(self) -> None:
         self._base = self._end
@@ -47,12 +48,18 @@ def chat_logprobs_from_completion(lp: dict[str, Any], top_logprobs: int) -> list
     for i, tok in enumerate(lp.get("tokens") or ()):
         lpv = lps[i] if i < len(lps) else None
         top = tops[i] if i < len(tops) else None
-        entry = {"token": tok, "logprob": -9999.0 if lpv is None else lpv,
-                 "bytes": list(tok.encode("utf-8", "replace")),
-                 "top_logprobs": [
-                     {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
-                     for j, (t, v) in enumerate(top.items()) if j < k
-                 ] if isinstance(top, dict) else []}
+        entry = {
+            "token": tok,
+            "logprob": -9999.0 if lpv is None else lpv,
+            "bytes": list(tok.encode("utf-8", "replace")),
+            "top_logprobs": [
+                {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))}
+                for j, (t, v) in enumerate(top.items())
+                if j < k
+            ]
+            if isinstance(top, dict)
+            else [],
+        }
         out.append(entry)
     return out
 
@@ -79,5 +86,9 @@ class CompletionLogprobs:
     def as_dict(self) -> dict[str, Any] | None:
         if not self.seen:
             return None
-        return {"text_offset": self._offsets, "token_logprobs": self._token_logprobs,
-                "tokens": self._tokens, "top_logprobs": self._top}
+        return {
+            "text_offset": self._offsets,
+            "token_logprobs": self._token_logprobs,
+            "tokens": self._tokens,
+            "top_logprobs": self._top,
+        }

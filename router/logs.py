@@ -9,6 +9,7 @@ router/metrics.py). A log shipper reads them without parsing text.
 `server.log_format = "text"`: `time LEVEL logger: message`, the per-request line's fields
 as one JSON object in the message, as before.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,10 @@ def _json_formatter() -> logging.Formatter:
                 log_data.update(fields)
             return log_data
 
-    return RequestJsonFormatter(["asctime", "levelname", "name", "message"],
-                                rename_fields={"asctime": "time", "levelname": "level", "name": "logger"})
+    return RequestJsonFormatter(
+        ["asctime", "levelname", "name", "message"],
+        rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+    )
 
 
 class TextFormatter(logging.Formatter):
@@ -45,8 +48,7 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, REQUEST_FIELD, None)
         if isinstance(fields, dict):
-            record = logging.makeLogRecord({**record.__dict__, "msg": orjson.dumps(fields).decode(),
-                                            "args": None})
+            record = logging.makeLogRecord({**record.__dict__, "msg": orjson.dumps(fields).decode(), "args": None})
         return super().format(record)
 
 

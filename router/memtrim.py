@@ -5,6 +5,7 @@ the router's RSS stays at its peak although nothing uses it. glibc's malloc_trim
 the free pages; it costs milliseconds on a large heap, so it runs only once the router has
 had no request in flight for `IDLE_S`, and once per burst.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -5,6 +5,7 @@ They are `enum.StrEnum`s so that a member is its string: comparisons with config
 metric labels, JSON log fields and `check-config` output read exactly as the plain
 strings did.
 """
+
 from __future__ import annotations
 
 from enum import StrEnum
@@ -44,8 +45,7 @@ class EngineRole(StrEnum):
 
     @property
     def backend_role(self) -> Role:
-        return {EngineRole.PRODUCER: Role.PREFILL, EngineRole.CONSUMER: Role.DECODE,
-                EngineRole.BOTH: Role.BOTH}[self]
+        return {EngineRole.PRODUCER: Role.PREFILL, EngineRole.CONSUMER: Role.DECODE, EngineRole.BOTH: Role.BOTH}[self]
 
 
 class EngineKind(StrEnum):

@@ -7,6 +7,7 @@ not switch authentication off by accident. The layered tables go through the sam
 validation as the file (router/config.py); a value the environment got wrong is named by
 its variable.
 """
+
 from __future__ import annotations
 
 import copy
@@ -48,8 +49,7 @@ BACKEND_API_KEY = "CACHEHIT_ROUTER_BACKEND_API_KEY"
 CONFIG_PATH = "CACHEHIT_ROUTER_CONFIG"
 
 
-def layer(raw: dict[str, Any], env: Mapping[str, str],
-          flags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def layer(raw: dict[str, Any], env: Mapping[str, str], flags: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`raw` (the file's tables) with the environment's and the flags' values on top.
     flags: {"server.host": ..., "server.port": ..., "server.log_level": ...}; None values
     are not given."""
@@ -85,7 +85,6 @@ def layer(raw: dict[str, Any], env: Mapping[str, str],
     return out
 
 
-def load(path: str | Path, env: Mapping[str, str],
-         flags: Mapping[str, Any] | None = None) -> Config:
+def load(path: str | Path, env: Mapping[str, str], flags: Mapping[str, Any] | None = None) -> Config:
     """The validated configuration the router runs with (also what SIGHUP re-reads)."""
     return parse_config(layer(read_toml(path), env, flags))

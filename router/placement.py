@@ -11,6 +11,7 @@ the request's record:
 - a failure before the answer's first token is retried on another backend, at most
   `routing.max_retries` times.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,16 @@ from .names import Route
 from .planning import Plan, RouteQuery, Strategy, predicted_ttft, race_value
 from .race import EXPIRED, FAILED, REJECTED, RaceResult, run_race
 from .request_context import FallbackOutcome, Leg, RaceOutcome, RequestContext, fallback_direct
-from .upstream import (CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT,
-                       UpstreamClient, UpstreamError, UpstreamStream)
+from .upstream import (
+    CONNECT,
+    CONNECT_TIMEOUT,
+    FIRST_TOKEN_TIMEOUT,
+    IDLE_TIMEOUT,
+    TOTAL_TIMEOUT,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamStream,
+)
 from .wire import decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
 
 log = logging.getLogger("cachehit_router.dispatch")
@@ -84,8 +93,9 @@ class LegPlacer:
                 # Not worth a race: computed where the fallback's model says (which may be
                 # a split), with what the strategy expects each engine to hold.
                 n = query.tokens(snap)
-                fallback = plan_fallback(query, snap, self.routing, n, frozenset(ctx.tried),
-                                         self.strategy.expected_hits(query, n))
+                fallback = plan_fallback(
+                    query, snap, self.routing, n, frozenset(ctx.tried), self.strategy.expected_hits(query, n)
+                )
             else:
                 fallback = fallback_direct(plan)
             if fallback is None:
@@ -117,10 +127,12 @@ class LegPlacer:
         tickets: dict[str, LegTicket] = {}
         sent = loop.time()
         with tracing.span("probe_race", **{"cachehit.probes": len(plan.probes)}):
-            result = await run_race(plan.probes,
-                                    self._opener(ctx.path, streamed_leg_body(ctx.body, plan.threshold),
-                                                 ctx.deadline, 0, tickets),
-                                    plan.deadline_s, plan.deadline_per_prompt_token_s)
+            result = await run_race(
+                plan.probes,
+                self._opener(ctx.path, streamed_leg_body(ctx.body, plan.threshold), ctx.deadline, 0, tickets),
+                plan.deadline_s,
+                plan.deadline_per_prompt_token_s,
+            )
         self._record_race(ctx, result)
         return RaceOutcome(plan, result, tickets, sent, loop.time() - sent)
 
@@ -132,8 +144,9 @@ class LegPlacer:
         ctx.record_scratch(race.sent, plan.scratch_ttft_s)
         return self._accepted(ctx, race.result, Route.PROBE_HIT, race.tickets)
 
-    def _race_figures(self, query: RouteQuery,
-                      result: RaceResult) -> tuple[ClusterSnapshot, float, dict[str, float], dict[str, float]]:
+    def _race_figures(
+        self, query: RouteQuery, result: RaceResult
+    ) -> tuple[ClusterSnapshot, float, dict[str, float], dict[str, float]]:
         """The snapshot, the prompt's length, what the strategy expects each engine to hold
         and what the rejections reported holding."""
         snap = self.registry.snapshot()
@@ -146,10 +159,10 @@ class LegPlacer:
         assert race.winner is not None
         snap, n, expected, reported = self._race_figures(query, race.result)
         self.registry.learner.observe_race(
-            race_value(race.plan, snap, n, expected, race.winner.backend, None, reported), None, race.plan.placed)
+            race_value(race.plan, snap, n, expected, race.winner.backend, None, reported), None, race.plan.placed
+        )
 
-    def fallback_after_race(self, query: RouteQuery, race: RaceOutcome,
-                            exclude: frozenset[str]) -> FallbackPlan | None:
+    def fallback_after_race(self, query: RouteQuery, race: RaceOutcome, exclude: frozenset[str]) -> FallbackPlan | None:
         """Nobody accepted: where the prompt is computed, and what the race was worth.
 
         What each engine holds: its rejection's report, which is the truth, unless the
@@ -167,11 +180,14 @@ class LegPlacer:
         # An engine silent past the deadline is stopped or far behind: it computes the
         # prompt only if no other engine can.
         silent = {o.backend for o in race.result.by_verdict(EXPIRED)}
-        fallback = (plan_fallback(query, snap, self.routing, n, exclude | silent, hits)
-                    or plan_fallback(query, snap, self.routing, n, exclude, hits))
+        fallback = plan_fallback(query, snap, self.routing, n, exclude | silent, hits) or plan_fallback(
+            query, snap, self.routing, n, exclude, hits
+        )
         self.registry.learner.observe_race(
-            race_value(race.plan, snap, n, expected, None, fallback.predicted_ttft_s if fallback else None,
-                       reported), race.waited_s, race.plan.placed)
+            race_value(race.plan, snap, n, expected, None, fallback.predicted_ttft_s if fallback else None, reported),
+            race.waited_s,
+            race.plan.placed,
+        )
         return fallback
 
     # --- the fallback: prefill/decode or one decoder -----------------------------------
@@ -189,8 +205,7 @@ class LegPlacer:
                 if e.client_fault:
                     raise client_error(e, self.timeouts) from None
                 failed.append(fb.prefill)
-                log.warning("prefill on %s failed (%s); computing the prompt on %s instead",
-                            fb.prefill, e, fb.decode)
+                log.warning("prefill on %s failed (%s); computing the prompt on %s instead", fb.prefill, e, fb.decode)
             except PrefillProtocolError as e:
                 log.warning("prefill on %s: %s; computing the prompt on %s instead", fb.prefill, e, fb.decode)
             if kv_params is None:
@@ -201,15 +216,21 @@ class LegPlacer:
         tickets: dict[str, LegTicket] = {}
         result = await self._single(ctx, fb, kv_params, tickets)
         failures = result.by_verdict(FAILED)
-        if result.winner is None and fb.prefill is not None and (
-                result.by_verdict(REJECTED)
-                or (failures and recompute_after_failed_decode(failures[0].error))):
+        if (
+            result.winner is None
+            and fb.prefill is not None
+            and (result.by_verdict(REJECTED) or (failures and recompute_after_failed_decode(failures[0].error)))
+        ):
             # The guard threshold refused the decode leg, or the engine failed it: the
             # transferred cache did not arrive (lease expired, pull failed). Compute the
             # prompt there instead.
-            log.warning("decode on %s with the cache from %s did not start (%s); computing the "
-                        "prompt on %s", fb.decode, fb.prefill,
-                        failures[0].error if failures else "guard threshold", fb.decode)
+            log.warning(
+                "decode on %s with the cache from %s did not start (%s); computing the prompt on %s",
+                fb.decode,
+                fb.prefill,
+                failures[0].error if failures else "guard threshold",
+                fb.decode,
+            )
             fb = _computed_on_decoder(fb)
             result = await self._single(ctx, fb, None, tickets)
         if result.winner is not None:
@@ -219,8 +240,9 @@ class LegPlacer:
         failures = result.by_verdict(FAILED)
         return FallbackOutcome(None, failures[0].error if failures else None, (*failed, fb.decode))
 
-    async def _single(self, ctx: RequestContext, fb: FallbackPlan, kv_params: dict[str, Any] | None,
-                      tickets: dict[str, LegTicket]) -> RaceResult:
+    async def _single(
+        self, ctx: RequestContext, fb: FallbackPlan, kv_params: dict[str, Any] | None, tickets: dict[str, LegTicket]
+    ) -> RaceResult:
         """The fallback's decode leg: a one-engine race (same verdict logic); the leg's own
         first-token timeout bounds it."""
         if fb.prefill is not None:
@@ -228,8 +250,9 @@ class LegPlacer:
             body, tokens = decode_leg_body(ctx.body, kv_params, fb.decode_threshold), 0
         else:
             body, tokens = streamed_leg_body(ctx.body, fb.decode_threshold), fb.prefill_tokens
-        result = await run_race((fb.decode,), self._opener(ctx.path, body, ctx.deadline, tokens, tickets),
-                                self.timeouts.first_token_s + 1.0)
+        result = await run_race(
+            (fb.decode,), self._opener(ctx.path, body, ctx.deadline, tokens, tickets), self.timeouts.first_token_s + 1.0
+        )
         self._record_race(ctx, result, probing=False)
         return result
 
@@ -237,8 +260,14 @@ class LegPlacer:
         state = self._state(backend)
         ticket = self.registry.open_leg(backend, tokens)
         try:
-            resp = await self.client.post_json(backend, state.config.url, ctx.path, prefill_leg_body(ctx.body),
-                                               api_key=state.config.api_key, total_deadline=ctx.deadline)
+            resp = await self.client.post_json(
+                backend,
+                state.config.url,
+                ctx.path,
+                prefill_leg_body(ctx.body),
+                api_key=state.config.api_key,
+                total_deadline=ctx.deadline,
+            )
             # One token was asked for: the answer's arrival is the prefill's first token.
             self.registry.first_token(ticket)
         finally:
@@ -250,8 +279,7 @@ class LegPlacer:
             self.registry.learn_first_token(ticket, usage.prompt_tokens - held, held)
         return parse_prefill_response(resp)
 
-    def _accepted(self, ctx: RequestContext, result: RaceResult, route: str,
-                  tickets: dict[str, LegTicket]) -> Leg:
+    def _accepted(self, ctx: RequestContext, result: RaceResult, route: str, tickets: dict[str, LegTicket]) -> Leg:
         w = result.winner
         assert w is not None and w.stream is not None
         ticket = tickets.get(w.backend)
@@ -260,24 +288,39 @@ class LegPlacer:
         if route == Route.PROBE_HIT:  # a fallback was noted when it was sent (run_fallback)
             self.strategy.on_routed(ctx.query, w.backend)
         ctx.record_leg(route, w.backend)
-        return Leg(w.backend, w.stream, w.buffered, route, ticket,
-                   len(ctx.query.text) if ctx.query.prompt_tokens is None else 0)
+        return Leg(
+            w.backend,
+            w.stream,
+            w.buffered,
+            route,
+            ticket,
+            len(ctx.query.text) if ctx.query.prompt_tokens is None else 0,
+        )
 
     # --- bookkeeping ---------------------------------------------------------------------
-    def _opener(self, path: str, body: dict[str, Any], deadline: float, tokens: int,
-                tickets: dict[str, LegTicket]) -> Callable[[str], Awaitable[UpstreamStream]]:
+    def _opener(
+        self, path: str, body: dict[str, Any], deadline: float, tokens: int, tickets: dict[str, LegTicket]
+    ) -> Callable[[str], Awaitable[UpstreamStream]]:
         """Opens one streamed leg per backend; each holds a LegTicket (its place in the
         engine's load) until the stream closes, kept in `tickets` by backend."""
+
         async def open_leg(name: str) -> UpstreamStream:
             cfg = self._state(name).config
             ticket = tickets[name] = self.registry.open_leg(name, tokens)
             try:
-                return await self.client.open_stream(name, cfg.url, path, body, api_key=cfg.api_key,
-                                                     total_deadline=deadline,
-                                                     on_close=lambda: self.registry.close_leg(ticket))
+                return await self.client.open_stream(
+                    name,
+                    cfg.url,
+                    path,
+                    body,
+                    api_key=cfg.api_key,
+                    total_deadline=deadline,
+                    on_close=lambda: self.registry.close_leg(ticket),
+                )
             except BaseException:
                 self.registry.close_leg(ticket)
                 raise
+
         return open_leg
 
     def _state(self, name: str) -> BackendState:

@@ -12,6 +12,7 @@ Every load- or cache-aware choice is "least predicted time to first token"
 (router/costmodel.py: queued prefill tokens, tokens the engine lacks, decoding sequences,
 measured speed). Ties rotate with a per-request salt so equal engines share traffic.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +80,12 @@ def predicted_ttft(b: BackendView, lacking: float, prompt_tokens: float | None =
     return costmodel.ttft(b.speed, b.queued_tokens, b.decoding, lacking, held)
 
 
-def fastest(candidates: Sequence[BackendView], lacking: Callable[[BackendView], float],
-            salt: int = 0, prompt_tokens: float | None = None) -> tuple[BackendView, float]:
+def fastest(
+    candidates: Sequence[BackendView],
+    lacking: Callable[[BackendView], float],
+    salt: int = 0,
+    prompt_tokens: float | None = None,
+) -> tuple[BackendView, float]:
     """The backend with the least predicted time to first token, and that time; equal
     predictions rotate with `salt` (KV usage breaks ties first: more room, fewer preemptions)."""
     n = len(candidates)
@@ -99,15 +104,15 @@ class Strategy(Protocol):
         """Problems of the `routing` keys this policy reads, each naming its key."""
         ...
 
-    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
-        ...
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan: ...
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         """Feedback: `backend` served `query` (winner, fallback decode, or direct)."""
         ...
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
         """Prompt tokens each backend is expected to hold (with `sent_within_s`: because
         the router sent it the prompt that recently, so it may still be computing it)."""
         ...
@@ -137,18 +142,27 @@ def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[st
     return [b for b in snap.decoders(query.model) if b.name not in exclude]
 
 
-def direct_plan(query: RouteQuery, snap: ClusterSnapshot, candidates: Sequence[BackendView],
-                hits: Mapping[str, float]) -> Plan:
+def direct_plan(
+    query: RouteQuery, snap: ClusterSnapshot, candidates: Sequence[BackendView], hits: Mapping[str, float]
+) -> Plan:
     """Send to the candidate with the least predicted time to first token, each lacking
     the prompt minus its expected hit."""
     n = query.tokens(snap)
     best, seconds = fastest(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
-    return Plan(direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)),
-                predicted_ttft_s=seconds)
+    return Plan(
+        direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)), predicted_ttft_s=seconds
+    )
 
 
-def race_value(plan: Plan, snap: ClusterSnapshot, prompt_tokens: float, expected: Mapping[str, float],
-               winner: str | None, chosen_ttft_s: float | None, reported: Mapping[str, float]) -> float:
+def race_value(
+    plan: Plan,
+    snap: ClusterSnapshot,
+    prompt_tokens: float,
+    expected: Mapping[str, float],
+    winner: str | None,
+    chosen_ttft_s: float | None,
+    reported: Mapping[str, float],
+) -> float:
     """What a finished race was worth, as a share of the prompt's prefill time on the cold
     choice: how much sooner its outcome is predicted to deliver the first token than the
     cold choice would have, judged with what the engines reported (the truth) where they

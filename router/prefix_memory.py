@@ -4,6 +4,7 @@ The probe strategy uses it to rank engines and to know what an engine still comp
 prompt will hold; the prefix_tree strategy routes by it. It is per router replica and
 only ever a guess: the engines' own caches are the truth (the probe race asks them).
 """
+
 from __future__ import annotations
 
 import time
@@ -32,7 +33,7 @@ class PrefixMemory:
         c = self.chunk_chars
         out, h = [], 0
         for i in range(0, len(text) - c + 1, c):
-            h = hash((h, text[i:i + c]))
+            h = hash((h, text[i : i + c]))
             out.append(h)
         return out
 
@@ -69,8 +70,9 @@ class PrefixMemory:
                 if not owners:
                     del self._owners[h]
 
-    def expected_hits(self, text: str, prompt_tokens: float, sent_within_s: float | None = None,
-                      now: float | None = None) -> dict[str, float]:
+    def expected_hits(
+        self, text: str, prompt_tokens: float, sent_within_s: float | None = None, now: float | None = None
+    ) -> dict[str, float]:
         """Prompt tokens each backend is expected to hold of `text`: the share of the
         prompt whose longest known prefix the router sent there (rounded down to chunks);
         with `sent_within_s`, only where it was sent that recently."""

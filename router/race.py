@@ -8,6 +8,7 @@ far; every other probe is aborted at once (closing the connection makes the engi
 the request). If nobody has accepted by the deadline, the silent engines are aborted and
 count as expired (a rejection for the fallback's purposes).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -106,8 +107,7 @@ async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEven
                 hit_tokens = hit_tokens if hit_tokens is not None else usage.cached_tokens
             else:
                 stream.abort()
-            return ProbeOutcome(backend, REJECTED, latency, prompt_tokens=prompt_tokens,
-                                hit_tokens=hit_tokens)
+            return ProbeOutcome(backend, REJECTED, latency, prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
     except UpstreamError as e:
         if stream is not None:
             stream.abort()
@@ -119,8 +119,9 @@ async def _probe(backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEven
         raise
 
 
-async def run_race(backends: Sequence[str], open_probe: OpenProbe, deadline_s: float,
-                   deadline_per_prompt_token_s: float = 0.0) -> RaceResult:
+async def run_race(
+    backends: Sequence[str], open_probe: OpenProbe, deadline_s: float, deadline_per_prompt_token_s: float = 0.0
+) -> RaceResult:
     """Race `backends`; see the module docstring. Cancelling the caller aborts every probe.
 
     `deadline_per_prompt_token_s`: once a rejection reports the prompt's length, the
@@ -150,8 +151,12 @@ def _abort_all(tasks: Iterable[asyncio.Future[ProbeOutcome]]) -> None:
                 stream.abort()
 
 
-async def _settle(tasks: dict[asyncio.Task[ProbeOutcome], str], loop: asyncio.AbstractEventLoop, deadline_s: float,
-                  deadline_per_prompt_token_s: float) -> RaceResult:
+async def _settle(
+    tasks: dict[asyncio.Task[ProbeOutcome], str],
+    loop: asyncio.AbstractEventLoop,
+    deadline_s: float,
+    deadline_per_prompt_token_s: float,
+) -> RaceResult:
     outcomes: list[ProbeOutcome] = []
     winner: ProbeOutcome | None = None
     started = loop.time()
@@ -174,8 +179,7 @@ async def _settle(tasks: dict[asyncio.Task[ProbeOutcome], str], loop: asyncio.Ab
                     if o.stream is not None:
                         o.stream.abort()
                     o.stream = None
-                elif (o.verdict == REJECTED and o.prompt_tokens and deadline_per_prompt_token_s
-                      and not extended):
+                elif o.verdict == REJECTED and o.prompt_tokens and deadline_per_prompt_token_s and not extended:
                     deadline += o.prompt_tokens * deadline_per_prompt_token_s
                     extended = True
                 outcomes.append(o)

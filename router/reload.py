@@ -7,6 +7,7 @@ replaced), `[[discovery]]`, `[routing]`, `server.api_keys`, `server.admin_api_ke
 started engines, the upstream connection pool): a change there is named in a warning and
 waits for a restart. A file that does not validate changes nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,7 @@ def changed_keys(old: Config, new: Config) -> list[str]:
         if a == b:
             continue
         if dataclasses.is_dataclass(a):
-            out += [f"{f.name}.{g.name}" for g in dataclasses.fields(a)
-                    if getattr(a, g.name) != getattr(b, g.name)]
+            out += [f"{f.name}.{g.name}" for g in dataclasses.fields(a) if getattr(a, g.name) != getattr(b, g.name)]
         else:
             out.append(f.name)
     return out
@@ -46,10 +46,10 @@ def split_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
 def effective(old: Config, new: Config) -> Config:
     """The configuration the router runs with after a reload: `new`'s live keys, `old`'s
     everything else."""
-    server = dataclasses.replace(old.server, api_keys=new.server.api_keys,
-                                 admin_api_key=new.server.admin_api_key, log_level=new.server.log_level)
-    return dataclasses.replace(old, server=server, routing=new.routing, backends=new.backends,
-                               discovery=new.discovery)
+    server = dataclasses.replace(
+        old.server, api_keys=new.server.api_keys, admin_api_key=new.server.admin_api_key, log_level=new.server.log_level
+    )
+    return dataclasses.replace(old, server=server, routing=new.routing, backends=new.backends, discovery=new.discovery)
 
 
 async def reload(state: Any, load: Callable[[], Config]) -> list[str]:
@@ -63,8 +63,9 @@ async def reload(state: Any, load: Callable[[], Config]) -> list[str]:
     old = state.config
     live, fixed = split_changes(old, new)
     if fixed:
-        log.warning("reload: these keys cannot change while the router runs, restart it to apply "
-                    "them: %s", ", ".join(fixed))
+        log.warning(
+            "reload: these keys cannot change while the router runs, restart it to apply them: %s", ", ".join(fixed)
+        )
     if not live:
         log.info("reload: nothing to apply")
         return fixed

@@ -6,6 +6,7 @@ a body that would be refused is never invited; the body must arrive within
 `server.body_timeout_s`. For audio uploads only the form fields before the file part are
 read here (where clients put `model`); the rest streams upstream (router/forward.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,8 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
         raise errors.RouterError(400, f"The request body could not be read: {detail.strip()}") from None
     except TimeoutError:
         raise errors.RouterError(
-            408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s.") from None
+            408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s."
+        ) from None
 
 
 async def expect_handler(request: web.Request) -> web.Response | None:
@@ -105,7 +107,8 @@ async def read_form_prefix(request: web.Request, boundary: bytes, server: Server
                 data = await request.content.readany()
         except TimeoutError:
             raise errors.RouterError(
-                408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s.") from None
+                408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s."
+            ) from None
         if not data:
             break
         prefix += data

@@ -5,6 +5,7 @@ leg to the client) do I/O and return what happened; the context is the one place
 writes what happened into the request's `RequestRecord`, from which the metrics and the
 log line are written at the end (router/metrics.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -93,8 +94,9 @@ class RequestContext:
     def record_race(self, result: RaceResult, probing: bool = True) -> None:
         rec = self.record
         for o in result.outcomes:
-            rec.verdicts.append(Verdict(o.backend, o.verdict, o.latency_s,
-                                        o.tokens_seen if o.verdict == LOST else 0, probing))
+            rec.verdicts.append(
+                Verdict(o.backend, o.verdict, o.latency_s, o.tokens_seen if o.verdict == LOST else 0, probing)
+            )
             if o.verdict == REJECTED and o.hit_tokens is not None:
                 rec.rejected_hits[o.backend] = o.hit_tokens
         if result.prompt_tokens is not None and rec.prompt_tokens is None:
@@ -149,5 +151,10 @@ class RequestContext:
 def fallback_direct(plan: Plan) -> FallbackPlan:
     """A strategy's direct choice, carried out like a fallback computed on one decoder."""
     assert plan.direct is not None
-    return FallbackPlan(decode=plan.direct, prefill=None, decode_threshold=0.0,
-                        prefill_tokens=plan.prefill_tokens, predicted_ttft_s=plan.predicted_ttft_s)
+    return FallbackPlan(
+        decode=plan.direct,
+        prefill=None,
+        decode_threshold=0.0,
+        prefill_tokens=plan.prefill_tokens,
+        predicted_ttft_s=plan.predicted_ttft_s,
+    )

@@ -10,6 +10,7 @@ to the same size), and while `send` waits the router does not read that stream's
 leg, so the engine's socket carries the backpressure. A client that accepts nothing for
 `timeouts.idle_s` (or past the request's total deadline) is dropped: `ClientStalled`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,13 +26,13 @@ from .sse import DONE_EVENT, format_event
 
 
 def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
-                        headers=headers)
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers)
 
 
 def error_response(err: RouterError) -> web.Response:
-    return web.Response(body=err.body_bytes(), status=err.status, content_type="application/json",
-                        headers=err.headers or None)
+    return web.Response(
+        body=err.body_bytes(), status=err.status, content_type="application/json", headers=err.headers or None
+    )
 
 
 class ClientStalled(ConnectionResetError):
@@ -39,8 +40,15 @@ class ClientStalled(ConnectionResetError):
 
 
 class SSEWriter:
-    def __init__(self, request: web.Request, request_id: str, *, buffer_bytes: int = 8 * 1024,
-                 idle_s: float = 60.0, deadline: float | None = None):
+    def __init__(
+        self,
+        request: web.Request,
+        request_id: str,
+        *,
+        buffer_bytes: int = 8 * 1024,
+        idle_s: float = 60.0,
+        deadline: float | None = None,
+    ):
         self.request = request
         self.request_id = request_id
         self.response: web.StreamResponse | None = None
@@ -53,11 +61,14 @@ class SSEWriter:
         return self.response is not None
 
     async def _start(self) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Request-Id": self.request_id,
-        })
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.request_id,
+            },
+        )
         transport = self.request.transport
         if transport is not None:
             # Past `high` queued bytes the protocol pauses and writer.drain() waits.
@@ -98,8 +109,9 @@ class SSEWriter:
             transport = self.request.transport
             if transport is not None:
                 transport.abort()  # close() would wait for the unread bytes to leave
-            raise ClientStalled(f"the client read nothing of its stream for {wait:.3g} s "
-                                "(timeouts.idle_s or total_s)") from None
+            raise ClientStalled(
+                f"the client read nothing of its stream for {wait:.3g} s (timeouts.idle_s or total_s)"
+            ) from None
 
     async def finish(self) -> web.StreamResponse:
         resp = self.response or await self._start()

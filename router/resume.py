@@ -9,6 +9,7 @@ prompt's token ids plus every generated token id, with the remaining budget, thr
 same plan and execute steps as a fresh request. A leg rejected with no tokens at all is
 not a resume but a retry of the same continuation at threshold 0.
 """
+
 from __future__ import annotations
 
 from .upstream import UpstreamError
@@ -18,8 +19,9 @@ FAILURE = "failure"  # broken stream after the first token
 REJECTED = "rejected"  # a decode/resume leg refused with no tokens (guard threshold)
 
 
-def resume_reason(finish_reason: str | None, leg_tokens: int, error: UpstreamError | None,
-                  answer_tokens: int) -> str | None:
+def resume_reason(
+    finish_reason: str | None, leg_tokens: int, error: UpstreamError | None, answer_tokens: int
+) -> str | None:
     """Why the current leg must be continued, or None when the answer is complete.
 
     `leg_tokens`: tokens the leg produced; `answer_tokens`: tokens of the whole answer.
@@ -31,4 +33,3 @@ def resume_reason(finish_reason: str | None, leg_tokens: int, error: UpstreamErr
     if finish_reason == "cache_threshold":
         return PREEMPTED if leg_tokens > 0 else REJECTED
     return None
-

@@ -43,6 +43,7 @@ must now travel as SSE events).
 Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
 must not use the chunk afterwards. That saves a copy per chunk on the hot path.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -76,17 +77,18 @@ class ResponseShaper:
         self._chat_top_logprobs = (top if type(top) is int else 0) if self._chat and body.get("logprobs") else None
 
         self.answer = Answer(list(spec.prompt_token_ids) if spec.prompt_token_ids is not None else None)
-        self.emitted = False          # anything returned for the client yet
+        self.emitted = False  # anything returned for the client yet
         self._usage = UsageTotals(self.answer, chat=self._chat)
         self._offsets = TextOffsets()
         # Only a non-streaming client's answer is accumulated.
         self._accumulate = not spec.stream
-        self._assembler = ResponseAssembler(spec, self.answer, chat=self._chat,
-                                            chat_top_logprobs=self._chat_top_logprobs)
-        self._is_resume = False       # the current leg is a resume leg
+        self._assembler = ResponseAssembler(
+            spec, self.answer, chat=self._chat, chat_top_logprobs=self._chat_top_logprobs
+        )
+        self._is_resume = False  # the current leg is a resume leg
         self._held: dict[str, Any] | None = None
         self._held_has_content = False
-        self._pending: list[dict[str, Any]] = []   # content of a discarded held chunk, sent next
+        self._pending: list[dict[str, Any]] = []  # content of a discarded held chunk, sent next
         self._role_sent = False
         self._prompt_ids_sent = False
         self._fingerprint: str | None = None
@@ -199,15 +201,26 @@ class ResponseShaper:
         if self._chat:
             # A resume leg of a chat answer: rebuild the chunk as a chat delta.
             pre = [self._role_chunk()] if not self._role_sent else []
-            choice = {"index": 0, "delta": {"content": text},
-                      "logprobs": ({"content": chat_logprobs_from_completion(lp, self._chat_top_logprobs)}
-                                   if lp is not None and self._chat_top_logprobs is not None else None),
-                      "finish_reason": fr}
+            choice = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": (
+                    {"content": chat_logprobs_from_completion(lp, self._chat_top_logprobs)}
+                    if lp is not None and self._chat_top_logprobs is not None
+                    else None
+                ),
+                "finish_reason": fr,
+            }
             if fr is not None:
                 choice["stop_reason"] = c.get("stop_reason")
             choice["token_ids"] = list(ids) if self._want_ids else None
-            out = {"id": self._rid, "object": _CHAT_CHUNK, "created": self._created, "model": self._model,
-                   "choices": [choice]}
+            out = {
+                "id": self._rid,
+                "object": _CHAT_CHUNK,
+                "created": self._created,
+                "model": self._model,
+                "choices": [choice],
+            }
             if self.spec.continuous_usage:
                 out["usage"] = self._usage.running()
             if fr is not None:
@@ -310,9 +323,15 @@ class ResponseShaper:
     def _role_chunk(self) -> dict[str, Any]:
         """The role chunk vLLM sends first, for a chat answer whose first leg sent none."""
         self._role_sent = True
-        out = {"id": self._rid, "object": _CHAT_CHUNK, "created": self._created, "model": self._model,
-               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}]}
+        out = {
+            "id": self._rid,
+            "object": _CHAT_CHUNK,
+            "created": self._created,
+            "model": self._model,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
         out["prompt_token_ids"] = self._take_prompt_ids() if self._want_ids else None
         out["prompt_text"] = None
         if self.spec.continuous_usage:
@@ -359,7 +378,7 @@ class ResponseShaper:
             fc["token_ids"] = [] if self._want_ids else None
         finish["choices"] = [fc]
         if "prompt_token_ids" in finish:
-            finish["prompt_token_ids"] = None   # chat: top level; sent with the content part
+            finish["prompt_token_ids"] = None  # chat: top level; sent with the content part
         self._held = finish
         self._held_has_content = False
         return self._out(self._without_finish(chunk), c)
@@ -387,8 +406,14 @@ class ResponseShaper:
         asked for it (no [DONE]: the writer adds it)."""
         out = self.release_held()
         if self.spec.include_usage:
-            chunk = {"id": self._rid, "object": self._object, "created": self._created,
-                     "model": self._model, "choices": [], "usage": self._usage.totals(streaming=True)}
+            chunk = {
+                "id": self._rid,
+                "object": self._object,
+                "created": self._created,
+                "model": self._model,
+                "choices": [],
+                "usage": self._usage.totals(streaming=True),
+            }
             if self._fingerprint is not None:
                 chunk["system_fingerprint"] = self._fingerprint
             out.append(chunk)

@@ -32,6 +32,7 @@ configured per workload: each starts at a prior and follows the measurements:
 
 Learning is per router replica: replicas learn the same engines from their own samples.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -126,8 +127,10 @@ class SpeedPrior:
 
 def speed_prior(routing: RoutingConfig) -> SpeedPrior:
     """The prior of the configuration's routing.prior_* keys."""
-    return SpeedPrior(per_token_s=1.0 / routing.prior_prefill_tokens_per_s,
-                      transfer_per_token_s=1.0 / routing.prior_kv_transfer_tokens_per_s)
+    return SpeedPrior(
+        per_token_s=1.0 / routing.prior_prefill_tokens_per_s,
+        transfer_per_token_s=1.0 / routing.prior_kv_transfer_tokens_per_s,
+    )
 
 
 def _ewma(old: float, new: float, alpha: float) -> float:
@@ -183,8 +186,9 @@ class SpeedLearner:
             own = self.engine_per_token_s.get(name)
             if own is not None:
                 p = self.prior
-                fit = OnlineLinear((p.intercept_s, own, p.per_decode_s),
-                                   (10 * p.intercept_s + 0.1, 10 * own, 10 * p.per_decode_s))
+                fit = OnlineLinear(
+                    (p.intercept_s, own, p.per_decode_s), (10 * p.intercept_s + 0.1, 10 * own, 10 * p.per_decode_s)
+                )
             else:
                 a, b, c = self._fleet_fit().theta
                 fit = self._new_fit((a, b, c))
@@ -194,8 +198,10 @@ class SpeedLearner:
     def _transfer_fit(self) -> OnlineLinear:
         if self._transfer is None:
             p = self.prior
-            self._transfer = OnlineLinear((p.transfer_intercept_s, p.transfer_per_token_s),
-                                          (10 * p.transfer_intercept_s + 0.1, 10 * p.transfer_per_token_s))
+            self._transfer = OnlineLinear(
+                (p.transfer_intercept_s, p.transfer_per_token_s),
+                (10 * p.transfer_intercept_s + 0.1, 10 * p.transfer_per_token_s),
+            )
         return self._transfer
 
     # --- samples ------------------------------------------------------------------------

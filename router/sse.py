@@ -7,6 +7,7 @@ implements the general WHATWG rules that matter for a `data`-only stream (\\n, \
 boundaries) so that a proxy in between or another server cannot desynchronise it; the
 common case (LF only, `data: ` prefix) runs on bytes.find and slices, no regexes.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,9 +43,9 @@ class SSEDecoder:
     __slots__ = ("_buf", "_data", "_skip_lf", "_max_line")
 
     def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
-        self._buf = b""            # an unterminated line carried over from the last feed
-        self._data: list[bytes] = []   # data lines of the event being read
-        self._skip_lf = False      # last feed ended in \r: a \n starting the next belongs to it
+        self._buf = b""  # an unterminated line carried over from the last feed
+        self._data: list[bytes] = []  # data lines of the event being read
+        self._skip_lf = False  # last feed ended in \r: a \n starting the next belongs to it
         self._max_line = max_line_bytes
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -127,7 +128,7 @@ class SSEDecoder:
         if colon < 0:
             field, value = line, b""
         else:
-            field, value = line[:colon], line[colon + 1:]
+            field, value = line[:colon], line[colon + 1 :]
             if value[:1] == b" ":
                 value = value[1:]
         if field == b"data":

@@ -16,6 +16,7 @@ What the limits mean (enforced by the admission queue, router/limiter.py):
   lower value, down to -100, is always allowed). The queue serves the highest priority
   first, then the tenant with the fewest requests executing, then the oldest request.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,8 +45,9 @@ class TenantConfig:
     max_priority: int = 0
 
 
-def validate_tenant(key: str, t: TenantConfig, environ: dict[str, str] | os._Environ[str],
-                    add: Callable[[str], None]) -> TenantConfig:
+def validate_tenant(
+    key: str, t: TenantConfig, environ: dict[str, str] | os._Environ[str], add: Callable[[str], None]
+) -> TenantConfig:
     """Problems of one [[tenants]] table, each naming its key; the tenant with its key
     resolved from the environment."""
     if not _NAME.fullmatch(t.name):
@@ -98,21 +100,36 @@ class Tenant:
 
     __slots__ = ("name", "max_concurrent", "max_queued", "bucket", "max_priority", "active", "queued")
 
-    def __init__(self, name: str, *, max_concurrent: int = 0, max_queued: int = 0,
-                 requests_per_s: float = 0.0, burst: int = 0, max_priority: int = 0):
+    def __init__(
+        self,
+        name: str,
+        *,
+        max_concurrent: int = 0,
+        max_queued: int = 0,
+        requests_per_s: float = 0.0,
+        burst: int = 0,
+        max_priority: int = 0,
+    ):
         self.name = name
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued or max_concurrent
-        self.bucket = (TokenBucket(requests_per_s, burst or max(1, math.ceil(requests_per_s)))
-                       if requests_per_s > 0 else None)
+        self.bucket = (
+            TokenBucket(requests_per_s, burst or max(1, math.ceil(requests_per_s))) if requests_per_s > 0 else None
+        )
         self.max_priority = max_priority
         self.active = 0
         self.queued = 0
 
     @classmethod
     def from_config(cls, t: TenantConfig) -> "Tenant":
-        return cls(t.name, max_concurrent=t.max_concurrent_requests, max_queued=t.max_queued_requests,
-                   requests_per_s=t.requests_per_s, burst=t.burst, max_priority=t.max_priority)
+        return cls(
+            t.name,
+            max_concurrent=t.max_concurrent_requests,
+            max_queued=t.max_queued_requests,
+            requests_per_s=t.requests_per_s,
+            burst=t.burst,
+            max_priority=t.max_priority,
+        )
 
     def may_start(self) -> bool:
         return not self.max_concurrent or self.active < self.max_concurrent
@@ -143,6 +160,8 @@ def parse_priority(headers: Any, tenant: Tenant) -> int:
     if prio is None or not MIN_PRIORITY <= prio <= MAX_PRIORITY:
         raise ValueError(f"{PRIORITY_HEADER}: expected an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
     if prio > tenant.max_priority:
-        raise PermissionError(f"{PRIORITY_HEADER}: this API key may ask for a priority of at most "
-                              f"{tenant.max_priority} (tenants.max_priority), got {prio}")
+        raise PermissionError(
+            f"{PRIORITY_HEADER}: this API key may ask for a priority of at most "
+            f"{tenant.max_priority} (tenants.max_priority), got {prio}"
+        )
     return prio

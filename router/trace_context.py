@@ -16,6 +16,7 @@ The headers a leg carries live in a context variable set once per request by
 `tracing.middleware`: asyncio copies it into every task the request starts (probe races
 included), and `UpstreamClient` adds them to each call.
 """
+
 from __future__ import annotations
 
 import re
@@ -45,8 +46,10 @@ def client_request_id(request: web.Request) -> str | None:
         return None
     if not value or len(value) > MAX_REQUEST_ID_CHARS or not _REQUEST_ID.match(value):
         raise errors.RouterError(
-            400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
-                 "without spaces.", param="X-Request-Id")
+            400,
+            f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces.",
+            param="X-Request-Id",
+        )
     return value
 
 

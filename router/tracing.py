@@ -19,6 +19,7 @@ trace context is passed through unchanged (router/trace_context.py).
 The OpenTelemetry SDK is an optional dependency (`pip install cachehit-router[tracing]`),
 imported only when tracing is on; tests pass an in-memory exporter instead of OTLP.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("cachehit_router.tracing")
 
 LEG_PROBE, LEG_DIRECT, LEG_PREFILL, LEG_DECODE, LEG_RESUME, LEG_FORWARD = (
-    "probe", "direct", "prefill", "decode", "resume", "forward")
+    "probe",
+    "direct",
+    "prefill",
+    "decode",
+    "resume",
+    "forward",
+)
 
 _TRACER: ContextVar[Any] = ContextVar("cachehit_tracer", default=None)
 # Set once a request's answer has been resumed: every later leg is a resume leg.
@@ -57,9 +64,11 @@ class Tracing:
 
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": cfg.service_name}),
-            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
+            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+        )
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
             exporter = OTLPSpanExporter(endpoint=cfg.otlp_endpoint, timeout=cfg.export_timeout_s)
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
         else:  # tests: spans are there as soon as they end
@@ -87,14 +96,18 @@ def middleware(get_tracing: Callable[[], Tracing | None]) -> Middleware:
             finally:
                 pop_upstream_headers(token)
         from opentelemetry import trace
+
         parent = tracing.propagator.extract(headers) if headers else None
         t_token = _TRACER.set(tracing)
         r_token = _RESUMING.set(False)
         h_token = push_upstream_headers(headers)
         try:
             with tracing.tracer.start_as_current_span(
-                    f"{request.method} {request.path}", context=parent, kind=trace.SpanKind.SERVER,
-                    attributes={"http.request.method": request.method, "url.path": request.path}) as span:
+                f"{request.method} {request.path}",
+                context=parent,
+                kind=trace.SpanKind.SERVER,
+                attributes={"http.request.method": request.method, "url.path": request.path},
+            ) as span:
                 resp = await handler(request)
                 span.set_attribute("http.response.status_code", resp.status)
                 if resp.status >= 500:
@@ -113,18 +126,30 @@ def annotate_request(rec: "RequestRecord") -> None:
     if _TRACER.get() is None:
         return
     from opentelemetry import trace
+
     span = trace.get_current_span()
     if not span.is_recording():
         return
-    span.set_attributes({
-        "cachehit.request_id": rec.request_id, "cachehit.endpoint": rec.endpoint,
-        "cachehit.model": rec.model or "", "cachehit.stream": rec.stream, "cachehit.route": rec.route,
-        "cachehit.winner": rec.winner, "cachehit.prefill": rec.prefill, "cachehit.legs": rec.legs,
-        "cachehit.probes": rec.probes, "cachehit.rejections": rec.rejections,
-        "cachehit.retries": rec.retries, "cachehit.resumes": rec.resumes,
-        "cachehit.status": rec.status, "cachehit.completion_tokens": rec.completion_tokens,
-        **({"cachehit.prompt_tokens": rec.prompt_tokens} if rec.prompt_tokens is not None else {}),
-        **({"cachehit.error": rec.error} if rec.error else {})})
+    span.set_attributes(
+        {
+            "cachehit.request_id": rec.request_id,
+            "cachehit.endpoint": rec.endpoint,
+            "cachehit.model": rec.model or "",
+            "cachehit.stream": rec.stream,
+            "cachehit.route": rec.route,
+            "cachehit.winner": rec.winner,
+            "cachehit.prefill": rec.prefill,
+            "cachehit.legs": rec.legs,
+            "cachehit.probes": rec.probes,
+            "cachehit.rejections": rec.rejections,
+            "cachehit.retries": rec.retries,
+            "cachehit.resumes": rec.resumes,
+            "cachehit.status": rec.status,
+            "cachehit.completion_tokens": rec.completion_tokens,
+            **({"cachehit.prompt_tokens": rec.prompt_tokens} if rec.prompt_tokens is not None else {}),
+            **({"cachehit.error": rec.error} if rec.error else {}),
+        }
+    )
 
 
 def mark_resuming() -> None:
@@ -159,8 +184,12 @@ def start_leg(kind: str, backend: str, path: str) -> tuple[Any, dict[str, str]]:
     if tracing is None:
         return None, upstream_headers()
     from opentelemetry import trace
-    leg = tracing.tracer.start_span(kind, kind=trace.SpanKind.CLIENT, attributes={
-        "cachehit.backend": backend, "url.path": path, "cachehit.leg": kind})
+
+    leg = tracing.tracer.start_span(
+        kind,
+        kind=trace.SpanKind.CLIENT,
+        attributes={"cachehit.backend": backend, "url.path": path, "cachehit.leg": kind},
+    )
     headers: dict[str, str] = {}
     tracing.propagator.inject(headers, context=trace.set_span_in_context(leg))
     ts = upstream_headers().get("tracestate")
@@ -173,6 +202,7 @@ def end_leg(leg: Any, outcome: str, error: str = "") -> None:
     if leg is None:
         return
     from opentelemetry import trace
+
     leg.set_attribute("cachehit.outcome", outcome)
     if error:
         leg.set_status(trace.StatusCode.ERROR, error)

@@ -11,6 +11,7 @@ TCP_NODELAY: aiohttp's BaseProtocol sets it in `connection_made` for client and 
 sockets alike (tests/router/test_upstream_nodelay.py checks), so streamed chunks are not
 held back by Nagle's algorithm and delayed ACKs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,7 @@ _CONNECT_TIMEOUT_ERRORS = (getattr(aiohttp, "ConnectionTimeoutError", aiohttp.Se
 
 
 class UpstreamError(Exception):
-    def __init__(self, backend: str, kind: str, detail: str, *, status: int | None = None,
-                 body: Any = None):
+    def __init__(self, backend: str, kind: str, detail: str, *, status: int | None = None, body: Any = None):
         super().__init__(f"backend {backend}: {kind}: {detail}")
         self.backend = backend
         self.kind = kind
@@ -56,8 +56,12 @@ class UpstreamError(Exception):
     @property
     def client_fault(self) -> bool:
         """The engine refused the request itself (4xx): no other engine would accept it."""
-        return self.kind == STATUS and self.status is not None and 400 <= self.status < 500 \
+        return (
+            self.kind == STATUS
+            and self.status is not None
+            and 400 <= self.status < 500
             and self.status not in (408, 429)
+        )
 
     @property
     def backend_fault(self) -> bool:
@@ -68,12 +72,30 @@ class UpstreamError(Exception):
 class UpstreamStream:
     """One streamed leg. Not safe for concurrent readers."""
 
-    __slots__ = ("backend", "_resp", "_decoder", "_pending", "_loop", "_timeouts",
-                 "_total_deadline", "_first_deadline", "_done", "_on_close", "chunks_read", "_span")
+    __slots__ = (
+        "backend",
+        "_resp",
+        "_decoder",
+        "_pending",
+        "_loop",
+        "_timeouts",
+        "_total_deadline",
+        "_first_deadline",
+        "_done",
+        "_on_close",
+        "chunks_read",
+        "_span",
+    )
 
-    def __init__(self, backend: str, resp: aiohttp.ClientResponse, timeouts: TimeoutsConfig,
-                 total_deadline: float, on_close: Callable[[], None] | None = None,
-                 first_deadline: float | None = None):
+    def __init__(
+        self,
+        backend: str,
+        resp: aiohttp.ClientResponse,
+        timeouts: TimeoutsConfig,
+        total_deadline: float,
+        on_close: Callable[[], None] | None = None,
+        first_deadline: float | None = None,
+    ):
         self.backend = backend
         self._resp = resp
         self._decoder = SSEDecoder()
@@ -83,8 +105,9 @@ class UpstreamStream:
         self._timeouts = timeouts
         self._total_deadline = total_deadline
         # From when the request was sent (open_stream passes it), not from the headers.
-        self._first_deadline = (first_deadline if first_deadline is not None
-                                else self._loop.time() + timeouts.first_token_s)
+        self._first_deadline = (
+            first_deadline if first_deadline is not None else self._loop.time() + timeouts.first_token_s
+        )
         self._done = False
         self.chunks_read = 0
         self._span = None  # the leg's trace span (router/tracing.py), ended on close
@@ -204,13 +227,21 @@ class UpstreamClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300,
-                                             keepalive_timeout=30,
-                                             socket_factory=functools.partial(_upstream_socket, self._rcvbuf))
+            connector = aiohttp.TCPConnector(
+                limit=0,
+                limit_per_host=0,
+                ttl_dns_cache=300,
+                keepalive_timeout=30,
+                socket_factory=functools.partial(_upstream_socket, self._rcvbuf),
+            )
             self._session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, read_bufsize=self._read_bufsize,
-                timeout=aiohttp.ClientTimeout(total=None, connect=self.timeouts.connect_s,
-                                              sock_connect=self.timeouts.connect_s))
+                connector=connector,
+                auto_decompress=False,
+                read_bufsize=self._read_bufsize,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=self.timeouts.connect_s, sock_connect=self.timeouts.connect_s
+                ),
+            )
         return self._session
 
     async def close(self) -> None:
@@ -226,9 +257,16 @@ class UpstreamClient:
             h["Authorization"] = f"Bearer {api_key}"
         return h
 
-    async def _post(self, backend: str, url: str, body: dict[str, Any], api_key: str,
-                    deadline: float | None, timeout_kind: str = TOTAL_TIMEOUT,
-                    trace: dict[str, str] | None = None) -> aiohttp.ClientResponse:
+    async def _post(
+        self,
+        backend: str,
+        url: str,
+        body: dict[str, Any],
+        api_key: str,
+        deadline: float | None,
+        timeout_kind: str = TOTAL_TIMEOUT,
+        trace: dict[str, str] | None = None,
+    ) -> aiohttp.ClientResponse:
         """POST and wait for the response headers until `deadline`; a miss is an
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
@@ -239,8 +277,9 @@ class UpstreamClient:
                 async with asyncio.timeout_at(deadline):
                     resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
         except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
-            raise UpstreamError(backend, CONNECT_TIMEOUT,
-                                f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}") from None
+            raise UpstreamError(
+                backend, CONNECT_TIMEOUT, f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}"
+            ) from None
         except TimeoutError:
             raise UpstreamError(backend, timeout_kind, "no response headers in time") from None
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as e:
@@ -254,13 +293,26 @@ class UpstreamClient:
                 raw = b""
             finally:
                 resp.release()
-            raise UpstreamError(backend, STATUS, f"HTTP {resp.status}: {raw[:300].decode('utf-8', 'replace')}",
-                                status=resp.status, body=raw)
+            raise UpstreamError(
+                backend,
+                STATUS,
+                f"HTTP {resp.status}: {raw[:300].decode('utf-8', 'replace')}",
+                status=resp.status,
+                body=raw,
+            )
         return resp
 
-    async def open_stream(self, backend: str, base_url: str, path: str, body: dict[str, Any], *,
-                          api_key: str = "", total_deadline: float | None = None,
-                          on_close: Callable[[], None] | None = None) -> UpstreamStream:
+    async def open_stream(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> UpstreamStream:
         """Open a streamed leg. `on_close` runs once when the leg is finished or aborted
         (not when opening fails: the caller handles that)."""
         loop = asyncio.get_running_loop()
@@ -278,13 +330,20 @@ class UpstreamClient:
         except BaseException as e:
             tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
             raise
-        stream = UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close,
-                                first_deadline=first_deadline)
+        stream = UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close, first_deadline=first_deadline)
         stream._span = leg
         return stream
 
-    async def post_raw(self, backend: str, base_url: str, path: str, body: dict[str, Any], *,
-                       api_key: str = "", total_deadline: float | None = None) -> bytes:
+    async def post_raw(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+    ) -> bytes:
         """A non-streaming call: the engine's 200 answer as bytes (errors raise)."""
         loop = asyncio.get_running_loop()
         if total_deadline is None:
@@ -298,8 +357,15 @@ class UpstreamClient:
         tracing.end_leg(leg, "done")
         return raw
 
-    async def _post_raw(self, backend: str, url: str, body: dict[str, Any], api_key: str, total_deadline: float,
-                        trace: dict[str, str] | None) -> bytes:
+    async def _post_raw(
+        self,
+        backend: str,
+        url: str,
+        body: dict[str, Any],
+        api_key: str,
+        total_deadline: float,
+        trace: dict[str, str] | None,
+    ) -> bytes:
         # One timer for headers and body (each timer is a heap entry on every request).
         try:
             async with asyncio.timeout_at(total_deadline):
@@ -315,10 +381,17 @@ class UpstreamClient:
         except TimeoutError:
             raise UpstreamError(backend, TOTAL_TIMEOUT, "no complete response in time") from None
 
-    async def post_json(self, backend: str, base_url: str, path: str, body: dict[str, Any], *,
-                        api_key: str = "", total_deadline: float | None = None) -> dict[str, Any]:
-        raw = await self.post_raw(backend, base_url, path, body, api_key=api_key,
-                                  total_deadline=total_deadline)
+    async def post_json(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+    ) -> dict[str, Any]:
+        raw = await self.post_raw(backend, base_url, path, body, api_key=api_key, total_deadline=total_deadline)
         try:
             out = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -9,6 +9,7 @@
   generated tokens too;
 - completion_tokens_details.reasoning_tokens: summed over the legs that report it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,7 +25,7 @@ class UsageTotals:
         self._answer = answer
         self._chat = chat
         self._leg_completion_tokens: int | None = None  # the current leg's usage, if it sent one
-        self._completion_done = 0     # completion tokens of finished legs
+        self._completion_done = 0  # completion tokens of finished legs
         self._prompt_tokens: int | None = None
         self._prompt_details: dict[str, Any] | None = None
         self._details_productive = False
@@ -72,8 +73,12 @@ class UsageTotals:
         p = self._client_prompt_tokens()
         n = self._completion_done + self._answer.leg_tokens
         if self._chat:
-            return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n,
-                    "completion_tokens_details": None}
+            return {
+                "prompt_tokens": p,
+                "total_tokens": p + n,
+                "completion_tokens": n,
+                "completion_tokens_details": None,
+            }
         return {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
 
     def totals(self, *, streaming: bool) -> dict[str, Any]:
@@ -88,8 +93,12 @@ class UsageTotals:
             if isinstance(d.get("cached_tokens"), int) and d["cached_tokens"] > p:
                 d["cached_tokens"] = p
             if not streaming:
-                d = {"cached_tokens": d.get("cached_tokens"), "created_cache_tokens": d.get("created_cache_tokens"),
-                     "multimodal_tokens": d.get("multimodal_tokens"), **d}
+                d = {
+                    "cached_tokens": d.get("cached_tokens"),
+                    "created_cache_tokens": d.get("created_cache_tokens"),
+                    "multimodal_tokens": d.get("multimodal_tokens"),
+                    **d,
+                }
         else:
             d = None
         ctd = {"reasoning_tokens": self._reasoning_tokens} if self._reasoning_tokens is not None else None

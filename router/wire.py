@@ -12,6 +12,7 @@ Received (docs/VLLM_WIRE.md): a chunk's verdict on a probe, the types of the fie
 router reads (an engine that breaks them is a protocol error, not a router crash), and the
 `usage` object of a chunk or a non-streaming answer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ KV_TRANSFER_PARAMS = "kv_transfer_params"
 
 
 # --- leg bodies ----------------------------------------------------------------------------
+
 
 def streamed_leg_body(body: dict[str, Any], threshold: float) -> dict[str, Any]:
     """A probe at `threshold`, or a direct leg at 0 (explicit, to override an engine-wide
@@ -45,8 +47,17 @@ def unary_leg_body(body: dict[str, Any]) -> dict[str, Any]:
 
 # What a probe for a request answered whole must not carry: one choice of one prompt and
 # one token, nothing the race's stream reader does not expect.
-_WHOLE_ONLY = ("n", "best_of", "use_beam_search", "echo", "prompt_logprobs", "logprobs", "top_logprobs",
-               "max_completion_tokens", "min_tokens")
+_WHOLE_ONLY = (
+    "n",
+    "best_of",
+    "use_beam_search",
+    "echo",
+    "prompt_logprobs",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "min_tokens",
+)
 
 
 def one_token_probe(body: dict[str, Any]) -> dict[str, Any]:
@@ -94,11 +105,29 @@ def decode_leg_body(body: dict[str, Any], kv_transfer_params: dict[str, Any], th
 
 # Chat fields that mean the same in a completion request (vLLM 0.32 sampling params).
 _SHARED_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
-    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "include_stop_str_in_output", "logit_bias", "bad_words", "allowed_token_ids",
-    "vllm_xargs", "user", "priority", "truncate_prompt_tokens", "cache_salt",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "vllm_xargs",
+    "user",
+    "priority",
+    "truncate_prompt_tokens",
+    "cache_salt",
 )
 # Completion fields that must not carry over to a continuation.
 _COMPLETION_DROPPED = ("prompt", "echo", "suffix", "max_completion_tokens", "prompt_embeds")
@@ -108,8 +137,13 @@ def remaining_tokens(max_tokens: int | None, generated: int) -> int | None:
     return None if max_tokens is None else max_tokens - generated
 
 
-def resume_leg_body(body: dict[str, Any], endpoint: str, prompt_token_ids: Sequence[int],
-                    generated_token_ids: Sequence[int], max_tokens: int | None) -> dict[str, Any]:
+def resume_leg_body(
+    body: dict[str, Any],
+    endpoint: str,
+    prompt_token_ids: Sequence[int],
+    generated_token_ids: Sequence[int],
+    max_tokens: int | None,
+) -> dict[str, Any]:
     """A `/v1/completions` body continuing `body` after `generated_token_ids` (the caller
     makes it a streamed leg)."""
     if endpoint == "chat":
@@ -135,6 +169,7 @@ def resume_leg_body(body: dict[str, Any], endpoint: str, prompt_token_ids: Seque
 
 
 # --- a probe's verdict -----------------------------------------------------------------------
+
 
 def is_rejection_chunk(chunk: dict[str, Any]) -> bool | None:
     """Did the engine reject (True) or accept (False) the leg, or is it still undecided
@@ -171,8 +206,7 @@ def has_output(c: dict[str, Any]) -> bool:
         return True
     d = c.get("delta")
     if isinstance(d, dict):
-        return bool(d.get("content") or d.get("reasoning") or d.get("reasoning_content")
-                    or d.get("tool_calls"))
+        return bool(d.get("content") or d.get("reasoning") or d.get("reasoning_content") or d.get("tool_calls"))
     return False
 
 
@@ -190,6 +224,7 @@ def generated_tokens(chunk: dict[str, Any]) -> int:
 
 # --- usage -----------------------------------------------------------------------------------
 
+
 def _count(v: Any) -> int | None:
     return v if isinstance(v, int) else None
 
@@ -197,6 +232,7 @@ def _count(v: Any) -> int | None:
 @dataclass(frozen=True, slots=True)
 class Usage:
     """The fields of an engine's `usage` the router reads; None where absent or not a count."""
+
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     # prompt_tokens_details.cached_tokens: the prompt tokens the engine held (its prefix
@@ -233,6 +269,7 @@ def message_usage(message: dict[str, Any]) -> Usage:
 
 
 # --- schema checks ---------------------------------------------------------------------------
+
 
 class MalformedChunk(ValueError):
     """An upstream chunk the router cannot read (the engine broke the protocol)."""
@@ -281,8 +318,10 @@ def check_choice(c: Any, *, chat: bool) -> None:
                 if type(call) is not dict or type(call.get("index", 0)) is not int:
                     raise MalformedChunk("upstream chunk: a tool call delta without an integer `index`")
                 f = call.get("function")
-                if f is not None and (type(f) is not dict or any(
-                        f.get(k) is not None and type(f.get(k)) is not str for k in ("name", "arguments"))):
+                if f is not None and (
+                    type(f) is not dict
+                    or any(f.get(k) is not None and type(f.get(k)) is not str for k in ("name", "arguments"))
+                ):
                     raise MalformedChunk("upstream chunk: a tool call `function` is malformed")
     else:
         t = c.get("text")
@@ -296,8 +335,7 @@ def check_logprobs(lp: Any) -> None:
         raise MalformedChunk("upstream chunk: `logprobs` is not an object")
     content = lp.get("content")
     if content is not None:
-        if type(content) is not list or not all(
-                type(e) is dict and type(e.get("token")) is str for e in content):
+        if type(content) is not list or not all(type(e) is dict and type(e.get("token")) is str for e in content):
             raise MalformedChunk("upstream chunk: `logprobs.content` is malformed")
         return
     offsets = lp.get("text_offset")

@@ -1,4 +1,5 @@
 """Fixtures every test directory shares (helpers: the `support` package next to this file)."""
+
 from __future__ import annotations
 
 import pytest

@@ -12,14 +12,22 @@ In-process API (stable; used by router tests, the launcher and the benchmarks)::
 
 Command line: `python -m engine_launcher.sim --port 8001 [--port 8002 ...] [options]`.
 """
+
 from __future__ import annotations
 
 from .config import FaultConfig, SimEngineConfig, TimingModel
 from .engine import SimEngine
 from .server import SimServer
 
-__all__ = ["FaultConfig", "SimEngine", "SimEngineConfig", "SimEngineHandle", "SimServer",
-           "TimingModel", "start_sim_engine"]
+__all__ = [
+    "FaultConfig",
+    "SimEngine",
+    "SimEngineConfig",
+    "SimEngineHandle",
+    "SimServer",
+    "TimingModel",
+    "start_sim_engine",
+]
 
 
 class SimEngineHandle:
@@ -53,8 +61,9 @@ class SimEngineHandle:
         await self.close()
 
 
-async def start_sim_engine(config: SimEngineConfig | None = None, host: str = "127.0.0.1",
-                           port: int = 0) -> SimEngineHandle:
+async def start_sim_engine(
+    config: SimEngineConfig | None = None, host: str = "127.0.0.1", port: int = 0
+) -> SimEngineHandle:
     """Start one simulated engine in the running event loop and return once it listens."""
     server = SimServer(config or SimEngineConfig())
     actual = await server.start(host, port)

@@ -22,6 +22,7 @@ Shapes (from vLLM's serve/tokenize and pooling/embed protocols, `model_dump()` o
 Embeddings are deterministic unit vectors of `EMBEDDING_DIM` floats derived from the
 input's token ids: the same input always gets the same vector.
 """
+
 from __future__ import annotations
 
 import base64
@@ -57,8 +58,9 @@ async def _body(request: web.Request, cfg: SimEngineConfig) -> dict:
         raise ApiError("Request body must be a JSON object.")
     model = body.get("model")
     if model is not None and model != cfg.model and model not in cfg.lora_modules:
-        raise ApiError(f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
-                       404, "NotFoundError", "model")
+        raise ApiError(
+            f"The model `{model}` does not exist. Valid aliases: {cfg.model}.", 404, "NotFoundError", "model"
+        )
     return body
 
 
@@ -101,6 +103,7 @@ class AuxRoutes:
                 return await handler(request)
             except ApiError as e:
                 return _json(e.body(), e.status)
+
         return run
 
     async def embeddings(self, request: web.Request) -> web.Response:
@@ -112,28 +115,43 @@ class AuxRoutes:
         elif isinstance(inp, list) and inp:
             inputs = [_ids(x, "input") for x in inp]
         else:
-            raise ApiError("`input` must be a string, a list of strings, token ids or lists of token ids.",
-                           param="input")
+            raise ApiError(
+                "`input` must be a string, a list of strings, token ids or lists of token ids.", param="input"
+            )
         fmt = body.get("encoding_format") or "float"
         if fmt not in ("float", "base64"):
             raise ApiError(f"encoding_format {fmt!r} is not supported by the simulator.", param="encoding_format")
         for ids in inputs:
             if len(ids) > cfg.max_model_len:
-                raise ApiError(f"This model's maximum context length is {cfg.max_model_len} tokens. "
-                               f"However, you requested {len(ids)} tokens in the input for embedding "
-                               "generation. Please reduce the length of the input.", param="input")
+                raise ApiError(
+                    f"This model's maximum context length is {cfg.max_model_len} tokens. "
+                    f"However, you requested {len(ids)} tokens in the input for embedding "
+                    "generation. Please reduce the length of the input.",
+                    param="input",
+                )
         data = []
         for i, ids in enumerate(inputs):
             vec = embedding(ids)
-            value: Any = vec if fmt == "float" else base64.b64encode(
-                struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
+            value: Any = vec if fmt == "float" else base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
             data.append({"index": i, "object": "embedding", "embedding": value})
         n = sum(len(ids) for ids in inputs)
         base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        return _json({"id": f"embd-{base}", "object": "list", "created": int(time.time()),
-                      "model": cfg.model, "data": data,
-                      "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
-                                "prompt_tokens_details": None, "completion_tokens_details": None}})
+        return _json(
+            {
+                "id": f"embd-{base}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": cfg.model,
+                "data": data,
+                "usage": {
+                    "prompt_tokens": n,
+                    "total_tokens": n,
+                    "completion_tokens": 0,
+                    "prompt_tokens_details": None,
+                    "completion_tokens_details": None,
+                },
+            }
+        )
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _body(request, self.cfg)
@@ -150,8 +168,7 @@ class AuxRoutes:
         else:
             raise ApiError("`prompt` (a string) or `messages` is required.", param="prompt")
         strs = [tok.token_text(t) for t in ids] if body.get("return_token_strs") else None
-        return _json({"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids,
-                      "token_strs": strs})
+        return _json({"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await _body(request, self.cfg)
@@ -178,9 +195,11 @@ class AuxRoutes:
                 fields[part.name] = (await part.read()).decode("utf-8", "replace")
         model = fields.get("model")
         if model and model != self.cfg.model:
-            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {self.cfg.model}.",
-                           404, "NotFoundError", "model")
+            raise ApiError(
+                f"The model `{model}` does not exist. Valid aliases: {self.cfg.model}.", 404, "NotFoundError", "model"
+            )
         if not seen_file:
             raise ApiError("`file` is required.", param="file")
-        return _json({"text": f"{size} bytes of audio", "usage": {
-            "type": "duration", "seconds": math.ceil(size / 32000)}})
+        return _json(
+            {"text": f"{size} bytes of audio", "usage": {"type": "duration", "seconds": math.ceil(size / 32000)}}
+        )

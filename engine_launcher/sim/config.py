@@ -28,6 +28,7 @@ public figures, not measurements of ours:
 - max_num_seqs 256 and max_num_batched_tokens 8192: vLLM V1 defaults for an online server
   on a large GPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,7 @@ class TimingModel:
     cpu_load_token_s: float = 0.0000026
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        return (self.step_overhead_s + self.prefill_token_s * prefill_tokens
-                + self.decode_seq_s * decode_seqs)
+        return self.step_overhead_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
 
 
 @dataclass
@@ -132,8 +132,7 @@ class SimEngineConfig:
     def validate(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs",
-                     "max_num_batched_tokens"):
+        for name in ("max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cpu_offload_tokens < 0:
@@ -151,8 +150,10 @@ class SimEngineConfig:
         if self.kv_lease_duration <= 0:
             raise ValueError("kv_lease_duration must be > 0")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of "
-                             f"{', '.join(KV_LOAD_FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}")
+            raise ValueError(
+                f"kv_load_failure_policy must be one of "
+                f"{', '.join(KV_LOAD_FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}"
+            )
         for f in dataclasses.fields(TimingModel):
             if getattr(self.timing, f.name) < 0:
                 raise ValueError(f"timing.{f.name} must be >= 0")

@@ -20,6 +20,7 @@ vllm/v1/kv_offload/cpu/manager.py, cpu/spec.py), with vLLM's defaults:
 What is left out: chunks of several blocks (`block_size` in the connector's extra config;
 the default is one block), `store_threshold` filtering, pinned-memory accounting, events.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -32,8 +33,8 @@ class CpuTier:
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity = max(0, capacity_blocks)
         self._blocks: OrderedDict[int, None] = OrderedDict()
-        self.stored_blocks = 0     # blocks copied to the tier (vllm:kv_offload_store_bytes)
-        self.loaded_blocks = 0     # blocks copied back (vllm:kv_offload_load_bytes)
+        self.stored_blocks = 0  # blocks copied to the tier (vllm:kv_offload_store_bytes)
+        self.loaded_blocks = 0  # blocks copied back (vllm:kv_offload_load_bytes)
         self.evicted_blocks = 0
 
     def __len__(self) -> int:

@@ -36,6 +36,7 @@ any tokens generated before a preemption. Prefill legs are never rejected. With
 `arrival_check` the same rate is also computed when the request arrives (read-only lookup)
 and a request below it is rejected without queueing; admission stays the final word.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,9 +62,9 @@ MAX_TIME_DEBT_S = 0.1
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"          # in the waiting queue
+    WAITING = "waiting"  # in the waiting queue
     TRANSFERRING = "transferring"  # blocks allocated, pulling remote KV (vLLM: WAITING_FOR_REMOTE_KVS)
-    READY = "ready"              # transfer done, waiting for a running slot
+    READY = "ready"  # transfer done, waiting for a running slot
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -84,8 +85,14 @@ class SamplingSpec:
 class SimRequest:
     """One request inside the engine; its output is read by the HTTP layer with `drain()`."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingSpec,
-                 threshold: float | None = None, kv_transfer_params: dict | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingSpec,
+        threshold: float | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.all_ids = list(prompt_ids)
@@ -131,14 +138,13 @@ class SimRequest:
         """New token ids, text and logprobs since the last call. While a stop string could
         still match, its possible beginning is held back (as vLLM's detokenizer does)."""
         n = len(self.output_ids)
-        ids = self.output_ids[self._sent_tokens:n]
-        lps = (self.output_logprobs[self._sent_tokens:n]
-               if self.sampling.logprobs is not None else None)
+        ids = self.output_ids[self._sent_tokens : n]
+        lps = self.output_logprobs[self._sent_tokens : n] if self.sampling.logprobs is not None else None
         self._sent_tokens = n
         end = len(self.output_text)
         if not self.finished and self._holdback:
             end = max(self._sent_text, end - self._holdback)
-        text = self.output_text[self._sent_text:end]
+        text = self.output_text[self._sent_text : end]
         self._sent_text = end
         return ids, text, lps
 
@@ -172,13 +178,15 @@ class SimEngine:
         config.validate()
         self.config = config
         self.block_size = config.block_size
-        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size,
-                                 config.enable_prefix_caching)
-        self.cpu = CpuTier(config.cpu_offload_tokens // config.block_size
-                           if config.enable_prefix_caching else 0)
-        self.metrics = EngineMetrics(config.model, config.block_size, config.num_gpu_blocks,
-                                     config.enable_prefix_caching,
-                                     cpu_offload=config.cpu_offload_tokens > 0)
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.cpu = CpuTier(config.cpu_offload_tokens // config.block_size if config.enable_prefix_caching else 0)
+        self.metrics = EngineMetrics(
+            config.model,
+            config.block_size,
+            config.num_gpu_blocks,
+            config.enable_prefix_caching,
+            cpu_offload=config.cpu_offload_tokens > 0,
+        )
         self.engine_id = str(uuid.uuid4())
         self.requests: dict[str, SimRequest] = {}
         self.waiting: deque[SimRequest] = deque()
@@ -408,8 +416,9 @@ class SimEngine:
                 self._finish(req, CACHE_THRESHOLD)
                 continue
             if external:
-                if not self.kv.allocate(req.request_id, local + external if source == "host"
-                                        else len(req.prompt_ids), hit):
+                if not self.kv.allocate(
+                    req.request_id, local + external if source == "host" else len(req.prompt_ids), hit
+                ):
                     break
                 self.waiting.popleft()
                 req.external_source = source
@@ -459,8 +468,7 @@ class SimEngine:
     async def _pull(self, req: SimRequest, params: dict, external: int) -> None:
         ok = False
         try:
-            await asyncio.sleep(external * self.config.timing.kv_transfer_token_s
-                                / self.config.speed)
+            await asyncio.sleep(external * self.config.timing.kv_transfer_token_s / self.config.speed)
             if self.pull_fn is not None:
                 ok = await self.pull_fn(params, external)
         except asyncio.CancelledError:
@@ -500,7 +508,7 @@ class SimEngine:
             return  # aborted meanwhile
         del self.transferring[req.request_id]
         start = req.num_computed_tokens // self.block_size
-        loaded = req.block_hashes[start:start + tokens // self.block_size]
+        loaded = req.block_hashes[start : start + tokens // self.block_size]
         self.cpu.load(loaded)
         self.metrics.offload_loaded(tokens * self.config.kv_bytes_per_token, seconds)
         req.num_computed_tokens = min(req.num_computed_tokens + tokens, req.num_tokens - 1)
@@ -549,8 +557,7 @@ class SimEngine:
         exit_after = cfg.faults.exit_after_tokens
         if exit_after and self.stats.total_generated >= exit_after and not self.dead:
             self.dead = True
-            log.warning("fault injection: engine dies after %d generated tokens",
-                        self.stats.total_generated)
+            log.warning("fault injection: engine dies after %d generated tokens", self.stats.total_generated)
             if self.on_fatal is not None:
                 self.on_fatal()
 
@@ -591,16 +598,19 @@ class SimEngine:
             for s in sp.stop:
                 idx = text.find(s, max(0, old_len - len(s) + 1))
                 if idx >= 0:
-                    req.output_text = text[:idx + len(s)] if sp.include_stop_str_in_output \
-                        else text[:idx]
+                    req.output_text = text[: idx + len(s)] if sp.include_stop_str_in_output else text[:idx]
                     return "stop", s
         if n_out >= sp.max_tokens or req.num_tokens >= cfg.context_len:
             return "length", None
         return None
 
     def _finish(self, req: SimRequest, reason: str, stop_reason: str | int | None = None) -> None:
-        lease_it = (req.is_prefill_leg and self.config.produces and reason in ("length", "stop")
-                    and req.request_id in self.kv.req_blocks)
+        lease_it = (
+            req.is_prefill_leg
+            and self.config.produces
+            and reason in ("length", "stop")
+            and req.request_id in self.kv.req_blocks
+        )
         if lease_it:
             blocks = self.kv.take(req.request_id)
             expiry = time.monotonic() + self.config.kv_lease_duration

@@ -15,6 +15,7 @@ What is kept from vLLM (vllm/v1/core/block_pool.py, kv_cache_manager.py, kv_cach
   to get logits.
 What is left out: hybrid/sliding-window groups, KV events, multimodal extra keys, salts.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -86,7 +87,7 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, hashes: list[int]) ->
     start = len(hashes)
     parent = hashes[-1] if hashes else _ROOT_HASH
     for i in range(start, len(token_ids) // block_size):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         hashes.append(parent)
 
 

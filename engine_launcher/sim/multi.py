@@ -11,6 +11,7 @@ Echo puts the prompt's text before the choice's text (an empty text with
 `prompt_logprobs` are made up but shaped as vLLM's: None for the first prompt token, then
 {token id: {logprob, rank, decoded_token}} with the prompt token at rank 1.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,14 @@ def choice_requests(parsed: ParsedRequest, request_id: str) -> list[tuple[int, S
             # Distinct samples: seed + j as vLLM's parallel sampling; unseeded ones apart too
             # (past any 32-bit seed a client sends).
             child = seed + j if seed is not None else (None if j == 0 else UNSEEDED + j)
-            out.append((i, SimRequest(f"{request_id}-{i}-{j}", ids, replace(parsed.sampling, seed=child),
-                                      parsed.threshold, None)))
+            out.append(
+                (
+                    i,
+                    SimRequest(
+                        f"{request_id}-{i}-{j}", ids, replace(parsed.sampling, seed=child), parsed.threshold, None
+                    ),
+                )
+            )
     return out
 
 
@@ -56,14 +63,18 @@ def prompt_logprobs(ids: list[int], k: int) -> list[dict[str, dict] | None]:
             alt = words[(t + pos + r) % len(words)]
             r += 1
             if str(alt) not in entry:
-                entry[str(alt)] = {"logprob": lp - 0.5 * len(entry), "rank": len(entry) + 1,
-                                   "decoded_token": tok.token_text(alt)}
+                entry[str(alt)] = {
+                    "logprob": lp - 0.5 * len(entry),
+                    "rank": len(entry) + 1,
+                    "decoded_token": tok.token_text(alt),
+                }
         out.append(entry)
     return out
 
 
-def _usage(parsed: ParsedRequest, reqs: list[tuple[int, SimRequest]], cached_from: SimRequest,
-           details: bool, full: bool) -> dict[str, Any]:
+def _usage(
+    parsed: ParsedRequest, reqs: list[tuple[int, SimRequest]], cached_from: SimRequest, details: bool, full: bool
+) -> dict[str, Any]:
     u = R.usage(cached_from, details, full, parsed.chat)
     prompt = sum(len(ids) for ids in (parsed.prompts or (parsed.prompt_ids,)))
     completion = sum(len(r.output_ids) for _, r in reqs)
@@ -79,8 +90,11 @@ def _echo(parsed: ParsedRequest, i: int) -> str | None:
 
 def full_answer(ctx: R.ResponseContext, reqs: list[tuple[int, SimRequest]], details: bool) -> bytes:
     p = ctx.parsed
-    pls = ([prompt_logprobs(ids, p.prompt_logprobs) for ids in (p.prompts or (p.prompt_ids,))]
-           if p.prompt_logprobs is not None else None)
+    pls = (
+        [prompt_logprobs(ids, p.prompt_logprobs) for ids in (p.prompts or (p.prompt_ids,))]
+        if p.prompt_logprobs is not None
+        else None
+    )
     choices = []
     for index, (i, req) in enumerate(reqs):
         choice = R.full_body(ctx, req, (_echo(p, i) or "") + req.output_text, details)["choices"][0]
@@ -98,8 +112,14 @@ def full_answer(ctx: R.ResponseContext, reqs: list[tuple[int, SimRequest]], deta
     return orjson.dumps(body)
 
 
-async def write_stream(request: web.Request, resp: web.StreamResponse, ctx: R.ResponseContext,
-                       reqs: list[tuple[int, SimRequest]], details: bool, error_event: bytes) -> None:
+async def write_stream(
+    request: web.Request,
+    resp: web.StreamResponse,
+    ctx: R.ResponseContext,
+    reqs: list[tuple[int, SimRequest]],
+    details: bool,
+    error_event: bytes,
+) -> None:
     """The choices' chunks as their tokens come, interleaved as vLLM's stream is."""
     p = ctx.parsed
     await resp.prepare(request)
@@ -119,9 +139,20 @@ async def write_stream(request: web.Request, resp: web.StreamResponse, ctx: R.Re
                 await queue.put(error_event)
                 return
             if ids or text or finished:
-                await queue.put(R.stream_chunk(
-                    ctx, req, state, ids, text, lps, req.finish_reason if finished else None,
-                    req.stop_reason if finished else None, index=index, echo=_echo(p, i)))
+                await queue.put(
+                    R.stream_chunk(
+                        ctx,
+                        req,
+                        state,
+                        ids,
+                        text,
+                        lps,
+                        req.finish_reason if finished else None,
+                        req.stop_reason if finished else None,
+                        index=index,
+                        echo=_echo(p, i),
+                    )
+                )
             if finished:
                 await queue.put(None)
                 return
@@ -140,10 +171,19 @@ async def write_stream(request: web.Request, resp: web.StreamResponse, ctx: R.Re
                 await resp.write_eof()
                 return
         if p.include_usage:
-            await resp.write(R.sse({
-                "id": ctx.request_id, "object": "chat.completion.chunk" if p.chat else "text_completion",
-                "created": ctx.created, "model": ctx.model, "choices": [],
-                "usage": _usage(p, reqs, reqs[0][1], details, False), "system_fingerprint": ctx.fingerprint}))
+            await resp.write(
+                R.sse(
+                    {
+                        "id": ctx.request_id,
+                        "object": "chat.completion.chunk" if p.chat else "text_completion",
+                        "created": ctx.created,
+                        "model": ctx.model,
+                        "choices": [],
+                        "usage": _usage(p, reqs, reqs[0][1], details, False),
+                        "system_fingerprint": ctx.fingerprint,
+                    }
+                )
+            )
         await resp.write(R.SSE_DONE)
         await resp.write_eof()
     finally:

@@ -10,6 +10,7 @@ Batched prompts, `n` > 1, `echo` and `prompt_logprobs` are served as vLLM serves
 (engine_launcher/sim/multi.py). Documented limits: no tools, no beam search, no `echo`
 together with `logprobs` (400 when requested).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,18 +24,17 @@ from .engine import SamplingSpec
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400, err_type: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, err_type: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
-        self.err_type = err_type or ("BadRequestError" if status == 400 else
-                                     HTTPStatus(status).phrase.replace(" ", "") + "Error")
+        self.err_type = err_type or (
+            "BadRequestError" if status == 400 else HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        )
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type,
-                          "param": self.param, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
 
 
 _NO_VALUE = object()
@@ -44,8 +44,9 @@ def _check_sampling_ranges(temperature: Any, top_k: Any, penalties: dict[str, An
     """The rest of vLLM's SamplingParams._verify_args ranges (vllm/sampling_params.py);
     those errors carry no parameter there, so none here either."""
     if temperature is not None and temperature > 2:
-        raise value_error(f"temperature must be in [0, 2], got {float(temperature)}.",
-                          "temperature", float(temperature))
+        raise value_error(
+            f"temperature must be in [0, 2], got {float(temperature)}.", "temperature", float(temperature)
+        )
     for key in ("presence_penalty", "frequency_penalty"):
         v = penalties.get(key)
         if v is not None and not -2.0 <= v <= 2.0:
@@ -87,8 +88,12 @@ def _schema_error(param: str, kind: str, value: Any) -> ApiError:
         err_type, msg = "float_parsing", msg + ", unable to parse string as a number"
     elif kind == "bool" and isinstance(value, str):
         err_type, msg = "bool_parsing", msg + ", unable to interpret input"
-    return ApiError(f"1 validation error:\n  {{'type': '{err_type}', 'loc': 'body.{param}', "
-                    f"'msg': '{msg}', 'input': {value!r}}}", 400, "Bad Request", f"body.{param}")
+    return ApiError(
+        f"1 validation error:\n  {{'type': '{err_type}', 'loc': 'body.{param}', 'msg': '{msg}', 'input': {value!r}}}",
+        400,
+        "Bad Request",
+        f"body.{param}",
+    )
 
 
 def json_error(text: str) -> ApiError:
@@ -100,9 +105,14 @@ def json_error(text: str) -> ApiError:
         pos, why = e.pos, e.msg
     except ValueError as e:  # e.g. undecodable bytes
         pos, why = 0, str(e)
-    return ApiError(f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', "
-                    f"'msg': 'JSON decode error', 'input': '<dict of 0 items>', 'ctx': "
-                    f"{{'error': '{why}'}}}}", 400, "Bad Request", f"body.{pos}")
+    return ApiError(
+        f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', "
+        f"'msg': 'JSON decode error', 'input': '<dict of 0 items>', 'ctx': "
+        f"{{'error': '{why}'}}}}",
+        400,
+        "Bad Request",
+        f"body.{pos}",
+    )
 
 
 @dataclass
@@ -141,9 +151,14 @@ class _Body:
 
     def __init__(self, raw: Any) -> None:
         if not isinstance(raw, dict):
-            raise ApiError("1 validation error:\n  {'type': 'model_attributes_type', 'loc': "
-                           "'body', 'msg': 'Input should be a valid dictionary or object to "
-                           "extract fields from'}", 400, "Bad Request", "body")
+            raise ApiError(
+                "1 validation error:\n  {'type': 'model_attributes_type', 'loc': "
+                "'body', 'msg': 'Input should be a valid dictionary or object to "
+                "extract fields from'}",
+                400,
+                "Bad Request",
+                "body",
+            )
         self.raw = raw
 
     def get(self, key: str, kind: str, default: Any = None, *, nullable: bool = True) -> Any:
@@ -168,11 +183,11 @@ def _check_threshold(value: Any, param: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise value_error(f"{param} must be a number between 0 and 1, got "
-                          f"{type(value).__name__} {value!r}", param, value)
+        raise value_error(
+            f"{param} must be a number between 0 and 1, got {type(value).__name__} {value!r}", param, value
+        )
     if not 0.0 <= float(value) <= 1.0:
-        raise value_error(f"{param} must be between 0 and 1, got {float(value)}", param,
-                          float(value))
+        raise value_error(f"{param} must be between 0 and 1, got {float(value)}", param, float(value))
     return float(value)
 
 
@@ -181,8 +196,9 @@ def parse_threshold(body: dict) -> float | None:
     must be numbers in [0, 1] when present."""
     top = _check_threshold(body.get("cache_hit_threshold"), "cache_hit_threshold")
     xargs = body.get("vllm_xargs")
-    xarg = _check_threshold(xargs.get("cache_hit_threshold") if isinstance(xargs, dict) else None,
-                            "vllm_xargs.cache_hit_threshold")
+    xarg = _check_threshold(
+        xargs.get("cache_hit_threshold") if isinstance(xargs, dict) else None, "vllm_xargs.cache_hit_threshold"
+    )
     return top if top is not None else xarg
 
 
@@ -254,10 +270,8 @@ def _chat_prompt_ids(b: _Body) -> list[int]:
         elif isinstance(content, list):
             parts = []
             for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise value_error("The simulator accepts text content parts only.",
-                                      f"messages.{i}.content")
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise value_error("The simulator accepts text content parts only.", f"messages.{i}.content")
                 parts.append(part["text"])
             text = "\n".join(parts)
         else:
@@ -270,8 +284,9 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     b = _Body(raw)
     model = b.get("model", "str", cfg.model)
     if model != cfg.model and model not in cfg.lora_modules:
-        raise ApiError(f"The model `{model}` does not exist. Valid aliases: {cfg.model}.",
-                       404, "NotFoundError", "model")
+        raise ApiError(
+            f"The model `{model}` does not exist. Valid aliases: {cfg.model}.", 404, "NotFoundError", "model"
+        )
     # Type checks first (pydantic validates the whole model before any value check).
     stream = b.get("stream", "bool", False)
     stream_options = b.get("stream_options", "dict")
@@ -282,8 +297,9 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     seed = b.get("seed", "int")
     temperature = b.get("temperature", "number")
     top_p = b.get("top_p", "number")
-    penalties = {key: b.get(key, "number")
-                 for key in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")}
+    penalties = {
+        key: b.get(key, "number") for key in ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")
+    }
     top_k = b.get("top_k", "int")
     kv = b.get("kv_transfer_params", "dict")
     b.get("vllm_xargs", "dict")
@@ -309,14 +325,19 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
     if n < 1:
         raise ApiError(f"n must be at least 1, got {n}.")
     if n > MAX_N:
-        raise ApiError(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
-                       "VLLM_MAX_N_SEQUENCES environment variable.")
+        raise ApiError(
+            f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
     if n > 1 and temperature is not None and temperature < 1e-5:
         raise ApiError(f"n must be 1 when using greedy sampling, got {n}.")
     if len(prompts) > MAX_PROMPTS:
-        raise value_error(f"prompt list length {len(prompts)} exceeds the maximum allowed count of "
-                          f"{MAX_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
-                          "environment variable.", "prompt")
+        raise value_error(
+            f"prompt list length {len(prompts)} exceeds the maximum allowed count of "
+            f"{MAX_PROMPTS}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+            "environment variable.",
+            "prompt",
+        )
     if b.get("tools", "list"):
         raise value_error("The simulator does not support tools.", "tools")
     echo = not chat and bool(b.get("echo", "bool", False))
@@ -327,23 +348,21 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
         if stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
             raise value_error("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
         if prompt_logprobs < 0 and prompt_logprobs != -1:
-            raise value_error("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs",
-                              prompt_logprobs)
+            raise value_error("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", prompt_logprobs)
     if b.get("use_beam_search", "bool", False):
         raise value_error("The simulator does not support beam search.", "use_beam_search")
     if temperature is not None and temperature < 0:
-        raise value_error(f"temperature must be non-negative, got {float(temperature)}.",
-                          "temperature", float(temperature))
+        raise value_error(
+            f"temperature must be non-negative, got {float(temperature)}.", "temperature", float(temperature)
+        )
     if top_p is not None and not 0 < top_p <= 1:
-        raise value_error(f"top_p must be in (0, 1], got {float(top_p)}.", "top_p",
-                          float(top_p))
+        raise value_error(f"top_p must be in (0, 1], got {float(top_p)}.", "top_p", float(top_p))
     _check_sampling_ranges(temperature, top_k, penalties)
 
     include_usage = continuous = False
     if stream_options is not None:
         if not stream:
-            raise value_error("Stream options can only be defined when `stream=True`.",
-                              "stream_options")
+            raise value_error("Stream options can only be defined when `stream=True`.", "stream_options")
         so = _Body(stream_options)
         include_usage = bool(so.get("include_usage", "bool", False))
         continuous = include_usage and bool(so.get("continuous_usage_stats", "bool", False))
@@ -357,49 +376,74 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
             f"This model's maximum context length is {context} tokens. However, "
             f"your prompt contains {prompt_len} input tokens, which exceeds this limit even "
             f"without any output tokens. Please reduce the length of the input prompt.",
-            "input_tokens", prompt_len)
+            "input_tokens",
+            prompt_len,
+        )
     if max_tokens is not None and max_tokens > cfg.max_model_len:
-        raise value_error(f"max_tokens={max_tokens} cannot be greater than "
-                          f"max_model_len={cfg.max_model_len}. Please request fewer output "
-                          f"tokens.", "max_tokens", max_tokens)
+        raise value_error(
+            f"max_tokens={max_tokens} cannot be greater than "
+            f"max_model_len={cfg.max_model_len}. Please request fewer output "
+            f"tokens.",
+            "max_tokens",
+            max_tokens,
+        )
     if max_tokens is not None and max_tokens < 1:
-        raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
-                          max_tokens)
+        raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     # As vLLM's get_max_tokens: never past the context window.
     room = context - prompt_len
     max_tokens = room if max_tokens is None else min(max_tokens, room)
     if max_tokens < 1:
-        raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens",
-                          max_tokens)
+        raise value_error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     if min_tokens < 0:
-        raise value_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
-                          "min_tokens", min_tokens)
+        raise value_error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.", "min_tokens", min_tokens)
     if min_tokens > max_tokens:
-        raise value_error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-                          f"got {min_tokens}.", "min_tokens", min_tokens)
+        raise value_error(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            "min_tokens",
+            min_tokens,
+        )
 
     if chat:
         if top is not None and top > 0 and not want:
-            raise value_error("when using `top_logprobs`, `logprobs` must be set to true.",
-                              "top_logprobs")
+            raise value_error("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
         k = (top or 0) if want else None
     else:
         k = top
     if k is not None and k < 0:
-        raise value_error("logprobs must be non-negative.",
-                          "top_logprobs" if chat else "logprobs", k)
+        raise value_error("logprobs must be non-negative.", "top_logprobs" if chat else "logprobs", k)
     if k is not None and k > cfg.max_logprobs:
-        raise value_error(f"Requested sample logprobs of {k}, which is greater than max "
-                          f"allowed: {cfg.max_logprobs}", "top_logprobs" if chat else "logprobs",
-                          k)
+        raise value_error(
+            f"Requested sample logprobs of {k}, which is greater than max allowed: {cfg.max_logprobs}",
+            "top_logprobs" if chat else "logprobs",
+            k,
+        )
 
     sampling = SamplingSpec(
-        max_tokens=max_tokens, min_tokens=min_tokens, stop=stop, stop_token_ids=stop_ids,
-        include_stop_str_in_output=include_stop, ignore_eos=ignore_eos, seed=seed, logprobs=k)
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        include_stop_str_in_output=include_stop,
+        ignore_eos=ignore_eos,
+        seed=seed,
+        logprobs=k,
+    )
     return ParsedRequest(
-        chat=chat, model=model, prompt_ids=prompt_ids, sampling=sampling, stream=bool(stream),
-        include_usage=include_usage, continuous_usage=continuous,
-        return_token_ids=return_token_ids, want_logprobs=want,
-        threshold=parse_threshold(b.raw) if cfg.threshold_plugin else None, kv_transfer_params=kv,
-        prompts=tuple(prompts), prompt_texts=tuple(texts), n=n, echo=echo, prompt_logprobs=prompt_logprobs,
-        request_id=b.get("request_id", "str"))
+        chat=chat,
+        model=model,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        stream=bool(stream),
+        include_usage=include_usage,
+        continuous_usage=continuous,
+        return_token_ids=return_token_ids,
+        want_logprobs=want,
+        threshold=parse_threshold(b.raw) if cfg.threshold_plugin else None,
+        kv_transfer_params=kv,
+        prompts=tuple(prompts),
+        prompt_texts=tuple(texts),
+        n=n,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+        request_id=b.get("request_id", "str"),
+    )

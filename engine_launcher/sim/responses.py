@@ -9,6 +9,7 @@ Shapes follow vllm/entrypoints/openai/{completion,chat_completion}/{serving,prot
 - `system_fingerprint` is on non-streaming bodies and the usage chunk, and on the finishing
   chunk when no usage chunk follows.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,8 +26,7 @@ class ResponseContext:
 
     __slots__ = ("request_id", "created", "model", "fingerprint", "parsed", "chat")
 
-    def __init__(self, request_id: str, created: int, model: str, fingerprint: str,
-                 parsed: ParsedRequest) -> None:
+    def __init__(self, request_id: str, created: int, model: str, fingerprint: str, parsed: ParsedRequest) -> None:
         self.request_id = request_id
         self.created = created
         self.model = model
@@ -66,8 +66,7 @@ def usage(req: SimRequest, details: bool, full: bool, chat: bool = False) -> dic
 
 
 def _completion_logprobs(lps: list[list[tuple[int, float]]], k: int, offset: int) -> dict:
-    out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [],
-                            "top_logprobs": []}
+    out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for entries in lps:
         token_id, lp = entries[0]
         text = tok.token_text(token_id)
@@ -87,12 +86,17 @@ def _chat_logprobs(lps: list[list[tuple[int, float]]], k: int) -> dict:
     for entries in lps:
         token_id, lp = entries[0]
         text = tok.token_text(token_id)
-        content.append({
-            "token": text, "logprob": lp, "bytes": list(text.encode()),
-            "top_logprobs": [{"token": tok.token_text(t), "logprob": l,
-                              "bytes": list(tok.token_text(t).encode())}
-                             for t, l in entries[:k]],
-        })
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": tok.token_text(t), "logprob": l, "bytes": list(tok.token_text(t).encode())}
+                    for t, l in entries[:k]
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -106,37 +110,68 @@ class CompletionStreamState:
         self.first = True
 
 
-def stream_chunk(ctx: ResponseContext, req: SimRequest, state: CompletionStreamState,
-                 ids: list[int], text: str, lps: list | None, finish_reason: str | None,
-                 stop_reason: Any, index: int = 0, echo: str | None = None) -> bytes:
+def stream_chunk(
+    ctx: ResponseContext,
+    req: SimRequest,
+    state: CompletionStreamState,
+    ids: list[int],
+    text: str,
+    lps: list | None,
+    finish_reason: str | None,
+    stop_reason: Any,
+    index: int = 0,
+    echo: str | None = None,
+) -> bytes:
     """`echo`: the prompt's text, put before the first chunk's text, whose choice then
     carries the prompt ids even without return_token_ids (vLLM's completions echo)."""
     p = ctx.parsed
     want_ids = p.return_token_ids
     logprobs = None
     if p.want_logprobs and lps is not None:
-        logprobs = (_chat_logprobs(lps, p.sampling.logprobs or 0) if ctx.chat else
-                    _completion_logprobs(lps, p.sampling.logprobs or 0, state.text_offset))
+        logprobs = (
+            _chat_logprobs(lps, p.sampling.logprobs or 0)
+            if ctx.chat
+            else _completion_logprobs(lps, p.sampling.logprobs or 0, state.text_offset)
+        )
         for t in ids:  # completion logprobs' text_offset runs across chunks
             state.text_offset += len(tok.token_text(t))
     echoed = echo is not None and state.first
     if echoed:
         text = echo + text
     if ctx.chat:
-        choice: dict[str, Any] = {"index": index, "delta": {"content": text},
-                                  "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": {"content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         choice["token_ids"] = ids if want_ids else None
-        chunk: dict[str, Any] = {"id": ctx.request_id, "object": "chat.completion.chunk",
-                                 "created": ctx.created, "model": ctx.model, "choices": [choice]}
+        chunk: dict[str, Any] = {
+            "id": ctx.request_id,
+            "object": "chat.completion.chunk",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [choice],
+        }
     else:
-        choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": finish_reason, "stop_reason": stop_reason,
-                  "prompt_token_ids": req.prompt_ids if ((want_ids or echoed) and state.first) else None,
-                  "token_ids": ids if want_ids else None}
-        chunk = {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
-                 "model": ctx.model, "choices": [choice]}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+            "prompt_token_ids": req.prompt_ids if ((want_ids or echoed) and state.first) else None,
+            "token_ids": ids if want_ids else None,
+        }
+        chunk = {
+            "id": ctx.request_id,
+            "object": "text_completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [choice],
+        }
     state.first = False
     if finish_reason is not None and not p.include_usage:
         chunk["system_fingerprint"] = ctx.fingerprint
@@ -149,10 +184,13 @@ def chat_role_chunk(ctx: ResponseContext, req: SimRequest, index: int = 0) -> by
     """vLLM's first chat chunk: the role, empty content, and the prompt token ids."""
     p = ctx.parsed
     chunk: dict[str, Any] = {
-        "id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created,
+        "id": ctx.request_id,
+        "object": "chat.completion.chunk",
+        "created": ctx.created,
         "model": ctx.model,
-        "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}],
+        "choices": [
+            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ],
         "prompt_token_ids": req.prompt_ids if p.return_token_ids else None,
         "prompt_text": None,
     }
@@ -163,12 +201,17 @@ def chat_role_chunk(ctx: ResponseContext, req: SimRequest, index: int = 0) -> by
 
 
 def usage_chunk(ctx: ResponseContext, req: SimRequest, details: bool) -> bytes:
-    return sse({
-        "id": ctx.request_id,
-        "object": "chat.completion.chunk" if ctx.chat else "text_completion",
-        "created": ctx.created, "model": ctx.model, "choices": [],
-        "usage": usage(req, details, False, ctx.chat), "system_fingerprint": ctx.fingerprint,
-    })
+    return sse(
+        {
+            "id": ctx.request_id,
+            "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [],
+            "usage": usage(req, details, False, ctx.chat),
+            "system_fingerprint": ctx.fingerprint,
+        }
+    )
 
 
 def full_response(ctx: ResponseContext, req: SimRequest, text: str, details: bool) -> bytes:
@@ -184,37 +227,60 @@ def full_body(ctx: ResponseContext, req: SimRequest, text: str, details: bool) -
     if ctx.chat:
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None,
-                        "annotations": None, "audio": None, "function_call": None,
-                        "reasoning": None},
+            "message": {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            },
             "logprobs": _chat_logprobs(lps, k) if lps is not None else None,
-            "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
-            "token_ids": ids, "routed_experts": None,
+            "finish_reason": req.finish_reason,
+            "stop_reason": req.stop_reason,
+            "token_ids": ids,
+            "routed_experts": None,
         }
         body: dict[str, Any] = {
-            "id": ctx.request_id, "object": "chat.completion", "created": ctx.created,
-            "model": ctx.model, "choices": [choice], "service_tier": None,
-            "system_fingerprint": ctx.fingerprint, "usage": usage(req, details, True),
+            "id": ctx.request_id,
+            "object": "chat.completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": ctx.fingerprint,
+            "usage": usage(req, details, True),
             "prompt_logprobs": None,
             "prompt_token_ids": req.prompt_ids if p.return_token_ids else None,
             "prompt_text": None,
-            "kv_transfer_params": req.kv_transfer_params_out, "ec_transfer_params": None,
+            "kv_transfer_params": req.kv_transfer_params_out,
+            "ec_transfer_params": None,
             "metrics": None,
         }
     else:
         choice = {
-            "index": 0, "text": text,
+            "index": 0,
+            "text": text,
             "logprobs": _completion_logprobs(lps, k, 0) if lps is not None else None,
-            "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
-            "token_ids": ids, "prompt_logprobs": None,
+            "finish_reason": req.finish_reason,
+            "stop_reason": req.stop_reason,
+            "token_ids": ids,
+            "prompt_logprobs": None,
             "prompt_token_ids": req.prompt_ids if p.return_token_ids else None,
             "routed_experts": None,
         }
         body = {
-            "id": ctx.request_id, "object": "text_completion", "created": ctx.created,
-            "model": ctx.model, "choices": [choice], "service_tier": None,
-            "system_fingerprint": ctx.fingerprint, "usage": usage(req, details, True),
-            "kv_transfer_params": req.kv_transfer_params_out, "ec_transfer_params": None,
+            "id": ctx.request_id,
+            "object": "text_completion",
+            "created": ctx.created,
+            "model": ctx.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": ctx.fingerprint,
+            "usage": usage(req, details, True),
+            "kv_transfer_params": req.kv_transfer_params_out,
+            "ec_transfer_params": None,
             "metrics": None,
         }
     return body

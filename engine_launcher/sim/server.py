@@ -12,6 +12,7 @@ A client that disconnects aborts its request, as in vLLM: the app runs with aioh
 handler cancellation on, and every generation handler aborts its engine request on the way
 out unless it finished.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,8 +69,10 @@ class SimServer:
         self.config = config
         self.engine = SimEngine(config)
         self.exit_process_on_fault = exit_process_on_fault
-        self.fingerprint = "vllm-{}-{}".format(VLLM_VERSION, hashlib.sha256(
-            f"{config.model}|{config.block_size}|{config.max_model_len}".encode()).hexdigest()[:8])
+        self.fingerprint = "vllm-{}-{}".format(
+            VLLM_VERSION,
+            hashlib.sha256(f"{config.model}|{config.block_size}|{config.max_model_len}".encode()).hexdigest()[:8],
+        )
         self.created = int(time.time())
         self._rng = random.Random(config.seed)
         self._runner: web.AppRunner | None = None
@@ -114,13 +117,13 @@ class SimServer:
         self.engine.side_channel_port = self.port
         self.engine.pull_fn = self._pull_remote
         self.engine.on_fatal = self._on_fatal
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PULL_TIMEOUT_S))
         self.engine.start()
         # handler_cancellation: a client that goes away cancels its handler (vLLM aborts
         # the request when the client disconnects; the router relies on it).
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        )
         await self._runner.setup()
         # A deep accept queue: a router or a benchmark may open hundreds of streams at once.
         site = web.SockSite(self._runner, sock, backlog=LISTEN_BACKLOG)
@@ -172,15 +175,13 @@ class SimServer:
         except ApiError as e:
             return _error(e)
         if cfg.faults.error_rate and self._rng.random() < cfg.faults.error_rate:
-            return _error(ApiError("Simulated engine failure (fault injection)", 500,
-                                   "InternalServerError"))
+            return _error(ApiError("Simulated engine failure (fault injection)", 500, "InternalServerError"))
         if self.engine.dead:
             return _error(ApiError("The engine is dead", 500, "InternalServerError"))
         if not parsed.single:
             return await self._generate_choices(request, parsed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold,
-                         parsed.kv_transfer_params)
+        req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold, parsed.kv_transfer_params)
         ctx = R.ResponseContext(rid, int(time.time()), parsed.model, self.fingerprint, parsed)
         transport = request.transport
         if transport is not None:
@@ -194,9 +195,10 @@ class SimServer:
                 req.event.clear()
             if req.finish_reason == "error":
                 return _error(GENERATION_ERROR)
-            return web.Response(body=R.full_response(ctx, req, req.output_text,
-                                                     cfg.enable_prompt_tokens_details),
-                                content_type="application/json")
+            return web.Response(
+                body=R.full_response(ctx, req, req.output_text, cfg.enable_prompt_tokens_details),
+                content_type="application/json",
+            )
         finally:
             if not req.finished:
                 self.engine.abort(rid)
@@ -217,8 +219,9 @@ class SimServer:
             if parsed.stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
                 try:
-                    await multi.write_stream(request, resp, ctx, reqs, details,
-                                             b"data: " + orjson.dumps(GENERATION_ERROR.body()) + b"\n\n")
+                    await multi.write_stream(
+                        request, resp, ctx, reqs, details, b"data: " + orjson.dumps(GENERATION_ERROR.body()) + b"\n\n"
+                    )
                 except ConnectionResetError:
                     log.debug("client of %s disconnected", rid)
                 return resp
@@ -234,8 +237,7 @@ class SimServer:
                 if not req.finished:
                     self.engine.abort(req.request_id)
 
-    async def _stream(self, request: web.Request, ctx: R.ResponseContext,
-                      req: SimRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, ctx: R.ResponseContext, req: SimRequest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         try:
             await self._write_stream(request, resp, ctx, req)
@@ -244,8 +246,9 @@ class SimServer:
             log.debug("client of %s disconnected", req.request_id)
         return resp
 
-    async def _write_stream(self, request: web.Request, resp: web.StreamResponse,
-                            ctx: R.ResponseContext, req: SimRequest) -> None:
+    async def _write_stream(
+        self, request: web.Request, resp: web.StreamResponse, ctx: R.ResponseContext, req: SimRequest
+    ) -> None:
         cfg = self.config
         details = cfg.enable_prompt_tokens_details
         await resp.prepare(request)
@@ -267,9 +270,18 @@ class SimServer:
                 return
             # vLLM sends no chunk for a step without text or tokens unless it finishes.
             if ids or text or finished:
-                await resp.write(R.stream_chunk(
-                    ctx, req, state, ids, text, lps, req.finish_reason if finished else None,
-                    req.stop_reason if finished else None))
+                await resp.write(
+                    R.stream_chunk(
+                        ctx,
+                        req,
+                        state,
+                        ids,
+                        text,
+                        lps,
+                        req.finish_reason if finished else None,
+                        req.stop_reason if finished else None,
+                    )
+                )
                 sent += len(ids)
             if finished:
                 break
@@ -292,12 +304,15 @@ class SimServer:
         if ":" in str(host) and not str(host).startswith("["):
             host = f"[{host}]"
         try:
-            async with self._session.post(f"http://{host}:{port}/_sim/kv/pull", json={
-                "remote_engine_id": params.get("remote_engine_id"),
-                "remote_request_id": params.get("remote_request_id"),
-                "remote_block_ids": params.get("remote_block_ids"),
-                "num_tokens": num_tokens,
-            }) as resp:
+            async with self._session.post(
+                f"http://{host}:{port}/_sim/kv/pull",
+                json={
+                    "remote_engine_id": params.get("remote_engine_id"),
+                    "remote_request_id": params.get("remote_request_id"),
+                    "remote_block_ids": params.get("remote_block_ids"),
+                    "num_tokens": num_tokens,
+                },
+            ) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -324,16 +339,39 @@ class SimServer:
         m = self.config.model
 
         def card(id_: str, root: str, parent: str | None, max_len: int | None) -> dict:
-            return {"id": id_, "object": "model", "created": self.created, "owned_by": "vllm",
-                    "root": root, "parent": parent, "max_model_len": max_len, "permission": [{
+            return {
+                "id": id_,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": parent,
+                "max_model_len": max_len,
+                "permission": [
+                    {
                         "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, id_).hex}",
-                        "object": "model_permission", "created": self.created,
-                        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                        "allow_search_indices": False, "allow_view": True,
-                        "allow_fine_tuning": False, "organization": "*", "group": None,
-                        "is_blocking": False}]}
-        return _json({"object": "list", "data": [card(m, m, None, self.config.max_model_len)] + [
-            card(name, path, m, None) for name, path in self.config.lora_modules.items()]})
+                        "object": "model_permission",
+                        "created": self.created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+
+        return _json(
+            {
+                "object": "list",
+                "data": [card(m, m, None, self.config.max_model_len)]
+                + [card(name, path, m, None) for name, path in self.config.lora_modules.items()],
+            }
+        )
 
     async def _load_lora(self, request: web.Request) -> web.Response:
         """vLLM's POST /v1/load_lora_adapter: 200 with a text answer, errors in its words."""
@@ -346,12 +384,18 @@ class SimServer:
         if not name or not path:
             return _error(ApiError("Both 'lora_name' and 'lora_path' must be provided.", 400, "InvalidUserInput"))
         if name == self.config.model:
-            return _error(ApiError(f"The lora adapter '{name}' conflicts with a served base model.",
-                                   400, "InvalidUserInput"))
+            return _error(
+                ApiError(f"The lora adapter '{name}' conflicts with a served base model.", 400, "InvalidUserInput")
+            )
         if name in self.config.lora_modules and not body.get("load_inplace"):
-            return _error(ApiError(f"The lora adapter '{name}' has already been loaded. If you want to "
-                                   "load the adapter in place, set 'load_inplace' to True.", 400,
-                                   "InvalidUserInput"))
+            return _error(
+                ApiError(
+                    f"The lora adapter '{name}' has already been loaded. If you want to "
+                    "load the adapter in place, set 'load_inplace' to True.",
+                    400,
+                    "InvalidUserInput",
+                )
+            )
         self.config.lora_modules[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -362,8 +406,9 @@ class SimServer:
             body = None
         name = body.get("lora_name") if isinstance(body, dict) else None
         if not name:
-            return _error(ApiError("'lora_name' needs to be provided to unload a LoRA adapter.", 400,
-                                   "InvalidUserInput"))
+            return _error(
+                ApiError("'lora_name' needs to be provided to unload a LoRA adapter.", 400, "InvalidUserInput")
+            )
         if self.config.lora_modules.pop(name, None) is None:
             return _error(ApiError(f"The lora adapter '{name}' cannot be found.", 404, "NotFoundError"))
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
@@ -378,8 +423,7 @@ class SimServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.engine.refresh_gauges()
-        return web.Response(body=self.engine.metrics.render(),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=self.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return _json({"success": self.engine.reset_prefix_cache()})
@@ -413,4 +457,3 @@ class SimServer:
             return _error(ApiError(str(e)))
         self.config.faults = faults
         return _json(dataclasses.asdict(faults))
-

@@ -26,6 +26,7 @@ Generated tokens are words with a leading space (so output text reads as words),
 64-bit mix of (engine seed, request seed, prompt token ids, output position): the same
 request always produces the same output.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,7 +37,8 @@ EOS_ID = 1
 _BYTE_BASE = 2
 _WORD_BASE = _BYTE_BASE + 256
 
-WORDS: tuple[str, ...] = tuple("""
+WORDS: tuple[str, ...] = tuple(
+    """
 the of and to in is was for on that with as by at from it be this are or an which his
 had not have but were her they has one their all been new also more first two can after
 who would other into its time when some only over most out she about up many may such
@@ -52,7 +54,8 @@ paper play point power put read real run say see seem set show side sound start 
 story study take tell thing think turn use want way week while woman word work write
 light cloud stone river garden window table music letter market forest bridge harbor
 engine signal token cache block model layer query value router stream batch prefix
-""".split())
+""".split()
+)
 # Keep first occurrences only, in order, so ids are stable.
 WORDS = tuple(dict.fromkeys(WORDS))
 
@@ -132,8 +135,7 @@ def _mix(x: int) -> int:
 
 def generation_key(engine_seed: int, request_seed: int | None, prompt_ids: Sequence[int]) -> int:
     """A per-request key; tuple hashing of ints is deterministic across processes."""
-    return _mix(hash((engine_seed, request_seed if request_seed is not None else 0,
-                      tuple(prompt_ids))) & _MASK64)
+    return _mix(hash((engine_seed, request_seed if request_seed is not None else 0, tuple(prompt_ids))) & _MASK64)
 
 
 def next_token(key: int, position: int, eos_probability: float, allow_eos: bool) -> int:

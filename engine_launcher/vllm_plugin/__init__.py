@@ -20,6 +20,7 @@ On a vLLM outside the supported series, `register()` patches nothing and logs an
 installing this package never breaks an unrelated vLLM), and the scheduler classes refuse to
 start the engine with a message naming the supported versions.
 """
+
 from __future__ import annotations
 
 import logging

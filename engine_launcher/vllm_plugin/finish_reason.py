@@ -12,6 +12,7 @@ is why `register()` (run by vLLM's plugin loader early in every process) calls
 (greater than PREEMPTED) mapped to the new reason, so the scheduler finishes a rejected
 request the same way it finishes any other (`finish_requests`, `get_finished_reason`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -33,7 +34,8 @@ def _add_member(cls: type[enum.IntEnum], name: str, value: int) -> enum.IntEnum:
         other = cls._value2member_map_[value]
         raise RuntimeError(
             f"{cls.__name__} value {value} is taken by {other.name}: this vLLM is not the "
-            f"version the cache-hit threshold plugin was written for")
+            f"version the cache-hit threshold plugin was written for"
+        )
     member = int.__new__(cls, value)
     member._name_ = name
     member._value_ = value

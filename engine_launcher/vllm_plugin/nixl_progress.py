@@ -15,6 +15,7 @@ Set by environment, read in the process that creates the NIXL agent (vLLM's work
 `CACHEHIT_NIXL_PROGRESS_DELAY_US` = microseconds (an integer >= 0); unset or empty: NIXL's own
 behaviour. The launcher sets it by default (engine_launcher/commands.py).
 """
+
 from __future__ import annotations
 
 import logging

@@ -17,6 +17,7 @@ asynchronous lookups, so the arrival check must not call it. What each connector
 - anything else (other connectors, sliding-window or hybrid models, other offload backends):
   None, unknown; the arrival check then rejects nothing and admission decides.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -52,9 +53,12 @@ def _cpu_tier_tokens(sched: Any, request: Any, num_local: int) -> int | None:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     groups = sched.config.kv_group_configs
-    if (not isinstance(sched.manager, CPUOffloadingManager) or len(groups) != 1
-            or groups[0].sliding_window_size_in_chunks is not None
-            or groups[0].is_eagle_group):
+    if (
+        not isinstance(sched.manager, CPUOffloadingManager)
+        or len(groups) != 1
+        or groups[0].sliding_window_size_in_chunks is not None
+        or groups[0].is_eagle_group
+    ):
         return None
     if request.skip_reading_prefix_cache:
         return 0

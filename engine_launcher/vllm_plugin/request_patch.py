@@ -8,6 +8,7 @@ raised there becomes vLLM's own 400 body
 (`{"error": {"message": "... (parameter=cache_hit_threshold, value=1.5)", "type":
 "BadRequestError", "param": "cache_hit_threshold", "code": 400}}`).
 """
+
 from __future__ import annotations
 
 import functools

@@ -37,6 +37,7 @@ Two checks, one rule (`threshold.below_threshold`: hit tokens / (prompt + genera
 
 Prefill legs (`kv_transfer_params.do_remote_decode`) are never rejected.
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,12 +68,13 @@ class ThresholdSchedulerMixin:
         # Finished, to be reported by the next update_from_output(): (client index, output).
         self._threshold_outputs: list[tuple[int, EngineCoreOutput]] = []
         super().__init__(*args, **kwargs)
-        self._threshold_config = PluginConfig.from_additional_config(
-            self.vllm_config.additional_config)
+        self._threshold_config = PluginConfig.from_additional_config(self.vllm_config.additional_config)
         logger.info(
             "cache-hit threshold scheduler %s: global threshold %.3f, arrival check %s",
-            type(self).__name__, self._threshold_config.global_threshold,
-            "on" if self._threshold_config.arrival_check else "off")
+            type(self).__name__,
+            self._threshold_config.global_threshold,
+            "on" if self._threshold_config.arrival_check else "off",
+        )
 
     # ------------------------------------------------------------------ the rule
 
@@ -93,8 +95,7 @@ class ThresholdSchedulerMixin:
             total = request.num_tokens
             if below_threshold(num_computed_tokens, total, threshold):
                 stage = "readmission" if request.num_output_tokens > 0 else "admission"
-                self._threshold_pending[request.request_id] = _mark(
-                    stage, num_computed_tokens, total, threshold)
+                self._threshold_pending[request.request_id] = _mark(stage, num_computed_tokens, total, threshold)
                 return True  # skipped this step; finished after schedule() returns
         return super()._ec_transfer_pending(request, num_computed_tokens)
 
@@ -118,14 +119,15 @@ class ThresholdSchedulerMixin:
             return
         hit = self._arrival_hit_tokens(request)
         if hit is not None and below_threshold(hit, request.num_tokens, threshold):
-            self._finish_below_threshold(
-                request.request_id, _mark("arrival", hit, request.num_tokens, threshold))
+            self._finish_below_threshold(request.request_id, _mark("arrival", hit, request.num_tokens, threshold))
 
     def _arrival_hit_tokens(self, request) -> int | None:
         """Local + connector hit without side effects, or None when that cannot be known."""
         manager = self.kv_cache_manager
-        if getattr(manager, "enable_kv_cache_events", False) and getattr(
-                request, "kv_cache_report_mode", "incremental") == "full":
+        if (
+            getattr(manager, "enable_kv_cache_events", False)
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
             return None  # the lookup would publish BlockStored events
         _, num_local, _ = manager.get_computed_blocks(request)
         if self.connector is None:
@@ -148,15 +150,20 @@ class ThresholdSchedulerMixin:
     def _finish_below_threshold(self, request_id: str, mark: dict[str, Any]) -> None:
         for request in self.finish_requests(request_id, finish_reason.finished_status()):
             logger.debug("request %s below cache-hit threshold: %s", request_id, mark)
-            self._threshold_outputs.append((request.client_index, EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finished_reason(),
-                events=request.take_events(),
-                trace_headers=request.trace_headers,
-                # Read and removed by the API server (stream_patch): stage for the metric.
-                kv_transfer_params={REJECTION_MARK: mark},
-            )))
+            self._threshold_outputs.append(
+                (
+                    request.client_index,
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=request.get_finished_reason(),
+                        events=request.take_events(),
+                        trace_headers=request.trace_headers,
+                        # Read and removed by the API server (stream_patch): stage for the metric.
+                        kv_transfer_params={REJECTION_MARK: mark},
+                    ),
+                )
+            )
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -175,8 +182,7 @@ class ThresholdSchedulerMixin:
 
 
 def _mark(stage: str, hit: int, total: int, threshold: float) -> dict[str, Any]:
-    return {"stage": stage, "hit_tokens": int(hit), "total_tokens": int(total),
-            "threshold": threshold}
+    return {"stage": stage, "hit_tokens": int(hit), "total_tokens": int(total), "threshold": threshold}
 
 
 class ThresholdScheduler(ThresholdSchedulerMixin, Scheduler):

@@ -24,6 +24,7 @@ every `vllm:` collector of the default registry when it sets up its own metrics)
 `vllm:request_success_total{finished_reason="cache_threshold"}` counts the same requests
 without the stage.
 """
+
 from __future__ import annotations
 
 import functools
@@ -98,8 +99,9 @@ def fix_request_output(request_output) -> None:
         except Exception:  # metrics must never break serving
             logger.debug("cache_threshold metric update failed", exc_info=True)
         if mark:
-            logger.debug("request %s rejected by cache_hit_threshold: %s",
-                         getattr(request_output, "request_id", "?"), mark)
+            logger.debug(
+                "request %s rejected by cache_hit_threshold: %s", getattr(request_output, "request_id", "?"), mark
+            )
 
 
 def _wrap_generate(original):

@@ -4,6 +4,7 @@ One definition used by both sides of the plugin: the API server validates the pe
 value, the scheduler decides. docs/ARCHITECTURE.md ("Threshold semantics") is the contract;
 the simulator implements the same one.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,8 @@ def validate_threshold(value: Any, param: str = FIELD) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ThresholdError(
-            f"{param} must be a number between 0 and 1, got {type(value).__name__} {value!r}",
-            param, value)
+            f"{param} must be a number between 0 and 1, got {type(value).__name__} {value!r}", param, value
+        )
     value = float(value)
     if not math.isfinite(value) or not 0.0 <= value <= 1.0:
         raise ThresholdError(f"{param} must be between 0 and 1, got {value}", param, value)
@@ -66,8 +67,7 @@ class PluginConfig:
             raise ValueError(f"--additional-config: {exc}") from None
         arrival = additional.get(ARRIVAL_KEY, True)
         if not isinstance(arrival, bool):
-            raise ValueError(f"--additional-config: {ARRIVAL_KEY} must be true or false, "
-                             f"got {arrival!r}")
+            raise ValueError(f"--additional-config: {ARRIVAL_KEY} must be true or false, got {arrival!r}")
         return cls(global_threshold=glob or 0.0, arrival_check=arrival)
 
 

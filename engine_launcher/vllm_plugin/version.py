@@ -4,6 +4,7 @@ The plugin patches private vLLM APIs (docs/VLLM_PLUGIN.md lists them); they chan
 minor releases, so anything but the pinned series is refused at engine start rather than
 misbehaving at request time.
 """
+
 from __future__ import annotations
 
 SUPPORTED_SERIES = ("0.32.",)
@@ -31,5 +32,6 @@ def check_vllm_version() -> str:
             f"{', '.join(s + 'x' for s in SUPPORTED_SERIES)} only; this is vLLM {version}. "
             f"Install a supported version (`engine-launcher install-deps --cpu|--gpu`) or "
             f"start vLLM without `--scheduler-cls engine_launcher.vllm_plugin.scheduler.*` and "
-            f"with VLLM_PLUGINS set to exclude `cachehit_threshold`.")
+            f"with VLLM_PLUGINS set to exclude `cachehit_threshold`."
+        )
     return version

@@ -5,6 +5,7 @@ A policy is a class with a `name` (a `StrategyName`), a `validate(routing)` that
 the problems of the routing keys it reads, and the `Strategy` interface of
 router/planning.py (`plan`, `on_routed`, `expected_hits`); one module each.
 """
+
 from __future__ import annotations
 
 from ..config import RoutingConfig
@@ -19,8 +20,14 @@ POLICIES: dict[StrategyName, Policy] = {
     policy.name: policy for policy in (ProbeStrategy, RoundRobinStrategy, LeastLoadedStrategy, PrefixTreeStrategy)
 }
 
-__all__ = ["POLICIES", "LeastLoadedStrategy", "PrefixTreeStrategy", "ProbeStrategy", "RoundRobinStrategy",
-           "make_strategy"]
+__all__ = [
+    "POLICIES",
+    "LeastLoadedStrategy",
+    "PrefixTreeStrategy",
+    "ProbeStrategy",
+    "RoundRobinStrategy",
+    "make_strategy",
+]
 
 
 def make_strategy(routing: RoutingConfig) -> Strategy:

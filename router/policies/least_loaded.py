@@ -1,6 +1,7 @@
 """`least_loaded`: the least predicted time to first token with every engine computing the
 whole prompt (load-aware, cache-blind: the cost model's baseline).
 """
+
 from __future__ import annotations
 
 from ..backends import ClusterSnapshot
@@ -31,6 +32,7 @@ class LeastLoadedStrategy:
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         pass
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
         return {}

@@ -1,6 +1,7 @@
 """`prefix_tree`: prefix affinity from the router's own memory of where it sent prompts,
 weighed by load through the cost model.
 """
+
 from __future__ import annotations
 
 from ..backends import ClusterSnapshot
@@ -35,6 +36,7 @@ class PrefixTreeStrategy:
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.memory.insert(self.memory.chunk_hashes(query.text), backend)
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
         return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)

@@ -1,6 +1,7 @@
 """`probe`: ask the engines whether they hold the prompt, by racing probes at the cache-hit
 threshold where the cost model says a race is worth its wait.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -109,15 +110,22 @@ class ProbeStrategy:
         # on top of the configured floor; it grows with the prompt once a rejection says
         # how long the prompt is (the estimate from characters may be short).
         slowest = max(b.speed.per_token_s for _, b in worth)
-        return Plan(probes=tuple(b.name for _, b in worth), threshold=t,
-                    deadline_s=self.routing.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
-                    deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
-                    probe_ttft_s=tuple(s for s, _ in worth), cold=cold.direct,
-                    cold_ttft_s=cold.predicted_ttft_s, scratch_ttft_s=from_scratch, placed=placed)
+        return Plan(
+            probes=tuple(b.name for _, b in worth),
+            threshold=t,
+            deadline_s=self.routing.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
+            deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
+            probe_ttft_s=tuple(s for s, _ in worth),
+            cold=cold.direct,
+            cold_ttft_s=cold.predicted_ttft_s,
+            scratch_ttft_s=from_scratch,
+            placed=placed,
+        )
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.memory.insert(self.memory.chunk_hashes(query.text), backend)
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
         return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)

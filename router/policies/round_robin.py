@@ -1,6 +1,7 @@
 """`round_robin`: each request to the next decode backend in turn, blind to load and cache
 (a baseline).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,6 +35,7 @@ class RoundRobinStrategy:
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         pass
 
-    def expected_hits(self, query: RouteQuery, prompt_tokens: float,
-                      sent_within_s: float | None = None) -> dict[str, float]:
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
         return {}

@@ -1,4 +1,5 @@
 """The bench end to end on a tiny scale: contract keys, per-request lines, compare, overhead pieces."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,24 +18,74 @@ from router.config import parse_config
 
 import tomllib
 
-TINY = ["--workload", "prefix-groups", "--groups", "2", "--per-group", "10", "--system-tokens", "128",
-        "--question-tokens", "16", "--output-tokens", "8", "--rate", "20", "--speed", "20",
-        "--engines", "2", "--prefill", "1", "--min-pd-prompt-tokens", "32"]
+TINY = [
+    "--workload",
+    "prefix-groups",
+    "--groups",
+    "2",
+    "--per-group",
+    "10",
+    "--system-tokens",
+    "128",
+    "--question-tokens",
+    "16",
+    "--output-tokens",
+    "8",
+    "--rate",
+    "20",
+    "--speed",
+    "20",
+    "--engines",
+    "2",
+    "--prefill",
+    "1",
+    "--min-pd-prompt-tokens",
+    "32",
+]
 
 
 def test_contract_command_line_parses():
-    a = build_parser().parse_args(["replay", "--trace", "t.jsonl", "--engines", "4", "--prefill", "1", "--mode",
-                                   "probe", "--limit", "50", "--time-scale", "0.5", "--threshold", "0.3",
-                                   "--out", "o"])
+    a = build_parser().parse_args(
+        [
+            "replay",
+            "--trace",
+            "t.jsonl",
+            "--engines",
+            "4",
+            "--prefill",
+            "1",
+            "--mode",
+            "probe",
+            "--limit",
+            "50",
+            "--time-scale",
+            "0.5",
+            "--threshold",
+            "0.3",
+            "--out",
+            "o",
+        ]
+    )
     assert (a.engines, a.prefill, a.mode, a.limit, a.time_scale, a.threshold) == (4, 1, "probe", 50, 0.5, 0.3)
-    for cmd in ("compare d1 d2", "sweep-threshold --out o", "load-sweep --out o", "overhead --out o",
-                "scaling --out o", "profile --out o", "replay --workload multiturn --mode all --out o"):
+    for cmd in (
+        "compare d1 d2",
+        "sweep-threshold --out o",
+        "load-sweep --out o",
+        "overhead --out o",
+        "scaling --out o",
+        "profile --out o",
+        "replay --workload multiturn --mode all --out o",
+    ):
         build_parser().parse_args(cmd.split())
 
 
 def test_generated_router_config_is_valid():
-    text = router_toml(8000, ["http://127.0.0.1:1", "http://127.0.0.1:2"], ["http://127.0.0.1:3"],
-                       RouterOptions(strategy="prefix_tree", threshold=0.3))
+    text = router_toml(
+        8000,
+        ["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        ["http://127.0.0.1:3"],
+        RouterOptions(strategy="prefix_tree", threshold=0.3),
+    )
     cfg = parse_config(tomllib.loads(text))
     assert cfg.routing.strategy == "prefix_tree" and cfg.routing.cache_hit_threshold == 0.3
     assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
@@ -84,22 +135,31 @@ def test_tiny_replay_probe_and_oracle(tmp_path):
 def test_instant_backend_answers_in_vllm_shapes(tmp_path):
     port = free_ports(1)[0]
     with ProcessSet(tmp_path) as procs:
-        p = procs.start("instant", [sys.executable, "-m", "bench.instant_backend", "--port", str(port),
-                                    "--chunks", "4"])
+        p = procs.start(
+            "instant", [sys.executable, "-m", "bench.instant_backend", "--port", str(port), "--chunks", "4"]
+        )
         from bench.procs import wait_http
+
         asyncio.run(wait_http(f"http://127.0.0.1:{port}/health", p, 30))
         c = BlockingClient(port)
         t, first, status = c.roundtrip(http_request("127.0.0.1", port, "/v1/completions", SMALL))
         assert status == 200 and first <= t
-        t, first, status = c.roundtrip(http_request("127.0.0.1", port, "/v1/completions",
-                                                    {**SMALL, "stream": True,
-                                                     "stream_options": {"include_usage": True}}))
+        t, first, status = c.roundtrip(
+            http_request(
+                "127.0.0.1",
+                port,
+                "/v1/completions",
+                {**SMALL, "stream": True, "stream_options": {"include_usage": True}},
+            )
+        )
         assert status == 200
         c.close()
         import urllib.request
+
         body = json.dumps({**SMALL, "stream": True, "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         text = urllib.request.urlopen(req, timeout=10).read().decode()
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"

@@ -1,5 +1,6 @@
 """Router replicas and engine restarts in the bench (bench/fleet.py), end to end on a tiny
 scale, and the recovery figure on hand-made rows."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,9 +13,28 @@ from bench.fleet_table import fleet_rows, recovered_after, recovery_rows, target
 from bench.loadgen import _rotation
 from bench.replay import load_requests, run_replay
 
-TINY = ["--workload", "prefix-groups", "--groups", "2", "--per-group", "12", "--system-tokens", "128",
-        "--question-tokens", "16", "--output-tokens", "8", "--rate", "12", "--speed", "20",
-        "--engines", "2", "--prefill", "0"]
+TINY = [
+    "--workload",
+    "prefix-groups",
+    "--groups",
+    "2",
+    "--per-group",
+    "12",
+    "--system-tokens",
+    "128",
+    "--question-tokens",
+    "16",
+    "--output-tokens",
+    "8",
+    "--rate",
+    "12",
+    "--speed",
+    "20",
+    "--engines",
+    "2",
+    "--prefill",
+    "0",
+]
 
 
 def test_requests_rotate_over_replicas():
@@ -27,6 +47,7 @@ def test_requests_rotate_over_replicas():
 def test_recovery_windows():
     def row(t, cached, route="probe_hit"):
         return {"start_s": t, "status": 200, "expected_prompt_tokens": 100, "cached_tokens": cached, "route": route}
+
     rows = [row(i * 0.1, 80) for i in range(10)]
     rows += [row(1.0 + i * 0.1, 0 if i < 2 else 90) for i in range(6)]
     rows += [row(2.0, 100, route="pd"), {"start_s": 2.1, "status": 500}]
@@ -37,8 +58,9 @@ def test_recovery_windows():
 
 
 def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path):
-    a = build_parser().parse_args(["replay", *TINY, "--routers", "2", "--restart-engine-at", "1.0",
-                                   "--out", str(tmp_path)])
+    a = build_parser().parse_args(
+        ["replay", *TINY, "--routers", "2", "--restart-engine-at", "1.0", "--out", str(tmp_path)]
+    )
     assert (a.routers, a.restart_engine_at) == (2, 1.0)
     s = asyncio.run(run_replay(run_spec_from_args(a, "probe", tmp_path / "probe")))
     assert s["routers"] == 2 and s["requests"] == 24 and s["errors"] == 0, s.get("error_examples")
@@ -88,8 +110,15 @@ def test_recovery_counts_requests_until_the_hit_ratio_is_back():
     assert recovered_after({"before_100": 0.8, "window": 25, "after": [0.1, 0.5, 0.79, 0.8]}) == 75
     assert recovered_after({"before_100": 0.8, "window": 25, "after": [0.1, None, 0.2]}) is None
     assert recovered_after({"before_100": None, "window": 25, "after": [0.9]}) is None
-    rows = recovery_rows({("trace", "probe"): {"routers": 4, "errors": 0, "recovery": {
-        "before_100": 0.6, "window": 25, "after": [0.2, 0.3, 0.4, 0.5, 0.59]}}})
+    rows = recovery_rows(
+        {
+            ("trace", "probe"): {
+                "routers": 4,
+                "errors": 0,
+                "recovery": {"before_100": 0.6, "window": 25, "after": [0.2, 0.3, 0.4, 0.5, 0.59]},
+            }
+        }
+    )
     assert rows[0]["recovered_after"] == 125 and rows[0]["within_100"] is False
     assert rows[0]["after"] == "0.20 0.30 0.40 0.50 0.59"
     # A run that ended before any window after the restart says nothing about recovery.

@@ -1,4 +1,5 @@
 """Offered load from the simulator's timing model, and the suite's rate derivation."""
+
 from __future__ import annotations
 
 import json
@@ -54,6 +55,7 @@ def _suite_args(tmp_path: Path, *extra: str):
 def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
     trace = tmp_path / "t.jsonl"
     from bench import trace_gen as tg
+
     tg.write(trace, tg.generate(tg.TraceParams(duration_s=200.0)))
     wd = suite.BY_NAME[name]
     a = _suite_args(tmp_path, "--requests", "60", "--trace", str(trace))
@@ -66,8 +68,9 @@ def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
     assert load["work_s"] == pytest.approx(before.work_s)
     assert load["span_s"] == pytest.approx(before.span_s * before.utilisation / wd.target, rel=1e-6)
     # Twice the engines take twice the rate for the same utilisation.
-    ns8 = suite.replay_args(_suite_args(tmp_path, "--requests", "60", "--trace", str(trace), "--engines", "8"),
-                            wd, tmp_path / name)
+    ns8 = suite.replay_args(
+        _suite_args(tmp_path, "--requests", "60", "--trace", str(trace), "--engines", "8"), wd, tmp_path / name
+    )
     load8 = suite.set_rate(ns8, wd)
     assert load8["offered_rps"] == pytest.approx(2 * load["offered_rps"], rel=1e-6)
 
@@ -87,6 +90,7 @@ def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path):
 
 def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says_otherwise(tmp_path):
     from bench.__main__ import run_spec_from_args
+
     wd = suite.BY_NAME["cpu-tier"]
     ns = suite.replay_args(_suite_args(tmp_path), wd, tmp_path)
     sim = run_spec_from_args(ns, "probe", tmp_path).sim
@@ -106,6 +110,7 @@ def test_closed_loop_multiturn_has_no_utilisation(tmp_path):
 
 def test_default_trace_is_generated_inside_the_repository(tmp_path):
     from bench.__main__ import workload_from_args
+
     a = build_parser().parse_args(["replay", "--out", str(tmp_path)])
     w = workload_from_args(a)
     repo = Path(suite.__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
 """`python -m bench suite --quick` end to end on a tiny configuration: one short workload, two
 modes on real simulated engines and the real router; the table and its regret are consistent."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,24 @@ from bench.__main__ import main
 
 
 def test_suite_quick_tiny_table_and_regret(tmp_path):
-    rc = main(["suite", "--quick", "--out", str(tmp_path), "--workloads", "hetero",
-               "--modes", "oracle,probe,round_robin", "--requests", "16", "--engines", "2", "--speed", "1"])
+    rc = main(
+        [
+            "suite",
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--workloads",
+            "hetero",
+            "--modes",
+            "oracle,probe,round_robin",
+            "--requests",
+            "16",
+            "--engines",
+            "2",
+            "--speed",
+            "1",
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "suite.json").read_text())
     rows = {r["mode"]: r for r in data["rows"]}

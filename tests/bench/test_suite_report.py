@@ -1,5 +1,6 @@
 """The suite table's arithmetic: regret against the best baseline, the cost model's accuracy,
 route shares, and the predicted TTFT carried into requests.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -17,11 +18,16 @@ def _row(workload, mode, p50, p99):
 
 
 def test_regret_divides_by_the_best_baseline_of_the_same_workload():
-    rows = [_row("a", "probe", 40.0, 900.0), _row("a", "round_robin", 100.0, 600.0),
-            _row("a", "least_loaded", 80.0, 1200.0), _row("a", "prefix_tree", 120.0, 300.0),
-            _row("b", "probe", 50.0, 50.0), _row("b", "round_robin", 25.0, 100.0),
-            _row("c", "probe", 10.0, 20.0),  # no baseline ran: no regret
-            _row("b", "least_loaded", None, None)]  # a run without TTFT
+    rows = [
+        _row("a", "probe", 40.0, 900.0),
+        _row("a", "round_robin", 100.0, 600.0),
+        _row("a", "least_loaded", 80.0, 1200.0),
+        _row("a", "prefix_tree", 120.0, 300.0),
+        _row("b", "probe", 50.0, 50.0),
+        _row("b", "round_robin", 25.0, 100.0),
+        _row("c", "probe", 10.0, 20.0),  # no baseline ran: no regret
+        _row("b", "least_loaded", None, None),
+    ]  # a run without TTFT
     add_regret(rows)
     got = {(r["workload"], r["mode"]): (r["regret_p50"], r["regret_p99"]) for r in rows}
     assert got[("a", "probe")] == (0.5, 3.0)
@@ -35,35 +41,50 @@ def test_regret_divides_by_the_best_baseline_of_the_same_workload():
     # The best baseline of each workload and quantile is exactly 1.0, none is below.
     for w in ("a", "b"):
         for q in ("p50", "p99"):
-            base = [r[f"regret_{q}"] for r in rows if r["workload"] == w and r["regret_" + q] is not None
-                    and r["mode"] != "probe"]
+            base = [
+                r[f"regret_{q}"]
+                for r in rows
+                if r["workload"] == w and r["regret_" + q] is not None and r["mode"] != "probe"
+            ]
             assert min(base) == 1.0
 
 
 def test_model_accuracy_medians_of_absolute_signed_and_relative_error():
-    rows = [{"predicted_ttft_ms": 110.0, "router_ttft_ms": 100.0},   # +10, 0.1
-            {"predicted_ttft_ms": 150.0, "router_ttft_ms": 200.0},   # -50, 0.25
-            {"predicted_ttft_ms": 45.0, "router_ttft_ms": 50.0},     # -5, 0.1
-            {"predicted_ttft_ms": 400.0, "router_ttft_ms": 100.0},   # +300, 3.0
-            {"predicted_ttft_ms": None, "router_ttft_ms": 80.0},     # no prediction: left out
-            {"router_ttft_ms": 70.0},
-            {"predicted_ttft_ms": 20.0, "router_ttft_ms": None}]     # failed before a first token
+    rows = [
+        {"predicted_ttft_ms": 110.0, "router_ttft_ms": 100.0},  # +10, 0.1
+        {"predicted_ttft_ms": 150.0, "router_ttft_ms": 200.0},  # -50, 0.25
+        {"predicted_ttft_ms": 45.0, "router_ttft_ms": 50.0},  # -5, 0.1
+        {"predicted_ttft_ms": 400.0, "router_ttft_ms": 100.0},  # +300, 3.0
+        {"predicted_ttft_ms": None, "router_ttft_ms": 80.0},  # no prediction: left out
+        {"router_ttft_ms": 70.0},
+        {"predicted_ttft_ms": 20.0, "router_ttft_ms": None},
+    ]  # failed before a first token
     acc = model_accuracy(rows)
     assert acc["pred_requests"] == 4
-    assert acc["pred_abs_err_p50_ms"] == pytest.approx((10 + 50) / 2)   # |e| = 5, 10, 50, 300
-    assert acc["pred_bias_p50_ms"] == pytest.approx((-5 + 10) / 2)      # e = -50, -5, 10, 300
-    assert acc["pred_rel_err_p50"] == pytest.approx((0.1 + 0.25) / 2)   # 0.1, 0.1, 0.25, 3.0
+    assert acc["pred_abs_err_p50_ms"] == pytest.approx((10 + 50) / 2)  # |e| = 5, 10, 50, 300
+    assert acc["pred_bias_p50_ms"] == pytest.approx((-5 + 10) / 2)  # e = -50, -5, 10, 300
+    assert acc["pred_rel_err_p50"] == pytest.approx((0.1 + 0.25) / 2)  # 0.1, 0.1, 0.25, 3.0
     none = model_accuracy([{"router_ttft_ms": 5.0, "ttft_ms": 6.0}])
-    assert none == {"pred_requests": 0, "pred_abs_err_p50_ms": None, "pred_bias_p50_ms": None,
-                    "pred_rel_err_p50": None}
+    assert none == {"pred_requests": 0, "pred_abs_err_p50_ms": None, "pred_bias_p50_ms": None, "pred_rel_err_p50": None}
 
 
 def test_route_shares_and_rows():
-    assert route_shares({"probe_hit": 6, "pd": 3, "direct": 1}) == {"share_probe_hit": 0.6, "share_pd": 0.3,
-                                                                   "share_direct": 0.1}
+    assert route_shares({"probe_hit": 6, "pd": 3, "direct": 1}) == {
+        "share_probe_hit": 0.6,
+        "share_pd": 0.3,
+        "share_direct": 0.1,
+    }
     assert route_shares({}) == {"share_probe_hit": None, "share_pd": None, "share_direct": None}
-    s = {"mode": "probe", "requests": 3, "errors": 0, "hit_ratio": 0.5, "oracle_hit_ratio": 0.6,
-         "ttft_p50_ms": 10.0, "ttft_p99_ms": 30.0, "routes": {"probe_hit": 2, "pd": 1}}
+    s = {
+        "mode": "probe",
+        "requests": 3,
+        "errors": 0,
+        "hit_ratio": 0.5,
+        "oracle_hit_ratio": 0.6,
+        "ttft_p50_ms": 10.0,
+        "ttft_p99_ms": 30.0,
+        "routes": {"probe_hit": 2, "pd": 1},
+    }
     row = suite_row("w", s, [{"predicted_ttft_ms": 12.0, "router_ttft_ms": 10.0}])
     assert row["share_probe_hit"] == pytest.approx(2 / 3) and row["share_direct"] == 0.0
     assert row["pred_abs_err_p50_ms"] == 2.0 and row["hit_ratio"] == 0.5
@@ -72,8 +93,7 @@ def test_route_shares_and_rows():
 
 
 def test_table_shows_a_dash_without_predictions(tmp_path):
-    rows = add_regret([{**_row("w", "round_robin", 10.0, 20.0), "requests": 5, "errors": 0,
-                        **model_accuracy([])}])
+    rows = add_regret([{**_row("w", "round_robin", 10.0, 20.0), "requests": 5, "errors": 0, **model_accuracy([])}])
     write_suite(tmp_path, rows, {"w": None}, {"modes": ["round_robin"]})
     md = (tmp_path / "suite.md").read_text()
     line = next(x for x in md.splitlines() if x.startswith("| w |"))
@@ -86,13 +106,22 @@ def test_table_shows_a_dash_without_predictions(tmp_path):
 
 def test_predicted_ttft_is_carried_from_the_router_log_into_requests_jsonl(tmp_path):
     log = tmp_path / "router.log"
-    lines = [{"request_id": "cmpl-1", "route": "probe_hit", "ttft_ms": 42.0, "predicted_ttft_ms": 40.5,
-              "scratch_ttft_ms": 300.0},
-             {"request_id": "cmpl-2", "route": "direct", "ttft_ms": 13.0}]
+    lines = [
+        {
+            "request_id": "cmpl-1",
+            "route": "probe_hit",
+            "ttft_ms": 42.0,
+            "predicted_ttft_ms": 40.5,
+            "scratch_ttft_ms": 300.0,
+        },
+        {"request_id": "cmpl-2", "route": "direct", "ttft_ms": 13.0},
+    ]
     log.write_text("".join(f"2026-01-01 INFO cachehit_router.requests: {json.dumps(d)}\n" for d in lines))
     logs = parse_router_log(log)
-    results = [Result(index=0, status=200, response_id="cmpl-1", ttft_ms=45.0),
-               Result(index=1, status=200, response_id="cmpl-2", ttft_ms=15.0)]
+    results = [
+        Result(index=0, status=200, response_id="cmpl-1", ttft_ms=45.0),
+        Result(index=1, status=200, response_id="cmpl-2", ttft_ms=15.0),
+    ]
     write_outputs(tmp_path, {"mode": "probe"}, results, logs)
     rows = load_requests(tmp_path)
     assert [r["predicted_ttft_ms"] for r in rows] == [40.5, None]
@@ -120,5 +149,7 @@ def test_heterogeneous_prompts_span_their_range_with_little_reuse():
     for r in reqs[:20]:
         assert wl.token_count(r.prompt) == r.prompt_tokens and r.max_tokens == 16
     assert wl.oracle_for_requests(reqs[:60], 16)["oracle_hit_ratio"] < 0.01
-    assert [r.prompt for r in reqs[:5]] == [r.prompt for r in wl.heterogeneous_requests(
-        n=5, min_tokens=32, max_tokens=8000, output_tokens=16, rate=5.0, seed=2)]
+    assert [r.prompt for r in reqs[:5]] == [
+        r.prompt
+        for r in wl.heterogeneous_requests(n=5, min_tokens=32, max_tokens=8000, output_tokens=16, rate=5.0, seed=2)
+    ]

@@ -1,5 +1,6 @@
 """The generated Mooncake-format conversation trace: deterministic, multi-turn prefix structure,
 lengths and times in their ranges, usable by the replay."""
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """vLLM's own benchmark client (`vllm bench serve` through its module) against the router
 on simulated engines and against one engine directly (bench/vllm_client.py), tiny scale."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,8 +19,25 @@ def test_vllm_bench_serve_through_the_router_and_direct(tmp_path, capsys):
             pytest.fail("CACHEHIT_REQUIRE_REAL_ENGINE is set but vLLM is not installed", pytrace=False)
         pytest.skip("vLLM is not installed (run `engine-launcher install-deps --cpu`)")
     out = tmp_path / "run"
-    assert vllm_client.main(["--out", str(out), "--num-prompts", "6", "--request-rate", "20",
-                             "--input-len", "48", "--output-len", "6", "--speed", "20"]) == 0
+    assert (
+        vllm_client.main(
+            [
+                "--out",
+                str(out),
+                "--num-prompts",
+                "6",
+                "--request-rate",
+                "20",
+                "--input-len",
+                "48",
+                "--output-len",
+                "6",
+                "--speed",
+                "20",
+            ]
+        )
+        == 0
+    )
     for name in ("direct", "router"):
         r = json.loads((out / f"{name}.json").read_text())
         # Every request answered, each with its 6 tokens (ignore_eos), timed by vLLM's client.

@@ -1,4 +1,5 @@
 """Workload synthesis and the oracle: deterministic, exact in simulator tokens."""
+
 from __future__ import annotations
 
 import json
@@ -73,10 +74,10 @@ def test_poisson_arrivals():
 
 def test_oracle_counts_whole_blocks_and_leaves_the_last_token():
     bs = 4
-    a = list(range(10))             # 2 full blocks + 2 tokens
+    a = list(range(10))  # 2 full blocks + 2 tokens
     b = list(range(10)) + [99, 98]  # shares a's 2 full blocks and more
-    c = list(range(8))              # exactly 2 blocks: at most (8-1)//4 = 1 block can hit
-    d = [7] + list(range(9))        # no shared prefix
+    c = list(range(8))  # exactly 2 blocks: at most (8-1)//4 = 1 block can hit
+    d = [7] + list(range(9))  # no shared prefix
     hits, total, per = wl.oracle_hit_tokens([(a, None), (b, None), (c, None), (d, None)], bs)
     assert per == [0, 8, 4, 0]
     assert total == 10 + 12 + 8 + 10 and hits == 12

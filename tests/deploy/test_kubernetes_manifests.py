@@ -3,6 +3,7 @@
 each other and against the router itself: the ConfigMap's router.toml is a valid
 configuration with the Secret's values in the environment, its discovery names are the
 engines' headless Services, probes, selectors and ports line up."""
+
 from __future__ import annotations
 
 import tomllib
@@ -32,17 +33,39 @@ SERVICE_MONITOR_SCHEMA = {
         "kind": {"const": "ServiceMonitor"},
         "metadata": {"type": "object", "required": ["name"]},
         "spec": {
-            "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
             "properties": {
-                "selector": {"type": "object", "properties": {
-                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
-                "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
-                    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "properties": {
-                        "port": {"type": "string"}, "path": {"type": "string"},
-                        "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
-                        "scheme": {"enum": ["http", "https"]}}}},
+                "selector": {
+                    "type": "object",
+                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {
+                                "type": "string",
+                                "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+                            },
+                            "scheme": {"enum": ["http", "https"]},
+                        },
+                    },
+                },
             },
         },
     },
@@ -66,8 +89,18 @@ def find(kind: str, name: str) -> dict:
 def test_every_object_is_valid_for_the_kubernetes_api(version):
     docs = documents()
     kinds = {d["kind"] for d in docs}
-    assert {"Namespace", "ConfigMap", "Secret", "Deployment", "Service", "PodDisruptionBudget",
-            "ServiceMonitor", "ServiceAccount", "Role", "RoleBinding"} <= kinds
+    assert {
+        "Namespace",
+        "ConfigMap",
+        "Secret",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "ServiceMonitor",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+    } <= kinds
     for d in docs:
         if d["kind"] == "ServiceMonitor":
             jsonschema.validate(d, SERVICE_MONITOR_SCHEMA)

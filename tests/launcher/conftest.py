@@ -10,6 +10,7 @@ as `Supervisor(python=...)`, ignores `-m module`, and behaves as FAKE_MODE says:
   stubborn     serve, ignore SIGTERM, and start a grandchild (same process group) that
                ignores SIGTERM too; both record their pids in FAKE_PID_FILE
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-FAKE_ENGINE = textwrap.dedent('''
+FAKE_ENGINE = textwrap.dedent("""
     import http.server, os, signal, subprocess, sys, threading, time
     mode = os.environ.get("FAKE_MODE", "serve")
     args = sys.argv[1:]
@@ -54,7 +55,7 @@ FAKE_ENGINE = textwrap.dedent('''
     for s in servers[1:]:
         threading.Thread(target=s.serve_forever, daemon=True).start()
     servers[0].serve_forever()
-''')
+""")
 
 
 @pytest.fixture
@@ -63,7 +64,6 @@ def fake_python(tmp_path: Path) -> str:
     body = tmp_path / "fake_engine.py"
     body.write_text(FAKE_ENGINE)
     # `python -m engine_launcher.sim ...` -> run fake_engine.py with the remaining args.
-    script.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {body} \"$@\"\n")
+    script.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {body} "$@"\n')
     script.chmod(0o755)
     return str(script)
-

@@ -1,4 +1,5 @@
 """The launcher as a subprocess for the launcher tests (stopped by process group only, never by name)."""
+
 from __future__ import annotations
 
 import queue
@@ -17,8 +18,7 @@ class LauncherProcess:
     """
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None):
-        self.proc = start_group(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env, cwd=cwd)
+        self.proc = start_group(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         self.engine_groups: set[int] = set()
@@ -39,12 +39,15 @@ class LauncherProcess:
             try:
                 line = self._q.get(timeout=max(0.01, remaining))
             except queue.Empty:
-                raise AssertionError(f"no line with {needle!r} within {timeout} s; output:\n"
-                                     + "\n".join(self.lines)) from None
+                raise AssertionError(
+                    f"no line with {needle!r} within {timeout} s; output:\n" + "\n".join(self.lines)
+                ) from None
             if line is None:
                 self.proc.wait()
-                raise AssertionError(f"launcher exited ({self.proc.returncode}) before printing "
-                                     f"{needle!r}; output:\n" + "\n".join(self.lines))
+                raise AssertionError(
+                    f"launcher exited ({self.proc.returncode}) before printing "
+                    f"{needle!r}; output:\n" + "\n".join(self.lines)
+                )
             self.lines.append(line)
             if needle in line:
                 return line

@@ -1,4 +1,5 @@
 """engine-launcher CLI: dry runs, configuration errors, forwarding, and a real run."""
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,9 @@ def test_dry_run_prints_exact_commands_for_router_toml(capsys):
 
 
 def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
-    cfg = write(tmp_path, """
+    cfg = write(
+        tmp_path,
+        """
         [[engines]]
         name = "prefill"
         kind = "vllm"
@@ -68,25 +71,29 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
         nixl_side_channel_port = 5601
         gpu_ids = [1]
         extra_args = ["--max-model-len", "8192"]
-        """)
-    assert main(["up", "--config", cfg, "--dry-run", "--host-type", "gpu",
-                 "--log-dir", "/var/log/engines"]) == 0
+        """,
+    )
+    assert main(["up", "--config", cfg, "--dry-run", "--host-type", "gpu", "--log-dir", "/var/log/engines"]) == 0
     out = capsys.readouterr().out
-    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
-                     "kv_buffer_device": "cuda"}, separators=(",", ":"))
-    assert (f"CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 CUDA_VISIBLE_DEVICES=1 PYTHONUNBUFFERED=1 "
-            f"VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=5601 {sys.executable} -m "
-            "vllm.entrypoints.openai.api_server --model /models/llama --served-model-name "
-            "/models/llama --host 127.0.0.1 --port 8201 --enable-prefix-caching --enable-prompt-tokens-details "
-            f"--kv-transfer-config '{kv}' --scheduler-cls "
-            "engine_launcher.vllm_plugin.scheduler.ThresholdAsyncScheduler --max-model-len 8192"
-            ) in out.splitlines()
+    kv = json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cuda"}, separators=(",", ":")
+    )
+    assert (
+        f"CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 CUDA_VISIBLE_DEVICES=1 PYTHONUNBUFFERED=1 "
+        f"VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=5601 {sys.executable} -m "
+        "vllm.entrypoints.openai.api_server --model /models/llama --served-model-name "
+        "/models/llama --host 127.0.0.1 --port 8201 --enable-prefix-caching --enable-prompt-tokens-details "
+        f"--kv-transfer-config '{kv}' --scheduler-cls "
+        "engine_launcher.vllm_plugin.scheduler.ThresholdAsyncScheduler --max-model-len 8192"
+    ) in out.splitlines()
     assert "# log: /var/log/engines/prefill.log" in out
     assert "on a GPU host" in out
 
 
 def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
-    cfg = write(tmp_path, """
+    cfg = write(
+        tmp_path,
+        """
         [[engines]]
         name = "decode"
         kind = "vllm"
@@ -95,42 +102,60 @@ def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
         port = 8201
         nixl_side_channel_port = 5601
         kv_offload_gib = 200
-        """)
+        """,
+    )
     assert main(["--config", cfg, "--dry-run", "--host-type", "gpu"]) == 0
     out = capsys.readouterr().out
-    kv = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_consumer",
-                     "kv_connector_extra_config": {"connectors": [
-                         {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
-                          "kv_buffer_device": "cuda"},
-                         {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                          "kv_connector_extra_config": {"cpu_bytes_to_use": 200 * 2**30}}]}},
-                    separators=(",", ":"))
+    kv = json.dumps(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cuda"},
+                    {
+                        "kv_connector": "OffloadingConnector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"cpu_bytes_to_use": 200 * 2**30},
+                    },
+                ]
+            },
+        },
+        separators=(",", ":"),
+    )
     assert f"--kv-transfer-config '{kv}'" in out
 
 
 def test_dry_run_mentions_picked_ports(tmp_path, capsys):
-    cfg = write(tmp_path, """
+    cfg = write(
+        tmp_path,
+        """
         [[engines]]
         name = "sim-0"
         kind = "sim"
-        """)
+        """,
+    )
     assert main(["--config", cfg, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "# free ports were picked now for sim-0; a real start picks again" in out
     assert "--port 0" not in out
 
 
-@pytest.mark.parametrize("body,key", [
-    ('[[engines]]\nname = "e"\nkind = "bogus"\n', "engines[0].kind"),
-    ('[[engines]]\nname = "e"\nkind = "vllm"\n', "engines[0].model"),
-    ('[[engines]]\nname = "e"\nkind = "sim"\nport = 70000\n', "engines[0].port"),
-    ('[[engines]]\nname = "e"\nkind = "sim"\ncolour = "red"\n', "engines[0].colour"),
-    ('[launcher]\nmax_restarts = -1\n[[engines]]\nname = "e"\nkind = "sim"\n',
-     "launcher.max_restarts"),
-    ('[[engines]]\nname = "a"\nkind = "sim"\nport = 9000\n'
-     '[[engines]]\nname = "b"\nkind = "sim"\nport = 9000\n', "engines[1].port"),
-    ('[[backends]]\nname = "b"\nurl = "http://h:1"\n', "engines"),
-])
+@pytest.mark.parametrize(
+    "body,key",
+    [
+        ('[[engines]]\nname = "e"\nkind = "bogus"\n', "engines[0].kind"),
+        ('[[engines]]\nname = "e"\nkind = "vllm"\n', "engines[0].model"),
+        ('[[engines]]\nname = "e"\nkind = "sim"\nport = 70000\n', "engines[0].port"),
+        ('[[engines]]\nname = "e"\nkind = "sim"\ncolour = "red"\n', "engines[0].colour"),
+        ('[launcher]\nmax_restarts = -1\n[[engines]]\nname = "e"\nkind = "sim"\n', "launcher.max_restarts"),
+        (
+            '[[engines]]\nname = "a"\nkind = "sim"\nport = 9000\n[[engines]]\nname = "b"\nkind = "sim"\nport = 9000\n',
+            "engines[1].port",
+        ),
+        ('[[backends]]\nname = "b"\nurl = "http://h:1"\n', "engines"),
+    ],
+)
 def test_bad_config_exits_2_and_names_the_key(tmp_path, capsys, body, key):
     cfg = write(tmp_path, body)
     assert main(["--config", cfg, "--dry-run"]) == 2
@@ -143,10 +168,13 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
     assert "cannot read configuration file" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sub,usage", [
-    ("sim", "usage: python -m engine_launcher.sim"),
-    ("install-deps", "usage: engine-launcher install-deps"),
-])
+@pytest.mark.parametrize(
+    "sub,usage",
+    [
+        ("sim", "usage: python -m engine_launcher.sim"),
+        ("install-deps", "usage: engine-launcher install-deps"),
+    ],
+)
 def test_sim_and_install_deps_subcommands_are_forwarded(capsys, sub, usage):
     # Their own parsers answer --help: the launcher passed the rest of argv through.
     with pytest.raises(SystemExit) as exit_:
@@ -163,9 +191,11 @@ def test_tiny_model_subcommand_is_forwarded(capsys):
 
 def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
     ports = [free_port() for _ in range(3)]
-    cfg = write(tmp_path, f"""
+    cfg = write(
+        tmp_path,
+        f"""
         [launcher]
-        log_dir = "{tmp_path / 'logs'}"
+        log_dir = "{tmp_path / "logs"}"
         startup_timeout_s = 60
 
         [[engines]]
@@ -188,10 +218,10 @@ def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
         role = "producer"
         port = {ports[2]}
         model = "sim-m"
-        """)
+        """,
+    )
     env = {**os.environ, "COLUMNS": "200"}
-    lp = LauncherProcess([sys.executable, "-m", "engine_launcher", "--config", cfg],
-                         env=env, cwd=str(tmp_path))
+    lp = LauncherProcess([sys.executable, "-m", "engine_launcher", "--config", cfg], env=env, cwd=str(tmp_path))
     try:
         lp.wait_for_line("all engines healthy", HANG_GUARD_S)
         for port in ports:
@@ -215,17 +245,23 @@ def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
 
 
 def test_launcher_exits_1_with_log_tail_when_an_engine_cannot_start(tmp_path):
-    cfg = write(tmp_path, f"""
+    cfg = write(
+        tmp_path,
+        f"""
         [launcher]
-        log_dir = "{tmp_path / 'logs'}"
+        log_dir = "{tmp_path / "logs"}"
 
         [[engines]]
         name = "broken"
         kind = "sim"
         extra_args = ["--no-such-simulator-flag"]
-        """)
-    lp = LauncherProcess([sys.executable, "-m", "engine_launcher", "--config", cfg],
-                         env={**os.environ, "COLUMNS": "200"}, cwd=str(tmp_path))
+        """,
+    )
+    lp = LauncherProcess(
+        [sys.executable, "-m", "engine_launcher", "--config", cfg],
+        env={**os.environ, "COLUMNS": "200"},
+        cwd=str(tmp_path),
+    )
     try:
         out = lp.output(HANG_GUARD_S)
         assert lp.proc.returncode == 1, out

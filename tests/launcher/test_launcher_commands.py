@@ -1,4 +1,5 @@
 """Exact command lines and environments built by engine_launcher.commands."""
+
 from __future__ import annotations
 
 import json
@@ -30,27 +31,42 @@ def vllm_engine(name: str, role: str, **kw) -> EngineConfig:
 
 
 def kv_config(role: str, device: str) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                       "kv_buffer_device": device}, separators=(",", ":"))
+    return json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": device}, separators=(",", ":")
+    )
 
 
 def one(engine: EngineConfig, host: HostInfo, http: int = 9000, nixl: int = 5600):
-    (cmd,) = build_commands([engine], {engine.name: EnginePorts(http, nixl)}, host,
-                            log_dir="logs", python=PY)
+    (cmd,) = build_commands([engine], {engine.name: EnginePorts(http, nixl)}, host, log_dir="logs", python=PY)
     return cmd
 
 
-@pytest.mark.parametrize("role,kv_role", [("producer", "kv_producer"),
-                                          ("consumer", "kv_consumer"),
-                                          ("both", "kv_both")])
+@pytest.mark.parametrize(
+    "role,kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
+)
 def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
     cmd = one(vllm_engine("e0", role), CPU_HOST)
     assert list(cmd.argv) == VLLM_HEAD + [
-        "--model", "/models/tiny", "--served-model-name", "/models/tiny",
-        "--host", "127.0.0.1", "--port", "9000", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--kv-transfer-config", kv_config(kv_role, "cpu"),
-        "--scheduler-cls", SYNC_SCHEDULER_CLS,
-        "--dtype", "float32", "--block-size", "32", "--enforce-eager"]
+        "--model",
+        "/models/tiny",
+        "--served-model-name",
+        "/models/tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9000",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        kv_config(kv_role, "cpu"),
+        "--scheduler-cls",
+        SYNC_SCHEDULER_CLS,
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--enforce-eager",
+    ]
     assert dict(cmd.env) == {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -68,18 +84,30 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
     assert cmd.health_urls() == {"e0": "http://127.0.0.1:9000/health"}
 
 
-@pytest.mark.parametrize("role,kv_role", [("producer", "kv_producer"),
-                                          ("consumer", "kv_consumer"),
-                                          ("both", "kv_both")])
+@pytest.mark.parametrize(
+    "role,kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
+)
 def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
-    e = vllm_engine("g0", role, served_model_name="llama", gpu_ids=(2, 3),
-                    nixl_side_channel_host="10.0.0.5", host="0.0.0.0")
+    e = vllm_engine(
+        "g0", role, served_model_name="llama", gpu_ids=(2, 3), nixl_side_channel_host="10.0.0.5", host="0.0.0.0"
+    )
     cmd = one(e, GPU_HOST, http=8200, nixl=5601)
     assert list(cmd.argv) == VLLM_HEAD + [
-        "--model", "/models/tiny", "--served-model-name", "llama",
-        "--host", "0.0.0.0", "--port", "8200", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--kv-transfer-config", kv_config(kv_role, "cuda"),
-        "--scheduler-cls", ASYNC_SCHEDULER_CLS]
+        "--model",
+        "/models/tiny",
+        "--served-model-name",
+        "llama",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8200",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        kv_config(kv_role, "cuda"),
+        "--scheduler-cls",
+        ASYNC_SCHEDULER_CLS,
+    ]
     assert dict(cmd.env) == {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5",
@@ -91,9 +119,9 @@ def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
     assert dict(cmd.urls) == {"g0": "http://127.0.0.1:8200"}
 
 
-@pytest.mark.parametrize("role,kv_role", [("producer", "kv_producer"),
-                                          ("consumer", "kv_consumer"),
-                                          ("both", "kv_both")])
+@pytest.mark.parametrize(
+    "role,kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
+)
 def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role):
     cmd = one(vllm_engine("g0", role, kv_offload_gib=64.5), GPU_HOST)
     argv = list(cmd.argv)
@@ -104,7 +132,8 @@ def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role)
         '"kv_connector_extra_config":{"connectors":['
         '{"kv_connector":"NixlConnector","kv_role":"' + kv_role + '","kv_buffer_device":"cuda"},'
         '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
-        '"kv_connector_extra_config":{"cpu_bytes_to_use":69256347648}}]}}')
+        '"kv_connector_extra_config":{"cpu_bytes_to_use":69256347648}}]}}'
+    )
     assert "--kv-offloading-size" not in argv
     # Without the key: NIXL alone, as before.
     plain = list(one(vllm_engine("g0", role), GPU_HOST).argv)
@@ -126,8 +155,9 @@ def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens():
     assert argv[argv.index("--cpu-offload-tokens") + 1] == "16384"
     # Sim engines with different tiers are different processes.
     engines = [e, EngineConfig(name="s1", kind="sim", role="both")]
-    cmds = build_commands(engines, {"s0": EnginePorts(9000), "s1": EnginePorts(9001)}, CPU_HOST,
-                          log_dir="logs", python=PY)
+    cmds = build_commands(
+        engines, {"s0": EnginePorts(9000), "s1": EnginePorts(9001)}, CPU_HOST, log_dir="logs", python=PY
+    )
     assert [c.engines for c in cmds] == [("s0",), ("s1",)]
 
 
@@ -146,11 +176,10 @@ def test_gpu_host_without_async_scheduling_uses_sync_scheduler():
 
 
 def test_extra_args_come_last_and_replace_launcher_defaults():
-    extra = ("--dtype", "bfloat16", "--block-size=64", "--max-model-len", "1024",
-             "--scheduler-cls", "my.Sched")
+    extra = ("--dtype", "bfloat16", "--block-size=64", "--max-model-len", "1024", "--scheduler-cls", "my.Sched")
     cmd = one(vllm_engine("e0", "consumer", extra_args=extra), CPU_HOST)
     argv = list(cmd.argv)
-    assert argv[-len(extra):] == list(extra)
+    assert argv[-len(extra) :] == list(extra)
     # CPU defaults the user chose are not emitted twice; the rest stay.
     assert argv.count("--dtype") == 1 and "float32" not in argv
     assert "--block-size" not in argv and "--enforce-eager" in argv
@@ -160,8 +189,9 @@ def test_extra_args_come_last_and_replace_launcher_defaults():
 
 
 def test_user_env_overrides_launcher_env():
-    e = vllm_engine("e0", "producer", env=(("UCX_TLS", "rc,tcp"), ("VLLM_CPU_KVCACHE_SPACE", "4"),
-                                           ("HF_HOME", "/cache")))
+    e = vllm_engine(
+        "e0", "producer", env=(("UCX_TLS", "rc,tcp"), ("VLLM_CPU_KVCACHE_SPACE", "4"), ("HF_HOME", "/cache"))
+    )
     env = one(e, CPU_HOST).env
     assert env["UCX_TLS"] == "rc,tcp"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
@@ -169,8 +199,7 @@ def test_user_env_overrides_launcher_env():
 
 
 def test_cpu_engines_get_disjoint_cores():
-    engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer"),
-               vllm_engine("c", "consumer", cpu_cores=(7,))]
+    engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer"), vllm_engine("c", "consumer", cpu_cores=(7,))]
     host = HostInfo(gpu_count=0, cpu_ids=(0, 1, 2, 3, 4, 5, 6, 7))
     cores = assign_cpu_cores(engines, host)
     assert cores == {"c": (7,), "a": (0, 1, 2, 3), "b": (4, 5, 6)}
@@ -188,8 +217,7 @@ def test_two_cpu_engines_bind_one_core_each_in_their_commands():
 
 
 def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error():
-    engines = [vllm_engine(f"e{i}", "consumer") for i in range(2)] + [
-        vllm_engine("x", "producer", gpu_ids=(0,))]
+    engines = [vllm_engine(f"e{i}", "consumer") for i in range(2)] + [vllm_engine("x", "producer", gpu_ids=(0,))]
     ports = {e.name: EnginePorts(9000 + i, 5600 + i) for i, e in enumerate(engines)}
     cmds = build_commands(engines, ports, HostInfo(gpu_count=3), log_dir="l", python=PY)
     assert [c.env.get("CUDA_VISIBLE_DEVICES") for c in cmds] == ["1", "2", "0"]
@@ -203,16 +231,40 @@ def test_identical_sim_engines_share_one_process():
     cfg = load_config("router.toml")
     ports = resolve_ports(cfg.engines)
     cmds = build_commands(cfg.engines, ports, CPU_HOST, log_dir="engine-logs", python=PY)
-    assert [c.engines for c in cmds] == [("decode-0", "decode-1", "decode-2", "decode-3"),
-                                         ("prefill-0",)]
+    assert [c.engines for c in cmds] == [("decode-0", "decode-1", "decode-2", "decode-3"), ("prefill-0",)]
     decode, prefill = cmds
-    assert list(decode.argv) == [PY, "-m", "engine_launcher.sim",
-                                 "--port", "8101", "--port", "8102", "--port", "8103",
-                                 "--port", "8104", "--host", "127.0.0.1", "--role", "consumer",
-                                 "--model", "sim-llama-8b"]
-    assert list(prefill.argv) == [PY, "-m", "engine_launcher.sim", "--port", "8105",
-                                  "--host", "127.0.0.1", "--role", "producer",
-                                  "--model", "sim-llama-8b"]
+    assert list(decode.argv) == [
+        PY,
+        "-m",
+        "engine_launcher.sim",
+        "--port",
+        "8101",
+        "--port",
+        "8102",
+        "--port",
+        "8103",
+        "--port",
+        "8104",
+        "--host",
+        "127.0.0.1",
+        "--role",
+        "consumer",
+        "--model",
+        "sim-llama-8b",
+    ]
+    assert list(prefill.argv) == [
+        PY,
+        "-m",
+        "engine_launcher.sim",
+        "--port",
+        "8105",
+        "--host",
+        "127.0.0.1",
+        "--role",
+        "producer",
+        "--model",
+        "sim-llama-8b",
+    ]
     assert dict(decode.env) == {"PYTHONUNBUFFERED": "1"}
     assert decode.name == "decode-0" and decode.log_file == "engine-logs/decode-0.log"
     assert dict(decode.urls) == {f"decode-{i}": f"http://127.0.0.1:{8101 + i}" for i in range(4)}
@@ -221,12 +273,10 @@ def test_identical_sim_engines_share_one_process():
 def test_sim_engines_with_different_options_do_not_share():
     engines = [
         EngineConfig(name="a", kind="sim", role="both", port=1, model="m"),
-        EngineConfig(name="b", kind="sim", role="both", port=2, model="m",
-                     extra_args=("--speedup", "2")),
+        EngineConfig(name="b", kind="sim", role="both", port=2, model="m", extra_args=("--speedup", "2")),
         EngineConfig(name="c", kind="sim", role="both", port=3, model="m"),
         EngineConfig(name="d", kind="sim", role="both", port=4, model="m", env=(("X", "1"),)),
-        EngineConfig(name="e", kind="sim", role="both", port=5, model="m", cpu_cores=(1,),
-                     served_model_name="served"),
+        EngineConfig(name="e", kind="sim", role="both", port=5, model="m", cpu_cores=(1,), served_model_name="served"),
     ]
     cmds = build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l", python=PY)
     assert [c.engines for c in cmds] == [("a", "c"), ("b",), ("d",), ("e",)]
@@ -238,17 +288,22 @@ def test_sim_engines_with_different_options_do_not_share():
 
 
 def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():
-    engines = [vllm_engine("v", "producer", port=8000),
-               EngineConfig(name="s", kind="sim", port=0),
-               vllm_engine("w", "consumer", nixl_side_channel_port=5700)]
-    assert ports_to_pick(engines) == [("v", "nixl", "127.0.0.1"), ("s", "http", "127.0.0.1"),
-                                      ("w", "http", "127.0.0.1")]
-    ports = resolve_ports(engines, {("v", "nixl"): 41000, ("s", "http"): 41001,
-                                    ("w", "http"): 41002})
-    assert ports == {"v": EnginePorts(8000, 41000), "s": EnginePorts(41001, None),
-                     "w": EnginePorts(41002, 5700)}
-    clash = [vllm_engine("v", "producer", port=8000, nixl_side_channel_port=5600),
-             vllm_engine("w", "consumer", port=8001, nixl_side_channel_port=8000)]
+    engines = [
+        vllm_engine("v", "producer", port=8000),
+        EngineConfig(name="s", kind="sim", port=0),
+        vllm_engine("w", "consumer", nixl_side_channel_port=5700),
+    ]
+    assert ports_to_pick(engines) == [
+        ("v", "nixl", "127.0.0.1"),
+        ("s", "http", "127.0.0.1"),
+        ("w", "http", "127.0.0.1"),
+    ]
+    ports = resolve_ports(engines, {("v", "nixl"): 41000, ("s", "http"): 41001, ("w", "http"): 41002})
+    assert ports == {"v": EnginePorts(8000, 41000), "s": EnginePorts(41001, None), "w": EnginePorts(41002, 5700)}
+    clash = [
+        vllm_engine("v", "producer", port=8000, nixl_side_channel_port=5600),
+        vllm_engine("w", "consumer", port=8001, nixl_side_channel_port=8000),
+    ]
     with pytest.raises(ConfigError, match=r"engines\[1\]\.nixl_side_channel_port: port 8000"):
         build_commands(clash, resolve_ports(clash), CPU_HOST, log_dir="l")
 
@@ -267,19 +322,19 @@ def test_url_for_wildcards_and_ipv6():
 
 
 def test_default_python_is_the_running_interpreter():
-    cmd = build_commands([vllm_engine("e", "both")], {"e": EnginePorts(1, 2)}, CPU_HOST,
-                         log_dir="l")[0]
+    cmd = build_commands([vllm_engine("e", "both")], {"e": EnginePorts(1, 2)}, CPU_HOST, log_dir="l")[0]
     assert cmd.argv[0] == sys.executable
 
 
 def test_shell_line_quotes_json_and_puts_env_first():
     line = one(vllm_engine("e0", "producer"), CPU_HOST).shell_line()
     assert line.startswith("CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 PYTHONUNBUFFERED=1 UCX_TLS=tcp,self ")
-    assert "'{\"kv_connector\":\"NixlConnector\"" in line
+    assert '\'{"kv_connector":"NixlConnector"' in line
 
 
 def test_gpus_stay_inside_the_launchers_own_visible_devices():
     from engine_launcher.commands import visible_gpus
+
     engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer")]
     ports = {"a": EnginePorts(1, 2), "b": EnginePorts(3, 4)}
     host = HostInfo(gpu_count=2, cpu_ids=(0,), gpu_ids=(5, 7))

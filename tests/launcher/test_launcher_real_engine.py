@@ -4,6 +4,7 @@ Skipped only when vLLM is not installed and CACHEHIT_REQUIRE_REAL_ENGINE is unse
 CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI) a missing vLLM fails. An installed vLLM that does not
 start always fails, with the engine's log tail in the message.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,7 +34,7 @@ def require_vllm() -> None:
     missing = [m for m in ("vllm", "nixl") if importlib.util.find_spec(m) is None]
     if not missing:
         return
-    msg = (f"{', '.join(missing)} not installed; run `engine-launcher install-deps --cpu`")
+    msg = f"{', '.join(missing)} not installed; run `engine-launcher install-deps --cpu`"
     if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE") == "1":
         pytest.fail(msg + " (CACHEHIT_REQUIRE_REAL_ENGINE=1)")
     pytest.skip(msg)
@@ -45,21 +46,21 @@ def tiny_model_dir(request, tmp_path_factory) -> str:
     # subprocess so this test process does not import torch and transformers. With pytest's
     # cache plugin off (-p no:cacheprovider) it is built in this run's temp dir instead.
     cache = getattr(request.config, "cache", None)
-    path = (cache.mkdir("cachehit-tiny-model") if cache is not None
-            else tmp_path_factory.mktemp("cachehit-tiny-model"))
-    subprocess.run([sys.executable, "-m", "engine_launcher.tiny_model", str(path)], check=True,
-                   stdout=subprocess.DEVNULL)
+    path = cache.mkdir("cachehit-tiny-model") if cache is not None else tmp_path_factory.mktemp("cachehit-tiny-model")
+    subprocess.run(
+        [sys.executable, "-m", "engine_launcher.tiny_model", str(path)], check=True, stdout=subprocess.DEVNULL
+    )
     return str(path)
 
 
-def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path,
-                                                                        tiny_model_dir):
+def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path, tiny_model_dir):
     require_vllm()
     port = free_port()
     cfg = tmp_path / "router.toml"
-    cfg.write_text(textwrap.dedent(f"""
+    cfg.write_text(
+        textwrap.dedent(f"""
         [launcher]
-        log_dir = "{tmp_path / 'logs'}"
+        log_dir = "{tmp_path / "logs"}"
         startup_timeout_s = {START_GUARD_S - 60}
 
         [[engines]]
@@ -70,16 +71,28 @@ def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path
         served_model_name = "tiny"
         port = {port}
         extra_args = ["--max-model-len", "1024", "--max-num-seqs", "4"]
-        """))
-    lp = LauncherProcess([sys.executable, "-m", "engine_launcher", "--config", str(cfg)],
-                         env={**os.environ, "COLUMNS": "200"}, cwd=str(tmp_path))
+        """)
+    )
+    lp = LauncherProcess(
+        [sys.executable, "-m", "engine_launcher", "--config", str(cfg)],
+        env={**os.environ, "COLUMNS": "200"},
+        cwd=str(tmp_path),
+    )
     try:
         lp.wait_for_line("all engines healthy", START_GUARD_S)
         (engine_pid,) = lp.record_engine_groups()
-        body = json.dumps({"model": "tiny", "prompt": "the cache block token prefix",
-                           "max_tokens": 4, "ignore_eos": True, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "prompt": "the cache block token prefix",
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             assert r.status == 200
             answer = json.loads(r.read())
@@ -88,8 +101,7 @@ def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path
         assert answer["choices"][0]["finish_reason"] == "length"
         log = (tmp_path / "logs" / "tiny-0.log").read_text()
         # vLLM resolved the plugin's scheduler and built the NIXL connector for role both.
-        assert ("Using custom scheduler class "
-                "engine_launcher.vllm_plugin.scheduler.ThresholdScheduler") in log
+        assert ("Using custom scheduler class engine_launcher.vllm_plugin.scheduler.ThresholdScheduler") in log
         assert "Using kv_role='kv_both' with NixlConnector" in log
 
         lp.proc.send_signal(signal.SIGTERM)

@@ -3,6 +3,7 @@
 The lifecycle test runs the real simulator; failure paths the simulator cannot show on
 demand use the `fake_python` stand-in interpreter (see conftest.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,6 +49,7 @@ class Events:
                         return ev
                 self._changed.clear()
                 await self._changed.wait()
+
         return await asyncio.wait_for(find(), EVENT_TIMEOUT_S)
 
 
@@ -58,8 +60,7 @@ async def get_status(url: str) -> int:
 
 
 def launcher(tmp_path: Path, **kw) -> LauncherConfig:
-    base = dict(log_dir=str(tmp_path / "logs"), startup_timeout_s=60.0, max_restarts=3,
-                restart_backoff_s=0.05)
+    base = dict(log_dir=str(tmp_path / "logs"), startup_timeout_s=60.0, max_restarts=3, restart_backoff_s=0.05)
     base.update(kw)
     return LauncherConfig(**base)
 
@@ -69,8 +70,12 @@ def group_pids(sup: Supervisor) -> list[int]:
 
 
 async def wait_gone(pids: list[int]) -> None:
-    await eventually(lambda: all(pid_gone(p) and group_gone(p) for p in pids), EVENT_TIMEOUT_S,
-                     f"engine processes {pids} and their groups gone", interval=0.05)
+    await eventually(
+        lambda: all(pid_gone(p) and group_gone(p) for p in pids),
+        EVENT_TIMEOUT_S,
+        f"engine processes {pids} and their groups gone",
+        interval=0.05,
+    )
 
 
 async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_leftovers):
@@ -119,7 +124,8 @@ async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_l
 
 async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_python):
     engines = [EngineConfig(name=f"e{i}", kind="sim") for i in range(2)] + [
-        EngineConfig(name="v", kind="vllm", model="/m")]
+        EngineConfig(name="v", kind="vllm", model="/m")
+    ]
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python)
     sup.plan()
     ports = sup.ports
@@ -127,6 +133,7 @@ async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_pytho
     assert len(set(picked)) == 4 and all(p > 0 for p in picked)
     # Held: nobody else can bind a picked port before the engine is spawned.
     import socket
+
     with socket.socket() as s, pytest.raises(OSError):
         s.bind(("127.0.0.1", ports["e0"].http))
     await sup.stop()  # releases the reservations
@@ -136,8 +143,7 @@ async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_pytho
 
 async def test_side_channel_host_that_is_not_local_still_gets_a_port(tmp_path):
     # 192.0.2.0/24 (TEST-NET-1) is never an address of this machine.
-    engines = [EngineConfig(name="v", kind="vllm", model="/m", port=9100,
-                            nixl_side_channel_host="192.0.2.10")]
+    engines = [EngineConfig(name="v", kind="vllm", model="/m", port=9100, nixl_side_channel_host="192.0.2.10")]
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False)
     (cmd,) = sup.plan()
     sup.release_ports()
@@ -146,8 +152,10 @@ async def test_side_channel_host_that_is_not_local_still_gets_a_port(tmp_path):
 
 
 async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path, fake_python):
-    engines = [EngineConfig(name="ok", kind="sim", env=(("FAKE_MODE", "serve"),)),
-               EngineConfig(name="bad", kind="sim", env=(("FAKE_MODE", "exit"),))]
+    engines = [
+        EngineConfig(name="ok", kind="sim", env=(("FAKE_MODE", "serve"),)),
+        EngineConfig(name="bad", kind="sim", env=(("FAKE_MODE", "exit"),)),
+    ]
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python)
     with pytest.raises(EngineStartError) as err:
         await sup.start()
@@ -163,8 +171,7 @@ async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill
     engines = [EngineConfig(name="hung", kind="sim", env=(("FAKE_MODE", "hang"),))]
     events = Events()
     # 3 s: long enough for the fake engine's interpreter to start and log on a loaded machine.
-    sup = Supervisor(engines, launcher(tmp_path, startup_timeout_s=3.0), host_has_gpu=False,
-                     python=fake_python)
+    sup = Supervisor(engines, launcher(tmp_path, startup_timeout_s=3.0), host_has_gpu=False, python=fake_python)
     start = asyncio.create_task(sup.start(progress=events))
     ev = await events.next("hung", "starting")
     pid = next(s.pid for s in sup.status())
@@ -176,13 +183,12 @@ async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill
     assert pid_gone(pid) and group_gone(pid)
 
 
-async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_python,
-                                                           kill_leftovers):
+async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_python, kill_leftovers):
     pid_file = tmp_path / "pids"
-    engines = [EngineConfig(name="stubborn", kind="sim",
-                            env=(("FAKE_MODE", "stubborn"), ("FAKE_PID_FILE", str(pid_file))))]
-    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python,
-                     stop_timeout_s=0.5)
+    engines = [
+        EngineConfig(name="stubborn", kind="sim", env=(("FAKE_MODE", "stubborn"), ("FAKE_PID_FILE", str(pid_file))))
+    ]
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python, stop_timeout_s=0.5)
     await sup.start()
     leader = next(s.pid for s in sup.status())
     kill_leftovers.append(leader)
@@ -196,8 +202,9 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_pyth
 async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers):
     engines = [EngineConfig(name="flaky", kind="sim", env=(("FAKE_MODE", "serve"),))]
     events = Events()
-    sup = Supervisor(engines, launcher(tmp_path, max_restarts=1, restart_backoff_s=0.0),
-                     host_has_gpu=False, python=fake_python)
+    sup = Supervisor(
+        engines, launcher(tmp_path, max_restarts=1, restart_backoff_s=0.0), host_has_gpu=False, python=fake_python
+    )
     try:
         await sup.start(progress=events)
         first = next(s.pid for s in sup.status())
@@ -218,34 +225,45 @@ async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers
     finally:
         await sup.stop()
     states = [e.state for e in events.seen]
-    assert states == ["starting", "healthy", "exited", "restarting", "starting", "healthy",
-                      "exited", "failed", "stopped"]
+    assert states == [
+        "starting",
+        "healthy",
+        "exited",
+        "restarting",
+        "starting",
+        "healthy",
+        "exited",
+        "failed",
+        "stopped",
+    ]
 
 
 async def test_host_type_can_be_forced_either_way(tmp_path):
     from engine_launcher.commands import HostInfo
-    engines = [EngineConfig(name=n, kind="vllm", role=r, model="/m", port=p,
-                            nixl_side_channel_port=p + 100)
-               for n, r, p in (("p", "producer", 9001), ("c", "consumer", 9002))]
+
+    engines = [
+        EngineConfig(name=n, kind="vllm", role=r, model="/m", port=p, nixl_side_channel_port=p + 100)
+        for n, r, p in (("p", "producer", 9001), ("c", "consumer", 9002))
+    ]
     # GPU command lines printed on a machine without GPUs: one GPU per engine is assumed.
-    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=True,
-                     host=HostInfo(gpu_count=0, cpu_ids=(0, 1)))
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=True, host=HostInfo(gpu_count=0, cpu_ids=(0, 1)))
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in sup.plan()] == ["0", "1"]
     # The CPU build forced on a GPU machine.
-    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False,
-                     host=HostInfo(gpu_count=8, cpu_ids=(0, 1, 2, 3)))
+    sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, host=HostInfo(gpu_count=8, cpu_ids=(0, 1, 2, 3)))
     assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in sup.plan()] == ["0,1", "2,3"]
     assert all("CUDA_VISIBLE_DEVICES" not in c.env for c in sup.plan())
 
 
-async def test_restarts_that_never_get_healthy_count_and_back_off(tmp_path, fake_python,
-                                                                  kill_leftovers):
-    engines = [EngineConfig(name="once", kind="sim",
-                            env=(("FAKE_MODE", "serve-once"),
-                                 ("FAKE_MARKER", str(tmp_path / "started"))))]
+async def test_restarts_that_never_get_healthy_count_and_back_off(tmp_path, fake_python, kill_leftovers):
+    engines = [
+        EngineConfig(
+            name="once", kind="sim", env=(("FAKE_MODE", "serve-once"), ("FAKE_MARKER", str(tmp_path / "started")))
+        )
+    ]
     events = Events()
-    sup = Supervisor(engines, launcher(tmp_path, max_restarts=2, restart_backoff_s=0.01),
-                     host_has_gpu=False, python=fake_python)
+    sup = Supervisor(
+        engines, launcher(tmp_path, max_restarts=2, restart_backoff_s=0.01), host_has_gpu=False, python=fake_python
+    )
     try:
         await sup.start(progress=events)
         first = next(s.pid for s in sup.status())

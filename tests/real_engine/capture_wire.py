@@ -16,6 +16,7 @@ depend on this model's tokens (stop token / stop string) are written to model_sp
 `--plugin` adds the threshold cases against an engine with the
 cache-hit threshold plugin (files prefixed `threshold_`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,10 @@ sys.path.insert(0, str(REPO / "tests"))  # the `support` package
 sys.path.insert(0, str(HERE))
 
 from real_engine_util import (  # noqa: E402
-    EngineProcess, engine_command, parse_sse, request,
+    EngineProcess,
+    engine_command,
+    parse_sse,
+    request,
 )
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
@@ -64,55 +68,78 @@ CASES: dict[str, tuple[str, str, object]] = {
     "completions": ("POST", "/v1/completions", comp()),
     "completions_token_ids": ("POST", "/v1/completions", comp(return_token_ids=True)),
     "completions_token_ids_prompt_ids": (
-        "POST", "/v1/completions",
-        comp(prompt=[0, 1017, 705, 769, 364, 708, 22, 22], return_token_ids=True)),
+        "POST",
+        "/v1/completions",
+        comp(prompt=[0, 1017, 705, 769, 364, 708, 22, 22], return_token_ids=True),
+    ),
     "completions_logprobs": ("POST", "/v1/completions", comp(logprobs=2, max_tokens=2)),
-    "completions_n2": ("POST", "/v1/completions", comp(n=2, max_tokens=2, temperature=1.0,
-                                                        seed=7)),
+    "completions_n2": ("POST", "/v1/completions", comp(n=2, max_tokens=2, temperature=1.0, seed=7)),
     "completions_stream": ("POST", "/v1/completions", comp(stream=True)),
     "completions_stream_usage": ("POST", "/v1/completions", comp(stream=True, **USAGE)),
     "completions_stream_usage_token_ids": (
-        "POST", "/v1/completions", comp(stream=True, return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(stream=True, return_token_ids=True, **USAGE),
+    ),
     "completions_stream_continuous_usage": (
-        "POST", "/v1/completions",
-        comp(stream=True, max_tokens=2,
-             stream_options={"include_usage": True, "continuous_usage_stats": True})),
+        "POST",
+        "/v1/completions",
+        comp(stream=True, max_tokens=2, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+    ),
     "completions_stream_logprobs": (
-        "POST", "/v1/completions", comp(stream=True, logprobs=2, max_tokens=2,
-                                        return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(stream=True, logprobs=2, max_tokens=2, return_token_ids=True, **USAGE),
+    ),
     "completions_stream_n2": (
-        "POST", "/v1/completions", comp(stream=True, n=2, max_tokens=2, temperature=1.0,
-                                        seed=7, return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(stream=True, n=2, max_tokens=2, temperature=1.0, seed=7, return_token_ids=True, **USAGE),
+    ),
     # Greedy output of PROMPT starts " Window" (793), "05" (1100), " Much" (992). Answers
     # that depend on this model's tokens go to model_specific/ (not replayed on other models).
     "model_specific/completions_stop_token": (
-        "POST", "/v1/completions", comp(max_tokens=4, stop_token_ids=[1100],
-                                        return_token_ids=True)),
+        "POST",
+        "/v1/completions",
+        comp(max_tokens=4, stop_token_ids=[1100], return_token_ids=True),
+    ),
     "model_specific/completions_stream_stop_token": (
-        "POST", "/v1/completions", comp(stream=True, max_tokens=4, stop_token_ids=[1100],
-                                        return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(stream=True, max_tokens=4, stop_token_ids=[1100], return_token_ids=True, **USAGE),
+    ),
     "model_specific/completions_stop_string": (
-        "POST", "/v1/completions", comp(max_tokens=4, stop=[" Much"], return_token_ids=True)),
+        "POST",
+        "/v1/completions",
+        comp(max_tokens=4, stop=[" Much"], return_token_ids=True),
+    ),
     "model_specific/completions_stream_stop_string": (
-        "POST", "/v1/completions", comp(stream=True, max_tokens=4, stop=[" Much"],
-                                        return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(stream=True, max_tokens=4, stop=[" Much"], return_token_ids=True, **USAGE),
+    ),
     "completions_unknown_field_cache_hit_threshold": (
-        "POST", "/v1/completions", comp(cache_hit_threshold=0.5, max_tokens=1)),
+        "POST",
+        "/v1/completions",
+        comp(cache_hit_threshold=0.5, max_tokens=1),
+    ),
     # --- /v1/chat/completions
     "chat": ("POST", "/v1/chat/completions", chat()),
     "chat_token_ids": ("POST", "/v1/chat/completions", chat(return_token_ids=True)),
-    "chat_logprobs": ("POST", "/v1/chat/completions",
-                      chat(logprobs=True, top_logprobs=2, max_tokens=2)),
+    "chat_logprobs": ("POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=2, max_tokens=2)),
     "chat_max_completion_tokens": (
-        "POST", "/v1/chat/completions",
-        {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_completion_tokens": 2}),
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_completion_tokens": 2},
+    ),
     "chat_stream": ("POST", "/v1/chat/completions", chat(stream=True)),
     "chat_stream_usage": ("POST", "/v1/chat/completions", chat(stream=True, **USAGE)),
-    "chat_stream_usage_token_ids": (
-        "POST", "/v1/chat/completions", chat(stream=True, return_token_ids=True, **USAGE)),
+    "chat_stream_usage_token_ids": ("POST", "/v1/chat/completions", chat(stream=True, return_token_ids=True, **USAGE)),
     "chat_stream_logprobs": (
-        "POST", "/v1/chat/completions",
-        chat(stream=True, logprobs=True, top_logprobs=2, max_tokens=2, **USAGE)),
+        "POST",
+        "/v1/chat/completions",
+        chat(stream=True, logprobs=True, top_logprobs=2, max_tokens=2, **USAGE),
+    ),
     # --- errors
     "error_bad_type_max_tokens": ("POST", "/v1/completions", comp(max_tokens="many")),
     "error_out_of_range_temperature": ("POST", "/v1/completions", comp(temperature=-1)),
@@ -120,12 +147,9 @@ CASES: dict[str, tuple[str, str, object]] = {
     "error_unknown_model": ("POST", "/v1/completions", comp(model="no-such-model")),
     "error_unknown_model_chat": ("POST", "/v1/chat/completions", chat(model="no-such-model")),
     "error_prompt_too_long": ("POST", "/v1/completions", comp(prompt=[5] * 2100)),
-    "error_prompt_plus_max_tokens_too_long": (
-        "POST", "/v1/completions", comp(prompt=[5] * 2000, max_tokens=100)),
-    "error_prompt_too_long_stream": (
-        "POST", "/v1/completions", comp(prompt=[5] * 2100, stream=True, **USAGE)),
-    "error_chat_bad_messages": ("POST", "/v1/chat/completions",
-                                {"model": "tiny", "messages": "hello"}),
+    "error_prompt_plus_max_tokens_too_long": ("POST", "/v1/completions", comp(prompt=[5] * 2000, max_tokens=100)),
+    "error_prompt_too_long_stream": ("POST", "/v1/completions", comp(prompt=[5] * 2100, stream=True, **USAGE)),
+    "error_chat_bad_messages": ("POST", "/v1/chat/completions", {"model": "tiny", "messages": "hello"}),
     "error_missing_prompt": ("POST", "/v1/completions", {"model": "tiny", "max_tokens": 2}),
     "error_invalid_json": ("POST", "/v1/completions", b'{"model": "tiny", "prompt": '),
     # --- other endpoints
@@ -135,72 +159,113 @@ CASES: dict[str, tuple[str, str, object]] = {
 }
 
 # The prefill leg as the router sends it (docs/ARCHITECTURE.md).
-PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 DISAGG_PROMPT = " ".join(["the cache block is ready for the decode engine"] * 12)
 
 # Plugin cases: sent to an engine with the plugin loaded.
 THRESHOLD_PROMPT = "A cold prompt that no engine has seen: " + " ".join(["winter river"] * 20)
 THRESHOLD_CASES: dict[str, tuple[str, str, object]] = {
     "threshold_completions_rejected": (
-        "POST", "/v1/completions",
-        comp(prompt=THRESHOLD_PROMPT, cache_hit_threshold=0.9, return_token_ids=True)),
+        "POST",
+        "/v1/completions",
+        comp(prompt=THRESHOLD_PROMPT, cache_hit_threshold=0.9, return_token_ids=True),
+    ),
     "threshold_completions_stream_rejected": (
-        "POST", "/v1/completions",
-        comp(prompt=THRESHOLD_PROMPT + " a", stream=True, return_token_ids=True,
-             vllm_xargs={"cache_hit_threshold": 0.9}, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(
+            prompt=THRESHOLD_PROMPT + " a",
+            stream=True,
+            return_token_ids=True,
+            vllm_xargs={"cache_hit_threshold": 0.9},
+            **USAGE,
+        ),
+    ),
     "threshold_chat_rejected": (
-        "POST", "/v1/chat/completions",
-        chat(messages=[{"role": "user", "content": THRESHOLD_PROMPT + " b"}],
-             cache_hit_threshold=0.9, return_token_ids=True)),
+        "POST",
+        "/v1/chat/completions",
+        chat(
+            messages=[{"role": "user", "content": THRESHOLD_PROMPT + " b"}],
+            cache_hit_threshold=0.9,
+            return_token_ids=True,
+        ),
+    ),
     "threshold_chat_stream_rejected": (
-        "POST", "/v1/chat/completions",
-        chat(messages=[{"role": "user", "content": THRESHOLD_PROMPT + " c"}], stream=True,
-             cache_hit_threshold=0.9, return_token_ids=True, **USAGE)),
-    "threshold_error_out_of_range": (
-        "POST", "/v1/completions", comp(cache_hit_threshold=1.5)),
-    "threshold_error_out_of_range_xargs": (
-        "POST", "/v1/completions", comp(vllm_xargs={"cache_hit_threshold": "0.5"})),
+        "POST",
+        "/v1/chat/completions",
+        chat(
+            messages=[{"role": "user", "content": THRESHOLD_PROMPT + " c"}],
+            stream=True,
+            cache_hit_threshold=0.9,
+            return_token_ids=True,
+            **USAGE,
+        ),
+    ),
+    "threshold_error_out_of_range": ("POST", "/v1/completions", comp(cache_hit_threshold=1.5)),
+    "threshold_error_out_of_range_xargs": ("POST", "/v1/completions", comp(vllm_xargs={"cache_hit_threshold": "0.5"})),
 }
 
 # `engine-launcher` starts every vLLM engine with --enable-prompt-tokens-details; these cases
 # show what that flag changes (usage.prompt_tokens_details), written to
 # prompt_tokens_details/ by `--details` (an engine with that flag and the plugin).
-DETAILS_PROMPT = "Details prompt for the cached token count: " + " ".join(
-    ["silver harbor lantern"] * 15)
+DETAILS_PROMPT = "Details prompt for the cached token count: " + " ".join(["silver harbor lantern"] * 15)
 DETAILS_CASES: dict[str, tuple[str, str, object]] = {
     "prompt_tokens_details/completions_cold": (
-        "POST", "/v1/completions", comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0,
-                                        return_token_ids=True)),
+        "POST",
+        "/v1/completions",
+        comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0, return_token_ids=True),
+    ),
     "prompt_tokens_details/completions_cached": (
-        "POST", "/v1/completions", comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0,
-                                        return_token_ids=True)),
+        "POST",
+        "/v1/completions",
+        comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0, return_token_ids=True),
+    ),
     "prompt_tokens_details/completions_stream_usage": (
-        "POST", "/v1/completions", comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0, stream=True,
-                                        return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(prompt=DETAILS_PROMPT, cache_hit_threshold=0, stream=True, return_token_ids=True, **USAGE),
+    ),
     "prompt_tokens_details/chat_stream_usage": (
-        "POST", "/v1/chat/completions", chat(cache_hit_threshold=0, stream=True,
-                                             return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/chat/completions",
+        chat(cache_hit_threshold=0, stream=True, return_token_ids=True, **USAGE),
+    ),
     "prompt_tokens_details/threshold_completions_rejected": (
-        "POST", "/v1/completions", comp(prompt=THRESHOLD_PROMPT + " details",
-                                        cache_hit_threshold=0.9, return_token_ids=True)),
+        "POST",
+        "/v1/completions",
+        comp(prompt=THRESHOLD_PROMPT + " details", cache_hit_threshold=0.9, return_token_ids=True),
+    ),
     "prompt_tokens_details/threshold_completions_stream_rejected": (
-        "POST", "/v1/completions", comp(prompt=THRESHOLD_PROMPT + " details stream", stream=True,
-                                        cache_hit_threshold=0.9, return_token_ids=True, **USAGE)),
+        "POST",
+        "/v1/completions",
+        comp(
+            prompt=THRESHOLD_PROMPT + " details stream",
+            stream=True,
+            cache_hit_threshold=0.9,
+            return_token_ids=True,
+            **USAGE,
+        ),
+    ),
 }
 
 _NORMALIZERS = [
     (re.compile(r'"id":"(cmpl|chatcmpl)-[0-9A-Za-z_-]+"'), r'"id":"\1-<id>"'),
     (re.compile(r'"created":\d+'), '"created":1700000000'),
-    (re.compile(r'"system_fingerprint":"vllm-([0-9.]+)-[0-9a-f]+"'),
-     r'"system_fingerprint":"vllm-\1-<fingerprint>"'),
+    (re.compile(r'"system_fingerprint":"vllm-([0-9.]+)-[0-9a-f]+"'), r'"system_fingerprint":"vllm-\1-<fingerprint>"'),
     (re.compile(r'"(modelperm)-[0-9a-f]+"'), r'"\1-<id>"'),
     (re.compile(r'"remote_engine_id":"[^"]+"'), '"remote_engine_id":"<engine-uuid>"'),
     (re.compile(r'"remote_request_id":"[^"]+"'), '"remote_request_id":"<request-id>"'),
     (re.compile(r'"remote_port":\d+'), '"remote_port":5600'),
     (re.compile(r'"root":"[^"]+"'), '"root":"<model-dir>"'),
     (re.compile(r'"expires_at":[0-9.e+]+'), '"expires_at":1700000030'),
-    (re.compile(r'(cmpl|chatcmpl)-[0-9a-f]{16}'), r'\1-<id>'),
+    (re.compile(r"(cmpl|chatcmpl)-[0-9a-f]{16}"), r"\1-<id>"),
 ]
 
 
@@ -213,8 +278,7 @@ def normalize(text: str) -> str:
 def capture(base_url: str, name: str, method: str, path: str, body: object) -> dict:
     raw_body = body if isinstance(body, bytes) else None
     t0 = time.monotonic()
-    status, data = request(base_url, method, path, None if raw_body else body,
-                           raw_body=raw_body, timeout=120)
+    status, data = request(base_url, method, path, None if raw_body else body, raw_body=raw_body, timeout=120)
     elapsed = time.monotonic() - t0
     text = normalize(data.decode(errors="replace"))
     parsed: object
@@ -224,8 +288,7 @@ def capture(base_url: str, name: str, method: str, path: str, body: object) -> d
     except (ValueError, AssertionError):
         parsed = None
     record = {
-        "request": {"method": method, "path": path,
-                    "body": body.decode() if isinstance(body, bytes) else body},
+        "request": {"method": method, "path": path, "body": body.decode() if isinstance(body, bytes) else body},
         "status": status,
         "raw": text,
         "parsed": parsed,
@@ -239,8 +302,7 @@ def metrics_summary(base_url: str) -> dict:
     status, data = request(base_url, "GET", "/metrics", timeout=10)
     families: dict[str, dict] = {}
     for line in data.decode().splitlines():
-        if line.startswith(("# HELP vllm:", "# TYPE vllm:", "# HELP cachehit_",
-                            "# TYPE cachehit_")):
+        if line.startswith(("# HELP vllm:", "# TYPE vllm:", "# HELP cachehit_", "# TYPE cachehit_")):
             _, kind, name, rest = line.split(" ", 3)
             families.setdefault(name, {"samples": []})[kind.lower()] = rest
         elif line.startswith(("vllm:", "cachehit_")):
@@ -263,35 +325,41 @@ def run_cases(base_url: str, cases: dict) -> None:
 
 
 def run_disagg(producer: str, consumer: str) -> None:
-    body = comp(prompt=DISAGG_PROMPT, max_tokens=1, stream=False, kv_transfer_params=PREFILL_KV,
-                return_token_ids=True)
+    body = comp(prompt=DISAGG_PROMPT, max_tokens=1, stream=False, kv_transfer_params=PREFILL_KV, return_token_ids=True)
     rec = capture(producer, "disagg_prefill_leg", "POST", "/v1/completions", body)
     write("disagg_prefill_leg", rec)
     status, data = request(producer, "POST", "/v1/completions", body)  # fresh, un-normalized
     kv = json.loads(data)["kv_transfer_params"]
-    decode = comp(prompt=DISAGG_PROMPT, max_tokens=4, stream=True, return_token_ids=True,
-                  kv_transfer_params=kv, **USAGE)
+    decode = comp(
+        prompt=DISAGG_PROMPT, max_tokens=4, stream=True, return_token_ids=True, kv_transfer_params=kv, **USAGE
+    )
     rec = capture(consumer, "disagg_decode_leg_stream", "POST", "/v1/completions", decode)
     rec["request"]["body"] = json.loads(normalize(json.dumps(decode, separators=(",", ":"))))
     write("disagg_decode_leg_stream", rec)
     time.sleep(1.5)  # metrics are pushed by the engine core about once per second
     status, data = request(consumer, "GET", "/metrics")
-    hits = [normalize(l) for l in data.decode().splitlines()
-            if l.startswith("vllm:external_prefix_cache_hits_total")
-            or l.startswith("vllm:prefix_cache_queries_total")
-            or l.startswith("vllm:prefix_cache_hits_total")]
+    hits = [
+        normalize(l)
+        for l in data.decode().splitlines()
+        if l.startswith("vllm:external_prefix_cache_hits_total")
+        or l.startswith("vllm:prefix_cache_queries_total")
+        or l.startswith("vllm:prefix_cache_hits_total")
+    ]
     write("disagg_consumer_metrics", {"lines": hits})
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", help="capture from this running engine (no disagg cases)")
-    ap.add_argument("--plugin", action="store_true",
-                    help="also capture the threshold cases on an engine with the plugin")
+    ap.add_argument(
+        "--plugin", action="store_true", help="also capture the threshold cases on an engine with the plugin"
+    )
     ap.add_argument("--only-plugin", action="store_true", help="only the threshold cases")
-    ap.add_argument("--details", action="store_true",
-                    help="only the prompt_tokens_details cases (engine with the plugin and "
-                         "--enable-prompt-tokens-details)")
+    ap.add_argument(
+        "--details",
+        action="store_true",
+        help="only the prompt_tokens_details cases (engine with the plugin and --enable-prompt-tokens-details)",
+    )
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args(argv)
     if args.base_url:
@@ -308,10 +376,17 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.only_plugin or args.details):
             for name, role, core in (("producer", "producer", 0), ("consumer", "consumer", 1)):
                 port = free_port_below_ephemeral_range()
-                argv_, env = engine_command(model, name=name, port=port, nixl_port=free_port_below_ephemeral_range(),
-                                            role=role, cpu_cores=(core,), plugin=False,
-                                            extra_args=("--max-model-len", "2048"),
-                                            env=ENGINE_ENV)
+                argv_, env = engine_command(
+                    model,
+                    name=name,
+                    port=port,
+                    nixl_port=free_port_below_ephemeral_range(),
+                    role=role,
+                    cpu_cores=(core,),
+                    plugin=False,
+                    extra_args=("--max-model-len", "2048"),
+                    env=ENGINE_ENV,
+                )
                 engines.append(EngineProcess(argv_, env, port, work / f"{name}.log").start())
             for e in engines:
                 print(f"{e.log_path.stem}: healthy after {e.wait_healthy():.1f} s")
@@ -324,9 +399,17 @@ def main(argv: list[str] | None = None) -> int:
             engines.clear()
         if args.details:
             port = free_port_below_ephemeral_range()
-            argv_, env = engine_command(model, name="details", port=port, nixl_port=free_port_below_ephemeral_range(),
-                                        role="both", cpu_cores=(0,), plugin=True,
-                                        extra_args=("--max-model-len", "2048"), env=ENGINE_ENV)
+            argv_, env = engine_command(
+                model,
+                name="details",
+                port=port,
+                nixl_port=free_port_below_ephemeral_range(),
+                role="both",
+                cpu_cores=(0,),
+                plugin=True,
+                extra_args=("--max-model-len", "2048"),
+                env=ENGINE_ENV,
+            )
             if "--enable-prompt-tokens-details" not in argv_:
                 argv_.append("--enable-prompt-tokens-details")
             e = EngineProcess(argv_, env, port, work / "details.log").start()
@@ -336,10 +419,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.plugin or args.only_plugin:
             port = free_port_below_ephemeral_range()
-            argv_, env = engine_command(model, name="plugin", port=port, nixl_port=free_port_below_ephemeral_range(),
-                                        role="both", cpu_cores=(0,), plugin=True,
-                                        extra_args=("--max-model-len", "2048"),
-                                        env=ENGINE_ENV)
+            argv_, env = engine_command(
+                model,
+                name="plugin",
+                port=port,
+                nixl_port=free_port_below_ephemeral_range(),
+                role="both",
+                cpu_cores=(0,),
+                plugin=True,
+                extra_args=("--max-model-len", "2048"),
+                env=ENGINE_ENV,
+            )
             e = EngineProcess(argv_, env, port, work / "plugin.log").start()
             engines.append(e)
             print(f"plugin: healthy after {e.wait_healthy():.1f} s")

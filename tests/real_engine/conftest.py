@@ -19,6 +19,7 @@
 - CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI): an engine that cannot start fails the tests;
   otherwise they are skipped with the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from real_engine_util import (  # noqa: E402
-    EngineProcess, EngineStartError, engine_command, post_json, real_engine_required, vllm_missing_reason,
+    EngineProcess,
+    EngineStartError,
+    engine_command,
+    post_json,
+    real_engine_required,
+    vllm_missing_reason,
 )
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
@@ -49,16 +55,25 @@ ENGINE_SPECS = {
     "threshold": dict(
         cpu_cores=(0,),
         extra_args=(
-            "--max-model-len", "2048", "--max-num-seqs", "2",
-            "--additional-config", json.dumps({"global_cache_hit_threshold": 0.5}),
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "2",
+            "--additional-config",
+            json.dumps({"global_cache_hit_threshold": 0.5}),
         ),
     ),
     "preemption": dict(
         cpu_cores=(1,),
         extra_args=(
-            "--max-model-len", "224", "--max-num-seqs", "2",
-            "--num-gpu-blocks-override", "8",
-            "--additional-config", json.dumps({"cache_hit_arrival_check": False}),
+            "--max-model-len",
+            "224",
+            "--max-num-seqs",
+            "2",
+            "--num-gpu-blocks-override",
+            "8",
+            "--additional-config",
+            json.dumps({"cache_hit_arrival_check": False}),
         ),
     ),
 }
@@ -120,9 +135,16 @@ class EngineSet:
         spec = ENGINE_SPECS[name]
         port = free_port_below_ephemeral_range()
         argv, env = engine_command(
-            self.model_dir, name=name, port=port, nixl_port=free_port_below_ephemeral_range(),
-            role="both", cpu_cores=spec["cpu_cores"], extra_args=spec["extra_args"],
-            env=ENGINE_ENV, log_dir=self.workdir)
+            self.model_dir,
+            name=name,
+            port=port,
+            nixl_port=free_port_below_ephemeral_range(),
+            role="both",
+            cpu_cores=spec["cpu_cores"],
+            extra_args=spec["extra_args"],
+            env=ENGINE_ENV,
+            log_dir=self.workdir,
+        )
         log = self.workdir / (f"{name}.log" if attempt == 0 else f"{name}.retry{attempt}.log")
         return EngineProcess(argv, env, port, log).start()
 
@@ -143,8 +165,7 @@ class EngineSet:
                     self.engines[name] = self._spawn(name, 1)
                     took = self.engines[name].wait_healthy(STARTUP_TIMEOUT_S)
                 engine = self.engines[name]
-                print(f"\n[real engine] {name}: healthy after {took:.1f} s "
-                      f"({engine.base_url}, log {engine.log_path})")
+                print(f"\n[real engine] {name}: healthy after {took:.1f} s ({engine.base_url}, log {engine.log_path})")
             self._warm_nixl()
         except (EngineStartError, OSError) as exc:
             self.error = f"a real vLLM engine did not start: {exc}"
@@ -160,27 +181,50 @@ class EngineSet:
         for producer, consumer in ((engines[0], engines[1]), (engines[1], engines[0])):
             for attempt in range(1, NIXL_WARMUP_ATTEMPTS + 1):
                 t0 = time.monotonic()
-                status, answer = post_json(producer.base_url, "/v1/completions", {
-                    "model": "tiny", "prompt": f"nixl warm-up {attempt}", "max_tokens": 1,
-                    "kv_transfer_params": {
-                        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                        "remote_block_ids": None, "remote_host": None, "remote_port": None}},
-                    timeout=120)
+                status, answer = post_json(
+                    producer.base_url,
+                    "/v1/completions",
+                    {
+                        "model": "tiny",
+                        "prompt": f"nixl warm-up {attempt}",
+                        "max_tokens": 1,
+                        "kv_transfer_params": {
+                            "do_remote_decode": True,
+                            "do_remote_prefill": False,
+                            "remote_engine_id": None,
+                            "remote_block_ids": None,
+                            "remote_host": None,
+                            "remote_port": None,
+                        },
+                    },
+                    timeout=120,
+                )
                 if status != 200 or not (answer.get("kv_transfer_params") or {}).get("do_remote_prefill"):
                     raise EngineStartError(f"prefill leg on {producer.base_url} failed: {status} {answer}")
-                status, out = post_json(consumer.base_url, "/v1/completions", {
-                    "model": "tiny", "prompt": f"nixl warm-up {attempt}", "max_tokens": 1,
-                    "kv_transfer_params": answer["kv_transfer_params"]}, timeout=120)
+                status, out = post_json(
+                    consumer.base_url,
+                    "/v1/completions",
+                    {
+                        "model": "tiny",
+                        "prompt": f"nixl warm-up {attempt}",
+                        "max_tokens": 1,
+                        "kv_transfer_params": answer["kv_transfer_params"],
+                    },
+                    timeout=120,
+                )
                 took = time.monotonic() - t0
-                print(f"\n[real engine] NIXL {producer.base_url} -> {consumer.base_url}: "
-                      f"attempt {attempt}, HTTP {status} in {took:.1f} s")
+                print(
+                    f"\n[real engine] NIXL {producer.base_url} -> {consumer.base_url}: "
+                    f"attempt {attempt}, HTTP {status} in {took:.1f} s"
+                )
                 if status == 200:
                     break
             else:
                 raise EngineStartError(
                     f"no NIXL transfer {producer.base_url} -> {consumer.base_url} succeeded in "
                     f"{NIXL_WARMUP_ATTEMPTS} attempts; last answer {status} {out}\n"
-                    f"{consumer.log_tail()}")
+                    f"{consumer.log_tail()}"
+                )
 
     def get(self, name: str) -> EngineProcess:
         if not self.started:
@@ -189,8 +233,10 @@ class EngineSet:
             _unavailable(self.error)
         engine = self.engines[name]
         if engine.proc is None or engine.proc.poll() is not None:
-            pytest.fail(f"engine {name} died (code {engine.proc.returncode if engine.proc else None}):"
-                        f"\n{engine.log_tail()}", pytrace=False)
+            pytest.fail(
+                f"engine {name} died (code {engine.proc.returncode if engine.proc else None}):\n{engine.log_tail()}",
+                pytrace=False,
+            )
         return engine
 
     def stop_all(self) -> None:
@@ -228,9 +274,16 @@ def spare_engine(real_engines, tiny_model, engine_workdir):
     real_engines.get("threshold")  # the shared engines start first (and fail first)
     port = free_port_below_ephemeral_range()
     argv, env = engine_command(
-        tiny_model, name="spare", port=port, nixl_port=free_port_below_ephemeral_range(), role="both", cpu_cores=(1,),
-        extra_args=("--max-model-len", "512", "--max-num-seqs", "2"), env=ENGINE_ENV,
-        log_dir=engine_workdir)
+        tiny_model,
+        name="spare",
+        port=port,
+        nixl_port=free_port_below_ephemeral_range(),
+        role="both",
+        cpu_cores=(1,),
+        extra_args=("--max-model-len", "512", "--max-num-seqs", "2"),
+        env=ENGINE_ENV,
+        log_dir=engine_workdir,
+    )
     engine = EngineProcess(argv, env, port, engine_workdir / "spare.log").start()
     try:
         try:

@@ -4,6 +4,7 @@ The command line comes from the launcher itself (`engine_launcher.commands.vllm_
 so these tests also check that what the launcher starts in production really serves.
 Only the standard library is used for HTTP so the capture script runs anywhere.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -68,19 +69,31 @@ def engine_command(
     from router.config import EngineConfig
 
     engine = EngineConfig(
-        name=name, kind="vllm", role=role, host="127.0.0.1", port=port,
-        model=str(model_dir), served_model_name="tiny", nixl_side_channel_port=nixl_port,
-        cpu_cores=cpu_cores, extra_args=tuple(extra_args),
+        name=name,
+        kind="vllm",
+        role=role,
+        host="127.0.0.1",
+        port=port,
+        model=str(model_dir),
+        served_model_name="tiny",
+        nixl_side_channel_port=nixl_port,
+        cpu_cores=cpu_cores,
+        extra_args=tuple(extra_args),
         env=tuple(sorted((env or {}).items())),
     )
-    cmd = vllm_command(engine, EnginePorts(http=port, nixl=nixl_port), HostInfo(gpu_count=0,
-                       cpu_ids=tuple(sorted(os.sched_getaffinity(0)))),
-                       log_dir=str(log_dir), cpu_cores=cpu_cores, python=sys.executable)
+    cmd = vllm_command(
+        engine,
+        EnginePorts(http=port, nixl=nixl_port),
+        HostInfo(gpu_count=0, cpu_ids=tuple(sorted(os.sched_getaffinity(0)))),
+        log_dir=str(log_dir),
+        cpu_cores=cpu_cores,
+        python=sys.executable,
+    )
     argv = list(cmd.argv)
     out_env = dict(cmd.env)
     if not plugin:
         i = argv.index("--scheduler-cls")
-        del argv[i:i + 2]
+        del argv[i : i + 2]
         out_env["VLLM_PLUGINS"] = ""
     return argv, out_env
 
@@ -115,8 +128,7 @@ class EngineProcess:
         # A new session makes the engine the leader of its own process group, so teardown
         # can kill the API server, the engine core and its workers together (and nothing
         # else: other engineers' engines on this machine are in other groups).
-        self.proc = start_group(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
+        self.proc = start_group(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         return self
 
@@ -134,7 +146,8 @@ class EngineProcess:
             if self.proc.poll() is not None:
                 raise EngineStartError(
                     f"vLLM exited with code {self.proc.returncode} before /health was OK; "
-                    f"log {self.log_path}:\n{self.log_tail()}")
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 status, _ = request(self.base_url, "GET", "/health", timeout=2)
                 if status == 200:
@@ -143,8 +156,7 @@ class EngineProcess:
             except OSError:
                 pass
             time.sleep(0.5)
-        raise EngineStartError(
-            f"vLLM not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+        raise EngineStartError(f"vLLM not healthy after {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 20.0) -> None:
         if self.proc is None:
@@ -158,15 +170,21 @@ class EngineProcess:
 # --------------------------------------------------------------------------------- HTTP
 
 
-def request(base_url: str, method: str, path: str, body: Any = None, *,
-            raw_body: bytes | None = None, timeout: float = 120.0,
-            headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def request(
+    base_url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    raw_body: bytes | None = None,
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes]:
     """One HTTP request; returns (status, whole body). SSE bodies end when vLLM closes them."""
     host, port = base_url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        data = raw_body if raw_body is not None else (
-            json.dumps(body).encode() if body is not None else None)
+        data = raw_body if raw_body is not None else (json.dumps(body).encode() if body is not None else None)
         hdrs = {"Content-Type": "application/json"} if data is not None else {}
         hdrs.update(headers or {})
         conn.request(method, path, body=data, headers=hdrs)
@@ -215,8 +233,7 @@ def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0):
     host, port = base_url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        conn.request("POST", path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
             raise AssertionError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
@@ -227,7 +244,7 @@ def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0):
             line = line.strip()
             if not line.startswith(b"data: "):
                 continue
-            event = decode_payload(line[len(b"data: "):])
+            event = decode_payload(line[len(b"data: ") :])
             yield event
             if event == "[DONE]":
                 return

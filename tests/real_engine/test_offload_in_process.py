@@ -11,6 +11,7 @@ schedules as completed (what OffloadingConnectorWorker reports after its copies)
 samples TOKEN for each completed prompt. Everything that decides (the GPU prefix cache, the
 offload manager's LRU, MultiConnector's choice, the threshold) is vLLM's own code.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,13 @@ import json
 import pytest
 
 from test_scheduler_in_process import (  # noqa: F401 - fixtures used by name
-    BLOCK, MAX_MODEL_LEN, TOKEN, EngineLoop, block_hasher, make_request, prompt,
+    BLOCK,
+    MAX_MODEL_LEN,
+    TOKEN,
+    EngineLoop,
+    block_hasher,
+    make_request,
+    prompt,
 )
 
 pytestmark = pytest.mark.real_engine
@@ -54,7 +61,8 @@ class OffloadWorkerLoop(EngineLoop):
             MultiKVConnectorWorkerMetadata,
         )
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-            OffloadingConnectorMetadata, OffloadingWorkerMetadata,
+            OffloadingConnectorMetadata,
+            OffloadingWorkerMetadata,
         )
         from vllm.v1.outputs import KVConnectorOutput
 
@@ -70,8 +78,9 @@ class OffloadWorkerLoop(EngineLoop):
         out.kv_connector_output = KVConnectorOutput(
             finished_recving=loaded or None,
             kv_connector_worker_meta=MultiKVConnectorWorkerMetadata(
-                metadata=tuple(done if isinstance(m, OffloadingConnectorMetadata) else None
-                               for m in meta.metadata)))
+                metadata=tuple(done if isinstance(m, OffloadingConnectorMetadata) else None for m in meta.metadata)
+            ),
+        )
         return out
 
 
@@ -88,7 +97,11 @@ def make_tiered(tiny_model, vllm_plugin, monkeypatch):
     def make(cpu_tier: bool, **additional_config) -> OffloadWorkerLoop:
         import torch
         from vllm.config import (
-            CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
+            CacheConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
         )
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
@@ -96,27 +109,38 @@ def make_tiered(tiny_model, vllm_plugin, monkeypatch):
         from engine_launcher.commands import HostInfo, kv_transfer_config
 
         # The exact JSON the launcher gives a GPU engine (kv_offload_gib) or one without it.
-        kv_json = json.loads(kv_transfer_config("both", HostInfo(gpu_count=1),
-                                                kv_offload_gib=0.01 if cpu_tier else 0.0))
+        kv_json = json.loads(
+            kv_transfer_config("both", HostInfo(gpu_count=1), kv_offload_gib=0.01 if cpu_tier else 0.0)
+        )
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), max_model_len=MAX_MODEL_LEN, seed=0),
             scheduler_config=SchedulerConfig(
-                max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
-                max_num_batched_tokens=MAX_MODEL_LEN, is_encoder_decoder=False),
+                max_model_len=MAX_MODEL_LEN,
+                max_num_seqs=4,
+                max_num_batched_tokens=MAX_MODEL_LEN,
+                is_encoder_decoder=False,
+            ),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(**kv_json),
             additional_config=additional_config,
         )
         vllm_config.cache_config.num_gpu_blocks = GPU_BLOCKS
         kv_cache_config = KVCacheConfig(
-            num_blocks=GPU_BLOCKS, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
-                block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32))],
+            num_blocks=GPU_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
+                )
+            ],
         )
         scheduler = ThresholdScheduler(
-            vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=BLOCK, log_stats=True)
+            block_size=BLOCK,
+            log_stats=True,
+        )
         return (OffloadWorkerLoop if cpu_tier else EngineLoop)(scheduler, batch_queue_size=1)
 
     return make
@@ -127,14 +151,12 @@ def evict_a_from_gpu(engine: OffloadWorkerLoop, make_request, a: list[int]) -> N
         engine.add(make_request(rid, p, threshold=0.0, max_tokens=1))
         engine.run_until_idle()
         assert engine.finished(rid).finish_reason is not None
-    _, local, _ = engine.scheduler.kv_cache_manager.get_computed_blocks(
-        make_request("lookup", a))
+    _, local, _ = engine.scheduler.kv_cache_manager.get_computed_blocks(make_request("lookup", a))
     assert local == 0  # A is gone from the GPU prefix cache
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(
-        make_tiered, make_request, arrival_check):
+def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(make_tiered, make_request, arrival_check):
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
     from vllm.v1.engine import FinishReason
@@ -145,8 +167,7 @@ def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(
     results = {}
     for cpu_tier in (False, True):
         engine = make_tiered(cpu_tier, cache_hit_arrival_check=arrival_check)
-        assert isinstance(engine.scheduler.connector,
-                          MultiConnector if cpu_tier else NixlBaseConnector)
+        assert isinstance(engine.scheduler.connector, MultiConnector if cpu_tier else NixlBaseConnector)
         evict_a_from_gpu(engine, make_request, a)
         engine.add(make_request("probe", a, threshold=0.75, max_tokens=2))
         engine.run_until_idle()
@@ -170,8 +191,11 @@ def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(
     # What the API server turns into usage.prompt_tokens_details.cached_tokens (prefill stats:
     # local + external), and vllm:prompt_tokens_cached_by_source: all of it from the host tier.
     prefill = next(o.prefill_stats for o in tiered.outputs["probe"] if o.prefill_stats)
-    assert (prefill.num_cached_tokens, prefill.num_local_cached_tokens,
-            prefill.num_external_cached_tokens) == (PROMPT_LEN, 0, PROMPT_LEN)
+    assert (prefill.num_cached_tokens, prefill.num_local_cached_tokens, prefill.num_external_cached_tokens) == (
+        PROMPT_LEN,
+        0,
+        PROMPT_LEN,
+    )
     assert tiered.hits_by_source == {"host": PROMPT_LEN}
 
 
@@ -191,8 +215,7 @@ def test_arrival_rejection_reports_the_cpu_tier_hit(make_tiered, make_request):
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK
 
     mark = out.kv_transfer_params[REJECTION_MARK]
-    assert mark == {"stage": "arrival", "hit_tokens": PROMPT_LEN, "total_tokens": 96,
-                    "threshold": 0.8}
+    assert mark == {"stage": "arrival", "hit_tokens": PROMPT_LEN, "total_tokens": 96, "threshold": 0.8}
     # The arrival lookup loaded nothing and left the offload state alone.
     assert engine.loaded_requests == []
     assert stored_before is engine.scheduler.connector.sub_connectors[1].scheduler.manager

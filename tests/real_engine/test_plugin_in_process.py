@@ -2,6 +2,7 @@
 
 These need vLLM importable (~15 s to import), hence the real_engine marker.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,9 @@ def test_finish_reason_exists_and_survives_msgspec(plugin):
     status = RequestStatus.FINISHED_CACHE_THRESHOLD
     assert RequestStatus.is_finished(status)
     assert RequestStatus.get_finished_reason(status) is reason
-    wire = MsgpackEncoder().encode(EngineCoreOutputs(outputs=[
-        EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason=reason)]))
+    wire = MsgpackEncoder().encode(
+        EngineCoreOutputs(outputs=[EngineCoreOutput(request_id="r", new_token_ids=[], finish_reason=reason)])
+    )
     decoded = MsgpackDecoder(EngineCoreOutputs).decode(wire)
     assert decoded.outputs[0].finish_reason is reason
 
@@ -39,11 +41,13 @@ def test_request_models_carry_and_validate_the_threshold(plugin):
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.exceptions import VLLMValidationError
 
-    req = CompletionRequest(model="m", prompt="p", cache_hit_threshold=0.7,
-                            vllm_xargs={"cache_hit_threshold": 0.2, "keep": 1})
+    req = CompletionRequest(
+        model="m", prompt="p", cache_hit_threshold=0.7, vllm_xargs={"cache_hit_threshold": 0.2, "keep": 1}
+    )
     assert req.to_sampling_params(4, {}).extra_args == {"cache_hit_threshold": 0.7, "keep": 1}
-    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
-                                vllm_xargs={"cache_hit_threshold": 0})
+    req = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "x"}], vllm_xargs={"cache_hit_threshold": 0}
+    )
     assert req.to_sampling_params(4, {}).extra_args == {"cache_hit_threshold": 0.0}
     assert CompletionRequest(model="m", prompt="p").to_sampling_params(4, {}).extra_args is None
     with pytest.raises(VLLMValidationError) as info:
@@ -57,10 +61,18 @@ def test_zero_token_rejection_is_made_visible_and_mark_removed(plugin):
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK, fix_request_output
 
     out = RequestOutput(
-        request_id="r", prompt=None, prompt_token_ids=[1, 2], prompt_logprobs=None,
-        outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
-                                  logprobs=None, finish_reason="cache_threshold")],
-        finished=True, kv_transfer_params={REJECTION_MARK: {"stage": "arrival"}})
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[1, 2],
+        prompt_logprobs=None,
+        outputs=[
+            CompletionOutput(
+                index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason="cache_threshold"
+            )
+        ],
+        finished=True,
+        kv_transfer_params={REJECTION_MARK: {"stage": "arrival"}},
+    )
     fix_request_output(out)
     text = out.outputs[0].text
     assert text == "" and bool(text)  # passes vLLM's "empty chunk" skip, renders as ""
@@ -99,8 +111,7 @@ def test_unsupported_vllm_version_refuses_to_start(plugin, monkeypatch):
     finally:
         plugin_logger.removeHandler(handler)
     assert plugin_pkg._registered is False
-    assert any("0.32.x" in r.getMessage() and r.levelno == logging.ERROR
-               for r in handler.records)
+    assert any("0.32.x" in r.getMessage() and r.levelno == logging.ERROR for r in handler.records)
 
 
 def test_nixl_progress_delay_parsing():
@@ -149,11 +160,9 @@ def test_nixl_agent_gets_the_progress_delay(plugin, monkeypatch):
             return real.nixlAgent(name, config)
 
     bindings._real = Recorder()
-    agent = wrapper_cls("cachehit-test-agent", nixl_utils.nixl_agent_config(
-        num_threads=4, capture_telemetry=True))
+    agent = wrapper_cls("cachehit-test-agent", nixl_utils.nixl_agent_config(num_threads=4, capture_telemetry=True))
     assert agent.name == "cachehit-test-agent"
-    no_thread = wrapper_cls("cachehit-test-agent-2", nixl_utils.nixl_agent_config(
-        enable_prog_thread=False))
+    no_thread = wrapper_cls("cachehit-test-agent-2", nixl_utils.nixl_agent_config(enable_prog_thread=False))
     assert no_thread.name == "cachehit-test-agent-2"
     # NIXL's own default would be pthrDelay 0 (a poll timeout of 0: the spin).
     assert seen == [(True, 10000), (False, 0)]

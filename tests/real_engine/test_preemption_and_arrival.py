@@ -5,6 +5,7 @@ Latencies are measured and printed (`-s` shows them), never asserted: this machi
 What is asserted is structural (which finish reason, whether tokens came back, whether a
 rejection arrived while the long generations were still running).
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,8 +21,10 @@ from support.ports import free_port_below_ephemeral_range
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
-WORDS = ("cache block token prefix request engine router model stream prompt decode "
-         "prefill queue latency thread memory batch vector matrix kernel").split()
+WORDS = (
+    "cache block token prefix request engine router model stream prompt decode "
+    "prefill queue latency thread memory batch vector matrix kernel"
+).split()
 
 
 def words(n: int, tag: str | None = None) -> str:
@@ -30,8 +33,15 @@ def words(n: int, tag: str | None = None) -> str:
 
 
 def long_body(prompt: str, max_tokens: int, threshold: float | None = 0.0, **kw) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **kw}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
     if threshold is not None:
         body["cache_hit_threshold"] = threshold
     return body
@@ -44,8 +54,7 @@ def _run_stream(url: str, body: dict) -> dict:
     tokens: list[int] = []
     finish = None
     prompt_tokens = None
-    for event in iter_sse(url, "/v1/completions", {**body, "stream": True,
-                                                    "stream_options": {"include_usage": True}}):
+    for event in iter_sse(url, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}):
         if event == "[DONE]":
             break
         for choice in event["choices"]:
@@ -53,8 +62,14 @@ def _run_stream(url: str, body: dict) -> dict:
             finish = choice.get("finish_reason") or finish
         if event.get("usage"):
             prompt_tokens = event["usage"]["prompt_tokens"]
-    return {"mode": "stream", "finish_reason": finish, "tokens": len(tokens), "ids": tokens,
-            "prompt_tokens": prompt_tokens, "body": body}
+    return {
+        "mode": "stream",
+        "finish_reason": finish,
+        "tokens": len(tokens),
+        "ids": tokens,
+        "prompt_tokens": prompt_tokens,
+        "body": body,
+    }
 
 
 def _run_plain(url: str, body: dict) -> dict:
@@ -62,9 +77,14 @@ def _run_plain(url: str, body: dict) -> dict:
     assert status == 200, answer
     choice = answer["choices"][0]
     assert len(choice["token_ids"]) == answer["usage"]["completion_tokens"]
-    return {"mode": "json", "finish_reason": choice["finish_reason"],
-            "tokens": answer["usage"]["completion_tokens"], "ids": choice["token_ids"],
-            "prompt_tokens": answer["usage"]["prompt_tokens"], "body": body}
+    return {
+        "mode": "json",
+        "finish_reason": choice["finish_reason"],
+        "tokens": answer["usage"]["completion_tokens"],
+        "ids": choice["token_ids"],
+        "prompt_tokens": answer["usage"]["prompt_tokens"],
+        "body": body,
+    }
 
 
 MAX_TOKENS = 140  # with ~81-85 prompt tokens, about --max-model-len 224
@@ -82,6 +102,8 @@ def two_full_blocks(url: str, tag: str) -> str:
         if answer["count"] >= 2 * BLOCK_TOKENS + 2:
             return text
     raise AssertionError("no word count gives two full blocks")
+
+
 MAX_MODEL_LEN = 224  # the preemption engine's (conftest.py)
 
 
@@ -98,12 +120,10 @@ def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemp
     assert status == 200
     before = scrape_metrics(url)
 
-    bodies = [long_body(f"{shared} tail{i} end{i}", MAX_TOKENS, threshold=0.75)
-              for i in range(4)]
+    bodies = [long_body(f"{shared} tail{i} end{i}", MAX_TOKENS, threshold=0.75) for i in range(4)]
     t0 = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(_run_stream if i % 2 == 0 else _run_plain, url, b)
-                   for i, b in enumerate(bodies)]
+        futures = [pool.submit(_run_stream if i % 2 == 0 else _run_plain, url, b) for i, b in enumerate(bodies)]
         results = [f.result(timeout=600) for f in futures]
     elapsed = time.monotonic() - t0
     # Stats reach /metrics about once a second.
@@ -121,8 +141,9 @@ def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemp
     for r in rejected:
         if not r["ids"]:
             continue
-        status, again = post_json(url, "/v1/completions",
-                                  {**r["body"], "max_tokens": len(r["ids"]), "cache_hit_threshold": 0})
+        status, again = post_json(
+            url, "/v1/completions", {**r["body"], "max_tokens": len(r["ids"]), "cache_hit_threshold": 0}
+        )
         assert status == 200
         assert again["choices"][0]["token_ids"] == r["ids"], r["mode"]
     for r in results:
@@ -146,8 +167,7 @@ def _grown(url: str, name: str, before: float, target: float, timeout_s: float =
 
 def _rejections(url: str) -> dict[str, float]:
     m = scrape_metrics(url)
-    return {stage: m.value("cachehit_threshold_rejections_total", stage=stage)
-            for stage in ("arrival", "admission")}
+    return {stage: m.value("cachehit_threshold_rejections_total", stage=stage) for stage in ("arrival", "admission")}
 
 
 def _counted_rejections(url: str, before: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:
@@ -218,8 +238,7 @@ def measure_rejection_under_load(url: str, long_tokens: int, label: str) -> dict
         assert g.first_token.wait(300), "long generation did not start"
         assert g.error is None, g.error
     t0 = time.monotonic()
-    status, body = post_json(url, "/v1/completions", long_body(words(40), 4, threshold=0.5),
-                             timeout=600)
+    status, body = post_json(url, "/v1/completions", long_body(words(40), 4, threshold=0.5), timeout=600)
     rejected_at = time.monotonic()
     latency_ms = (rejected_at - t0) * 1000
     still_running = [g.ended_at is None or g.ended_at > rejected_at for g in gens]
@@ -228,9 +247,11 @@ def measure_rejection_under_load(url: str, long_tokens: int, label: str) -> dict
         g.stop.set()
     for g in gens:
         g.join(120)
-    print(f"\n[arrival check {label}] cold T=0.5 request rejected after {latency_ms:.1f} ms; "
-          f"long generations still running: {still_running}, "
-          f"their tokens at that moment: {tokens_at_rejection} of {long_tokens}")
+    print(
+        f"\n[arrival check {label}] cold T=0.5 request rejected after {latency_ms:.1f} ms; "
+        f"long generations still running: {still_running}, "
+        f"their tokens at that moment: {tokens_at_rejection} of {long_tokens}"
+    )
     assert status == 200
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
     return {"latency_ms": latency_ms, "still_running": still_running}
@@ -246,8 +267,10 @@ def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine):
     # 2 x (~20 + 60) tokens = 6 blocks: they fit the 7 usable blocks without preemption.
     before = _rejections(preemption_engine.base_url)
     result = measure_rejection_under_load(preemption_engine.base_url, 60, "off")
-    print(f"[arrival check off] (for comparison; rejected at admission once a slot was free)"
-          f" {result['latency_ms']:.1f} ms")
+    print(
+        f"[arrival check off] (for comparison; rejected at admission once a slot was free)"
+        f" {result['latency_ms']:.1f} ms"
+    )
     # The structural fact: without the arrival check the scheduler decided, at admission.
     assert _counted_rejections(preemption_engine.base_url, before) == {"arrival": 0.0, "admission": 1.0}
 
@@ -255,16 +278,25 @@ def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine):
 # ------------------------------------------------------------------------- NIXL decode leg
 
 
-def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine,
-                                                                preemption_engine):
+def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine, preemption_engine):
     """A cold prompt prefilled on one engine (the prefill leg is never rejected) and decoded
     on the other with T = 0.9: the decode engine (arrival check on) counts the KV it will pull
     over NIXL as hits, so the leg is accepted although its local cache is cold."""
     prompt = words(40)  # ~90 tokens, fits both engines
-    prefill = long_body(prompt, 1, threshold=0.9, ignore_eos=False,
-                        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
-                                            "remote_engine_id": None, "remote_block_ids": None,
-                                            "remote_host": None, "remote_port": None})
+    prefill = long_body(
+        prompt,
+        1,
+        threshold=0.9,
+        ignore_eos=False,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
     status, answer = post_json(preemption_engine.base_url, "/v1/completions", prefill)
     assert status == 200, answer
     assert answer["choices"][0]["finish_reason"] == "length"
@@ -274,17 +306,20 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
     url = threshold_engine.base_url
     before = scrape_metrics(url)
     t0 = time.monotonic()
-    status, out = post_json(url, "/v1/completions",
-                            long_body(prompt, 8, threshold=0.9, kv_transfer_params=kv),
-                            timeout=300)
+    status, out = post_json(
+        url, "/v1/completions", long_body(prompt, 8, threshold=0.9, kv_transfer_params=kv), timeout=300
+    )
     took = time.monotonic() - t0
     assert status == 200, out
     print(f"\n[decode leg] accepted with T=0.9 in {took * 1000:.0f} ms")
     assert out["choices"][0]["finish_reason"] == "length", out
     assert out["usage"]["completion_tokens"] == 8
-    external = _grown(url, "vllm:external_prefix_cache_hits_total",
-                      before.value("vllm:external_prefix_cache_hits_total"),
-                      out["usage"]["prompt_tokens"] - 32)
+    external = _grown(
+        url,
+        "vllm:external_prefix_cache_hits_total",
+        before.value("vllm:external_prefix_cache_hits_total"),
+        out["usage"]["prompt_tokens"] - 32,
+    )
     assert external >= out["usage"]["prompt_tokens"] - 32, external
 
 
@@ -297,33 +332,54 @@ def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_eng
     engine: vLLM keeps retrying such a handshake, which would stall a shared one
     (conftest.py)."""
     prompt = words(20)
-    status, answer = post_json(threshold_engine.base_url, "/v1/completions", long_body(
-        prompt, 1, ignore_eos=False, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}))
+    status, answer = post_json(
+        threshold_engine.base_url,
+        "/v1/completions",
+        long_body(
+            prompt,
+            1,
+            ignore_eos=False,
+            kv_transfer_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            },
+        ),
+    )
     assert status == 200, answer
-    kv = {**answer["kv_transfer_params"], "remote_engine_id": str(uuid.uuid4()),
-          "remote_host": "127.0.0.1", "remote_port": free_port_below_ephemeral_range()}
+    kv = {
+        **answer["kv_transfer_params"],
+        "remote_engine_id": str(uuid.uuid4()),
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port_below_ephemeral_range(),
+    }
     url = spare_engine.base_url
     # A just-started engine on a busy core may answer its first scrape late (CI saw > 10 s).
     before = scrape_metrics_patiently(url).value("vllm:nixl_num_failed_transfers_total")
     body = long_body(prompt, 4, kv_transfer_params=kv)
     status, out = post_json(url, "/v1/completions", body, timeout=120)
     assert status == 500, out
-    assert out == {"error": {"message": "Internal server error", "type": "InternalServerError",
-                             "param": None, "code": 500}}
+    assert out == {
+        "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+    }
     status, raw = request(url, "POST", "/v1/completions", {**body, "stream": True}, timeout=120)
     assert status == 200
-    assert parse_sse(raw) == [{"error": {"message": "Internal server error",
-                                         "type": "InternalServerError", "param": None,
-                                         "code": 500}}, "[DONE]"]
+    assert parse_sse(raw) == [
+        {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}},
+        "[DONE]",
+    ]
     # vLLM publishes NIXL failure counts with its periodic stats: wait for them (the engine
     # may not answer for a while as it retries the handshake, see conftest.py).
     deadline = time.monotonic() + 90
     failed = 0.0
     while time.monotonic() < deadline:
-        failed = (scrape_metrics_patiently(url, deadline - time.monotonic())
-                  .value("vllm:nixl_num_failed_transfers_total") - before)
+        failed = (
+            scrape_metrics_patiently(url, deadline - time.monotonic()).value("vllm:nixl_num_failed_transfers_total")
+            - before
+        )
         if failed >= 2:
             break
         time.sleep(1.0)

@@ -10,6 +10,7 @@ prefill (producer) backend, "preemption" (NIXL kv_both, 8 KV blocks) as the only
 (d) a simulated engine answers the same requests with the same JSON keys, SSE framing,
     finish reasons and metric names.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,10 @@ from support.sse import read_sse
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 
 MODEL = "tiny"
-WORDS = ("river mountain quiet morning light window paper garden silver harbor winter "
-         "lantern meadow orchard candle copper valley thunder").split()
+WORDS = (
+    "river mountain quiet morning light window paper garden silver harbor winter "
+    "lantern meadow orchard candle copper valley thunder"
+).split()
 
 
 def cold_prompt(tag: str, words: int) -> str:
@@ -41,17 +44,21 @@ def cold_prompt(tag: str, words: int) -> str:
 
 class RealCluster:
     def __init__(self, producer_url: str, consumer_url: str, routing: dict):
-        self.config = parse_config({
-            "server": {"port": 0},
-            # These tests are of the split's mechanics: every request races and every prompt
-            # nobody accepted is split, whatever the cost model would say of these engines.
-            "routing": {"min_pd_prompt_tokens": 16, "race": "always", "split": "always", **routing},
-            "timeouts": {"first_token_s": 120, "idle_s": 120, "total_s": 600},
-            # vLLM on two busy CPU cores can take seconds to answer /metrics.
-            "health": {"scrape_interval_s": 2.0, "check_interval_s": 4.0},
-            "backends": [{"name": "producer", "url": producer_url, "role": "prefill"},
-                         {"name": "consumer", "url": consumer_url, "role": "decode"}],
-        })
+        self.config = parse_config(
+            {
+                "server": {"port": 0},
+                # These tests are of the split's mechanics: every request races and every prompt
+                # nobody accepted is split, whatever the cost model would say of these engines.
+                "routing": {"min_pd_prompt_tokens": 16, "race": "always", "split": "always", **routing},
+                "timeouts": {"first_token_s": 120, "idle_s": 120, "total_s": 600},
+                # vLLM on two busy CPU cores can take seconds to answer /metrics.
+                "health": {"scrape_interval_s": 2.0, "check_interval_s": 4.0},
+                "backends": [
+                    {"name": "producer", "url": producer_url, "role": "prefill"},
+                    {"name": "consumer", "url": consumer_url, "role": "decode"},
+                ],
+            }
+        )
 
     async def __aenter__(self) -> "RealCluster":
         self.app = build_app(self.config, start_engines=False)
@@ -69,8 +76,12 @@ class RealCluster:
 
     def metric(self, name: str, **labels) -> float:
         """Summed over the label sets that include `labels` (e.g. any `model`)."""
-        return sum(s.value for fam in self.app[ROUTER_KEY].metrics.registry.collect() for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for fam in self.app[ROUTER_KEY].metrics.registry.collect()
+            for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     async def complete(self, body: dict) -> tuple[int, dict]:
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
@@ -81,48 +92,56 @@ class RealCluster:
             return r.status, (await read_sse(r) if r.status == 200 else [])
 
 
-async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshold_engine, preemption_engine,
-                                                                       caplog):
+async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshold_engine, preemption_engine, caplog):
     caplog.set_level(logging.INFO, logger="cachehit_router")
-    async with RealCluster(threshold_engine.base_url, preemption_engine.base_url,
-                           {"cache_hit_threshold": 0.5}) as c:
+    async with RealCluster(threshold_engine.base_url, preemption_engine.base_url, {"cache_hit_threshold": 0.5}) as c:
         # A first request through the router. Should its KV transfer fail (vLLM's
         # kv_load_failure_policy "fail": e.g. a NIXL handshake past vLLM's 5 s on this loaded
         # machine, though conftest.py warms the handshakes up), the router computes the
         # prompt on the consumer instead and the client still gets its answer.
         failed_before = scrape_metrics(preemption_engine.base_url).value("vllm:nixl_num_failed_transfers_total")
-        status, out = await c.complete({"model": MODEL, "prompt": cold_prompt("handshake", 30),
-                                        "max_tokens": 8, "temperature": 0})
+        status, out = await c.complete(
+            {"model": MODEL, "prompt": cold_prompt("handshake", 30), "max_tokens": 8, "temperature": 0}
+        )
         assert status == 200, (out, preemption_engine.log_tail())
         assert out["usage"]["completion_tokens"] == 8
         if c.metric("cachehit_router_requests_total", route="pd", status="200") != 1:
             assert c.metric("cachehit_router_requests_total", route="direct", status="200") == 1
             assert "did not start" in caplog.text, caplog.text[-3000:]
-            failed = (scrape_metrics(preemption_engine.base_url).value("vllm:nixl_num_failed_transfers_total")
-                      - failed_before)
-            print(f"\n[real engine] first NIXL transfer failed (failed transfers counted: {failed:.0f}); "
-                  "the router computed the prompt on the consumer")
+            failed = (
+                scrape_metrics(preemption_engine.base_url).value("vllm:nixl_num_failed_transfers_total") - failed_before
+            )
+            print(
+                f"\n[real engine] first NIXL transfer failed (failed transfers counted: {failed:.0f}); "
+                "the router computed the prompt on the consumer"
+            )
 
         before = scrape_metrics(preemption_engine.base_url)
         pd_before = c.metric("cachehit_router_requests_total", route="pd", status="200")
-        rejections_before = (c.metric("cachehit_router_probe_rejections_total", backend="consumer")
-                             + c.metric("cachehit_router_probe_deadline_expiries_total", backend="consumer"))
+        rejections_before = c.metric("cachehit_router_probe_rejections_total", backend="consumer") + c.metric(
+            "cachehit_router_probe_deadline_expiries_total", backend="consumer"
+        )
         # ~75 tokens: the consumer's context is 224 tokens (conftest.py).
-        status, out = await c.complete({"model": MODEL, "prompt": cold_prompt("nixl", 30),
-                                        "max_tokens": 8, "temperature": 0})
+        status, out = await c.complete(
+            {"model": MODEL, "prompt": cold_prompt("nixl", 30), "max_tokens": 8, "temperature": 0}
+        )
         assert status == 200, (out, preemption_engine.log_tail())
         prompt_tokens = out["usage"]["prompt_tokens"]
         assert out["usage"]["completion_tokens"] == 8
-        assert c.metric("cachehit_router_requests_total", route="pd", status="200") == pd_before + 1, \
-            caplog.text[-3000:]
+        assert c.metric("cachehit_router_requests_total", route="pd", status="200") == pd_before + 1, caplog.text[
+            -3000:
+        ]
         # The consumer said no: a rejection, or silence past the probe deadline (a loaded
         # machine), which the race counts as one.
-        assert (c.metric("cachehit_router_probe_rejections_total", backend="consumer")
-                + c.metric("cachehit_router_probe_deadline_expiries_total", backend="consumer")
-                - rejections_before) == 1, caplog.text[-3000:]
+        assert (
+            c.metric("cachehit_router_probe_rejections_total", backend="consumer")
+            + c.metric("cachehit_router_probe_deadline_expiries_total", backend="consumer")
+            - rejections_before
+        ) == 1, caplog.text[-3000:]
     after = scrape_metrics(preemption_engine.base_url)
-    external = (after.value("vllm:external_prefix_cache_hits_total")
-                - before.value("vllm:external_prefix_cache_hits_total"))
+    external = after.value("vllm:external_prefix_cache_hits_total") - before.value(
+        "vllm:external_prefix_cache_hits_total"
+    )
     # The consumer pulled the prompt's KV over NIXL (vLLM recomputes at most the last token's block).
     assert external >= prompt_tokens - 32, (external, prompt_tokens)
 
@@ -132,14 +151,25 @@ async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engi
     # Prompt (~50 tokens) + 150 fits the consumer's 224-token context; two at once do not fit
     # its 8 blocks of 32 tokens, so it preempts.
     max_tokens = 150
-    async with RealCluster(threshold_engine.base_url, preemption_engine.base_url,
-                           {"cache_hit_threshold": 0.5, "decode_guard_threshold": 0.5,
-                            "max_resumes": 10}) as c:
-        bodies = [{"model": MODEL, "prompt": cold_prompt(f"preempt{i}", 20), "max_tokens": max_tokens,
-                   "ignore_eos": True, "temperature": 0} for i in range(4)]
+    async with RealCluster(
+        threshold_engine.base_url,
+        preemption_engine.base_url,
+        {"cache_hit_threshold": 0.5, "decode_guard_threshold": 0.5, "max_resumes": 10},
+    ) as c:
+        bodies = [
+            {
+                "model": MODEL,
+                "prompt": cold_prompt(f"preempt{i}", 20),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+            for i in range(4)
+        ]
         results = await asyncio.gather(
             *(c.complete(b) for b in bodies[:2]),
-            *(c.stream({**b, "stream_options": {"include_usage": True}}) for b in bodies[2:]))
+            *(c.stream({**b, "stream_options": {"include_usage": True}}) for b in bodies[2:]),
+        )
         for status, out in results[:2]:
             assert status == 200, out
             assert out["usage"]["completion_tokens"] == max_tokens
@@ -152,8 +182,7 @@ async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engi
             assert finishes[-1] == "length" and "cache_threshold" not in finishes
         resumed = c.metric("cachehit_router_resumes_total", reason="preempted")
     after = scrape_metrics(preemption_engine.base_url)
-    preemptions = (after.value("vllm:num_preemptions_total")
-                   - before.value("vllm:num_preemptions_total"))
+    preemptions = after.value("vllm:num_preemptions_total") - before.value("vllm:num_preemptions_total")
     print(f"\n[real engine] preemptions on the consumer: {preemptions:.0f}, router resumes: {resumed:.0f}")
     assert preemptions >= 1
     assert resumed >= 1
@@ -175,13 +204,33 @@ def _key_paths(obj, prefix="") -> set[str]:
 
 PARITY_REQUESTS = [
     ("/v1/completions", {"prompt": cold_prompt("parity-a", 30), "max_tokens": 5, "cache_hit_threshold": 0}),
-    ("/v1/completions", {"prompt": cold_prompt("parity-b", 30), "max_tokens": 5, "cache_hit_threshold": 0,
-                         "return_token_ids": True, "logprobs": 2}),
+    (
+        "/v1/completions",
+        {
+            "prompt": cold_prompt("parity-b", 30),
+            "max_tokens": 5,
+            "cache_hit_threshold": 0,
+            "return_token_ids": True,
+            "logprobs": 2,
+        },
+    ),
     ("/v1/completions", {"prompt": cold_prompt("parity-c", 30), "max_tokens": 5, "cache_hit_threshold": 0.9}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": cold_prompt("parity-d", 30)}],
-                              "max_tokens": 5, "cache_hit_threshold": 0}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": cold_prompt("parity-e", 30)}],
-                              "max_tokens": 5, "cache_hit_threshold": 0.9}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": cold_prompt("parity-d", 30)}],
+            "max_tokens": 5,
+            "cache_hit_threshold": 0,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": cold_prompt("parity-e", 30)}],
+            "max_tokens": 5,
+            "cache_hit_threshold": 0.9,
+        },
+    ),
 ]
 
 
@@ -195,8 +244,9 @@ async def _exchange(session: aiohttp.ClientSession, url: str, path: str, body: d
 
 
 async def test_d_simulator_matches_the_real_engine_where_the_router_looks(threshold_engine):
-    sim = await start_sim_engine(SimEngineConfig(model=MODEL, speed=100.0, block_size=32,
-                                                 global_cache_hit_threshold=0.5), port=0)
+    sim = await start_sim_engine(
+        SimEngineConfig(model=MODEL, speed=100.0, block_size=32, global_cache_hit_threshold=0.5), port=0
+    )
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
             for path, body in PARITY_REQUESTS:
@@ -208,8 +258,9 @@ async def test_d_simulator_matches_the_real_engine_where_the_router_looks(thresh
                     if not stream:
                         real, simd = orjson.loads(real_raw), orjson.loads(sim_raw)
                         assert _key_paths(simd) == _key_paths(real), what
-                        assert [c["finish_reason"] for c in simd["choices"]] == \
-                               [c["finish_reason"] for c in real["choices"]], what
+                        assert [c["finish_reason"] for c in simd["choices"]] == [
+                            c["finish_reason"] for c in real["choices"]
+                        ], what
                         continue
                     # SSE framing: every event is one `data: ` line followed by a blank line.
                     for raw in (real_raw, sim_raw):
@@ -227,11 +278,19 @@ async def test_d_simulator_matches_the_real_engine_where_the_router_looks(thresh
                 real_metrics = await r.text()
             async with s.get(sim.url + "/metrics") as r:
                 sim_metrics = await r.text()
-        wanted = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                  "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
-                  "vllm:num_preemptions_total", "vllm:request_success_total",
-                  "vllm:time_to_first_token_seconds_bucket", "vllm:cache_config_info"]
+        wanted = [
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total",
+            "vllm:external_prefix_cache_queries_total",
+            "vllm:external_prefix_cache_hits_total",
+            "vllm:num_preemptions_total",
+            "vllm:request_success_total",
+            "vllm:time_to_first_token_seconds_bucket",
+            "vllm:cache_config_info",
+        ]
         for name in wanted:
             assert f"\n{name}{{" in real_metrics, f"real engine lacks {name}"
             assert f"\n{name}{{" in sim_metrics, f"simulator lacks {name}"

@@ -13,6 +13,7 @@ classes because the point is that the plugin behaves the same under both.
 
 These need vLLM importable (~15 s to import), hence the real_engine marker.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,8 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.real_engine
 
-BLOCK = 16          # tokens per KV block; prefix-cache hits count whole blocks
-TOKEN = 7           # what the stand-in model runner samples (not the tiny model's EOS, 1)
+BLOCK = 16  # tokens per KV block; prefix-cache hits count whole blocks
+TOKEN = 7  # what the stand-in model runner samples (not the tiny model's EOS, 1)
 MAX_MODEL_LEN = 256
 SCHEDULERS = ("ThresholdScheduler", "ThresholdAsyncScheduler")
 
@@ -54,7 +55,9 @@ def make_engine(scheduler_cls, tiny_model):
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
         )
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -62,8 +65,11 @@ def make_engine(scheduler_cls, tiny_model):
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=str(tiny_model), max_model_len=MAX_MODEL_LEN, seed=0),
             scheduler_config=SchedulerConfig(
-                max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=MAX_MODEL_LEN, is_encoder_decoder=False),
+                max_model_len=MAX_MODEL_LEN,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=MAX_MODEL_LEN,
+                is_encoder_decoder=False,
+            ),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             additional_config=additional_config,
         )
@@ -72,14 +78,21 @@ def make_engine(scheduler_cls, tiny_model):
         vllm_config.scheduler_config.async_scheduling = is_async
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
-                block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32))],
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
+                )
+            ],
         )
         scheduler = scheduler_cls(
-            vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=BLOCK, log_stats=True)
+            block_size=BLOCK,
+            log_stats=True,
+        )
         assert vllm_config.max_concurrent_batches == (2 if is_async else 1)
         return EngineLoop(scheduler, batch_queue_size=vllm_config.max_concurrent_batches)
 
@@ -91,16 +104,27 @@ def make_request(block_hasher):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    def make(request_id: str, prompt: list[int], *, threshold: float | None = None,
-             max_tokens: int = 2, kv_transfer_params: dict | None = None):
+    def make(
+        request_id: str,
+        prompt: list[int],
+        *,
+        threshold: float | None = None,
+        max_tokens: int = 2,
+        kv_transfer_params: dict | None = None,
+    ):
         extra = {}
         if threshold is not None:
             extra["cache_hit_threshold"] = threshold
         if kv_transfer_params is not None:
             extra["kv_transfer_params"] = kv_transfer_params  # how vLLM's API server passes them
         params = SamplingParams(max_tokens=max_tokens, extra_args=extra or None)
-        return Request(request_id=request_id, prompt_token_ids=list(prompt),
-                       sampling_params=params, pooling_params=None, block_hasher=block_hasher)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=block_hasher,
+        )
 
     return make
 
@@ -113,8 +137,8 @@ class EngineLoop:
         self.batch_queue_size = batch_queue_size
         self.pool = scheduler.kv_cache_manager.block_pool
         self.queue: deque = deque()
-        self.schedules: list = []                 # every SchedulerOutput, in order
-        self.outputs: dict[str, list] = {}        # request id -> its EngineCoreOutputs
+        self.schedules: list = []  # every SchedulerOutput, in order
+        self.outputs: dict[str, list] = {}  # request id -> its EngineCoreOutputs
         self.allocations: list[tuple[str, bool]] = []  # (request id, succeeded)
         manager = scheduler.kv_cache_manager
         real_allocate = manager.allocate_slots
@@ -136,11 +160,10 @@ class EngineLoop:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         # is_prefill_chunk was just set by _update_after_schedule: no token for a partial
         # prefill, one for a completed prompt or a decode step.
-        sampled = [[] if self.scheduler.requests[rid].is_prefill_chunk else [TOKEN]
-                   for rid in req_ids]
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+        sampled = [[] if self.scheduler.requests[rid].is_prefill_chunk else [TOKEN] for rid in req_ids]
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)}, sampled_token_ids=sampled
+        )
 
     def step(self) -> None:
         # EngineCore.step_with_batch_queue (== EngineCore.step when the queue holds one).
@@ -150,14 +173,13 @@ class EngineLoop:
             self.schedules.append(scheduler_output)
             self.queue.appendleft((scheduler_output, self._model_output(scheduler_output)))
             if len(self.queue) < self.batch_queue_size and (
-                    scheduler_output.total_num_scheduled_tokens > 0
-                    or scheduler.has_requests()):
+                scheduler_output.total_num_scheduled_tokens > 0 or scheduler.has_requests()
+            ):
                 return
         elif not self.queue:
             return
         scheduler_output, model_output = self.queue.pop()
-        for engine_outputs in scheduler.update_from_output(scheduler_output,
-                                                           model_output).values():
+        for engine_outputs in scheduler.update_from_output(scheduler_output, model_output).values():
             for out in engine_outputs.outputs:
                 self.outputs.setdefault(out.request_id, []).append(out)
 
@@ -182,8 +204,7 @@ class EngineLoop:
         return [t for o in self.outputs.get(request_id, []) for t in o.new_token_ids]
 
     def first_scheduled_tokens(self, request_id: str) -> int:
-        return next(s.num_scheduled_tokens[request_id] for s in self.schedules
-                    if request_id in s.num_scheduled_tokens)
+        return next(s.num_scheduled_tokens[request_id] for s in self.schedules if request_id in s.num_scheduled_tokens)
 
     def allocated(self, request_id: str) -> bool:
         return any(rid == request_id and ok for rid, ok in self.allocations)
@@ -193,8 +214,7 @@ def prompt(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def assert_rejected(engine: EngineLoop, request_id: str, *, stage: str, hit: int, total: int,
-                    threshold: float):
+def assert_rejected(engine: EngineLoop, request_id: str, *, stage: str, hit: int, total: int, threshold: float):
     from vllm.v1.engine import FinishReason
 
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK
@@ -203,8 +223,9 @@ def assert_rejected(engine: EngineLoop, request_id: str, *, stage: str, hit: int
     assert out.finish_reason is FinishReason.CACHE_THRESHOLD
     assert str(out.finish_reason) == "cache_threshold"
     assert out.new_token_ids == []
-    assert out.kv_transfer_params == {REJECTION_MARK: {
-        "stage": stage, "hit_tokens": hit, "total_tokens": total, "threshold": threshold}}
+    assert out.kv_transfer_params == {
+        REJECTION_MARK: {"stage": stage, "hit_tokens": hit, "total_tokens": total, "threshold": threshold}
+    }
     assert request_id not in engine.scheduler.requests  # finished and freed
 
 
@@ -243,13 +264,13 @@ def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine, make_re
     assert any("cold" in s.finished_req_ids for s in engine.schedules)
 
 
-def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(
-        make_engine, make_request):
+def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_engine, make_request):
     engine = make_engine(cache_hit_arrival_check=False)
     free_before = engine.pool.get_num_free_blocks()
     # The rejected request is first in the queue: it must not hold up the one behind it.
-    engine.add(make_request("cold", prompt(100, 64), threshold=0.5),
-               make_request("other", prompt(300, 64), threshold=0.0))
+    engine.add(
+        make_request("cold", prompt(100, 64), threshold=0.5), make_request("other", prompt(300, 64), threshold=0.0)
+    )
     assert engine.scheduler.get_request_counts() == (0, 2)  # both queued: no arrival check
 
     engine.step()
@@ -270,8 +291,7 @@ def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(
 
 def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_request):
     engine = make_engine()  # global default 0
-    engine.add(make_request("zero", prompt(100, 64), threshold=0.0),
-               make_request("absent", prompt(300, 64)))
+    engine.add(make_request("zero", prompt(100, 64), threshold=0.0), make_request("absent", prompt(300, 64)))
     engine.run_until_idle()
     for rid in ("zero", "absent"):
         assert engine.first_scheduled_tokens(rid) == 64  # cold: the whole prompt computed
@@ -280,8 +300,7 @@ def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_reques
 
 def test_global_default_applies_unless_the_request_sets_its_own(make_engine, make_request):
     engine = make_engine(global_cache_hit_threshold=0.5)
-    engine.add(make_request("absent", prompt(100, 64)),
-               make_request("own-zero", prompt(300, 64), threshold=0.0))
+    engine.add(make_request("absent", prompt(100, 64)), make_request("own-zero", prompt(300, 64), threshold=0.0))
     engine.run_until_idle()
     assert_rejected(engine, "absent", stage="arrival", hit=0, total=64, threshold=0.5)
     assert_finished_normally(engine, "own-zero", max_tokens=2)
@@ -300,13 +319,13 @@ def test_prefix_cache_hit_decides(make_engine, make_request, arrival_check):
     # The first request's four prompt blocks are now cached, but the last prompt token is
     # always recomputed, so a lookup of the same prompt hits (64 - 1) // 16 = 3 whole
     # blocks: 48 of 64 tokens = 0.75.
-    engine.add(make_request("accepted", shared, threshold=0.5),
-               make_request("too-high", shared, threshold=0.8))
+    engine.add(make_request("accepted", shared, threshold=0.5), make_request("too-high", shared, threshold=0.8))
     engine.run_until_idle()
     assert engine.first_scheduled_tokens("accepted") == 64 - 48  # only the miss is computed
     assert_finished_normally(engine, "accepted", max_tokens=2)
-    assert_rejected(engine, "too-high", stage="arrival" if arrival_check else "admission",
-                    hit=48, total=64, threshold=0.8)
+    assert_rejected(
+        engine, "too-high", stage="arrival" if arrival_check else "admission", hit=48, total=64, threshold=0.8
+    )
     assert not engine.allocated("too-high")
 
 
@@ -317,9 +336,19 @@ def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check)
     # is what this checks through the real add_request/schedule paths. The NIXL exchange
     # itself is covered by the running-engine tests.
     engine = make_engine(cache_hit_arrival_check=arrival_check)
-    prefill_leg = make_request("prefill-leg", prompt(100, 64), threshold=0.9, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    prefill_leg = make_request(
+        "prefill-leg",
+        prompt(100, 64),
+        threshold=0.9,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
     control = make_request("control", prompt(300, 64), threshold=0.9)
     assert prefill_leg.kv_transfer_params["do_remote_decode"] is True
     assert engine.scheduler._threshold_for(prefill_leg) == 0.0
@@ -329,8 +358,9 @@ def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check)
     engine.run_until_idle()
     assert engine.first_scheduled_tokens("prefill-leg") == 64  # cold, computed in full
     assert_finished_normally(engine, "prefill-leg", max_tokens=2)
-    assert_rejected(engine, "control", stage="arrival" if arrival_check else "admission",
-                    hit=0, total=64, threshold=0.9)
+    assert_rejected(
+        engine, "control", stage="arrival" if arrival_check else "admission", hit=0, total=64, threshold=0.9
+    )
 
 
 def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engine, make_request):
@@ -345,8 +375,9 @@ def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engin
     engine.add(make_request("warm-up", victim_prompt, threshold=0.0, max_tokens=1))
     engine.run_until_idle()
 
-    survivor = make_request("survivor", prompt(300, 2 * BLOCK + 1), threshold=0.0,
-                            max_tokens=60)  # 93 tokens at most: fits alone in 6 blocks
+    survivor = make_request(
+        "survivor", prompt(300, 2 * BLOCK + 1), threshold=0.0, max_tokens=60
+    )  # 93 tokens at most: fits alone in 6 blocks
     victim = make_request("victim", victim_prompt, threshold=0.9, max_tokens=100)
     engine.add(survivor, victim)
 
@@ -373,13 +404,11 @@ def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engin
     # rejects.
     total = len(victim_prompt) + len(streamed)
     assert 2 * BLOCK < 0.9 * total
-    assert_rejected(engine, "victim", stage="readmission", hit=2 * BLOCK, total=total,
-                    threshold=0.9)
+    assert_rejected(engine, "victim", stage="readmission", hit=2 * BLOCK, total=total, threshold=0.9)
     # It keeps the tokens it generated (the API server already has them) ...
     assert list(victim.output_token_ids) == streamed
     assert victim.num_preemptions == 1
     # ... and never got blocks again after the preemption.
-    assert not any(rid == "victim" and ok
-                   for rid, ok in engine.allocations[allocations_before_preemption:])
+    assert not any(rid == "victim" and ok for rid, ok in engine.allocations[allocations_before_preemption:])
     assert_finished_normally(engine, "survivor", max_tokens=60)
     assert engine.pool.get_num_free_blocks() == 7

@@ -5,6 +5,7 @@ All tests here share the session's "threshold" engine (conftest.py): global thre
 arrival check on, --max-num-seqs 2, NIXL kv_both. Each test uses prompts no other test
 sends (a fresh tag first), so the prefix cache only holds what the test itself put there.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,10 @@ from real_engine_util import post_json, post_sse, scrape_metrics
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
-WORDS = ("river mountain garden winter summer morning evening city village road bridge "
-         "window light water stone green blue red yellow quiet").split()
+WORDS = (
+    "river mountain garden winter summer morning evening city village road bridge "
+    "window light water stone green blue red yellow quiet"
+).split()
 
 
 def cold_prompt(items: int = 60) -> str:
@@ -28,13 +31,18 @@ def cold_prompt(items: int = 60) -> str:
 
 
 def completion(prompt: str, **kw) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
-            "return_token_ids": True, **kw}
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True, **kw}
 
 
 def chat(content: str, **kw) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}],
-            "max_tokens": 4, "temperature": 0, "return_token_ids": True, **kw}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "return_token_ids": True,
+        **kw,
+    }
 
 
 def assert_rejected_body(body: dict, *, chat_api: bool = False) -> None:
@@ -89,8 +97,11 @@ def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
     assert cached > 0 and cached % 32 == 0 and cached <= head_tokens, (cached, head_tokens)
     assert cached >= (cached_blocks - 1) * 32, (cached, head_tokens)
     # Streamed: the usage chunk carries the same figure.
-    status, events = post_sse(url, "/v1/completions", completion(
-        longer, cache_hit_threshold=0.9, stream=True, stream_options={"include_usage": True}))
+    status, events = post_sse(
+        url,
+        "/v1/completions",
+        completion(longer, cache_hit_threshold=0.9, stream=True, stream_options={"include_usage": True}),
+    )
     assert status == 200 and events[-1] == "[DONE]"
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
 
@@ -103,37 +114,36 @@ def test_global_threshold_and_per_request_override(threshold_engine):
     assert status == 200
     assert_rejected_body(body)
     # vllm_xargs carries it too; the top-level field wins when both are present.
-    status, body = post_json(url, "/v1/completions", completion(
-        prompt, cache_hit_threshold=0.9, vllm_xargs={"cache_hit_threshold": 0}))
+    status, body = post_json(
+        url, "/v1/completions", completion(prompt, cache_hit_threshold=0.9, vllm_xargs={"cache_hit_threshold": 0})
+    )
     assert_rejected_body(body)
-    status, body = post_json(url, "/v1/completions", completion(
-        prompt, vllm_xargs={"cache_hit_threshold": 0}))
+    status, body = post_json(url, "/v1/completions", completion(prompt, vllm_xargs={"cache_hit_threshold": 0}))
     assert body["choices"][0]["finish_reason"] == "length"
     # Cached now: the global threshold accepts it.
     status, body = post_json(url, "/v1/completions", completion(prompt))
     assert body["choices"][0]["finish_reason"] == "length"
     # vllm_xargs alone, above the hit rate (a cached prompt still recomputes >= 1 token).
-    status, body = post_json(url, "/v1/completions", completion(
-        prompt, vllm_xargs={"cache_hit_threshold": 1.0}))
+    status, body = post_json(url, "/v1/completions", completion(prompt, vllm_xargs={"cache_hit_threshold": 1.0}))
     assert_rejected_body(body)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("fields, param", [
-    ({"cache_hit_threshold": 1.5}, "cache_hit_threshold"),
-    ({"cache_hit_threshold": -0.1}, "cache_hit_threshold"),
-    ({"cache_hit_threshold": "0.5"}, "cache_hit_threshold"),
-    ({"cache_hit_threshold": True}, "cache_hit_threshold"),
-    ({"vllm_xargs": {"cache_hit_threshold": 1.5}}, "vllm_xargs.cache_hit_threshold"),
-    ({"vllm_xargs": {"cache_hit_threshold": "0.5"}}, "vllm_xargs.cache_hit_threshold"),
-    ({"cache_hit_threshold": 0.5, "vllm_xargs": {"cache_hit_threshold": 7}},
-     "vllm_xargs.cache_hit_threshold"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"cache_hit_threshold": 1.5}, "cache_hit_threshold"),
+        ({"cache_hit_threshold": -0.1}, "cache_hit_threshold"),
+        ({"cache_hit_threshold": "0.5"}, "cache_hit_threshold"),
+        ({"cache_hit_threshold": True}, "cache_hit_threshold"),
+        ({"vllm_xargs": {"cache_hit_threshold": 1.5}}, "vllm_xargs.cache_hit_threshold"),
+        ({"vllm_xargs": {"cache_hit_threshold": "0.5"}}, "vllm_xargs.cache_hit_threshold"),
+        ({"cache_hit_threshold": 0.5, "vllm_xargs": {"cache_hit_threshold": 7}}, "vllm_xargs.cache_hit_threshold"),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
-def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fields, param,
-                                                      stream):
-    body = (completion("hello", **fields) if path == "/v1/completions"
-            else chat("hello", **fields))
+def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fields, param, stream):
+    body = completion("hello", **fields) if path == "/v1/completions" else chat("hello", **fields)
     body["stream"] = stream
     status, answer = post_json(threshold_engine.base_url, path, body)
     assert status == 400
@@ -146,9 +156,11 @@ def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fi
 
 
 def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_engine):
-    status, events = post_sse(threshold_engine.base_url, "/v1/completions", completion(
-        cold_prompt(), stream=True, stream_options={"include_usage": True},
-        cache_hit_threshold=0.5))
+    status, events = post_sse(
+        threshold_engine.base_url,
+        "/v1/completions",
+        completion(cold_prompt(), stream=True, stream_options={"include_usage": True}, cache_hit_threshold=0.5),
+    )
     assert status == 200
     assert len(events) == 3, events
     finish, usage, done = events
@@ -163,8 +175,11 @@ def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_e
 
 
 def test_streaming_rejection_without_usage(threshold_engine):
-    status, events = post_sse(threshold_engine.base_url, "/v1/completions", completion(
-        cold_prompt(), stream=True, return_token_ids=False, cache_hit_threshold=0.5))
+    status, events = post_sse(
+        threshold_engine.base_url,
+        "/v1/completions",
+        completion(cold_prompt(), stream=True, return_token_ids=False, cache_hit_threshold=0.5),
+    )
     assert status == 200
     assert len(events) == 2, events
     finish, done = events
@@ -175,9 +190,11 @@ def test_streaming_rejection_without_usage(threshold_engine):
 
 
 def test_streaming_rejection_chat_role_chunk_then_finish(threshold_engine):
-    status, events = post_sse(threshold_engine.base_url, "/v1/chat/completions", chat(
-        cold_prompt(), stream=True, stream_options={"include_usage": True},
-        cache_hit_threshold=0.5))
+    status, events = post_sse(
+        threshold_engine.base_url,
+        "/v1/chat/completions",
+        chat(cold_prompt(), stream=True, stream_options={"include_usage": True}, cache_hit_threshold=0.5),
+    )
     assert status == 200
     assert len(events) == 4, events
     role, finish, usage, done = events
@@ -208,10 +225,19 @@ def test_chat_non_streaming_rejection_and_acceptance(threshold_engine):
 def test_prefill_leg_is_never_rejected(threshold_engine):
     """A NIXL prefill leg (do_remote_decode) on a cold prompt, with a threshold above any
     possible hit rate and the engine-wide 0.5: served, and returns kv_transfer_params."""
-    body = completion(cold_prompt(), max_tokens=1, cache_hit_threshold=1.0,
-                      kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
-                                          "remote_engine_id": None, "remote_block_ids": None,
-                                          "remote_host": None, "remote_port": None})
+    body = completion(
+        cold_prompt(),
+        max_tokens=1,
+        cache_hit_threshold=1.0,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
     status, answer = post_json(threshold_engine.base_url, "/v1/completions", body)
     assert status == 200
     assert answer["choices"][0]["finish_reason"] == "length", answer
@@ -224,20 +250,20 @@ def test_prefill_leg_is_never_rejected(threshold_engine):
 def test_rejections_are_counted_in_metrics(threshold_engine):
     url = threshold_engine.base_url
     before = scrape_metrics(url)
-    status, body = post_json(url, "/v1/completions", completion(cold_prompt(),
-                                                               cache_hit_threshold=0.5))
+    status, body = post_json(url, "/v1/completions", completion(cold_prompt(), cache_hit_threshold=0.5))
     assert_rejected_body(body)
     # The engine core pushes stats to the API server about once a second.
     deadline = time.monotonic() + 15
     while True:
         after = scrape_metrics(url)
-        success = (after.value("vllm:request_success_total", finished_reason="cache_threshold")
-                   - before.value("vllm:request_success_total",
-                                finished_reason="cache_threshold"))
+        success = after.value("vllm:request_success_total", finished_reason="cache_threshold") - before.value(
+            "vllm:request_success_total", finished_reason="cache_threshold"
+        )
         if success >= 1 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert success >= 1
-    arrival = (after.value("cachehit_threshold_rejections_total", stage="arrival")
-               - before.value("cachehit_threshold_rejections_total", stage="arrival"))
+    arrival = after.value("cachehit_threshold_rejections_total", stage="arrival") - before.value(
+        "cachehit_threshold_rejections_total", stage="arrival"
+    )
     assert arrival == 1  # this engine checks at arrival; a cold prompt is rejected there

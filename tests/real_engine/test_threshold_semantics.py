@@ -1,4 +1,5 @@
 """The threshold rule of the plugin as plain functions (no vLLM needed, runs everywhere)."""
+
 from __future__ import annotations
 
 import math
@@ -6,19 +7,22 @@ import math
 import pytest
 
 from engine_launcher.vllm_plugin.threshold import (
-    PluginConfig, ThresholdError, below_threshold, effective_threshold, is_prefill_leg,
-    request_threshold, validate_threshold,
+    PluginConfig,
+    ThresholdError,
+    below_threshold,
+    effective_threshold,
+    is_prefill_leg,
+    request_threshold,
+    validate_threshold,
 )
 
 
-@pytest.mark.parametrize("value, expected", [(None, None), (0, 0.0), (1, 1.0), (0.5, 0.5),
-                                             (0.0, 0.0), (1.0, 1.0)])
+@pytest.mark.parametrize("value, expected", [(None, None), (0, 0.0), (1, 1.0), (0.5, 0.5), (0.0, 0.0), (1.0, 1.0)])
 def test_valid_thresholds(value, expected):
     assert validate_threshold(value) == expected
 
 
-@pytest.mark.parametrize("value", [1.5, -0.1, "0.5", True, False, math.nan, math.inf, [0.5],
-                                   {"x": 1}])
+@pytest.mark.parametrize("value", [1.5, -0.1, "0.5", True, False, math.nan, math.inf, [0.5], {"x": 1}])
 def test_invalid_thresholds_name_the_field(value):
     with pytest.raises(ThresholdError) as info:
         validate_threshold(value, "vllm_xargs.cache_hit_threshold")
@@ -40,7 +44,8 @@ def test_engine_config_from_additional_config():
     assert PluginConfig.from_additional_config({}) == PluginConfig(0.0, True)
     assert PluginConfig.from_additional_config(None) == PluginConfig(0.0, True)
     cfg = PluginConfig.from_additional_config(
-        {"global_cache_hit_threshold": 0.4, "cache_hit_arrival_check": False, "other": 1})
+        {"global_cache_hit_threshold": 0.4, "cache_hit_arrival_check": False, "other": 1}
+    )
     assert cfg == PluginConfig(0.4, False)
     with pytest.raises(ValueError, match="global_cache_hit_threshold"):
         PluginConfig.from_additional_config({"global_cache_hit_threshold": 3})
@@ -61,9 +66,9 @@ def test_hit_rate_rule():
     assert below_threshold(0, 100, 0.5)
     assert below_threshold(49, 100, 0.5)
     assert not below_threshold(50, 100, 0.5)
-    assert not below_threshold(0, 100, 0.0)      # T = 0 never rejects
-    assert below_threshold(99, 100, 1.0)         # T = 1 needs every token cached
-    assert not below_threshold(0, 0, 0.9)        # nothing to compute
+    assert not below_threshold(0, 100, 0.0)  # T = 0 never rejects
+    assert below_threshold(99, 100, 1.0)  # T = 1 needs every token cached
+    assert not below_threshold(0, 0, 0.9)  # nothing to compute
 
 
 def test_prefill_legs_are_recognised():

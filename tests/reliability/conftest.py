@@ -5,6 +5,7 @@
 - `procs`: engines and routers as real subprocesses (relutil.SimProc / RouterProc), each
   stopped by its own process group at the end of the test, whatever happened.
 """
+
 from __future__ import annotations
 
 import sys

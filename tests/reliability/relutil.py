@@ -5,6 +5,7 @@ name: other engineers run engines on the same machine). Engines are the simulato
 (`python -m engine_launcher.sim`), so SIGKILL is a real process death; the router is
 `python -m router.cli --config X`, exactly what a user runs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,19 @@ class SimProc:
     def start(self, timeout: float = 30.0) -> "SimProc":
         if not self.port:
             self.port = free_port()
-        cmd = [PY, "-m", "engine_launcher.sim", "--port", str(self.port), "--model", MODEL,
-               "--enable-admin", "--log-level", "warning", *self.args]
+        cmd = [
+            PY,
+            "-m",
+            "engine_launcher.sim",
+            "--port",
+            str(self.port),
+            "--model",
+            MODEL,
+            "--enable-admin",
+            "--log-level",
+            "warning",
+            *self.args,
+        ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = start_group(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         wait_http(self.url + "/health", timeout, self.proc)
@@ -81,9 +93,9 @@ class SimProc:
                 time.sleep(0.2)
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None,
-              ssl_ctx: Any = None) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ssl_ctx: Any = None) -> None:
     import urllib.request
+
     end = time.monotonic() + timeout
     last = None
     while time.monotonic() < end:
@@ -131,8 +143,11 @@ class RouterProc:
         cfg_path = self.workdir / "router.toml"
         cfg_path.write_text(to_toml(self.config))
         self.proc = start_group(
-            [PY, "-m", "router.cli", "--config", str(cfg_path), *self.extra_args], cwd=ROOT,
-            stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+            [PY, "-m", "router.cli", "--config", str(cfg_path), *self.extra_args],
+            cwd=ROOT,
+            stdout=open(self.log_path, "ab"),
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_http(self.url + "/health", timeout, self.proc, ssl_ctx=ssl_ctx)
         except RuntimeError:
@@ -179,18 +194,26 @@ class Outcome:
     tokens: int = 0
 
 
-async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, *,
-                         timeout: float, path: str = "/v1/completions",
-                         headers: dict | None = None) -> Outcome:
+async def stream_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    *,
+    timeout: float,
+    path: str = "/v1/completions",
+    headers: dict | None = None,
+) -> Outcome:
     """One streamed request, classified. `lost`: a hang past `timeout`, a stream without
     [DONE], a wrong token count without an error, several ids: anything that is neither a
     correct answer nor a clear error."""
     max_tokens = body["max_tokens"]
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(url + path, data=orjson.dumps({**body, "stream": True,
-                                    "stream_options": {"include_usage": True}}),
-                                    headers={"Content-Type": "application/json", **(headers or {})}) as r:
+            async with session.post(
+                url + path,
+                data=orjson.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}),
+                headers={"Content-Type": "application/json", **(headers or {})},
+            ) as r:
                 if r.status != 200:
                     raw = await r.read()
                     try:
@@ -231,14 +254,16 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict, *
     return Outcome(200, "completed", tokens=max(texts, token_ids))
 
 
-async def unary_request(session: aiohttp.ClientSession, url: str, body: dict, *,
-                        timeout: float, path: str = "/v1/completions") -> Outcome:
+async def unary_request(
+    session: aiohttp.ClientSession, url: str, body: dict, *, timeout: float, path: str = "/v1/completions"
+) -> Outcome:
     """One non-streaming request, classified like `stream_request`."""
     max_tokens = body["max_tokens"]
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(url + path, data=orjson.dumps(body),
-                                    headers={"Content-Type": "application/json"}) as r:
+            async with session.post(
+                url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+            ) as r:
                 raw = await r.read()
                 status = r.status
     except TimeoutError:

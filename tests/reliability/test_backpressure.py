@@ -1,6 +1,7 @@
 """Backpressure: server.max_concurrent_requests execute, a bounded queue
 (max_queued_requests) waits at most queue_timeout_s, everything else gets 429 with
 Retry-After at once; memory stays bounded whatever arrives."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,31 +19,36 @@ from support.polling import eventually
 
 async def _post(s: aiohttp.ClientSession, url: str, body: bytes | dict, stream: bool = False):
     data = body if isinstance(body, bytes) else orjson.dumps({**body, "stream": stream})
-    async with s.post(url + "/v1/completions", data=data,
-                      headers={"Content-Type": "application/json"}) as r:
+    async with s.post(url + "/v1/completions", data=data, headers={"Content-Type": "application/json"}) as r:
         raw = await r.read()
         return r.status, r.headers, raw
 
 
 async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_slots(procs):
     engines = {"d0": procs.sim("--speed", "5")}
-    router = procs.router({
-        "server": {"max_concurrent_requests": 3, "max_queued_requests": 2, "queue_timeout_s": 1.0},
-        "routing": {"strategy": "least_loaded"},
-        "timeouts": {"idle_s": 30.0},
-        "backends": sim_backends(engines),
-    })
+    router = procs.router(
+        {
+            "server": {"max_concurrent_requests": 3, "max_queued_requests": 2, "queue_timeout_s": 1.0},
+            "routing": {"strategy": "least_loaded"},
+            "timeouts": {"idle_s": 30.0},
+            "backends": sim_backends(engines),
+        }
+    )
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         # Every stream holds its slot for 4 s (stall after the first token): 3 run, 2 wait
         # 1 s in the queue and give up, 15 are refused at once.
         await set_faults(s, engines["d0"].url, stall_after_tokens=1, stall_seconds=4.0)
-        tasks = [asyncio.create_task(_post(s, router.url, {"model": MODEL, "prompt": f"bp {i}",
-                                                            "max_tokens": 2}, stream=True))
-                 for i in range(20)]
+        tasks = [
+            asyncio.create_task(
+                _post(s, router.url, {"model": MODEL, "prompt": f"bp {i}", "max_tokens": 2}, stream=True)
+            )
+            for i in range(20)
+        ]
 
         async def queue_full():
             m = await scrape_metrics(s, router.url)
             return m.value("cachehit_router_queued_requests") == 2
+
         await eventually(queue_full, 10, "two requests queued")
         results = await asyncio.gather(*tasks)
         by_status = collections.Counter(st for st, _, _ in results)
@@ -59,8 +65,9 @@ async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_
 
         # Without the stall, queued requests get a slot as soon as one frees.
         await set_faults(s, engines["d0"].url, stall_after_tokens=0, stall_seconds=0.0)
-        results = await asyncio.gather(*(_post(s, router.url, {"model": MODEL, "prompt": f"q {i}",
-                                                               "max_tokens": 3}) for i in range(5)))
+        results = await asyncio.gather(
+            *(_post(s, router.url, {"model": MODEL, "prompt": f"q {i}", "max_tokens": 3}) for i in range(5))
+        )
         assert [st for st, _, _ in results] == [200] * 5
 
 
@@ -69,15 +76,21 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs):
     body only once it holds a slot, so at most max_concurrent_requests bodies are in
     memory, and a refused request's connection is closed instead of drained."""
     engines = {"d0": procs.sim("--speed", "5")}
-    router = procs.router({
-        "server": {"max_concurrent_requests": 4, "max_queued_requests": 4, "queue_timeout_s": 0.5,
-                   "max_body_bytes": 2 * 1024 * 1024},
-        # The simulator's event loop is busy tokenizing 1.5 MB prompts during the burst and
-        # accepts connections late; this test is about memory and 429s, not connect timing
-        # (seen in CI: one precise 504 "waiting for the connection" at the 5 s default).
-        "timeouts": {"connect_s": 60},
-        "backends": sim_backends(engines),
-    })
+    router = procs.router(
+        {
+            "server": {
+                "max_concurrent_requests": 4,
+                "max_queued_requests": 4,
+                "queue_timeout_s": 0.5,
+                "max_body_bytes": 2 * 1024 * 1024,
+            },
+            # The simulator's event loop is busy tokenizing 1.5 MB prompts during the burst and
+            # accepts connections late; this test is about memory and 429s, not connect timing
+            # (seen in CI: one precise 504 "waiting for the connection" at the 5 s default).
+            "timeouts": {"connect_s": 60},
+            "backends": sim_backends(engines),
+        }
+    )
     big = orjson.dumps({"model": MODEL, "prompt": "word " * 300_000, "max_tokens": 1})  # ~1.5 MB
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         await set_faults(s, engines["d0"].url, stall_after_tokens=1, stall_seconds=3.0)
@@ -88,8 +101,9 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs):
         results: list = []
 
         async def burst():
-            results.extend(await asyncio.gather(*(_post(s, router.url, big) for _ in range(N_BURST)),
-                                                return_exceptions=True))
+            results.extend(
+                await asyncio.gather(*(_post(s, router.url, big) for _ in range(N_BURST)), return_exceptions=True)
+            )
 
         t = asyncio.create_task(burst())
         while not t.done():
@@ -97,9 +111,11 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs):
             await asyncio.sleep(0.05)  # sampling rate of the RSS peak
         await t
         statuses = collections.Counter(r[0] if isinstance(r, tuple) else type(r).__name__ for r in results)
-        print(f"\nburst of {N_BURST} x {len(big) / 2**20:.1f} MiB bodies: {dict(statuses)}; router RSS "
-              f"before {rss_before / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB, "
-              f"after {router.rss() / 2**20:.1f} MiB")
+        print(
+            f"\nburst of {N_BURST} x {len(big) / 2**20:.1f} MiB bodies: {dict(statuses)}; router RSS "
+            f"before {rss_before / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB, "
+            f"after {router.rss() / 2**20:.1f} MiB"
+        )
         assert set(statuses) <= {200, 400, 429}, statuses  # 400: the engine's context-length check
         assert statuses[429] >= 250
         # What remains per connection is the event loop's read buffer until the 429 goes

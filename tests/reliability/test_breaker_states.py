@@ -1,6 +1,7 @@
 """The circuit breaker's state machine with a fake clock (the HTTP-level behaviour is in
 test_health.py): health checks never close it, a trial without a verdict frees the slot,
 a silent trial expires, an unhealthy backend gets no trial."""
+
 from router.backends import BackendRegistry
 from router.names import BreakerState
 from router.config import BackendConfig, HealthConfig
@@ -15,8 +16,11 @@ class Clock:
 
 
 def _registry(clock, threshold=2, cooldown=5.0):
-    r = BackendRegistry([BackendConfig("a", "http://a"), BackendConfig("b", "http://b")],
-                        HealthConfig(failure_threshold=threshold, cooldown_s=cooldown), clock=clock)
+    r = BackendRegistry(
+        [BackendConfig("a", "http://a"), BackendConfig("b", "http://b")],
+        HealthConfig(failure_threshold=threshold, cooldown_s=cooldown),
+        clock=clock,
+    )
     for n in ("a", "b"):
         r.record_scrape(n, {}, None)
     return r

@@ -7,6 +7,7 @@ router's per-backend in-flight counts (they feed routing: a leaked count steers 
 away from an idle engine) and its client in-flight gauge return to 0, and the engines run
 nothing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,12 +31,11 @@ def _body(i: int) -> tuple[str, bytes]:
     prompt = f"{prefix} request {i}"
     kind = i % 3
     if kind == 0:
-        return "/v1/completions", orjson.dumps(
-            {"model": MODEL, "prompt": prompt, "max_tokens": 40, "stream": True})
+        return "/v1/completions", orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 40, "stream": True})
     if kind == 1:
         return "/v1/chat/completions", orjson.dumps(
-            {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
-             "stream": True})
+            {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "stream": True}
+        )
     return "/v1/completions", orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 40})
 
 
@@ -43,8 +43,11 @@ async def hang_up_early(port: int, path: str, body: bytes, delay_s: float) -> No
     """Send one request, read whatever comes for `delay_s`, then close the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         await writer.drain()
         try:
             async with asyncio.timeout(delay_s):
@@ -80,17 +83,19 @@ async def _engines_idle(s: aiohttp.ClientSession, engines) -> dict[str, float]:
 @pytest.mark.timeout(300)
 async def test_early_hang_ups_leak_no_inflight_count(procs):
     engines = {f"d{i}": procs.sim("--speed", "2") for i in range(4)}
-    router = procs.router({
-        "server": {"max_concurrent_requests": 256, "max_queued_requests": 1024},
-        "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
-        "backends": sim_backends(engines),
-    })
+    router = procs.router(
+        {
+            "server": {"max_concurrent_requests": 256, "max_queued_requests": 1024},
+            "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
+            "backends": sim_backends(engines),
+        }
+    )
     await early_hang_up_storm(router.port, STORM_REQUESTS, STORM_CONCURRENCY)
     async with aiohttp.ClientSession() as s:
+
         async def settled():
             ms = await scrape_metrics(s, router.url)
-            counts = (ms.value("cachehit_router_backend_inflight"),
-                      ms.value("cachehit_router_inflight_requests"))
+            counts = (ms.value("cachehit_router_backend_inflight"), ms.value("cachehit_router_inflight_requests"))
             return counts if counts == (0, 0) else None
 
         # Each hung-up request is aborted within moments; a leaked count never returns.
@@ -98,13 +103,15 @@ async def test_early_hang_ups_leak_no_inflight_count(procs):
             await eventually(settled, 30.0, "router in-flight gauges back to 0")
         finally:
             ms = await scrape_metrics(s, router.url)
-            per_backend = {x.labels.get("backend"): x.value for x in ms.samples
-                           if x.name == "cachehit_router_backend_inflight"}
+            per_backend = {
+                x.labels.get("backend"): x.value for x in ms.samples if x.name == "cachehit_router_backend_inflight"
+            }
             print("backend in-flight after the storm:", per_backend)
         assert await eventually(lambda: _idle_or_none(s, engines), 30.0, "engines idle")
         # The router still serves.
-        async with s.post(router.url + "/v1/completions",
-                          json={"model": MODEL, "prompt": "after the storm", "max_tokens": 4}) as r:
+        async with s.post(
+            router.url + "/v1/completions", json={"model": MODEL, "prompt": "after the storm", "max_tokens": 4}
+        ) as r:
             assert r.status == 200, await r.text()
 
 

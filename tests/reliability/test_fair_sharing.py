@@ -3,6 +3,7 @@
 A simulated engine and `router --config` run as processes; the keys of two tenants come
 from the environment (`api_key_env`), as an operator would keep them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,22 +23,32 @@ def router(procs, monkeypatch):
     monkeypatch.setenv("CACHEHIT_TEST_FLOOD_KEY", FLOOD_KEY)
     monkeypatch.setenv("CACHEHIT_TEST_QUIET_KEY", QUIET_KEY)
     engine = procs.sim("--speed", "5")
-    return procs.router({
-        "server": {"max_concurrent_requests": 4, "max_queued_requests": 64, "queue_timeout_s": 30.0},
-        "tenants": [
-            {"name": "flood", "api_key_env": "CACHEHIT_TEST_FLOOD_KEY", "max_concurrent_requests": 2,
-             "max_queued_requests": 6},
-            {"name": "quiet", "api_key_env": "CACHEHIT_TEST_QUIET_KEY", "max_priority": 1},
-            {"name": "metered", "api_key": METERED_KEY, "requests_per_s": 0.05, "burst": 1},
-        ],
-        "backends": sim_backends({"d0": engine}),
-    })
+    return procs.router(
+        {
+            "server": {"max_concurrent_requests": 4, "max_queued_requests": 64, "queue_timeout_s": 30.0},
+            "tenants": [
+                {
+                    "name": "flood",
+                    "api_key_env": "CACHEHIT_TEST_FLOOD_KEY",
+                    "max_concurrent_requests": 2,
+                    "max_queued_requests": 6,
+                },
+                {"name": "quiet", "api_key_env": "CACHEHIT_TEST_QUIET_KEY", "max_priority": 1},
+                {"name": "metered", "api_key": METERED_KEY, "requests_per_s": 0.05, "burst": 1},
+            ],
+            "backends": sim_backends({"d0": engine}),
+        }
+    )
 
 
-async def _post(s: aiohttp.ClientSession, url: str, key: str, max_tokens: int = 60,
-                headers: dict[str, str] | None = None) -> tuple[int, dict, str]:
-    async with s.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}", **(headers or {})},
-                      json={"model": MODEL, "prompt": "share the engine", "max_tokens": max_tokens}) as r:
+async def _post(
+    s: aiohttp.ClientSession, url: str, key: str, max_tokens: int = 60, headers: dict[str, str] | None = None
+) -> tuple[int, dict, str]:
+    async with s.post(
+        url + "/v1/completions",
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+        json={"model": MODEL, "prompt": "share the engine", "max_tokens": max_tokens},
+    ) as r:
         return r.status, dict(r.headers), await r.text()
 
 
@@ -48,13 +59,17 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
 
         async def flood_saturated():
             ms = await scrape_metrics(s, router.url)
-            return (ms.value("cachehit_router_tenant_inflight", tenant="flood") == 2
-                    and ms.value("cachehit_router_tenant_queued", tenant="flood") == 6)
+            return (
+                ms.value("cachehit_router_tenant_inflight", tenant="flood") == 2
+                and ms.value("cachehit_router_tenant_queued", tenant="flood") == 6
+            )
+
         await eventually(flood_saturated, 60.0, "flood at its concurrency and queue limits")
         # While flood is at its limits, quiet's requests are served (two slots are free for
         # them), and with priority 1, which its key allows.
-        quiet = await asyncio.gather(*(_post(s, router.url, QUIET_KEY, headers={"X-Request-Priority": "1"})
-                                       for _ in range(4)))
+        quiet = await asyncio.gather(
+            *(_post(s, router.url, QUIET_KEY, headers={"X-Request-Priority": "1"}) for _ in range(4))
+        )
         ms = await scrape_metrics(s, router.url)
         assert ms.value("cachehit_router_tenant_queued", tenant="flood") > 0  # still held back
         assert [q[0] for q in quiet] == [200] * 4, quiet
@@ -66,8 +81,9 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
 
         ms = await scrape_metrics(s, router.url)
         assert ms.value("cachehit_router_tenant_requests_total", tenant="quiet", status="200") == 4
-        assert ms.value("cachehit_router_tenant_rejections_total", tenant="flood",
-                      reason="tenant_queue") == len(rejected)
+        assert ms.value("cachehit_router_tenant_rejections_total", tenant="flood", reason="tenant_queue") == len(
+            rejected
+        )
         assert ms.value("cachehit_router_tenant_rejections_total", tenant="quiet", reason="tenant_queue") == 0
         for t in ("flood", "quiet", "metered"):
             assert ms.value("cachehit_router_tenant_inflight", tenant=t) == 0
@@ -94,10 +110,17 @@ async def test_per_key_rate_limit_and_priority_rules(router):
         assert (await _post(s, router.url, "sk-nobody", max_tokens=2))[0] == 401
 
         # vLLM's other routes, forwarded to an engine, follow the same keys and rules.
-        for key, headers, expected in ((QUIET_KEY, {}, 200), ("sk-nobody", {}, 401),
-                                       (FLOOD_KEY, {"X-Request-Priority": "1"}, 403), (METERED_KEY, {}, 429)):
-            async with s.post(router.url + "/v1/embeddings", headers={"Authorization": f"Bearer {key}", **headers},
-                              json={"model": MODEL, "input": "share the engine"}) as r:
+        for key, headers, expected in (
+            (QUIET_KEY, {}, 200),
+            ("sk-nobody", {}, 401),
+            (FLOOD_KEY, {"X-Request-Priority": "1"}, 403),
+            (METERED_KEY, {}, 429),
+        ):
+            async with s.post(
+                router.url + "/v1/embeddings",
+                headers={"Authorization": f"Bearer {key}", **headers},
+                json={"model": MODEL, "input": "share the engine"},
+            ) as r:
                 assert r.status == expected, (key, r.status, await r.text())
 
         ms = await scrape_metrics(s, router.url)

@@ -9,6 +9,7 @@ error; none may hang or end malformed ("lost"). The load mixes streamed completi
 streamed chat completions (resumed through /v1/completions) and non-streaming completions. Afterwards the router's in-flight gauges
 return to zero, the engines run nothing, and the router's memory is near where it started.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,14 +35,16 @@ def _prompt(i: int) -> str:
 def _request(s, url: str, i: int, max_tokens: int, timeout: float):
     """Half streamed completions, a quarter streamed chat, a quarter non-streaming."""
     if i % 4 == 1:
-        return stream_request(s, url, {"model": MODEL, "max_tokens": max_tokens,
-                                       "messages": [{"role": "user", "content": _prompt(i)}]},
-                              timeout=timeout, path="/v1/chat/completions")
+        return stream_request(
+            s,
+            url,
+            {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": _prompt(i)}]},
+            timeout=timeout,
+            path="/v1/chat/completions",
+        )
     if i % 4 == 3:
-        return unary_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens},
-                             timeout=timeout)
-    return stream_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens},
-                          timeout=timeout)
+        return unary_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens}, timeout=timeout)
+    return stream_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens}, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -52,16 +55,18 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
     # idle_s 5: under this load a healthy engine's prefill-heavy step (resumed prompts pile
     # onto the survivors) can take ~2 s; d1's 40 s stall is far past it.
     engines = {name: procs.sim("--speed", "0.25") for name in ("d0", "d1", "d2", "d3")}
-    router = procs.router({
-        "server": {"max_concurrent_requests": 512, "max_queued_requests": 512},
-        "routing": {"max_retries": 3, "max_resumes": 4},
-        "timeouts": {"connect_s": 2.0, "first_token_s": 15.0, "idle_s": 5.0, "total_s": 80.0},
-        "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0, "failure_threshold": 3,
-                   "cooldown_s": 2.0},
-        "backends": sim_backends(engines),
-    })
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+    router = procs.router(
+        {
+            "server": {"max_concurrent_requests": 512, "max_queued_requests": 512},
+            "routing": {"max_retries": 3, "max_resumes": 4},
+            "timeouts": {"connect_s": 2.0, "first_token_s": 15.0, "idle_s": 5.0, "total_s": 80.0},
+            "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0, "failure_threshold": 3, "cooldown_s": 2.0},
+            "backends": sim_backends(engines),
+        }
+    )
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+    ) as s:
         # Warm-up at full concurrency, so the baseline memory includes the connection pools
         # and buffers a burst of this size needs anyway.
         warm = await asyncio.gather(*(_request(s, router.url, -i - 1, 8, 60) for i in range(N_STREAMS)))
@@ -70,8 +75,7 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
 
         await set_faults(s, engines["d1"].url, stall_after_tokens=8, stall_seconds=40.0)
         await set_faults(s, engines["d2"].url, error_rate=0.5)
-        tasks = [asyncio.create_task(_request(s, router.url, i, MAX_TOKENS, REQUEST_BOUND_S))
-                 for i in range(N_STREAMS)]
+        tasks = [asyncio.create_task(_request(s, router.url, i, MAX_TOKENS, REQUEST_BOUND_S)) for i in range(N_STREAMS)]
 
         # Kill d0 once it is generating for a good number of streams.
         await eventually(lambda: sim_state(s, engines["d0"].url), 30, "d0 state")
@@ -79,6 +83,7 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
         async def d0_busy():
             st = await sim_state(s, engines["d0"].url)
             return st["running"] >= 5 and st["generated"] >= 40
+
         await eventually(d0_busy, 60, "d0 running streams")
         engines["d0"].kill(signal.SIGKILL)
 
@@ -89,9 +94,11 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
         retried = ms.value("cachehit_router_retries_total")
         errors_by_msg = collections.Counter(o.detail[:120] for o in outcomes if o.kind == "error")
         lost = [o for o in outcomes if o.kind == "lost"]
-        print(f"\nfault injection: {N_STREAMS} streams: completed={counts['completed']} "
-              f"errors={counts['error']} lost={counts['lost']} (router: resumes={resumed:g}, "
-              f"retries={retried:g})")
+        print(
+            f"\nfault injection: {N_STREAMS} streams: completed={counts['completed']} "
+            f"errors={counts['error']} lost={counts['lost']} (router: resumes={resumed:g}, "
+            f"retries={retried:g})"
+        )
         for msg, n in errors_by_msg.most_common():
             print(f"  error x{n}: {msg}")
         for o in lost[:10]:
@@ -107,13 +114,17 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
         # Everything drains: router gauges and the surviving engines' queues go to zero.
         async def drained():
             m = await scrape_metrics(s, router.url)
-            return (m.value("cachehit_router_inflight_requests") == 0
-                    and all(m.value("cachehit_router_backend_inflight", backend=n) == 0 for n in engines))
+            return m.value("cachehit_router_inflight_requests") == 0 and all(
+                m.value("cachehit_router_backend_inflight", backend=n) == 0 for n in engines
+            )
+
         await eventually(drained, 15, "router in-flight gauges at zero")
         for n in ("d1", "d2", "d3"):
+
             async def idle(n=n):
                 st = await sim_state(s, engines[n].url)
                 return st["running"] == 0 and st["waiting"] == 0
+
             await eventually(idle, 30, f"{n} running nothing")
         ms = await scrape_metrics(s, router.url)
         assert ms.value("cachehit_router_backend_healthy", backend="d0") == 0

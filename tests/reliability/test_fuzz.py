@@ -9,6 +9,7 @@ wrong, truncated), chunked framing, Expect and odd headers. The router never ans
 never crashes, never hangs (every exchange is bounded), and keeps serving afterwards.
 An answer >= 500 is only acceptable when it names an upstream engine's failure.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -34,13 +35,15 @@ def fuzz_router(tmp_path_factory):
     every test ends by checking the router still serves)."""
     tmp = tmp_path_factory.mktemp("fuzz")
     sim = SimProc(["--speed", "500", "--max-model-len", "4096"], log_path=tmp / "sim.log")
-    router = RouterProc({
-        "server": {"max_body_bytes": 256 * 1024, "body_timeout_s": READ_TIMEOUT_S,
-                   "max_concurrent_requests": 64},
-        "timeouts": {"first_token_s": 10.0, "idle_s": 10.0, "total_s": 20.0},
-        "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
-        "backends": sim_backends({"d0": sim}),
-    }, tmp)
+    router = RouterProc(
+        {
+            "server": {"max_body_bytes": 256 * 1024, "body_timeout_s": READ_TIMEOUT_S, "max_concurrent_requests": 64},
+            "timeouts": {"first_token_s": 10.0, "idle_s": 10.0, "total_s": 20.0},
+            "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
+            "backends": sim_backends({"d0": sim}),
+        },
+        tmp,
+    )
     try:
         sim.start()
         router.config["backends"] = sim_backends({"d0": sim})
@@ -51,8 +54,9 @@ def fuzz_router(tmp_path_factory):
         sim.stop()
 
 
-def _request(port: int, method: str, path: str, body: bytes | None,
-             headers: dict | None = None) -> tuple[int, dict, bytes]:
+def _request(
+    port: int, method: str, path: str, body: bytes | None, headers: dict | None = None
+) -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=EXCHANGE_BOUND_S)
     try:
         conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
@@ -81,8 +85,9 @@ def _check_answer(status: int, headers: dict, raw: bytes, what) -> None:
 
 
 def _alive(port: int) -> None:
-    status, _, raw = _request(port, "POST", "/v1/completions",
-                              orjson.dumps({"model": MODEL, "prompt": "still here?", "max_tokens": 2}))
+    status, _, raw = _request(
+        port, "POST", "/v1/completions", orjson.dumps({"model": MODEL, "prompt": "still here?", "max_tokens": 2})
+    )
     assert status == 200, raw
     assert _request(port, "GET", "/health", None)[0] == 200
 
@@ -96,21 +101,66 @@ def _no_500s(port: int) -> None:
 # --- JSON bodies ----------------------------------------------------------------------------
 
 odd_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
-    ["", "\u0000", "\u202e\u202d", "\U0001f600" * 20, "a\u0301" * 10, "\ufeff", "\\u0000", "null",
-     "http://127.0.0.1:1/x", "' OR 1=1 --", "%s%n%x", "\r\n\r\nGET / HTTP/1.1"])
+    [
+        "",
+        "\u0000",
+        "\u202e\u202d",
+        "\U0001f600" * 20,
+        "a\u0301" * 10,
+        "\ufeff",
+        "\\u0000",
+        "null",
+        "http://127.0.0.1:1/x",
+        "' OR 1=1 --",
+        "%s%n%x",
+        "\r\n\r\nGET / HTTP/1.1",
+    ]
+)
 odd_number = st.one_of(
-    st.integers(min_value=-2**70, max_value=2**70),
-    st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**31 + 1, 2**63, -2**63, 10**30]),
-    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([1e308, -1e308, 5e-324, -0.0]))
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([0, -1, 1, 2**31 - 1, 2**31, 2**31 + 1, 2**63, -(2**63), 10**30]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([1e308, -1e308, 5e-324, -0.0]),
+)
 scalar = st.one_of(st.none(), st.booleans(), odd_number, odd_text)
-value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4)
-                     | st.dictionaries(odd_text, inner, max_size=4), max_leaves=12)
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-          "n", "temperature", "top_p", "logprobs", "top_logprobs", "echo", "stop", "seed", "vllm_xargs",
-          "request_id", "kv_transfer_params", "cache_hit_threshold", "return_token_ids", "use_beam_search",
-          "prompt_logprobs", "prompt_embeds", "min_tokens", "ignore_eos", "logit_bias", "user"]
-sane = {"model": st.just(MODEL), "prompt": st.just("fuzz"), "max_tokens": st.integers(1, 8),
-        "messages": st.just([{"role": "user", "content": "fuzz"}])}
+value = st.recursive(
+    scalar, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(odd_text, inner, max_size=4), max_leaves=12
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "temperature",
+    "top_p",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "stop",
+    "seed",
+    "vllm_xargs",
+    "request_id",
+    "kv_transfer_params",
+    "cache_hit_threshold",
+    "return_token_ids",
+    "use_beam_search",
+    "prompt_logprobs",
+    "prompt_embeds",
+    "min_tokens",
+    "ignore_eos",
+    "logit_bias",
+    "user",
+]
+sane = {
+    "model": st.just(MODEL),
+    "prompt": st.just("fuzz"),
+    "max_tokens": st.integers(1, 8),
+    "messages": st.just([{"role": "user", "content": "fuzz"}]),
+}
 
 
 @st.composite
@@ -137,14 +187,30 @@ def test_fuzzed_json_bodies_never_get_a_500_or_hang(fuzz_router, body, chat):
 
 @pytest.mark.slow
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(raw=st.one_of(
-    st.binary(max_size=300),
-    st.sampled_from([b"{", b"{\"model\":", b"[]", b"null", b"\"x\"", b"1e999", b"{\"prompt\": NaN}",
-                     b"{\"prompt\": \"\\ud800\"}", b"\xef\xbb\xbf{\"prompt\": \"bom\"}",
-                     b"{\"prompt\": \"x\", \"prompt\": 5}", b"{" * 5000, b"[" * 100_000,
-                     b"{\"max_tokens\": " + b"9" * 5000 + b"}"])),
+@given(
+    raw=st.one_of(
+        st.binary(max_size=300),
+        st.sampled_from(
+            [
+                b"{",
+                b'{"model":',
+                b"[]",
+                b"null",
+                b'"x"',
+                b"1e999",
+                b'{"prompt": NaN}',
+                b'{"prompt": "\\ud800"}',
+                b'\xef\xbb\xbf{"prompt": "bom"}',
+                b'{"prompt": "x", "prompt": 5}',
+                b"{" * 5000,
+                b"[" * 100_000,
+                b'{"max_tokens": ' + b"9" * 5000 + b"}",
+            ]
+        ),
+    ),
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-    ctype=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]))
+    ctype=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]),
+)
 def test_fuzzed_raw_bytes_never_get_a_500_or_hang(fuzz_router, raw, path, ctype):
     status, headers, out = _request(fuzz_router.port, "POST", path, raw, {"Content-Type": ctype})
     _check_answer(status, headers, out, raw[:100])
@@ -152,6 +218,7 @@ def test_fuzzed_raw_bytes_never_get_a_500_or_hang(fuzz_router, raw, path, ctype)
 
 
 # --- nesting depth, control characters, headers and encodings ----------------------------
+
 
 def _nested(depth: int, leaf, kinds: list[bool]):
     """`leaf` inside `depth` levels of arrays and objects (kinds[i]: object at level i)."""
@@ -163,12 +230,20 @@ def _nested(depth: int, leaf, kinds: list[bool]):
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(depth=st.one_of(st.integers(1, 140), st.integers(120, 1100), st.sampled_from([127, 128, 129, 253, 254, 255])),
-       field=st.sampled_from(FIELDS + ["foo", "vllm_xargs.foo"]), kinds=st.lists(st.booleans(), min_size=1, max_size=3),
-       chat=st.booleans(), stream=st.booleans())
+@given(
+    depth=st.one_of(st.integers(1, 140), st.integers(120, 1100), st.sampled_from([127, 128, 129, 253, 254, 255])),
+    field=st.sampled_from(FIELDS + ["foo", "vllm_xargs.foo"]),
+    kinds=st.lists(st.booleans(), min_size=1, max_size=3),
+    chat=st.booleans(),
+    stream=st.booleans(),
+)
 def test_deeply_nested_bodies_get_a_clear_answer(fuzz_router, depth, field, kinds, chat, stream):
-    body = {"model": MODEL, "max_tokens": 2, "stream": stream,
-            **({"messages": [{"role": "user", "content": "deep"}]} if chat else {"prompt": "deep"})}
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "stream": stream,
+        **({"messages": [{"role": "user", "content": "deep"}]} if chat else {"prompt": "deep"}),
+    }
     nested = _nested(depth, 1, kinds)
     if field == "vllm_xargs.foo":
         body["vllm_xargs"] = {"foo": nested}
@@ -182,11 +257,27 @@ def test_deeply_nested_bodies_get_a_clear_answer(fuzz_router, depth, field, kind
     assert fuzz_router.proc.poll() is None
 
 
-control_text = st.lists(st.sampled_from(
-    [chr(c) for c in range(0, 32)] + ["\x7f", "\x85", "\u2028", "\u2029", "\u202e", "\u200b", "\ufeff",
-                                      "\x1b[31m", "a", " "]), min_size=1, max_size=12).map("".join)
-STRING_FIELDS = ["model", "prompt", "request_id", "user", "stop", "messages.content", "messages.role",
-                 "messages.name", "vllm_xargs.foo", "response_format.type", "tool_choice"]
+control_text = st.lists(
+    st.sampled_from(
+        [chr(c) for c in range(0, 32)]
+        + ["\x7f", "\x85", "\u2028", "\u2029", "\u202e", "\u200b", "\ufeff", "\x1b[31m", "a", " "]
+    ),
+    min_size=1,
+    max_size=12,
+).map("".join)
+STRING_FIELDS = [
+    "model",
+    "prompt",
+    "request_id",
+    "user",
+    "stop",
+    "messages.content",
+    "messages.role",
+    "messages.name",
+    "vllm_xargs.foo",
+    "response_format.type",
+    "tool_choice",
+]
 
 
 @pytest.mark.slow
@@ -215,23 +306,45 @@ def test_control_characters_in_any_string_field_never_get_a_500(fuzz_router, fie
 def _encode(body: bytes, how: str) -> bytes:
     import gzip
     import zlib
-    return {"gzip": lambda b: gzip.compress(b), "deflate": lambda b: zlib.compress(b),
-            "plain": lambda b: b, "truncated-gzip": lambda b: gzip.compress(b)[:-6],
-            "garbage": lambda b: b"\x1f\x8b\x08\x00garbage" + b}[how](body)
+
+    return {
+        "gzip": lambda b: gzip.compress(b),
+        "deflate": lambda b: zlib.compress(b),
+        "plain": lambda b: b,
+        "truncated-gzip": lambda b: gzip.compress(b)[:-6],
+        "garbage": lambda b: b"\x1f\x8b\x08\x00garbage" + b,
+    }[how](body)
 
 
 @pytest.mark.slow
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(encoding=st.sampled_from(["gzip", "deflate", "br", "identity", "gzip, gzip", "x-junk", "GZIP", ""]),
-       actual=st.sampled_from(["gzip", "deflate", "plain", "truncated-gzip", "garbage"]),
-       chunked=st.booleans(), expect=st.sampled_from([None, "100-continue", "100-Continue", "200-ok", ""]),
-       extra=st.dictionaries(st.sampled_from(["Authorization", "X-Request-Priority", "X-Request-Id", "Accept",
-                                              "Accept-Encoding", "Content-Type", "Connection", "TE", "Forwarded"]),
-                             st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=30),
-                             max_size=3),
-       stream=st.booleans())
-def test_header_and_encoding_combinations_never_get_a_500(fuzz_router, encoding, actual, chunked, expect,
-                                                          extra, stream):
+@given(
+    encoding=st.sampled_from(["gzip", "deflate", "br", "identity", "gzip, gzip", "x-junk", "GZIP", ""]),
+    actual=st.sampled_from(["gzip", "deflate", "plain", "truncated-gzip", "garbage"]),
+    chunked=st.booleans(),
+    expect=st.sampled_from([None, "100-continue", "100-Continue", "200-ok", ""]),
+    extra=st.dictionaries(
+        st.sampled_from(
+            [
+                "Authorization",
+                "X-Request-Priority",
+                "X-Request-Id",
+                "Accept",
+                "Accept-Encoding",
+                "Content-Type",
+                "Connection",
+                "TE",
+                "Forwarded",
+            ]
+        ),
+        st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=30),
+        max_size=3,
+    ),
+    stream=st.booleans(),
+)
+def test_header_and_encoding_combinations_never_get_a_500(
+    fuzz_router, encoding, actual, chunked, expect, extra, stream
+):
     raw = _encode(orjson.dumps({"model": MODEL, "prompt": "enc", "max_tokens": 2, "stream": stream}), actual)
     headers = {"Content-Type": "application/json", **extra}
     if encoding:
@@ -277,8 +390,9 @@ def test_header_and_encoding_combinations_never_get_a_500(fuzz_router, encoding,
     assert got.startswith(b"HTTP/1.1 "), (encoding, actual, chunked, expect, extra, got[:200])
     head_raw, _, out = got.partition(b"\r\n\r\n")
     status = int(head_raw.split(b" ", 2)[1])
-    resp_headers = {k.decode(): v.strip().decode() for k, _, v in
-                    (line.partition(b":") for line in head_raw.split(b"\r\n")[1:])}
+    resp_headers = {
+        k.decode(): v.strip().decode() for k, _, v in (line.partition(b":") for line in head_raw.split(b"\r\n")[1:])
+    }
     if resp_headers.get("Transfer-Encoding", "").lower() == "chunked":
         body, rest = b"", out
         while rest:
@@ -286,7 +400,7 @@ def test_header_and_encoding_combinations_never_get_a_500(fuzz_router, encoding,
             size = int(size_line, 16)
             if size == 0:
                 break
-            body, rest = body + rest[:size], rest[size + 2:]
+            body, rest = body + rest[:size], rest[size + 2 :]
         out = body
     _check_answer(status, resp_headers, out, (encoding, actual, chunked, expect, extra))
     assert fuzz_router.proc.poll() is None
@@ -302,6 +416,7 @@ def test_after_fuzzing_the_router_still_serves(fuzz_router):
 
 
 # --- truncated bodies and slow clients ---------------------------------------------------------
+
 
 def _raw_exchange(port: int, head: bytes, parts: list[tuple[bytes, float]], close_after: bool) -> bytes:
     """Send `head`, then each (bytes, pause) part; optionally close the write side.
@@ -341,8 +456,10 @@ def _complete_response(out: bytes) -> bool:
 
 
 def _head(content_length: int) -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {content_length}\r\n\r\n").encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {content_length}\r\n\r\n"
+    ).encode()
 
 
 @pytest.mark.slow
@@ -383,9 +500,13 @@ def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router):
 def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router):
     body = orjson.dumps({"model": MODEL, "prompt": "slow but steady", "max_tokens": 2})
     step = max(1, len(body) // 5)
-    parts = [(body[i:i + step], 0.15) for i in range(0, len(body), step)]
-    out = _raw_exchange(fuzz_router.port, _head(len(body)).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"),
-                        parts, close_after=False)
+    parts = [(body[i : i + step], 0.15) for i in range(0, len(body), step)]
+    out = _raw_exchange(
+        fuzz_router.port,
+        _head(len(body)).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"),
+        parts,
+        close_after=False,
+    )
     assert out.startswith(b"HTTP/1.1 200"), out[:300]
 
 
@@ -396,8 +517,7 @@ def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router):
     try:
         for i in range(20):
             s = socket.create_connection(("127.0.0.1", fuzz_router.port), timeout=5)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le" if i % 2
-                      else _head(100) + b'{"model"')
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le" if i % 2 else _head(100) + b'{"model"')
             stalled.append(s)
         for _ in range(3):
             _alive(fuzz_router.port)

@@ -6,6 +6,7 @@ answers every request with 500 while its /health stays fine is kept out by the b
 (no probes during the cool-down), /ready and /metrics say so, and one successful trial
 closes the breaker again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,7 @@ async def _get(s: aiohttp.ClientSession, url: str, **kw) -> tuple[int, object]:
 
 
 async def _complete(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 3) -> tuple[int, dict]:
-    async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                     "max_tokens": max_tokens}) as r:
+    async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}) as r:
         return r.status, orjson.loads(await r.read())
 
 
@@ -39,14 +39,15 @@ async def _healthy(s, router, name) -> float:
 
 async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_same_port(procs):
     engines = {n: procs.sim("--speed", "5") for n in ("d0", "d1")}
-    router = procs.router({
-        "server": {"admin_api_key": ADMIN},
-        # Every request races: the engine's return is shown by its winning a race.
-        "routing": {"race": "always"},
-        "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, "failure_threshold": 3,
-                   "cooldown_s": 1.0},
-        "backends": sim_backends(engines),
-    })
+    router = procs.router(
+        {
+            "server": {"admin_api_key": ADMIN},
+            # Every request races: the engine's return is shown by its winning a race.
+            "routing": {"race": "always"},
+            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, "failure_threshold": 3, "cooldown_s": 1.0},
+            "backends": sim_backends(engines),
+        }
+    )
     async with aiohttp.ClientSession() as s:
         assert (await _get(s, router.url + "/ready"))[0] == 200
         ms = await scrape_metrics(s, router.url)
@@ -55,8 +56,7 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
 
         engines["d0"].kill(signal.SIGKILL)
         await eventually(lambda: _is_zero(s, router, "d0"), 10, "d0 marked unhealthy")
-        status, admin = await _get(s, router.url + "/admin/backends",
-                                   headers={"Authorization": f"Bearer {ADMIN}"})
+        status, admin = await _get(s, router.url + "/admin/backends", headers={"Authorization": f"Bearer {ADMIN}"})
         assert status == 200
         d0 = next(b for b in admin if b["name"] == "d0")
         assert d0["healthy"] is False and "connect" in d0["last_error"].lower(), d0
@@ -72,8 +72,9 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
         await eventually(lambda: _is_one(s, router, "d0"), 10, "d0 healthy again")
         # Used again: a prompt only d0 holds wins the probe race there.
         prompt = "warm on d0 only " + " ".join(f"x{i}" for i in range(60))
-        async with s.post(engines["d0"].url + "/v1/completions",
-                          json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+        async with s.post(
+            engines["d0"].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        ) as r:
             assert r.status == 200
         gen_before = await _engine_generated(s, engines["d0"].url)
         status, out = await _complete(s, router.url, prompt, max_tokens=5)
@@ -112,18 +113,20 @@ async def _engine_generated(s, url: str) -> float:
 
 async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_trial(procs):
     engines = {n: procs.sim("--speed", "5") for n in ("d0", "d1")}
-    router = procs.router({
-        "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, "failure_threshold": 2,
-                   "cooldown_s": 2.0},
-        "routing": {"strategy": "round_robin"},
-        "backends": sim_backends(engines),
-    })
+    router = procs.router(
+        {
+            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, "failure_threshold": 2, "cooldown_s": 2.0},
+            "routing": {"strategy": "round_robin"},
+            "backends": sim_backends(engines),
+        }
+    )
     async with aiohttp.ClientSession() as s:
         await set_faults(s, engines["d0"].url, error_rate=1.0)
 
         async def d0_errors() -> float:
-            return (await scrape_metrics(s, router.url)).value("cachehit_router_upstream_errors_total",
-                          backend="d0", kind="status")
+            return (await scrape_metrics(s, router.url)).value(
+                "cachehit_router_upstream_errors_total", backend="d0", kind="status"
+            )
 
         # Round robin sends every other request to d0 first; each 500 is retried on d1.
         for i in range(6):
@@ -150,19 +153,23 @@ async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_tr
 
         async def closed() -> bool:
             await _complete(s, router.url, "trial")
-            return (await scrape_metrics(s, router.url)).value("cachehit_router_backend_circuit_state", backend="d0") == 0
+            return (await scrape_metrics(s, router.url)).value(
+                "cachehit_router_backend_circuit_state", backend="d0"
+            ) == 0
+
         await eventually(closed, 15, "breaker closed after a successful trial", interval=0.1)
         assert await _healthy(s, router, "d0") == 1
 
 
 async def test_ready_follows_the_breaker_of_the_only_decoder(procs):
     engines = {"d0": procs.sim("--speed", "5")}
-    router = procs.router({
-        "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, "failure_threshold": 2,
-                   "cooldown_s": 1.5},
-        "routing": {"strategy": "least_loaded"},
-        "backends": sim_backends(engines),
-    })
+    router = procs.router(
+        {
+            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, "failure_threshold": 2, "cooldown_s": 1.5},
+            "routing": {"strategy": "least_loaded"},
+            "backends": sim_backends(engines),
+        }
+    )
     async with aiohttp.ClientSession() as s:
         await set_faults(s, engines["d0"].url, error_rate=1.0)
         for i in range(2):

@@ -10,6 +10,7 @@
 - malformed HTTP messages and clients hanging up mid-stream: one escaped INFO line each,
   no traceback, no ERROR, no raw control byte in the log.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -47,8 +48,7 @@ def router(tmp_path_factory):
 def _post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **AUTH,
-                                                        **(headers or {})})
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
         r = conn.getresponse()
         return r.status, dict(r.getheaders()), r.read()
     finally:
@@ -69,8 +69,11 @@ def _nested(depth: int) -> str:
 def _body(chat: bool, stream: bool, where: str, depth: int) -> bytes:
     deep = _nested(depth)
     if chat:
-        msg = '{"role": "user", "content": "hi"}' if where != "messages" else \
-            f'{{"role": "user", "content": "hi", "foo": {deep}}}'
+        msg = (
+            '{"role": "user", "content": "hi"}'
+            if where != "messages"
+            else f'{{"role": "user", "content": "hi", "foo": {deep}}}'
+        )
         head = f'{{"model": "{MODEL}", "messages": [{msg}], "max_tokens": 3, "stream": {str(stream).lower()}'
     else:
         head = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 3, "stream": {str(stream).lower()}'
@@ -100,8 +103,9 @@ def test_moderately_nested_bodies_are_served(router):
     assert status == 200, raw[:300]
 
 
-@pytest.mark.parametrize("rid", ["a\r\nX-Injected: 1", "a\nb", "a\x00b", "a\x7fb", "\x1b[31mred", "a\u202eb",
-                                 "a\u0085b"])
+@pytest.mark.parametrize(
+    "rid", ["a\r\nX-Injected: 1", "a\nb", "a\x00b", "a\x7fb", "\x1b[31mred", "a\u202eb", "a\u0085b"]
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_ids_with_control_characters_are_served_with_a_sendable_header(router, rid, stream):
     body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream, "request_id": rid})
@@ -119,8 +123,9 @@ def test_request_ids_with_control_characters_are_served_with_a_sendable_header(r
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_printable_unicode_request_id_is_kept(router, stream):
-    body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream,
-                         "request_id": "kunde-\u00e9t\u00e9-42"})
+    body = orjson.dumps(
+        {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream, "request_id": "kunde-\u00e9t\u00e9-42"}
+    )
     status, headers, raw = _post(router.port, "/v1/completions", body)
     assert status == 200, raw[:300]
     first = orjson.loads(raw.split(b"data: ", 2)[1].split(b"\n")[0]) if stream else orjson.loads(raw)
@@ -138,8 +143,10 @@ def test_a_body_that_is_not_in_its_content_encoding_gets_400(router):
 
 
 def _head(path: str, length: int, extra: str) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\nExpect: 100-continue\r\n{extra}\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\nExpect: 100-continue\r\n{extra}\r\n"
+    ).encode()
 
 
 def _read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
@@ -199,31 +206,40 @@ def test_client_events_are_one_escaped_info_line_without_traceback(router):
             out = _read_until(sock, b"\r\n\r\n", 5.0)
             assert re.match(rb"HTTP/1\.[01] 4\d\d ", out), (msg[:60], out[:200])
     # Clients hanging up mid-stream, after the first chunk.
-    body = orjson.dumps({"model": MODEL, "prompt": "long answer", "max_tokens": 400, "stream": True,
-                         "request_id": "hangs-up"})
+    body = orjson.dumps(
+        {"model": MODEL, "prompt": "long answer", "max_tokens": 400, "stream": True, "request_id": "hangs-up"}
+    )
     for _ in range(5):
         with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
-            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             assert b"data: {" in _read_until(sock, b"data: {", 10.0)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     # Every hang-up is recorded (status 499) on the request's own line, once.
-    eventually_blocking(lambda: router.log_path.read_bytes().count(b'"request_id":"cmpl-hangs-up"') >= 5, 20,
-                        "five hang-ups logged", interval=0.1)
+    eventually_blocking(
+        lambda: router.log_path.read_bytes().count(b'"request_id":"cmpl-hangs-up"') >= 5,
+        20,
+        "five hang-ups logged",
+        interval=0.1,
+    )
     log = router.log_path.read_bytes()
     assert log.count(b'"request_id":"cmpl-hangs-up"') == 5
     assert log.count(b'"status":499') >= 5
     assert b"Traceback" not in log, log.decode(errors="replace")[-3000:]
     assert b" ERROR " not in log, log.decode(errors="replace")[-3000:]
     assert log.count(b"client event: ") >= len(MALFORMED)
-    raw_controls = [c for c in set(log) if (c < 0x20 and c not in b"\n") or c == 0x7f]
+    raw_controls = [c for c in set(log) if (c < 0x20 and c not in b"\n") or c == 0x7F]
     assert not raw_controls, raw_controls
 
 
 def test_an_unknown_expectation_gets_417(router):
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
-        sock.sendall(_head("/v1/completions", 10, f"Authorization: Bearer {KEY}\r\n")
-                     .replace(b"100-continue", b"200-ok"))
+        sock.sendall(
+            _head("/v1/completions", 10, f"Authorization: Bearer {KEY}\r\n").replace(b"100-continue", b"200-ok")
+        )
         out = _read_until(sock, b"}}", 10.0)
     assert out.startswith(b"HTTP/1.1 417 "), out[:300]
     assert orjson.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 417

@@ -1,5 +1,6 @@
 """The `router` command's logs (router/logs.py): one JSON object per line by default, the
 request line's fields at the top level; text for humans with server.log_format = "text"."""
+
 from __future__ import annotations
 
 import aiohttp
@@ -13,8 +14,11 @@ ANNOUNCE = ("router: serving", "  try:")  # printed to stdout for a human, not l
 
 async def _two_requests(url: str) -> None:
     async with aiohttp.ClientSession() as s:
-        async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                          headers={"X-Request-Id": "logged-1"}) as r:
+        async with s.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"X-Request-Id": "logged-1"},
+        ) as r:
             assert r.status == 200
         async with s.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi"}) as r:
             assert r.status == 404
@@ -34,7 +38,9 @@ async def test_every_log_line_is_one_json_object(procs):
     assert all(isinstance(o, dict) and {"time", "level", "logger", "message"} <= o.keys() for o in objs)
     reqs = [o for o in objs if o["logger"] == "cachehit_router.requests"]
     assert [(o["message"], o["request_id"], o["status"]) for o in reqs] == [
-        ("request", "cmpl-logged-1", 200), ("request", reqs[1]["request_id"], 404)]
+        ("request", "cmpl-logged-1", 200),
+        ("request", reqs[1]["request_id"], 404),
+    ]
     assert reqs[1]["request_id"].startswith("cmpl-") and reqs[1]["model"] == "nope"
     ok = reqs[0]
     assert ok["endpoint"] == "completions" and ok["model"] == MODEL and ok["route"] in ("probe_hit", "direct")

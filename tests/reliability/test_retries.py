@@ -2,6 +2,7 @@
 retried on another backend, at most routing.max_retries times; a 4xx is the client's and
 is not retried; after the first token the resume path takes over (test_fault_injection,
 test_timeouts, tests/router/test_resume.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,17 +11,24 @@ from cluster_util import MODEL, FaultConfig
 
 
 def _sum(c, name: str, **labels) -> float:
-    return sum(s.value for fam in c.state.metrics.registry.collect() for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for fam in c.state.metrics.registry.collect()
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "probe"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster, strategy, stream):
     # race "always": every probe-mode request asks d0, whatever the race has been worth.
-    c = await make_cluster(decoders=2, routing={"strategy": strategy, "race": "always"},
-                           per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}},
-                           health={"failure_threshold": 100})
+    c = await make_cluster(
+        decoders=2,
+        routing={"strategy": strategy, "race": "always"},
+        per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}},
+        health={"failure_threshold": 100},
+    )
     for i in range(6):
         body = {"model": MODEL, "prompt": f"retry me {i}", "max_tokens": 4}
         if stream:
@@ -41,8 +49,12 @@ async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster, s
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster, stream):
-    c = await make_cluster(decoders=3, routing={"strategy": "round_robin", "max_retries": 1},
-                           sim={"faults": FaultConfig(error_rate=1.0)}, health={"failure_threshold": 100})
+    c = await make_cluster(
+        decoders=3,
+        routing={"strategy": "round_robin", "max_retries": 1},
+        sim={"faults": FaultConfig(error_rate=1.0)},
+        health={"failure_threshold": 100},
+    )
     body = {"model": MODEL, "prompt": "everyone fails", "max_tokens": 4}
     if stream:
         status, events = await c.stream(body)
@@ -59,12 +71,14 @@ async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster, stream
 @pytest.mark.parametrize("strategy", ["round_robin", "probe"])
 async def test_a_dead_backend_the_router_still_thinks_healthy_is_retried(make_cluster, strategy):
     # Health checks far apart: the router learns of d0's death from the request itself.
-    c = await make_cluster(decoders=2, routing={"strategy": strategy},
-                           health={"scrape_interval_s": 60.0, "check_interval_s": 60.0})
+    c = await make_cluster(
+        decoders=2, routing={"strategy": strategy}, health={"scrape_interval_s": 60.0, "check_interval_s": 60.0}
+    )
     await c.engines["d0"].close()
     for i in range(4):
-        status, events = await c.stream({"model": MODEL, "prompt": f"dead {i}", "max_tokens": 3,
-                                         "stream_options": {"include_usage": True}})
+        status, events = await c.stream(
+            {"model": MODEL, "prompt": f"dead {i}", "max_tokens": 3, "stream_options": {"include_usage": True}}
+        )
         assert status == 200 and events[-2]["usage"]["completion_tokens"] == 3, events
     assert _sum(c, "cachehit_router_upstream_errors_total", backend="d0", kind="connect") >= 1
 

@@ -9,6 +9,7 @@
   absolute-URI request lines, forwarding headers);
 - optional TLS, with a certificate generated at test time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,14 +54,19 @@ class Capture:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if CHECK_PROMPT_PREFIX.encode() not in body:  # the router's own capability check
-            self.seen.append({"method": request.method, "path": request.path_qs,
-                              "headers": list(request.raw_headers), "body": body})
+            self.seen.append(
+                {"method": request.method, "path": request.path_qs, "headers": list(request.raw_headers), "body": body}
+            )
         assert self.session is not None
-        async with self.session.request(request.method, self.engine_url + request.path_qs,
-                                        data=body or None,
-                                        headers={"Content-Type": "application/json"}) as up:
-            resp = web.StreamResponse(status=up.status, headers={
-                "Content-Type": up.headers.get("Content-Type", "application/json")})
+        async with self.session.request(
+            request.method,
+            self.engine_url + request.path_qs,
+            data=body or None,
+            headers={"Content-Type": "application/json"},
+        ) as up:
+            resp = web.StreamResponse(
+                status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "application/json")}
+            )
             await resp.prepare(request)
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
@@ -95,20 +101,31 @@ async def stack():
     tapp.router.add_route("*", "/{tail:.*}", trap.handle)
     trunner, tport = await _serve(tapp)
     closers.append(trunner.cleanup)
-    config = parse_config({
-        "server": {"port": 0, "api_keys": [CLIENT_KEY, OTHER_CLIENT_KEY], "admin_api_key": ADMIN_KEY,
-                   "max_body_bytes": 64 * 1024},
-        "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
-        "backends": [{"name": "d0", "url": f"http://127.0.0.1:{cport}", "role": "decode",
-                      "api_key": BACKEND_KEY}],
-    })
+    config = parse_config(
+        {
+            "server": {
+                "port": 0,
+                "api_keys": [CLIENT_KEY, OTHER_CLIENT_KEY],
+                "admin_api_key": ADMIN_KEY,
+                "max_body_bytes": 64 * 1024,
+            },
+            "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
+            "backends": [{"name": "d0", "url": f"http://127.0.0.1:{cport}", "role": "decode", "api_key": BACKEND_KEY}],
+        }
+    )
     rrunner, rport = await _serve(build_app(config, start_engines=False))
     closers.append(rrunner.cleanup)
     session = aiohttp.ClientSession()
     closers.append(session.close)
     ns = type("Stack", (), {})()
     ns.url, ns.port, ns.cap, ns.trap, ns.trap_port, ns.session = (
-        f"http://127.0.0.1:{rport}", rport, cap, trap, tport, session)
+        f"http://127.0.0.1:{rport}",
+        rport,
+        cap,
+        trap,
+        tport,
+        session,
+    )
     ns.cap_host = f"127.0.0.1:{cport}"
     try:
         yield ns
@@ -123,8 +140,9 @@ def _auth(key: str = CLIENT_KEY) -> dict:
 
 async def _post(st, body: dict | bytes, headers: dict | None = None, path: str = "/v1/completions"):
     data = body if isinstance(body, bytes) else orjson.dumps(body)
-    async with st.session.post(st.url + path, data=data,
-                               headers={"Content-Type": "application/json", **(headers or {})}) as r:
+    async with st.session.post(
+        st.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    ) as r:
         raw = await r.read()
         return r.status, r.headers, raw
 
@@ -137,10 +155,23 @@ def _err(raw: bytes, status: int) -> dict:
 
 # --- authentication ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("header", [
-    None, "", "Bearer", "Bearer ", "Bearer sk-client", "Bearer sk-client-1x", "Basic c2stY2xpZW50LTE=",
-    "Bearer sk-admin", "Bearer " + "x" * 10000, "Bearer sk-client-1\u00e9", "Token sk-client-1",
-])
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Bearer sk-client",
+        "Bearer sk-client-1x",
+        "Basic c2stY2xpZW50LTE=",
+        "Bearer sk-admin",
+        "Bearer " + "x" * 10000,
+        "Bearer sk-client-1\u00e9",
+        "Token sk-client-1",
+    ],
+)
 async def test_generation_needs_a_client_key(stack, header):
     headers = {} if header is None else {"Authorization": header}
     status, h, raw = await _post(stack, {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers)
@@ -158,9 +189,13 @@ async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack):
     for path, method in (("/v1/completions", b"POST"), ("/v1/models", b"GET"), ("/admin/backends", b"GET")):
         reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
         body = b'{"prompt": "x"}' if method == b"POST" else b""
-        writer.write(method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\x80\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-                     + b"\r\nConnection: close\r\n\r\n" + body)
+        writer.write(
+            method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\x80\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
         await writer.drain()
         async with asyncio.timeout(10):
             head = await reader.readline()
@@ -171,8 +206,9 @@ async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack):
 @pytest.mark.parametrize("key", [CLIENT_KEY, OTHER_CLIENT_KEY])
 async def test_each_client_key_works_and_the_scheme_is_case_insensitive(stack, key):
     for scheme in ("Bearer", "bearer", "BEARER"):
-        status, _, raw = await _post(stack, {"model": MODEL, "prompt": "x", "max_tokens": 2},
-                                     {"Authorization": f"{scheme} {key}"})
+        status, _, raw = await _post(
+            stack, {"model": MODEL, "prompt": "x", "max_tokens": 2}, {"Authorization": f"{scheme} {key}"}
+        )
         assert status == 200, raw
 
 
@@ -209,6 +245,7 @@ async def test_admin_route_is_absent_without_an_admin_key(make_cluster):
 
 # --- body limit ----------------------------------------------------------------------------
 
+
 async def test_body_limit_with_and_without_content_length(stack):
     big = orjson.dumps({"model": MODEL, "prompt": "y" * 100_000, "max_tokens": 1})
     status, _, raw = await _post(stack, big, _auth())
@@ -217,9 +254,11 @@ async def test_body_limit_with_and_without_content_length(stack):
 
     async def chunked():
         for i in range(0, len(big), 8192):
-            yield big[i:i + 8192]
-    async with stack.session.post(stack.url + "/v1/completions", data=chunked(),
-                                  headers={**_auth(), "Content-Type": "application/json"}) as r:
+            yield big[i : i + 8192]
+
+    async with stack.session.post(
+        stack.url + "/v1/completions", data=chunked(), headers={**_auth(), "Content-Type": "application/json"}
+    ) as r:
         assert r.status == 413
         _err(await r.read(), 413)
     # Not even an unauthenticated client can make the router read a big body.
@@ -253,17 +292,31 @@ CLIENT_HEADERS = {
     "Accept-Encoding": "br",
     "User-Agent": "evil-client/1.0",
 }
-_ALLOWED_UPSTREAM = {"host", "content-type", "content-length", "authorization", "accept",
-                     "accept-encoding", "user-agent"}
+_ALLOWED_UPSTREAM = {
+    "host",
+    "content-type",
+    "content-length",
+    "authorization",
+    "accept",
+    "accept-encoding",
+    "user-agent",
+}
 
 
 async def test_client_headers_and_internal_fields_never_reach_the_engine(stack):
     body = {
-        "model": MODEL, "prompt": "headers", "max_tokens": 3,
-        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.1",
-                               "remote_port": stack.trap_port, "remote_engine_id": "evil"},
+        "model": MODEL,
+        "prompt": "headers",
+        "max_tokens": 3,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": stack.trap_port,
+            "remote_engine_id": "evil",
+        },
         "ec_transfer_params": {"remote_host": "127.0.0.1"},
-        "cache_hit_threshold": 0.0, "vllm_xargs": {"cache_hit_threshold": 0.0, "mine": 1},
+        "cache_hit_threshold": 0.0,
+        "vllm_xargs": {"cache_hit_threshold": 0.0, "mine": 1},
         "request_id": "client-request-id",
     }
     for stream in (False, True):
@@ -271,9 +324,13 @@ async def test_client_headers_and_internal_fields_never_reach_the_engine(stack):
 
         async def chunked():
             yield orjson.dumps({**body, "stream": stream})
+
         # A chunked body (Transfer-Encoding: chunked from the client) on top of the headers.
-        async with stack.session.post(stack.url + "/v1/completions", data=chunked(),
-                                      headers={**CLIENT_HEADERS, "Content-Type": "application/json"}) as r:
+        async with stack.session.post(
+            stack.url + "/v1/completions",
+            data=chunked(),
+            headers={**CLIENT_HEADERS, "Content-Type": "application/json"},
+        ) as r:
             assert r.status == 200, await r.read()
             await r.read()
         gens = [s for s in stack.cap.seen[n_before:] if s["path"] == "/v1/completions"]
@@ -301,31 +358,55 @@ async def test_client_headers_and_internal_fields_never_reach_the_engine(stack):
 
 # --- no foreign host ----------------------------------------------------------------------
 
+
 async def test_no_request_makes_the_router_contact_a_host_outside_its_configuration(stack):
     trap = f"127.0.0.1:{stack.trap_port}"
     vectors = [
         ({"model": f"http://{trap}/v1", "prompt": "x", "max_tokens": 1}, {}),
         ({"model": f"//{trap}", "prompt": "x", "max_tokens": 1}, {}),
         ({"model": MODEL, "prompt": f"http://{trap}/v1/completions", "max_tokens": 1}, {}),
-        ({"model": MODEL, "prompt": "x", "max_tokens": 1, "vllm_xargs": {"url": f"http://{trap}"},
-          "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": stack.trap_port}}, {}),
+        (
+            {
+                "model": MODEL,
+                "prompt": "x",
+                "max_tokens": 1,
+                "vllm_xargs": {"url": f"http://{trap}"},
+                "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": stack.trap_port},
+            },
+            {},
+        ),
         ({"model": MODEL, "prompt": "x", "max_tokens": 1}, {"Host": trap}),
         ({"model": MODEL, "prompt": "x", "max_tokens": 1}, {"X-Forwarded-Host": trap, "Forwarded": f"host={trap}"}),
-        ({"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": f"http://{trap}/img.png"}}]}], "max_tokens": 1}, {}),
+        (
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"http://{trap}/img.png"}}]}
+                ],
+                "max_tokens": 1,
+            },
+            {},
+        ),
     ]
     for body, headers in vectors:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         status, _, raw = await _post(stack, body, {**_auth(), **headers}, path=path)
         assert status < 500 or b"Upstream engine" in raw, (body, status, raw)
     # Request lines the router must not treat as a proxy request.
-    for target in (f"http://{trap}/v1/completions", f"//{trap}/v1/completions",
-                   f"http://{trap}/health", f"/v1/completions?url=http://{trap}"):
+    for target in (
+        f"http://{trap}/v1/completions",
+        f"//{trap}/v1/completions",
+        f"http://{trap}/health",
+        f"/v1/completions?url=http://{trap}",
+    ):
         reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
         payload = orjson.dumps({"model": MODEL, "prompt": "abs", "max_tokens": 1})
-        writer.write(f"POST {target} HTTP/1.1\r\nHost: {trap}\r\nAuthorization: Bearer {CLIENT_KEY}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-                     "Connection: close\r\n\r\n".encode() + payload)
+        writer.write(
+            f"POST {target} HTTP/1.1\r\nHost: {trap}\r\nAuthorization: Bearer {CLIENT_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+            "Connection: close\r\n\r\n".encode()
+            + payload
+        )
         await writer.drain()
         async with asyncio.timeout(10):
             raw = await reader.read()
@@ -339,6 +420,7 @@ async def test_no_request_makes_the_router_contact_a_host_outside_its_configurat
 
 
 # --- TLS ------------------------------------------------------------------------------------
+
 
 def _self_signed(tmp_path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 made now: with the `cryptography` package, else with
@@ -355,17 +437,22 @@ def _self_signed(tmp_path) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     key_path.chmod(0o600)
     return str(cert_path), str(key_path)
 
@@ -373,13 +460,34 @@ def _self_signed(tmp_path) -> tuple[str, str]:
 def _self_signed_openssl(tmp_path) -> tuple[str, str]:
     import shutil
     import subprocess
+
     if shutil.which("openssl") is None:
         pytest.skip("neither the cryptography package nor the openssl command is available")
     cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key_path), "-out", str(cert_path), "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key_path),
+            "-out",
+            str(cert_path),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(cert_path), str(key_path)
 
 
@@ -387,12 +495,18 @@ async def test_tls_with_a_self_signed_certificate(procs, tmp_path):
     cert, key = _self_signed(tmp_path)
     ctx = ssl.create_default_context(cafile=cert)
     engines = {"d0": procs.sim("--speed", "20")}
-    router = procs.router({"server": {"tls_cert": cert, "tls_key": key, "api_keys": [CLIENT_KEY]},
-                           "backends": sim_backends(engines)}, ssl_ctx=ctx)
+    router = procs.router(
+        {"server": {"tls_cert": cert, "tls_key": key, "api_keys": [CLIENT_KEY]}, "backends": sim_backends(engines)},
+        ssl_ctx=ctx,
+    )
     assert router.url.startswith("https://")
     async with aiohttp.ClientSession() as s:
-        async with s.post(router.url + "/v1/completions", ssl=ctx, headers=_auth(),
-                          json={"model": MODEL, "prompt": "over tls", "max_tokens": 4, "stream": True}) as r:
+        async with s.post(
+            router.url + "/v1/completions",
+            ssl=ctx,
+            headers=_auth(),
+            json={"model": MODEL, "prompt": "over tls", "max_tokens": 4, "stream": True},
+        ) as r:
             assert r.status == 200
             raw = await r.read()
         assert raw.rstrip().endswith(b"data: [DONE]")
@@ -401,10 +515,8 @@ async def test_tls_with_a_self_signed_certificate(procs, tmp_path):
             async with s.get(router.url + "/health"):
                 pass
         with pytest.raises(aiohttp.ClientError):
-            async with s.get(f"http://127.0.0.1:{router.port}/health",
-                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with s.get(f"http://127.0.0.1:{router.port}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 await r.read()
                 assert r.status >= 400  # some servers answer 400 to plain HTTP: never 200
                 raise aiohttp.ClientError("plain HTTP answered")
     assert router.proc.poll() is None
-

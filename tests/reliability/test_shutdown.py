@@ -4,6 +4,7 @@ It stops accepting at once, lets the streams in flight finish within
 server.drain_timeout_s, cancels what outlasts it cleanly (an error event then [DONE], the
 engine request aborted), stops the engines it started, and exits 0.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,9 +32,16 @@ def _refuses(port: int) -> bool:
 
 
 async def _open_stream(s: aiohttp.ClientSession, url: str, max_tokens: int):
-    r = await s.post(url + "/v1/completions", json={
-        "model": MODEL, "prompt": "drain me", "max_tokens": max_tokens, "stream": True,
-        "stream_options": {"include_usage": True}})
+    r = await s.post(
+        url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "drain me",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.status == 200
     first = await r.content.readline()  # the stream has started
     assert first.startswith(b"data: ")
@@ -54,8 +62,9 @@ def _router_config(tmp_path, drain_s: float, speed: float) -> dict:
     return {
         "server": {"drain_timeout_s": drain_s, "admin_api_key": ADMIN},
         "launcher": {"log_dir": str(tmp_path / "engine-logs"), "startup_timeout_s": 60.0},
-        "engines": [{"name": "e0", "kind": "sim", "role": "both", "model": MODEL,
-                     "extra_args": ["--speed", str(speed)]}],
+        "engines": [
+            {"name": "e0", "kind": "sim", "role": "both", "model": MODEL, "extra_args": ["--speed", str(speed)]}
+        ],
     }
 
 
@@ -133,13 +142,15 @@ async def test_sigterm_answers_503_on_open_keep_alive_connections(procs, tmp_pat
     """Requests that clients send on their open keep-alive connections during the drain
     get 503 (then Connection: close), never a reset; the streams in flight complete."""
     engine = procs.sim("--speed", "1")
-    router = procs.router({"server": {"drain_timeout_s": 20.0},
-                           "backends": [{"name": "d0", "url": engine.url, "role": "decode",
-                                         "models": [MODEL]}]})
+    router = procs.router(
+        {
+            "server": {"drain_timeout_s": 20.0},
+            "backends": [{"name": "d0", "url": engine.url, "role": "decode", "models": [MODEL]}],
+        }
+    )
     outcomes: list[str] = []
     stop_sending = asyncio.Event()
-    clients = [asyncio.create_task(_keep_alive_client(router.url, i, outcomes, stop_sending))
-               for i in range(24)]
+    clients = [asyncio.create_task(_keep_alive_client(router.url, i, outcomes, stop_sending)) for i in range(24)]
     await eventually(lambda: outcomes.count("completed") >= 24, 30, "every client served once")
     os.kill(router.proc.pid, signal.SIGTERM)
     async with asyncio.timeout(60):

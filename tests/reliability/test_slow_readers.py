@@ -6,6 +6,7 @@ any socket buffer on the way) on a socket with a small receive buffer, and then 
 nothing. The router holds at most `server.stream_buffer_bytes` of it (plus the bounded
 socket buffers) and stops reading the engine leg; the rest waits at the engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,17 @@ ENGINE_ARGS = ("--speed", "100", "--max-model-len", "40000")
 
 
 def _body() -> bytes:
-    return orjson.dumps({"model": MODEL, "prompt": "a long answer nobody reads", "max_tokens": MAX_TOKENS,
-                         "logprobs": 5, "ignore_eos": True, "stream": True,
-                         "stream_options": {"include_usage": True}})
+    return orjson.dumps(
+        {
+            "model": MODEL,
+            "prompt": "a long answer nobody reads",
+            "max_tokens": MAX_TOKENS,
+            "logprobs": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
 
 
 async def _stalled_client(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -37,8 +46,11 @@ async def _stalled_client(port: int) -> tuple[asyncio.StreamReader, asyncio.Stre
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
     reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
     body = _body()
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     await writer.drain()
     return reader, writer
 
@@ -59,24 +71,28 @@ async def _read_all(reader: asyncio.StreamReader) -> bytes:
 async def _gauges(s: aiohttp.ClientSession, router_url: str, engine_url: str) -> tuple[float, float, float]:
     rm = await scrape_metrics(s, router_url)
     em = await scrape_metrics(s, engine_url)
-    return (rm.value("cachehit_router_inflight_requests"),
-            rm.value("cachehit_router_backend_inflight"),
-            em.value("vllm:num_requests_running"))
+    return (
+        rm.value("cachehit_router_inflight_requests"),
+        rm.value("cachehit_router_backend_inflight"),
+        em.value("vllm:num_requests_running"),
+    )
 
 
 @pytest.mark.timeout(120)
 async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs):
     engine = procs.sim(*ENGINE_ARGS)
-    router = procs.router({"timeouts": {"idle_s": 1.0, "total_s": 300.0},
-                           "backends": sim_backends({"d0": engine})})
+    router = procs.router({"timeouts": {"idle_s": 1.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)
     try:
         async with aiohttp.ClientSession() as s:
             # The router's write waits for the client, not for ever: timeouts.idle_s applies
             # to a client that accepts nothing, as it does to an engine that sends nothing.
             # (Before bounded buffering the stream stayed open until total_s.)
-            await eventually(lambda: _released(s, router.url, engine.url), 30.0,
-                           "stalled stream dropped, router gauges and engine back to 0")
+            await eventually(
+                lambda: _released(s, router.url, engine.url),
+                30.0,
+                "stalled stream dropped, router gauges and engine back to 0",
+            )
         got = await _read_all(reader)
         assert b"data: [DONE]" not in got  # cut, as the client stopped reading
     finally:
@@ -92,8 +108,7 @@ async def _released(s, router_url, engine_url):
 @pytest.mark.timeout(120)
 async def test_a_client_that_pauses_gets_the_whole_answer(procs):
     engine = procs.sim(*ENGINE_ARGS)
-    router = procs.router({"timeouts": {"idle_s": 60.0, "total_s": 300.0},
-                           "backends": sim_backends({"d0": engine})})
+    router = procs.router({"timeouts": {"idle_s": 60.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)
     try:
         async with aiohttp.ClientSession() as s:
@@ -103,6 +118,7 @@ async def test_a_client_that_pauses_gets_the_whole_answer(procs):
                 em = await scrape_metrics(s, engine.url)
                 done = em.value("vllm:generation_tokens_total") >= MAX_TOKENS
                 return g if done and g == (1, 1, 0) else None
+
             await eventually(generated_but_held, 60.0, "answer generated, stream still open at the router")
             got = await _read_all(reader)
             await eventually(lambda: _released(s, router.url, engine.url), 30.0, "gauges back to 0")
@@ -118,7 +134,7 @@ async def test_a_client_that_pauses_gets_the_whole_answer(procs):
         if size == 0:
             break
         events += rest[:size]
-        rest = rest[size + 2:]
+        rest = rest[size + 2 :]
     lines = [ln[6:] for ln in bytes(events).split(b"\n\n") if ln.startswith(b"data: ")]
     assert lines[-1] == b"[DONE]"
     chunks = [orjson.loads(ln) for ln in lines[:-1]]

@@ -4,6 +4,7 @@ Each ends with a precise OpenAI-style error (504 naming what timed out; once the
 started, an error event then [DONE]) and cancels the upstream request: the engine's
 running count returns to 0. The waits here are liveness bounds, not speed checks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,8 +52,9 @@ async def test_first_token_timeout_is_a_504_and_aborts_the_engine_request(make_c
 async def test_idle_timeout_mid_stream_ends_with_a_precise_error(make_cluster, stream):
     # One engine, stalling every stream after 3 tokens: the leg times out between chunks;
     # the resume finds no other engine, so the client learns exactly what happened.
-    c = await make_cluster(decoders=1, timeouts={"idle_s": 1.0},
-                           sim={"faults": FaultConfig(stall_after_tokens=3, stall_seconds=30.0)})
+    c = await make_cluster(
+        decoders=1, timeouts={"idle_s": 1.0}, sim={"faults": FaultConfig(stall_after_tokens=3, stall_seconds=30.0)}
+    )
     body = {"model": MODEL, "prompt": "stall please", "max_tokens": 20}
     async with asyncio.timeout(15):
         if stream:
@@ -70,16 +72,21 @@ async def test_idle_timeout_mid_stream_ends_with_a_precise_error(make_cluster, s
 
 async def test_idle_timeout_resumes_on_a_healthy_engine(make_cluster):
     """With another engine available the same stall is invisible to the client."""
-    c = await make_cluster(decoders=2, timeouts={"idle_s": 1.0}, per_engine={
-        "d0": {"faults": FaultConfig(stall_after_tokens=3, stall_seconds=30.0)}})
+    c = await make_cluster(
+        decoders=2,
+        timeouts={"idle_s": 1.0},
+        per_engine={"d0": {"faults": FaultConfig(stall_after_tokens=3, stall_seconds=30.0)}},
+    )
     prompt = long_prompt("stall-resume", 100)
     # Warm d0 so the probe race picks it.
-    async with c.session.post(c.engines["d0"].url + "/v1/completions",
-                              json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+    async with c.session.post(
+        c.engines["d0"].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    ) as r:
         assert r.status == 200
     async with asyncio.timeout(20):
-        status, events = await c.stream({"model": MODEL, "prompt": prompt, "max_tokens": 12,
-                                         "stream_options": {"include_usage": True}})
+        status, events = await c.stream(
+            {"model": MODEL, "prompt": prompt, "max_tokens": 12, "stream_options": {"include_usage": True}}
+        )
     assert status == 200 and events[-1] == "[DONE]"
     assert not any("error" in e for e in events[:-1])
     assert events[-2]["usage"]["completion_tokens"] == 12
@@ -109,8 +116,9 @@ async def test_total_timeout_is_not_resumed_and_names_the_whole_answer(make_clus
 async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster):
     """The engine's port stops accepting (a full listen backlog drops SYNs, as a hung
     host does): the router gives up after timeouts.connect_s and says so."""
-    c = await make_cluster(decoders=1, timeouts={"connect_s": 1.0},
-                           health={"scrape_interval_s": 60.0, "check_interval_s": 60.0})
+    c = await make_cluster(
+        decoders=1, timeouts={"connect_s": 1.0}, health={"scrape_interval_s": 60.0, "check_interval_s": 60.0}
+    )
     port = c.engines["d0"].port
     await c.engines["d0"].close()
     black = socket.socket()
@@ -142,18 +150,24 @@ async def test_timeouts_count_against_the_backend(make_cluster):
     """Idle timeouts are backend failures: after failure_threshold of them the breaker
     opens and the engine gets nothing (no probes either) during the cool-down, while the
     answers themselves complete on the other engine."""
-    c = await make_cluster(decoders=2, timeouts={"idle_s": 0.5}, routing={"race": "always"},
-                           per_engine={"d0": {"faults": FaultConfig(stall_after_tokens=2, stall_seconds=30.0)}},
-                           health={"failure_threshold": 2, "cooldown_s": 60.0})
+    c = await make_cluster(
+        decoders=2,
+        timeouts={"idle_s": 0.5},
+        routing={"race": "always"},
+        per_engine={"d0": {"faults": FaultConfig(stall_after_tokens=2, stall_seconds=30.0)}},
+        health={"failure_threshold": 2, "cooldown_s": 60.0},
+    )
     prompts = [long_prompt(f"count{i}", 100) for i in range(3)]
     for p in prompts:  # warm d0 with each prompt: the probe race picks it
-        async with c.session.post(c.engines["d0"].url + "/v1/completions",
-                                  json={"model": MODEL, "prompt": p, "max_tokens": 1}) as r:
+        async with c.session.post(
+            c.engines["d0"].url + "/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 1}
+        ) as r:
             assert r.status == 200
     for p in prompts[:2]:
         async with asyncio.timeout(10):
-            status, events = await c.stream({"model": MODEL, "prompt": p, "max_tokens": 6,
-                                             "stream_options": {"include_usage": True}})
+            status, events = await c.stream(
+                {"model": MODEL, "prompt": p, "max_tokens": 6, "stream_options": {"include_usage": True}}
+            )
         assert status == 200 and events[-2]["usage"]["completion_tokens"] == 6, events[-3:]
     assert c.router_metric("cachehit_router_resumes_total", reason="failure") == 2
     assert c.state.registry.states["d0"].breaker == "open"
@@ -175,15 +189,27 @@ async def test_a_resume_may_go_back_to_an_engine_that_failed_an_earlier_leg(make
     back to the first (which is fine for a new request): only the engine that failed last
     is kept out of a resume, so two engines are enough for three legs."""
     stall = {"faults": FaultConfig(stall_after_tokens=4, stall_seconds=30.0)}
-    c = await make_cluster(decoders=2, timeouts={"idle_s": 0.5}, routing={"max_resumes": 5},
-                           per_engine={"d0": stall, "d1": stall})
+    c = await make_cluster(
+        decoders=2, timeouts={"idle_s": 0.5}, routing={"max_resumes": 5}, per_engine={"d0": stall, "d1": stall}
+    )
     async with asyncio.timeout(30):
-        status, events = await c.stream({"model": MODEL, "prompt": long_prompt("ping-pong", 50),
-                                         "max_tokens": 12, "stream_options": {"include_usage": True}})
+        status, events = await c.stream(
+            {
+                "model": MODEL,
+                "prompt": long_prompt("ping-pong", 50),
+                "max_tokens": 12,
+                "stream_options": {"include_usage": True},
+            }
+        )
     assert status == 200 and events[-1] == "[DONE]"
     assert not any("error" in e for e in events[:-1]), events
     assert events[-2]["usage"]["completion_tokens"] == 12
     assert c.router_metric("cachehit_router_resumes_total", reason="failure") == 2
-    assert sum(c.router_metric("cachehit_router_upstream_errors_total", backend=d, kind="idle_timeout")
-               for d in ("d0", "d1")) == 2
+    assert (
+        sum(
+            c.router_metric("cachehit_router_upstream_errors_total", backend=d, kind="idle_timeout")
+            for d in ("d0", "d1")
+        )
+        == 2
+    )
     assert await c.wait_idle(10) == {"d0": 0, "d1": 0}

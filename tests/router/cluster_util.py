@@ -1,4 +1,5 @@
 """A router in front of simulated engines, all in this test's event loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,12 @@ class Cluster:
         return self.app[ROUTER_KEY]
 
     async def post(self, path: str, body: dict, **kw) -> aiohttp.ClientResponse:
-        return await self.session.post(self.url + path, data=orjson.dumps(body),
-                                       headers={"Content-Type": "application/json", **kw.pop("headers", {})}, **kw)
+        return await self.session.post(
+            self.url + path,
+            data=orjson.dumps(body),
+            headers={"Content-Type": "application/json", **kw.pop("headers", {})},
+            **kw,
+        )
 
     async def complete(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
         async with await self.post(path, body) as r:
@@ -56,8 +61,12 @@ class Cluster:
     def router_metric(self, name: str, **labels) -> float:
         """A router sample summed over the label sets that include `labels` (so a test
         need not name every label, e.g. `model`)."""
-        return sum(s.value for fam in self.state.metrics.registry.collect() for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for fam in self.state.metrics.registry.collect()
+            for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def routes(self) -> dict[str, float]:
         out = {}
@@ -79,9 +88,13 @@ class Cluster:
         states = self.state.registry.states
         # An engine that fails requests on purpose (fault injection) cannot answer the check.
         failing = {n for n, e in self.engines.items() if e.config.faults.error_rate > 0}
-        await eventually(lambda: not any(s.threshold_capable is None for n, s in states.items()
-                                         if s.config.decodes and n not in failing),
-                         timeout, "threshold capability checked on every decode engine")
+        await eventually(
+            lambda: (
+                not any(s.threshold_capable is None for n, s in states.items() if s.config.decodes and n not in failing)
+            ),
+            timeout,
+            "threshold capability checked on every decode engine",
+        )
         for n, e in self.engines.items():
             for s in (await scrape_metrics(self.session, e.url)).samples:
                 if s.name.endswith("_total"):
@@ -103,6 +116,7 @@ class Cluster:
             unhealthy = {n: s.last_error for n, s in states.items() if not s.healthy}
             assert not unhealthy, f"backends the router never saw healthy: {unhealthy}"
             return True
+
         await eventually(all_healthy, timeout, "every backend healthy")
 
     async def wait_idle(self, timeout: float = 5.0) -> dict[str, int]:
@@ -112,9 +126,13 @@ class Cluster:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while True:
-            counts = {n: int(await self.engine_metric(n, "vllm:num_requests_running")
-                             + await self.engine_metric(n, "vllm:num_requests_waiting"))
-                      for n in self.engines}
+            counts = {
+                n: int(
+                    await self.engine_metric(n, "vllm:num_requests_running")
+                    + await self.engine_metric(n, "vllm:num_requests_waiting")
+                )
+                for n in self.engines
+            }
             if not any(counts.values()) or loop.time() >= end:
                 return counts
             await asyncio.sleep(0.02)
@@ -123,41 +141,53 @@ class Cluster:
 # Backend priors under which prefill/decode is the cost model's choice for a cold prompt on
 # an idle cluster (producer predicted 1,000x faster than the decoders) until measurements
 # of the fast simulated decoders replace them: for tests of the split's mechanics.
-PD_PREFERRED = {**{f"d{i}": {"prefill_tokens_per_s": 1000.0} for i in range(4)},
-                **{f"p{i}": {"prefill_tokens_per_s": 1_000_000.0} for i in range(2)}}
+PD_PREFERRED = {
+    **{f"d{i}": {"prefill_tokens_per_s": 1000.0} for i in range(4)},
+    **{f"p{i}": {"prefill_tokens_per_s": 1_000_000.0} for i in range(2)},
+}
 
 
 @pytest.fixture
 async def make_cluster():
     clusters: list[Cluster] = []
 
-    async def make(decoders: int = 2, prefillers: int = 0, routing: dict | None = None,
-                   sim: dict | None = None, per_engine: dict | None = None, timeouts: dict | None = None,
-                   server: dict | None = None, health: dict | None = None,
-                   per_backend: dict | None = None,
-                   tracing: dict | None = None, span_exporter=None,
-                   front=None) -> Cluster:
+    async def make(
+        decoders: int = 2,
+        prefillers: int = 0,
+        routing: dict | None = None,
+        sim: dict | None = None,
+        per_engine: dict | None = None,
+        timeouts: dict | None = None,
+        server: dict | None = None,
+        health: dict | None = None,
+        per_backend: dict | None = None,
+        tracing: dict | None = None,
+        span_exporter=None,
+        front=None,
+    ) -> Cluster:
         """front: `await front(name, engine_url)` gives the URL the router uses for an
         engine instead of its own (a recording proxy in front of it)."""
         engines, backends, roles = {}, [], {}
         base = SimEngineConfig(**{"model": MODEL, "speed": DEFAULT_SPEED, **(sim or {})})
-        names = [(f"d{i}", "consumer", "decode") for i in range(decoders)] + \
-                [(f"p{i}", "producer", "prefill") for i in range(prefillers)]
+        names = [(f"d{i}", "consumer", "decode") for i in range(decoders)] + [
+            (f"p{i}", "producer", "prefill") for i in range(prefillers)
+        ]
         for name, role, brole in names:
             cfg = replace(base, role=role, **((per_engine or {}).get(name, {})))
             engines[name] = await start_sim_engine(cfg, port=0)
             url = engines[name].url if front is None else await front(name, engines[name].url)
-            backends.append({"name": name, "url": url, "role": brole,
-                             **((per_backend or {}).get(name, {}))})
+            backends.append({"name": name, "url": url, "role": brole, **((per_backend or {}).get(name, {}))})
             roles[name] = brole
-        config = parse_config({
-            "server": {"port": 0, **(server or {})},
-            "routing": {"min_pd_prompt_tokens": 64, **(routing or {})},
-            "timeouts": {"first_token_s": 20, "idle_s": 10, "total_s": 60, **(timeouts or {})},
-            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, **(health or {})},
-            "backends": backends,
-            **({"tracing": tracing} if tracing else {}),
-        })
+        config = parse_config(
+            {
+                "server": {"port": 0, **(server or {})},
+                "routing": {"min_pd_prompt_tokens": 64, **(routing or {})},
+                "timeouts": {"first_token_s": 20, "idle_s": 10, "total_s": 60, **(timeouts or {})},
+                "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4, **(health or {})},
+                "backends": backends,
+                **({"tracing": tracing} if tracing else {}),
+            }
+        )
         app = build_app(config, start_engines=False, span_exporter=span_exporter)
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()

@@ -1,5 +1,6 @@
 """A real DNS server for discovery tests: dnsmasq on loopback, answering from a hosts file
 the test rewrites (scripts/test.sh installs dnsmasq)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,8 @@ from support.ports import free_port
 
 def _dnsmasq_binary() -> str | None:
     return shutil.which("dnsmasq") or next(
-        (p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.access(p, os.X_OK)), None)
+        (p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.access(p, os.X_OK)), None
+    )
 
 
 class DnsServer:
@@ -31,12 +33,27 @@ class DnsServer:
         self.hosts.chmod(0o644)
         self.port = free_port(udp=True)  # dnsmasq listens on both
         self.proc = subprocess.Popen(
-            [binary, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
-             f"--addn-hosts={self.hosts}", "--local=/test/", "--listen-address=127.0.0.1", "--bind-interfaces",
-             f"--port={self.port}", "--pid-file=", "--local-ttl=0", "--log-facility=-",
-             # Stay the test's user (dnsmasq drops root to "nobody", who cannot read pytest's tmp dirs).
-             f"--user={pwd.getpwuid(os.getuid()).pw_name}", f"--group={grp.getgrgid(os.getgid()).gr_name}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                binary,
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                f"--addn-hosts={self.hosts}",
+                "--local=/test/",
+                "--listen-address=127.0.0.1",
+                "--bind-interfaces",
+                f"--port={self.port}",
+                "--pid-file=",
+                "--local-ttl=0",
+                "--log-facility=-",
+                # Stay the test's user (dnsmasq drops root to "nobody", who cannot read pytest's tmp dirs).
+                f"--user={pwd.getpwuid(os.getuid()).pw_name}",
+                f"--group={grp.getgrgid(os.getgid()).gr_name}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
 
     @property
     def nameserver(self) -> str:

@@ -1,6 +1,7 @@
 """Helpers of the fleet tests: engines sharing one port on several loopback addresses (as
 pods or DNS records share a container port), routers started from a raw configuration,
 and how many requests an engine finished (ports and polling: the support package)."""
+
 from __future__ import annotations
 
 import aiohttp

@@ -5,6 +5,7 @@ other backend is down: draining beats panic routing), the requests it serves fin
 POST /admin/backends/{name}/enable undoes it. Only with server.admin_api_key, only for
 configured backend names.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,9 @@ async def requests_seen(c) -> dict[str, float]:
 
 async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(make_cluster):
     # Every request races: the holder's return to rotation shows as a probe hit.
-    c = await make_cluster(decoders=2, server={"admin_api_key": "sk-admin"}, routing={"race": "always"},
-                           sim={"speed": 1.0})
+    c = await make_cluster(
+        decoders=2, server={"admin_api_key": "sk-admin"}, routing={"race": "always"}, sim={"speed": 1.0}
+    )
     warm = {"model": MODEL, "prompt": long_prompt("drain", 400), "max_tokens": 4}
     status, out = await c.complete(warm)  # the prompt's cache now lives on one engine
     assert status == 200, out

@@ -1,4 +1,5 @@
 """Non-streaming answers assembled from streams equal the engine's own non-streaming JSON."""
+
 import orjson
 import pytest
 
@@ -15,8 +16,9 @@ async def _direct(c, path: str, body: dict) -> dict:
     eng = c.engines["d0"]
     async with c.session.post(eng.url + "/reset_prefix_cache") as r:
         assert r.status == 200
-    async with c.session.post(eng.url + path, data=orjson.dumps(body),
-                              headers={"Content-Type": "application/json"}) as r:
+    async with c.session.post(
+        eng.url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    ) as r:
         assert r.status == 200
         out = orjson.loads(await r.read())
     async with c.session.post(eng.url + "/reset_prefix_cache") as r:
@@ -24,12 +26,15 @@ async def _direct(c, path: str, body: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"return_token_ids": True},
-    {"logprobs": 2},
-    {"stop": [" the"], "max_tokens": 40},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"return_token_ids": True},
+        {"logprobs": 2},
+        {"stop": [" the"], "max_tokens": 40},
+    ],
+)
 async def test_completion_matches_engine_field_by_field(make_cluster, extra):
     c = await make_cluster(decoders=1)
     body = {"model": MODEL, "prompt": long_prompt("parity", 50), "max_tokens": 10, **extra}
@@ -39,30 +44,39 @@ async def test_completion_matches_engine_field_by_field(make_cluster, extra):
     assert _strip(routed) == _strip(engine_answer)
 
 
-@pytest.mark.parametrize("extra", [
-    {},
-    {"return_token_ids": True},
-    {"logprobs": True, "top_logprobs": 2},
-    {"max_completion_tokens": 7},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"return_token_ids": True},
+        {"logprobs": True, "top_logprobs": 2},
+        {"max_completion_tokens": 7},
+    ],
+)
 async def test_chat_matches_engine_field_by_field(make_cluster, extra):
     c = await make_cluster(decoders=1)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt("chat", 40)}],
-            "max_tokens": 9, **extra}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": long_prompt("chat", 40)}],
+        "max_tokens": 9,
+        **extra,
+    }
     engine_answer = await _direct(c, "/v1/chat/completions", body)
     status, routed = await c.complete(body, "/v1/chat/completions")
     assert status == 200, routed
     assert _strip(routed) == _strip(engine_answer)
 
 
-@pytest.mark.parametrize("path, prompt", [
-    ("/v1/completions", {"prompt": long_prompt("sparity", 50)}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("cparity", 50)}]}),
-])
+@pytest.mark.parametrize(
+    "path, prompt",
+    [
+        ("/v1/completions", {"prompt": long_prompt("sparity", 50)}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("cparity", 50)}]}),
+    ],
+)
 async def test_streaming_matches_engine_stream_modulo_ids(make_cluster, path, prompt):
     c = await make_cluster(decoders=1)
-    body = {"model": MODEL, **prompt, "max_tokens": 10, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, **prompt, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
     eng = c.engines["d0"]
     async with c.session.post(eng.url + path, json=body) as r:
         raw = await r.read()

@@ -1,4 +1,5 @@
 """Backend registry: circuit breaker, in-flight counts, scraped load, snapshot."""
+
 from router.backends import BackendRegistry
 from router.engine_metrics import parse_load_metrics
 from router.names import BreakerState
@@ -74,8 +75,9 @@ def test_inflight_counts_and_load():
 
 
 def test_models_come_from_config_or_discovery():
-    r = BackendRegistry([BackendConfig("a", "http://a"), BackendConfig("b", "http://b", models=("m2",))],
-                        HealthConfig())
+    r = BackendRegistry(
+        [BackendConfig("a", "http://a"), BackendConfig("b", "http://b", models=("m2",))], HealthConfig()
+    )
     r.record_scrape("a", {}, ("m1",))
     r.record_scrape("b", {}, ("ignored",))
     assert r.models() == ["m1", "m2"]
@@ -93,8 +95,11 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 # TYPE vllm:prefix_cache_hits counter
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 99.0
 """
-    assert parse_load_metrics(text) == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 7.0,
-                                        "vllm:kv_cache_usage_perc": 0.25}
+    assert parse_load_metrics(text) == {
+        "vllm:num_requests_running": 5.0,
+        "vllm:num_requests_waiting": 7.0,
+        "vllm:kv_cache_usage_perc": 0.25,
+    }
 
 
 def test_ambiguous_check_failures_need_the_threshold_definitive_ones_do_not():

@@ -1,4 +1,5 @@
 """Bad input gets an OpenAI-style error with the right status; internals cannot be injected."""
+
 import asyncio
 
 import orjson
@@ -16,22 +17,24 @@ def _is_error(body: dict, status: int) -> None:
     assert err["code"] == status
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b"{not json", None),
-    (b"[1, 2]", None),
-    (b'{"model": "sim-model"}', "prompt"),
-    (b'{"model": "sim-model", "prompt": 5}', "prompt"),
-    (b'{"model": "sim-model", "prompt": "x", "max_tokens": -1}', "max_tokens"),
-    (b'{"model": "sim-model", "prompt": "x", "max_tokens": 1e999}', None),
-    (b'{"model": "sim-model", "prompt": "x", "n": 0}', "n"),
-    (b'{"model": "sim-model", "prompt": "x", "stream": "yes"}', "stream"),
-    (b'{"model": 7, "prompt": "x"}', "model"),
-    (b'\xff\xfe', None),
-])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"model": "sim-model"}', "prompt"),
+        (b'{"model": "sim-model", "prompt": 5}', "prompt"),
+        (b'{"model": "sim-model", "prompt": "x", "max_tokens": -1}', "max_tokens"),
+        (b'{"model": "sim-model", "prompt": "x", "max_tokens": 1e999}', None),
+        (b'{"model": "sim-model", "prompt": "x", "n": 0}', "n"),
+        (b'{"model": "sim-model", "prompt": "x", "stream": "yes"}', "stream"),
+        (b'{"model": 7, "prompt": "x"}', "model"),
+        (b"\xff\xfe", None),
+    ],
+)
 async def test_malformed_completions_get_400(make_cluster, raw, param):
     c = await make_cluster(decoders=1)
-    async with c.session.post(c.url + "/v1/completions", data=raw,
-                              headers={"Content-Type": "application/json"}) as r:
+    async with c.session.post(c.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
         assert r.status == 400
         body = orjson.loads(await r.read())
     _is_error(body, 400)
@@ -39,8 +42,15 @@ async def test_malformed_completions_get_400(make_cluster, raw, param):
         assert body["error"]["param"] == param
 
 
-@pytest.mark.parametrize("extra, param", [({"logprobs": 50}, "logprobs"), ({"max_tokens": 10**6}, "max_tokens"),
-                                          ({"temperature": -3}, "temperature"), ({"presence_penalty": 9}, None)])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"logprobs": 50}, "logprobs"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"temperature": -3}, "temperature"),
+        ({"presence_penalty": 9}, None),
+    ],
+)
 async def test_engine_side_validation_errors_pass_through(make_cluster, extra, param):
     """Fields the router does not validate itself: the engine's 400 reaches the client as is."""
     c = await make_cluster(decoders=2)
@@ -75,11 +85,13 @@ async def test_api_keys(make_cluster):
     status, body = await c.complete({"model": MODEL, "prompt": "x", "max_tokens": 1})
     assert status == 401
     _is_error(body, 401)
-    async with await c.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1},
-                            headers={"Authorization": "Bearer sk-bad"}) as r:
+    async with await c.post(
+        "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sk-bad"}
+    ) as r:
         assert r.status == 401
-    async with await c.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1},
-                            headers={"Authorization": "Bearer sk-good"}) as r:
+    async with await c.post(
+        "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sk-good"}
+    ) as r:
         assert r.status == 200
     async with c.session.get(c.url + "/health") as r:  # probes stay open
         assert r.status == 200
@@ -102,11 +114,20 @@ async def test_client_kv_transfer_params_never_reach_an_engine_or_a_foreign_host
     trap_port = site._server.sockets[0].getsockname()[1]
     try:
         c = await make_cluster(decoders=2, prefillers=1)
-        evil = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "evil",
-                "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1", "remote_port": trap_port,
-                "remote_request_id": "x", "remote_num_tokens": 300}
-        for path, extra in (("/v1/completions", {"prompt": long_prompt("evil", 300)}),
-                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("e2", 300)}]})):
+        evil = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "evil",
+            "remote_block_ids": [[1, 2, 3]],
+            "remote_host": "127.0.0.1",
+            "remote_port": trap_port,
+            "remote_request_id": "x",
+            "remote_num_tokens": 300,
+        }
+        for path, extra in (
+            ("/v1/completions", {"prompt": long_prompt("evil", 300)}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("e2", 300)}]}),
+        ):
             status, out = await c.complete({"model": MODEL, "max_tokens": 3, "kv_transfer_params": evil, **extra}, path)
             assert status == 200, out
         # Nothing to wait for when the router behaves: this gives a wrongly sent request time to land.
@@ -129,6 +150,7 @@ async def test_ready_and_models(make_cluster):
     async def not_ready() -> bool:
         async with c.session.get(c.url + "/ready") as r:
             return r.status == 503
+
     await eventually(not_ready, what="/ready answering 503 once every engine is down")
     # Nothing is available: the router still tries (panic routing) and says precisely why it failed.
     status, body = await c.complete({"model": MODEL, "prompt": "x", "max_tokens": 1})

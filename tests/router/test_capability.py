@@ -1,6 +1,7 @@
 """The threshold capability check (router/capability.py): an engine that accepts a probe at
 T = 1.0 on a random prompt (a stock vLLM; the simulator with threshold_plugin off) is
 routed to without probes, with a warning and cachehit_router_backend_threshold_capable."""
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,10 @@ async def _checked(c, timeout: float = 10.0) -> dict[str, float]:
     def checked() -> dict[str, float]:
         values = {n: c.router_metric(GAUGE, backend=n) for n in c.engines}
         assert all(v != -1 for v in values.values()) and all(
-            s.threshold_capable is not None for s in c.state.registry.states.values()), values
+            s.threshold_capable is not None for s in c.state.registry.states.values()
+        ), values
         return values
+
     return await eventually(checked, timeout, "the capability check of every engine")
 
 
@@ -27,12 +30,13 @@ async def test_stock_engine_is_never_probed(make_cluster, caplog):
     caplog.set_level(logging.INFO, logger="cachehit_router")
     c = await make_cluster(decoders=2, routing={"race": "always"}, per_engine={"d0": {"threshold_plugin": False}})
     assert await _checked(c) == {"d0": 0.0, "d1": 1.0}
-    assert any("backend d0: accepted a probe at cache_hit_threshold = 1.0" in r.getMessage()
-               and r.levelno == logging.WARNING for r in caplog.records)
+    assert any(
+        "backend d0: accepted a probe at cache_hit_threshold = 1.0" in r.getMessage() and r.levelno == logging.WARNING
+        for r in caplog.records
+    )
     # Cold prompts: probed, the stock engine would accept each one and win every race.
     for i in range(4):
-        status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"stock{i}", 40),
-                                        "max_tokens": 2})
+        status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"stock{i}", 40), "max_tokens": 2})
         assert status == 200, out
     assert c.routes()["probe_hit"] == 0
     assert c.router_metric("cachehit_router_probe_rejections_total", backend="d1") == 4
@@ -40,8 +44,9 @@ async def test_stock_engine_is_never_probed(make_cluster, caplog):
     assert c.router_metric("cachehit_router_probe_losers_total", backend="d0") == 0
     # A prompt d1 holds is still found by the race.
     prompt = long_prompt("stock-warm", 40)
-    async with c.session.post(c.engines["d1"].url + "/v1/completions",
-                              json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+    async with c.session.post(
+        c.engines["d1"].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    ) as r:
         assert r.status == 200
     status, _ = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 2})
     assert status == 200 and c.routes()["probe_hit"] == 1

@@ -1,5 +1,6 @@
 """The `router` command: configuration from the environment and flags, `--version`, and
 SIGHUP re-reading the file in a real router process."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def toml(backends: list[tuple[str, str]], extra: str = "") -> str:
@@ -35,10 +42,15 @@ def toml(backends: list[tuple[str, str]], extra: str = "") -> str:
 def test_environment_and_flags_override_the_file(tmp_path):
     f = tmp_path / "router.toml"
     f.write_text(toml([("a", "http://127.0.0.1:9")], '[server]\nport = 1111\napi_keys = ["in-file"]\n'))
-    env = {"CACHEHIT_ROUTER_API_KEYS": "k1, k2", "CACHEHIT_ROUTER_ADMIN_API_KEY": "adm",
-           "CACHEHIT_ROUTER_PORT": "2222", "CACHEHIT_ROUTER_HOST": "0.0.0.0",
-           "CACHEHIT_ROUTER_LOG_LEVEL": "warning", "CACHEHIT_ROUTER_STRATEGY": "prefix_tree",
-           "CACHEHIT_ROUTER_BACKEND_API_KEY": "engine-key"}
+    env = {
+        "CACHEHIT_ROUTER_API_KEYS": "k1, k2",
+        "CACHEHIT_ROUTER_ADMIN_API_KEY": "adm",
+        "CACHEHIT_ROUTER_PORT": "2222",
+        "CACHEHIT_ROUTER_HOST": "0.0.0.0",
+        "CACHEHIT_ROUTER_LOG_LEVEL": "warning",
+        "CACHEHIT_ROUTER_STRATEGY": "prefix_tree",
+        "CACHEHIT_ROUTER_BACKEND_API_KEY": "engine-key",
+    }
     cfg = load(f, env)
     assert cfg.server.api_keys == ("k1", "k2") and cfg.server.admin_api_key == "adm"
     assert (cfg.server.host, cfg.server.port, cfg.server.log_level) == ("0.0.0.0", 2222, "warning")
@@ -59,8 +71,10 @@ def test_environment_and_flags_override_the_file(tmp_path):
 def test_check_config_shows_the_environment_without_printing_secrets(tmp_path):
     f = tmp_path / "router.toml"
     f.write_text(toml([("a", "http://127.0.0.1:9")]))
-    r = run_cli("check-config", env={"CACHEHIT_ROUTER_CONFIG": str(f), "CACHEHIT_ROUTER_API_KEYS": "sk-env",
-                                     "CACHEHIT_ROUTER_PORT": "4321"})
+    r = run_cli(
+        "check-config",
+        env={"CACHEHIT_ROUTER_CONFIG": str(f), "CACHEHIT_ROUTER_API_KEYS": "sk-env", "CACHEHIT_ROUTER_PORT": "4321"},
+    )
     assert r.returncode == 0, r.stderr
     out = orjson.loads(r.stdout)
     assert out["server"]["port"] == 4321 and out["server"]["api_keys"] == ["***"]
@@ -71,6 +85,7 @@ def test_version():
     r = run_cli("--version")
     assert r.returncode == 0
     from importlib.metadata import version
+
     assert r.stdout.strip() == f"router (cachehit-router) {version('cachehit-router')}"
 
 
@@ -80,25 +95,37 @@ async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(
     port = free_port()
     f = tmp_path / "router.toml"
     f.write_text(toml([("a", a.url)], "[health]\nscrape_interval_s = 0.2\ncheck_interval_s = 0.4\n"))
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--config", str(f), "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "CACHEHIT_ROUTER_ADMIN_API_KEY": "adm"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "--config", str(f), "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "CACHEHIT_ROUTER_ADMIN_API_KEY": "adm"},
+    )
     url = f"http://127.0.0.1:{port}"
     admin = {"Authorization": "Bearer adm"}
     try:
         async with aiohttp.ClientSession() as s:
+
             async def names():
                 try:
                     async with s.get(url + "/admin/backends", headers=admin) as r:
-                        return r.status == 200 and {x["name"] for x in await r.json() if x["healthy"]
-                                                    and not x["removing"]}
+                        return r.status == 200 and {
+                            x["name"] for x in await r.json() if x["healthy"] and not x["removing"]
+                        }
                 except aiohttp.ClientError:  # not listening yet
                     return False
+
             assert await eventually(names, 30, "the router to start") == {"a"}
             # b replaces a; a timeout cannot change while running (a warning names it). The
             # port in the file does not count: the --port flag still overrides it.
-            f.write_text(toml([("b", b.url)], "[health]\nscrape_interval_s = 0.2\ncheck_interval_s = 0.4\n"
-                                              "[server]\nport = 1\n[timeouts]\nidle_s = 7\n"))
+            f.write_text(
+                toml(
+                    [("b", b.url)],
+                    "[health]\nscrape_interval_s = 0.2\ncheck_interval_s = 0.4\n"
+                    "[server]\nport = 1\n[timeouts]\nidle_s = 7\n",
+                )
+            )
             proc.send_signal(signal.SIGHUP)
             await eventually(lambda: _eq(names, {"b"}), 30, "the reload")
             async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
@@ -111,8 +138,9 @@ async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(
     assert proc.returncode == 0, err
     # The router logs JSON lines by default: one message each.
     messages = [json.loads(line)["message"] for line in err.decode().splitlines() if line.startswith("{")]
-    assert any(m.endswith("cannot change while the router runs, restart it to apply them: timeouts.idle_s")
-               for m in messages), messages
+    assert any(
+        m.endswith("cannot change while the router runs, restart it to apply them: timeouts.idle_s") for m in messages
+    ), messages
     assert any(m.startswith("reload applied: backends") for m in messages), messages
 
 

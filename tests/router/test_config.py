@@ -1,4 +1,5 @@
 """router.toml validation: good files load, bad ones name the key and what was expected."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -29,41 +30,59 @@ def test_defaults_are_safe():
     assert cfg.timeouts.total_s > 0 and cfg.timeouts.idle_s > 0
 
 
-@pytest.mark.parametrize("raw, key, expected", [
-    ({**MIN_BACKEND, "sevrer": {}}, "sevrer", "unknown key"),
-    ({**MIN_BACKEND, "server": {"port": "8000"}}, "server.port", "expected an integer"),
-    ({**MIN_BACKEND, "server": {"port": 70000}}, "server.port", "TCP port"),
-    ({**MIN_BACKEND, "server": {"colour": 1}}, "server.colour", "unknown key"),
-    ({**MIN_BACKEND, "routing": {"cache_hit_threshold": 1.5}}, "routing.cache_hit_threshold", "[0, 1]"),
-    ({**MIN_BACKEND, "routing": {"strategy": "random"}}, "routing.strategy", "expected one of"),
-    ({**MIN_BACKEND, "timeouts": {"idle_s": 0}}, "timeouts.idle_s", "positive"),
-    ({"backends": [{"name": "d0", "url": "ftp://x"}]}, "backends[0].url", "http:// or https://"),
-    ({"backends": [{"name": "d0", "url": "http://"}]}, "backends[0].url", "with a host"),
-    ({"backends": [{"name": "d0", "url": "http://h:99999"}]}, "backends[0].url", "valid port"),
-    ({"backends": [{"name": "d0", "url": "http://h", "role": "x"}]}, "backends[0].role", "expected one of"),
-    ({"backends": [{"url": "http://h"}]}, "backends[0].name", "required"),
-    ({"backends": [{"name": "p", "url": "http://h", "role": "prefill"}]}, "backends", "at least one backend"),
-    ({"backends": []}, "backends", "at least one backend"),
-    ({"backends": [{"name": "a", "url": "http://h"}, {"name": "a", "url": "http://i"}]}, "backends", "duplicate"),
-    ({"engines": [{"name": "e", "kind": "gpu"}]}, "engines[0].kind", "expected one of"),
-    ({"engines": [{"name": "e", "kind": "vllm", "role": "consumer"}]}, "engines[0].model", "required"),
-    ({"engines": [{"name": "e", "kind": "sim", "host": "example.com"}]}, "engines[0].host", "IP address"),
-    ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
-    ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
-    ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
-    ({**MIN_BACKEND, "tenants": [{"name": "a"}]}, "tenants[0].api_key", "exactly one of"),
-    ({**MIN_BACKEND, "tenants": [{"name": "a b", "api_key": "k"}]}, "tenants[0].name", "letters"),
-    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k", "requests_per_s": -1}]},
-     "tenants[0].requests_per_s", "non-negative"),
-    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k", "max_priority": 1000}]},
-     "tenants[0].max_priority", "[-100, 100]"),
-    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key_env": "CACHEHIT_TEST_UNSET_KEY"}]},
-     "tenants[0].api_key_env", "not set"),
-    ({**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k"}, {"name": "a", "api_key": "j"}]},
-     "tenants", "duplicate tenant name"),
-    ({**MIN_BACKEND, "server": {"api_keys": ["k"]}, "tenants": [{"name": "a", "api_key": "k"}]},
-     "tenants", "twice"),
-])
+@pytest.mark.parametrize(
+    "raw, key, expected",
+    [
+        ({**MIN_BACKEND, "sevrer": {}}, "sevrer", "unknown key"),
+        ({**MIN_BACKEND, "server": {"port": "8000"}}, "server.port", "expected an integer"),
+        ({**MIN_BACKEND, "server": {"port": 70000}}, "server.port", "TCP port"),
+        ({**MIN_BACKEND, "server": {"colour": 1}}, "server.colour", "unknown key"),
+        ({**MIN_BACKEND, "routing": {"cache_hit_threshold": 1.5}}, "routing.cache_hit_threshold", "[0, 1]"),
+        ({**MIN_BACKEND, "routing": {"strategy": "random"}}, "routing.strategy", "expected one of"),
+        ({**MIN_BACKEND, "timeouts": {"idle_s": 0}}, "timeouts.idle_s", "positive"),
+        ({"backends": [{"name": "d0", "url": "ftp://x"}]}, "backends[0].url", "http:// or https://"),
+        ({"backends": [{"name": "d0", "url": "http://"}]}, "backends[0].url", "with a host"),
+        ({"backends": [{"name": "d0", "url": "http://h:99999"}]}, "backends[0].url", "valid port"),
+        ({"backends": [{"name": "d0", "url": "http://h", "role": "x"}]}, "backends[0].role", "expected one of"),
+        ({"backends": [{"url": "http://h"}]}, "backends[0].name", "required"),
+        ({"backends": [{"name": "p", "url": "http://h", "role": "prefill"}]}, "backends", "at least one backend"),
+        ({"backends": []}, "backends", "at least one backend"),
+        ({"backends": [{"name": "a", "url": "http://h"}, {"name": "a", "url": "http://i"}]}, "backends", "duplicate"),
+        ({"engines": [{"name": "e", "kind": "gpu"}]}, "engines[0].kind", "expected one of"),
+        ({"engines": [{"name": "e", "kind": "vllm", "role": "consumer"}]}, "engines[0].model", "required"),
+        ({"engines": [{"name": "e", "kind": "sim", "host": "example.com"}]}, "engines[0].host", "IP address"),
+        ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
+        ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
+        ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
+        ({**MIN_BACKEND, "tenants": [{"name": "a"}]}, "tenants[0].api_key", "exactly one of"),
+        ({**MIN_BACKEND, "tenants": [{"name": "a b", "api_key": "k"}]}, "tenants[0].name", "letters"),
+        (
+            {**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k", "requests_per_s": -1}]},
+            "tenants[0].requests_per_s",
+            "non-negative",
+        ),
+        (
+            {**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k", "max_priority": 1000}]},
+            "tenants[0].max_priority",
+            "[-100, 100]",
+        ),
+        (
+            {**MIN_BACKEND, "tenants": [{"name": "a", "api_key_env": "CACHEHIT_TEST_UNSET_KEY"}]},
+            "tenants[0].api_key_env",
+            "not set",
+        ),
+        (
+            {**MIN_BACKEND, "tenants": [{"name": "a", "api_key": "k"}, {"name": "a", "api_key": "j"}]},
+            "tenants",
+            "duplicate tenant name",
+        ),
+        (
+            {**MIN_BACKEND, "server": {"api_keys": ["k"]}, "tenants": [{"name": "a", "api_key": "k"}]},
+            "tenants",
+            "twice",
+        ),
+    ],
+)
 def test_bad_configs_name_the_key(raw, key, expected):
     with pytest.raises(ConfigError) as e:
         parse_config(raw)
@@ -76,16 +95,27 @@ def test_every_problem_is_reported_at_once():
     # One run names them all: an unknown key does not hide a bad value of the same table,
     # and a broken backend does not hide a broken engine.
     with pytest.raises(ConfigError) as e:
-        parse_config({
-            "server": {"port": "x", "foo": 1},
-            "routing": {"bogus": 1, "cache_hit_threshold": 1.5, "strategy": "fast"},
-            "backends": [{"url": "ftp://h"}, {"name": "d", "url": "ftp://h", "role": "x"}],
-            "engines": [{"name": "e", "kind": "vllm", "role": "decoder", "host": "example.com"}],
-        })
+        parse_config(
+            {
+                "server": {"port": "x", "foo": 1},
+                "routing": {"bogus": 1, "cache_hit_threshold": 1.5, "strategy": "fast"},
+                "backends": [{"url": "ftp://h"}, {"name": "d", "url": "ftp://h", "role": "x"}],
+                "engines": [{"name": "e", "kind": "vllm", "role": "decoder", "host": "example.com"}],
+            }
+        )
     assert [m.split(":")[0] for m in e.value.problems] == [
-        "server.port", "server.foo", "routing.bogus", "routing.strategy",
-        "routing.cache_hit_threshold", "backends[0].name", "backends[1].url", "backends[1].role",
-        "engines[0].role", "engines[0].model", "engines[0].host"]
+        "server.port",
+        "server.foo",
+        "routing.bogus",
+        "routing.strategy",
+        "routing.cache_hit_threshold",
+        "backends[0].name",
+        "backends[1].url",
+        "backends[1].role",
+        "engines[0].role",
+        "engines[0].model",
+        "engines[0].host",
+    ]
     report = e.value.report("router")
     assert report.startswith("router: 11 configuration errors:\n  server.port: expected an integer")
     assert ConfigError("x.y: bad").report("router") == "router: configuration error: x.y: bad"
@@ -103,7 +133,8 @@ def test_a_policy_names_the_routing_keys_it_reads():
     bad = RoutingConfig(race="sometimes", max_probes=-1)
     assert policies.ProbeStrategy.validate(bad) == [
         "routing.race: expected one of auto, always, got 'sometimes'",
-        "routing.max_probes: expected a non-negative number, got -1"]
+        "routing.max_probes: expected a non-negative number, got -1",
+    ]
     assert policies.RoundRobinStrategy.validate(bad) == []
     # Checked whatever the strategy: a reload or the environment may switch to the policy
     # that reads them.
@@ -112,19 +143,28 @@ def test_a_policy_names_the_routing_keys_it_reads():
 
 
 def test_parsed_names_are_enum_members_that_read_as_their_strings():
-    cfg = parse_config({**MIN_BACKEND, "routing": {"strategy": "prefix_tree", "split": "always"},
-                        "engines": [{"name": "p", "kind": "sim", "role": "producer", "port": 9001}]})
+    cfg = parse_config(
+        {
+            **MIN_BACKEND,
+            "routing": {"strategy": "prefix_tree", "split": "always"},
+            "engines": [{"name": "p", "kind": "sim", "role": "producer", "port": 9001}],
+        }
+    )
     assert cfg.routing.strategy is StrategyName.PREFIX_TREE and cfg.routing.split is Mode.ALWAYS
     assert cfg.backends[0].role is Role.DECODE and cfg.engines[0].role is EngineRole.PRODUCER
     assert cfg.engines[0].backend_role == "prefill" and f"{cfg.routing.race}" == "auto"
 
 
 def test_engines_become_backends_with_mapped_roles():
-    cfg = parse_config({"engines": [
-        {"name": "p", "kind": "sim", "role": "producer", "port": 9001, "model": "m"},
-        {"name": "c", "kind": "sim", "role": "consumer", "port": 9002, "model": "m"},
-        {"name": "x", "kind": "sim", "role": "both", "port": 9003, "register": False},
-    ]})
+    cfg = parse_config(
+        {
+            "engines": [
+                {"name": "p", "kind": "sim", "role": "producer", "port": 9001, "model": "m"},
+                {"name": "c", "kind": "sim", "role": "consumer", "port": 9002, "model": "m"},
+                {"name": "x", "kind": "sim", "role": "both", "port": 9003, "register": False},
+            ]
+        }
+    )
     b = {x.name: x for x in cfg.all_backends({"c": "http://127.0.0.1:9999"})}
     assert set(b) == {"p", "c"}
     assert b["p"].role == "prefill" and b["c"].role == "decode"
@@ -133,8 +173,9 @@ def test_engines_become_backends_with_mapped_roles():
 
 
 def _run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "router.cli", *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
 
 
 def test_check_config_prints_resolved_configuration():
@@ -165,12 +206,28 @@ def test_secrets_are_not_printed():
 
 def test_tenant_keys_come_from_the_environment_and_are_never_printed(monkeypatch):
     monkeypatch.setenv("CACHEHIT_TEST_TENANT_KEY", "sk-from-env")
-    cfg = parse_config({**MIN_BACKEND, "tenants": [
-        {"name": "batch", "api_key_env": "CACHEHIT_TEST_TENANT_KEY", "max_concurrent_requests": 4,
-         "requests_per_s": 2.5, "max_priority": 1}]})
+    cfg = parse_config(
+        {
+            **MIN_BACKEND,
+            "tenants": [
+                {
+                    "name": "batch",
+                    "api_key_env": "CACHEHIT_TEST_TENANT_KEY",
+                    "max_concurrent_requests": 4,
+                    "requests_per_s": 2.5,
+                    "max_priority": 1,
+                }
+            ],
+        }
+    )
     (t,) = cfg.tenants
     assert (t.name, t.api_key, t.max_concurrent_requests, t.requests_per_s, t.max_priority) == (
-        "batch", "sk-from-env", 4, 2.5, 1)
+        "batch",
+        "sk-from-env",
+        4,
+        2.5,
+        1,
+    )
     assert "sk-from-env" not in str(cfg.to_dict())
 
 
@@ -180,9 +237,16 @@ def test_every_config_key_is_documented():
     from router import config as c
 
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
-    sections = {"server": c.ServerConfig, "routing": c.RoutingConfig, "timeouts": c.TimeoutsConfig,
-                "health": c.HealthConfig, "launcher": c.LauncherConfig, "[backends]": c.BackendConfig,
-                "[engines]": c.EngineConfig, "[tenants]": c.TenantConfig}
+    sections = {
+        "server": c.ServerConfig,
+        "routing": c.RoutingConfig,
+        "timeouts": c.TimeoutsConfig,
+        "health": c.HealthConfig,
+        "launcher": c.LauncherConfig,
+        "[backends]": c.BackendConfig,
+        "[engines]": c.EngineConfig,
+        "[tenants]": c.TenantConfig,
+    }
     for section, cls in sections.items():
         assert f"## [{section}]" in doc, section
         for f in dataclasses.fields(cls):

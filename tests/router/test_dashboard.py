@@ -2,6 +2,7 @@
 every metric its queries name is exported by the router (its live /metrics) or by vLLM 0.32
 (a captured engine /metrics), with the labels the query filters on; and the router's
 request metrics carry `model` with histogram buckets up to timeouts.total_s."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,32 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "cachehit-router.json"
 VLLM_METRICS = ROOT / "tests" / "fixtures" / "vllm_wire" / "metrics.json"
 
 # PromQL words that are not metric names.
-_PROMQL = {"sum", "by", "without", "rate", "irate", "increase", "histogram_quantile", "avg", "max",
-           "min", "count", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
-           "label_values", "offset", "bool", "topk", "bottomk", "le"}
+_PROMQL = {
+    "sum",
+    "by",
+    "without",
+    "rate",
+    "irate",
+    "increase",
+    "histogram_quantile",
+    "avg",
+    "max",
+    "min",
+    "count",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "label_values",
+    "offset",
+    "bool",
+    "topk",
+    "bottomk",
+    "le",
+}
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
 
@@ -43,7 +67,7 @@ def metric_names(expr: str) -> set[str]:
     e = re.sub(r"label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*,[^)]*\)", r" \1 ", e)
     names = set()
     for m in _NAME.finditer(e):
-        rest = e[m.end():].lstrip()
+        rest = e[m.end() :].lstrip()
         if m.group(0) in _PROMQL or rest.startswith("("):
             continue
         names.add(m.group(0))
@@ -125,6 +149,10 @@ async def test_request_metrics_have_a_model_label_and_buckets_to_the_total_timeo
     assert c.router_metric("cachehit_router_requests_total", model="other", status="404") == 1
     assert c.router_metric("cachehit_router_requests_total", model="made-up-by-a-client") == 0
     assert c.router_metric("cachehit_router_ttft_seconds_count", model=MODEL) == 1
-    buckets = sorted(float(s.labels["le"]) for fam in c.state.metrics.registry.collect() for s in fam.samples
-                     if s.name == "cachehit_router_request_duration_seconds_bucket" and s.labels["model"] == MODEL)
+    buckets = sorted(
+        float(s.labels["le"])
+        for fam in c.state.metrics.registry.collect()
+        for s in fam.samples
+        if s.name == "cachehit_router_request_duration_seconds_bucket" and s.labels["model"] == MODEL
+    )
     assert buckets[-2:] == [1500.0, float("inf")] and 900.0 in buckets and 0.005 in buckets

@@ -1,4 +1,5 @@
 """[[discovery]] tables: validated at start with messages naming the key, documented."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,21 +20,28 @@ def test_a_discovery_table_alone_is_a_valid_fleet():
     assert cfg.to_dict()["discovery"][0]["name"] == "vllm.ns.svc.cluster.local"
 
 
-@pytest.mark.parametrize("table, expected", [
-    ({"kind": "srv", "name": "x"}, "discovery[0].kind: expected one of dns, kubernetes, got 'srv'"),
-    ({"kind": "dns"}, "discovery[0].name: required for kind 'dns'"),
-    ({"kind": "kubernetes"}, "discovery[0].label_selector: required for kind 'kubernetes'"),
-    ({"name": "x", "port": 0}, "discovery[0].port: expected a TCP port in [1, 65535], got 0"),
-    ({"name": "x", "interval_s": 0}, "discovery[0].interval_s: expected a positive number"),
-    ({"name": "x", "role": "boss"}, "discovery[0].role: expected one of decode, prefill, both"),
-    ({"name": "x", "scheme": "ftp"}, "discovery[0].scheme: expected 'http' or 'https'"),
-    ({"name": "x", "nameservers": ["dns.example:53"]},
-     "discovery[0].nameservers[0]: expected an IP address with an optional :port"),
-    ({"name": "x", "nameservers": ["10.0.0.1:99999"]}, "discovery[0].nameservers[0]: expected a TCP port"),
-    ({"name": "x", "bogus": 1}, "discovery[0].bogus: unknown key"),
-    ({"kind": "kubernetes", "label_selector": "a=b", "api_server": "ftp://x"},
-     "discovery[0].api_server: expected an http:// or https:// URL"),
-])
+@pytest.mark.parametrize(
+    "table, expected",
+    [
+        ({"kind": "srv", "name": "x"}, "discovery[0].kind: expected one of dns, kubernetes, got 'srv'"),
+        ({"kind": "dns"}, "discovery[0].name: required for kind 'dns'"),
+        ({"kind": "kubernetes"}, "discovery[0].label_selector: required for kind 'kubernetes'"),
+        ({"name": "x", "port": 0}, "discovery[0].port: expected a TCP port in [1, 65535], got 0"),
+        ({"name": "x", "interval_s": 0}, "discovery[0].interval_s: expected a positive number"),
+        ({"name": "x", "role": "boss"}, "discovery[0].role: expected one of decode, prefill, both"),
+        ({"name": "x", "scheme": "ftp"}, "discovery[0].scheme: expected 'http' or 'https'"),
+        (
+            {"name": "x", "nameservers": ["dns.example:53"]},
+            "discovery[0].nameservers[0]: expected an IP address with an optional :port",
+        ),
+        ({"name": "x", "nameservers": ["10.0.0.1:99999"]}, "discovery[0].nameservers[0]: expected a TCP port"),
+        ({"name": "x", "bogus": 1}, "discovery[0].bogus: unknown key"),
+        (
+            {"kind": "kubernetes", "label_selector": "a=b", "api_server": "ftp://x"},
+            "discovery[0].api_server: expected an http:// or https:// URL",
+        ),
+    ],
+)
 def test_bad_tables_name_the_key(table, expected):
     with pytest.raises(ConfigError) as e:
         parse_config({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}], "discovery": [table]})

@@ -5,6 +5,7 @@ table's port. An address that appears joins once its health check passes; one th
 vanishes is drained (its running stream finishes) and removed; a DNS server that stops
 answering changes nothing.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,18 +32,30 @@ async def dns_router(dns_server):
     session = aiohttp.ClientSession()
 
     async def start_engine(addr: str, speed: float = 50.0):
-        engines[addr] = await start_sim_engine(SimEngineConfig(model=MODEL, speed=speed, role="consumer"),
-                                               host=addr, port=port)
+        engines[addr] = await start_sim_engine(
+            SimEngineConfig(model=MODEL, speed=speed, role="consumer"), host=addr, port=port
+        )
         return engines[addr]
 
     async def start(interval_s: float = 0.2):
-        return await start_router({
-            "server": {"port": 0},
-            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4},
-            "discovery": [{"kind": "dns", "name": NAME, "port": port, "role": "decode",
-                           "models": [MODEL], "interval_s": interval_s,
-                           "nameservers": [dns_server.nameserver]}],
-        }, runners)
+        return await start_router(
+            {
+                "server": {"port": 0},
+                "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4},
+                "discovery": [
+                    {
+                        "kind": "dns",
+                        "name": NAME,
+                        "port": port,
+                        "role": "decode",
+                        "models": [MODEL],
+                        "interval_s": interval_s,
+                        "nameservers": [dns_server.nameserver],
+                    }
+                ],
+            },
+            runners,
+        )
 
     yield port, start_engine, start, session
     await session.close()
@@ -57,8 +70,9 @@ def backend(addr: str, port: int) -> str:
 
 
 async def complete(session, url: str, prompt: str, max_tokens: int = 2) -> tuple[int, dict]:
-    async with session.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt,
-                                                          "max_tokens": max_tokens}) as r:
+    async with session.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+    ) as r:
         return r.status, orjson.loads(await r.read())
 
 
@@ -83,12 +97,14 @@ async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_
         if s is not None and not s.healthy:
             seen_unhealthy.append(True)
         return s is not None
+
     await dns_server.publish({NAME: [a, b, dead]})
     await eventually(joined, timeout=15, what="the new address to join")
     assert not seen_unhealthy
     rounds = state.discovery.rounds[f"discovery:dns:{NAME}"]
-    await eventually(lambda: state.discovery.rounds[f"discovery:dns:{NAME}"] >= rounds + 3,
-                     timeout=15, what="more discovery rounds")
+    await eventually(
+        lambda: state.discovery.rounds[f"discovery:dns:{NAME}"] >= rounds + 3, timeout=15, what="more discovery rounds"
+    )
     assert backend(dead, port) not in state.registry.states
 
     # The first engine is drained by hand so the stream lands on the second.
@@ -100,8 +116,11 @@ async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_
 
     # The second address vanishes from DNS while its stream runs.
     await dns_server.publish({NAME: [a]})
-    await eventually(lambda: state.registry.states.get(backend(b, port)) is None
-                     or state.registry.states[backend(b, port)].draining, timeout=15, what="the drain")
+    await eventually(
+        lambda: state.registry.states.get(backend(b, port)) is None or state.registry.states[backend(b, port)].draining,
+        timeout=15,
+        what="the drain",
+    )
     assert not stream.done(), "the stream must still be running when the drain starts"
     status, out = await stream
     assert status == 200 and out["usage"]["completion_tokens"] == 60, out
@@ -135,8 +154,9 @@ async def test_nxdomain_removes_the_engines_and_an_outage_keeps_them(dns_server,
 
     dns_server.close()  # the DNS server is gone: look-ups time out
     failures = state.discovery.failures.get(source, 0)
-    await eventually(lambda: state.discovery.failures.get(source, 0) >= failures + 2,
-                     timeout=15, what="failed look-ups")
+    await eventually(
+        lambda: state.discovery.failures.get(source, 0) >= failures + 2, timeout=15, what="failed look-ups"
+    )
     assert set(state.registry.states) == {backend(a, port)}
     assert not state.registry.states[backend(a, port)].draining
     assert (await complete(session, url, "during the outage"))[0] == 200

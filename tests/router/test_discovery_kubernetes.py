@@ -5,6 +5,7 @@ No API server can run here: a small aiohttp server answers `GET /api/v1/namespac
 kubernetes/), checking the bearer token and the selector as the API server would. The
 engines behind the pod IPs are real (simulators on loopback addresses).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,16 +46,33 @@ class FakeApiServer:
     async def pods(self, request: web.Request) -> web.Response:
         self.requests += 1
         if request.headers.get("Authorization") != f"Bearer {self.token}":
-            return web.Response(status=401, content_type="application/json", body=orjson.dumps(
-                {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "Unauthorized",
-                 "reason": "Unauthorized", "code": 401}))
+            return web.Response(
+                status=401,
+                content_type="application/json",
+                body=orjson.dumps(
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "message": "Unauthorized",
+                        "reason": "Unauthorized",
+                        "code": 401,
+                    }
+                ),
+            )
         if self.forbidden:
             return web.Response(status=403, content_type="application/json", body=FORBIDDEN)
         ns, selector = request.match_info["ns"], request.query.get("labelSelector")
-        items = [p for p in POD_LIST["items"] if p["metadata"]["name"] in self.present
-                 and ns == p["metadata"]["namespace"]
-                 and all(p["metadata"]["labels"].get(k) == v for k, v in
-                         (kv.split("=") for kv in (selector or "").split(",") if kv))]
+        items = [
+            p
+            for p in POD_LIST["items"]
+            if p["metadata"]["name"] in self.present
+            and ns == p["metadata"]["namespace"]
+            and all(
+                p["metadata"]["labels"].get(k) == v
+                for k, v in (kv.split("=") for kv in (selector or "").split(",") if kv)
+            )
+        ]
         return web.Response(content_type="application/json", body=orjson.dumps({**POD_LIST, "items": items}))
 
 
@@ -74,8 +92,10 @@ async def kube(tmp_path):
     port = free_port_on(ADDRS)
     # Every pod IP has an engine that answers, the pods that are not ready too: only the
     # API's view decides.
-    engines = {a: await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"),
-                                         host=a, port=port) for a in ADDRS}
+    engines = {
+        a: await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), host=a, port=port)
+        for a in ADDRS
+    }
     runners = []
     session = aiohttp.ClientSession()
     yield api, port, engines, runners, session
@@ -89,33 +109,48 @@ async def kube(tmp_path):
 
 async def test_ready_pods_join_and_leave(kube):
     api, port, engines, runners, session = kube
-    state, url = await start_router({
-        "server": {"port": 0},
-        "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4},
-        "discovery": [{"kind": "kubernetes", "namespace": "inference", "label_selector": SELECTOR,
-                       "port": port, "models": [MODEL], "interval_s": 0.2, "api_server": api.url,
-                       "token_file": str(api.token_file)}],
-    }, runners)
+    state, url = await start_router(
+        {
+            "server": {"port": 0},
+            "health": {"scrape_interval_s": 0.2, "check_interval_s": 0.4},
+            "discovery": [
+                {
+                    "kind": "kubernetes",
+                    "namespace": "inference",
+                    "label_selector": SELECTOR,
+                    "port": port,
+                    "models": [MODEL],
+                    "interval_s": 0.2,
+                    "api_server": api.url,
+                    "token_file": str(api.token_file),
+                }
+            ],
+        },
+        runners,
+    )
     source = f"discovery:kubernetes:{SELECTOR}"
     names = {f"{READY[0]}@127.0.0.2:{port}", f"{READY[1]}@127.0.0.3:{port}"}
     assert set(state.registry.states) == names  # found before serving
     for i in range(6):
-        async with session.post(url + "/v1/completions",
-                                json={"model": MODEL, "prompt": f"pod {i}", "max_tokens": 2}) as r:
+        async with session.post(
+            url + "/v1/completions", json={"model": MODEL, "prompt": f"pod {i}", "max_tokens": 2}
+        ) as r:
             assert r.status == 200
     assert await finished(session, engines["127.0.0.4"]) == 0  # not ready: never used
     assert await finished(session, engines["127.0.0.5"]) == 0  # terminating: never used
 
     # A pod goes away (scale-down): drained and removed.
     api.present.discard(READY[1])
-    await eventually(lambda: set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"},
-                     timeout=15, what="the pod's removal")
+    await eventually(
+        lambda: set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}, timeout=15, what="the pod's removal"
+    )
 
     # The API refuses (RBAC): nothing changes.
     api.forbidden = True
     failures = state.discovery.failures.get(source, 0)
-    await eventually(lambda: state.discovery.failures.get(source, 0) >= failures + 2,
-                     timeout=15, what="refused look-ups")
+    await eventually(
+        lambda: state.discovery.failures.get(source, 0) >= failures + 2, timeout=15, what="refused look-ups"
+    )
     assert set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}
     api.forbidden = False
 

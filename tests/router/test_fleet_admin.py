@@ -5,6 +5,7 @@ DELETE /admin/backends/{name} drains it (the requests it serves finish) and forg
 idle. Only the operator (server.admin_api_key) names hosts, and the URL must be a plain
 http(s) base URL.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,16 +29,16 @@ async def call(c, method: str, path: str, body=None, headers=ADMIN) -> tuple[int
 async def served(url: str, session) -> float:
     async with session.get(url + "/metrics") as r:
         text = await r.text()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
 
 
 async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(make_cluster):
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     extra = await start_sim_engine(SimEngineConfig(model=MODEL, speed=2.0, role="consumer"), port=0)
     try:
-        status, view = await call(c, "POST", "/admin/backends",
-                                  {"name": "late", "url": extra.url, "role": "decode", "models": [MODEL]})
+        status, view = await call(
+            c, "POST", "/admin/backends", {"name": "late", "url": extra.url, "role": "decode", "models": [MODEL]}
+        )
         assert status == 201, view
         assert view["name"] == "late" and view["source"] == "admin" and view["healthy"] is True
         assert c.router_metric("cachehit_router_backend_healthy", backend="late") == 1
@@ -52,9 +53,10 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
 
         # A long stream runs on "late" (d0 drained again so it must land there) when it is removed.
         assert (await call(c, "POST", "/admin/backends/d0/drain"))[0] == 200
-        stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("rm", 50),
-                                                "max_tokens": 60}))
-        await eventually(lambda: extra.engine.num_running > 0 or stream.done(), what="the stream to run on the added engine")
+        stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("rm", 50), "max_tokens": 60}))
+        await eventually(
+            lambda: extra.engine.num_running > 0 or stream.done(), what="the stream to run on the added engine"
+        )
         assert not stream.done(), stream.result()
         assert (await call(c, "POST", "/admin/backends/d0/enable"))[0] == 200
         status, view = await call(c, "DELETE", "/admin/backends/late")
@@ -73,9 +75,12 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         status, listed = await call(c, "GET", "/admin/backends")
         assert [b["name"] for b in listed] == ["d0"]
         # Its gauges are gone with it.
-        for gauge in ("cachehit_router_backend_healthy", "cachehit_router_backend_queued_prefill_tokens",
-                      "cachehit_router_backend_prefill_tokens_per_second",
-                      "cachehit_router_backend_threshold_capable"):
+        for gauge in (
+            "cachehit_router_backend_healthy",
+            "cachehit_router_backend_queued_prefill_tokens",
+            "cachehit_router_backend_prefill_tokens_per_second",
+            "cachehit_router_backend_threshold_capable",
+        ):
             assert c.state.metrics.registry.get_sample_value(gauge, {"backend": "late"}) is None, gauge
         # Its model entries no longer merge into the router's /v1/models.
         assert "late" not in c.state.monitor.model_cards
@@ -90,8 +95,9 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
 async def test_added_backend_that_does_not_answer_gets_no_requests(make_cluster):
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     # Nothing listens on port 9 of loopback (discard; closed here).
-    status, view = await call(c, "POST", "/admin/backends",
-                              {"name": "dead", "url": "http://127.0.0.1:9", "role": "decode"})
+    status, view = await call(
+        c, "POST", "/admin/backends", {"name": "dead", "url": "http://127.0.0.1:9", "role": "decode"}
+    )
     assert status == 201 and view["healthy"] is False, view
     for i in range(4):
         status, out = await c.complete({"model": MODEL, "prompt": f"still fine {i}", "max_tokens": 2})
@@ -124,8 +130,9 @@ async def test_admin_add_validates_the_operators_input(make_cluster):
     status, out = await call(c, "POST", "/admin/backends", {"name": "d0", "url": d0})
     assert status == 409 and out["error"]["param"] == "name"
     # Only the operator: a client key does not open the admin routes.
-    status, out = await call(c, "POST", "/admin/backends", {"name": "x", "url": d0},
-                             headers={"Authorization": "Bearer sk-client"})
+    status, out = await call(
+        c, "POST", "/admin/backends", {"name": "x", "url": d0}, headers={"Authorization": "Bearer sk-client"}
+    )
     assert status == 401, out
     status, out = await call(c, "DELETE", "/admin/backends/d0", headers={})
     assert status == 401, out
@@ -143,8 +150,9 @@ async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster
     assert set(c.state.registry.states) == {"d0"}
 
 
-@pytest.mark.parametrize("strategy, stream", [("round_robin", False), ("probe", False), ("probe", True),
-                                              ("round_robin", "whole")])
+@pytest.mark.parametrize(
+    "strategy, stream", [("round_robin", False), ("probe", False), ("probe", True), ("round_robin", "whole")]
+)
 async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster, strategy, stream):
     """A drain that ends right after a request was planned (the plan names a backend that is
     gone by the time its leg opens): the leg fails like a dead engine and goes elsewhere."""

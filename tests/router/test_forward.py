@@ -1,6 +1,7 @@
 """vLLM's other routes through the router (router/forward.py), on simulated engines:
 the engine's own JSON comes back, with the router's auth, limits, model routing, retries
 and request ids; audio uploads are streamed, not held."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,11 +43,18 @@ async def test_embeddings_tokenize_detokenize_answer_as_the_engine_does(make_clu
     raw = base64.b64decode(b64["data"][0]["embedding"])
     assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == got["data"][0]["embedding"]
 
-    status, tokens, _ = await _post(c, "/tokenize", {"model": MODEL, "prompt": "the river stone",
-                                                     "return_token_strs": True})
+    status, tokens, _ = await _post(
+        c, "/tokenize", {"model": MODEL, "prompt": "the river stone", "return_token_strs": True}
+    )
     assert status == 200
-    assert tokens == (await _direct(c, "d1", "/tokenize", {"model": MODEL, "prompt": "the river stone",
-                                                           "return_token_strs": True}))[1]
+    assert (
+        tokens
+        == (
+            await _direct(
+                c, "d1", "/tokenize", {"model": MODEL, "prompt": "the river stone", "return_token_strs": True}
+            )
+        )[1]
+    )
     assert tokens["count"] == len(tokens["tokens"]) == 3 and tokens["token_strs"] == ["the", " river", " stone"]
     status, text, _ = await _post(c, "/detokenize", {"model": MODEL, "tokens": tokens["tokens"]})
     assert (status, text) == (200, {"prompt": "the river stone"})
@@ -64,11 +72,13 @@ async def test_engine_errors_pass_through_and_unknown_models_are_404(make_cluste
     # The engine's own 400, as it wrote it.
     status, err, _ = await _post(c, "/detokenize", {"model": MODEL, "tokens": "oops"})
     assert status == 400 and err["error"]["param"] == "tokens"
-    status, err, _ = await _post(c, "/tokenize", {"model": MODEL, "prompt": "x"},
-                                 headers={"Content-Type": "application/json"})
+    status, err, _ = await _post(
+        c, "/tokenize", {"model": MODEL, "prompt": "x"}, headers={"Content-Type": "application/json"}
+    )
     assert status == 200
-    async with c.session.post(c.url + "/v1/embeddings", data=b"{not json",
-                              headers={"Content-Type": "application/json"}) as r:
+    async with c.session.post(
+        c.url + "/v1/embeddings", data=b"{not json", headers={"Content-Type": "application/json"}
+    ) as r:
         assert r.status == 400 and (await r.json())["error"]["type"] == "BadRequestError"
 
 
@@ -86,8 +96,12 @@ async def test_auth_and_body_limit_hold_on_forwarded_routes(make_cluster):
 
 
 async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster):
-    c = await make_cluster(decoders=2, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}},
-                           routing={"max_retries": 2}, health={"failure_threshold": 100})
+    c = await make_cluster(
+        decoders=2,
+        per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}},
+        routing={"max_retries": 2},
+        health={"failure_threshold": 100},
+    )
     for _ in range(6):
         status, got, _ = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"})
         assert status == 200, got
@@ -100,8 +114,9 @@ async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster):
     c2 = await make_cluster(decoders=2)
     c2.state.registry.states["d1"].inflight += 5
     try:
-        async with c2.session.post(c2.url + "/tokenize", json={"model": MODEL, "prompt": "a"},
-                                   headers={"X-Request-Id": "which-one"}) as r:
+        async with c2.session.post(
+            c2.url + "/tokenize", json={"model": MODEL, "prompt": "a"}, headers={"X-Request-Id": "which-one"}
+        ) as r:
             assert r.status == 200
     finally:
         c2.state.registry.states["d1"].inflight -= 5
@@ -109,28 +124,33 @@ async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster):
 
 
 async def test_only_engine_failing_gives_its_500(make_cluster):
-    c = await make_cluster(decoders=1, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}},
-                           health={"failure_threshold": 100})
+    c = await make_cluster(
+        decoders=1, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}}, health={"failure_threshold": 100}
+    )
     status, err, _ = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"})
     assert status == 500 and "fault injection" in err["error"]["message"]
 
 
 async def test_x_request_id_names_the_answer_and_comes_back(make_cluster):
     c = await make_cluster(decoders=1)
-    status, got, headers = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"},
-                                       headers={"X-Request-Id": "client-id-7"})
+    status, got, headers = await _post(
+        c, "/v1/embeddings", {"model": MODEL, "input": "x"}, headers={"X-Request-Id": "client-id-7"}
+    )
     assert status == 200 and got["id"] == "embd-client-id-7" and headers["X-Request-Id"] == "client-id-7"
     # Generation: vLLM names the answer cmpl-<X-Request-Id>, before the body's request_id.
     for stream in (False, True):
-        async with await c.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
-                                                    "stream": stream, "request_id": "body-id"},
-                                headers={"X-Request-Id": "hdr-id"}) as r:
+        async with await c.post(
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream, "request_id": "body-id"},
+            headers={"X-Request-Id": "hdr-id"},
+        ) as r:
             assert r.status == 200 and r.headers["X-Request-Id"] == "hdr-id"
             raw = await r.read()
         first = orjson.loads(raw.split(b"data: ")[1]) if stream else orjson.loads(raw)
         assert first["id"] == "cmpl-hdr-id"
-    status, err, _ = await _post(c, "/v1/completions", {"model": MODEL, "prompt": "hi"},
-                                 headers={"X-Request-Id": "has space"})
+    status, err, _ = await _post(
+        c, "/v1/completions", {"model": MODEL, "prompt": "hi"}, headers={"X-Request-Id": "has space"}
+    )
     assert status == 400 and err["error"]["param"] == "X-Request-Id"
 
 
@@ -147,8 +167,9 @@ async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster):
             yield chunk
         released.set()
         # Only once the engine has received part of the file does the rest follow.
-        await eventually(lambda: aux.upload_bytes >= 512 * 1024, 10,
-                         "the engine receiving the first half of the file", interval=0.01)
+        await eventually(
+            lambda: aux.upload_bytes >= 512 * 1024, 10, "the engine receiving the first half of the file", interval=0.01
+        )
         for _ in range(4):
             yield chunk
 
@@ -158,8 +179,7 @@ async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster):
     async with c.session.post(c.url + "/v1/audio/transcriptions", data=form) as r:
         body = await r.json()
         assert r.status == 200, body
-    assert body == {"text": f"{8 * len(chunk)} bytes of audio",
-                    "usage": {"type": "duration", "seconds": 66}}
+    assert body == {"text": f"{8 * len(chunk)} bytes of audio", "usage": {"type": "duration", "seconds": 66}}
 
     form = aiohttp.FormData()
     form.add_field("model", "other-model")

@@ -1,6 +1,7 @@
 """n > 1, batched completion prompts, echo and prompt_logprobs through the router: answered
 whole by one engine (admission.RequestSpec.whole, forward.Forwarder.forward_generation)
 exactly as the engine answers them directly, streamed or not."""
+
 from __future__ import annotations
 
 import orjson
@@ -25,17 +26,30 @@ async def _direct(c, path: str, body: dict) -> dict:
         return await r.json()
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "the cat sat on", "n": 3, "max_tokens": 5, "logprobs": 2}),
-    ("/v1/completions", {"prompt": ["the cat sat", [101, 34, 102], "a dog"], "max_tokens": 4}),
-    ("/v1/completions", {"prompt": ["the cat sat", "a dog ran"], "n": 2, "max_tokens": 3,
-                         "return_token_ids": True}),
-    ("/v1/completions", {"prompt": "hello there", "echo": True, "max_tokens": 4}),
-    ("/v1/completions", {"prompt": "hello there", "prompt_logprobs": 2, "max_tokens": 2}),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 4,
-            "logprobs": True, "top_logprobs": 1}),
-    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "max_tokens": 2}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "the cat sat on", "n": 3, "max_tokens": 5, "logprobs": 2}),
+        ("/v1/completions", {"prompt": ["the cat sat", [101, 34, 102], "a dog"], "max_tokens": 4}),
+        (
+            "/v1/completions",
+            {"prompt": ["the cat sat", "a dog ran"], "n": 2, "max_tokens": 3, "return_token_ids": True},
+        ),
+        ("/v1/completions", {"prompt": "hello there", "echo": True, "max_tokens": 4}),
+        ("/v1/completions", {"prompt": "hello there", "prompt_logprobs": 2, "max_tokens": 2}),
+        (
+            CHAT,
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "n": 2,
+                "max_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 1,
+            },
+        ),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "max_tokens": 2}),
+    ],
+)
 async def test_answered_as_the_engine_answers(make_cluster, path, body):
     c = await make_cluster(decoders=2)
     body = {"model": MODEL, "seed": 11, **body}
@@ -73,10 +87,14 @@ async def test_echo_puts_the_prompt_first(make_cluster):
 
 async def test_streamed_batch_with_n_has_every_index_and_one_usage(make_cluster):
     c = await make_cluster(decoders=2)
-    body = {"model": MODEL, "prompt": ["first prompt", "second prompt"], "n": 2, "max_tokens": 5,
-            "stream_options": {"include_usage": True}}
-    async with await c.post("/v1/completions", {**body, "stream": True},
-                            headers={"X-Request-Id": "batch-7"}) as r:
+    body = {
+        "model": MODEL,
+        "prompt": ["first prompt", "second prompt"],
+        "n": 2,
+        "max_tokens": 5,
+        "stream_options": {"include_usage": True},
+    }
+    async with await c.post("/v1/completions", {**body, "stream": True}, headers={"X-Request-Id": "batch-7"}) as r:
         assert r.status == 200 and r.headers["X-Request-Id"] == "batch-7"
         assert r.headers["Content-Type"].startswith("text/event-stream")
         raw = await r.read()
@@ -105,16 +123,18 @@ async def test_engine_errors_are_relayed_and_failures_retried(make_cluster):
     assert status == 400 and events[0]["error"]["param"] == "prompt_logprobs"
     # d0 fails every generation: each request is retried on d1 before its first byte.
     for i in range(4):
-        status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"r{i}", 20), "n": 2,
-                                        "max_tokens": 2})
+        status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"r{i}", 20), "n": 2, "max_tokens": 2})
         assert status == 200 and len(out["choices"]) == 2, out
     assert c.router_metric("cachehit_router_requests_total", route="direct", status="200") == 4
 
 
 async def test_still_rejected(make_cluster):
     c = await make_cluster(decoders=1)
-    for body, param in (({"prompt": "x", "n": 0}, "n"), ({"prompt": ["x", 5]}, "prompt[1]"),
-                        ({"prompt": "x", "n": 2, "model": "nope"}, "model")):
+    for body, param in (
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": ["x", 5]}, "prompt[1]"),
+        ({"prompt": "x", "n": 2, "model": "nope"}, "model"),
+    ):
         status, out = await c.complete({"model": MODEL, **body})
         assert status in (400, 404) and out["error"]["param"] == param, out
 
@@ -123,8 +143,7 @@ async def test_a_body_request_id_names_the_answer(make_cluster):
     c = await make_cluster(decoders=1)
     for rid in ("mine-1", "odd\nid"):
         for n in (1, 2):
-            status, out = await c.complete({"model": MODEL, "prompt": "x", "n": n, "max_tokens": 2,
-                                            "request_id": rid})
+            status, out = await c.complete({"model": MODEL, "prompt": "x", "n": n, "max_tokens": 2, "request_id": rid})
             assert status == 200 and out["id"] == f"cmpl-{rid}", out
 
 
@@ -135,8 +154,9 @@ async def test_the_race_picks_the_engine_holding_the_prompt(make_cluster):
     for i in range(4):
         holder, other = (f"d{i % 2}", f"d{1 - i % 2}")
         prompt = long_prompt(f"whole{i}", 400)
-        async with c.session.post(c.engines[holder].url + "/v1/completions",
-                                  json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+        async with c.session.post(
+            c.engines[holder].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        ) as r:
             assert r.status == 200
         before = await c.engine_metrics("vllm:generation_tokens_total")
         body = {"model": MODEL, "prompt": prompt, "n": 2, "max_tokens": 3}

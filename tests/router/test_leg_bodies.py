@@ -1,8 +1,8 @@
 """The bodies the router sends upstream: probe/direct, NIXL prefill and decode, resume."""
+
 from router.disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from router.resume import FAILURE, PREEMPTED, REJECTED, resume_reason
-from router.wire import (PREFILL_REQUEST_PARAMS, decode_leg_body, prefill_leg_body, resume_leg_body,
-                         streamed_leg_body)
+from router.wire import PREFILL_REQUEST_PARAMS, decode_leg_body, prefill_leg_body, resume_leg_body, streamed_leg_body
 from router.upstream import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
 
 import pytest
@@ -19,8 +19,15 @@ def test_streamed_leg_sets_threshold_both_ways_and_keeps_client_xargs():
 
 
 def test_prefill_leg_matches_the_nixl_protocol():
-    body = {"model": "m", "messages": [], "max_completion_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}, "min_tokens": 3, "temperature": 0.2}
+    body = {
+        "model": "m",
+        "messages": [],
+        "max_completion_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 3,
+        "temperature": 0.2,
+    }
     out = prefill_leg_body(body)
     assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1 and out["stream"] is False
     assert "stream_options" not in out and "min_tokens" not in out
@@ -36,8 +43,9 @@ def test_decode_leg_carries_the_producers_params_verbatim():
 
 
 def test_prefill_response_parsing():
-    params = parse_prefill_response({"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e"},
-                                     "usage": {"prompt_tokens": 526}})
+    params = parse_prefill_response(
+        {"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e"}, "usage": {"prompt_tokens": 526}}
+    )
     assert params == {"do_remote_prefill": True, "remote_engine_id": "e"}
     with pytest.raises(PrefillProtocolError):
         parse_prefill_response({"kv_transfer_params": None})
@@ -61,11 +69,25 @@ def test_completion_resume_body():
 
 
 def test_chat_resume_body_keeps_only_sampling_fields():
-    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
-            "temperature": 0.5, "logprobs": True, "top_logprobs": 2, "tools": [], "stop": ["\n"]}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_completion_tokens": 5,
+        "temperature": 0.5,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "tools": [],
+        "stop": ["\n"],
+    }
     out = resume_leg_body(body, "chat", [1], [2, 3], 5)
-    assert out == {"model": "m", "temperature": 0.5, "stop": ["\n"], "logprobs": 2, "prompt": [1, 2, 3],
-                   "max_tokens": 3}
+    assert out == {
+        "model": "m",
+        "temperature": 0.5,
+        "stop": ["\n"],
+        "logprobs": 2,
+        "prompt": [1, 2, 3],
+        "max_tokens": 3,
+    }
     assert "max_tokens" not in resume_leg_body({"prompt": "x"}, "completions", [1], [2], None)
 
 
@@ -79,18 +101,21 @@ def test_prompt_length_estimate_when_no_engine_reported_it():
     assert RouteQuery("m", "y" * 400).tokens(ClusterSnapshot((), chars_per_token=5.0)) == 80
 
 
-@pytest.mark.parametrize("error, recompute", [
-    (None, False),
-    # vLLM's answer to a failed KV load (kv_load_failure_policy "fail"): alive, so recompute.
-    (UpstreamError("d", ENGINE_ERROR, "Internal server error"), True),
-    (UpstreamError("d", STATUS, "Internal server error", status=500), True),
-    (UpstreamError("d", STATUS, "Service Unavailable", status=503), True),
-    # The engine refused the request itself: it would refuse it again.
-    (UpstreamError("d", STATUS, "bad", status=400), False),
-    # Nothing says the transfer failed: retry elsewhere as usual.
-    (UpstreamError("d", CONNECT, "refused"), False),
-    (UpstreamError("d", FIRST_TOKEN_TIMEOUT, "slow"), False),
-    (UpstreamError("d", BROKEN, "reset"), False),
-])
+@pytest.mark.parametrize(
+    "error, recompute",
+    [
+        (None, False),
+        # vLLM's answer to a failed KV load (kv_load_failure_policy "fail"): alive, so recompute.
+        (UpstreamError("d", ENGINE_ERROR, "Internal server error"), True),
+        (UpstreamError("d", STATUS, "Internal server error", status=500), True),
+        (UpstreamError("d", STATUS, "Service Unavailable", status=503), True),
+        # The engine refused the request itself: it would refuse it again.
+        (UpstreamError("d", STATUS, "bad", status=400), False),
+        # Nothing says the transfer failed: retry elsewhere as usual.
+        (UpstreamError("d", CONNECT, "refused"), False),
+        (UpstreamError("d", FIRST_TOKEN_TIMEOUT, "slow"), False),
+        (UpstreamError("d", BROKEN, "reset"), False),
+    ],
+)
 def test_recompute_after_failed_decode(error, recompute):
     assert recompute_after_failed_decode(error) is recompute

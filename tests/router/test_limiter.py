@@ -1,4 +1,5 @@
 """Backpressure: bounded concurrency, bounded queue, 429 with Retry-After."""
+
 import asyncio
 
 import pytest
@@ -108,8 +109,10 @@ async def test_the_highest_priority_waiter_gets_the_next_slot():
     lim = ConcurrencyLimiter(max_concurrent=1, max_queued=10, queue_timeout_s=5)
     release, holders = await _holders(lim, 1)
     order: list[str] = []
-    tasks = [asyncio.create_task(_waiter(lim, order, "low")),
-             asyncio.create_task(_waiter(lim, order, "background", priority=-5))]
+    tasks = [
+        asyncio.create_task(_waiter(lim, order, "low")),
+        asyncio.create_task(_waiter(lim, order, "background", priority=-5)),
+    ]
     await eventually(lambda: lim.queued == 2, what="low and background queued first")
     tasks.append(asyncio.create_task(_waiter(lim, order, "urgent", priority=3)))
     await eventually(lambda: lim.queued == 3, what="urgent queued behind them")
@@ -128,8 +131,9 @@ async def test_a_flooding_tenant_does_not_starve_another():
     tasks = [asyncio.create_task(_waiter(lim, order, f"flood{i}", flood, hold=hold)) for i in range(20)]
     await eventually(lambda: flood.queued == 20, what="the flood queued first")
     tasks.append(asyncio.create_task(_waiter(lim, order, "quiet", quiet, hold=hold)))
-    await eventually(lambda: lim.queued == 21 and flood.queued == 20 and quiet.queued == 1,
-                     what="quiet queued behind the flood")
+    await eventually(
+        lambda: lim.queued == 21 and flood.queued == 20 and quiet.queued == 1, what="quiet queued behind the flood"
+    )
     release.set()  # two slots free: one for the tenant with none executing, one for flood
     await eventually(lambda: len(order) >= 2, what="two waiters in the freed slots")
     assert "quiet" in order and len(order) == 2

@@ -4,6 +4,7 @@ The misbehaving engine here is a few lines of aiohttp speaking vLLM's stream sha
 the simulator's tokenizer, so token ids agree with the real simulated engine beside it);
 neither vLLM nor the simulator produces these faults on purpose.
 """
+
 import asyncio
 
 import orjson
@@ -17,12 +18,30 @@ from router.config import parse_config
 
 
 def _chunk(text_ids: list[int], prompt_ids=None, finish=None) -> bytes:
-    choice = {"index": 0, "text": "".join(tok.token_text(i) for i in text_ids), "logprobs": None,
-              "finish_reason": finish, "stop_reason": None, "token_ids": text_ids}
+    choice = {
+        "index": 0,
+        "text": "".join(tok.token_text(i) for i in text_ids),
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+        "token_ids": text_ids,
+    }
     if prompt_ids is not None:
         choice["prompt_token_ids"] = prompt_ids
-    return b"data: " + orjson.dumps({"id": "cmpl-bad", "object": "text_completion", "created": 1,
-                                     "model": MODEL, "choices": [choice], "usage": None}) + b"\n\n"
+    return (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "cmpl-bad",
+                "object": "text_completion",
+                "created": 1,
+                "model": MODEL,
+                "choices": [choice],
+                "usage": None,
+            }
+        )
+        + b"\n\n"
+    )
 
 
 async def _bad_engine(mode: str):
@@ -55,8 +74,9 @@ async def _bad_engine(mode: str):
 
 
 async def _router(backends: list[dict], routing: dict | None = None):
-    cfg = parse_config({"server": {"port": 0}, "backends": backends, "routing": routing or {},
-                        "health": {"scrape_interval_s": 30}})
+    cfg = parse_config(
+        {"server": {"port": 0}, "backends": backends, "routing": routing or {}, "health": {"scrape_interval_s": 30}}
+    )
     runner = web.AppRunner(build_app(cfg, start_engines=False), handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -70,8 +90,9 @@ async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_clus
     bad_runner, bad_url = await _bad_engine("malformed")
     # Probe race on every request: the bad engine accepts at once (it streams text), d0
     # rejects the cold prompt.
-    router, url = await _router([{"name": "bad", "url": bad_url},
-                                 {"name": "d0", "url": healthy.engines["d0"].url}], {"race": "always"})
+    router, url = await _router(
+        [{"name": "bad", "url": bad_url}, {"name": "d0", "url": healthy.engines["d0"].url}], {"race": "always"}
+    )
     try:
         body = {"model": MODEL, "prompt": long_prompt("mal", 40), "max_tokens": 12, "stream": stream}
         async with healthy.session.post(url + "/v1/completions", json=body) as r:

@@ -1,6 +1,7 @@
 """GET /v1/models as vLLM gives it (root, parent, max_model_len), and LoRA adapters loaded
 or unloaded on an engine after start-up followed by the router (it re-reads each engine's
 models with its health checks)."""
+
 from __future__ import annotations
 
 
@@ -28,13 +29,15 @@ async def test_models_are_the_engines_cards(make_cluster):
 async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster):
     c = await make_cluster(decoders=2)
     d1 = c.engines["d1"].url
-    async with c.session.post(d1 + "/v1/load_lora_adapter",
-                              json={"lora_name": "sql-lora", "lora_path": "/adapters/sql"}) as r:
+    async with c.session.post(
+        d1 + "/v1/load_lora_adapter", json={"lora_name": "sql-lora", "lora_path": "/adapters/sql"}
+    ) as r:
         assert r.status == 200 and await r.text() == "Success: LoRA adapter 'sql-lora' added successfully."
 
     async def listed():
         models = await _router_models(c)
         return models if "sql-lora" in models else None
+
     models = await eventually(listed, what="the adapter listed by the router", interval=0.05)
     assert models["sql-lora"]["parent"] == MODEL and models["sql-lora"]["root"] == "/adapters/sql"
     assert models["sql-lora"]["max_model_len"] is None
@@ -55,6 +58,7 @@ async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster
 
     async def gone():
         return "sql-lora" not in await _router_models(c)
+
     await eventually(gone, what="the unloaded adapter gone from the router's list", interval=0.05)
     status, err = await c.complete({"model": "sql-lora", "prompt": "hello", "max_tokens": 2})
     assert status == 404 and err["error"]["param"] == "model"

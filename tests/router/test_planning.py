@@ -3,6 +3,7 @@
 Every load- or cache-aware choice is the least predicted time to first token of the cost
 model (router/costmodel.py); these tests use one known engine speed so that each expected
 choice can be worked out by hand from the formula."""
+
 from dataclasses import replace
 
 from hypothesis import given, strategies as st
@@ -20,17 +21,48 @@ from router.prefix_memory import PrefixMemory
 SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)
 
 
-def view(name, *, decodes=True, prefills=False, available=True, inflight=0, running=0.0, waiting=0.0,
-         kv=0.0, models=("m",), queued=0.0, decoding=0.0, speed=SPEED):
-    return BackendView(name=name, url=f"http://{name}", decodes=decodes, prefills=prefills, models=models,
-                       available=available, inflight=inflight, running=running, waiting=waiting, kv_usage=kv,
-                       queued_tokens=queued, decoding=decoding, speed=speed)
+def view(
+    name,
+    *,
+    decodes=True,
+    prefills=False,
+    available=True,
+    inflight=0,
+    running=0.0,
+    waiting=0.0,
+    kv=0.0,
+    models=("m",),
+    queued=0.0,
+    decoding=0.0,
+    speed=SPEED,
+):
+    return BackendView(
+        name=name,
+        url=f"http://{name}",
+        decodes=decodes,
+        prefills=prefills,
+        models=models,
+        available=available,
+        inflight=inflight,
+        running=running,
+        waiting=waiting,
+        kv_usage=kv,
+        queued_tokens=queued,
+        decoding=decoding,
+        speed=speed,
+    )
 
 
 def snap(*views, transfer=TransferSpeed(0.005, 1e-5), race_wait_s=0.002, race_saving_share=0.5):
     # Races measured alike for prompts the memory places and prompts it does not.
-    return ClusterSnapshot(tuple(views), transfer=transfer, chars_per_token=4.0, race_wait_s=race_wait_s,
-                           race_saving_share=race_saving_share, race_saving_share_unplaced=race_saving_share)
+    return ClusterSnapshot(
+        tuple(views),
+        transfer=transfer,
+        chars_per_token=4.0,
+        race_wait_s=race_wait_s,
+        race_saving_share=race_saving_share,
+        race_saving_share_unplaced=race_saving_share,
+    )
 
 
 Q = RouteQuery(model="m", text="hello world " * 100, prompt_tokens=1000)
@@ -38,8 +70,13 @@ R = RoutingConfig()
 
 
 def test_probe_targets_every_available_decoder_for_the_model():
-    s = snap(view("d0"), view("d1"), view("down", available=False), view("p", decodes=False, prefills=True),
-             view("other", models=("x",)))
+    s = snap(
+        view("d0"),
+        view("d1"),
+        view("down", available=False),
+        view("p", decodes=False, prefills=True),
+        view("other", models=("x",)),
+    )
     plan = ProbeStrategy(R).plan(Q, s)
     assert plan.probes == ("d0", "d1")
     assert plan.threshold == R.cache_hit_threshold
@@ -147,8 +184,7 @@ def test_least_loaded_counts_tokens_not_requests():
     assert LeastLoadedStrategy(R).plan(Q, snap(view("a", speed=slow), view("b"))).direct == "b"
 
 
-@given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 64)), min_size=1, max_size=6),
-       st.integers(0, 1000))
+@given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 64)), min_size=1, max_size=6), st.integers(0, 1000))
 def test_least_loaded_always_picks_a_least_predicted_time(loads, salt):
     views = [view(f"b{i}", queued=q, decoding=d) for i, (q, d) in enumerate(loads)]
     q = RouteQuery("m", "x", salt=salt, prompt_tokens=500)
@@ -195,8 +231,12 @@ def test_prefix_memory_is_bounded():
 
 def test_fallback_splits_when_prefill_decode_is_predicted_faster():
     # d0 is busy (2,000 queued), d1 busier: the producer prefills in parallel with d1's queue.
-    s = snap(view("d0", queued=2000), view("d1", queued=2500), view("p0", decodes=False, prefills=True, queued=500),
-             view("p1", decodes=False, prefills=True))
+    s = snap(
+        view("d0", queued=2000),
+        view("d1", queued=2500),
+        view("p0", decodes=False, prefills=True, queued=500),
+        view("p1", decodes=False, prefills=True),
+    )
     fb = plan_fallback(Q, s, R, prompt_tokens=1000)
     direct = SPEED.ttft(3000, 0)
     split = pd_ttft(SPEED, 0, 0, 1000, SPEED, 2000, 0, s.transfer, 1000)
@@ -217,8 +257,12 @@ def test_fallback_computes_on_an_idle_decoder_rather_than_split():
 
 def test_split_always_takes_the_fastest_pair_over_an_idle_decoder():
     always = replace(R, split="always")
-    s = snap(view("d0"), view("d1", queued=5000), view("p0", decodes=False, prefills=True),
-             view("p1", decodes=False, prefills=True, queued=2000))
+    s = snap(
+        view("d0"),
+        view("d1", queued=5000),
+        view("p0", decodes=False, prefills=True),
+        view("p1", decodes=False, prefills=True, queued=2000),
+    )
     assert plan_fallback(Q, s, R, 1000).prefill is None  # the model: d0 computes it sooner
     fb = plan_fallback(Q, s, always, 1000)
     assert (fb.prefill, fb.decode) == ("p0", "d0")
@@ -257,8 +301,11 @@ def test_fallback_decoder_weighs_the_partial_hit_against_the_queue():
     assert plan_fallback(Q, snap(*d), R, None, hits={"d2": 1000}).decode == "d0"
 
 
-@given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 4000)), min_size=1, max_size=5),
-       st.lists(st.integers(0, 20_000), max_size=2), st.integers(1, 8000))
+@given(
+    st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 4000)), min_size=1, max_size=5),
+    st.lists(st.integers(0, 20_000), max_size=2),
+    st.integers(1, 8000),
+)
 def test_fallback_is_the_least_predicted_time_of_every_option(decoders, producers, prompt):
     d = [view(f"d{i}", queued=q) for i, (q, _) in enumerate(decoders)]
     p = [view(f"p{i}", decodes=False, prefills=True, queued=q) for i, q in enumerate(producers)]
@@ -266,11 +313,14 @@ def test_fallback_is_the_least_predicted_time_of_every_option(decoders, producer
     s = snap(*d, *p)
     fb = plan_fallback(Q, s, R, prompt, hits=hits)
     options = [ttft(b.speed, b.queued_tokens, 0, prompt - hits.get(b.name, 0)) for b in d]
-    options += [pd_ttft(x.speed, x.queued_tokens, 0, prompt, b.speed, b.queued_tokens, 0, s.transfer, prompt)
-                for x in p for b in d
-                if prompt >= R.min_pd_prompt_tokens and prompt - hits.get(b.name, 0) >= R.min_pd_prompt_tokens]
+    options += [
+        pd_ttft(x.speed, x.queued_tokens, 0, prompt, b.speed, b.queued_tokens, 0, s.transfer, prompt)
+        for x in p
+        for b in d
+        if prompt >= R.min_pd_prompt_tokens and prompt - hits.get(b.name, 0) >= R.min_pd_prompt_tokens
+    ]
     assert abs(fb.predicted_ttft_s - min(options)) < 1e-12
-    assert (fb.prefill is not None) == (fb.predicted_ttft_s < min(options[:len(d)]))
+    assert (fb.prefill is not None) == (fb.predicted_ttft_s < min(options[: len(d)]))
 
 
 def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
@@ -311,8 +361,10 @@ def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor():
 def test_a_drained_backend_is_never_planned_even_as_panic_routing():
     drained = replace(view("d0"), available=False, drained=True)
     # Panic routing: with no decoder available, every decoder of the model is tried...
-    assert [b.name for b in snap(view("d0", available=False), view("d1", available=False)).decoders("m")] \
-        == ["d0", "d1"]
+    assert [b.name for b in snap(view("d0", available=False), view("d1", available=False)).decoders("m")] == [
+        "d0",
+        "d1",
+    ]
     # ...except one an operator drained.
     assert [b.name for b in snap(drained, view("d1", available=False)).decoders("m")] == ["d1"]
     assert ProbeStrategy(R).plan(Q, snap(drained)).empty
@@ -342,8 +394,14 @@ def test_probe_races_prompts_its_memory_does_not_place_where_those_races_pay():
     # Races over placed prompts saved nothing, races over unplaced ones (other replicas'
     # traffic) half the prefill: a prompt the memory knows goes straight to its holder,
     # one it does not know is raced.
-    s = ClusterSnapshot((view("d0"), view("d1")), transfer=TransferSpeed(0.005, 1e-5), chars_per_token=4.0,
-                        race_wait_s=0.01, race_saving_share=0.0, race_saving_share_unplaced=0.5)
+    s = ClusterSnapshot(
+        (view("d0"), view("d1")),
+        transfer=TransferSpeed(0.005, 1e-5),
+        chars_per_token=4.0,
+        race_wait_s=0.01,
+        race_saving_share=0.0,
+        race_saving_share_unplaced=0.5,
+    )
     probe = ProbeStrategy(R)
     unknown = RouteQuery("m", "never seen " * 100, salt=1, prompt_tokens=1000)
     plan = probe.plan(unknown, s)

@@ -8,6 +8,7 @@ each moment exactly. The streams are real (simulated engines over HTTP); the che
 backend in-flight count the registry keeps, which feeds routing, and the engine's own
 running count.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,14 +24,16 @@ async def _settled(c, timeout: float = 10.0) -> dict[str, int]:
         counts = {n: s.inflight for n, s in c.state.registry.states.items()}
         assert not any(counts.values()), f"requests still in flight: {counts}"
         return counts
+
     return await eventually(settled, timeout, "no request in flight")
 
 
 def _opener(c, body: dict):
     loop = asyncio.get_running_loop()
     # Each leg holds a LegTicket for its prompt's tokens until its stream closes.
-    return c.state.dispatcher.placer._opener("/v1/completions", streamed_leg_body(body, 0.0),
-                                             loop.time() + 30.0, tokens=100, tickets={})
+    return c.state.dispatcher.placer._opener(
+        "/v1/completions", streamed_leg_body(body, 0.0), loop.time() + 30.0, tokens=100, tickets={}
+    )
 
 
 async def test_cancelled_while_an_accepted_probe_is_unread(make_cluster):
@@ -62,8 +65,7 @@ async def test_cancelled_while_waiting_for_the_losers(make_cluster):
     async def open_and_arm(name: str):
         if name == "d0":
             # Two hops: the race wakes, picks d0, cancels d1 and waits; then the cancel.
-            asyncio.current_task().add_done_callback(
-                lambda _t: loop.call_soon(race.cancel))
+            asyncio.current_task().add_done_callback(lambda _t: loop.call_soon(race.cancel))
         return await open_leg(name)
 
     race = asyncio.ensure_future(run_race(("d0", "d1"), open_and_arm, 10.0))

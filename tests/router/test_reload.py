@@ -1,6 +1,7 @@
 """Reloading the configuration while serving (what SIGHUP runs): backends and routing keys
 change without dropping a request; keys bound at start are named in a warning; a file that
 does not validate changes nothing."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,12 +18,14 @@ from support.polling import eventually
 def raw_of(c, backends: list[dict], **tables) -> dict:
     """The running cluster's configuration as a file would say it, with other backends."""
     cfg = c.state.config
-    return {"server": {"port": 0, "admin_api_key": cfg.server.admin_api_key,
-                       **tables.pop("server", {})},
-            "routing": {"min_pd_prompt_tokens": 64, **tables.pop("routing", {})},
-            "timeouts": dataclasses.asdict(cfg.timeouts),
-            "health": dataclasses.asdict(cfg.health),
-            "backends": backends, **tables}
+    return {
+        "server": {"port": 0, "admin_api_key": cfg.server.admin_api_key, **tables.pop("server", {})},
+        "routing": {"min_pd_prompt_tokens": 64, **tables.pop("routing", {})},
+        "timeouts": dataclasses.asdict(cfg.timeouts),
+        "health": dataclasses.asdict(cfg.health),
+        "backends": backends,
+        **tables,
+    }
 
 
 def configured(c) -> list[dict]:
@@ -32,12 +35,24 @@ def configured(c) -> list[dict]:
 def test_live_and_fixed_keys_are_told_apart():
     base = {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
     old = parse_config(base)
-    new = parse_config({**base, "server": {"port": 9, "api_keys": ["k"]},
-                        "routing": {"cache_hit_threshold": 0.7}, "timeouts": {"idle_s": 3}})
-    assert changed_keys(old, new) == ["server.port", "server.api_keys", "routing.cache_hit_threshold",
-                                      "timeouts.idle_s"]
-    assert split_changes(old, new) == (["server.api_keys", "routing.cache_hit_threshold"],
-                                       ["server.port", "timeouts.idle_s"])
+    new = parse_config(
+        {
+            **base,
+            "server": {"port": 9, "api_keys": ["k"]},
+            "routing": {"cache_hit_threshold": 0.7},
+            "timeouts": {"idle_s": 3},
+        }
+    )
+    assert changed_keys(old, new) == [
+        "server.port",
+        "server.api_keys",
+        "routing.cache_hit_threshold",
+        "timeouts.idle_s",
+    ]
+    assert split_changes(old, new) == (
+        ["server.api_keys", "routing.cache_hit_threshold"],
+        ["server.port", "timeouts.idle_s"],
+    )
 
 
 async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, caplog):
@@ -47,15 +62,19 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
         # d1 keeps streaming while a reload removes it from the file.
         state = c.state
         state.registry.set_draining("d0", True)
-        stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("hup", 40),
-                                               "max_tokens": 40}))
+        stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("hup", 40), "max_tokens": 40}))
         await eventually(lambda: c.engines["d1"].engine.num_running > 0, what="the stream on d1")
         state.registry.set_draining("d0", False)
 
         backends = [b for b in configured(c) if b["name"] == "d0"] + [
-            {"name": "e0", "url": extra.url, "role": "decode", "models": [MODEL], "prefill_tokens_per_s": 3000.0}]
-        raw = raw_of(c, backends, routing={"cache_hit_threshold": 0.8, "prior_prefill_tokens_per_s": 5000.0},
-                     server={"port": 1234})
+            {"name": "e0", "url": extra.url, "role": "decode", "models": [MODEL], "prefill_tokens_per_s": 3000.0}
+        ]
+        raw = raw_of(
+            c,
+            backends,
+            routing={"cache_hit_threshold": 0.8, "prior_prefill_tokens_per_s": 5000.0},
+            server={"port": 1234},
+        )
         with caplog.at_level(logging.WARNING, logger="cachehit_router.reload"):
             fixed = await reload(state, lambda: parse_config(raw))
         assert fixed == ["server.port"]
@@ -88,8 +107,9 @@ async def test_reload_changes_strategy_and_keeps_the_prefix_memory(make_cluster)
     before = state.dispatcher.strategy
     assert (await c.complete({"model": MODEL, "prompt": long_prompt("mem", 100), "max_tokens": 2}))[0] == 200
     # Same strategy, another key: the memory of where prompts went carries over.
-    await reload(state, lambda: parse_config(raw_of(c, configured(c), routing={
-        "strategy": "prefix_tree", "max_retries": 1})))
+    await reload(
+        state, lambda: parse_config(raw_of(c, configured(c), routing={"strategy": "prefix_tree", "max_retries": 1}))
+    )
     assert state.dispatcher.strategy is not before
     assert state.dispatcher.strategy.memory is before.memory
     # Another strategy: requests from now on are planned by it.

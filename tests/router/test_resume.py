@@ -1,4 +1,5 @@
 """Resume: a preempted decode (cache gone) or a dead engine mid-stream; the client sees one answer."""
+
 import asyncio
 
 import pytest
@@ -13,20 +14,21 @@ async def _preempting_cluster(make_cluster):
     # engine preempts; the guard threshold on the prefill/decode legs makes it hand a
     # preempted request back.
     return await make_cluster(
-        decoders=1, prefillers=1, per_backend=PD_PREFERRED,
+        decoders=1,
+        prefillers=1,
+        per_backend=PD_PREFERRED,
         routing={"decode_guard_threshold": 0.3, "max_resumes": 20},
-        per_engine={"d0": {"num_gpu_blocks": 48, "block_size": 16}})
+        per_engine={"d0": {"num_gpu_blocks": 48, "block_size": 16}},
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stream):
     c = await _preempting_cluster(make_cluster)
     max_tokens = 150
-    bodies = [{"model": MODEL, "prompt": long_prompt(f"pre{i}", 100), "max_tokens": max_tokens}
-              for i in range(4)]
+    bodies = [{"model": MODEL, "prompt": long_prompt(f"pre{i}", 100), "max_tokens": max_tokens} for i in range(4)]
     if stream:
-        results = await asyncio.gather(*(c.stream({**b, "stream_options": {"include_usage": True}})
-                                         for b in bodies))
+        results = await asyncio.gather(*(c.stream({**b, "stream_options": {"include_usage": True}}) for b in bodies))
         for status, events in results:
             assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
             chunks = [e for e in events[:-1]]
@@ -47,8 +49,10 @@ async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stre
 async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(make_cluster):
     """Text before the interruption is kept verbatim: the continuation starts from it."""
     c = await _preempting_cluster(make_cluster)
-    bodies = [{"model": MODEL, "prompt": long_prompt(f"cont{i}", 100), "max_tokens": 150,
-               "return_token_ids": True} for i in range(4)]
+    bodies = [
+        {"model": MODEL, "prompt": long_prompt(f"cont{i}", 100), "max_tokens": 150, "return_token_ids": True}
+        for i in range(4)
+    ]
     results = await asyncio.gather(*(c.complete(b) for b in bodies))
     for status, out in results:
         assert status == 200, out
@@ -59,12 +63,17 @@ async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(m
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster, stream):
-    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"},
-                           per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=30)}})
+    c = await make_cluster(
+        decoders=2,
+        prefillers=0,
+        routing={"race": "always"},
+        per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=30)}},
+    )
     prompt = long_prompt("dies", 200)
     # Warm d0 so the probe race picks it (cache hit), then it dies after 30 more tokens.
-    async with c.session.post(c.engines["d0"].url + "/v1/completions",
-                              json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+    async with c.session.post(
+        c.engines["d0"].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    ) as r:
         assert r.status == 200
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 80}
     if stream:
@@ -82,8 +91,12 @@ async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster, stream
 
 
 async def test_resume_bound_ends_with_a_clear_error(make_cluster):
-    c = await make_cluster(decoders=1, prefillers=0, routing={"max_resumes": 0},
-                           per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=10)}})
+    c = await make_cluster(
+        decoders=1,
+        prefillers=0,
+        routing={"max_resumes": 0},
+        per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=10)}},
+    )
     status, events = await c.stream({"model": MODEL, "prompt": long_prompt("bound", 50), "max_tokens": 50})
     assert status == 200
     assert events[-1] == "[DONE]"
@@ -93,16 +106,15 @@ async def test_resume_bound_ends_with_a_clear_error(make_cluster):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chat_answer_resumed_through_completions_reads_as_one_chat_answer(make_cluster, stream):
-    c = await make_cluster(decoders=2, prefillers=0,
-                           per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=25)}})
+    c = await make_cluster(decoders=2, prefillers=0, per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=25)}})
     msgs = [{"role": "system", "content": long_prompt("chatdies", 150)}, {"role": "user", "content": "go on"}]
-    async with c.session.post(c.engines["d0"].url + "/v1/chat/completions",
-                              json={"model": MODEL, "messages": msgs, "max_tokens": 1}) as r:
+    async with c.session.post(
+        c.engines["d0"].url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1}
+    ) as r:
         assert r.status == 200
     body = {"model": MODEL, "messages": msgs, "max_tokens": 60}
     if stream:
-        status, events = await c.stream({**body, "stream_options": {"include_usage": True}},
-                                        "/v1/chat/completions")
+        status, events = await c.stream({**body, "stream_options": {"include_usage": True}}, "/v1/chat/completions")
         assert status == 200 and events[-1] == "[DONE]"
         chunks = events[:-1]
         assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)

@@ -4,6 +4,7 @@ Routes are read from the router's own metrics (cachehit_router_requests_total{ro
 what the engines did from their own state and vLLM-named metrics, never from the router's
 word alone.
 """
+
 import asyncio
 import logging
 
@@ -57,8 +58,9 @@ async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, str
     # The producer's lease ends before the consumer pulls: with vLLM's default
     # kv_load_failure_policy "fail" the consumer answers an internal error (an error event
     # in a stream); the router computes the prompt on that decoder instead of failing.
-    c = await make_cluster(decoders=1, prefillers=1, per_backend=PD_PREFERRED,
-                           per_engine={"p0": {"kv_lease_duration": 1e-6}})
+    c = await make_cluster(
+        decoders=1, prefillers=1, per_backend=PD_PREFERRED, per_engine={"p0": {"kv_lease_duration": 1e-6}}
+    )
     body = {"model": MODEL, "prompt": long_prompt("xferfail", 300), "max_tokens": 6}
     if stream:
         status, events = await c.stream({**body, "stream_options": {"include_usage": True}})
@@ -86,11 +88,13 @@ async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_c
     for i in range(4):
         holder = f"d{i % 2}"
         head = long_prompt(f"holder{i}", 300)
-        async with c.session.post(c.engines[holder].url + "/v1/completions",
-                                  json={"model": MODEL, "prompt": head, "max_tokens": 1}) as r:
+        async with c.session.post(
+            c.engines[holder].url + "/v1/completions", json={"model": MODEL, "prompt": head, "max_tokens": 1}
+        ) as r:
             assert r.status == 200
-        status, out = await c.complete({"model": MODEL, "prompt": head + " " + long_prompt(f"tail{i}", 400),
-                                        "max_tokens": 2})
+        status, out = await c.complete(
+            {"model": MODEL, "prompt": head + " " + long_prompt(f"tail{i}", 400), "max_tokens": 2}
+        )
         assert status == 200, out
         assert out["usage"]["prompt_tokens"] == 700
         # Whole blocks of the head (16 tokens each) were reused: only the holder had them.
@@ -115,8 +119,9 @@ async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(mak
     async with c.session.post(c.engines[first].url + "/reset_prefix_cache") as r:
         assert r.status == 200
     head = " ".join(p.split(" ")[:400])
-    async with c.session.post(c.engines[other].url + "/v1/completions",
-                              json={"model": MODEL, "prompt": head, "max_tokens": 1}) as r:
+    async with c.session.post(
+        c.engines[other].url + "/v1/completions", json={"model": MODEL, "prompt": head, "max_tokens": 1}
+    ) as r:
         assert r.status == 200
     status, out = await c.complete({"model": MODEL, "prompt": p, "max_tokens": 2})
     assert status == 200, out
@@ -141,8 +146,9 @@ async def test_short_prompt_goes_direct_even_with_a_prefill_backend(make_cluster
 
 async def test_streaming_answer_has_one_id_usage_and_done(make_cluster):
     c = await make_cluster(decoders=2, prefillers=1)
-    status, events = await c.stream({"model": MODEL, "prompt": long_prompt("stream"), "max_tokens": 12,
-                                     "stream_options": {"include_usage": True}})
+    status, events = await c.stream(
+        {"model": MODEL, "prompt": long_prompt("stream"), "max_tokens": 12, "stream_options": {"include_usage": True}}
+    )
     assert status == 200
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
@@ -158,8 +164,9 @@ async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluste
     prompt = long_prompt("losers", 300)
     # Warm every decoder directly so all three hold the prompt and will accept a probe.
     for e in c.engines.values():
-        async with c.session.post(e.url + "/v1/completions",
-                                  json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+        async with c.session.post(
+            e.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        ) as r:
             assert r.status == 200
     status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 200})
     assert status == 200 and out["usage"]["completion_tokens"] == 200
@@ -187,8 +194,10 @@ async def test_client_disconnect_stops_upstream_work(make_cluster):
     assert sum(c.engine_running().values()) == 1  # the decode engine is generating
     resp.close()  # the client goes away mid-stream
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
-    await eventually(lambda: all(s.inflight == 0 for s in c.state.registry.states.values()),
-                     what="the router's in-flight counts back to 0")
+    await eventually(
+        lambda: all(s.inflight == 0 for s in c.state.registry.states.values()),
+        what="the router's in-flight counts back to 0",
+    )
 
 
 async def test_chat_non_streaming_through_pd(make_cluster):
@@ -217,8 +226,12 @@ async def test_other_strategies_route_directly(make_cluster, strategy):
 
 
 async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend(make_cluster):
-    c = await make_cluster(decoders=2, prefillers=0, routing={"strategy": "round_robin"},
-                           health={"scrape_interval_s": 30, "check_interval_s": 60})
+    c = await make_cluster(
+        decoders=2,
+        prefillers=0,
+        routing={"strategy": "round_robin"},
+        health={"scrape_interval_s": 30, "check_interval_s": 60},
+    )
     await c.engines["d0"].close()  # dead, and the (slow) health checks have not noticed
     for i in range(4):
         status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"rr{i}", 30), "max_tokens": 3})
@@ -237,11 +250,11 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
     # engine it would lack 2,010 behind C's 2,010, so B joins A and reuses its blocks.
     c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 0.5})
     head = long_prompt("leader", 2000)
-    leader = asyncio.create_task(c.complete({"model": MODEL, "prompt": head + " " + long_prompt("a", 10),
-                                             "max_tokens": 2}))
+    leader = asyncio.create_task(
+        c.complete({"model": MODEL, "prompt": head + " " + long_prompt("a", 10), "max_tokens": 2})
+    )
     await eventually(lambda: any(c.engine_running().values()), what="A's leg on an engine", interval=0.002)
-    other = asyncio.create_task(c.complete({"model": MODEL, "prompt": long_prompt("other", 2010),
-                                            "max_tokens": 2}))
+    other = asyncio.create_task(c.complete({"model": MODEL, "prompt": long_prompt("other", 2010), "max_tokens": 2}))
     await eventually(lambda: sum(c.engine_running().values()) >= 2, what="C's leg on the other engine", interval=0.002)
     status, b = await c.complete({"model": MODEL, "prompt": head + " " + long_prompt("b", 10), "max_tokens": 2})
     (status_a, a), (status_c, _) = await leader, await other
@@ -262,8 +275,12 @@ async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_clust
     assert sum(seen.values()) == 3
 
     def refused_or_dropped() -> float:  # probes that did not win
-        return sum(c.router_metric(m, backend=n) for n in c.engines for m in (
-            "cachehit_router_probe_rejections_total", "cachehit_router_probe_losers_total"))
+        return sum(
+            c.router_metric(m, backend=n)
+            for n in c.engines
+            for m in ("cachehit_router_probe_rejections_total", "cachehit_router_probe_losers_total")
+        )
+
     assert refused_or_dropped() == 2
 
     for _ in range(3):
@@ -289,13 +306,18 @@ async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_report
     # CPU tier (vLLM's OffloadingConnector), d1 has none. At T = 0.5 the GPU-only engine
     # rejects and d0 accepts: only the engine knew it still held P.
     small = {"num_gpu_blocks": 60, "max_model_len": 2048}
-    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"},
-                           per_engine={"d0": {**small, "cpu_offload_tokens": 4096}, "d1": small})
+    c = await make_cluster(
+        decoders=2,
+        prefillers=0,
+        routing={"race": "always"},
+        per_engine={"d0": {**small, "cpu_offload_tokens": 4096}, "d1": small},
+    )
     p = long_prompt("offloaded", 300)
     for name in ("d0", "d1"):
         for prompt in [p, *_evicting_prompts("evict")]:
-            async with c.session.post(c.engines[name].url + "/v1/completions",
-                                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+            async with c.session.post(
+                c.engines[name].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            ) as r:
                 assert r.status == 200
     await c.wait_all_healthy()
     status, out = await c.complete({"model": MODEL, "prompt": p, "max_tokens": 2})
@@ -312,8 +334,9 @@ async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_report
     q = p + " " + long_prompt("more", 400)
     for name in ("d0", "d1"):
         for prompt in _evicting_prompts("again"):
-            async with c.session.post(c.engines[name].url + "/v1/completions",
-                                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+            async with c.session.post(
+                c.engines[name].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            ) as r:
                 assert r.status == 200
     with caplog.at_level(logging.INFO, logger="cachehit_router.requests"):
         status, out = await c.complete({"model": MODEL, "prompt": q, "max_tokens": 2})

@@ -2,6 +2,7 @@
 router/tracing.py): the client's traceparent reaches every engine leg; with [tracing] on,
 one span per request and one per leg, checked with the SDK's in-memory exporter and with
 a real OTLP/HTTP receiver (protobuf decoded with opentelemetry-proto)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,10 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from cluster_util import MODEL, PD_PREFERRED, FaultConfig, long_prompt
@@ -33,15 +36,23 @@ class RecordingFront:
     async def __call__(self, name: str, target: str) -> str:
         async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
-            if request.path not in ("/health", "/metrics", "/v1/models") and \
-                    CHECK_PROMPT_PREFIX.encode() not in body:  # the router's capability check
-                self.seen.append({"engine": name, "path": request.path,
-                                  "headers": {k.lower(): v for k, v in request.headers.items()}})
+            if (
+                request.path not in ("/health", "/metrics", "/v1/models") and CHECK_PROMPT_PREFIX.encode() not in body
+            ):  # the router's capability check
+                self.seen.append(
+                    {
+                        "engine": name,
+                        "path": request.path,
+                        "headers": {k.lower(): v for k, v in request.headers.items()},
+                    }
+                )
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-            async with self.session.request(request.method, target + request.path_qs, data=body or None,
-                                            headers=headers) as up:
-                out = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items() if k.lower() in ("content-type",)})
+            async with self.session.request(
+                request.method, target + request.path_qs, data=body or None, headers=headers
+            ) as up:
+                out = web.StreamResponse(
+                    status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() in ("content-type",)}
+                )
                 await out.prepare(request)
                 async for data in up.content.iter_any():
                     await out.write(data)
@@ -73,8 +84,7 @@ async def front():
 async def test_client_trace_context_reaches_every_engine_leg(make_cluster, front):
     c = await make_cluster(decoders=2, front=front, routing={"race": "always"})
     hdrs = {"traceparent": TRACEPARENT, "tracestate": "vendor=abc"}
-    async with await c.post("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 3},
-                            headers=hdrs) as r:
+    async with await c.post("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 3}, headers=hdrs) as r:
         assert r.status == 200
     async with await c.post("/v1/embeddings", {"model": MODEL, "input": "hello"}, headers=hdrs) as r:
         assert r.status == 200
@@ -87,8 +97,11 @@ async def test_client_trace_context_reaches_every_engine_leg(make_cluster, front
     # A malformed traceparent is dropped (W3C: ignore it), and none is invented.
     front.seen.clear()
     for tp in ("00-zz-00f067aa0ba902b7-01", None):
-        async with await c.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2},
-                                headers={"traceparent": tp} if tp else {}) as r:
+        async with await c.post(
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "max_tokens": 2},
+            headers={"traceparent": tp} if tp else {},
+        ) as r:
             assert r.status == 200
     assert front.seen and all("traceparent" not in s["headers"] for s in front.seen)
 
@@ -102,12 +115,21 @@ def _by_name(spans):
 
 async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
     exporter = InMemorySpanExporter()
-    c = await make_cluster(decoders=2, prefillers=1, tracing={"enabled": True}, span_exporter=exporter,
-                           front=front, per_backend=PD_PREFERRED, routing={"race": "always"})
+    c = await make_cluster(
+        decoders=2,
+        prefillers=1,
+        tracing={"enabled": True},
+        span_exporter=exporter,
+        front=front,
+        per_backend=PD_PREFERRED,
+        routing={"race": "always"},
+    )
     # Cold long prompt: a probe race both decoders reject, then prefill and decode.
-    async with await c.post("/v1/completions", {"model": MODEL, "prompt": long_prompt("traced", 300),
-                                                "max_tokens": 4},
-                            headers={"traceparent": TRACEPARENT}) as r:
+    async with await c.post(
+        "/v1/completions",
+        {"model": MODEL, "prompt": long_prompt("traced", 300), "max_tokens": 4},
+        headers={"traceparent": TRACEPARENT},
+    ) as r:
         assert r.status == 200, await r.read()
     spans = exporter.get_finished_spans()
     names = _by_name(spans)
@@ -129,8 +151,7 @@ async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
         assert leg.context.trace_id == req.context.trace_id
     # Each engine call carried its own leg span as parent.
     leg_ids = {format(s.context.span_id, "016x") for s in probes + [prefill, decode]}
-    sent = {s["headers"]["traceparent"].split("-")[2] for s in front.seen
-            if s["path"] == "/v1/completions"}
+    sent = {s["headers"]["traceparent"].split("-")[2] for s in front.seen if s["path"] == "/v1/completions"}
     assert sent == leg_ids
 
     # A forwarded route: the request span and one forward leg.
@@ -145,11 +166,16 @@ async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
 
 async def test_resume_leg_span(make_cluster):
     exporter = InMemorySpanExporter()
-    c = await make_cluster(decoders=2, tracing={"enabled": True}, span_exporter=exporter,
-                           per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=30)}})
+    c = await make_cluster(
+        decoders=2,
+        tracing={"enabled": True},
+        span_exporter=exporter,
+        per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=30)}},
+    )
     prompt = long_prompt("resumed", 200)
-    async with c.session.post(c.engines["d0"].url + "/v1/completions",
-                              json={"model": MODEL, "prompt": prompt, "max_tokens": 1}) as r:
+    async with c.session.post(
+        c.engines["d0"].url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    ) as r:
         assert r.status == 200
     status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 80})
     assert status == 200 and out["usage"]["completion_tokens"] == 80
@@ -170,8 +196,9 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
         msg = ExportTraceServiceRequest()
         msg.ParseFromString(await request.read())
         received.append(msg)
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
+        )
 
     app = web.Application()
     app.router.add_post("/v1/traces", traces)
@@ -181,19 +208,23 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        c = await make_cluster(decoders=1, tracing={
-            "enabled": True, "otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces",
-            "service_name": "router-under-test"}, routing={"race": "always"})
+        c = await make_cluster(
+            decoders=1,
+            tracing={
+                "enabled": True,
+                "otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces",
+                "service_name": "router-under-test",
+            },
+            routing={"race": "always"},
+        )
         status, _ = await c.complete({"model": MODEL, "prompt": "hello", "max_tokens": 2})
         assert status == 200
         # The batch processor exports from its thread; flushing blocks, so off the loop.
         assert await asyncio.to_thread(c.state.tracing.provider.force_flush, 10_000)
-        spans = [(rs, s) for m in received for rs in m.resource_spans
-                 for ss in rs.scope_spans for s in ss.spans]
+        spans = [(rs, s) for m in received for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
         names = {s.name for _, s in spans}
         assert {"POST /v1/completions", "probe_race", "probe"} <= names
-        services = {a.value.string_value for rs, _ in spans for a in rs.resource.attributes
-                    if a.key == "service.name"}
+        services = {a.value.string_value for rs, _ in spans for a in rs.resource.attributes if a.key == "service.name"}
         assert services == {"router-under-test"}
         req = next(s for _, s in spans if s.name == "POST /v1/completions")
         race = next(s for _, s in spans if s.name == "probe_race")
@@ -204,6 +235,7 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
 
 def test_tracing_config_is_checked():
     from router.config import ConfigError, parse_config
+
     base = {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
     with pytest.raises(ConfigError) as e:
         parse_config({**base, "tracing": {"otlp_endpoint": "ftp://x", "sample_ratio": 2.0}})

@@ -1,5 +1,6 @@
 """UpstreamStream against a real aiohttp server: reading chunks one by one or all that
 arrived, and where an unreadable event lands."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,8 +48,9 @@ async def open_leg(url: str):
 
 
 async def test_next_chunks_returns_everything_received_in_one_read(serve_sse):
-    url = await serve_sse(event(b'{"n":1}') + event(b'{"n":2}') + event(b'{"n":3}'),
-                          event(b'{"n":4}') + event(b"[DONE]"))
+    url = await serve_sse(
+        event(b'{"n":1}') + event(b'{"n":2}') + event(b'{"n":3}'), event(b'{"n":4}') + event(b"[DONE]")
+    )
     client, stream = await open_leg(url)
     try:
         got = []
@@ -63,11 +65,14 @@ async def test_next_chunks_returns_everything_received_in_one_read(serve_sse):
         await client.close()
 
 
-@pytest.mark.parametrize("bad, kind", [
-    (b"{not json", PROTOCOL),
-    (b"[1, 2]", PROTOCOL),
-    (b'{"error": {"message": "Internal server error", "code": 500}}', ENGINE_ERROR),
-])
+@pytest.mark.parametrize(
+    "bad, kind",
+    [
+        (b"{not json", PROTOCOL),
+        (b"[1, 2]", PROTOCOL),
+        (b'{"error": {"message": "Internal server error", "code": 500}}', ENGINE_ERROR),
+    ],
+)
 async def test_a_bad_event_comes_after_the_good_ones_before_it(serve_sse, bad, kind):
     url = await serve_sse(event(b'{"n":1}') + event(b'{"n":2}') + event(bad) + event(b'{"n":3}'))
     client, stream = await open_leg(url)

@@ -6,6 +6,7 @@ each streamed leg is a `FakeStream` with the `UpstreamStream` interface (`next_c
 pauses, an `UpstreamError` to raise, or `HANG` (silent until cancelled). The end of the
 script is the engine's [DONE].
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -89,21 +90,39 @@ class FakeUpstream:
             raise script
         return script
 
-    async def open_stream(self, backend: str, base_url: str, path: str, body: dict, *, api_key: str = "",
-                          total_deadline: float | None = None,
-                          on_close: Callable[[], None] | None = None) -> FakeStream:
+    async def open_stream(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict,
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> FakeStream:
         stream = FakeStream(backend, self._next(backend, path, body), on_close)
         self.streams.append(stream)
         return stream
 
-    async def post_json(self, backend: str, base_url: str, path: str, body: dict, *, api_key: str = "",
-                        total_deadline: float | None = None) -> dict:
+    async def post_json(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict,
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+    ) -> dict:
         return self._next(backend, path, body)
 
     def opener(self, path: str = "/v1/completions", body: dict | None = None):
         """An `open_probe` for router.race.run_race."""
+
         async def open_probe(name: str) -> FakeStream:
             return await self.open_stream(name, "", path, body or {})
+
         return open_probe
 
     def legs_to(self, backend: str) -> list[Call]:
@@ -112,18 +131,32 @@ class FakeUpstream:
 
 # --- vLLM 0.32 completion stream chunks (return_token_ids, include_usage) ---------------------
 
+
 def token(text: str, ids: list[int], finish: str | None = None, prompt_ids: list[int] | None = None) -> dict:
-    return {"id": "cmpl-engine", "object": "text_completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                         "stop_reason": None, "prompt_token_ids": prompt_ids, "token_ids": ids}]}
+    return {
+        "id": "cmpl-engine",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_token_ids": prompt_ids,
+                "token_ids": ids,
+            }
+        ],
+    }
 
 
 def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
     u: dict = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
     if cached is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached}
-    return {"id": "cmpl-engine", "object": "text_completion", "created": 1, "model": "m", "choices": [],
-            "usage": u}
+    return {"id": "cmpl-engine", "object": "text_completion", "created": 1, "model": "m", "choices": [], "usage": u}
 
 
 def rejection(prompt: int, cached: int) -> list:
@@ -135,6 +168,9 @@ def answer(prompt_ids: list[int], words: list[tuple[str, int]], cached: int = 0)
     """A whole answer: one chunk per (text, token id), the last one finishing with stop."""
     out = []
     for k, (text, tid) in enumerate(words):
-        out.append(token(text, [tid], finish="stop" if k == len(words) - 1 else None,
-                         prompt_ids=prompt_ids if k == 0 else None))
+        out.append(
+            token(
+                text, [tid], finish="stop" if k == len(words) - 1 else None, prompt_ids=prompt_ids if k == 0 else None
+            )
+        )
     return out + [usage(len(prompt_ids), len(words), cached)]

@@ -1,4 +1,5 @@
 """router/answer.py: the answer so far across legs."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,4 +44,4 @@ def test_engine_count_beyond_the_ids_marks_them_incomplete():
 
 def test_a_token_id_beyond_64_bits_is_a_protocol_error():
     with pytest.raises(MalformedChunk):
-        Answer(None).add_token_ids([2 ** 64])
+        Answer(None).add_token_ids([2**64])

@@ -1,4 +1,5 @@
 """Keys name the tenant; the priority header follows the tenant's rule."""
+
 import pytest
 
 from router.auth import KeyRing, request_priority
@@ -16,8 +17,13 @@ def test_each_key_names_its_tenant_and_nothing_else_does():
     assert ring.tenant_of({"Authorization": "Bearer batch-key"}).name == "batch"
     assert ring.tenant_of({"Authorization": "bearer  plain-key "}).name.startswith("key-")
     assert "plain-key" not in ring.tenant_of({"Authorization": "Bearer plain-key"}).name
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic batch-key"},
-                    {"Authorization": "Bearer admin-key"}, {"Authorization": "batch-key"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": "Basic batch-key"},
+        {"Authorization": "Bearer admin-key"},
+        {"Authorization": "batch-key"},
+    ):
         assert ring.tenant_of(headers) is None, headers
     assert ring.is_admin({"Authorization": "Bearer admin-key"})
     assert not ring.is_admin({"Authorization": "Bearer batch-key"})

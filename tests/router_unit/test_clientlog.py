@@ -1,4 +1,5 @@
 """Escaping what clients send before it reaches a log line; client events vs router bugs."""
+
 import logging
 
 from aiohttp import http_exceptions, web
@@ -34,8 +35,11 @@ def test_client_events_and_router_bugs():
 def test_server_logger_logs_client_events_on_one_info_line(caplog):
     logger = ServerLogger(logging.getLogger("test.server"))
     with caplog.at_level(logging.INFO, logger="test.server"):
-        logger.exception("Error handling request from %s", "127.0.0.1",
-                         exc_info=http_exceptions.BadHttpMessage("Invalid header:\n b'\x00\x1b'"))
+        logger.exception(
+            "Error handling request from %s",
+            "127.0.0.1",
+            exc_info=http_exceptions.BadHttpMessage("Invalid header:\n b'\x00\x1b'"),
+        )
         try:
             raise TypeError("a router bug")
         except TypeError as e:

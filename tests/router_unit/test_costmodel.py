@@ -1,4 +1,5 @@
 """The cost model's formula, the online fit of engine speeds, and the token-level load."""
+
 import random
 
 import pytest

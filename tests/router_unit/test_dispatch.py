@@ -6,6 +6,7 @@ the pipeline: probe hit, fallback after a race nobody won (direct or prefill/dec
 `plan_fallback` decides), retries before the first token, resume after a broken leg, and
 the request's record and metrics.
 """
+
 from __future__ import annotations
 
 import orjson
@@ -41,8 +42,14 @@ class FixedPlanner:
             return Plan()
         if self.direct:
             return Plan(direct=names[0], prefill_tokens=len(PROMPT_IDS), predicted_ttft_s=0.01)
-        return Plan(probes=names, threshold=0.5, deadline_s=1.0, probe_ttft_s=tuple(0.01 for _ in names),
-                    cold=names[0], cold_ttft_s=0.01)
+        return Plan(
+            probes=names,
+            threshold=0.5,
+            deadline_s=1.0,
+            probe_ttft_s=tuple(0.01 for _ in names),
+            cold=names[0],
+            cold_ttft_s=0.01,
+        )
 
     def on_routed(self, query, backend: str) -> None:
         self.routed.append(backend)
@@ -53,10 +60,15 @@ class FixedPlanner:
 
 class Harness:
     def __init__(self, up: FakeUpstream, backends: dict[str, str], planner: FixedPlanner, routing: dict):
-        config = parse_config({
-            "backends": [{"name": n, "url": f"http://{n}.test", "role": role, "models": ["m"]}
-                         for n, role in backends.items()],
-            "routing": routing})
+        config = parse_config(
+            {
+                "backends": [
+                    {"name": n, "url": f"http://{n}.test", "role": role, "models": ["m"]}
+                    for n, role in backends.items()
+                ],
+                "routing": routing,
+            }
+        )
         self.registry = BackendRegistry(config.all_backends(), config.health)
         for state in self.registry.states.values():
             state.healthy = True
@@ -67,8 +79,9 @@ class Harness:
         self.emitted: list[dict] = []
 
     async def serve(self, max_tokens: int = 16) -> RequestRecord:
-        spec = parse_request("completions", orjson.dumps(
-            {"model": "m", "prompt": PROMPT_IDS, "max_tokens": max_tokens, "stream": True}))
+        spec = parse_request(
+            "completions", orjson.dumps({"model": "m", "prompt": PROMPT_IDS, "max_tokens": max_tokens, "stream": True})
+        )
         shaper = ResponseShaper(spec)
         rec = RequestRecord(request_id=spec.request_id, endpoint="completions", model="m", stream=True)
 
@@ -83,8 +96,12 @@ class Harness:
         return rec
 
     def metric(self, name: str, **labels) -> float:
-        return sum(s.value for fam in self.metrics.registry.collect() for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for fam in self.metrics.registry.collect()
+            for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     @property
     def text(self) -> str:
@@ -95,10 +112,12 @@ class Harness:
         return {n: s.inflight for n, s in self.registry.states.items()}
 
 
-def harness(scripts: dict, backends: dict[str, str] | None = None, planner: FixedPlanner | None = None,
-            **routing) -> Harness:
-    return Harness(FakeUpstream(scripts), backends or {"d0": "decode", "d1": "decode"},
-                   planner or FixedPlanner(), routing)
+def harness(
+    scripts: dict, backends: dict[str, str] | None = None, planner: FixedPlanner | None = None, **routing
+) -> Harness:
+    return Harness(
+        FakeUpstream(scripts), backends or {"d0": "decode", "d1": "decode"}, planner or FixedPlanner(), routing
+    )
 
 
 async def test_a_probe_hit_answers_from_the_acceptor():
@@ -116,8 +135,7 @@ async def test_a_probe_hit_answers_from_the_acceptor():
 
 
 async def test_all_reject_the_prompt_is_computed_on_the_engine_holding_most_of_it():
-    h = harness({"d0": [rejection(300, 0)],
-                 "d1": [rejection(300, 120), answer(PROMPT_IDS, [("Hi", 1)], cached=120)]})
+    h = harness({"d0": [rejection(300, 0)], "d1": [rejection(300, 120), answer(PROMPT_IDS, [("Hi", 1)], cached=120)]})
     rec = await h.serve()
     assert h.text == "Hi"
     assert (rec.route, rec.winner, rec.prefill) == ("direct", "d1", "")
@@ -130,10 +148,16 @@ async def test_all_reject_the_prompt_is_computed_on_the_engine_holding_most_of_i
 
 async def test_all_reject_prefill_then_decode_when_the_fallback_plans_a_split():
     kv = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [1, 2]}
-    h = harness({"d0": [rejection(300, 0), answer(PROMPT_IDS, [("Hi", 1)])],
-                 "p0": [{"kv_transfer_params": kv, "usage": {"prompt_tokens": 300, "completion_tokens": 1}}]},
-                backends={"d0": "decode", "p0": "prefill"}, split="always", min_pd_prompt_tokens=1,
-                decode_guard_threshold=0.1)
+    h = harness(
+        {
+            "d0": [rejection(300, 0), answer(PROMPT_IDS, [("Hi", 1)])],
+            "p0": [{"kv_transfer_params": kv, "usage": {"prompt_tokens": 300, "completion_tokens": 1}}],
+        },
+        backends={"d0": "decode", "p0": "prefill"},
+        split="always",
+        min_pd_prompt_tokens=1,
+        decode_guard_threshold=0.1,
+    )
     rec = await h.serve()
     assert h.text == "Hi"
     assert (rec.route, rec.winner, rec.prefill, rec.legs) == ("pd", "d0", "p0", ["pd:d0"])
@@ -145,9 +169,15 @@ async def test_all_reject_prefill_then_decode_when_the_fallback_plans_a_split():
 
 
 async def test_a_failed_prefill_computes_the_prompt_on_the_decoder():
-    h = harness({"d0": [rejection(300, 0), answer(PROMPT_IDS, [("Hi", 1)])],
-                 "p0": [UpstreamError("p0", CONNECT, "connection refused")]},
-                backends={"d0": "decode", "p0": "prefill"}, split="always", min_pd_prompt_tokens=1)
+    h = harness(
+        {
+            "d0": [rejection(300, 0), answer(PROMPT_IDS, [("Hi", 1)])],
+            "p0": [UpstreamError("p0", CONNECT, "connection refused")],
+        },
+        backends={"d0": "decode", "p0": "prefill"},
+        split="always",
+        min_pd_prompt_tokens=1,
+    )
     rec = await h.serve()
     assert h.text == "Hi"
     assert (rec.route, rec.prefill) == ("direct", "")
@@ -156,8 +186,10 @@ async def test_a_failed_prefill_computes_the_prompt_on_the_decoder():
 
 
 async def test_an_error_before_the_first_byte_retries_on_another_engine():
-    for failure in ([UpstreamError("d0", CONNECT, "connection refused")],
-                    [[UpstreamError("d0", FIRST_TOKEN_TIMEOUT, "no data from the engine in time")]]):
+    for failure in (
+        [UpstreamError("d0", CONNECT, "connection refused")],
+        [[UpstreamError("d0", FIRST_TOKEN_TIMEOUT, "no data from the engine in time")]],
+    ):
         h = harness({"d0": failure, "d1": [answer(PROMPT_IDS, [("Hi", 1)])]}, planner=FixedPlanner(direct=True))
         rec = await h.serve()
         assert h.text == "Hi"
@@ -169,8 +201,7 @@ async def test_an_error_before_the_first_byte_retries_on_another_engine():
 
 async def test_retries_stop_at_max_retries_with_the_last_failure():
     down = UpstreamError("d0", CONNECT, "connection refused")
-    h = harness({"d0": [down, down, down]}, backends={"d0": "decode"}, planner=FixedPlanner(direct=True),
-                max_retries=1)
+    h = harness({"d0": [down, down, down]}, backends={"d0": "decode"}, planner=FixedPlanner(direct=True), max_retries=1)
     # The planner keeps nothing out here: only d0 exists, so every attempt goes there.
     h.planner.plan = lambda query, snap, exclude=frozenset(): Plan(direct="d0", predicted_ttft_s=0.01)
     with pytest.raises(RouterError) as failed:
@@ -181,11 +212,18 @@ async def test_retries_stop_at_max_retries_with_the_last_failure():
 
 
 async def test_a_broken_decode_resumes_elsewhere_and_the_client_sees_one_answer():
-    h = harness({
-        "d0": [[token("Hello", [1], prompt_ids=PROMPT_IDS), token(" wor", [2]),
-                UpstreamError("d0", BROKEN, "connection lost")]],
-        "d1": [rejection(3, 0), answer([*PROMPT_IDS, 1, 2], [("ld", 3), ("!", 4)])],
-    })
+    h = harness(
+        {
+            "d0": [
+                [
+                    token("Hello", [1], prompt_ids=PROMPT_IDS),
+                    token(" wor", [2]),
+                    UpstreamError("d0", BROKEN, "connection lost"),
+                ]
+            ],
+            "d1": [rejection(3, 0), answer([*PROMPT_IDS, 1, 2], [("ld", 3), ("!", 4)])],
+        }
+    )
     rec = await h.serve(max_tokens=10)
     assert h.text == "Hello world!"
     assert len({c["id"] for c in h.emitted}) == 1

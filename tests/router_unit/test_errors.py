@@ -1,4 +1,5 @@
 """Error bodies match vLLM 0.32's ErrorResponse shape; helpers set status, type, headers."""
+
 from __future__ import annotations
 
 import orjson
@@ -27,9 +28,14 @@ def test_explicit_type_and_code_win():
 def test_model_not_found_matches_vllm_wording():
     err = errors.model_not_found("gpt-x", ["tiny", "tiny-lora"])
     assert err.status == 404
-    assert err.body() == {"error": {
-        "message": "The model `gpt-x` does not exist. Valid aliases: tiny, tiny-lora.",
-        "type": "NotFoundError", "param": "model", "code": 404}}
+    assert err.body() == {
+        "error": {
+            "message": "The model `gpt-x` does not exist. Valid aliases: tiny, tiny-lora.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
 
 
 def test_common_helpers():
@@ -63,8 +69,16 @@ def test_sse_error_event_decodes_to_the_body():
 
 
 def test_from_upstream_body_passes_vllm_errors_through():
-    raw = orjson.dumps({"error": {"message": "temperature must be >= 0", "type": "BadRequestError",
-                                  "param": "temperature", "code": 400}})
+    raw = orjson.dumps(
+        {
+            "error": {
+                "message": "temperature must be >= 0",
+                "type": "BadRequestError",
+                "param": "temperature",
+                "code": 400,
+            }
+        }
+    )
     err = errors.from_upstream_body(400, raw)
     assert (err.status, err.param, err.message) == (400, "temperature", "temperature must be >= 0")
     assert err.body() == orjson.loads(raw)
@@ -93,9 +107,13 @@ def test_from_upstream_body_never_raises(raw, status):
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(),
-                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
-                    max_leaves=10))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+        max_leaves=10,
+    )
+)
 def test_from_error_object_never_raises(value):
     err = errors.from_error_object({"error": value})
     if err is not None:
@@ -105,12 +123,14 @@ def test_from_error_object_never_raises(value):
 
 def test_model_not_found_equals_the_real_capture():
     from wire_fixtures import body
+
     assert errors.model_not_found("no-such-model", ["tiny"]).body() == body("error_unknown_model")
     assert errors.model_not_found("no-such-model", ["tiny"]).body() == body("error_unknown_model_chat")
 
 
 def test_real_error_body_passes_through():
     from wire_fixtures import load
+
     d = load("error_out_of_range_temperature")
     err = errors.from_upstream_body(d["status"], d["raw"].encode())
     assert err.status == 400 and err.body() == orjson.loads(d["raw"])

@@ -1,6 +1,7 @@
 """The layout rules the codebase keeps: the router never imports the launcher (it reaches it
 through the engine-starter entry point), every router module says what it is for, and none
 outgrows what a reader can hold (about 400 lines)."""
+
 from __future__ import annotations
 
 import ast
@@ -26,9 +27,12 @@ def test_router_modules_were_found():
 
 
 def test_the_router_never_imports_the_launcher():
-    offenders = {str(p.relative_to(ROUTER)): sorted(n for n in _imported(ast.parse(p.read_text()))
-                                                    if n.split(".")[0] == "engine_launcher")
-                 for p in MODULES}
+    offenders = {
+        str(p.relative_to(ROUTER)): sorted(
+            n for n in _imported(ast.parse(p.read_text())) if n.split(".")[0] == "engine_launcher"
+        )
+        for p in MODULES
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 

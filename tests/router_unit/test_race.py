@@ -1,5 +1,6 @@
 """The probe race (router/race.py) over scripted engines: who wins, what every probe
 answered, what happens to the streams nobody reads, and the deadline."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,13 @@ from fake_upstream import HANG, FakeUpstream, Pause, rejection, token
 
 
 async def test_the_first_acceptor_wins_and_the_others_are_stopped():
-    up = FakeUpstream({
-        "fast": [[token("Hi", [7]), token("!", [8], finish="stop")]],
-        "slow": [[Pause(0.2), token("Hi", [7])]],
-        "silent": [[HANG]],
-    })
+    up = FakeUpstream(
+        {
+            "fast": [[token("Hi", [7]), token("!", [8], finish="stop")]],
+            "slow": [[Pause(0.2), token("Hi", [7])]],
+            "silent": [[HANG]],
+        }
+    )
     result = await run_race(("fast", "slow", "silent"), up.opener(), 5.0)
     assert result.winner is not None and result.winner.backend == "fast"
     assert result.winner.verdict == ACCEPTED
@@ -42,7 +45,10 @@ async def test_all_reject_every_verdict_is_reported():
     result = await run_race(("d0", "d1", "d2"), up.opener(), 5.0)
     assert result.winner is None
     assert sorted((o.backend, o.verdict) for o in result.outcomes) == [
-        ("d0", REJECTED), ("d1", REJECTED), ("d2", REJECTED)]
+        ("d0", REJECTED),
+        ("d1", REJECTED),
+        ("d2", REJECTED),
+    ]
     assert result.prompt_tokens == 100
     assert result.hits == {"d1": 64, "d2": 20}
     # A rejection's connection is read to [DONE] and handed back, not dropped.
@@ -50,11 +56,13 @@ async def test_all_reject_every_verdict_is_reported():
 
 
 async def test_an_upstream_error_in_one_probe_does_not_lose_the_race_for_the_others():
-    up = FakeUpstream({
-        "refused": [UpstreamError("refused", CONNECT, "connection refused")],
-        "broken": [[UpstreamError("broken", BROKEN, "stream ended without [DONE]")]],
-        "ok": [[Pause(0.05), token("Hi", [7])]],
-    })
+    up = FakeUpstream(
+        {
+            "refused": [UpstreamError("refused", CONNECT, "connection refused")],
+            "broken": [[UpstreamError("broken", BROKEN, "stream ended without [DONE]")]],
+            "ok": [[Pause(0.05), token("Hi", [7])]],
+        }
+    )
     result = await run_race(("refused", "broken", "ok"), up.opener(), 5.0)
     assert result.winner is not None and result.winner.backend == "ok"
     verdicts = {o.backend: o for o in result.outcomes}

@@ -5,6 +5,7 @@ it): whatever legs an answer took, a streaming client must receive exactly the s
 engine would have sent for the client's request, and a non-streaming client exactly the
 body, except for ids and timestamps, which the shaper keeps stable on its own values.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,15 +18,31 @@ from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, p
 from router.shaping import ResponseShaper
 from router.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
 
-from vllm_shapes import (Gen, Step, _chat_logprobs, _completion_logprobs, chat_full, chat_stream,
-                         completion_full, completion_stream)
+from vllm_shapes import (
+    Gen,
+    Step,
+    _chat_logprobs,
+    _completion_logprobs,
+    chat_full,
+    chat_stream,
+    completion_full,
+    completion_stream,
+)
 from wire_fixtures import body, normalized, request_body, stream_chunks
 
 PROMPT = [101, 102, 103, 104]
 
 
-def make_spec(endpoint: str, *, stream: bool = True, include_usage: bool = False, return_token_ids: bool = False,
-              logprobs: int | None = None, continuous: bool = False, model: str = "client-model") -> RequestSpec:
+def make_spec(
+    endpoint: str,
+    *,
+    stream: bool = True,
+    include_usage: bool = False,
+    return_token_ids: bool = False,
+    logprobs: int | None = None,
+    continuous: bool = False,
+    model: str = "client-model",
+) -> RequestSpec:
     body: dict = {"model": model}
     if endpoint == ENDPOINT_CHAT:
         body["messages"] = [{"role": "user", "content": "hi"}]
@@ -51,13 +68,23 @@ def make_spec(endpoint: str, *, stream: bool = True, include_usage: bool = False
 
 def client_view(spec: RequestSpec, g: Gen) -> Gen:
     """The same generation as the engine would describe it for the client's own request."""
-    return Gen(prompt_token_ids=g.prompt_token_ids, steps=g.steps, cached_tokens=g.cached_tokens,
-               model=spec.model, request_id=spec.request_id, created=spec.created,
-               system_fingerprint=g.system_fingerprint, return_token_ids=spec.return_token_ids,
-               include_usage=spec.include_usage, logprobs=g.logprobs)
+    return Gen(
+        prompt_token_ids=g.prompt_token_ids,
+        steps=g.steps,
+        cached_tokens=g.cached_tokens,
+        model=spec.model,
+        request_id=spec.request_id,
+        created=spec.created,
+        system_fingerprint=g.system_fingerprint,
+        return_token_ids=spec.return_token_ids,
+        include_usage=spec.include_usage,
+        logprobs=g.logprobs,
+    )
 
 
-def run_legs(spec: RequestSpec, legs: list[tuple[bool, list[dict]]], *, release: bool = False) -> tuple[ResponseShaper, list[dict]]:
+def run_legs(
+    spec: RequestSpec, legs: list[tuple[bool, list[dict]]], *, release: bool = False
+) -> tuple[ResponseShaper, list[dict]]:
     sh = ResponseShaper(spec)
     out: list[dict] = []
     for is_resume, chunks in legs:
@@ -80,8 +107,13 @@ def steps_for(n_tokens: int, finish: str = "length", logprobs: bool = False, per
     i = 0
     while i < n_tokens:
         ids = list(range(1000 + i, 1000 + min(n_tokens, i + per_step)))
-        steps.append(Step("".join(f"t{j}" for j in range(i, i + len(ids))), ids,
-                          logprobs=[tok(j) for j in range(i, i + len(ids))] if logprobs else None))
+        steps.append(
+            Step(
+                "".join(f"t{j}" for j in range(i, i + len(ids))),
+                ids,
+                logprobs=[tok(j) for j in range(i, i + len(ids))] if logprobs else None,
+            )
+        )
         i += len(ids)
     if steps:
         steps[-1].finish_reason = finish
@@ -90,6 +122,7 @@ def steps_for(n_tokens: int, finish: str = "length", logprobs: bool = False, per
 
 
 # --- is_rejection_chunk ---------------------------------------------------------------------
+
 
 def test_is_rejection_chunk():
     g = Gen(PROMPT, steps_for(2))
@@ -107,20 +140,34 @@ def test_is_rejection_chunk():
     assert is_rejection_chunk(completion_stream(Gen(PROMPT, [Step("", [], "stop")]))[0]) is False
     # cache_threshold with tokens in the same chunk: accepted (the leg produced output).
     assert is_rejection_chunk(completion_stream(Gen(PROMPT, [Step("a", [5], CACHE_THRESHOLD)]))[0]) is False
-    assert is_rejection_chunk({"choices": [{"index": 0, "delta": {"reasoning": "hm"}, "finish_reason": None,
-                                            "token_ids": None}]}) is False
+    assert (
+        is_rejection_chunk(
+            {"choices": [{"index": 0, "delta": {"reasoning": "hm"}, "finish_reason": None, "token_ids": None}]}
+        )
+        is False
+    )
     # The chunk vLLM sends for chat `echo` right after the role chunk, before any decision
     # (no token_ids key, like the role chunk): undecided, though it has text.
-    echo = {"choices": [{"index": 0, "delta": {"content": "the last message"}, "logprobs": None,
-                         "finish_reason": None}]}
+    echo = {
+        "choices": [{"index": 0, "delta": {"content": "the last message"}, "logprobs": None, "finish_reason": None}]
+    }
     assert is_rejection_chunk(echo) is None
     # A byte-level token whose text comes later: token ids decide.
-    assert is_rejection_chunk({"choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
-                                            "finish_reason": None, "token_ids": [7]}]}) is False
+    assert (
+        is_rejection_chunk(
+            {
+                "choices": [
+                    {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None, "token_ids": [7]}
+                ]
+            }
+        )
+        is False
+    )
     assert is_rejection_chunk({"choices": ["junk"]}) is None
 
 
 # --- one leg: the client sees what one engine would have sent --------------------------------------
+
 
 def test_completions_stream_one_leg_matches_vllm():
     spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True)
@@ -152,12 +199,15 @@ def test_token_ids_stripped_as_vllm_does_without_return_token_ids():
 
 
 def test_non_streaming_one_leg_equals_vllm_body():
-    for endpoint, full, stream in ((ENDPOINT_COMPLETIONS, completion_full, completion_stream),
-                                   (ENDPOINT_CHAT, chat_full, chat_stream)):
+    for endpoint, full, stream in (
+        (ENDPOINT_COMPLETIONS, completion_full, completion_stream),
+        (ENDPOINT_CHAT, chat_full, chat_stream),
+    ):
         for rti in (False, True):
             spec = make_spec(endpoint, stream=False, return_token_ids=rti, logprobs=2)
-            g = Gen(PROMPT, steps_for(4, logprobs=True, per_step=2), cached_tokens=3, logprobs=2,
-                    system_fingerprint="fp")
+            g = Gen(
+                PROMPT, steps_for(4, logprobs=True, per_step=2), cached_tokens=3, logprobs=2, system_fingerprint="fp"
+            )
             sh, _ = run_legs(spec, [(False, stream(g))])
             assert sh.accumulate_response() == full(client_view(spec, g))
 
@@ -171,8 +221,10 @@ def test_continuous_usage_stats():
 
 # --- several legs ----------------------------------------------------------------------------
 
-def split_legs(endpoint: str, g: Gen, cuts: list[int], finish_on_last: list[bool],
-               cached: list[int | None]) -> list[tuple[bool, list[dict]]]:
+
+def split_legs(
+    endpoint: str, g: Gen, cuts: list[int], finish_on_last: list[bool], cached: list[int | None]
+) -> list[tuple[bool, list[dict]]]:
     """Upstream legs for generation `g` interrupted after the given numbers of steps:
     every leg but the last ends in cache_threshold (on its last content chunk or in a
     chunk of its own); resume legs are completion streams with prompt + generated ids."""
@@ -189,8 +241,16 @@ def split_legs(endpoint: str, g: Gen, cuts: list[int], finish_on_last: list[bool
                 steps[-1].finish_reason = CACHE_THRESHOLD
             else:
                 steps.append(Step("", [], CACHE_THRESHOLD, logprobs=[] if g.logprobs is not None else None))
-        leg = Gen(PROMPT + generated, steps, cached_tokens=cached[n], model="engine-model",
-                  request_id=f"engine-{n}", created=1000 + n, logprobs=g.logprobs, system_fingerprint=g.system_fingerprint)
+        leg = Gen(
+            PROMPT + generated,
+            steps,
+            cached_tokens=cached[n],
+            model="engine-model",
+            request_id=f"engine-{n}",
+            created=1000 + n,
+            logprobs=g.logprobs,
+            system_fingerprint=g.system_fingerprint,
+        )
         resume = n > 0
         if resume or endpoint == ENDPOINT_COMPLETIONS:
             legs.append((resume, completion_stream(leg)))
@@ -217,13 +277,21 @@ def expected_cached(g_steps: list[Step], cuts: list[int], cached: list[int | Non
 def scenarios(draw):
     endpoint = draw(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]))
     stream = draw(st.booleans())
-    spec = make_spec(endpoint, stream=stream, include_usage=stream and draw(st.booleans()),
-                     return_token_ids=draw(st.booleans()),
-                     logprobs=draw(st.sampled_from([None, 0, 2])))
+    spec = make_spec(
+        endpoint,
+        stream=stream,
+        include_usage=stream and draw(st.booleans()),
+        return_token_ids=draw(st.booleans()),
+        logprobs=draw(st.sampled_from([None, 0, 2])),
+    )
     lp = spec.body.get("top_logprobs") if endpoint == ENDPOINT_CHAT else spec.body.get("logprobs")
     n_tokens = draw(st.integers(0, 8))
-    steps = steps_for(n_tokens, finish=draw(st.sampled_from(["stop", "length"])), logprobs=lp is not None,
-                      per_step=draw(st.integers(1, 3)))
+    steps = steps_for(
+        n_tokens,
+        finish=draw(st.sampled_from(["stop", "length"])),
+        logprobs=lp is not None,
+        per_step=draw(st.integers(1, 3)),
+    )
     if not steps:
         steps = [Step("", [], "stop", logprobs=[] if lp is not None else None)]
     n_legs = draw(st.integers(1, 4))
@@ -235,8 +303,13 @@ def scenarios(draw):
         cached = [None] * n_legs
     else:
         cached = [c if c is not None else 0 for c in cached]
-    return spec, Gen(PROMPT, steps, logprobs=lp, system_fingerprint=draw(st.sampled_from([None, "fp"]))), cuts, \
-        finish_on_last, cached
+    return (
+        spec,
+        Gen(PROMPT, steps, logprobs=lp, system_fingerprint=draw(st.sampled_from([None, "fp"]))),
+        cuts,
+        finish_on_last,
+        cached,
+    )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -269,8 +342,12 @@ def test_chat_resumed_through_completion_leg_reads_as_one_chat_stream():
     _, out = run_legs(spec, legs)
     assert out == chat_stream(client_view(spec, g))
     assert sum(1 for c in out if c["choices"] and "role" in c["choices"][0]["delta"]) == 1
-    assert out[-1]["usage"] == {"prompt_tokens": 4, "total_tokens": 8, "completion_tokens": 4,
-                                "prompt_tokens_details": {"cached_tokens": 4}}
+    assert out[-1]["usage"] == {
+        "prompt_tokens": 4,
+        "total_tokens": 8,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
 
 
 def test_completion_text_offsets_continue_across_legs():
@@ -284,6 +361,7 @@ def test_completion_text_offsets_continue_across_legs():
 
 # --- the held cache_threshold finish ------------------------------------------------------------
 
+
 def test_cache_threshold_finish_is_held_until_released():
     spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True)
     g = Gen(PROMPT, steps_for(2) + [Step("", [], CACHE_THRESHOLD)])
@@ -292,7 +370,7 @@ def test_cache_threshold_finish_is_held_until_released():
     sh.begin_leg(is_resume=False)
     chunks = completion_stream(g)
     shaped = [sh.shape(c) for c in chunks]
-    assert [len(s) for s in shaped] == [1, 1, 0, 0]   # the finish and the usage chunk are kept
+    assert [len(s) for s in shaped] == [1, 1, 0, 0]  # the finish and the usage chunk are kept
     assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 2
     held = sh.release_held()
     assert len(held) == 1 and held[0]["choices"][0]["finish_reason"] == CACHE_THRESHOLD
@@ -318,11 +396,22 @@ def test_finish_with_content_is_split():
     sh.begin_leg(is_resume=False)
     chunks = chat_stream(Gen(PROMPT, [Step("ab", [1, 2], CACHE_THRESHOLD, stop_reason=None)], include_usage=False))
     out = [c for ch in chunks for c in sh.shape(ch)]
-    assert out[-1]["choices"][0] == {"index": 0, "delta": {"content": "ab"}, "logprobs": None,
-                                     "finish_reason": None, "token_ids": [1, 2]}
+    assert out[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "ab"},
+        "logprobs": None,
+        "finish_reason": None,
+        "token_ids": [1, 2],
+    }
     (held,) = sh.release_held()
-    assert held["choices"][0] == {"index": 0, "delta": {"content": ""}, "logprobs": None,
-                                  "finish_reason": CACHE_THRESHOLD, "stop_reason": None, "token_ids": []}
+    assert held["choices"][0] == {
+        "index": 0,
+        "delta": {"content": ""},
+        "logprobs": None,
+        "finish_reason": CACHE_THRESHOLD,
+        "stop_reason": None,
+        "token_ids": [],
+    }
 
 
 def test_rejected_first_leg_then_resume_keeps_role_and_prompt_usage():
@@ -342,8 +431,8 @@ def test_retry_leg_role_chunk_not_sent_twice():
     sh = ResponseShaper(spec)
     g = Gen(PROMPT, steps_for(1, finish="stop"), include_usage=False)
     sh.begin_leg(is_resume=False)
-    first = sh.shape(chat_stream(g)[0])            # role chunk, then the leg breaks
-    sh.begin_leg(is_resume=False)                  # retry elsewhere
+    first = sh.shape(chat_stream(g)[0])  # role chunk, then the leg breaks
+    sh.begin_leg(is_resume=False)  # retry elsewhere
     rest = [c for ch in chat_stream(g) for c in sh.shape(ch)] + sh.final_chunks()
     assert len(first) == 1 and len(rest) == 1 and "role" not in rest[0]["choices"][0]["delta"]
 
@@ -361,15 +450,24 @@ def test_content_of_a_dropped_finish_chunk_still_reaches_the_client():
     spec = make_spec(ENDPOINT_COMPLETIONS)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
-    out = [c for ch in completion_stream(Gen(PROMPT, [Step("a", [1]), Step("b", [2], "length")],
-                                             include_usage=False)) for c in sh.shape(ch)]
+    out = [
+        c
+        for ch in completion_stream(Gen(PROMPT, [Step("a", [1]), Step("b", [2], "length")], include_usage=False))
+        for c in sh.shape(ch)
+    ]
     assert [c["choices"][0]["text"] for c in out] == ["a"]
     sh.begin_leg(is_resume=True)
-    out += [c for ch in completion_stream(Gen(PROMPT + [1, 2], [Step("c", [3], "stop")], include_usage=False))
-            for c in sh.shape(ch)]
+    out += [
+        c
+        for ch in completion_stream(Gen(PROMPT + [1, 2], [Step("c", [3], "stop")], include_usage=False))
+        for c in sh.shape(ch)
+    ]
     out += sh.final_chunks()
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in out] == [
-        ("a", None), ("b", None), ("c", "stop")]
+        ("a", None),
+        ("b", None),
+        ("c", "stop"),
+    ]
     assert list(sh.answer.generated_token_ids) == [1, 2, 3]
 
 
@@ -445,12 +543,13 @@ def test_real_capture_one_leg(upstream, client):
 
 
 def test_real_capture_continuous_usage_numbers():
-    client = "completions_stream_continuous_usage"          # max_tokens 2
+    client = "completions_stream_continuous_usage"  # max_tokens 2
     spec = parse_request(ENDPOINT_COMPLETIONS, request_body(client))
-    _, out = _run_one_leg(stream_chunks("completions_stream_logprobs"), spec)   # same 2 tokens
+    _, out = _run_one_leg(stream_chunks("completions_stream_logprobs"), spec)  # same 2 tokens
     assert [c.get("usage") for c in out] == [c.get("usage") for c in stream_chunks(client)]
-    assert [c["choices"][0]["text"] for c in out if c["choices"]] == \
-        [c["choices"][0]["text"] for c in stream_chunks(client) if c["choices"]]
+    assert [c["choices"][0]["text"] for c in out if c["choices"]] == [
+        c["choices"][0]["text"] for c in stream_chunks(client) if c["choices"]
+    ]
 
 
 def test_real_capture_verdicts():
@@ -466,16 +565,41 @@ def _as_resume_leg(chat_chunks: list[dict], prompt: list[int], generated: list[i
     out = []
     for i, c in enumerate(chat_chunks):
         ch = c["choices"][0]
-        out.append({"id": "cmpl-<id>", "object": "text_completion", "created": 1700000001, "model": "tiny",
-                    "choices": [{"index": 0, "text": ch["delta"]["content"], "logprobs": None,
-                                 "finish_reason": ch["finish_reason"], "stop_reason": ch.get("stop_reason"),
-                                 "prompt_token_ids": prompt + generated if i == 0 else None,
-                                 "token_ids": ch["token_ids"]}]})
+        out.append(
+            {
+                "id": "cmpl-<id>",
+                "object": "text_completion",
+                "created": 1700000001,
+                "model": "tiny",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": ch["delta"]["content"],
+                        "logprobs": None,
+                        "finish_reason": ch["finish_reason"],
+                        "stop_reason": ch.get("stop_reason"),
+                        "prompt_token_ids": prompt + generated if i == 0 else None,
+                        "token_ids": ch["token_ids"],
+                    }
+                ],
+            }
+        )
     n = sum(len(c["choices"][0]["token_ids"]) for c in chat_chunks)
-    out.append({"id": "cmpl-<id>", "object": "text_completion", "created": 1700000001, "model": "tiny",
-                "choices": [], "usage": {"prompt_tokens": len(prompt) + len(generated),
-                                         "total_tokens": len(prompt) + len(generated) + n, "completion_tokens": n},
-                "system_fingerprint": "vllm-0.32.0-<fingerprint>"})
+    out.append(
+        {
+            "id": "cmpl-<id>",
+            "object": "text_completion",
+            "created": 1700000001,
+            "model": "tiny",
+            "choices": [],
+            "usage": {
+                "prompt_tokens": len(prompt) + len(generated),
+                "total_tokens": len(prompt) + len(generated) + n,
+                "completion_tokens": n,
+            },
+            "system_fingerprint": "vllm-0.32.0-<fingerprint>",
+        }
+    )
     return out
 
 
@@ -488,10 +612,25 @@ def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client)
     prompt = role["prompt_token_ids"]
     first, rest = tokens[:2], tokens[2:]
     generated = [t for c in first for t in c["choices"][0]["token_ids"]]
-    preempt = {**first[0], "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None,
-                                        "finish_reason": CACHE_THRESHOLD, "stop_reason": None, "token_ids": []}]}
-    leg1 = [role, *copy.deepcopy(first), preempt,
-            {**usage, "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 2, "completion_tokens": 2}}]
+    preempt = {
+        **first[0],
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": ""},
+                "logprobs": None,
+                "finish_reason": CACHE_THRESHOLD,
+                "stop_reason": None,
+                "token_ids": [],
+            }
+        ],
+    }
+    leg1 = [
+        role,
+        *copy.deepcopy(first),
+        preempt,
+        {**usage, "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 2, "completion_tokens": 2}},
+    ]
     leg2 = _as_resume_leg(copy.deepcopy(rest), prompt, generated)
     spec = parse_request(ENDPOINT_CHAT, request_body(client))
     sh, out = run_legs(spec, [(False, leg1), (True, leg2)])
@@ -502,8 +641,10 @@ def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client)
     assert list(sh.answer.generated_token_ids) == [t for c in tokens for t in c["choices"][0]["token_ids"]]
 
 
-THRESHOLD_STREAMS = {"threshold_chat_stream_rejected": ("threshold_chat_rejected", [None, True, None]),
-                     "threshold_completions_stream_rejected": ("threshold_completions_rejected", [True, None])}
+THRESHOLD_STREAMS = {
+    "threshold_chat_stream_rejected": ("threshold_chat_rejected", [None, True, None]),
+    "threshold_completions_stream_rejected": ("threshold_completions_rejected", [True, None]),
+}
 
 
 @pytest.mark.parametrize("stream_name", sorted(THRESHOLD_STREAMS))
@@ -521,8 +662,10 @@ def test_real_threshold_rejection_captures(stream_name):
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
     out = [c for ch in stream_chunks(stream_name) for c in sh.shape(ch)]
-    assert all(c["choices"][0]["finish_reason"] is None for c in out)      # the finish is held
-    assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 0 and not sh.answer.generated_token_ids
+    assert all(c["choices"][0]["finish_reason"] is None for c in out)  # the finish is held
+    assert (
+        sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 0 and not sh.answer.generated_token_ids
+    )
     out += sh.release_held() + sh.final_chunks()
     assert orjson.dumps(normalized(out)) == orjson.dumps(normalized(chunks))
 
@@ -533,8 +676,11 @@ def test_real_threshold_rejection_captures(stream_name):
     want = body(body_name)
     usage = chunks[-1]["usage"]
     want["usage"].update(prompt_tokens=usage["prompt_tokens"], total_tokens=usage["total_tokens"])
-    prompt_ids = chunks[0]["prompt_token_ids"] if "prompt_token_ids" in chunks[0] else \
-        chunks[0]["choices"][0]["prompt_token_ids"]
+    prompt_ids = (
+        chunks[0]["prompt_token_ids"]
+        if "prompt_token_ids" in chunks[0]
+        else chunks[0]["choices"][0]["prompt_token_ids"]
+    )
     if spec.endpoint == ENDPOINT_CHAT:
         want["prompt_token_ids"] = prompt_ids
     else:
@@ -553,6 +699,7 @@ def test_real_threshold_error_captures_are_not_router_errors():
 
 # --- chat parsers' deltas (reasoning, tool calls) and robustness ------------------------------------
 
+
 def _chat_chunk(delta: dict, finish: str | None = None, ids: list[int] | None = None) -> dict:
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     if finish is not None:
@@ -570,23 +717,44 @@ def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
         role,
         _chat_chunk({"reasoning": "think "}, ids=[1]),
         _chat_chunk({"reasoning": "more"}, ids=[2]),
-        _chat_chunk({"tool_calls": [{"id": "chatcmpl-tool-1", "type": "function", "index": 0,
-                                     "function": {"name": "get_weather", "arguments": ""}}]}, ids=[3]),
-        _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\": "}}]}, ids=[4]),
-        _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "\"Paris\"}"}}]}, ids=[5]),
+        _chat_chunk(
+            {
+                "tool_calls": [
+                    {
+                        "id": "chatcmpl-tool-1",
+                        "type": "function",
+                        "index": 0,
+                        "function": {"name": "get_weather", "arguments": ""},
+                    }
+                ]
+            },
+            ids=[3],
+        ),
+        _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}, ids=[4]),
+        _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}, ids=[5]),
         _chat_chunk({}, finish="tool_calls", ids=[6]),
     ]
     for c in chunks:
-        assert sh.shape(c) == []          # nothing is built for a non-streaming client
+        assert sh.shape(c) == []  # nothing is built for a non-streaming client
     assert not sh.emitted and sh.answer.first_token_seen
     msg = sh.accumulate_response()["choices"][0]
     assert msg["finish_reason"] == "tool_calls"
     assert msg["message"] == {
-        "role": "assistant", "content": None, "refusal": None, "annotations": None, "audio": None,
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
         "function_call": None,
-        "tool_calls": [{"id": "chatcmpl-tool-1", "type": "function",
-                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}],
-        "reasoning": "think more"}
+        "tool_calls": [
+            {
+                "id": "chatcmpl-tool-1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+        "reasoning": "think more",
+    }
     assert list(sh.answer.generated_token_ids) == [1, 2, 3, 4, 5, 6]
 
 
@@ -594,8 +762,12 @@ def test_reasoning_then_content():
     spec = make_spec(ENDPOINT_CHAT, stream=False)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
-    for c in [chat_stream(Gen(PROMPT, []))[0], _chat_chunk({"reasoning": "r"}, ids=[1]),
-              _chat_chunk({"content": "answer"}, ids=[2]), _chat_chunk({"content": ""}, finish="stop", ids=[3])]:
+    for c in [
+        chat_stream(Gen(PROMPT, []))[0],
+        _chat_chunk({"reasoning": "r"}, ids=[1]),
+        _chat_chunk({"content": "answer"}, ids=[2]),
+        _chat_chunk({"content": ""}, finish="stop", ids=[3]),
+    ]:
         sh.shape(c)
     m = sh.accumulate_response()["choices"][0]["message"]
     assert (m["content"], m["reasoning"]) == ("answer", "r") and "tool_calls" not in m
@@ -612,8 +784,12 @@ def test_zero_token_answer_has_empty_content():
 
 
 def test_odd_top_logprobs_does_not_break_the_shaper():
-    spec = parse_request(ENDPOINT_CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                                      "logprobs": True, "top_logprobs": "many"}))
+    spec = parse_request(
+        ENDPOINT_CHAT,
+        orjson.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": "many"}
+        ),
+    )
     assert spec.body["top_logprobs"] == "many"  # admission leaves it to the engine to reject
     ResponseShaper(spec)  # constructing must not raise
 
@@ -626,17 +802,22 @@ def test_lead_state_after_a_preempted_leg():
     sh.begin_leg(is_resume=False)
     for c in legs[0][1]:
         sh.shape(c)
-    assert (sh.answer.finish_reason, sh.answer.leg_tokens, list(sh.answer.generated_token_ids), sh.answer.prompt_token_ids) == (
-        CACHE_THRESHOLD, 2, [1000, 1001], PROMPT)
+    assert (
+        sh.answer.finish_reason,
+        sh.answer.leg_tokens,
+        list(sh.answer.generated_token_ids),
+        sh.answer.prompt_token_ids,
+    ) == (CACHE_THRESHOLD, 2, [1000, 1001], PROMPT)
     sh.begin_leg(is_resume=True)
     assert (sh.answer.finish_reason, sh.answer.leg_tokens) == (None, 0)
     for c in legs[1][1]:
         sh.shape(c)
     assert (sh.answer.finish_reason, sh.answer.leg_tokens, len(sh.answer.generated_token_ids)) == ("stop", 1, 3)
-    assert sh.answer.prompt_token_ids == PROMPT    # not the resume leg's prompt
+    assert sh.answer.prompt_token_ids == PROMPT  # not the resume leg's prompt
 
 
 # --- vllm_shapes against vLLM's own pydantic models (slow: importing vLLM takes seconds) ----------
+
 
 @pytest.mark.slow
 def test_vllm_shapes_transcription_matches_vllm_models():
@@ -647,49 +828,88 @@ def test_vllm_shapes_transcription_matches_vllm_models():
     base = pytest.importorskip("vllm.entrypoints.generate.base.protocol")
     eng = pytest.importorskip("vllm.entrypoints.serve.engine.protocol")
 
-    g = Gen(PROMPT, steps_for(2, finish="stop", logprobs=True), cached_tokens=1, logprobs=2,
-            system_fingerprint="fp")
+    g = Gen(PROMPT, steps_for(2, finish="stop", logprobs=True), cached_tokens=1, logprobs=2, system_fingerprint="fp")
     steps = g.steps
     ids = [t for s in steps for t in s.token_ids]
 
     # completions, streaming chunks: model_dump_json(exclude_unset=True)
     lp0, _ = _completion_logprobs([steps[0]], 0)
     chunk = cp.CompletionStreamResponse(
-        id=g.request_id, object="text_completion", created=g.created, model=g.model,
-        choices=[cp.CompletionResponseStreamChoice(
-            index=0, text=steps[0].text, logprobs=cp.CompletionLogProbs(**lp0), finish_reason=None,
-            stop_reason=None, prompt_token_ids=PROMPT, token_ids=steps[0].token_ids)])
+        id=g.request_id,
+        object="text_completion",
+        created=g.created,
+        model=g.model,
+        choices=[
+            cp.CompletionResponseStreamChoice(
+                index=0,
+                text=steps[0].text,
+                logprobs=cp.CompletionLogProbs(**lp0),
+                finish_reason=None,
+                stop_reason=None,
+                prompt_token_ids=PROMPT,
+                token_ids=steps[0].token_ids,
+            )
+        ],
+    )
     assert orjson.loads(chunk.model_dump_json(exclude_unset=True)) == completion_stream(g)[0]
     usage = eng.UsageInfo(prompt_tokens=4, completion_tokens=2, total_tokens=6)
     usage.prompt_tokens_details = eng.PromptTokenUsageInfo(cached_tokens=1)
-    uchunk = cp.CompletionStreamResponse(id=g.request_id, created=g.created, model=g.model, choices=[],
-                                         usage=usage, system_fingerprint="fp")
+    uchunk = cp.CompletionStreamResponse(
+        id=g.request_id, created=g.created, model=g.model, choices=[], usage=usage, system_fingerprint="fp"
+    )
     assert orjson.loads(uchunk.model_dump_json(exclude_unset=False, exclude_none=True)) == completion_stream(g)[-1]
 
     # completions, non-streaming: model_dump()
     lp_all, _ = _completion_logprobs(steps, 0)
     full = cp.CompletionResponse(
-        id=g.request_id, created=g.created, model=g.model, usage=usage, system_fingerprint="fp",
-        choices=[cp.CompletionResponseChoice(index=0, text="t0t1", logprobs=cp.CompletionLogProbs(**lp_all),
-                                             finish_reason="stop", stop_reason=None, prompt_logprobs=None,
-                                             prompt_token_ids=PROMPT, token_ids=ids, routed_experts=None)])
+        id=g.request_id,
+        created=g.created,
+        model=g.model,
+        usage=usage,
+        system_fingerprint="fp",
+        choices=[
+            cp.CompletionResponseChoice(
+                index=0,
+                text="t0t1",
+                logprobs=cp.CompletionLogProbs(**lp_all),
+                finish_reason="stop",
+                stop_reason=None,
+                prompt_logprobs=None,
+                prompt_token_ids=PROMPT,
+                token_ids=ids,
+                routed_experts=None,
+            )
+        ],
+    )
     assert full.model_dump() == completion_full(g)
 
     # chat, streaming: role chunk, token chunk, finish chunk, usage chunk
     head = dict(id=g.request_id, object="chat.completion.chunk", created=g.created, model=g.model)
-    role = ch.ChatCompletionStreamResponse(**head, choices=[ch.ChatCompletionResponseStreamChoice(
-        index=0, delta=base.DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
-        prompt_token_ids=PROMPT, prompt_text=None)
+    role = ch.ChatCompletionStreamResponse(
+        **head,
+        choices=[
+            ch.ChatCompletionResponseStreamChoice(
+                index=0, delta=base.DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None
+            )
+        ],
+        prompt_token_ids=PROMPT,
+        prompt_text=None,
+    )
     cs = chat_stream(g)
     assert orjson.loads(role.model_dump_json(exclude_unset=True)) == cs[0]
     clp = _chat_logprobs
     for k, s in enumerate(steps):
-        kw = dict(index=0, delta=base.DeltaMessage(content=s.text),
-                  logprobs=ch.ChatCompletionLogProbs(**clp([s], 2)), finish_reason=s.finish_reason)
+        kw = dict(
+            index=0,
+            delta=base.DeltaMessage(content=s.text),
+            logprobs=ch.ChatCompletionLogProbs(**clp([s], 2)),
+            finish_reason=s.finish_reason,
+        )
         if s.finish_reason is not None:
             kw["stop_reason"] = s.stop_reason
-        c = ch.ChatCompletionStreamResponse(**head, choices=[ch.ChatCompletionResponseStreamChoice(
-            **kw, token_ids=s.token_ids)])
+        c = ch.ChatCompletionStreamResponse(
+            **head, choices=[ch.ChatCompletionResponseStreamChoice(**kw, token_ids=s.token_ids)]
+        )
         assert orjson.loads(c.model_dump_json(exclude_unset=True)) == cs[1 + k]
     cu = eng.UsageInfo(prompt_tokens=4, completion_tokens=2, total_tokens=6, completion_tokens_details=None)
     cu.prompt_tokens_details = eng.PromptTokenUsageInfo(cached_tokens=1)
@@ -699,10 +919,25 @@ def test_vllm_shapes_transcription_matches_vllm_models():
     # chat, non-streaming
     msg = ch.ChatMessage(role="assistant", reasoning=None, content="t0t1")
     cfull = ch.ChatCompletionResponse(
-        id=g.request_id, created=g.created, model=g.model, usage=cu, system_fingerprint="fp",
-        choices=[ch.ChatCompletionResponseChoice(index=0, message=msg, logprobs=ch.ChatCompletionLogProbs(**clp(steps, 2)),
-                                                 finish_reason="stop", stop_reason=None, token_ids=ids)],
-        prompt_logprobs=None, prompt_token_ids=PROMPT, prompt_text=None)
+        id=g.request_id,
+        created=g.created,
+        model=g.model,
+        usage=cu,
+        system_fingerprint="fp",
+        choices=[
+            ch.ChatCompletionResponseChoice(
+                index=0,
+                message=msg,
+                logprobs=ch.ChatCompletionLogProbs(**clp(steps, 2)),
+                finish_reason="stop",
+                stop_reason=None,
+                token_ids=ids,
+            )
+        ],
+        prompt_logprobs=None,
+        prompt_token_ids=PROMPT,
+        prompt_text=None,
+    )
     assert cfull.model_dump() == chat_full(g)
 
     # chat continuous usage as the shaper writes it
@@ -716,14 +951,27 @@ def test_vllm_shapes_transcription_matches_vllm_models():
     assert first["usage"] == orjson.loads(c.model_dump_json(exclude_unset=True))["usage"]
 
     # a chat answer with reasoning and a tool call, non-streaming message
-    m = ch.ChatMessage(role="assistant", reasoning="r", content=None,
-                       tool_calls=[base.ToolCall(id="call1", function=base.FunctionCall(name="f", arguments="{}"))])
+    m = ch.ChatMessage(
+        role="assistant",
+        reasoning="r",
+        content=None,
+        tool_calls=[base.ToolCall(id="call1", function=base.FunctionCall(name="f", arguments="{}"))],
+    )
     sh = ResponseShaper(make_spec(ENDPOINT_CHAT, stream=False))
     sh.begin_leg(is_resume=False)
-    for c in [chat_stream(Gen(PROMPT, []))[0], _chat_chunk({"reasoning": "r"}, ids=[1]),
-              _chat_chunk({"tool_calls": [{"id": "call1", "type": "function", "index": 0,
-                                           "function": {"name": "f", "arguments": "{"}}]}, ids=[2]),
-              _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}, finish="tool_calls", ids=[3])]:
+    for c in [
+        chat_stream(Gen(PROMPT, []))[0],
+        _chat_chunk({"reasoning": "r"}, ids=[1]),
+        _chat_chunk(
+            {
+                "tool_calls": [
+                    {"id": "call1", "type": "function", "index": 0, "function": {"name": "f", "arguments": "{"}}
+                ]
+            },
+            ids=[2],
+        ),
+        _chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}, finish="tool_calls", ids=[3]),
+    ]:
         sh.shape(c)
     assert sh.accumulate_response()["choices"][0]["message"] == m.model_dump()
 
@@ -731,9 +979,14 @@ def test_vllm_shapes_transcription_matches_vllm_models():
 # --- robustness: whatever an upstream sends, the shaper raises MalformedChunk or carries on -------
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 5)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=4),
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+    max_leaves=6,
+)
 
 
 def _field(key: str, good):
@@ -760,8 +1013,11 @@ def odd_chunks(draw):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from([ENDPOINT_CHAT, ENDPOINT_COMPLETIONS]), st.booleans(),
-       st.lists(st.tuples(st.sampled_from([None, False, True]), odd_chunks()), max_size=8))
+@given(
+    st.sampled_from([ENDPOINT_CHAT, ENDPOINT_COMPLETIONS]),
+    st.booleans(),
+    st.lists(st.tuples(st.sampled_from([None, False, True]), odd_chunks()), max_size=8),
+)
 def test_odd_upstream_chunks_never_crash_the_shaper(endpoint, stream, script):
     spec = make_spec(endpoint, stream=stream, include_usage=stream, return_token_ids=True, logprobs=2)
     sh = ResponseShaper(spec)
@@ -786,13 +1042,14 @@ def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume():
     spec = make_spec(ENDPOINT_COMPLETIONS)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
-    leg1 = completion_stream(Gen(PROMPT, [Step("a", [1]), Step("", [2]), Step("bc", [], CACHE_THRESHOLD)],
-                                 include_usage=False))
+    leg1 = completion_stream(
+        Gen(PROMPT, [Step("a", [1]), Step("", [2]), Step("bc", [], CACHE_THRESHOLD)], include_usage=False)
+    )
     out = [c for ch in leg1 for c in sh.shape(ch)]
     assert "".join(c["choices"][0]["text"] for c in out) == "abc"
     assert all(c["choices"][0]["finish_reason"] is None for c in out)
     assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 2
-    sh.begin_leg(is_resume=True)                     # the held finish is dropped
+    sh.begin_leg(is_resume=True)  # the held finish is dropped
     leg2 = completion_stream(Gen(PROMPT + [1, 2], [Step("d", [3], "stop")], include_usage=False))
     out += [c for ch in leg2 for c in sh.shape(ch)] + sh.final_chunks()
     assert "".join(c["choices"][0]["text"] for c in out) == "abcd"
@@ -807,9 +1064,17 @@ def test_hidden_token_ids_make_the_answer_unresumable():
     sh.shape(chat_stream(Gen(PROMPT, []))[0])
     assert sh.answer.token_ids_complete
     # vLLM with a reasoning parser and include_reasoning false: token_ids null in the chunks.
-    sh.shape({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "tiny",
-              "choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None,
-                           "token_ids": None}]})
+    sh.shape(
+        {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "tiny",
+            "choices": [
+                {"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None, "token_ids": None}
+            ],
+        }
+    )
     assert not sh.answer.token_ids_complete
     sh2 = ResponseShaper(spec)
     sh2.begin_leg(is_resume=False)

@@ -1,4 +1,5 @@
 """SSEDecoder: chunk boundaries anywhere, line-end styles, comments, flush; format_event."""
+
 from __future__ import annotations
 
 import orjson
@@ -24,11 +25,17 @@ def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
 
 
 def test_vllm_shaped_stream():
-    stream = (format_event({"id": "cmpl-1", "choices": [{"text": "a"}]}) + KEEPALIVE_EVENT
-              + format_event({"id": "cmpl-1", "choices": []}) + DONE_EVENT)
+    stream = (
+        format_event({"id": "cmpl-1", "choices": [{"text": "a"}]})
+        + KEEPALIVE_EVENT
+        + format_event({"id": "cmpl-1", "choices": []})
+        + DONE_EVENT
+    )
     out = decode_all([stream])
     assert [orjson.loads(p) for p in out[:2]] == [
-        {"id": "cmpl-1", "choices": [{"text": "a"}]}, {"id": "cmpl-1", "choices": []}]
+        {"id": "cmpl-1", "choices": [{"text": "a"}]},
+        {"id": "cmpl-1", "choices": []},
+    ]
     assert out[2] == b"[DONE]"
 
 
@@ -51,14 +58,16 @@ def test_cr_then_lf_split_across_feeds_is_one_line_end():
 
 
 def test_field_forms():
-    data = (b"data:nospace\n\n"        # no space after the colon
-            b"data:  two spaces\n\n"   # only one space is removed
-            b"data\n\n"                # a field name alone: empty data
-            b"data:\n\n"
-            b"event: message\nid: 7\nretry: 10\ndata: x\n\n"
-            b": comment\n\n"           # comment only: no event
-            b"event: ping\n\n"         # no data line: no event
-            b"foo: bar\ndata: y\n\n")
+    data = (
+        b"data:nospace\n\n"  # no space after the colon
+        b"data:  two spaces\n\n"  # only one space is removed
+        b"data\n\n"  # a field name alone: empty data
+        b"data:\n\n"
+        b"event: message\nid: 7\nretry: 10\ndata: x\n\n"
+        b": comment\n\n"  # comment only: no event
+        b"event: ping\n\n"  # no data line: no event
+        b"foo: bar\ndata: y\n\n"
+    )
     assert decode_all([data]) == [b"nospace", b" two spaces", b"", b"", b"x", b"y"]
 
 
@@ -91,8 +100,9 @@ def test_unbounded_line_is_an_error():
 # Payloads as JSON encodes them: no raw CR/LF (orjson escapes them), any other text.
 payload_st = st.one_of(
     st.just(b"[DONE]"),
-    st.dictionaries(st.text(max_size=5), st.one_of(st.text(max_size=20), st.integers(-2**63, 2**63 - 1)),
-                    max_size=4).map(orjson.dumps),
+    st.dictionaries(
+        st.text(max_size=5), st.one_of(st.text(max_size=20), st.integers(-(2**63), 2**63 - 1)), max_size=4
+    ).map(orjson.dumps),
 )
 sep_st = st.sampled_from([b"\n", b"\r\n", b"\r"])
 
@@ -113,7 +123,7 @@ def streams(draw):
             k = draw(st.integers(1, len(p) - 1))
             # "data:" takes one optional space after the colon (WHATWG): a second line
             # whose text starts with a space needs the separator space written out.
-            second = b"data: " if p[k:k + 1] == b" " else b"data:"
+            second = b"data: " if p[k : k + 1] == b" " else b"data:"
             parts.append(b"data: " + p[:k] + s + second + p[k:] + s + s)
             continue
         parts.append(b"data: " + p + s + s)
@@ -135,7 +145,7 @@ def test_any_split_yields_the_same_payloads(stream, cuts):
 def test_byte_by_byte_equals_whole(stream):
     data, payloads = stream
     whole = decode_all([data])
-    assert decode_all([data[i:i + 1] for i in range(len(data))]) == whole
+    assert decode_all([data[i : i + 1] for i in range(len(data))]) == whole
     # Events without multi-line data decode to exactly the payloads sent.
     for got, sent in zip(whole, payloads):
         assert got.replace(b"\n", b"") == sent
@@ -160,8 +170,7 @@ def test_whole_event_reads_with_odd_content():
     # Reads that end on an event boundary take the fast path; odd events inside still follow
     # the general rules.
     d = SSEDecoder()
-    assert d.feed(b"\n\ndata: a\n\n\n\n: c\n\ndata: b1\ndata: b2\n\nevent: x\n\ndata:c\n\n") == [
-        b"a", b"b1\nb2", b"c"]
-    assert d.feed(b"data: d\n") == []            # partial: general path from here
+    assert d.feed(b"\n\ndata: a\n\n\n\n: c\n\ndata: b1\ndata: b2\n\nevent: x\n\ndata:c\n\n") == [b"a", b"b1\nb2", b"c"]
+    assert d.feed(b"data: d\n") == []  # partial: general path from here
     assert d.feed(b"\n") == [b"d"]
-    assert d.feed(b"data: e\n\n") == [b"e"]      # back on the fast path
+    assert d.feed(b"data: e\n\n") == [b"e"]  # back on the fast path

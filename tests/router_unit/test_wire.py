@@ -1,21 +1,44 @@
 """router/wire.py: the usage parser, token counting and the leg bodies not covered elsewhere
 (the streamed, prefill, decode and resume bodies: tests/router/test_leg_bodies.py; the
 verdict: test_shaping.py)."""
+
 from __future__ import annotations
 
 import pytest
 
-from router.wire import (NO_USAGE, THRESHOLD_KEY, Usage, generated_tokens, message_usage, one_token_probe,
-                         parse_usage, streamed_leg_body, unary_leg_body)
+from router.wire import (
+    NO_USAGE,
+    THRESHOLD_KEY,
+    Usage,
+    generated_tokens,
+    message_usage,
+    one_token_probe,
+    parse_usage,
+    streamed_leg_body,
+    unary_leg_body,
+)
 
 
 def test_usage_reads_every_field_the_router_uses():
-    u = message_usage({"choices": [], "usage": {
-        "prompt_tokens": 526, "completion_tokens": 7, "total_tokens": 533,
-        "prompt_tokens_details": {"cached_tokens": 512},
-        "completion_tokens_details": {"reasoning_tokens": 3}}})
-    assert u == Usage(prompt_tokens=526, completion_tokens=7, cached_tokens=512,
-                      prompt_tokens_details={"cached_tokens": 512}, reasoning_tokens=3)
+    u = message_usage(
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 526,
+                "completion_tokens": 7,
+                "total_tokens": 533,
+                "prompt_tokens_details": {"cached_tokens": 512},
+                "completion_tokens_details": {"reasoning_tokens": 3},
+            },
+        }
+    )
+    assert u == Usage(
+        prompt_tokens=526,
+        completion_tokens=7,
+        cached_tokens=512,
+        prompt_tokens_details={"cached_tokens": 512},
+        reasoning_tokens=3,
+    )
 
 
 @pytest.mark.parametrize("usage", [None, "x", [1], 5])
@@ -26,8 +49,14 @@ def test_no_usage_object_reads_as_nothing(usage):
 
 
 def test_usage_fields_that_are_not_counts_read_as_absent():
-    u = parse_usage({"prompt_tokens": "526", "completion_tokens": None,
-                     "prompt_tokens_details": [512], "completion_tokens_details": {"reasoning_tokens": "3"}})
+    u = parse_usage(
+        {
+            "prompt_tokens": "526",
+            "completion_tokens": None,
+            "prompt_tokens_details": [512],
+            "completion_tokens_details": {"reasoning_tokens": "3"},
+        }
+    )
     assert u == NO_USAGE
     # A hit count must be a non-negative integer (a bool is not one).
     for cached in (-1, True, 1.5, "512"):
@@ -44,8 +73,16 @@ def test_generated_tokens_counts_ids_else_one_per_text_choice():
 
 
 def test_one_token_probe_races_the_first_prompt_for_one_token():
-    body = {"model": "m", "prompt": ["first", "second"], "n": 4, "echo": True, "logprobs": 2,
-            "max_tokens": 50, "min_tokens": 5, "temperature": 0.3}
+    body = {
+        "model": "m",
+        "prompt": ["first", "second"],
+        "n": 4,
+        "echo": True,
+        "logprobs": 2,
+        "max_tokens": 50,
+        "min_tokens": 5,
+        "temperature": 0.3,
+    }
     out = one_token_probe(body)
     assert out == {"model": "m", "prompt": "first", "max_tokens": 1, "temperature": 0.3}
     assert one_token_probe({"prompt": [[1, 2], [3]]})["prompt"] == [1, 2]

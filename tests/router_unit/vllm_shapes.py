@@ -11,6 +11,7 @@ vllm/entrypoints/openai/{completion,chat_completion}/serving.py and their protoc
 
 A generation is a list of `Step`s, one per engine output (one chunk each).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ class Step:
 class Gen:
     prompt_token_ids: list[int]
     steps: list[Step]
-    cached_tokens: int | None = None       # None: --enable-prompt-tokens-details off
+    cached_tokens: int | None = None  # None: --enable-prompt-tokens-details off
     model: str = "tiny"
     request_id: str = "cmpl-engine"
     created: int = 1_700_000_000
@@ -38,7 +39,7 @@ class Gen:
     # request options
     return_token_ids: bool = True
     include_usage: bool = True
-    logprobs: int | None = None            # completions `logprobs` / chat `top_logprobs`
+    logprobs: int | None = None  # completions `logprobs` / chat `top_logprobs`
     extra: dict = field(default_factory=dict)
 
     @property
@@ -60,20 +61,30 @@ def _completion_logprobs(steps: list[Step], start: int) -> tuple[dict, int]:
 
 
 def _usage_stream(g: Gen) -> dict:
-    u = {"prompt_tokens": len(g.prompt_token_ids), "total_tokens": len(g.prompt_token_ids) + g.completion_tokens,
-         "completion_tokens": g.completion_tokens}
+    u = {
+        "prompt_tokens": len(g.prompt_token_ids),
+        "total_tokens": len(g.prompt_token_ids) + g.completion_tokens,
+        "completion_tokens": g.completion_tokens,
+    }
     if g.cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": g.cached_tokens}
     return u
 
 
 def _usage_full(g: Gen) -> dict:
-    u = {"prompt_tokens": len(g.prompt_token_ids), "total_tokens": len(g.prompt_token_ids) + g.completion_tokens,
-         "completion_tokens": g.completion_tokens, "prompt_tokens_details": None,
-         "completion_tokens_details": None}
+    u = {
+        "prompt_tokens": len(g.prompt_token_ids),
+        "total_tokens": len(g.prompt_token_ids) + g.completion_tokens,
+        "completion_tokens": g.completion_tokens,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     if g.cached_tokens is not None:
-        u["prompt_tokens_details"] = {"cached_tokens": g.cached_tokens, "created_cache_tokens": None,
-                                      "multimodal_tokens": None}
+        u["prompt_tokens_details"] = {
+            "cached_tokens": g.cached_tokens,
+            "created_cache_tokens": None,
+            "multimodal_tokens": None,
+        }
     return u
 
 
@@ -85,6 +96,7 @@ def _stamp_terminal(g: Gen, s: Step, chunk: dict) -> None:
 
 # --- completions ------------------------------------------------------------------------
 
+
 def completion_stream(g: Gen) -> list[dict]:
     out = []
     off = 0
@@ -92,15 +104,35 @@ def completion_stream(g: Gen) -> list[dict]:
         lp = None
         if g.logprobs is not None:
             lp, off = _completion_logprobs([s], off)
-        out.append({"id": g.request_id, "object": "text_completion", "created": g.created, "model": g.model,
-                    "choices": [{"index": 0, "text": s.text, "logprobs": lp, "finish_reason": s.finish_reason,
-                                 "stop_reason": s.stop_reason,
-                                 "prompt_token_ids": g.prompt_token_ids if k == 0 and g.return_token_ids else None,
-                                 "token_ids": list(s.token_ids) if g.return_token_ids else None}]})
+        out.append(
+            {
+                "id": g.request_id,
+                "object": "text_completion",
+                "created": g.created,
+                "model": g.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": s.text,
+                        "logprobs": lp,
+                        "finish_reason": s.finish_reason,
+                        "stop_reason": s.stop_reason,
+                        "prompt_token_ids": g.prompt_token_ids if k == 0 and g.return_token_ids else None,
+                        "token_ids": list(s.token_ids) if g.return_token_ids else None,
+                    }
+                ],
+            }
+        )
         _stamp_terminal(g, s, out[-1])
     if g.include_usage:
-        u = {"id": g.request_id, "object": "text_completion", "created": g.created, "model": g.model,
-             "choices": [], "usage": _usage_stream(g)}
+        u = {
+            "id": g.request_id,
+            "object": "text_completion",
+            "created": g.created,
+            "model": g.model,
+            "choices": [],
+            "usage": _usage_stream(g),
+        }
         if g.system_fingerprint is not None:
             u["system_fingerprint"] = g.system_fingerprint
         out.append(u)
@@ -112,34 +144,66 @@ def completion_full(g: Gen) -> dict:
     lp = _completion_logprobs(g.steps, 0)[0] if g.logprobs is not None else None
     ids = [t for s in g.steps for t in s.token_ids]
     return {
-        "id": g.request_id, "object": "text_completion", "created": g.created, "model": g.model,
-        "choices": [{"index": 0, "text": "".join(s.text for s in g.steps), "logprobs": lp,
-                     "finish_reason": last.finish_reason, "stop_reason": last.stop_reason,
-                     "token_ids": ids if g.return_token_ids else None, "prompt_logprobs": None,
-                     "prompt_token_ids": g.prompt_token_ids if g.return_token_ids else None,
-                     "routed_experts": None}],
-        "service_tier": None, "system_fingerprint": g.system_fingerprint, "usage": _usage_full(g),
-        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        "id": g.request_id,
+        "object": "text_completion",
+        "created": g.created,
+        "model": g.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": "".join(s.text for s in g.steps),
+                "logprobs": lp,
+                "finish_reason": last.finish_reason,
+                "stop_reason": last.stop_reason,
+                "token_ids": ids if g.return_token_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": g.prompt_token_ids if g.return_token_ids else None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": g.system_fingerprint,
+        "usage": _usage_full(g),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
 # --- chat ---------------------------------------------------------------------------------
 
+
 def _chat_logprobs(steps: list[Step], k: int) -> dict:
     content = []
     for s in steps:
         for tok, lp, top in s.logprobs or ():
-            content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                             for i, (t, v) in enumerate(top.items()) if i < k]})
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": lp,
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": v, "bytes": list(t.encode())}
+                        for i, (t, v) in enumerate(top.items())
+                        if i < k
+                    ],
+                }
+            )
     return {"content": content}
 
 
 def chat_stream(g: Gen) -> list[dict]:
     head = {"id": g.request_id, "object": "chat.completion.chunk", "created": g.created, "model": g.model}
-    out = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}],
-            "prompt_token_ids": g.prompt_token_ids if g.return_token_ids else None, "prompt_text": None}]
+    out = [
+        {
+            **head,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+            "prompt_token_ids": g.prompt_token_ids if g.return_token_ids else None,
+            "prompt_text": None,
+        }
+    ]
     for s in g.steps:
         lp = _chat_logprobs([s], g.logprobs or 0) if g.logprobs is not None else None
         choice = {"index": 0, "delta": {"content": s.text}, "logprobs": lp, "finish_reason": s.finish_reason}
@@ -160,14 +224,36 @@ def chat_full(g: Gen) -> dict:
     last = g.steps[-1] if g.steps else Step("", [])
     ids = [t for s in g.steps for t in s.token_ids]
     return {
-        "id": g.request_id, "object": "chat.completion", "created": g.created, "model": g.model,
-        "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": "".join(s.text for s in g.steps), "refusal": None,
-                                 "annotations": None, "audio": None, "function_call": None, "reasoning": None},
-                     "logprobs": _chat_logprobs(g.steps, g.logprobs or 0) if g.logprobs is not None else None,
-                     "finish_reason": last.finish_reason or "stop", "stop_reason": last.stop_reason,
-                     "token_ids": ids if g.return_token_ids else None, "routed_experts": None}],
-        "service_tier": None, "system_fingerprint": g.system_fingerprint, "usage": _usage_full(g),
-        "prompt_logprobs": None, "prompt_token_ids": g.prompt_token_ids if g.return_token_ids else None,
-        "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        "id": g.request_id,
+        "object": "chat.completion",
+        "created": g.created,
+        "model": g.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "".join(s.text for s in g.steps),
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": _chat_logprobs(g.steps, g.logprobs or 0) if g.logprobs is not None else None,
+                "finish_reason": last.finish_reason or "stop",
+                "stop_reason": last.stop_reason,
+                "token_ids": ids if g.return_token_ids else None,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": g.system_fingerprint,
+        "usage": _usage_full(g),
+        "prompt_logprobs": None,
+        "prompt_token_ids": g.prompt_token_ids if g.return_token_ids else None,
+        "prompt_text": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
     }

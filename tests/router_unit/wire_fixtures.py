@@ -1,4 +1,5 @@
 """Loading the real vLLM 0.32 captures in tests/fixtures/vllm_wire (docs/VLLM_WIRE.md)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,6 @@
 """Fixtures for the simulator tests: engines started in-process on free ports and closed
 at teardown, and an HTTP session (helpers: sim_testutil.py)."""
+
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Awaitable, Callable

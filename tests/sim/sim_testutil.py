@@ -1,4 +1,5 @@
 """Posting to a simulated engine (SSE, metrics and polling: the support package)."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """The command line: flags map to SimEngineConfig; several engines in one process."""
+
 from __future__ import annotations
 
 import os
@@ -17,13 +18,42 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_flags_map_to_config() -> None:
-    args = build_parser().parse_args([
-        "--port", "8001", "--port", "8002", "--role", "producer", "--block-size", "32",
-        "--num-gpu-blocks-override", "100", "--speed", "50", "--no-arrival-check",
-        "--global-cache-hit-threshold", "0.3", "--kv-lease-duration", "5",
-        "--fault-error-rate", "0.1", "--fault-stall-after-tokens", "4",
-        "--fault-stall-seconds", "2", "--fault-exit-after-tokens", "9", "--enable-admin",
-        "--served-model-name", "m", "--step-overhead-s", "0.01", "--max-model-len", "1024"])
+    args = build_parser().parse_args(
+        [
+            "--port",
+            "8001",
+            "--port",
+            "8002",
+            "--role",
+            "producer",
+            "--block-size",
+            "32",
+            "--num-gpu-blocks-override",
+            "100",
+            "--speed",
+            "50",
+            "--no-arrival-check",
+            "--global-cache-hit-threshold",
+            "0.3",
+            "--kv-lease-duration",
+            "5",
+            "--fault-error-rate",
+            "0.1",
+            "--fault-stall-after-tokens",
+            "4",
+            "--fault-stall-seconds",
+            "2",
+            "--fault-exit-after-tokens",
+            "9",
+            "--enable-admin",
+            "--served-model-name",
+            "m",
+            "--step-overhead-s",
+            "0.01",
+            "--max-model-len",
+            "1024",
+        ]
+    )
     cfg = config_from_args(args)
     assert args.port == [8001, 8002]
     assert (cfg.role, cfg.block_size, cfg.num_gpu_blocks, cfg.speed) == ("producer", 32, 100, 50.0)
@@ -45,7 +75,11 @@ def test_bad_values_exit_with_status_2(capsys) -> None:
 def _start(*args: str) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine_launcher.sim", *args, "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ports = []
     n = args.count("--port")
     assert proc.stdout is not None
@@ -67,8 +101,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _post(port: int, path: str, body: dict) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=orjson.dumps(body),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return orjson.loads(r.read())
 

@@ -1,6 +1,7 @@
 """The CPU tier of the KV cache (vLLM's OffloadingConnector): write-through of prompt blocks,
 LRU, hits after the GPU cache evicted a prefix, counted in the threshold, `cached_tokens` and
 vLLM's metric names."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,9 @@ from support.metrics import scrape_metrics
 from support.sse import parse_sse
 
 BS = 16
-PROMPT_A = list(range(400, 464))        # 64 tokens = 4 blocks
-PROMPT_B = list(range(1000, 1112))      # 112 tokens = 7 blocks
-PROMPT_C = list(range(2000, 2112))      # 7 more blocks
+PROMPT_A = list(range(400, 464))  # 64 tokens = 4 blocks
+PROMPT_B = list(range(1000, 1112))  # 112 tokens = 7 blocks
+PROMPT_C = list(range(2000, 2112))  # 7 more blocks
 # 9 blocks: block 0 is the null block, 8 usable (128 tokens). Running B and C after A
 # evicts every block of A (freed tail first, A's first block is the last to go).
 SMALL_GPU = dict(num_gpu_blocks=9, max_model_len=128)
@@ -35,12 +36,12 @@ def hashes(tokens: list[int]) -> list[int]:
 def test_cpu_tier_is_an_lru_of_blocks_and_lookup_is_read_only() -> None:
     tier = CpuTier(capacity_blocks=3)
     assert tier.store([1, 2, 3]) == 3
-    assert tier.store([1, 2]) == 0          # already stored: not stored again
+    assert tier.store([1, 2]) == 0  # already stored: not stored again
     assert tier.lookup([1, 2, 3, 4], 0, 4) == 3
     assert tier.lookup([1, 2, 3], 1, 3) == 2  # from an index (after a GPU hit)
     assert tier.lookup([1, 9, 3], 0, 3) == 1  # a run from the start only
-    tier.load([1])                            # 1 is now the most recently used
-    tier.store([4])                           # full: evicts the LRU block, 2
+    tier.load([1])  # 1 is now the most recently used
+    tier.store([4])  # full: evicts the LRU block, 2
     assert 2 not in tier and 1 in tier and 4 in tier
     assert tier.evicted_blocks == 1
     # Lookups touch nothing: 3 is still the next to go.
@@ -88,15 +89,20 @@ async def test_an_offloaded_prefix_is_a_hit_that_a_gpu_only_engine_lacks(make_en
 
 
 @pytest.mark.parametrize("arrival_check", [True, False])
-async def test_a_rejection_counts_the_cpu_tier_in_cached_tokens(make_engine, http,
-                                                               arrival_check) -> None:
+async def test_a_rejection_counts_the_cpu_tier_in_cached_tokens(make_engine, http, arrival_check) -> None:
     eng = await make_engine(**SMALL_GPU, cpu_offload_tokens=1024, arrival_check=arrival_check)
     await evict_a_from_gpu(http, eng.url)
     # A's 64 tokens (in host memory only) of 96: 0.67.
-    async with http.post(eng.url + "/v1/completions", json={
-            "prompt": PROMPT_A + list(range(3000, 3032)), "max_tokens": 4,
-            "cache_hit_threshold": 0.8, "stream": True,
-            "stream_options": {"include_usage": True}}) as r:
+    async with http.post(
+        eng.url + "/v1/completions",
+        json={
+            "prompt": PROMPT_A + list(range(3000, 3032)),
+            "max_tokens": 4,
+            "cache_hit_threshold": 0.8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         events = parse_sse(await r.read())
     assert events[0]["choices"][0]["finish_reason"] == "cache_threshold"
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
@@ -108,8 +114,7 @@ async def test_a_rejection_counts_the_cpu_tier_in_cached_tokens(make_engine, htt
 
 async def test_only_prompt_blocks_are_offloaded(make_engine, http) -> None:
     eng = await make_engine(cpu_offload_tokens=1024)
-    _, body = await post(http, eng.url + "/v1/completions",
-                         {"prompt": PROMPT_A, "max_tokens": 40, "ignore_eos": True})
+    _, body = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT_A, "max_tokens": 40, "ignore_eos": True})
     assert body["usage"]["completion_tokens"] == 40
     # 64 prompt tokens = 4 blocks; the 40 generated tokens fill 2 more GPU blocks, not stored.
     assert len(eng.engine.cpu) == 4
@@ -121,18 +126,15 @@ async def test_the_cpu_tier_evicts_its_least_recently_used_blocks(make_engine, h
     eng = await make_engine(**SMALL_GPU, cpu_offload_tokens=8 * BS)
     await evict_a_from_gpu(http, eng.url)
     assert len(eng.engine.cpu) == 8
-    _, body = await post(http, eng.url + "/v1/completions",
-                         {"prompt": PROMPT_A, "max_tokens": 1})
+    _, body = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT_A, "max_tokens": 1})
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-async def test_the_router_learns_what_a_cpu_tier_hit_costs_from_the_engines_counters(
-        make_engine, http) -> None:
+async def test_the_router_learns_what_a_cpu_tier_hit_costs_from_the_engines_counters(make_engine, http) -> None:
     tiered = await make_engine(**SMALL_GPU, cpu_offload_tokens=1024)
     gpu_only = await make_engine(**SMALL_GPU)
     engines = {"tiered": tiered, "gpu": gpu_only}
-    registry = BackendRegistry([BackendConfig(name=n, url=e.url) for n, e in engines.items()],
-                               HealthConfig())
+    registry = BackendRegistry([BackendConfig(name=n, url=e.url) for n, e in engines.items()], HealthConfig())
 
     async def scrape() -> None:
         for name, eng in engines.items():
@@ -144,8 +146,7 @@ async def test_the_router_learns_what_a_cpu_tier_hit_costs_from_the_engines_coun
     await scrape()
     for eng in engines.values():
         for _ in range(2):  # tiered: 64 host hits, then 48 device + 16 host; gpu: 0, then 48
-            _, body = await post(http, eng.url + "/v1/completions",
-                                 {"prompt": PROMPT_A, "max_tokens": 1})
+            _, body = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT_A, "max_tokens": 1})
             assert body["choices"][0]["finish_reason"] == "length"
     await scrape()
     timing, speed = tiered.engine.config.timing, tiered.engine.config.speed
@@ -158,8 +159,9 @@ async def test_the_router_learns_what_a_cpu_tier_hit_costs_from_the_engines_coun
 
 
 def test_cli_flags_reach_the_config() -> None:
-    cfg = config_from_args(build_parser().parse_args(
-        ["--port", "0", "--cpu-offload-tokens", "4096", "--cpu-load-token-s", "0.0000003"]))
+    cfg = config_from_args(
+        build_parser().parse_args(["--port", "0", "--cpu-offload-tokens", "4096", "--cpu-load-token-s", "0.0000003"])
+    )
     assert cfg.cpu_offload_tokens == 4096
     assert cfg.timing.cpu_load_token_s == 0.0000003
     with pytest.raises(ValueError, match="cpu_offload_tokens"):

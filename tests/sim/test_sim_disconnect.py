@@ -1,4 +1,5 @@
 """A client that goes away aborts its request, as in vLLM: blocks freed, running back to 0."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,10 @@ from support.polling import eventually
 
 async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
     eng = await make_engine(speed=20.0)
-    resp = await http.post(eng.url + "/v1/completions", json={
-        "prompt": list(range(2, 50)), "max_tokens": 1000, "ignore_eos": True, "stream": True})
+    resp = await http.post(
+        eng.url + "/v1/completions",
+        json={"prompt": list(range(2, 50)), "max_tokens": 1000, "ignore_eos": True, "stream": True},
+    )
     assert resp.status == 200
     await resp.content.readuntil(b"\n\n")  # first chunk: the request is running
     assert eng.engine.num_running == 1 and eng.engine.kv.usage > 0
@@ -27,8 +30,11 @@ async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
 async def test_non_streaming_disconnect_aborts_the_request(make_engine) -> None:
     eng = await make_engine(speed=20.0)
     async with aiohttp.ClientSession() as s:
-        task = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
-            "prompt": list(range(2, 50)), "max_tokens": 1000, "ignore_eos": True}))
+        task = asyncio.create_task(
+            s.post(
+                eng.url + "/v1/completions", json={"prompt": list(range(2, 50)), "max_tokens": 1000, "ignore_eos": True}
+            )
+        )
         await eventually(lambda: eng.engine.num_running == 1)
         task.cancel()
     await eventually(lambda: eng.engine.num_running == 0)
@@ -38,11 +44,11 @@ async def test_non_streaming_disconnect_aborts_the_request(make_engine) -> None:
 async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine) -> None:
     eng = await make_engine(max_num_seqs=1, speed=20.0)
     async with aiohttp.ClientSession() as s:
-        first = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
-            "prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True}))
+        first = asyncio.create_task(
+            s.post(eng.url + "/v1/completions", json={"prompt": [5] * 10, "max_tokens": 1000, "ignore_eos": True})
+        )
         await eventually(lambda: eng.engine.num_running == 1)
-        second = asyncio.create_task(s.post(eng.url + "/v1/completions", json={
-            "prompt": [6] * 10, "max_tokens": 10}))
+        second = asyncio.create_task(s.post(eng.url + "/v1/completions", json={"prompt": [6] * 10, "max_tokens": 10}))
         await eventually(lambda: eng.engine.num_waiting == 1)
         second.cancel()
         await eventually(lambda: eng.engine.num_waiting == 0)
@@ -51,10 +57,10 @@ async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine) -
 
 
 async def test_closing_an_engine_ends_open_streams(make_engine, http) -> None:
-    eng = await start_sim_engine(SimEngineConfig(speed=1.0, max_model_len=2048,
-                                                 num_gpu_blocks=1024))
-    resp = await http.post(eng.url + "/v1/completions", json={
-        "prompt": [7] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    eng = await start_sim_engine(SimEngineConfig(speed=1.0, max_model_len=2048, num_gpu_blocks=1024))
+    resp = await http.post(
+        eng.url + "/v1/completions", json={"prompt": [7] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    )
     await resp.content.readuntil(b"\n\n")
     # Guard only: a close that waited for the 2000-token generation would take 12 s+.
     await asyncio.wait_for(eng.close(), timeout=10)

@@ -1,5 +1,6 @@
 """Fault injection (errors, stalls, engine death), runtime fault changes and prefix-cache
 reset."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,25 +18,31 @@ from support.sse import parse_sse
 async def test_error_rate_one_fails_every_request_with_a_500(make_engine, http) -> None:
     eng = await make_engine(faults=FaultConfig(error_rate=1.0))
     for stream in (False, True):
-        status, body = await post(http, eng.url + "/v1/completions",
-                                  {"prompt": "x", "max_tokens": 2, "stream": stream})
+        status, body = await post(http, eng.url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": stream})
         assert status == 500
-        assert body == {"error": {"message": "Simulated engine failure (fault injection)",
-                                  "type": "InternalServerError", "param": None, "code": 500}}
+        assert body == {
+            "error": {
+                "message": "Simulated engine failure (fault injection)",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
     assert eng.engine.stats.step_count == 0
 
 
 async def test_partial_error_rate_fails_some(make_engine, http) -> None:
     eng = await make_engine(faults=FaultConfig(error_rate=0.5), seed=3)
-    statuses = [(await post(http, eng.url + "/v1/completions",
-                            {"prompt": "x", "max_tokens": 1}))[0] for _ in range(40)]
+    statuses = [(await post(http, eng.url + "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] for _ in range(40)]
     assert set(statuses) == {200, 500}
 
 
 async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine, http) -> None:
     eng = await make_engine(faults=FaultConfig(stall_after_tokens=3, stall_seconds=1.0))
-    async with http.post(eng.url + "/v1/completions", json={
-            "prompt": [9] * 8, "max_tokens": 20, "stream": True, "return_token_ids": True}) as r:
+    async with http.post(
+        eng.url + "/v1/completions",
+        json={"prompt": [9] * 8, "max_tokens": 20, "stream": True, "return_token_ids": True},
+    ) as r:
         received = 0
         while received < 3:
             chunk = parse_sse(await r.content.readuntil(b"\n\n"))[0]
@@ -51,8 +58,9 @@ async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine
 async def test_exit_fault_drops_connections_and_stops_serving(make_engine, http) -> None:
     eng = await make_engine(faults=FaultConfig(exit_after_tokens=10), speed=100.0)
     with pytest.raises(aiohttp.ClientError):
-        async with http.post(eng.url + "/v1/completions", json={
-                "prompt": [9] * 8, "max_tokens": 100, "stream": True}) as r:
+        async with http.post(
+            eng.url + "/v1/completions", json={"prompt": [9] * 8, "max_tokens": 100, "stream": True}
+        ) as r:
             await r.read()
     assert eng.engine.dead
     await eventually(lambda: eng.server._runner is None)
@@ -94,8 +102,7 @@ async def test_reset_prefix_cache(make_engine, http) -> None:
     _, body = await post(http, url, {"prompt": prompt, "max_tokens": 1})
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # Refused while a request holds blocks (as vLLM).
-    task = asyncio.create_task(post(http, url, {"prompt": prompt, "max_tokens": 500,
-                                                "ignore_eos": True}))
+    task = asyncio.create_task(post(http, url, {"prompt": prompt, "max_tokens": 500, "ignore_eos": True}))
     await eventually(lambda: eng.engine.num_running == 1)
     async with http.post(eng.url + "/reset_prefix_cache") as r:
         assert (await r.json()) == {"success": False}

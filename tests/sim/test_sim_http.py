@@ -1,4 +1,5 @@
 """The OpenAI surface: vLLM 0.32's JSON and SSE shapes, sampling fields, errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,18 +9,39 @@ from sim_testutil import post
 
 PROMPT = "the first river of the world was known to all people"
 
-COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "service_tier",
-                   "system_fingerprint", "usage", "kv_transfer_params", "ec_transfer_params",
-                   "metrics"}
-COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason",
-                          "token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts"}
+COMPLETION_KEYS = {
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "service_tier",
+    "system_fingerprint",
+    "usage",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "metrics",
+}
+COMPLETION_CHOICE_KEYS = {
+    "index",
+    "text",
+    "logprobs",
+    "finish_reason",
+    "stop_reason",
+    "token_ids",
+    "prompt_logprobs",
+    "prompt_token_ids",
+    "routed_experts",
+}
 
 
 async def test_completion_non_streaming_shape(make_engine, http) -> None:
     eng = await make_engine()
-    status, body = await post(http, eng.url + "/v1/completions",
-                              {"model": "sim-model", "prompt": PROMPT, "max_tokens": 7,
-                               "return_token_ids": True})
+    status, body = await post(
+        http,
+        eng.url + "/v1/completions",
+        {"model": "sim-model", "prompt": PROMPT, "max_tokens": 7, "return_token_ids": True},
+    )
     assert status == 200
     assert set(body) == COMPLETION_KEYS
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
@@ -65,9 +87,17 @@ async def test_second_identical_prompt_reports_cached_tokens(make_engine, http) 
 
 async def test_completion_stream_shape(make_engine, http) -> None:
     eng = await make_engine()
-    status, events = await post(http, eng.url + "/v1/completions", {
-        "prompt": PROMPT, "max_tokens": 5, "stream": True, "return_token_ids": True,
-        "stream_options": {"include_usage": True}})
+    status, events = await post(
+        http,
+        eng.url + "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 5,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert status == 200 and events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
     ids: list[int] = []
@@ -75,8 +105,7 @@ async def test_completion_stream_shape(make_engine, http) -> None:
         assert set(c) == {"id", "object", "created", "model", "choices"}
         assert c["object"] == "text_completion"
         (ch,) = c["choices"]
-        assert set(ch) == {"index", "text", "logprobs", "finish_reason", "stop_reason",
-                           "prompt_token_ids", "token_ids"}
+        assert set(ch) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"}
         # prompt_token_ids only on the first chunk.
         assert (ch["prompt_token_ids"] is not None) == (i == 0)
         ids += ch["token_ids"]
@@ -92,8 +121,7 @@ async def test_completion_stream_shape(make_engine, http) -> None:
 
 async def test_stream_without_usage_puts_fingerprint_on_the_last_chunk(make_engine, http) -> None:
     eng = await make_engine()
-    _, events = await post(http, eng.url + "/v1/completions",
-                           {"prompt": PROMPT, "max_tokens": 3, "stream": True})
+    _, events = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True})
     chunks = events[:-1]
     assert "system_fingerprint" in chunks[-1]
     assert all("system_fingerprint" not in c for c in chunks[:-1])
@@ -102,9 +130,16 @@ async def test_stream_without_usage_puts_fingerprint_on_the_last_chunk(make_engi
 
 async def test_continuous_usage_stats(make_engine, http) -> None:
     eng = await make_engine()
-    _, events = await post(http, eng.url + "/v1/completions", {
-        "prompt": PROMPT, "max_tokens": 4, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    _, events = await post(
+        http,
+        eng.url + "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    )
     counts = [c["usage"]["completion_tokens"] for c in events[:-2]]
     assert counts == sorted(counts) and counts[-1] == 4
 
@@ -112,9 +147,9 @@ async def test_continuous_usage_stats(make_engine, http) -> None:
 async def test_chat_non_streaming_shape(make_engine, http) -> None:
     eng = await make_engine()
     msgs = [{"role": "user", "content": "hello there"}]
-    status, body = await post(http, eng.url + "/v1/chat/completions",
-                              {"messages": msgs, "max_completion_tokens": 4,
-                               "return_token_ids": True})
+    status, body = await post(
+        http, eng.url + "/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 4, "return_token_ids": True}
+    )
     assert status == 200
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
     assert body["prompt_token_ids"] == tok.encode(tok.render_chat(msgs))
@@ -129,9 +164,17 @@ async def test_chat_non_streaming_shape(make_engine, http) -> None:
 
 async def test_chat_stream_starts_with_a_role_chunk(make_engine, http) -> None:
     eng = await make_engine()
-    _, events = await post(http, eng.url + "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
-        "return_token_ids": True, "stream_options": {"include_usage": True}})
+    _, events = await post(
+        http,
+        eng.url + "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     role, *chunks, usage, done = events
     assert done == "[DONE]"
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -148,8 +191,7 @@ async def test_prompt_as_token_ids_and_batched_forms(make_engine, http) -> None:
     url = eng.url + "/v1/completions"
     ids = tok.encode(PROMPT)
     for prompt in (ids, [ids], [PROMPT]):
-        status, body = await post(http, url, {"prompt": prompt, "max_tokens": 1,
-                                              "return_token_ids": True})
+        status, body = await post(http, url, {"prompt": prompt, "max_tokens": 1, "return_token_ids": True})
         assert status == 200 and body["choices"][0]["prompt_token_ids"] == ids
 
 
@@ -163,14 +205,14 @@ async def test_stop_string_ends_and_trims_the_output(make_engine, http) -> None:
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 30, "stop": [stop]})
     ch = body["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
-    assert ch["text"] == text[:cut + 1]
-    _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 30, "stop": stop,
-                                     "include_stop_str_in_output": True})
-    assert body["choices"][0]["text"] == text[:cut + 1 + len(stop)]
+    assert ch["text"] == text[: cut + 1]
+    _, body = await post(
+        http, url, {"prompt": PROMPT, "max_tokens": 30, "stop": stop, "include_stop_str_in_output": True}
+    )
+    assert body["choices"][0]["text"] == text[: cut + 1 + len(stop)]
     # Streamed, the text never shows the stop string either.
-    _, events = await post(http, url, {"prompt": PROMPT, "max_tokens": 30, "stop": [stop],
-                                       "stream": True})
-    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[:cut + 1]
+    _, events = await post(http, url, {"prompt": PROMPT, "max_tokens": 30, "stop": [stop], "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[: cut + 1]
 
 
 async def test_eos_min_tokens_and_ignore_eos(make_engine, http) -> None:
@@ -179,8 +221,7 @@ async def test_eos_min_tokens_and_ignore_eos(make_engine, http) -> None:
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "return_token_ids": True})
     ch = body["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["token_ids"] == [tok.EOS_ID] and ch["text"] == ""
-    _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "min_tokens": 4,
-                                     "return_token_ids": True})
+    _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "min_tokens": 4, "return_token_ids": True})
     ids = body["choices"][0]["token_ids"]
     assert len(ids) == 5 and ids[-1] == tok.EOS_ID and tok.EOS_ID not in ids[:4]
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "ignore_eos": True})
@@ -190,8 +231,7 @@ async def test_eos_min_tokens_and_ignore_eos(make_engine, http) -> None:
 
 async def test_completion_logprobs(make_engine, http) -> None:
     eng = await make_engine()
-    _, body = await post(http, eng.url + "/v1/completions",
-                         {"prompt": PROMPT, "max_tokens": 3, "logprobs": 2})
+    _, body = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "logprobs": 2})
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
     assert "".join(lp["tokens"]) == body["choices"][0]["text"]
@@ -202,13 +242,14 @@ async def test_completion_logprobs(make_engine, http) -> None:
 
 async def test_chat_logprobs(make_engine, http) -> None:
     eng = await make_engine()
-    _, body = await post(http, eng.url + "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-        "logprobs": True, "top_logprobs": 3})
+    _, body = await post(
+        http,
+        eng.url + "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3},
+    )
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == 2
-    assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode())
-               for c in content)
+    assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode()) for c in content)
 
 
 async def test_models_health_version_metrics(make_engine, http) -> None:
@@ -243,13 +284,12 @@ BAD = [
     ({"prompt": "x", "stop": 3}, "body.stop"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": ["a", ""]}, "prompt"),
-    ({"prompt": [1, 10 ** 9]}, "prompt"),
+    ({"prompt": [1, 10**9]}, "prompt"),
     ({"prompt": 12}, "body.prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "cache_hit_threshold": 1.5}, "cache_hit_threshold"),
     ({"prompt": "x", "cache_hit_threshold": "0.5"}, "cache_hit_threshold"),
-    ({"prompt": "x", "vllm_xargs": {"cache_hit_threshold": -0.1}},
-     "vllm_xargs.cache_hit_threshold"),
+    ({"prompt": "x", "vllm_xargs": {"cache_hit_threshold": -0.1}}, "vllm_xargs.cache_hit_threshold"),
     ({"prompt": "x", "kv_transfer_params": [1]}, "body.kv_transfer_params"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "temperature": 2.5}, "temperature"),
@@ -277,17 +317,21 @@ async def test_bad_input_is_a_400_in_vllm_error_shape(make_engine, http, body, p
 async def test_bad_chat_input(make_engine, http) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/chat/completions"
-    for body in ({"messages": []}, {"messages": [{"content": "no role"}]},
-                 {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-                 {"messages": "hi"}):
+    for body in (
+        {"messages": []},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        {"messages": "hi"},
+    ):
         status, err = await post(http, url, body)
         assert status == 400 and err["error"]["code"] == 400, body
 
 
 async def test_invalid_json_is_a_400(make_engine, http) -> None:
     eng = await make_engine()
-    async with http.post(eng.url + "/v1/completions", data=b"{not json",
-                         headers={"Content-Type": "application/json"}) as r:
+    async with http.post(
+        eng.url + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    ) as r:
         assert r.status == 400
         assert (await r.json())["error"]["code"] == 400
 
@@ -296,8 +340,12 @@ async def test_unknown_model_is_a_404(make_engine, http) -> None:
     eng = await make_engine()
     status, err = await post(http, eng.url + "/v1/completions", {"model": "nope", "prompt": "x"})
     assert status == 404
-    assert err["error"] == {"message": "The model `nope` does not exist. Valid aliases: sim-model.",
-                            "type": "NotFoundError", "param": "model", "code": 404}
+    assert err["error"] == {
+        "message": "The model `nope` does not exist. Valid aliases: sim-model.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
 
 
 async def test_prompt_longer_than_max_model_len_is_a_400(make_engine, http) -> None:
@@ -309,6 +357,5 @@ async def test_prompt_longer_than_max_model_len_is_a_400(make_engine, http) -> N
 
 async def test_max_tokens_is_clamped_to_the_context(make_engine, http) -> None:
     eng = await make_engine(max_model_len=64)
-    status, body = await post(http, eng.url + "/v1/completions",
-                              {"prompt": list(range(2, 62)), "max_tokens": 20})
+    status, body = await post(http, eng.url + "/v1/completions", {"prompt": list(range(2, 62)), "max_tokens": 20})
     assert status == 200 and body["usage"]["completion_tokens"] == 4

@@ -1,4 +1,5 @@
 """The paged KV cache: whole-block hits, the last-token cap, refcounts, LRU eviction."""
+
 from __future__ import annotations
 
 from engine_launcher.sim.kv_cache import KVCacheManager, hash_blocks

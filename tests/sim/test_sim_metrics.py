@@ -1,4 +1,5 @@
 """Metric values: prefix-cache counters, cache config info, gauges, per-engine registries."""
+
 from __future__ import annotations
 
 from sim_testutil import post
@@ -14,12 +15,13 @@ async def test_prefix_cache_counters_count_tokens(make_engine, http) -> None:
     assert (await scrape_metrics(http, eng.url)).value("vllm:prefix_cache_hits_total") == 48
     assert (await scrape_metrics(http, eng.url)).value("vllm:prompt_tokens_total") == 128
     assert (await scrape_metrics(http, eng.url)).value("vllm:generation_tokens_total") == 4
-    assert (await scrape_metrics(http, eng.url)).value("vllm:prompt_tokens_by_source_total",
-                        source="local_cache_hit") == 48
-    assert (await scrape_metrics(http, eng.url)).value("vllm:prompt_tokens_by_source_total",
-                        source="local_compute") == 80
-    assert (await scrape_metrics(http, eng.url)).value("vllm:request_success_total",
-                        finished_reason="length") == 2
+    assert (await scrape_metrics(http, eng.url)).value(
+        "vllm:prompt_tokens_by_source_total", source="local_cache_hit"
+    ) == 48
+    assert (await scrape_metrics(http, eng.url)).value(
+        "vllm:prompt_tokens_by_source_total", source="local_compute"
+    ) == 80
+    assert (await scrape_metrics(http, eng.url)).value("vllm:request_success_total", finished_reason="length") == 2
     assert (await scrape_metrics(http, eng.url)).value("vllm:time_to_first_token_seconds_count") == 2
     assert (await scrape_metrics(http, eng.url)).value("vllm:e2e_request_latency_seconds_count") == 2
     assert (await scrape_metrics(http, eng.url)).value("vllm:request_queue_time_seconds_count") == 2
@@ -27,10 +29,10 @@ async def test_prefix_cache_counters_count_tokens(make_engine, http) -> None:
 
 async def test_cache_config_info_and_labels(make_engine, http) -> None:
     eng = await make_engine(block_size=32, num_gpu_blocks=100, model="m")
-    assert (await scrape_metrics(http, eng.url)).value("vllm:cache_config_info", block_size="32",
-                        num_gpu_blocks="100", enable_prefix_caching="True", engine="0") == 1
-    assert (await scrape_metrics(http, eng.url)).value("vllm:num_requests_running", model_name="m",
-                        engine="0") == 0
+    assert (await scrape_metrics(http, eng.url)).value(
+        "vllm:cache_config_info", block_size="32", num_gpu_blocks="100", enable_prefix_caching="True", engine="0"
+    ) == 1
+    assert (await scrape_metrics(http, eng.url)).value("vllm:num_requests_running", model_name="m", engine="0") == 0
 
 
 async def test_engines_in_one_process_have_separate_registries(make_engine, http) -> None:

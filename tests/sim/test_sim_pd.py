@@ -1,5 +1,6 @@
 """NIXL-like prefill/decode: the producer's kv_transfer_params and lease, the consumer's
 pull over the side channel, and every way a pull can fail."""
+
 from __future__ import annotations
 
 import uuid
@@ -9,21 +10,33 @@ from support.metrics import scrape_metrics
 from support.polling import eventually
 
 PROMPT = list(range(200, 300))  # 100 tokens
-PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 async def prefill(http, producer, prompt=PROMPT) -> dict:
-    status, body = await post(http, producer.url + "/v1/completions", {
-        "prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV})
+    status, body = await post(
+        http,
+        producer.url + "/v1/completions",
+        {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV},
+    )
     assert status == 200
     assert body["usage"]["completion_tokens"] == 1
     return body["kv_transfer_params"]
 
 
 async def decode(http, consumer, kv: dict, max_tokens: int = 10, **extra) -> dict:
-    status, body = await post(http, consumer.url + "/v1/completions", {
-        "prompt": PROMPT, "max_tokens": max_tokens, "kv_transfer_params": kv, **extra})
+    status, body = await post(
+        http,
+        consumer.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": max_tokens, "kv_transfer_params": kv, **extra},
+    )
     assert status == 200
     assert body["usage"]["completion_tokens"] == max_tokens
     return body
@@ -70,22 +83,27 @@ async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(make_e
     assert (await scrape_metrics(http, producer.url)).value("vllm:nixl_num_kv_expired_reqs_total") == 1
     assert producer.engine.kv.usage == 0.0
     # kv_load_failure_policy "fail": vLLM ends the request with FinishReason.ERROR, a 500.
-    status, body = await post(http, consumer.url + "/v1/completions",
-                              {"prompt": PROMPT, "max_tokens": 5, "kv_transfer_params": kv})
+    status, body = await post(
+        http, consumer.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "kv_transfer_params": kv}
+    )
     assert status == 500
-    assert body == {"error": {"message": "Internal server error", "type": "InternalServerError",
-                              "param": None, "code": 500}}
+    assert body == {
+        "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+    }
     assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
-    assert (await scrape_metrics(http, consumer.url)).value("vllm:request_success_total",
-                        finished_reason="error") == 1
+    assert (await scrape_metrics(http, consumer.url)).value("vllm:request_success_total", finished_reason="error") == 1
     assert consumer.engine.num_running == 0 and consumer.engine.kv.usage == 0.0
     # Streamed, the 200 has begun: one error event, then [DONE].
-    async with http.post(consumer.url + "/v1/completions", json={
-            "prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": kv}) as r:
+    async with http.post(
+        consumer.url + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": kv},
+    ) as r:
         assert r.status == 200
         raw = await r.read()
-    assert raw == (b'data: {"error":{"message":"Internal server error","type":"InternalServerError",'
-                   b'"param":null,"code":500}}\n\ndata: [DONE]\n\n')
+    assert raw == (
+        b'data: {"error":{"message":"Internal server error","type":"InternalServerError",'
+        b'"param":null,"code":500}}\n\ndata: [DONE]\n\n'
+    )
 
 
 async def test_expired_lease_with_the_recompute_policy_computes_the_prompt(make_engine, http) -> None:
@@ -125,19 +143,20 @@ async def test_side_channel_errors(make_engine, http) -> None:
     producer = await make_engine(role="producer")
     async with http.post(producer.url + "/_sim/kv/pull", data=b"nope") as r:
         assert r.status == 400
-    async with http.post(producer.url + "/_sim/kv/pull", json={
-            "remote_engine_id": producer.engine.engine_id, "remote_request_id": "x"}) as r:
+    async with http.post(
+        producer.url + "/_sim/kv/pull", json={"remote_engine_id": producer.engine.engine_id, "remote_request_id": "x"}
+    ) as r:
         assert r.status == 404 and (await r.json())["error"]["code"] == 404
 
 
 async def test_consumer_only_engine_serves_ordinary_requests(make_engine, http) -> None:
     consumer = await make_engine(role="consumer")
-    status, body = await post(http, consumer.url + "/v1/completions",
-                              {"prompt": PROMPT, "max_tokens": 3})
+    status, body = await post(http, consumer.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     # Not a producer: a prefill leg runs as a plain request and leases nothing.
-    status, body = await post(http, consumer.url + "/v1/completions", {
-        "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_KV})
+    status, body = await post(
+        http, consumer.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_KV}
+    )
     assert status == 200 and body["kv_transfer_params"] is None
     assert not consumer.engine.leases
 
@@ -146,9 +165,17 @@ async def test_both_role_does_prefill_and_decode_and_streams_the_decode(make_eng
     a = await make_engine(role="both")
     b = await make_engine(role="both")
     kv = await prefill(http, a)
-    status, events = await post(http, b.url + "/v1/completions", {
-        "prompt": PROMPT, "max_tokens": 5, "kv_transfer_params": kv, "stream": True,
-        "stream_options": {"include_usage": True}})
+    status, events = await post(
+        http,
+        b.url + "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 5,
+            "kv_transfer_params": kv,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 100
     assert events[-2]["usage"]["completion_tokens"] == 5
     assert not a.engine.leases

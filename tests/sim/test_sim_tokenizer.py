@@ -1,4 +1,5 @@
 """The simulator's tokenizer: round trip, shared-prefix property, chat template, generator."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -19,7 +20,7 @@ def test_texts_sharing_a_prefix_share_all_but_the_last_token(a: str, b: str, c: 
     prefix = tok.encode(a)
     for longer in (tok.encode(a + b), tok.encode(a + c)):
         # Every token of the shorter text except the last one is a prefix of the longer.
-        assert longer[:max(len(prefix) - 1, 0)] == prefix[:max(len(prefix) - 1, 0)]
+        assert longer[: max(len(prefix) - 1, 0)] == prefix[: max(len(prefix) - 1, 0)]
 
 
 def test_ids_past_the_built_in_vocabulary_decode_to_placeholders() -> None:
@@ -35,8 +36,7 @@ def test_words_are_single_tokens_and_bytes_the_fallback() -> None:
 
 
 def test_chat_template_is_fixed() -> None:
-    text = tok.render_chat([{"role": "system", "content": "be brief"},
-                            {"role": "user", "content": "hi"}])
+    text = tok.render_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert text == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
 
 

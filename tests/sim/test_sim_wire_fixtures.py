@@ -4,6 +4,7 @@ must have the same status, the same keys in the same order at every level, the s
 types and the same SSE framing. Generated text and token ids differ (a different model);
 errors must match field for field.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,7 @@ def by_choice(events: list[Any]) -> list[Any]:
 
 def real_answer(fx: dict[str, Any]) -> Any:
     raw = fx.get("raw", "")
-    if fx["request"]["path"] in ("/v1/completions", "/v1/chat/completions") \
-            and raw.startswith("data: "):
+    if fx["request"]["path"] in ("/v1/completions", "/v1/chat/completions") and raw.startswith("data: "):
         return parse_sse(raw.encode())
     return orjson.loads(raw) if raw else raw
 
@@ -73,8 +73,9 @@ def real_answer(fx: dict[str, Any]) -> Any:
 async def tiny(make_engine):
     # As the captured engine: served name "tiny", 2048 tokens of context, block size 32,
     # and no --enable-prompt-tokens-details (so usage.prompt_tokens_details is null).
-    return await make_engine(model="tiny", max_model_len=2048, block_size=32, role="both",
-                             enable_prompt_tokens_details=False)
+    return await make_engine(
+        model="tiny", max_model_len=2048, block_size=32, role="both", enable_prompt_tokens_details=False
+    )
 
 
 async def replay(http, eng, request: dict[str, Any]) -> tuple[int, Any]:
@@ -114,38 +115,42 @@ async def test_replayed_capture_has_the_same_wire_shape(name: str, tiny, http) -
 
 async def test_decode_leg_stream_matches_the_capture(make_engine, http) -> None:
     fx = load("disagg_decode_leg_stream.json")
-    producer = await make_engine(model="tiny", max_model_len=2048, block_size=32,
-                                 role="producer", enable_prompt_tokens_details=False)
-    consumer = await make_engine(model="tiny", max_model_len=2048, block_size=32,
-                                 role="consumer", enable_prompt_tokens_details=False)
+    producer = await make_engine(
+        model="tiny", max_model_len=2048, block_size=32, role="producer", enable_prompt_tokens_details=False
+    )
+    consumer = await make_engine(
+        model="tiny", max_model_len=2048, block_size=32, role="consumer", enable_prompt_tokens_details=False
+    )
     body = dict(fx["request"]["body"])
     prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    prefill.update(max_tokens=1, stream=False, kv_transfer_params=load(
-        "disagg_prefill_leg.json")["request"]["body"]["kv_transfer_params"])
-    status, prefilled = await replay(http, producer, {"method": "POST", "path": "/v1/completions",
-                                                      "body": prefill})
+    prefill.update(
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params=load("disagg_prefill_leg.json")["request"]["body"]["kv_transfer_params"],
+    )
+    status, prefilled = await replay(http, producer, {"method": "POST", "path": "/v1/completions", "body": prefill})
     assert status == 200
     body["kv_transfer_params"] = prefilled["kv_transfer_params"]
-    assert [k for k in body["kv_transfer_params"]] == \
-        [k for k in fx["request"]["body"]["kv_transfer_params"]]
-    status, answer = await replay(http, consumer, {"method": "POST", "path": "/v1/completions",
-                                                   "body": body})
+    assert [k for k in body["kv_transfer_params"]] == [k for k in fx["request"]["body"]["kv_transfer_params"]]
+    status, answer = await replay(http, consumer, {"method": "POST", "path": "/v1/completions", "body": body})
     assert status == fx["status"]
     assert sse_shapes(answer) == sse_shapes(real_answer(fx))
     # As the capture: the consumer's first token is the one the producer generated.
     assert answer[0]["choices"][0]["token_ids"][0] == prefilled["choices"][0]["token_ids"][0]
     # And the consumer's counters follow the captured pattern (all prompt tokens external).
-    real = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-            for line in load("disagg_consumer_metrics.json")["lines"]}
+    real = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in load("disagg_consumer_metrics.json")["lines"]}
     async with http.get(consumer.url + "/metrics") as r:
         text = await r.text()
-    sim = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-           if line.split("{")[0] in real}
+    sim = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split("{")[0] in real
+    }
     n_prompt = answer[-2]["usage"]["prompt_tokens"]
     assert real["vllm:prefix_cache_queries_total"] == real["vllm:external_prefix_cache_hits_total"]
-    assert sim == {"vllm:prefix_cache_queries_total": n_prompt,
-                   "vllm:prefix_cache_hits_total": 0.0,
-                   "vllm:external_prefix_cache_hits_total": n_prompt}
+    assert sim == {
+        "vllm:prefix_cache_queries_total": n_prompt,
+        "vllm:prefix_cache_hits_total": 0.0,
+        "vllm:external_prefix_cache_hits_total": n_prompt,
+    }
 
 
 def _families(text: str) -> dict[str, tuple[str, frozenset[str]]]:
@@ -191,10 +196,19 @@ async def test_metrics_use_vllm_names_types_and_labels(tiny, http) -> None:
                 real_labels |= {kv.split("=")[0] for kv in sample.split("{")[1].rstrip("}").split(",")}
         real_labels.discard("le")
         assert labels <= real_labels, (key, labels, real_labels)
-    for required in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
-                     "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
-                     "vllm:external_prefix_cache_hits", "vllm:num_preemptions",
-                     "vllm:request_success", "vllm:time_to_first_token_seconds",
-                     "vllm:cache_config_info", "vllm:prompt_tokens", "vllm:generation_tokens"):
+    for required in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:external_prefix_cache_queries",
+        "vllm:external_prefix_cache_hits",
+        "vllm:num_preemptions",
+        "vllm:request_success",
+        "vllm:time_to_first_token_seconds",
+        "vllm:cache_config_info",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+    ):
         assert required in sim or required + "_total" in sim, required

@@ -1,5 +1,6 @@
 """Prometheus text exposition (the router's and the engines' /metrics) read with
 prometheus_client's own parser."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ class Metrics:
     def value(self, name: str, **labels: str) -> float:
         """The sum of the samples called `name` whose labels include `labels` (so a test
         need not name every label, e.g. `model`); 0.0 when there is none."""
-        return sum((s.value for s in self.samples
-                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())), 0.0)
+        return sum(
+            (s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())),
+            0.0,
+        )
 
     def names(self) -> set[str]:
         return {s.name for s in self.samples}

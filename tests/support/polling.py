@@ -2,6 +2,7 @@
 
 The timeout is a liveness bound for a loaded machine, never a speed check.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,9 @@ def _describe(what: str | None, condition: Callable) -> str:
     return what or getattr(condition, "__name__", repr(condition))
 
 
-async def eventually(condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None,
-                     interval: float = 0.02) -> Any:
+async def eventually(
+    condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None, interval: float = 0.02
+) -> Any:
     """Call `condition` (sync, or async returning an awaitable) until it returns something
     truthy, and return that. An AssertionError it raises counts as "not yet". After
     `timeout` seconds fails with `what`, the last value or assertion message."""
@@ -37,8 +39,9 @@ async def eventually(condition: Callable[[], Any], timeout: float = 10.0, what: 
         await asyncio.sleep(interval)
 
 
-def eventually_blocking(condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None,
-                        interval: float = 0.05) -> Any:
+def eventually_blocking(
+    condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None, interval: float = 0.05
+) -> Any:
     """`eventually` for tests without an event loop (it blocks the calling thread)."""
     end = time.monotonic() + timeout
     while True:

@@ -3,6 +3,7 @@
 A port found free can still be taken by another process before the test's server binds it;
 callers that start a separate process retry on "Address already in use" where it matters.
 """
+
 from __future__ import annotations
 
 import random

@@ -2,6 +2,7 @@
 
 Never by name: other engineers run engines and routers on the same machine.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,6 @@
 """Server-sent event bodies as vLLM frames them: one `data: <json>` line and a blank line per
 event, ending with `data: [DONE]`."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,7 +30,7 @@ def parse_sse(raw: bytes | str) -> list[Any]:
         if not block or block.startswith(b":"):
             continue
         assert block.startswith(b"data: ") and b"\n" not in block, f"unexpected SSE block {block[:300]!r}"
-        events.append(decode_payload(block[len(b"data: "):]))
+        events.append(decode_payload(block[len(b"data: ") :]))
     return events
 
 
