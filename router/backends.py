@@ -1,8 +1,8 @@
 """Backend registry: health, circuit breaker, in-flight counts, scraped load, snapshots.
 
 One place owns every fact about a backend. Planners never see this mutable state: they
-get a `ClusterSnapshot` of frozen `BackendView`s, so every routing policy is a pure
-function testable without sockets.
+get a `ClusterSnapshot` of frozen `BackendView`s (router/snapshot.py), so every routing
+policy is a pure function testable without sockets.
 
 Health has two sources, kept apart:
 - active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see
@@ -39,78 +39,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from .config import BackendConfig, HealthConfig
-from .costmodel import EngineSpeed, TransferSpeed
 from .engine_metrics import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from .names import BreakerState
+from .snapshot import BackendView, ClusterSnapshot
 from .speed_learner import SpeedLearner
 
 log = logging.getLogger("cachehit_router.backends")
 
 # The breaker gauge's values.
 BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-
-
-@dataclass(frozen=True, slots=True)
-class BackendView:
-    """What a planner may know about one backend at one instant."""
-
-    name: str
-    url: str
-    decodes: bool
-    prefills: bool
-    models: tuple[str, ...]
-    available: bool  # healthy and breaker not open (half-open counts: it takes a trial)
-    inflight: int  # requests the router has open on it now
-    running: float  # scraped vllm:num_requests_running
-    waiting: float  # scraped vllm:num_requests_waiting
-    kv_usage: float  # scraped vllm:kv_cache_usage_perc, 0..1
-    drained: bool = False  # taken out of rotation by an operator (never routed to)
-    # Prompt tokens still to prefill ahead of a request sent now (router/costmodel.py).
-    queued_tokens: float = 0.0
-    decoding: float = 0.0  # sequences generating
-    prefilling: int = 0  # this router's legs there without a first token yet
-    speed: EngineSpeed = EngineSpeed()
-    # False: a stock engine without the threshold plugin, never probed (router/capability.py).
-    threshold_capable: bool = True
-
-    @property
-    def load(self) -> float:
-        """One interpretable load figure: requests queued or running on the engine,
-        as the router sees them (its own in-flight) or as the engine reports them,
-        whichever is larger (scrapes lag; in-flight misses other routers' traffic)."""
-        return max(float(self.inflight), self.running + self.waiting)
-
-    def serves(self, model: str | None) -> bool:
-        return model is None or not self.models or model in self.models
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSnapshot:
-    backends: tuple[BackendView, ...]
-    # Learned cluster-wide figures the cost model reads (router/speed_learner.py).
-    transfer: TransferSpeed = TransferSpeed()
-    chars_per_token: float = 4.0
-    race_wait_s: float = 0.005  # what waiting for the verdicts of a race nobody won costs
-    race_saving_share: float = 0.5  # share of a prompt's prefill time races have been saving
-    race_saving_share_unplaced: float = 0.5  # the same for prompts the memory places nowhere
-
-    def decoders(self, model: str | None) -> list[BackendView]:
-        """Available decode backends for `model`. If none is available, every decode
-        backend for the model (panic routing, as Envoy does below its panic threshold): a
-        health view that says "nothing works" is more often wrong (checks timing out under
-        load) than right, and a real attempt fails fast with a precise error anyway. A
-        drained backend is never among them: an operator took it out on purpose."""
-        serving = [b for b in self.backends if b.decodes and b.serves(model) and not b.drained]
-        return [b for b in serving if b.available] or serving
-
-    def prefillers(self, model: str | None) -> list[BackendView]:
-        return [b for b in self.backends if b.available and b.prefills and b.serves(model)]
-
-    def get(self, name: str) -> BackendView | None:
-        for b in self.backends:
-            if b.name == name:
-                return b
-        return None
 
 
 @dataclass

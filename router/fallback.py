@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from . import costmodel
-from .backends import ClusterSnapshot
+from .snapshot import ClusterSnapshot
 from .config import RoutingConfig
 from .names import Mode, Route
 from .planning import RouteQuery, decoders_for, fastest

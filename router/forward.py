@@ -39,7 +39,7 @@ from aiohttp import web
 
 from . import errors
 from .admission import ID_PREFIX, RequestSpec
-from .backends import ClusterSnapshot
+from .snapshot import ClusterSnapshot
 from .metrics import RequestRecord
 from .names import Route
 from .request_body import FORM_BOUNDARY, check_length, read_body, read_form_prefix

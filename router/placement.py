@@ -20,7 +20,8 @@ from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
 from . import errors, tracing
-from .backends import BackendRegistry, BackendState, ClusterSnapshot, LegTicket
+from .backends import BackendRegistry, BackendState, LegTicket
+from .snapshot import ClusterSnapshot
 from .config import Config, TimeoutsConfig
 from .disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from .fallback import FallbackPlan, plan_fallback

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from . import costmodel
-from .backends import BackendView, ClusterSnapshot
+from .snapshot import BackendView, ClusterSnapshot
 from .config import RoutingConfig
 from .names import StrategyName
 from .prefix_memory import PrefixMemory

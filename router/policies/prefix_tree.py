@@ -4,7 +4,7 @@ weighed by load through the cost model.
 
 from __future__ import annotations
 
-from ..backends import ClusterSnapshot
+from ..snapshot import ClusterSnapshot
 from ..config import RoutingConfig
 from ..names import StrategyName
 from ..planning import Plan, RouteQuery, decoders_for, direct_plan

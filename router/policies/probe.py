@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import costmodel
-from ..backends import ClusterSnapshot
+from ..snapshot import ClusterSnapshot
 from ..config import RoutingConfig
 from ..config_checks import Problems, check_fraction, check_one_of, check_positive
 from ..names import Mode, StrategyName

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..backends import ClusterSnapshot
+from ..snapshot import ClusterSnapshot
 from ..config import RoutingConfig
 from ..names import StrategyName
 from ..planning import Plan, RouteQuery, decoders_for, predicted_ttft

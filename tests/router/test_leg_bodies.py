@@ -92,7 +92,7 @@ def test_chat_resume_body_keeps_only_sampling_fields():
 
 
 def test_prompt_length_estimate_when_no_engine_reported_it():
-    from router.backends import ClusterSnapshot
+    from router.snapshot import ClusterSnapshot
     from router.planning import RouteQuery
 
     # Exact for token ids; else from the learned characters per token (4 until measured).

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from hypothesis import given, strategies as st
 
-from router.backends import BackendView, ClusterSnapshot
+from router.snapshot import BackendView, ClusterSnapshot
 from router.config import RoutingConfig
 from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
 from router.fallback import plan_fallback
