@@ -23,27 +23,25 @@ from aiohttp.typedefs import Handler
 
 from . import errors
 from .admin import AdminApi
-from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, parse_request
+from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from .backends import BackendRegistry
-from .clientlog import escape
 from .config import Config
 from .discovery import Discovery
 from .dispatch import Dispatcher
 from .engine_starter import EngineStarter, engine_starter
 from .fleet import CONFIG, ENGINES, Fleet
 from .forward import Forwarder
+from .generation import GenerationHandler
 from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .memtrim import IdleTrimmer
-from .metrics import RequestRecord, RouterMetrics
+from .metrics import RouterMetrics
 from .planning import RemembersPrefixes
 from .policies import make_strategy
 from .speed_learner import SpeedLearner, speed_prior
-from .respond import ClientStalled, SSEWriter, error_response, json_response
-from .request_body import check_length, expect_handler, read_body
-from .shaping import ResponseShaper
+from .respond import error_response, json_response
+from .request_body import expect_handler
 from . import tracing
-from .trace_context import answer_request_id, client_request_id
 from .auth import KeyRing, request_priority
 from .tenants import Tenant
 from .upstream import UpstreamClient
@@ -82,6 +80,7 @@ class RouterState:
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
         self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
+        self.generation = GenerationHandler(self)  # /v1/completions, /v1/chat/completions
         self.keys = KeyRing(config.server.api_keys, config.tenants, config.server.admin_api_key)
         for t in (self.limiter.anonymous, *self.keys.tenants):
             self.metrics.bind_tenant(t)
@@ -91,9 +90,9 @@ class RouterState:
         # drain is on, and whether it ran out of time (handlers then get cancelled).
         self._handlers: set[asyncio.Task[Any]] = set()
         self.draining = False
-        self._drain_expired = False
+        self.drain_expired = False
         self._drained = False
-        self._last_arrival = 0.0  # time.monotonic() of the last generation request
+        self.last_arrival = 0.0  # time.monotonic() of the last generation request
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -158,7 +157,7 @@ class RouterState:
             log.info("shutting down: draining %d request(s) for up to %g s", len(pending), timeout)
             _, pending = await asyncio.wait(pending, timeout=timeout)
         while not pending and quiet_s > 0:
-            quiet_for = time.monotonic() - self._last_arrival
+            quiet_for = time.monotonic() - self.last_arrival
             if quiet_for >= quiet_s or loop.time() >= end:
                 break
             await asyncio.sleep(min(quiet_s - quiet_for, end - loop.time()))
@@ -169,7 +168,7 @@ class RouterState:
                 len(pending),
                 timeout,
             )
-            self._drain_expired = True
+            self.drain_expired = True
             for t in pending:
                 t.cancel()
             await asyncio.wait(pending, timeout=5.0)
@@ -221,131 +220,24 @@ class RouterState:
             tenant = found
         return tenant, request_priority(request.headers, tenant)
 
-    def request_began(self) -> None:
+    def request_began(self) -> asyncio.Task[Any] | None:
+        """A client request is being served: counted, and its handler tracked for the drain."""
         if not self._client_inflight:
             self._trimmer.busy()
         self._client_inflight += 1
-
-    def request_ended(self) -> None:
-        self._client_inflight -= 1
-        if not self._client_inflight:
-            self._trimmer.idle()  # the burst is over: give the heap back soon
-
-    # --- handlers ----------------------------------------------------------------------
-    async def handle_generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        assert self.registry is not None and self.dispatcher is not None
-        t0 = self._last_arrival = time.monotonic()
-        rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
-        writer: SSEWriter | None = None
-        shaper: ResponseShaper | None = None
-        self.request_began()
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
-        try:
-            tenant, priority = self.identify(request)
-            rec.tenant = tenant.name
-            if self.draining:
-                raise errors.RouterError(
-                    503,
-                    "The router is shutting down; send the request again "
-                    "(it reaches another router or this one once restarted).",
-                )
-            check_length(request, self.config.server)
-            # The body is read only once the request holds a slot: memory is bounded by
-            # the limits (max_concurrent_requests bodies), not by how many clients arrive.
-            async with self.limiter.slot(tenant, priority):
-                header_id = client_request_id(request)
-                raw = await read_body(request, self.config.server)
-                served = self.registry.models()
-                spec = parse_request(
-                    endpoint, raw, default_model=served[0] if len(served) == 1 else None, header_request_id=header_id
-                )
-                answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
-                rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
-                if spec.model is not None and served and spec.model not in served:
-                    raise errors.model_not_found(spec.model, served)
-                if spec.whole:  # n > 1, batches, echo, prompt_logprobs: vLLM's own answer
-                    return await self.forwarder.forward_generation(request, spec, rec, answer_id)
-                if self.dispatcher.passes_through(spec):
-                    raw = await self.dispatcher.serve_unary(spec, rec)
-                    return web.Response(body=raw, content_type="application/json", headers={"X-Request-Id": answer_id})
-                shaper = ResponseShaper(spec)
-                if spec.stream:
-                    writer = SSEWriter(
-                        request,
-                        answer_id,
-                        buffer_bytes=self.config.server.stream_buffer_bytes,
-                        idle_s=self.config.timeouts.idle_s,
-                        deadline=asyncio.get_running_loop().time() + self.config.timeouts.total_s,
-                    )
-                    try:
-                        await self.dispatcher.serve(spec, shaper, writer.send, rec)
-                        await writer.send(shaper.final_chunks())
-                        return await writer.finish()
-                    except errors.RouterError as e:
-                        if not writer.started:
-                            raise
-                        rec.status, rec.error = e.status, e.message
-                        return await writer.fail(e)
-                await self.dispatcher.serve(spec, shaper, _discard, rec)
-                return json_response(shaper.accumulate_response(), headers={"X-Request-Id": answer_id})
-        except errors.RouterError as e:
-            rec.status, rec.error = e.status, e.message
-            if e.status == 429:
-                self.metrics.rejected_overload.inc()
-                if e.reason:
-                    self.metrics.tenant_rejection(rec.tenant, e.reason)
-            resp = error_response(e)
-            if self.draining or not request.content.is_eof():
-                # Refused before its body was read (401, 408, 413, 429), or shutting down:
-                # no keep-alive (Connection: close); aiohttp discards what is left of the
-                # body, for at most its lingering time (10 s), without keeping it.
-                resp.force_close()
-            return resp
-        except asyncio.CancelledError:
-            if not self._drain_expired:
-                rec.status, rec.error = 499, "client disconnected"
-                raise
-            # Still running when the drain ran out: end it cleanly (the upstream legs are
-            # already aborted), an error event then [DONE] if the stream started.
-            err = errors.RouterError(
-                503,
-                "The router is shutting down: the request was cancelled after "
-                f"server.drain_timeout_s = {self.config.server.drain_timeout_s:g} s.",
-            )
-            rec.status, rec.error = 503, err.message
-            if writer is not None and writer.started:
-                return await writer.fail(err)
-            resp = error_response(err)
-            resp.force_close()
-            return resp
-        except ConnectionResetError as e:
-            # The client hung up while its answer was written, or stopped reading it
-            # (ClientStalled): an expected event, told by the request's own log line (499),
-            # without a traceback. Nobody can read a response any more.
-            rec.status, rec.error = 499, str(e) if isinstance(e, ClientStalled) else "client disconnected"
-            if writer is not None and writer.response is not None:
-                return writer.response
-            resp = error_response(errors.RouterError(400, "The client connection was reset."))
-            resp.force_close()
-            return resp
-        except Exception as e:  # a router bug: answer 500 precisely, log the traceback
-            log.exception("request %s failed", escape(rec.request_id))
-            rec.status, rec.error = 500, repr(e)
-            err = errors.internal_error(f"Internal router error: {type(e).__name__}")
-            if writer is not None and writer.started:
-                return await writer.fail(err)
-            return error_response(err)
-        finally:
-            self.request_ended()
-            if task is not None:
-                self._handlers.discard(task)
-            rec.duration_s = time.monotonic() - t0
-            if shaper is not None:  # also for answers cut short (disconnect, error)
-                rec.completion_tokens = len(shaper.answer.generated_token_ids)
-            self.metrics.record(rec)
+        return task
 
+    def request_ended(self, task: asyncio.Task[Any] | None) -> None:
+        self._client_inflight -= 1
+        if not self._client_inflight:
+            self._trimmer.idle()  # the burst is over: give the heap back soon
+        if task is not None:
+            self._handlers.discard(task)
+
+    # --- handlers (generations: router/generation.py; other vLLM routes: router/forward.py) ---
     async def handle_models(self, request: web.Request) -> web.Response:
         assert self.registry is not None
         if self.keys.required and self.keys.tenant_of(request.headers) is None:
@@ -370,10 +262,6 @@ class RouterState:
 
 
 ROUTER_KEY: web.AppKey[RouterState] = web.AppKey("router", RouterState)
-
-
-async def _discard(chunks: list[dict[str, Any]]) -> None:
-    return None
 
 
 def _log_progress(event: Any) -> None:
@@ -418,12 +306,12 @@ def build_app(
     # function gets wrapped in an extra coroutine that re-checks its result on every request).
     app.router.add_post(
         "/v1/completions",
-        functools.partial(state.handle_generate, endpoint=ENDPOINT_COMPLETIONS),
+        functools.partial(state.generation.handle, endpoint=ENDPOINT_COMPLETIONS),
         expect_handler=expect_handler,
     )
     app.router.add_post(
         "/v1/chat/completions",
-        functools.partial(state.handle_generate, endpoint=ENDPOINT_CHAT),
+        functools.partial(state.generation.handle, endpoint=ENDPOINT_CHAT),
         expect_handler=expect_handler,
     )
     app.router.add_get("/v1/models", state.handle_models)
