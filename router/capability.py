@@ -22,7 +22,8 @@ import logging
 import os
 from typing import Any
 
-from .upstream import UpstreamClient, UpstreamError
+from .upstream import UpstreamClient
+from .upstream_errors import UpstreamError
 
 log = logging.getLogger("cachehit_router.capability")
 

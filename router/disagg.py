@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .upstream import ENGINE_ERROR, STATUS, UpstreamError
+from .upstream_errors import ENGINE_ERROR, STATUS, UpstreamError
 from .wire import KV_TRANSFER_PARAMS
 
 

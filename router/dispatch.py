@@ -37,7 +37,8 @@ from .planning import RouteQuery, Strategy
 from .request_context import Leg, LegOutcome, RequestContext
 from .resume import resume_reason
 from .shaping import ResponseShaper
-from .upstream import PROTOCOL, TOTAL_TIMEOUT, UpstreamClient, UpstreamError
+from .upstream import UpstreamClient
+from .upstream_errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
 from .wire import MalformedChunk, message_usage, one_token_probe, resume_leg_body, unary_leg_body
 
 log = logging.getLogger("cachehit_router.dispatch")

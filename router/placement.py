@@ -29,16 +29,9 @@ from .names import Route
 from .planning import Plan, RouteQuery, Strategy, predicted_ttft, race_value
 from .race import EXPIRED, FAILED, REJECTED, RaceResult, run_race
 from .request_context import FallbackOutcome, Leg, RaceOutcome, RequestContext, fallback_direct
-from .upstream import (
-    CONNECT,
-    CONNECT_TIMEOUT,
-    FIRST_TOKEN_TIMEOUT,
-    IDLE_TIMEOUT,
-    TOTAL_TIMEOUT,
-    UpstreamClient,
-    UpstreamError,
-    UpstreamStream,
-)
+from .upstream import UpstreamClient
+from .upstream_stream import UpstreamStream
+from .upstream_errors import CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT, UpstreamError
 from .wire import decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
 
 log = logging.getLogger("cachehit_router.dispatch")

@@ -15,7 +15,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from .upstream import UpstreamError, UpstreamStream
+from .upstream_stream import UpstreamStream
+from .upstream_errors import UpstreamError
 from .wire import generated_tokens, is_rejection_chunk, message_usage
 
 ACCEPTED = "accepted"

@@ -16,7 +16,8 @@ from .fallback import FallbackPlan
 from .metrics import RequestRecord, Verdict
 from .planning import Plan, RouteQuery
 from .race import FAILED, LOST, REJECTED, ProbeOutcome, RaceResult
-from .upstream import UpstreamError, UpstreamStream
+from .upstream_stream import UpstreamStream
+from .upstream_errors import UpstreamError
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ not a resume but a retry of the same continuation at threshold 0.
 
 from __future__ import annotations
 
-from .upstream import UpstreamError
+from .upstream_errors import UpstreamError
 
 PREEMPTED = "preempted"  # cache_threshold after tokens
 FAILURE = "failure"  # broken stream after the first token

@@ -27,10 +27,8 @@ streaming (`shape`, `release_held`, `final_chunks`)
     * `begin_leg()` drops the finish (the answer goes on); if the chunk also carried
       content (text, token ids, logprobs), that content goes out without the finish
       before the next leg's first chunk (or from `release_held`/`final_chunks`);
-    * a "cache_threshold" finish that carries content (vLLM sends its preemption finish
-      as a chunk of its own, so only other engines would) is split at once: the content
-      goes out now, a content-free finish chunk (`text: ""` / `delta: {"content": ""}`)
-      is what is held.
+    * a "cache_threshold" finish with content (only non-vLLM engines send one) is split
+      at once: the content goes out, a content-free finish is held (router/finish_chunks.py).
   A normal finish is followed upstream by the usage chunk and [DONE] at once, so holding
   it costs no latency.
 
@@ -51,6 +49,7 @@ from typing import Any, Sequence
 from .admission import ENDPOINT_CHAT, RequestSpec
 from .answer import Answer
 from .assembly import ResponseAssembler
+from .finish_chunks import content_free_finish, without_finish
 from .logprobs import TextOffsets, chat_logprobs_from_completion, has_logprob_entries
 from .usage_totals import UsageTotals
 from .wire import CACHE_THRESHOLD, MalformedChunk, check_choice, check_ids, message_usage
@@ -103,7 +102,7 @@ class ResponseShaper:
             self._held = None
             if self._held_has_content:
                 # The leg's last content must still reach the client, without the finish.
-                self._pending.append(self._without_finish(held))
+                self._pending.append(without_finish(held, chat=self._chat))
         self._offsets.begin_leg()
 
     # --- streaming ----------------------------------------------------------------------------
@@ -338,16 +337,6 @@ class ResponseShaper:
             out["usage"] = self._usage.running()
         return out
 
-    def _without_finish(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        c = chunk["choices"][0]
-        c["finish_reason"] = None
-        if self._chat:
-            # vLLM's chat chunks carry stop_reason on the finish chunk only.
-            c.pop("stop_reason", None)
-        elif "stop_reason" in c:
-            c["stop_reason"] = None
-        return chunk
-
     def _flush_pending(self) -> list[dict[str, Any]]:
         pending = self._pending
         self._pending = []
@@ -364,24 +353,9 @@ class ResponseShaper:
             self._held_has_content = has_content
             return []
         # Split: the content goes out now without the finish; a content-free copy is held.
-        finish = dict(chunk)
-        fc = dict(c)
-        if self._chat:
-            fc["delta"] = {"content": ""}
-            fc["logprobs"] = None
-        else:
-            fc["text"] = ""
-            fc["logprobs"] = None
-            if "prompt_token_ids" in fc:
-                fc["prompt_token_ids"] = None
-        if "token_ids" in fc:
-            fc["token_ids"] = [] if self._want_ids else None
-        finish["choices"] = [fc]
-        if "prompt_token_ids" in finish:
-            finish["prompt_token_ids"] = None  # chat: top level; sent with the content part
-        self._held = finish
+        self._held = content_free_finish(chunk, chat=self._chat, want_ids=self._want_ids)
         self._held_has_content = False
-        return self._out(self._without_finish(chunk), c)
+        return self._out(without_finish(chunk, chat=self._chat), c)
 
     def release_held(self) -> list[dict[str, Any]]:
         """The held finish chunk (and anything still pending before it), when the lead ends

@@ -3,7 +3,7 @@
 from router.disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from router.resume import FAILURE, PREEMPTED, REJECTED, resume_reason
 from router.wire import PREFILL_REQUEST_PARAMS, decode_leg_body, prefill_leg_body, resume_leg_body, streamed_leg_body
-from router.upstream import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
+from router.upstream_errors import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
 
 import pytest
 

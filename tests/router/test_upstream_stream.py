@@ -7,7 +7,8 @@ import pytest
 from aiohttp import web
 
 from router.config import TimeoutsConfig
-from router.upstream import ENGINE_ERROR, PROTOCOL, UpstreamClient, UpstreamError
+from router.upstream import UpstreamClient
+from router.upstream_errors import ENGINE_ERROR, PROTOCOL, UpstreamError
 
 
 def event(payload: bytes) -> bytes:

@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from router.upstream import UpstreamError
+from router.upstream_errors import UpstreamError
 
 HANG = object()  # the engine says nothing more until the leg is cancelled
 

@@ -20,7 +20,7 @@ from router.errors import RouterError
 from router.metrics import RequestRecord, RouterMetrics
 from router.planning import Plan
 from router.shaping import ResponseShaper
-from router.upstream import BROKEN, CONNECT, FIRST_TOKEN_TIMEOUT, UpstreamError
+from router.upstream_errors import BROKEN, CONNECT, FIRST_TOKEN_TIMEOUT, UpstreamError
 
 from fake_upstream import FakeUpstream, answer, rejection, token
 

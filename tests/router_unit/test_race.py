@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from router.race import ACCEPTED, EXPIRED, FAILED, LOST, REJECTED, run_race
-from router.upstream import BROKEN, CONNECT, UpstreamError
+from router.upstream_errors import BROKEN, CONNECT, UpstreamError
 
 from fake_upstream import HANG, FakeUpstream, Pause, rejection, token
 

@@ -1,0 +1,42 @@
+"""Why an engine call failed: `UpstreamError` and its kinds, in the words a client error
+message uses, with whose fault it was (the engine's, or the request's own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Failure kinds, in the words a client error message uses.
+CONNECT = "connect"  # could not connect / connection refused
+CONNECT_TIMEOUT = "connect_timeout"  # no TCP connection within timeouts.connect_s
+STATUS = "status"  # the engine answered an HTTP error status
+FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+IDLE_TIMEOUT = "idle_timeout"
+TOTAL_TIMEOUT = "total_timeout"
+BROKEN = "broken"  # the stream ended without [DONE] or the connection dropped
+ENGINE_ERROR = "engine_error"  # the engine sent an error event mid-stream
+PROTOCOL = "protocol"  # unparseable chunk
+
+
+class UpstreamError(Exception):
+    def __init__(self, backend: str, kind: str, detail: str, *, status: int | None = None, body: Any = None):
+        super().__init__(f"backend {backend}: {kind}: {detail}")
+        self.backend = backend
+        self.kind = kind
+        self.detail = detail
+        self.status = status
+        self.body = body  # STATUS: the engine's raw answer (bytes); ENGINE_ERROR: the event
+
+    @property
+    def client_fault(self) -> bool:
+        """The engine refused the request itself (4xx): no other engine would accept it."""
+        return (
+            self.kind == STATUS
+            and self.status is not None
+            and 400 <= self.status < 500
+            and self.status not in (408, 429)
+        )
+
+    @property
+    def backend_fault(self) -> bool:
+        """Counts against the backend's health (breaker, retries)."""
+        return not self.client_fault
