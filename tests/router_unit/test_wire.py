@@ -1,5 +1,5 @@
 """router/wire.py: the usage parser, token counting and the leg bodies not covered elsewhere
-(the streamed, prefill, decode and resume bodies: tests/router/test_leg_bodies.py; the
+(the streamed, prefill, decode and resume bodies: tests/router_unit/test_leg_bodies.py; the
 verdict: test_shaping.py)."""
 
 from __future__ import annotations
