@@ -4,7 +4,7 @@ threshold where the cost model says a race is worth its wait.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .. import costmodel
 from ..snapshot import ClusterSnapshot
@@ -21,6 +21,27 @@ EXPLORE_ONE_IN = 16
 # The race deadline allows an acceptor this many times its predicted time to first token:
 # predictions are medians, and an acceptor cut off at the deadline costs a whole fallback.
 DEADLINE_MARGIN = 2.0
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """The `[routing]` keys the probe policy reads (docs/CONFIG.md)."""
+
+    race: Mode
+    cache_hit_threshold: float
+    probe_deadline_ms: float
+    max_probe_waiting: int
+    max_probes: int
+
+    @classmethod
+    def from_routing(cls, routing: RoutingConfig) -> ProbeConfig:
+        return cls(
+            race=routing.race,
+            cache_hit_threshold=routing.cache_hit_threshold,
+            probe_deadline_ms=routing.probe_deadline_ms,
+            max_probe_waiting=routing.max_probe_waiting,
+            max_probes=routing.max_probes,
+        )
 
 
 class ProbeStrategy:
@@ -52,7 +73,7 @@ class ProbeStrategy:
     name = StrategyName.PROBE
 
     def __init__(self, routing: RoutingConfig, memory: PrefixMemory | None = None):
-        self.routing = routing
+        self.config = ProbeConfig.from_routing(routing)
         self.memory = memory or PrefixMemory()
 
     @staticmethod
@@ -77,7 +98,7 @@ class ProbeStrategy:
         if not capable:
             return direct_plan(query, snap, decoders, hits)
         decoders = capable
-        bound = self.routing.max_probe_waiting
+        bound = self.config.max_probe_waiting
         if bound:
             decoders = [b for b in decoders if b.waiting <= bound] or decoders
         cold = direct_plan(query, snap, decoders, hits)
@@ -88,19 +109,19 @@ class ProbeStrategy:
         placed = any(v > 0.0 for v in hits.values())
         skip = replace(cold, skipped_race=True, placed=placed)
         most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
-        if self.routing.race == Mode.AUTO:
+        if self.config.race == Mode.AUTO:
             if most <= snap.race_wait_s:
                 return skip
             share = snap.race_saving_share if placed else snap.race_saving_share_unplaced
             if share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
                 return skip
-        t = self.routing.cache_hit_threshold
+        t = self.config.cache_hit_threshold
         _, from_scratch = fastest(decoders, lambda b: n, query.salt)
         as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0)), n), b) for b in decoders]
         worth = [(s, b) for s, b in as_acceptor if s <= from_scratch]
         if not worth:
             return skip
-        limit = self.routing.max_probes
+        limit = self.config.max_probes
         if limit and len(worth) > limit:
             k = len(decoders)
             order = {b.name: i for i, b in enumerate(decoders)}
@@ -113,7 +134,7 @@ class ProbeStrategy:
         return Plan(
             probes=tuple(b.name for _, b in worth),
             threshold=t,
-            deadline_s=self.routing.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
+            deadline_s=self.config.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
             deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
             probe_ttft_s=tuple(s for s, _ in worth),
             cold=cold.direct,
