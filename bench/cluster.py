@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 import tomli_w
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import RoutingConfig, ServerConfig
 from router.policies import POLICIES

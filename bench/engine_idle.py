@@ -25,9 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
-
 import urllib.request
+from pathlib import Path
 
 from .procs import ProcessSet, free_ports
 

@@ -16,7 +16,6 @@ from .procs import ProcessSet
 from .report import compare, console, line_plot, markdown_table, table
 from .stats import percentile, rnd
 
-
 # --- threshold sweep --------------------------------------------------------------------
 
 
@@ -338,8 +337,8 @@ async def rejection_latency(out: Path, quick: bool = False) -> dict:
 
 def offload_sweep(a) -> int:
     """Hit ratio and TTFT against each engine's CPU tier (F x its GPU KV capacity)."""
-    from .__main__ import run_spec_from_args
     from . import workloads as wl
+    from .__main__ import run_spec_from_args
     from .replay import build_requests, run_replay
 
     out = Path(a.out)

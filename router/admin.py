@@ -10,7 +10,7 @@ translates HTTP to it.
 from __future__ import annotations
 
 import functools
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from . import errors
+from . import errors, tracing
 from .admin import AdminApi
 from .admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from .auth import KeyRing, request_priority
 from .backends import BackendRegistry
 from .config import Config
 from .discovery import Discovery
@@ -38,11 +39,9 @@ from .memtrim import IdleTrimmer
 from .metrics import RouterMetrics
 from .planning import RemembersPrefixes
 from .policies import make_strategy
-from .speed_learner import SpeedLearner, speed_prior
-from .respond import error_response, json_response
 from .request_body import expect_handler
-from . import tracing
-from .auth import KeyRing, request_priority
+from .respond import error_response, json_response
+from .speed_learner import SpeedLearner, speed_prior
 from .tenants import Tenant
 from .upstream import UpstreamClient
 

@@ -148,10 +148,9 @@ def serve(
 ) -> int:
     from aiohttp import web
 
+    from . import logs
     from .app import build_app
     from .clientlog import ServerLogger
-
-    from . import logs
 
     logs.configure(config.server.log_level, config.server.log_format)
     # The logging HOWTO's "Optimization": no caller frame, thread or process lookups for

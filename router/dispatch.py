@@ -31,8 +31,8 @@ from .admission import RequestSpec
 from .backends import BackendRegistry
 from .config import Config
 from .metrics import RequestRecord
-from .placement import LegPlacer, client_error
 from .names import Route
+from .placement import LegPlacer, client_error
 from .planning import RouteQuery, Strategy
 from .request_context import Leg, LegOutcome, RequestContext
 from .resume import resume_reason

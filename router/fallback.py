@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from . import costmodel
-from .snapshot import ClusterSnapshot
 from .config import RoutingConfig
 from .names import Mode, Route
 from .planning import RouteQuery, decoders_for, fastest
+from .snapshot import ClusterSnapshot
 
 
 @dataclass(frozen=True, slots=True)

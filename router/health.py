@@ -21,8 +21,8 @@ import orjson
 
 from . import capability
 from .backends import BackendRegistry
-from .engine_metrics import parse_load_metrics
 from .config import BackendConfig, HealthConfig
+from .engine_metrics import parse_load_metrics
 from .upstream import UpstreamClient
 
 log = logging.getLogger("cachehit_router.health")

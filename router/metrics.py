@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .backends import BREAKER_STATE_VALUE
+from .clientlog import escape
+from .names import BreakerState
 from .race import EXPIRED, LOST, REJECTED
 from .tracing import annotate_request
-from .backends import BREAKER_STATE_VALUE
-from .names import BreakerState
-from .clientlog import escape
 
 if TYPE_CHECKING:
     from .backends import BackendState

@@ -21,7 +21,6 @@ from typing import Any, Awaitable, Callable
 
 from . import errors, tracing
 from .backends import BackendRegistry, BackendState, LegTicket
-from .snapshot import ClusterSnapshot
 from .config import Config, TimeoutsConfig
 from .disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from .fallback import FallbackPlan, plan_fallback
@@ -29,9 +28,10 @@ from .names import Route
 from .planning import Plan, RouteQuery, Strategy, predicted_ttft, race_value
 from .race import EXPIRED, FAILED, REJECTED, RaceResult, run_race
 from .request_context import FallbackOutcome, Leg, RaceOutcome, RequestContext, fallback_direct
+from .snapshot import ClusterSnapshot
 from .upstream import UpstreamClient
-from .upstream_stream import UpstreamStream
 from .upstream_errors import CONNECT, CONNECT_TIMEOUT, FIRST_TOKEN_TIMEOUT, IDLE_TIMEOUT, TOTAL_TIMEOUT, UpstreamError
+from .upstream_stream import UpstreamStream
 from .wire import decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
 
 log = logging.getLogger("cachehit_router.dispatch")

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from . import costmodel
-from .snapshot import BackendView, ClusterSnapshot
 from .config import RoutingConfig
 from .names import StrategyName
 from .prefix_memory import PrefixMemory
+from .snapshot import BackendView, ClusterSnapshot
 
 
 @dataclass(frozen=True, slots=True)

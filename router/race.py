@@ -15,8 +15,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
-from .upstream_stream import UpstreamStream
 from .upstream_errors import UpstreamError
+from .upstream_stream import UpstreamStream
 from .wire import generated_tokens, is_rejection_chunk, message_usage
 
 ACCEPTED = "accepted"

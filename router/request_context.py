@@ -16,8 +16,8 @@ from .fallback import FallbackPlan
 from .metrics import RequestRecord, Verdict
 from .planning import Plan, RouteQuery
 from .race import FAILED, LOST, REJECTED, ProbeOutcome, RaceResult
-from .upstream_stream import UpstreamStream
 from .upstream_errors import UpstreamError
+from .upstream_stream import UpstreamStream
 
 
 @dataclass(slots=True)

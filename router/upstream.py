@@ -18,8 +18,8 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
-from .config import TimeoutsConfig
 from . import tracing
+from .config import TimeoutsConfig
 from .upstream_errors import (
     BROKEN,
     CONNECT,

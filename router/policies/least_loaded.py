@@ -4,10 +4,10 @@ whole prompt (load-aware, cache-blind: the cost model's baseline).
 
 from __future__ import annotations
 
-from ..snapshot import ClusterSnapshot
 from ..config import RoutingConfig
 from ..names import StrategyName
 from ..planning import Plan, RouteQuery, decoders_for, direct_plan
+from ..snapshot import ClusterSnapshot
 
 
 class LeastLoadedStrategy:

@@ -4,11 +4,11 @@ weighed by load through the cost model.
 
 from __future__ import annotations
 
-from ..snapshot import ClusterSnapshot
 from ..config import RoutingConfig
 from ..names import StrategyName
 from ..planning import Plan, RouteQuery, decoders_for, direct_plan
 from ..prefix_memory import PrefixMemory
+from ..snapshot import ClusterSnapshot
 
 
 class PrefixTreeStrategy:

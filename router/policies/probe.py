@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .. import costmodel
-from ..snapshot import ClusterSnapshot
 from ..config import RoutingConfig
 from ..config_checks import Problems, check_fraction, check_one_of, check_positive
 from ..names import Mode, StrategyName
 from ..planning import Plan, RouteQuery, decoders_for, direct_plan, fastest, predicted_ttft
 from ..prefix_memory import PrefixMemory
+from ..snapshot import ClusterSnapshot
 
 # Of the requests whose race the learned figures call not worth it, one in this many races
 # anyway, so that what races are worth keeps being measured as traffic changes.

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import itertools
 
-from ..snapshot import ClusterSnapshot
 from ..config import RoutingConfig
 from ..names import StrategyName
 from ..planning import Plan, RouteQuery, decoders_for, predicted_ttft
+from ..snapshot import ClusterSnapshot
 
 
 class RoundRobinStrategy:

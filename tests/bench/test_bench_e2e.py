@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import tomllib
 
 import pytest
 
 from bench.__main__ import build_parser, run_spec_from_args
-from bench.cluster import histogram_quantile, router_toml, RouterOptions
+from bench.cluster import RouterOptions, histogram_quantile, router_toml
 from bench.overhead import SMALL, BlockingClient, http_request
 from bench.procs import ProcessSet, free_ports
 from bench.replay import SUMMARY_KEYS, load_requests, run_replay
 from bench.report import compare
 from router.config import parse_config
-
-import tomllib
 
 TINY = [
     "--workload",

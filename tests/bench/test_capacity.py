@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import capacity
-from bench import suite
+from bench import capacity, suite
 from bench.__main__ import build_parser
 from bench.cluster import SimOptions
 from engine_launcher.sim.config import TimingModel

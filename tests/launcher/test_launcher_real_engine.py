@@ -17,8 +17,8 @@ import textwrap
 import urllib.request
 
 import pytest
-
 from launcher_testutil import LauncherProcess
+
 from support.ports import free_port
 from support.processes import children_of, group_gone, pid_gone
 

@@ -22,7 +22,6 @@ from engine_launcher.supervisor import (
     Supervisor,
 )
 from router.config import EngineConfig, LauncherConfig
-
 from support.polling import eventually
 from support.processes import group_gone, pid_gone
 

@@ -39,6 +39,7 @@ from real_engine_util import (  # noqa: E402
     parse_sse,
     request,
 )
+
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"

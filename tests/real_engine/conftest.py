@@ -42,6 +42,7 @@ from real_engine_util import (  # noqa: E402
     real_engine_required,
     vllm_missing_reason,
 )
+
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 NIXL_WARMUP_ATTEMPTS = 3

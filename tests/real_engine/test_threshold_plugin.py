@@ -12,7 +12,6 @@ import time
 import uuid
 
 import pytest
-
 from real_engine_util import post_json, post_sse, scrape_metrics
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.

@@ -13,6 +13,7 @@ import orjson
 N_BURST = 300
 
 from relutil import MODEL, set_faults, sim_backends
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

@@ -3,8 +3,8 @@ test_health.py): health checks never close it, a trial without a verdict frees t
 a silent trial expires, an unhealthy backend gets no trial."""
 
 from router.backends import BackendRegistry
-from router.names import BreakerState
 from router.config import BackendConfig, HealthConfig
+from router.names import BreakerState
 
 
 class Clock:

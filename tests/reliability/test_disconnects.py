@@ -16,8 +16,8 @@ import random
 import aiohttp
 import orjson
 import pytest
-
 from relutil import MODEL, sim_backends
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

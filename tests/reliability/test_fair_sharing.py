@@ -10,8 +10,8 @@ import asyncio
 
 import aiohttp
 import pytest
-
 from relutil import MODEL, sim_backends
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

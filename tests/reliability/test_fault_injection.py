@@ -18,8 +18,8 @@ import signal
 
 import aiohttp
 import pytest
-
 from relutil import MODEL, Outcome, set_faults, sim_backends, sim_state, stream_request, unary_request
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

@@ -21,8 +21,8 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from relutil import MODEL, RouterProc, SimProc, sim_backends
+
 from support.metrics import parse_metrics
 
 READ_TIMEOUT_S = 1.5

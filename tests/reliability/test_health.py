@@ -14,8 +14,8 @@ import signal
 
 import aiohttp
 import orjson
-
 from relutil import MODEL, set_faults, sim_backends
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

@@ -21,8 +21,8 @@ import time
 
 import orjson
 import pytest
-
 from relutil import MODEL, RouterProc, SimProc, sim_backends
+
 from support.polling import eventually_blocking
 
 KEY = "client-key-hostile"

@@ -6,7 +6,6 @@ test_timeouts, tests/router/test_resume.py)."""
 from __future__ import annotations
 
 import pytest
-
 from cluster_util import MODEL, FaultConfig
 
 

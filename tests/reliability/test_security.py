@@ -21,9 +21,9 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from relutil import MODEL, sim_backends
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from relutil import MODEL, sim_backends
 from router.app import build_app
 from router.capability import CHECK_PROMPT_PREFIX
 from router.config import parse_config

@@ -14,8 +14,8 @@ import socket
 
 import aiohttp
 import orjson
-
 from relutil import MODEL
+
 from support.polling import eventually
 
 ADMIN = "admin-key"

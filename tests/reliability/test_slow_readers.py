@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import orjson
 import aiohttp
+import orjson
 import pytest
-
 from relutil import MODEL, sim_backends
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

@@ -11,7 +11,6 @@ import asyncio
 import socket
 
 import pytest
-
 from cluster_util import MODEL, FaultConfig, long_prompt
 
 

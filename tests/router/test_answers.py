@@ -2,7 +2,6 @@
 
 import orjson
 import pytest
-
 from cluster_util import MODEL, long_prompt
 
 VOLATILE = ("id", "created")

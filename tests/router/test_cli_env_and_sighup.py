@@ -13,8 +13,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-
 from cluster_util import MODEL
+
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config import ConfigError
 from router.overrides import layer, load

@@ -9,9 +9,8 @@ import json
 import re
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from cluster_util import MODEL
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "cachehit-router.json"

@@ -13,11 +13,11 @@ import asyncio
 import aiohttp
 import orjson
 import pytest
-
 from cluster_util import MODEL, long_prompt
 from dnsmasq_util import dns_server  # noqa: F401  (fixture)
-from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from fleet_util import ADDRS, finished, start_router
+
+from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from support.polling import eventually
 from support.ports import free_port_on
 

@@ -15,13 +15,13 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-
 from cluster_util import MODEL
-from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from fleet_util import ADDRS, finished, start_router
+
+from engine_launcher.sim import SimEngineConfig, start_sim_engine
+from router.discovery_k8s import ready_pods
 from support.polling import eventually
 from support.ports import free_port_on
-from router.discovery_k8s import ready_pods
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubernetes"
 POD_LIST = json.loads((FIXTURES / "pods_inference_app_vllm_role_decode.json").read_text())

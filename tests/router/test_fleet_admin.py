@@ -12,8 +12,8 @@ import asyncio
 
 import orjson
 import pytest
-
 from cluster_util import MODEL, long_prompt
+
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from support.polling import eventually
 

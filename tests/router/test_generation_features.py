@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
 from cluster_util import MODEL, FaultConfig, long_prompt
 
 CHAT = "/v1/chat/completions"

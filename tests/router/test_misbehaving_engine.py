@@ -10,8 +10,8 @@ import asyncio
 import orjson
 import pytest
 from aiohttp import web
-
 from cluster_util import MODEL, long_prompt
+
 from engine_launcher.sim import tokenizer as tok
 from router.app import build_app
 from router.config import parse_config

@@ -8,7 +8,6 @@ import asyncio
 
 import openai
 import pytest
-
 from cluster_util import MODEL, long_prompt
 
 

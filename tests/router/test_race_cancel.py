@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from cluster_util import MODEL, long_prompt
+
 from router.race import run_race
 from router.wire import streamed_leg_body
 from support.polling import eventually

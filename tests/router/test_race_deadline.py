@@ -3,6 +3,7 @@
 import asyncio
 
 from cluster_util import MODEL, long_prompt
+
 from support.polling import eventually
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 
 from cluster_util import MODEL, long_prompt
+
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config import parse_config
 from router.reload import changed_keys, reload, split_changes

@@ -11,13 +11,13 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from cluster_util import MODEL, PD_PREFERRED, FaultConfig, long_prompt
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cluster_util import MODEL, PD_PREFERRED, FaultConfig, long_prompt
 from router.capability import CHECK_PROMPT_PREFIX
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

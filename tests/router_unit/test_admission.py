@@ -7,7 +7,10 @@ import dataclasses
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from wire_fixtures import body as wire_body
+from wire_fixtures import load as wire_load
 
 from router.admission import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -18,8 +21,6 @@ from router.admission import (
     parse_request,
 )
 from router.errors import RouterError
-
-from wire_fixtures import body as wire_body, load as wire_load
 
 CMPL = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

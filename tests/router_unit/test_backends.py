@@ -1,9 +1,9 @@
 """Backend registry: circuit breaker, in-flight counts, scraped load, snapshot."""
 
 from router.backends import BackendRegistry
+from router.config import BackendConfig, HealthConfig
 from router.engine_metrics import parse_load_metrics
 from router.names import BreakerState
-from router.config import BackendConfig, HealthConfig
 
 
 class Clock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from fake_upstream import FakeUpstream, answer, rejection, token
 
 from router.admission import parse_request
 from router.backends import BackendRegistry
@@ -21,8 +22,6 @@ from router.metrics import RequestRecord, RouterMetrics
 from router.planning import Plan
 from router.shaping import ResponseShaper
 from router.upstream_errors import BROKEN, CONNECT, FIRST_TOKEN_TIMEOUT, UpstreamError
-
-from fake_upstream import FakeUpstream, answer, rejection, token
 
 PROMPT_IDS = [11, 12, 13]
 

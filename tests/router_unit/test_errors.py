@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import orjson
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from router import errors
 from router.errors import RouterError, error_body, sse_error_event

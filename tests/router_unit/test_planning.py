@@ -6,9 +6,9 @@ choice can be worked out by hand from the formula."""
 
 from dataclasses import replace
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from router.snapshot import BackendView, ClusterSnapshot
 from router.config import RoutingConfig
 from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
 from router.fallback import plan_fallback
@@ -16,6 +16,7 @@ from router.planning import RouteQuery, fastest, predicted_ttft, race_value
 from router.policies import LeastLoadedStrategy, PrefixTreeStrategy, ProbeStrategy, RoundRobinStrategy
 from router.policies.probe import EXPLORE_ONE_IN
 from router.prefix_memory import PrefixMemory
+from router.snapshot import BackendView, ClusterSnapshot
 
 # 10 ms per step, 100 us per prompt token (10k tokens/s), 1 ms per decoding sequence.
 SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)

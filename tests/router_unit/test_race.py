@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+from fake_upstream import HANG, FakeUpstream, Pause, rejection, token
+
 from router.race import ACCEPTED, EXPIRED, FAILED, LOST, REJECTED, run_race
 from router.upstream_errors import BROKEN, CONNECT, UpstreamError
-
-from fake_upstream import HANG, FakeUpstream, Pause, rejection, token
 
 
 async def test_the_first_acceptor_wins_and_the_others_are_stopped():

@@ -12,12 +12,8 @@ import copy
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
-from router.shaping import ResponseShaper
-from router.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
-
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from vllm_shapes import (
     Gen,
     Step,
@@ -29,6 +25,10 @@ from vllm_shapes import (
     completion_stream,
 )
 from wire_fixtures import body, normalized, request_body, stream_chunks
+
+from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
+from router.shaping import ResponseShaper
+from router.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
 
 PROMPT = [101, 102, 103, 104]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from router.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEDecoder, SSEError, format_event
 

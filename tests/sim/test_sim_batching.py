@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sim_testutil import post
 
 from engine_launcher.sim import TimingModel
-from sim_testutil import post
 from support.polling import eventually
 
 

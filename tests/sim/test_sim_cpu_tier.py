@@ -5,16 +5,15 @@ vLLM's metric names."""
 from __future__ import annotations
 
 import pytest
+from sim_testutil import post
 
 from engine_launcher.sim import SimEngineConfig
 from engine_launcher.sim.cli import build_parser, config_from_args
 from engine_launcher.sim.cpu_tier import CpuTier
 from engine_launcher.sim.kv_cache import hash_blocks
 from router.backends import BackendRegistry
-from router.engine_metrics import parse_load_metrics
 from router.config import BackendConfig, HealthConfig
-
-from sim_testutil import post
+from router.engine_metrics import parse_load_metrics
 from support.metrics import scrape_metrics
 from support.sse import parse_sse
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import aiohttp
 import pytest
+from sim_testutil import post
 
 from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
-from sim_testutil import post
 from support.polling import eventually
 from support.sse import parse_sse
 

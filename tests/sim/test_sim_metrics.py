@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sim_testutil import post
+
 from support.metrics import scrape_metrics
 
 

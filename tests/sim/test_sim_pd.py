@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 from sim_testutil import post
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

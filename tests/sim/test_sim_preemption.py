@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from engine_launcher.sim import tokenizer as tok
 from sim_testutil import post
+
+from engine_launcher.sim import tokenizer as tok
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

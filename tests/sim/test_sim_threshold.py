@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from sim_testutil import post
+
 from support.metrics import scrape_metrics
 from support.polling import eventually
 from support.sse import parse_sse
