@@ -144,7 +144,7 @@ class EngineRelay:
                         raise errors.payload_too_large(limit) from None
                     problem = "no answer in time" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
                     registry.record_failure(name, f"forward: {problem}")
-                    state.metrics.upstream_errors.labels(name, "forward").inc()
+                    rec.upstream_errors.append((name, "forward"))  # counted when the request is recorded
                     last_problem = f"engine {name!r}: {problem}"
                     if resp is not None:
                         resp.close()
@@ -157,7 +157,7 @@ class EngineRelay:
                     last = (resp.status, err_body, _answer_headers(resp))
                     resp.release()
                     registry.record_failure(name, f"forward: HTTP {resp.status}")
-                    state.metrics.upstream_errors.labels(name, "status").inc()
+                    rec.upstream_errors.append((name, "status"))
                     rec.retries += 1
                     continue
                 if find and resp.status == 404:
