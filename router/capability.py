@@ -24,6 +24,7 @@ from typing import Any
 
 from .upstream import UpstreamClient
 from .upstream_errors import UpstreamError
+from .wire import capability_check_body
 
 log = logging.getLogger("cachehit_router.capability")
 
@@ -36,16 +37,7 @@ CHECK_PROMPT_PREFIX = "cachehit-router threshold check "
 
 def check_body(model: str | None) -> dict[str, Any]:
     """A one-token completion at T = 1.0 on a prompt no engine holds."""
-    body = {
-        "prompt": CHECK_PROMPT_PREFIX + os.urandom(16).hex(),
-        "max_tokens": 1,
-        "stream": False,
-        "cache_hit_threshold": 1.0,
-        "vllm_xargs": {"cache_hit_threshold": 1.0},
-    }
-    if model:
-        body["model"] = model
-    return body
+    return capability_check_body(CHECK_PROMPT_PREFIX + os.urandom(16).hex(), model)
 
 
 def verdict(answer: dict[str, Any]) -> bool | None:

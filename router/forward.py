@@ -42,6 +42,7 @@ from .metrics import RequestRecord
 from .relay import EngineRelay
 from .request_body import FORM_BOUNDARY, check_length, read_body, read_form_prefix
 from .trace_context import client_request_id
+from .wire import whole_request_body
 
 if TYPE_CHECKING:
     from .app import RouterState
@@ -145,16 +146,7 @@ class Forwarder:
         async def choose(exclude: frozenset[str]) -> tuple[str, int] | None:
             return await dispatcher.place_whole(spec, rec, exclude)
 
-        # Explicit T = 0: an engine-wide default threshold must not reject the request. The
-        # engine names its answer after the body's request_id (in the body: a client's id
-        # need not be a valid header value), as the router would have.
-        body = orjson.dumps(
-            {
-                **spec.body,
-                "cache_hit_threshold": 0.0,
-                "request_id": spec.request_id.removeprefix(ID_PREFIX[spec.endpoint]),
-            }
-        )
+        body = orjson.dumps(whole_request_body(spec.body, spec.request_id.removeprefix(ID_PREFIX[spec.endpoint])))
         rec.stream = spec.stream
         return await self.relay.forward(
             request,

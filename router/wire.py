@@ -45,6 +45,29 @@ def unary_leg_body(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "stream": False, THRESHOLD_KEY: 0.0}
 
 
+def whole_request_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """A request only an engine can answer whole (n > 1, batches, echo...), as the client
+    sent it: explicit T = 0, so an engine-wide default threshold does not reject it, and
+    the router's id (without its prefix) in the body, which the engine names its answer
+    after (a client's id need not be a valid header value)."""
+    return {**body, THRESHOLD_KEY: 0.0, "request_id": request_id}
+
+
+def capability_check_body(prompt: str, model: str | None) -> dict[str, Any]:
+    """A one-token completion at T = 1.0 (top level and in `vllm_xargs`): an engine that runs
+    the threshold rejects it on a prompt it does not hold; a stock vLLM generates."""
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": 1,
+        "stream": False,
+        THRESHOLD_KEY: 1.0,
+        "vllm_xargs": {THRESHOLD_KEY: 1.0},
+    }
+    if model:
+        body["model"] = model
+    return body
+
+
 # What a probe for a request answered whole must not carry: one choice of one prompt and
 # one token, nothing the race's stream reader does not expect.
 _WHOLE_ONLY = (
