@@ -36,7 +36,7 @@ from .generation import GenerationHandler
 from .health import HealthMonitor
 from .limiter import ConcurrencyLimiter
 from .memtrim import IdleTrimmer
-from .metrics import RouterMetrics
+from .metrics import RequestRecord, RouterMetrics
 from .planning import RemembersPrefixes
 from .policies import make_strategy
 from .request_body import expect_handler
@@ -208,6 +208,16 @@ class RouterState:
                 strategy.memory = before.memory
             assert self.client is not None
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy)
+
+    def refused(self, rec: RequestRecord, e: errors.RouterError) -> web.Response:
+        """The error answer of a request that ended before its answer started, its status on
+        the record, and a refusal for overload (429) counted, by tenant limit if one refused."""
+        rec.status, rec.error = e.status, e.message
+        if e.status == 429:
+            self.metrics.rejected_overload.inc()
+            if e.reason:
+                self.metrics.tenant_rejection(rec.tenant, e.reason)
+        return error_response(e)
 
     def identify(self, request: web.Request) -> tuple[Tenant, int]:
         """The request's tenant (401 for a missing or wrong key) and its priority."""

@@ -179,16 +179,9 @@ class Forwarder:
                     return await serve(rec)
             return await serve(rec)
         except errors.RouterError as e:
-            rec.status, rec.error = e.status, e.message
-            if e.status == 429:
-                state.metrics.rejected_overload.inc()
-                if e.reason:
-                    state.metrics.tenant_rejection(rec.tenant, e.reason)
-            resp = web.Response(
-                body=e.body_bytes(), status=e.status, content_type="application/json", headers=e.headers or None
-            )
+            resp = state.refused(rec, e)
             if not request.content.is_eof():
-                resp.force_close()  # refused before its body was read (see app.handle_generate)
+                resp.force_close()  # refused before its body was read (see generation.py)
             return resp
         except asyncio.CancelledError:
             rec.status, rec.error = 499, "client disconnected"

@@ -98,12 +98,7 @@ class GenerationHandler:
                 await state.dispatcher.serve(spec, shaper, _discard, rec)
                 return json_response(shaper.accumulate_response(), headers={"X-Request-Id": answer_id})
         except errors.RouterError as e:
-            rec.status, rec.error = e.status, e.message
-            if e.status == 429:
-                state.metrics.rejected_overload.inc()
-                if e.reason:
-                    state.metrics.tenant_rejection(rec.tenant, e.reason)
-            resp = error_response(e)
+            resp = state.refused(rec, e)
             if state.draining or not request.content.is_eof():
                 # Refused before its body was read (401, 408, 413, 429), or shutting down:
                 # no keep-alive (Connection: close); aiohttp discards what is left of the
