@@ -16,7 +16,7 @@ measured speed). Ties rotate with a per-request salt so equal engines share traf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Callable, Mapping, Protocol, Sequence
 
 from . import costmodel
 from .config import RoutingConfig
@@ -130,12 +130,20 @@ class Policy(Protocol):
     def validate(routing: RoutingConfig) -> list[str]: ...
 
 
-@runtime_checkable
-class RemembersPrefixes(Protocol):
-    """A planner that remembers where it sent prompts: a reload that keeps the policy
-    hands the memory on (where prompts went is still true)."""
+class RemembersPrefixes:
+    """A planner's feedback when it remembers where it sent prompts (router/prefix_memory.py):
+    each routed prompt goes into the memory, whose expectations are the planner's hits. A
+    reload that keeps the policy hands the memory on (where prompts went is still true)."""
 
     memory: PrefixMemory
+
+    def on_routed(self, query: RouteQuery, backend: str) -> None:
+        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
+
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
+        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
 
 
 def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str]) -> list[BackendView]:

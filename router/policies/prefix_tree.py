@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from ..config import RoutingConfig
 from ..names import StrategyName
-from ..planning import Plan, RouteQuery, decoders_for, direct_plan
+from ..planning import Plan, RemembersPrefixes, RouteQuery, decoders_for, direct_plan
 from ..prefix_memory import PrefixMemory
 from ..snapshot import ClusterSnapshot
 
 
-class PrefixTreeStrategy:
+class PrefixTreeStrategy(RemembersPrefixes):
     """Prefix affinity weighed by load, as a router-side index does it (SGLang's and
     vllm-router's cache_aware, Dynamo's KV router): the least predicted time to first
     token, where each engine lacks the prompt minus what the prefix memory says the router
@@ -32,11 +32,3 @@ class PrefixTreeStrategy:
         if not decoders:
             return Plan()
         return direct_plan(query, snap, decoders, self.expected_hits(query, query.tokens(snap)))
-
-    def on_routed(self, query: RouteQuery, backend: str) -> None:
-        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
-
-    def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
-    ) -> dict[str, float]:
-        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)

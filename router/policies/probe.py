@@ -10,7 +10,7 @@ from .. import costmodel
 from ..config import RoutingConfig
 from ..config_checks import Problems, check_fraction, check_one_of, check_positive
 from ..names import Mode, StrategyName
-from ..planning import Plan, RouteQuery, decoders_for, direct_plan, fastest, predicted_ttft
+from ..planning import Plan, RemembersPrefixes, RouteQuery, decoders_for, direct_plan, fastest, predicted_ttft
 from ..prefix_memory import PrefixMemory
 from ..snapshot import ClusterSnapshot
 
@@ -44,7 +44,7 @@ class ProbeConfig:
         )
 
 
-class ProbeStrategy:
+class ProbeStrategy(RemembersPrefixes):
     """Ask the engines: probe the decode backends at threshold T.
 
     Which ones, from the cost model: an engine that accepts holds at least T of the prompt
@@ -142,11 +142,3 @@ class ProbeStrategy:
             scratch_ttft_s=from_scratch,
             placed=placed,
         )
-
-    def on_routed(self, query: RouteQuery, backend: str) -> None:
-        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
-
-    def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
-    ) -> dict[str, float]:
-        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
