@@ -136,6 +136,36 @@ def router_toml(port: int, decoders: list[str], prefillers: list[str], opts: Rou
     )
 
 
+def peer_executable(name: str) -> str:
+    """The path of a peer router's program (`vllm-router`, or `smg` of SGLang's router)."""
+    exe = shutil.which(name, path=str(Path(PY).parent)) or shutil.which(name)
+    if not exe:
+        pkg = {"smg": "sglang-router", "vllm-router": "vllm-router"}[name]
+        raise RuntimeError(f"{name} is not installed (pip install {pkg})")
+    return exe
+
+
+def peer_router_command(name: str, policy: str, port: int, prometheus_port: int, decoders: list[str]) -> list[str]:
+    """A peer router in front of `decoders`: vllm-router, or SGLang's (`smg launch`)."""
+    vllm = name == "vllm-router"
+    cmd = [peer_executable(name)] if vllm else [peer_executable(name), "launch"]
+    return [
+        *cmd,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *decoders,
+        "--policy",
+        policy,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--log-level",
+        "warning" if vllm else "warn",
+    ]
+
+
 def router_command() -> list[str]:
     exe = shutil.which("router", path=str(Path(PY).parent)) or shutil.which("router")
     return [exe] if exe else [PY, "-m", "router.cli"]
@@ -206,25 +236,8 @@ class Cluster:
         await wait_http(self.url + "/ready", self.router, 60)
 
     async def start_vllm_router(self, policy: str, cores: list[int] | None = None) -> None:
-        exe = shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
-        if not exe:
-            raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
         port, prom = free_ports(2)
-        cmd = [
-            exe,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *self.decoders,
-            "--policy",
-            policy,
-            "--prometheus-port",
-            str(prom),
-            "--log-level",
-            "warning",
-        ]
+        cmd = peer_router_command("vllm-router", policy, port, prom, self.decoders)
         self.router = self.procs.start(f"vllm-router-{policy}", pinned(cmd, cores))
         self.router_kind = "vllm-router"
         self.url = f"http://127.0.0.1:{port}"

@@ -15,27 +15,18 @@ the hit ratio of the requests before it and of each window of requests after it.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
-from .cluster import ROUTER_MODES, Cluster, RouterOptions, router_command, router_toml, scrape
-from .procs import PY, Proc, RSSSampler, free_ports, pinned, wait_http
+from .cluster import ROUTER_MODES, Cluster, RouterOptions, peer_router_command, router_command, router_toml, scrape
+from .procs import Proc, RSSSampler, free_ports, pinned, wait_http
 
 # External baselines: mode -> (command, policy).
 SMG_MODES = {"smg_rr": "round_robin", "smg_cache_aware": "cache_aware"}
 VLLM_ROUTER_MODES = {"vllm_router_rr": "round_robin", "vllm_router_cache_aware": "cache_aware"}
-
-
-def _exe(name: str) -> str:
-    exe = shutil.which(name, path=str(Path(PY).parent)) or shutil.which(name)
-    if not exe:
-        pkg = {"smg": "sglang-router", "vllm-router": "vllm-router"}[name]
-        raise RuntimeError(f"{name} is not installed (pip install {pkg})")
-    return exe
 
 
 async def start_replicas(
@@ -57,21 +48,7 @@ async def start_replicas(
             port, prom = free_ports(2)
             vllm = mode in VLLM_ROUTER_MODES
             policy = (VLLM_ROUTER_MODES if vllm else SMG_MODES)[mode]
-            cmd = [_exe("vllm-router")] if vllm else [_exe("smg"), "launch"]
-            cmd += [
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                *cluster.decoders,
-                "--policy",
-                policy,
-                "--prometheus-port",
-                str(prom),
-                "--log-level",
-                "warning" if vllm else "warn",
-            ]
+            cmd = peer_router_command("vllm-router" if vllm else "smg", policy, port, prom, cluster.decoders)
             kind, ready = ("vllm-router" if vllm else "smg"), "/health"
         else:
             raise SystemExit(f"--routers: mode {mode!r} has no router to replicate")

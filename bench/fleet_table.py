@@ -21,6 +21,7 @@ import copy
 import json
 from pathlib import Path
 
+from .cluster import peer_executable
 from .report import console, markdown_table, table
 
 INDEX_MODES = ("prefix_tree", "vllm_router_cache_aware", "smg_cache_aware")
@@ -30,14 +31,12 @@ RECOVERED = 0.97  # a window after the restart whose hit ratio is this share of 
 
 def available_modes(modes: list[str]) -> tuple[list[str], list[str]]:
     """(modes that can run here, modes left out because their router is not installed)."""
-    from .fleet import _exe
-
     ok, missing = [], []
     for m in modes:
         exe = "vllm-router" if m.startswith("vllm_router") else "smg" if m.startswith("smg") else None
         try:
             if exe:
-                _exe(exe)
+                peer_executable(exe)
             ok.append(m)
         except RuntimeError:
             missing.append(m)
