@@ -207,10 +207,13 @@ def expand_modes(text: str) -> list[str]:
 
 
 def vllm_router_modes() -> list[str]:
-    import shutil
+    from .cluster import EXTERNAL_MODES, peer_executable
 
-    exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
-    return ["vllm_router_rr", "vllm_router_cache_aware"] if exe else []
+    try:
+        peer_executable("vllm-router")
+    except RuntimeError:  # not installed: its modes are left out
+        return []
+    return list(EXTERNAL_MODES)
 
 
 def apply_quick(a: argparse.Namespace) -> None:

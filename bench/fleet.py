@@ -21,12 +21,20 @@ from pathlib import Path
 
 import aiohttp
 
-from .cluster import ROUTER_MODES, Cluster, RouterOptions, peer_router_command, router_command, router_toml, scrape
+from .cluster import (
+    EXTERNAL_MODES,
+    ROUTER_MODES,
+    Cluster,
+    RouterOptions,
+    peer_router_command,
+    router_command,
+    router_toml,
+    scrape,
+)
 from .procs import Proc, RSSSampler, free_ports, pinned, wait_http
 
-# External baselines: mode -> (command, policy).
+# SGLang's router as an external baseline: mode -> policy (vllm-router's: cluster.EXTERNAL_MODES).
 SMG_MODES = {"smg_rr": "round_robin", "smg_cache_aware": "cache_aware"}
-VLLM_ROUTER_MODES = {"vllm_router_rr": "round_robin", "vllm_router_cache_aware": "cache_aware"}
 
 
 async def start_replicas(
@@ -44,10 +52,10 @@ async def start_replicas(
             cfg.write_text(router_toml(port, cluster.decoders, cluster.prefillers, opts))
             cmd = [*router_command(), "--config", str(cfg), "--no-engines"]
             kind, ready = "ours", "/ready"
-        elif mode in VLLM_ROUTER_MODES or mode in SMG_MODES:
+        elif mode in EXTERNAL_MODES or mode in SMG_MODES:
             port, prom = free_ports(2)
-            vllm = mode in VLLM_ROUTER_MODES
-            policy = (VLLM_ROUTER_MODES if vllm else SMG_MODES)[mode]
+            vllm = mode in EXTERNAL_MODES
+            policy = (EXTERNAL_MODES if vllm else SMG_MODES)[mode]
             cmd = peer_router_command("vllm-router" if vllm else "smg", policy, port, prom, cluster.decoders)
             kind, ready = ("vllm-router" if vllm else "smg"), "/health"
         else:
