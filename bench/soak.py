@@ -33,7 +33,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,18 +47,14 @@ import tomli_w
 
 from router.sse import SSEDecoder
 
+from .procs import free_ports
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
 PY = sys.executable
 
 
 # --- processes ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
@@ -304,15 +299,13 @@ async def metrics_value(s: aiohttp.ClientSession, url: str, name: str) -> float:
 
 
 async def soak(args: argparse.Namespace, out: Path) -> tuple[dict, list[Sample]]:
-    engines = [
-        Engine(f"d{i}", _free_port(), ["--speed", str(args.speed)], out / f"d{i}.log") for i in range(args.engines)
-    ]
+    *engine_ports, port = free_ports(args.engines + 1)
+    engines = [Engine(f"d{i}", p, ["--speed", str(args.speed)], out / f"d{i}.log") for i, p in enumerate(engine_ports)]
     router_proc: subprocess.Popen | None = None
     run = Run()
     try:
         for e in engines:
             e.start()
-        port = _free_port()
         (out / "router.toml").write_text(_router_toml(port, engines, args))
         router_proc = subprocess.Popen(
             [PY, "-m", "router.cli", "--config", str(out / "router.toml"), "--no-engines"],
