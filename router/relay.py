@@ -23,6 +23,7 @@ from . import errors, tracing
 from .metrics import RequestRecord
 from .names import Route
 from .snapshot import ClusterSnapshot
+from .upstream_errors import MAX_ERROR_BODY
 
 if TYPE_CHECKING:
     from .app import RouterState
@@ -153,7 +154,7 @@ class EngineRelay:
                     rec.retries += 1
                     continue
                 if resp.status in _RETRY_STATUSES and (find or len(exclude) < attempts) and not rest_started[0]:
-                    err_body = await resp.content.read(64 * 1024)
+                    err_body = await resp.content.read(MAX_ERROR_BODY)
                     last = (resp.status, err_body, _answer_headers(resp))
                     resp.release()
                     registry.record_failure(name, f"forward: HTTP {resp.status}")
@@ -161,7 +162,7 @@ class EngineRelay:
                     rec.retries += 1
                     continue
                 if find and resp.status == 404:
-                    last = (404, await resp.content.read(64 * 1024), _answer_headers(resp))
+                    last = (404, await resp.content.read(MAX_ERROR_BODY), _answer_headers(resp))
                     resp.release()
                     continue
                 if resp.status < 500:

@@ -25,6 +25,7 @@ from .upstream_errors import (
     CONNECT,
     CONNECT_TIMEOUT,
     FIRST_TOKEN_TIMEOUT,
+    MAX_ERROR_BODY,
     PROTOCOL,
     STATUS,
     TOTAL_TIMEOUT,
@@ -32,7 +33,6 @@ from .upstream_errors import (
 )
 from .upstream_stream import UpstreamStream
 
-_MAX_ERROR_BODY = 64 * 1024
 # aiohttp >= 3.10 raises ConnectionTimeoutError for connect/sock_connect; older versions
 # its parent ServerTimeoutError (only connect timeouts are configured on the session).
 _CONNECT_TIMEOUT_ERRORS = (getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ServerTimeoutError),)
@@ -124,7 +124,7 @@ class UpstreamClient:
             raise UpstreamError(backend, CONNECT, f"request to {url} failed: {e!r}") from None
         if resp.status != 200:
             try:
-                raw = await resp.content.read(_MAX_ERROR_BODY)
+                raw = await resp.content.read(MAX_ERROR_BODY)
             except (aiohttp.ClientError, ConnectionError):
                 raw = b""
             finally:

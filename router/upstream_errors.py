@@ -16,6 +16,9 @@ BROKEN = "broken"  # the stream ended without [DONE] or the connection dropped
 ENGINE_ERROR = "engine_error"  # the engine sent an error event mid-stream
 PROTOCOL = "protocol"  # unparseable chunk
 
+# How much of an engine's error answer is read and kept (passed on to the client, logged).
+MAX_ERROR_BODY = 64 * 1024
+
 
 class UpstreamError(Exception):
     def __init__(self, backend: str, kind: str, detail: str, *, status: int | None = None, body: Any = None):
