@@ -28,17 +28,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from router.wire import PREFILL_REQUEST_PARAMS
+
 from .procs import ProcessSet, free_ports
 
 PROGRESS_ENV = "CACHEHIT_NIXL_PROGRESS_DELAY_US"
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def tree_cpu_s(pgid: int) -> float:
@@ -141,7 +135,7 @@ def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict:
             t0 = time.monotonic()
             pre = post(
                 urls[0] + "/v1/completions",
-                {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS},
+                {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": PREFILL_REQUEST_PARAMS},
             )
             t1 = time.monotonic()
             dec = post(

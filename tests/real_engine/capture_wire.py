@@ -40,6 +40,7 @@ from real_engine_util import (  # noqa: E402
     request,
 )
 
+from router.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"
@@ -159,15 +160,6 @@ CASES: dict[str, tuple[str, str, object]] = {
     "version": ("GET", "/version", None),
 }
 
-# The prefill leg as the router sends it (docs/ARCHITECTURE.md).
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 DISAGG_PROMPT = " ".join(["the cache block is ready for the decode engine"] * 12)
 
 # Plugin cases: sent to an engine with the plugin loaded.
@@ -326,7 +318,13 @@ def run_cases(base_url: str, cases: dict) -> None:
 
 
 def run_disagg(producer: str, consumer: str) -> None:
-    body = comp(prompt=DISAGG_PROMPT, max_tokens=1, stream=False, kv_transfer_params=PREFILL_KV, return_token_ids=True)
+    body = comp(
+        prompt=DISAGG_PROMPT,
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params=PREFILL_REQUEST_PARAMS,
+        return_token_ids=True,
+    )
     rec = capture(producer, "disagg_prefill_leg", "POST", "/v1/completions", body)
     write("disagg_prefill_leg", rec)
     status, data = request(producer, "POST", "/v1/completions", body)  # fresh, un-normalized

@@ -43,6 +43,7 @@ from real_engine_util import (  # noqa: E402
     vllm_missing_reason,
 )
 
+from router.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 NIXL_WARMUP_ATTEMPTS = 3
@@ -189,14 +190,7 @@ class EngineSet:
                         "model": "tiny",
                         "prompt": f"nixl warm-up {attempt}",
                         "max_tokens": 1,
-                        "kv_transfer_params": {
-                            "do_remote_decode": True,
-                            "do_remote_prefill": False,
-                            "remote_engine_id": None,
-                            "remote_block_ids": None,
-                            "remote_host": None,
-                            "remote_port": None,
-                        },
+                        "kv_transfer_params": PREFILL_REQUEST_PARAMS,
                     },
                     timeout=120,
                 )

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from real_engine_util import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
 
+from router.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
@@ -288,14 +289,7 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
         1,
         threshold=0.9,
         ignore_eos=False,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        kv_transfer_params=PREFILL_REQUEST_PARAMS,
     )
     status, answer = post_json(preemption_engine.base_url, "/v1/completions", prefill)
     assert status == 200, answer
@@ -339,14 +333,7 @@ def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_eng
             prompt,
             1,
             ignore_eos=False,
-            kv_transfer_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
+            kv_transfer_params=PREFILL_REQUEST_PARAMS,
         ),
     )
     assert status == 200, answer

@@ -21,6 +21,8 @@ from collections import deque
 
 import pytest
 
+from router.wire import PREFILL_REQUEST_PARAMS
+
 pytestmark = pytest.mark.real_engine
 
 BLOCK = 16  # tokens per KV block; prefix-cache hits count whole blocks
@@ -340,14 +342,7 @@ def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check)
         "prefill-leg",
         prompt(100, 64),
         threshold=0.9,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        kv_transfer_params=PREFILL_REQUEST_PARAMS,
     )
     control = make_request("control", prompt(300, 64), threshold=0.9)
     assert prefill_leg.kv_transfer_params["do_remote_decode"] is True

@@ -14,6 +14,8 @@ import uuid
 import pytest
 from real_engine_util import post_json, post_sse, scrape_metrics
 
+from router.wire import PREFILL_REQUEST_PARAMS
+
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
@@ -228,14 +230,7 @@ def test_prefill_leg_is_never_rejected(threshold_engine):
         cold_prompt(),
         max_tokens=1,
         cache_hit_threshold=1.0,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        kv_transfer_params=PREFILL_REQUEST_PARAMS,
     )
     status, answer = post_json(threshold_engine.base_url, "/v1/completions", body)
     assert status == 200

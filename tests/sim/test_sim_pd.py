@@ -7,25 +7,18 @@ import uuid
 
 from sim_testutil import post
 
+from router.wire import PREFILL_REQUEST_PARAMS
 from support.metrics import scrape_metrics
 from support.polling import eventually
 
-PROMPT = list(range(200, 300))  # 100 tokens
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PROMPT = list(range(200, 300))
 
 
 async def prefill(http, producer, prompt=PROMPT) -> dict:
     status, body = await post(
         http,
         producer.url + "/v1/completions",
-        {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV},
+        {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_REQUEST_PARAMS},
     )
     assert status == 200
     assert body["usage"]["completion_tokens"] == 1
@@ -156,7 +149,9 @@ async def test_consumer_only_engine_serves_ordinary_requests(make_engine, http) 
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     # Not a producer: a prefill leg runs as a plain request and leases nothing.
     status, body = await post(
-        http, consumer.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_KV}
+        http,
+        consumer.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_REQUEST_PARAMS},
     )
     assert status == 200 and body["kv_transfer_params"] is None
     assert not consumer.engine.leases
