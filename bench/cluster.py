@@ -17,8 +17,8 @@ import aiohttp
 import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.config import RoutingConfig, ServerConfig
-from router.policies import POLICIES
+from router.config.schema import RoutingConfig, ServerConfig
+from router.routing.policies import POLICIES
 
 from .procs import PY, Proc, ProcessSet, free_ports, pinned, wait_http
 

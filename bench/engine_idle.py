@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from router.wire import PREFILL_REQUEST_PARAMS
+from router.engine.wire import PREFILL_REQUEST_PARAMS
 
 from .procs import ProcessSet, free_ports
 
@@ -90,7 +90,7 @@ def wait_healthy(procs, urls, timeout_s: float) -> None:
 
 def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict:
     from engine_launcher.commands import EnginePorts, HostInfo, vllm_command
-    from router.config import EngineConfig
+    from router.config.schema import EngineConfig
 
     cores = sorted(os.sched_getaffinity(0))
     ports = free_ports(4)

@@ -45,7 +45,7 @@ import aiohttp
 import orjson
 import tomli_w
 
-from router.sse import SSEDecoder
+from router.engine.sse import SSEDecoder
 
 from .procs import free_ports
 

@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from router.config import Config, ConfigError, load_config
+from router.config.parse import load_config
+from router.config.schema import Config, ConfigError
 
 # Subcommands forwarded to another module's main(argv); imported only when used, so the
 # launcher works before (or without) the simulator or the vLLM dependencies.

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from router.config import ConfigError, EngineConfig
+from router.config.schema import ConfigError, EngineConfig
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SIM_MODULE = "engine_launcher.sim"

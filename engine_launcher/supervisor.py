@@ -56,7 +56,7 @@ from typing import Callable, Sequence
 
 import aiohttp
 
-from router.config import EngineConfig, LauncherConfig
+from router.config.schema import EngineConfig, LauncherConfig
 
 from .commands import (
     EngineCommand,
@@ -284,7 +284,7 @@ class Supervisor:
     def plan(self) -> list[EngineCommand]:
         """Pick (and hold) free ports and build every command. Idempotent.
 
-        Raises router.config.ConfigError when the engines cannot be laid out (port clash,
+        Raises router.config.schema.ConfigError when the engines cannot be laid out (port clash,
         not enough GPUs).
         """
         if not self._units:

@@ -1,7 +1,7 @@
 """`router --config router.toml` serves; `router check-config --config router.toml` validates.
 
-Flags and CACHEHIT_ROUTER_* environment variables override the file (router/overrides.py);
-SIGHUP re-reads the file with the same overrides (router/reload.py)."""
+Flags and CACHEHIT_ROUTER_* environment variables override the file (router/config/overrides.py);
+SIGHUP re-reads the file with the same overrides (router/server/reload.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import orjson
 
-from . import overrides
-from .config import Config, ConfigError
+from router.config import overrides
+from router.config.schema import Config, ConfigError
+from router.routing import policies
 
 if TYPE_CHECKING:  # aiohttp is imported when serving, not for --version or check-config
     from aiohttp import web
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = {"server.host": args.host, "server.port": args.port, "server.log_level": args.log_level}
 
     def load() -> Config:
-        return overrides.load(args.config, os.environ, flags)
+        config = overrides.load(args.config, os.environ, flags)
+        policies.check(config.routing)
+        return config
 
     try:
         config = load()
@@ -113,8 +116,8 @@ def _reload_on_sighup(load: Callable[[], Config]) -> Callable[[web.Application],
     reloads run one at a time, in the order the signals came."""
 
     async def install(app: web.Application) -> None:
-        from .app import ROUTER_KEY
-        from .reload import reload
+        from router.server.app import ROUTER_KEY
+        from router.server.reload import reload
 
         loop = asyncio.get_running_loop()
         state = app[ROUTER_KEY]
@@ -148,9 +151,9 @@ def serve(
 ) -> int:
     from aiohttp import web
 
-    from . import logs
-    from .app import build_app
-    from .clientlog import ServerLogger
+    from router.observability import logs
+    from router.observability.clientlog import ServerLogger
+    from router.server.app import build_app
 
     logs.configure(config.server.log_level, config.server.log_format)
     # The logging HOWTO's "Optimization": no caller frame, thread or process lookups for
@@ -218,7 +221,7 @@ async def _serve_until_signalled(runner: web.AppRunner, host: str, port: int, ss
     close) instead of a reset."""
     from aiohttp import web
 
-    from .app import ROUTER_KEY
+    from router.server.app import ROUTER_KEY
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -28,6 +28,22 @@ class BreakerState(StrEnum):
     OPEN = "open"
 
 
+# The breaker's gauge value (cachehit_router_backend_breaker_state).
+BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+
+class Verdict(StrEnum):
+    """What one engine said of a leg sent to it: the one vocabulary of the race, the
+    request record and the metrics (an engine's own answer is the wire's finish reason,
+    `router.engine.wire.CACHE_THRESHOLD`)."""
+
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"  # finished with cache_threshold and generated nothing
+    FAILED = "failed"  # an upstream error before any verdict
+    EXPIRED = "expired"  # silent at the race deadline
+    LOST = "lost"  # accepted after the winner, or still running when the winner was chosen
+
+
 class Role(StrEnum):
     """What a router backend does (`[[backends]].role`, `[[discovery]].role`)."""
 
@@ -63,7 +79,7 @@ class Mode(StrEnum):
 
 
 class StrategyName(StrEnum):
-    """`routing.strategy`; router/policies/ maps each to its planner."""
+    """`routing.strategy`; router/routing/policies/ maps each to its planner."""
 
     PROBE = "probe"
     ROUND_ROBIN = "round_robin"

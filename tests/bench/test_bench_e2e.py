@@ -15,7 +15,7 @@ from bench.overhead import SMALL, BlockingClient, http_request
 from bench.procs import ProcessSet, free_ports
 from bench.replay import SUMMARY_KEYS, load_requests, run_replay
 from bench.report import compare
-from router.config import parse_config
+from router.config.parse import parse_config
 
 TINY = [
     "--workload",

@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.config import parse_config
-from router.overrides import layer
+from router.config.overrides import layer
+from router.config.parse import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "kubernetes"

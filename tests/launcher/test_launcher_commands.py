@@ -18,7 +18,8 @@ from engine_launcher.commands import (
     resolve_ports,
     url_for,
 )
-from router.config import ConfigError, EngineConfig, load_config
+from router.config.parse import load_config
+from router.config.schema import ConfigError, EngineConfig
 
 PY = "/opt/py/bin/python"
 CPU_HOST = HostInfo(gpu_count=0, cpu_ids=(0, 1))

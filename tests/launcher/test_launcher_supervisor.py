@@ -21,7 +21,7 @@ from engine_launcher.supervisor import (
     ProgressEvent,
     Supervisor,
 )
-from router.config import EngineConfig, LauncherConfig
+from router.config.schema import EngineConfig, LauncherConfig
 from support.polling import eventually
 from support.processes import group_gone, pid_gone
 

@@ -40,7 +40,7 @@ from real_engine_util import (  # noqa: E402
     request,
 )
 
-from router.wire import PREFILL_REQUEST_PARAMS
+from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"

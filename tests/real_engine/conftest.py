@@ -43,7 +43,7 @@ from real_engine_util import (  # noqa: E402
     vllm_missing_reason,
 )
 
-from router.wire import PREFILL_REQUEST_PARAMS
+from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range  # noqa: E402
 
 NIXL_WARMUP_ATTEMPTS = 3

@@ -66,7 +66,7 @@ def engine_command(
     VLLM_PLUGINS set to an allowlist that names no plugin, so the entry point is not loaded.
     """
     from engine_launcher.commands import EnginePorts, HostInfo, vllm_command
-    from router.config import EngineConfig
+    from router.config.schema import EngineConfig
 
     engine = EngineConfig(
         name=name,

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from real_engine_util import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
 
-from router.wire import PREFILL_REQUEST_PARAMS
+from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.

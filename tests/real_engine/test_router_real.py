@@ -23,8 +23,8 @@ from aiohttp import web
 from real_engine_util import scrape_metrics
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from router.app import ROUTER_KEY, build_app
-from router.config import parse_config
+from router.config.parse import parse_config
+from router.server.app import ROUTER_KEY, build_app
 from support.sse import read_sse
 
 # Engine start-up (the session fixture) is charged to the first test: allow for a slow machine.

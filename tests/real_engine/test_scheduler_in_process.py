@@ -21,7 +21,7 @@ from collections import deque
 
 import pytest
 
-from router.wire import PREFILL_REQUEST_PARAMS
+from router.engine.wire import PREFILL_REQUEST_PARAMS
 
 pytestmark = pytest.mark.real_engine
 

@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import tomli_w
 
-from router.sse import SSEDecoder
+from router.engine.sse import SSEDecoder
 from support.ports import free_port
 from support.processes import signal_group, start_group, stop_group
 

@@ -2,8 +2,8 @@
 test_health.py): health checks never close it, a trial without a verdict frees the slot,
 a silent trial expires, an unhealthy backend gets no trial."""
 
-from router.backends import BackendRegistry
-from router.config import BackendConfig, HealthConfig
+from router.config.schema import BackendConfig, HealthConfig
+from router.fleet.registry import BackendRegistry
 from router.names import BreakerState
 
 

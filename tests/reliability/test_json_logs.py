@@ -1,4 +1,4 @@
-"""The `router` command's logs (router/logs.py): one JSON object per line by default, the
+"""The `router` command's logs (router/observability/logs.py): one JSON object per line by default, the
 request line's fields at the top level; text for humans with server.log_format = "text"."""
 
 from __future__ import annotations

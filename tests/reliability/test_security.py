@@ -24,9 +24,9 @@ from aiohttp import web
 from relutil import MODEL, sim_backends
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from router.app import build_app
-from router.capability import CHECK_PROMPT_PREFIX
-from router.config import parse_config
+from router.config.parse import parse_config
+from router.fleet.capability import CHECK_PROMPT_PREFIX
+from router.server.app import build_app
 
 CLIENT_KEY = "sk-client-1"
 OTHER_CLIENT_KEY = "sk-client-two-longer"

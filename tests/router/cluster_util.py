@@ -12,8 +12,8 @@ from aiohttp import web
 
 from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
 from engine_launcher.sim.tokenizer import WORDS
-from router.app import ROUTER_KEY, build_app
-from router.config import parse_config
+from router.config.parse import parse_config
+from router.server.app import ROUTER_KEY, build_app
 from support.metrics import scrape_metrics
 from support.polling import eventually
 from support.sse import read_sse

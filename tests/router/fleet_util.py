@@ -7,8 +7,8 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
-from router.app import ROUTER_KEY, build_app
-from router.config import parse_config
+from router.config.parse import parse_config
+from router.server.app import ROUTER_KEY, build_app
 from support.metrics import scrape_metrics
 
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")

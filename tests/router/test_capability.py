@@ -1,4 +1,4 @@
-"""The threshold capability check (router/capability.py): an engine that accepts a probe at
+"""The threshold capability check (router/fleet/capability.py): an engine that accepts a probe at
 T = 1.0 on a random prompt (a stock vLLM; the simulator with threshold_plugin off) is
 routed to without probes, with a warning and cachehit_router_backend_threshold_capable."""
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from router import policies
-from router.config import ConfigError, RoutingConfig, load_config, parse_config
+from router.config.parse import load_config, parse_config
+from router.config.schema import ConfigError, RoutingConfig
 from router.names import EngineRole, Mode, Role, StrategyName
+from router.routing import policies
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_BACKEND = {"backends": [{"name": "d0", "url": "http://127.0.0.1:9001"}]}
@@ -234,7 +235,7 @@ def test_tenant_keys_come_from_the_environment_and_are_never_printed(monkeypatch
 def test_every_config_key_is_documented():
     import dataclasses
 
-    from router import config as c
+    from router.config import schema as c
 
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
     sections = {

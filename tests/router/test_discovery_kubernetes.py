@@ -19,7 +19,7 @@ from cluster_util import MODEL
 from fleet_util import ADDRS, finished, start_router
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from router.discovery_k8s import ready_pods
+from router.fleet.kubernetes import ready_pods
 from support.polling import eventually
 from support.ports import free_port_on
 

@@ -1,4 +1,4 @@
-"""vLLM's other routes through the router (router/forward.py), on simulated engines:
+"""vLLM's other routes through the router (router/server/forward.py), on simulated engines:
 the engine's own JSON comes back, with the router's auth, limits, model routing, retries
 and request ids; audio uploads are streamed, not held."""
 

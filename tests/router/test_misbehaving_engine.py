@@ -13,8 +13,8 @@ from aiohttp import web
 from cluster_util import MODEL, long_prompt
 
 from engine_launcher.sim import tokenizer as tok
-from router.app import build_app
-from router.config import parse_config
+from router.config.parse import parse_config
+from router.server.app import build_app
 
 
 def _chunk(text_ids: list[int], prompt_ids=None, finish=None) -> bytes:

@@ -15,8 +15,8 @@ import asyncio
 
 from cluster_util import MODEL, long_prompt
 
-from router.race import run_race
-from router.wire import streamed_leg_body
+from router.dispatch.race import run_race
+from router.engine.wire import streamed_leg_body
 from support.polling import eventually
 
 

@@ -11,8 +11,8 @@ import logging
 from cluster_util import MODEL, long_prompt
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from router.config import parse_config
-from router.reload import changed_keys, reload, split_changes
+from router.config.parse import parse_config
+from router.server.reload import changed_keys, reload, split_changes
 from support.polling import eventually
 
 

@@ -1,5 +1,5 @@
-"""Trace context and OpenTelemetry spans through the router (router/trace_context.py,
-router/tracing.py): the client's traceparent reaches every engine leg; with [tracing] on,
+"""Trace context and OpenTelemetry spans through the router (router/observability/trace_context.py,
+router/observability/tracing.py): the client's traceparent reaches every engine leg; with [tracing] on,
 one span per request and one per leg, checked with the SDK's in-memory exporter and with
 a real OTLP/HTTP receiver (protobuf decoded with opentelemetry-proto)."""
 
@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from router.capability import CHECK_PROMPT_PREFIX
+from router.fleet.capability import CHECK_PROMPT_PREFIX
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -234,7 +234,8 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
 
 
 def test_tracing_config_is_checked():
-    from router.config import ConfigError, parse_config
+    from router.config.parse import parse_config
+    from router.config.schema import ConfigError
 
     base = {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
     with pytest.raises(ConfigError) as e:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from router.config import TimeoutsConfig
-from router.upstream import UpstreamClient
-from router.upstream_errors import ENGINE_ERROR, PROTOCOL, UpstreamError
+from router.config.schema import TimeoutsConfig
+from router.engine.client import UpstreamClient
+from router.engine.errors import ENGINE_ERROR, PROTOCOL, UpstreamError
 
 
 def event(payload: bytes) -> bytes:

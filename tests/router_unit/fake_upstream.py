@@ -1,4 +1,4 @@
-"""Scripted engines at the router's upstream interface (router/upstream.py), no network.
+"""Scripted engines at the router's upstream interface (router/engine/client.py), no network.
 
 `FakeUpstream` stands in for `UpstreamClient` (`open_stream`, `post_json`, `post_raw`);
 each streamed leg is a `FakeStream` with the `UpstreamStream` interface (`next_chunk`,
@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from router.upstream_errors import UpstreamError
+from router.engine.errors import UpstreamError
 
 HANG = object()  # the engine says nothing more until the leg is cancelled
 
@@ -118,7 +118,7 @@ class FakeUpstream:
         return self._next(backend, path, body)
 
     def opener(self, path: str = "/v1/completions", body: dict | None = None):
-        """An `open_probe` for router.race.run_race."""
+        """An `open_probe` for router.dispatch.race.run_race."""
 
         async def open_probe(name: str) -> FakeStream:
             return await self.open_stream(name, "", path, body or {})

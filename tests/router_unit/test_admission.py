@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from wire_fixtures import body as wire_body
 from wire_fixtures import load as wire_load
 
-from router.admission import (
+from router.admission.spec import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ENDPOINT_CHAT,
     ENDPOINT_COMPLETIONS,

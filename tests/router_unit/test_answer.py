@@ -1,11 +1,11 @@
-"""router/answer.py: the answer so far across legs."""
+"""router/answer/progress.py: the answer so far across legs."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.answer import Answer
-from router.wire import MalformedChunk
+from router.answer.progress import Answer
+from router.engine.wire import MalformedChunk
 
 
 def test_tokens_and_text_accumulate_across_legs_and_leg_state_resets():

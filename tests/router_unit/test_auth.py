@@ -2,9 +2,10 @@
 
 import pytest
 
-from router.auth import KeyRing, request_priority
+from router.admission.auth import KeyRing, request_priority
+from router.admission.tenants import Tenant
+from router.config.schema import TenantConfig
 from router.errors import RouterError
-from router.tenants import Tenant, TenantConfig
 
 
 def _ring() -> KeyRing:

@@ -1,8 +1,8 @@
 """Backend registry: circuit breaker, in-flight counts, scraped load, snapshot."""
 
-from router.backends import BackendRegistry
-from router.config import BackendConfig, HealthConfig
-from router.engine_metrics import parse_load_metrics
+from router.config.schema import BackendConfig, HealthConfig
+from router.engine.scrape import parse_load_metrics
+from router.fleet.registry import BackendRegistry
 from router.names import BreakerState
 
 

@@ -4,7 +4,7 @@ import logging
 
 from aiohttp import http_exceptions, web
 
-from router.clientlog import ServerLogger, escape, is_client_event
+from router.observability.clientlog import ServerLogger, escape, is_client_event
 
 
 def test_printable_text_is_kept_as_is():

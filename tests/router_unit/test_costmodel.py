@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from router.backends import BackendRegistry
-from router.config import BackendConfig, HealthConfig, RoutingConfig
-from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
-from router.speed_learner import OnlineLinear, SpeedLearner, SpeedPrior, speed_prior
+from router.config.schema import BackendConfig, HealthConfig, RoutingConfig
+from router.fleet.registry import BackendRegistry
+from router.routing.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
+from router.routing.speed_learner import OnlineLinear, SpeedLearner, SpeedPrior, speed_prior
 
 
 def test_ttft_is_queue_plus_lacking_at_the_engine_speed():

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError, parse_config
-from router.discovery_config import DiscoveryConfig, parse_nameserver
+from router.config.discovery import parse_nameserver
+from router.config.parse import parse_config
+from router.config.schema import ConfigError, DiscoveryConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

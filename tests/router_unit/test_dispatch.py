@@ -1,4 +1,4 @@
-"""The Dispatcher (router/dispatch.py, router/placement.py) over scripted engines.
+"""The Dispatcher (router/dispatch/pipeline.py, router/dispatch/placement.py) over scripted engines.
 
 The upstream client is faked at its interface (fake_upstream.py); the planner is a fixed
 one (race every decode engine not kept out, or send to the first), so what is checked is
@@ -13,15 +13,16 @@ import orjson
 import pytest
 from fake_upstream import FakeUpstream, answer, rejection, token
 
-from router.admission import parse_request
-from router.backends import BackendRegistry
-from router.config import parse_config
-from router.dispatch import Dispatcher
+from router.admission.spec import parse_request
+from router.answer.shaper import ResponseShaper
+from router.config.parse import parse_config
+from router.dispatch.pipeline import Dispatcher
+from router.engine.errors import BROKEN, CONNECT, FIRST_TOKEN_TIMEOUT, UpstreamError
 from router.errors import RouterError
-from router.metrics import RequestRecord, RouterMetrics
-from router.planning import Plan
-from router.shaping import ResponseShaper
-from router.upstream_errors import BROKEN, CONNECT, FIRST_TOKEN_TIMEOUT, UpstreamError
+from router.fleet.registry import BackendRegistry
+from router.observability.metrics import RouterMetrics
+from router.observability.record import RequestRecord
+from router.routing.planning import Plan
 
 PROMPT_IDS = [11, 12, 13]
 

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router import errors
+from router.engine.sse import SSEDecoder
 from router.errors import RouterError, error_body, sse_error_event
-from router.sse import SSEDecoder
 
 
 def test_body_is_vllm_error_response_shape():

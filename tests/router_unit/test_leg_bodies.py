@@ -2,10 +2,16 @@
 
 import pytest
 
-from router.disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
-from router.resume import FAILURE, PREEMPTED, REJECTED, resume_reason
-from router.upstream_errors import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
-from router.wire import PREFILL_REQUEST_PARAMS, decode_leg_body, prefill_leg_body, resume_leg_body, streamed_leg_body
+from router.dispatch.disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
+from router.dispatch.resume import FAILURE, PREEMPTED, REJECTED, resume_reason
+from router.engine.errors import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
+from router.engine.wire import (
+    PREFILL_REQUEST_PARAMS,
+    decode_leg_body,
+    prefill_leg_body,
+    resume_leg_body,
+    streamed_leg_body,
+)
 
 
 def test_streamed_leg_sets_threshold_both_ways_and_keeps_client_xargs():
@@ -92,8 +98,8 @@ def test_chat_resume_body_keeps_only_sampling_fields():
 
 
 def test_prompt_length_estimate_when_no_engine_reported_it():
-    from router.planning import RouteQuery
-    from router.snapshot import ClusterSnapshot
+    from router.routing.planning import RouteQuery
+    from router.routing.snapshot import ClusterSnapshot
 
     # Exact for token ids; else from the learned characters per token (4 until measured).
     assert RouteQuery("m", "5,6,7,", prompt_tokens=3).tokens(ClusterSnapshot(())) == 3

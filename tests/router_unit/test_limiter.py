@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
+from router.admission.limiter import ConcurrencyLimiter
 from router.errors import RouterError
-from router.limiter import ConcurrencyLimiter
 from support.polling import eventually
 
 
@@ -79,7 +79,7 @@ async def test_cancelled_waiter_does_not_leak_a_slot():
 
 # --- fair sharing: tenants and priorities ---------------------------------------------
 
-from router.tenants import Tenant, TokenBucket  # noqa: E402
+from router.admission.tenants import Tenant, TokenBucket
 
 
 async def _holders(lim, n, tenant=None):

@@ -1,6 +1,6 @@
 """The router gives freed heap back once idle: once per burst, never while busy."""
 
-from router.memtrim import IdleTrimmer, malloc_trim
+from router.server.memtrim import IdleTrimmer, malloc_trim
 from support.polling import eventually
 
 

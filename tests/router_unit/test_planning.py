@@ -1,7 +1,7 @@
 """Routing strategies are pure functions of (query, snapshot): tested with plain data.
 
 Every load- or cache-aware choice is the least predicted time to first token of the cost
-model (router/costmodel.py); these tests use one known engine speed so that each expected
+model (router/routing/costmodel.py); these tests use one known engine speed so that each expected
 choice can be worked out by hand from the formula."""
 
 from dataclasses import replace
@@ -9,14 +9,14 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.config import RoutingConfig
-from router.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
-from router.fallback import plan_fallback
-from router.planning import RouteQuery, fastest, predicted_ttft, race_value
-from router.policies import LeastLoadedStrategy, PrefixTreeStrategy, ProbeStrategy, RoundRobinStrategy
-from router.policies.probe import EXPLORE_ONE_IN
-from router.prefix_memory import PrefixMemory
-from router.snapshot import BackendView, ClusterSnapshot
+from router.config.schema import RoutingConfig
+from router.routing.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
+from router.routing.fallback import plan_fallback
+from router.routing.planning import RouteQuery, fastest, predicted_ttft, race_value
+from router.routing.policies import LeastLoadedStrategy, PrefixTreeStrategy, ProbeStrategy, RoundRobinStrategy
+from router.routing.policies.probe import EXPLORE_ONE_IN
+from router.routing.prefix_memory import PrefixMemory
+from router.routing.snapshot import BackendView, ClusterSnapshot
 
 # 10 ms per step, 100 us per prompt token (10k tokens/s), 1 ms per decoding sequence.
 SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)

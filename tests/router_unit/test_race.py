@@ -1,4 +1,4 @@
-"""The probe race (router/race.py) over scripted engines: who wins, what every probe
+"""The probe race (router/dispatch/race.py) over scripted engines: who wins, what every probe
 answered, what happens to the streams nobody reads, and the deadline."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import asyncio
 
 from fake_upstream import HANG, FakeUpstream, Pause, rejection, token
 
-from router.race import ACCEPTED, EXPIRED, FAILED, LOST, REJECTED, run_race
-from router.upstream_errors import BROKEN, CONNECT, UpstreamError
+from router.dispatch.race import run_race
+from router.engine.errors import BROKEN, CONNECT, UpstreamError
+from router.names import Verdict
 
 
 async def test_the_first_acceptor_wins_and_the_others_are_stopped():
@@ -21,12 +22,12 @@ async def test_the_first_acceptor_wins_and_the_others_are_stopped():
     )
     result = await run_race(("fast", "slow", "silent"), up.opener(), 5.0)
     assert result.winner is not None and result.winner.backend == "fast"
-    assert result.winner.verdict == ACCEPTED
+    assert result.winner.verdict == Verdict.ACCEPTED
     # The winner keeps its open stream and the chunks the race read.
     assert result.winner.buffered == [token("Hi", [7])]
     winner_stream, *others = up.streams
     assert not winner_stream.closed
-    assert {o.backend: o.verdict for o in result.outcomes} == {"fast": ACCEPTED, "slow": LOST, "silent": LOST}
+    assert {o.backend: o.verdict for o in result.outcomes} == {"fast": Verdict.ACCEPTED, "slow": Verdict.LOST, "silent": Verdict.LOST}
     assert all(s.aborted for s in others)
 
 
@@ -34,7 +35,7 @@ async def test_two_acceptors_in_one_wake_up_one_wins_the_other_is_closed():
     up = FakeUpstream({"a": [[token("x", [1])]], "b": [[token("y", [2])]]})
     result = await run_race(("a", "b"), up.opener(), 5.0)
     loser = next(o for o in result.outcomes if o is not result.winner)
-    assert loser.verdict == LOST and loser.stream is None
+    assert loser.verdict == Verdict.LOST and loser.stream is None
     assert loser.tokens_seen == 1  # read before it lost: tokens generated for nothing
     assert [s.aborted for s in up.streams if s.backend == loser.backend] == [True]
     assert [s.closed for s in up.streams if s.backend == result.winner.backend] == [False]
@@ -45,9 +46,9 @@ async def test_all_reject_every_verdict_is_reported():
     result = await run_race(("d0", "d1", "d2"), up.opener(), 5.0)
     assert result.winner is None
     assert sorted((o.backend, o.verdict) for o in result.outcomes) == [
-        ("d0", REJECTED),
-        ("d1", REJECTED),
-        ("d2", REJECTED),
+        ("d0", Verdict.REJECTED),
+        ("d1", Verdict.REJECTED),
+        ("d2", Verdict.REJECTED),
     ]
     assert result.prompt_tokens == 100
     assert result.hits == {"d1": 64, "d2": 20}
@@ -66,8 +67,8 @@ async def test_an_upstream_error_in_one_probe_does_not_lose_the_race_for_the_oth
     result = await run_race(("refused", "broken", "ok"), up.opener(), 5.0)
     assert result.winner is not None and result.winner.backend == "ok"
     verdicts = {o.backend: o for o in result.outcomes}
-    assert verdicts["refused"].verdict == FAILED and verdicts["refused"].error.kind == CONNECT
-    assert verdicts["broken"].verdict == FAILED and verdicts["broken"].error.kind == BROKEN
+    assert verdicts["refused"].verdict == Verdict.FAILED and verdicts["refused"].error.kind == CONNECT
+    assert verdicts["broken"].verdict == Verdict.FAILED and verdicts["broken"].error.kind == BROKEN
     assert result.client_error is None
     broken_stream = next(s for s in up.streams if s.backend == "broken")
     assert broken_stream.aborted
@@ -80,7 +81,7 @@ async def test_silent_engines_expire_at_the_deadline():
     result = await run_race(("d0", "d1"), up.opener(), 0.1)
     assert 0.1 <= loop.time() - t0 < 1.0
     assert result.winner is None
-    assert {o.backend: o.verdict for o in result.outcomes} == {"d0": REJECTED, "d1": EXPIRED}
+    assert {o.backend: o.verdict for o in result.outcomes} == {"d0": Verdict.REJECTED, "d1": Verdict.EXPIRED}
     assert next(s for s in up.streams if s.backend == "d1").aborted
 
 
@@ -93,7 +94,7 @@ async def test_a_rejection_reporting_the_prompt_length_extends_the_deadline():
     up = FakeUpstream({"d0": [rejection(1000, 0)], "d1": [[Pause(0.15), token("Hi", [7])]]})
     result = await run_race(("d0", "d1"), up.opener(), 0.05)
     assert result.winner is None
-    assert {o.backend: o.verdict for o in result.outcomes} == {"d0": REJECTED, "d1": EXPIRED}
+    assert {o.backend: o.verdict for o in result.outcomes} == {"d0": Verdict.REJECTED, "d1": Verdict.EXPIRED}
 
 
 async def test_cancelling_the_race_closes_every_stream():

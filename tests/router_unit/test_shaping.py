@@ -26,9 +26,9 @@ from vllm_shapes import (
 )
 from wire_fixtures import body, normalized, request_body, stream_chunks
 
-from router.admission import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
-from router.shaping import ResponseShaper
-from router.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
+from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
+from router.answer.shaper import ResponseShaper
+from router.engine.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
 
 PROMPT = [101, 102, 103, 104]
 
@@ -690,7 +690,7 @@ def test_real_threshold_rejection_captures(stream_name):
 
 def test_real_threshold_error_captures_are_not_router_errors():
     # The router owns the threshold: out-of-range client values that the plugin answers with
-    # a 400 are stripped at admission instead (documented in router/admission.py).
+    # a 400 are stripped at admission instead (documented in router/admission/spec.py).
     for name in ("threshold_error_out_of_range", "threshold_error_out_of_range_xargs"):
         spec = parse_request(ENDPOINT_COMPLETIONS, request_body(name))
         assert "cache_hit_threshold" not in spec.body

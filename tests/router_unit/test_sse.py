@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEDecoder, SSEError, format_event
+from router.engine.sse import DONE_EVENT, KEEPALIVE_EVENT, SSEDecoder, SSEError, format_event
 
 
 def decode_all(chunks: list[bytes]) -> list[bytes]:

@@ -1,4 +1,4 @@
-"""router/wire.py: the usage parser, token counting and the leg bodies not covered elsewhere
+"""router/engine/wire.py: the usage parser, token counting and the leg bodies not covered elsewhere
 (the streamed, prefill, decode and resume bodies: tests/router_unit/test_leg_bodies.py; the
 verdict: test_shaping.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.wire import (
+from router.engine.wire import (
     NO_USAGE,
     THRESHOLD_KEY,
     Usage,

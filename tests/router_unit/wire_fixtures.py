@@ -6,7 +6,7 @@ from pathlib import Path
 
 import orjson
 
-from router.sse import DONE_PAYLOAD, SSEDecoder
+from router.engine.sse import DONE_PAYLOAD, SSEDecoder
 
 WIRE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_wire"
 

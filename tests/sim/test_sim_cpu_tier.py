@@ -11,9 +11,9 @@ from engine_launcher.sim import SimEngineConfig
 from engine_launcher.sim.cli import build_parser, config_from_args
 from engine_launcher.sim.cpu_tier import CpuTier
 from engine_launcher.sim.kv_cache import hash_blocks
-from router.backends import BackendRegistry
-from router.config import BackendConfig, HealthConfig
-from router.engine_metrics import parse_load_metrics
+from router.config.schema import BackendConfig, HealthConfig
+from router.engine.scrape import parse_load_metrics
+from router.fleet.registry import BackendRegistry
 from support.metrics import scrape_metrics
 from support.sse import parse_sse
 

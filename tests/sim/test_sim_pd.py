@@ -7,7 +7,7 @@ import uuid
 
 from sim_testutil import post
 
-from router.wire import PREFILL_REQUEST_PARAMS
+from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.metrics import scrape_metrics
 from support.polling import eventually
 

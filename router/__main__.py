@@ -1,0 +1,7 @@
+"""`python -m router`: the same as the `router` command."""
+
+import sys
+
+from router.cli import main
+
+sys.exit(main())

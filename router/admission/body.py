@@ -1,0 +1,115 @@
+"""Reading a client's request body within the server's limits.
+
+The size limit is checked from the headers before anything is read; `Expect:
+100-continue` is answered only once the request passed authentication and holds a slot, so
+a body that would be refused is never invited; the body must arrive within
+`server.body_timeout_s`. For audio uploads only the form fields before the file part are
+read here (where clients put `model`); the rest streams upstream (router/server/forward.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from aiohttp import web
+
+from router import errors
+from router.config.schema import ServerConfig
+
+# Form fields read before the file part of an upload to find `model`; past it, any engine.
+MAX_FORM_PREFIX_BYTES = 64 * 1024
+_PART_NAME = re.compile(rb'name="([^"]*)"', re.IGNORECASE)
+FORM_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
+
+
+def check_length(request: web.Request, server: ServerConfig) -> None:
+    """413 for a declared Content-Length over server.max_body_bytes."""
+    length = request.content_length  # parsed from the headers on every access
+    if length is not None and length > server.max_body_bytes:
+        raise errors.payload_too_large(server.max_body_bytes)
+
+
+async def read_body(request: web.Request, server: ServerConfig) -> bytes:
+    """The whole body, or a RouterError: 413 too large, 400 unreadable, 408 too slow."""
+    check_length(request, server)
+    timeout = server.body_timeout_s
+    try:
+        if not request.content.is_eof():
+            await invite_body(request)
+        if request.content.is_eof():
+            # The whole body is already buffered (a small body arrives with the
+            # headers): read() cannot wait, so no timer to arm and cancel.
+            return await request.read()
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise errors.payload_too_large(server.max_body_bytes) from None
+    except web.RequestPayloadError as e:
+        # The body is not what its headers say (a Content-Encoding it is not encoded
+        # in, broken chunked framing): the client's error.
+        detail = getattr(e.__cause__, "message", None) or str(e)
+        raise errors.RouterError(400, f"The request body could not be read: {detail.strip()}") from None
+    except TimeoutError:
+        raise errors.RouterError(
+            408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s."
+        ) from None
+
+
+async def expect_handler(request: web.Request) -> web.Response | None:
+    """`Expect: 100-continue` on the generation routes is answered later, by
+    `invite_body`, once the request passed authentication and the size check and holds
+    a slot: a body that would be refused (401, 413, 429) is never invited."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        return None
+    err = errors.RouterError(417, f"Unknown Expect: {expect[:80]!r}")
+    resp = web.Response(body=err.body_bytes(), status=err.status, content_type="application/json")
+    resp.force_close()
+    return resp
+
+
+async def invite_body(request: web.Request) -> None:
+    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def model_from_form_prefix(prefix: bytes, boundary: bytes) -> tuple[bool, str | None]:
+    """(decided, model) from the start of a multipart/form-data body: decided once the
+    `model` field is complete or a file part has begun (then None: not sent before it)."""
+    delim = b"--" + boundary
+    parts = prefix.split(delim)
+    for i, part in enumerate(parts[1:], start=1):
+        head, sep, value = part.partition(b"\r\n\r\n")
+        if not sep:
+            return False, None  # the part's headers are not all here yet
+        m = _PART_NAME.search(head)
+        if b"filename=" in head.lower():
+            return True, None
+        if m is None or m.group(1) != b"model":
+            continue
+        if i == len(parts) - 1:
+            return False, None  # the value may still be arriving
+        return True, value.removesuffix(b"\r\n").decode("utf-8", "replace").strip() or None
+    return False, None
+
+
+async def read_form_prefix(request: web.Request, boundary: bytes, server: ServerConfig) -> tuple[bytes, str | None]:
+    """The upload's first bytes, up to the `model` field or the file part, and that model."""
+    prefix = b""
+    timeout = server.body_timeout_s
+    while len(prefix) < MAX_FORM_PREFIX_BYTES:
+        decided, model = model_from_form_prefix(prefix, boundary)
+        if decided:
+            return prefix, model
+        try:
+            async with asyncio.timeout(timeout):
+                data = await request.content.readany()
+        except TimeoutError:
+            raise errors.RouterError(
+                408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s."
+            ) from None
+        if not data:
+            break
+        prefix += data
+    return prefix, model_from_form_prefix(prefix, boundary)[1]

@@ -1,0 +1,279 @@
+"""router.toml's schema: the frozen dataclasses of every section, their defaults, and
+`load_config` (validation by section is router/config/parse.py).
+
+Every error names the key (dotted path, with list indexes) and what was expected, so
+`router check-config` and a failed start tell the user exactly what to fix.
+Defaults are safe: listen on loopback, bounded bodies, bounded concurrency, timeouts on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.names import EngineRole, Mode, Role, StrategyName
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, one line each; every line names the key and
+    what was expected."""
+
+    def __init__(self, *problems: str):
+        self.problems = list(problems)
+        super().__init__("\n".join(problems))
+
+    def report(self, prog: str) -> str:
+        """What a command prints: one line for one problem, else a count and a line each."""
+        if len(self.problems) == 1:
+            return f"{prog}: configuration error: {self.problems[0]}"
+        return "\n  ".join([f"{prog}: {len(self.problems)} configuration errors:", *self.problems])
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Client keys (Authorization: Bearer). Empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    # Key for admin routes (/admin/*). Empty: admin routes disabled.
+    admin_api_key: str = ""
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Audio uploads (multipart, streamed to the engine, never held whole): vLLM's own
+    # default limit (VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25).
+    max_upload_bytes: int = 25 * 1024 * 1024
+    # Requests executing at once; past it, up to max_queued_requests wait queue_timeout_s.
+    max_concurrent_requests: int = 1024
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    # Longest time to receive a request's body once its headers arrived (slow or stalled
+    # clients get 408 instead of holding a concurrency slot).
+    body_timeout_s: float = 30.0
+    # Per stream: bytes the router holds for a client that reads slower than the engine
+    # writes before it stops reading the engine (backpressure through the engine's socket).
+    stream_buffer_bytes: int = 8 * 1024
+    tls_cert: str = ""
+    tls_key: str = ""
+    log_level: str = "info"
+    # json: one JSON object per line (log shippers); text: for humans (router/observability/logs.py).
+    log_format: str = "json"
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    strategy: StrategyName = StrategyName.PROBE
+    # Fraction of the prompt an engine must already hold to accept a probe.
+    cache_hit_threshold: float = 0.5
+    # Threshold sent on decode legs (after a prefill, or when resuming); a small guard
+    # lets a decode engine that lost the cache (preemption) hand the request back.
+    decode_guard_threshold: float = 0.0
+    # Prompts shorter than this never go prefill/decode (an operator's floor; above it the
+    # cost model decides whether a split is faster).
+    min_pd_prompt_tokens: int = 256
+    # "auto": race when the measured saving of past races outweighs waiting for verdicts;
+    # "always": race every request (the engines are the only index the router trusts).
+    race: Mode = Mode.AUTO
+    # "auto": a prompt nobody accepted is split (prefill/decode) when the cost model predicts
+    # the split sooner; "always": split whenever a producer is available and the prompt is
+    # over min_pd_prompt_tokens (keeps prefills off the decoders, for their inter-token
+    # latency, which the time-to-first-token model does not weigh).
+    split: Mode = Mode.AUTO
+    # Probe race deadline floor; the cost model adds twice the slowest probed engine's
+    # predicted time to first token as an acceptor. Silent engines then count as rejections.
+    probe_deadline_ms: float = 250.0
+    # Where the cost model's measured engine speeds start (router/routing/speed_learner.py); the
+    # router replaces them with measurements after a few requests per engine.
+    prior_prefill_tokens_per_s: float = 10000.0
+    prior_kv_transfer_tokens_per_s: float = 100000.0
+    # Engines whose scraped waiting queue exceeds this are not probed (0: no bound).
+    max_probe_waiting: int = 0
+    # Probe at most this many engines per request (0: every available decode engine): those
+    # the router last sent the prompt's longest known prefix to, then the least loaded.
+    # Bounds the race's cost on large fleets (each probe is a request to an engine).
+    max_probes: int = 0
+    max_resumes: int = 3
+    # Retries on another backend for failures before the first token.
+    max_retries: int = 2
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    connect_s: float = 5.0
+    first_token_s: float = 120.0
+    idle_s: float = 60.0
+    total_s: float = 900.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    # Scrape of each backend's /metrics (load view) and /health (liveness).
+    scrape_interval_s: float = 1.0
+    check_interval_s: float = 2.0
+    # Circuit breaker: open after this many consecutive failures, half-open after cooldown.
+    failure_threshold: int = 3
+    cooldown_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry spans over OTLP/HTTP (router/observability/tracing.py); needs the `tracing` extra."""
+
+    enabled: bool = False
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "cachehit-router"
+    # Requests traced when the client sent no sampled traceparent (theirs is followed).
+    sample_ratio: float = 1.0
+    export_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    name: str
+    url: str
+    role: Role = Role.DECODE
+    # Served model names. Empty: discovered from the backend's /v1/models.
+    models: tuple[str, ...] = ()
+    # Sent upstream as Authorization: Bearer; never taken from clients.
+    api_key: str = ""
+    # Expected prefill speed of this engine (its hardware), where the cost model's fit of
+    # it starts; 0: routing.prior_prefill_tokens_per_s. Measurements replace it.
+    prefill_tokens_per_s: float = 0.0
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in (Role.DECODE, Role.BOTH)
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in (Role.PREFILL, Role.BOTH)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine the launcher starts (kind sim or vllm)."""
+
+    name: str
+    kind: str  # an EngineKind
+    role: EngineRole = EngineRole.BOTH
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    model: str = ""
+    served_model_name: str = ""
+    # NIXL side channel (vllm only); port 0: pick a free one.
+    nixl_side_channel_host: str = "127.0.0.1"
+    nixl_side_channel_port: int = 0
+    gpu_ids: tuple[int, ...] = ()
+    cpu_cores: tuple[int, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    # Also register as a router backend.
+    register: bool = True
+    # CPU tier of the KV cache (GiB of host memory per engine; 0: none): vLLM's
+    # OffloadingConnector next to NIXL, or the simulator's CPU tier (docs/LAUNCHER.md).
+    kv_offload_gib: float = 0.0
+
+    @property
+    def backend_role(self) -> Role:
+        """An engine's role in the launcher maps to the router-side backend role."""
+        return EngineRole(self.role).backend_role
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    log_dir: str = "engine-logs"
+    startup_timeout_s: float = 300.0
+    max_restarts: int = 5
+    restart_backoff_s: float = 1.0
+
+
+# The X-Request-Priority range (router/admission/tenants.py); a tenant's max_priority lies in it.
+MIN_PRIORITY, MAX_PRIORITY = -100, 100
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    api_key: str = ""
+    # Name of an environment variable holding the key (read at start).
+    api_key_env: str = ""
+    max_concurrent_requests: int = 0  # 0: only the server's limit
+    max_queued_requests: int = 0  # 0: as many as max_concurrent_requests (or the server's queue)
+    requests_per_s: float = 0.0  # 0: no rate limit
+    burst: int = 0  # 0: max(1, requests_per_s rounded up)
+    max_priority: int = 0
+
+
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    kind: str = "dns"
+    # kind dns: the name to resolve.
+    name: str = ""
+    # Engine port on every address found (kind kubernetes: the container port, by number).
+    port: int = 8000
+    role: Role = Role.DECODE
+    # Served model names; empty: read from each engine's /v1/models.
+    models: tuple[str, ...] = ()
+    # Seconds between two look-ups.
+    interval_s: float = 10.0
+    scheme: str = "http"
+    # Sent to the engines found as Authorization: Bearer.
+    api_key: str = ""
+    # kind dns: "ip" or "ip:port" ("[v6]:port") of the DNS servers; empty: the system's.
+    nameservers: tuple[str, ...] = ()
+    # kind kubernetes.
+    namespace: str = ""  # empty: the router pod's own namespace
+    label_selector: str = ""
+    api_server: str = ""  # empty: in-cluster (KUBERNETES_SERVICE_HOST / _PORT)
+    token_file: str = f"{SERVICE_ACCOUNT}/token"
+    ca_file: str = f"{SERVICE_ACCOUNT}/ca.crt"
+
+    @property
+    def source(self) -> str:
+        """The fleet source name of this table's backends (stable across reloads)."""
+        return f"discovery:{self.kind}:{self.name or self.label_selector}"
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    backends: tuple[BackendConfig, ...] = ()
+    engines: tuple[EngineConfig, ...] = ()
+    # Client keys with limits of their own (router/admission/tenants.py).
+    tenants: tuple[TenantConfig, ...] = ()
+    discovery: tuple[DiscoveryConfig, ...] = ()  # router/config/discovery.py
+
+    def all_backends(self, engine_urls: dict[str, str] | None = None) -> tuple[BackendConfig, ...]:
+        """Backends declared directly plus registered engines.
+
+        engine_urls maps an engine name to its actual URL once the launcher picked a port.
+        """
+        out = list(self.backends)
+        for e in self.engines:
+            if not e.register:
+                continue
+            url = (engine_urls or {}).get(e.name) or f"http://{e.host}:{e.port}"
+            models = (e.served_model_name or e.model,) if (e.served_model_name or e.model) else ()
+            out.append(BackendConfig(name=e.name, url=url, role=e.backend_role, models=models))
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        # Secrets are never printed.
+        d["server"]["api_keys"] = ["***"] * len(self.server.api_keys)
+        if self.server.admin_api_key:
+            d["server"]["admin_api_key"] = "***"
+        for b in [*d["backends"], *d["discovery"]]:
+            if b["api_key"]:
+                b["api_key"] = "***"
+        for t in d["tenants"]:
+            t["api_key"] = "***"
+        return d

@@ -1,0 +1,242 @@
+"""Upstream calls: one pooled aiohttp session, streamed legs that yield parsed chunks.
+
+Every upstream leg is an `UpstreamStream` (router/engine/stream.py). Deadlines: connect
+(aiohttp), first chunk, idle between chunks and total; each failure is an `UpstreamError`
+whose `kind` says precisely what happened, so the caller can retry, resume or report it.
+
+TCP_NODELAY: aiohttp's BaseProtocol sets it in `connection_made` for client and server
+sockets alike, so streamed chunks are not held back by Nagle's algorithm and delayed ACKs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+from typing import Any, Callable
+
+import aiohttp
+import orjson
+
+from router.config.schema import TimeoutsConfig
+from router.engine.errors import (
+    BROKEN,
+    CONNECT,
+    CONNECT_TIMEOUT,
+    FIRST_TOKEN_TIMEOUT,
+    MAX_ERROR_BODY,
+    PROTOCOL,
+    STATUS,
+    TOTAL_TIMEOUT,
+    UpstreamError,
+)
+from router.engine.stream import UpstreamStream
+from router.observability import tracing
+
+# aiohttp >= 3.10 raises ConnectionTimeoutError for connect/sock_connect; older versions
+# its parent ServerTimeoutError (only connect timeouts are configured on the session).
+_CONNECT_TIMEOUT_ERRORS = (getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ServerTimeoutError),)
+
+
+def _upstream_socket(rcvbuf: int, addr_info: Any) -> socket.socket:
+    """An engine connection's socket with a bounded receive buffer (set before connect,
+    so the TCP window is sized for it; Linux doubles the value)."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    return sock
+
+
+class UpstreamClient:
+    """The router's one HTTP client for all engines (pooled keep-alive connections)."""
+
+    def __init__(self, timeouts: TimeoutsConfig, read_buffer_bytes: int = 8 * 1024):
+        self.timeouts = timeouts
+        # How much of a leg aiohttp buffers before it stops reading the engine's socket
+        # (it pauses at twice its read_bufsize), and the socket's kernel receive buffer:
+        # with a slow client the router stops reading the leg, and these bound what piles
+        # up meanwhile (the rest waits at the engine).
+        self._read_bufsize = max(1024, read_buffer_bytes // 2)
+        self._rcvbuf = read_buffer_bytes
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=0,
+                limit_per_host=0,
+                ttl_dns_cache=300,
+                keepalive_timeout=30,
+                socket_factory=functools.partial(_upstream_socket, self._rcvbuf),
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                read_bufsize=self._read_bufsize,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=self.timeouts.connect_s, sock_connect=self.timeouts.connect_s
+                ),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @staticmethod
+    def _headers(api_key: str, trace: dict[str, str] | None = None) -> dict[str, str]:
+        # `trace`: the leg's trace context (traceparent, tracestate; router/observability/tracing.py).
+        h = {"Content-Type": "application/json", **trace} if trace else {"Content-Type": "application/json"}
+        if api_key:
+            h["Authorization"] = f"Bearer {api_key}"
+        return h
+
+    async def _post(
+        self,
+        backend: str,
+        url: str,
+        body: dict[str, Any],
+        api_key: str,
+        deadline: float | None,
+        timeout_kind: str = TOTAL_TIMEOUT,
+        trace: dict[str, str] | None = None,
+    ) -> aiohttp.ClientResponse:
+        """POST and wait for the response headers until `deadline`; a miss is an
+        UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
+        when the TCP connection itself took longer than timeouts.connect_s."""
+        try:
+            if deadline is None:  # bounded by the caller's timer (post_raw): skip a no-op Timeout
+                resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
+            else:
+                async with asyncio.timeout_at(deadline):
+                    resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
+        except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
+            raise UpstreamError(
+                backend, CONNECT_TIMEOUT, f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}"
+            ) from None
+        except TimeoutError:
+            raise UpstreamError(backend, timeout_kind, "no response headers in time") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError) as e:
+            raise UpstreamError(backend, CONNECT, f"cannot connect to {url}: {e}") from None
+        except aiohttp.ClientError as e:
+            raise UpstreamError(backend, CONNECT, f"request to {url} failed: {e!r}") from None
+        if resp.status != 200:
+            try:
+                raw = await resp.content.read(MAX_ERROR_BODY)
+            except (aiohttp.ClientError, ConnectionError):
+                raw = b""
+            finally:
+                resp.release()
+            raise UpstreamError(
+                backend,
+                STATUS,
+                f"HTTP {resp.status}: {raw[:300].decode('utf-8', 'replace')}",
+                status=resp.status,
+                body=raw,
+            )
+        return resp
+
+    async def open_stream(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> UpstreamStream:
+        """Open a streamed leg. `on_close` runs once when the leg is finished or aborted
+        (not when opening fails: the caller handles that)."""
+        loop = asyncio.get_running_loop()
+        if total_deadline is None:
+            total_deadline = loop.time() + self.timeouts.total_s
+        # The first-token deadline runs from now: headers and first chunk share it.
+        first_deadline = loop.time() + self.timeouts.first_token_s
+        if first_deadline < total_deadline:
+            head_deadline, kind = first_deadline, FIRST_TOKEN_TIMEOUT
+        else:
+            head_deadline, kind = total_deadline, TOTAL_TIMEOUT
+        leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
+        try:
+            resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace)
+        except BaseException as e:
+            tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
+            raise
+        stream = UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close, first_deadline=first_deadline)
+        stream._span = leg
+        return stream
+
+    async def post_raw(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+    ) -> bytes:
+        """A non-streaming call: the engine's 200 answer as bytes (errors raise)."""
+        loop = asyncio.get_running_loop()
+        if total_deadline is None:
+            total_deadline = loop.time() + self.timeouts.total_s
+        leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
+        try:
+            raw = await self._post_raw(backend, base_url + path, body, api_key, total_deadline, trace)
+        except BaseException as e:
+            tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
+            raise
+        tracing.end_leg(leg, "done")
+        return raw
+
+    async def _post_raw(
+        self,
+        backend: str,
+        url: str,
+        body: dict[str, Any],
+        api_key: str,
+        total_deadline: float,
+        trace: dict[str, str] | None,
+    ) -> bytes:
+        # One timer for headers and body (each timer is a heap entry on every request).
+        try:
+            async with asyncio.timeout_at(total_deadline):
+                resp = await self._post(backend, url, body, api_key, None, trace=trace)
+                try:
+                    return await resp.read()
+                except (aiohttp.ClientError, ConnectionError) as e:
+                    resp.close()
+                    raise UpstreamError(backend, BROKEN, f"connection lost: {e!r}") from None
+                except BaseException:  # the timer's cancellation included
+                    resp.close()
+                    raise
+        except TimeoutError:
+            raise UpstreamError(backend, TOTAL_TIMEOUT, "no complete response in time") from None
+
+    async def post_json(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        *,
+        api_key: str = "",
+        total_deadline: float | None = None,
+    ) -> dict[str, Any]:
+        raw = await self.post_raw(backend, base_url, path, body, api_key=api_key, total_deadline=total_deadline)
+        try:
+            out = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(backend, PROTOCOL, f"unparseable response {raw[:200]!r}") from None
+        if not isinstance(out, dict):
+            raise UpstreamError(backend, PROTOCOL, "response is not a JSON object")
+        return out
+
+    async def get_text(self, url: str, timeout_s: float, api_key: str = "") -> tuple[int, str]:
+        async with asyncio.timeout(timeout_s):
+            async with self.session.get(url, headers=self._headers(api_key)) as resp:
+                return resp.status, await resp.text()

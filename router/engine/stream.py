@@ -1,0 +1,163 @@
+"""One streamed engine leg: SSE chunks parsed as they arrive, under the leg's deadlines.
+
+`next_chunk()` returns the next parsed chunk (a dict) or None after `[DONE]`;
+`next_chunks()` everything already received; `abort()` drops the connection at once, which
+is how vLLM (and the simulator) learn that the client went away and abort the request.
+A missed deadline (first chunk, idle between chunks, total), a broken connection, an
+engine's error event or an unreadable chunk is an `UpstreamError` of its kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, Callable
+
+import aiohttp
+import orjson
+
+from router.config.schema import TimeoutsConfig
+from router.engine.errors import (
+    BROKEN,
+    ENGINE_ERROR,
+    FIRST_TOKEN_TIMEOUT,
+    IDLE_TIMEOUT,
+    PROTOCOL,
+    TOTAL_TIMEOUT,
+    UpstreamError,
+)
+from router.engine.sse import SSEDecoder, SSEError
+from router.observability import tracing
+
+
+class UpstreamStream:
+    """One streamed leg. Not safe for concurrent readers."""
+
+    __slots__ = (
+        "backend",
+        "_resp",
+        "_decoder",
+        "_pending",
+        "_loop",
+        "_timeouts",
+        "_total_deadline",
+        "_first_deadline",
+        "_done",
+        "_on_close",
+        "chunks_read",
+        "_span",
+    )
+
+    def __init__(
+        self,
+        backend: str,
+        resp: aiohttp.ClientResponse,
+        timeouts: TimeoutsConfig,
+        total_deadline: float,
+        on_close: Callable[[], None] | None = None,
+        first_deadline: float | None = None,
+    ):
+        self.backend = backend
+        self._resp = resp
+        self._decoder = SSEDecoder()
+        self._pending: deque[bytes] = deque()
+        self._on_close = on_close
+        self._loop = asyncio.get_running_loop()
+        self._timeouts = timeouts
+        self._total_deadline = total_deadline
+        # From when the request was sent (open_stream passes it), not from the headers.
+        self._first_deadline = (
+            first_deadline if first_deadline is not None else self._loop.time() + timeouts.first_token_s
+        )
+        self._done = False
+        self.chunks_read = 0
+        self._span = None  # the leg's trace span (router/observability/tracing.py), ended on close
+
+    async def next_chunk(self) -> dict[str, Any] | None:
+        """The next chunk, or None once the engine sent `[DONE]`."""
+        while not self._pending:
+            if self._done:
+                return None
+            await self._read_more()
+        return self._parse_next()
+
+    async def next_chunks(self) -> list[dict[str, Any]]:
+        """Every chunk already received (at least one, waiting for it if need be), or []
+        once the engine sent `[DONE]`. A chunk that cannot be read is raised on the call
+        after the chunks before it, so none of those is lost."""
+        first = await self.next_chunk()
+        if first is None:
+            return []
+        out = [first]
+        pending = self._pending
+        while pending and pending[0] != b"[DONE]":
+            try:
+                chunk = self._parse_next(peek=True)
+            except UpstreamError:
+                break  # left pending: the next call raises it
+            pending.popleft()
+            if chunk is not None:  # peeked past "[DONE]" never: the loop stops there
+                out.append(chunk)
+        return out
+
+    def _parse_next(self, peek: bool = False) -> dict[str, Any] | None:
+        payload = self._pending[0] if peek else self._pending.popleft()
+        if payload == b"[DONE]":
+            self._done = True
+            self._pending.clear()
+            return None
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise UpstreamError(self.backend, PROTOCOL, f"unparseable chunk {payload[:200]!r}") from None
+        if not isinstance(chunk, dict):
+            raise UpstreamError(self.backend, PROTOCOL, f"chunk is not an object: {payload[:200]!r}")
+        if "error" in chunk and "choices" not in chunk:
+            err = chunk["error"]
+            msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            raise UpstreamError(self.backend, ENGINE_ERROR, msg, body=chunk)
+        self.chunks_read += 1
+        return chunk
+
+    async def _read_more(self) -> None:
+        now = self._loop.time()
+        if self.chunks_read == 0:
+            deadline, kind = self._first_deadline, FIRST_TOKEN_TIMEOUT
+        else:
+            deadline, kind = now + self._timeouts.idle_s, IDLE_TIMEOUT
+        if self._total_deadline <= deadline:
+            deadline, kind = self._total_deadline, TOTAL_TIMEOUT
+        try:
+            async with asyncio.timeout_at(deadline):
+                data = await self._resp.content.readany()
+        except TimeoutError:
+            raise UpstreamError(self.backend, kind, "no data from the engine in time") from None
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise UpstreamError(self.backend, BROKEN, f"connection lost: {e!r}") from None
+        if not data:
+            # EOF before [DONE] (which would have been consumed first): a broken leg.
+            raise UpstreamError(self.backend, BROKEN, "stream ended without [DONE]")
+        try:
+            self._pending.extend(self._decoder.feed(data))
+        except SSEError as e:
+            raise UpstreamError(self.backend, PROTOCOL, str(e)) from None
+
+    def abort(self) -> None:
+        """Drop the connection now (the engine aborts the request). Idempotent."""
+        self._done = True
+        self._resp.close()
+        self._closed("aborted")
+
+    def finish(self) -> None:
+        """Release after [DONE]: the connection goes back to the pool. Idempotent."""
+        self._done = True
+        self._resp.release()
+        self._closed("done")
+
+    def _closed(self, outcome: str) -> None:
+        cb, self._on_close = self._on_close, None
+        if cb is not None:
+            cb()
+        span, self._span = self._span, None
+        if span is not None:
+            tracing.end_leg(span, outcome)

@@ -1,0 +1,196 @@
+"""Backends that come and go while the router runs.
+
+Every backend has one owner, the source that put it in the fleet: the configuration file
+(`config`, re-read on SIGHUP), the engines the router started (`engines`, fixed), the
+admin API (`admin`), or a `[[discovery]]` table (`discovery:<index>`). A source states the
+backends it wants (`reconcile`); the fleet adds the new ones and removes the ones that
+went away. Removal never drops a request: the backend is drained first (no new request or
+leg goes there) and forgotten only once nothing is in flight on it. An address that comes
+back while its drain is still running is simply put back in rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any, Callable, Coroutine, Mapping
+
+from router import errors
+from router.config.checks import check_url
+from router.config.schema import BackendConfig, ConfigError
+from router.fleet.health import HealthMonitor
+from router.fleet.registry import BackendRegistry, BackendState
+from router.names import Role
+
+log = logging.getLogger("cachehit_router.fleet")
+
+CONFIG, ENGINES, ADMIN = "config", "engines", "admin"
+# Names appear in metric labels and admin URLs: keep them to a safe alphabet.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@\[\]-]{0,127}$")
+# How often a removal looks whether the drained backend's last request ended.
+_IDLE_POLL_S = 0.02
+
+
+class Fleet:
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        monitor: HealthMonitor,
+        *,
+        on_added: Callable[[BackendState], None],
+        on_removed: Callable[[str], None],
+        initial: Mapping[str, str],
+    ):
+        self.registry = registry
+        self.monitor = monitor
+        self._on_added = on_added
+        self._on_removed = on_removed
+        self.owner: dict[str, str] = dict(initial)  # backend name -> source
+        self._removals: dict[str, asyncio.Task[Any]] = {}
+        self._replacing: dict[str, BackendConfig] = {}  # name -> its config once drained
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- queries ---------------------------------------------------------------------------
+    def removing(self, name: str) -> bool:
+        return name in self._removals
+
+    def owned_by(self, source: str) -> dict[str, BackendConfig]:
+        return {
+            n: self.registry.states[n].config
+            for n, o in self.owner.items()
+            if o == source and n in self.registry.states and n not in self._removals
+        }
+
+    # --- changes ---------------------------------------------------------------------------
+    async def add(
+        self, config: BackendConfig, source: str, checked: tuple[dict[str, float], tuple[str, ...] | None] | None = None
+    ) -> BackendState:
+        """Register `config` and run its first health check (it takes requests once one
+        passes), or take `checked`, the result of one that just passed (it is then in
+        rotation at once). A name being removed with the same configuration is put back."""
+        name = config.name
+        task = self._removals.get(name)
+        if task is not None and self.registry.states[name].config == config:
+            task.cancel()
+            self._removals.pop(name, None)
+            self.registry.set_draining(name, False)
+            self.owner[name] = source
+            log.info("backend %s: back before its removal finished; in rotation again", name)
+            return self.registry.states[name]
+        state = self.registry.add(config)  # ValueError for a taken name
+        self.owner[name] = source
+        self._on_added(state)
+        log.info("backend %s (%s, role %s) added by %s", name, config.url, config.role, source)
+        if checked is not None:
+            self.registry.record_scrape(name, *checked)
+        else:
+            await self.monitor.check_one(name, with_health=True)
+        return state
+
+    def remove(self, name: str) -> asyncio.Task[Any]:
+        """Drain `name`, then forget it once its last request ended (the returned task)."""
+        task = self._removals.get(name)
+        if task is not None:
+            return task
+        if name not in self.registry.states:
+            raise KeyError(name)
+        self.registry.set_draining(name, True)
+        task = asyncio.create_task(self._forget_when_idle(name), name=f"remove-{name}")
+        self._removals[name] = task
+        return task
+
+    async def _forget_when_idle(self, name: str) -> None:
+        state = self.registry.states[name]
+        # No deadline: every request has its own (timeouts.total_s), and forgetting a
+        # backend with requests on it would lose their accounting.
+        while state.inflight:
+            await asyncio.sleep(_IDLE_POLL_S)
+        self.registry.remove(name)
+        self.monitor.forget(name)
+        self.owner.pop(name, None)
+        self._removals.pop(name, None)
+        self._on_removed(name)
+        log.info("backend %s removed (drained, nothing in flight)", name)
+
+    async def reconcile(self, source: str, wanted: Mapping[str, BackendConfig], *, check_first: bool = False) -> None:
+        """Make `source`'s backends those of `wanted`. With `check_first`, a new backend
+        joins only once a health check passed (else the next reconcile tries again)."""
+        current = self.owned_by(source)
+        for name, config in current.items():
+            if wanted.get(name) != config:
+                self.remove(name)  # gone, or changed: a changed one comes back below
+        for name, config in wanted.items():
+            if current.get(name) == config:
+                continue
+            owner = self.owner.get(name)
+            if name in self.registry.states and owner != source:
+                log.warning("%s: backend name %r is taken (by %s); skipped", source, name, owner)
+                continue
+            if self.removing(name):
+                if self.registry.states[name].config == config:
+                    await self.add(config, source)  # back before its drain ended
+                elif self._replacing.get(name) != config:  # changed: the new one once the old is gone
+                    self._replacing[name] = config
+                    self._spawn(self._replace(name, config, source))
+                continue
+            checked = None
+            if check_first:
+                try:
+                    checked = await self.monitor.check(config, with_health=True, want_models=not config.models)
+                except (Exception, asyncio.TimeoutError) as e:
+                    log.info("%s: %s (%s) not added yet, its health check failed: %s", source, name, config.url, e)
+                    continue
+                if name in self.registry.states:  # added meanwhile
+                    continue
+            await self.add(config, source, checked)
+
+    async def _replace(self, name: str, config: BackendConfig, source: str) -> None:
+        removal = self._removals.get(name)
+        if removal is not None:
+            await asyncio.shield(removal)
+        if self._replacing.pop(name, None) == config and name not in self.registry.states:
+            await self.add(config, source)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for t in [*self._removals.values(), *self._tasks]:
+            t.cancel()
+        await asyncio.gather(*self._removals.values(), *self._tasks, return_exceptions=True)
+
+
+def backend_from_admin(raw: Any) -> BackendConfig:
+    """The body of POST /admin/backends, validated (400 naming the field otherwise)."""
+    if not isinstance(raw, dict):
+        raise errors.bad_request("Expected a JSON object with name, url, role and models.")
+    unknown = sorted(set(raw) - {"name", "url", "role", "models", "api_key"})
+    if unknown:
+        raise errors.bad_request(
+            f"Unknown field {unknown[0]!r}; expected name, url, role, models, api_key.", param=unknown[0]
+        )
+    name, url = raw.get("name"), raw.get("url")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise errors.bad_request(
+            "'name' must be 1-128 characters: letters, digits and . _ : @ [ ] -, starting with a letter or digit.",
+            param="name",
+        )
+    if not isinstance(url, str):
+        raise errors.bad_request("'url' must be a string: the engine's http:// or https:// base URL.", param="url")
+    try:
+        check_url("url", url)
+    except ConfigError as e:
+        raise errors.bad_request(str(e), param="url") from None
+    role = raw.get("role", Role.DECODE)
+    if role not in tuple(Role):
+        raise errors.bad_request(f"'role' must be one of {', '.join(Role)}.", param="role")
+    models = raw.get("models", [])
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise errors.bad_request("'models' must be a list of model names.", param="models")
+    api_key = raw.get("api_key", "")
+    if not isinstance(api_key, str):
+        raise errors.bad_request("'api_key' must be a string.", param="api_key")
+    return BackendConfig(name=name, url=url.rstrip("/"), role=Role(role), models=tuple(models), api_key=api_key)

@@ -1,0 +1,357 @@
+"""Backend registry: health, circuit breaker, in-flight counts, scraped load, snapshots.
+
+One place owns every fact about a backend. Planners never see this mutable state: they
+get a `ClusterSnapshot` of frozen `BackendView`s (router/routing/snapshot.py), so every routing
+policy is a pure function testable without sockets.
+
+Health has two sources, kept apart:
+- active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see
+  `record_scrape_failure` for when a failed check counts);
+- passive: the request path reports connection errors, timeouts and 5xx (`record_failure`)
+  and completed answers (`record_success`); they drive the circuit breaker.
+A per-backend circuit breaker opens after `failure_threshold` consecutive request failures.
+An open backend gets no requests (no probes) for `cooldown_s`; then one trial request goes
+through (half-open) and its success closes the breaker, its failure opens it again. A good
+health check does not close the breaker: an engine can answer /health and /metrics while
+failing every request. A trial that ends without a verdict (a probe that was rejected or
+lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one
+through, so a breaker never stays half-open for good.
+
+An operator can drain a backend (admin API): it gets no new request or leg, not even as
+the last resort of panic routing, while the requests it is serving finish.
+
+Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router
+sends holds a `LegTicket` from `open_leg` to `close_leg`; until its first token
+(`first_token`) its prompt tokens still to prefill are queued on the engine, after it the
+leg is one decoding sequence. The registry's `SpeedLearner` turns finished legs into each
+engine's measured speed, and every `BackendView` carries both.
+
+Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add`
+registers one, `remove` forgets a drained one once nothing is in flight on it. Feedback
+for a name that is gone (a health check or a failure that raced its removal) is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from router.config.schema import BackendConfig, HealthConfig
+from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
+from router.names import BreakerState
+from router.routing.snapshot import BackendView, ClusterSnapshot
+from router.routing.speed_learner import SpeedLearner
+
+log = logging.getLogger("cachehit_router.backends")
+
+# The breaker gauge's values.
+
+
+@dataclass
+class BackendState:
+    config: BackendConfig
+    models: tuple[str, ...]
+    healthy: bool = False
+    inflight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    consecutive_failures: int = 0
+    check_failures: int = 0  # consecutive failed health checks
+    breaker: BreakerState = BreakerState.CLOSED
+    opened_at: float = 0.0
+    half_open_trial_taken: bool = False
+    trial_at: float = 0.0
+    last_error: str = ""
+    last_scrape_ok: float = 0.0
+    draining: bool = False  # set by an operator: no new requests, in-flight ones finish
+    # Token-level load from this router's own legs (LegTicket).
+    queued_tokens: int = 0
+    prefilling: int = 0  # legs sent, no first token yet
+    decoding: int = 0  # legs past their first token
+    # Requests the last scrape saw beyond this router's own legs at that moment: traffic
+    # of other replicas (or clients that bypass the router).
+    others_waiting: float = 0.0
+    others_running: float = 0.0
+    threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
+
+
+@dataclass(slots=True)
+class LegTicket:
+    """One leg's place in its engine's load, from `open_leg` to `close_leg`.
+
+    `queued_ahead` and `decoding` are the cost model's inputs when the leg was sent: with
+    the tokens it lacked and its time to first token they make one speed sample."""
+
+    backend: str
+    tokens: int  # prompt tokens it adds to the engine's prefill queue until its first token
+    queued_ahead: float
+    decoding: float
+    sent_at: float
+    first_token_at: float | None = None
+    closed: bool = False
+
+
+@dataclass
+class BackendRegistry:
+    """Mutable backend state; the request path and the scraper update it."""
+
+    configs: Iterable[BackendConfig]
+    health: HealthConfig
+    clock: Callable[[], float] = time.monotonic
+    learner: SpeedLearner = field(default_factory=SpeedLearner)
+    states: dict[str, BackendState] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        for c in self.configs:
+            self.states[c.name] = BackendState(config=c, models=c.models)
+            if c.prefill_tokens_per_s > 0:
+                self.learner.engine_per_token_s[c.name] = 1.0 / c.prefill_tokens_per_s
+
+    # --- views -----------------------------------------------------------------------
+    def snapshot(self) -> ClusterSnapshot:
+        now = self.clock()
+        views = []
+        learner = self.learner
+        for s in self.states.values():
+            c = s.config
+            views.append(
+                BackendView(
+                    name=c.name,
+                    url=c.url,
+                    decodes=c.decodes,
+                    prefills=c.prefills,
+                    models=s.models,
+                    available=self._available(s, now),
+                    inflight=s.inflight,
+                    running=s.running,
+                    waiting=s.waiting,
+                    kv_usage=s.kv_usage,
+                    drained=s.draining,
+                    queued_tokens=self._queued_tokens(s, now),
+                    decoding=self._decoding(s),
+                    prefilling=s.prefilling,
+                    speed=learner.speed(c.name),
+                    threshold_capable=s.threshold_capable is not False,
+                )
+            )
+        return ClusterSnapshot(
+            tuple(views),
+            learner.transfer(),
+            learner.chars_per_token,
+            learner.race_wait_s,
+            learner.race_saving_share,
+            learner.race_saving_share_unplaced,
+        )
+
+    def _queued_tokens(self, s: BackendState, now: float) -> float:
+        """Own queued prefill tokens, plus other replicas' waiting requests as the last
+        scrape saw them, at the mean prompt length, less what the engine has prefilled at
+        its measured speed since that scrape (a scrape is a moment of the past: a burst it
+        caught is gone a few hundred milliseconds later)."""
+        others = s.others_waiting * self.learner.mean_prompt_tokens
+        if others > 0.0:
+            per_token_s = max(self.learner.speed(s.config.name).per_token_s, 1e-9)
+            others = max(others - max(now - s.last_scrape_ok, 0.0) / per_token_s, 0.0)
+        return s.queued_tokens + others
+
+    @staticmethod
+    def _decoding(s: BackendState) -> float:
+        return s.decoding + s.others_running
+
+    def _available(self, s: BackendState, now: float) -> bool:
+        if s.draining:
+            return False
+        if s.breaker == BreakerState.OPEN:
+            # After the cool-down the breaker lets one trial through.
+            return s.healthy and now - s.opened_at >= self.health.cooldown_s
+        if s.breaker == BreakerState.HALF_OPEN:
+            return s.healthy and (not s.half_open_trial_taken or now - s.trial_at >= self.health.cooldown_s)
+        return s.healthy
+
+    def ready(self) -> bool:
+        return any(v.available and v.decodes for v in self.snapshot().backends)
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for s in self.states.values():
+            if s.healthy:
+                for m in s.models:
+                    seen[m] = None
+        return list(seen)
+
+    # --- operator ----------------------------------------------------------------------
+    def add(self, config: BackendConfig) -> BackendState:
+        """Register a new backend: unhealthy (no requests) until a health check passes."""
+        if config.name in self.states:
+            raise ValueError(f"backend {config.name!r} already exists")
+        s = self.states[config.name] = BackendState(config=config, models=config.models)
+        if config.prefill_tokens_per_s > 0:
+            self.learner.engine_per_token_s[config.name] = 1.0 / config.prefill_tokens_per_s
+        return s
+
+    def remove(self, name: str) -> None:
+        """Forget a drained backend with nothing in flight (see `router/fleet/membership.py`)."""
+        s = self.states.get(name)
+        if s is None:
+            return
+        if not s.draining or s.inflight:
+            raise ValueError(f"backend {name!r} must be drained and idle before removal")
+        del self.states[name]
+        # A backend added again under this name may be another machine: its speed is learnt anew.
+        self.learner.forget_engine(name)
+        self.learner.engine_per_token_s.pop(name, None)
+
+    def set_draining(self, name: str, draining: bool) -> None:
+        """Take `name` out of rotation (its in-flight requests finish) or put it back."""
+        s = self.states[name]
+        if s.draining != draining:
+            log.warning(
+                "backend %s: %s by the operator", name, "draining (no new requests)" if draining else "back in rotation"
+            )
+        s.draining = draining
+
+    # --- legs: token-level load and speed samples -------------------------------------
+    def open_leg(self, name: str, tokens: int = 0) -> LegTicket:
+        """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
+        (0 for a probe: an acceptor's prefill is done by the time it answers)."""
+        s = self.states[name]
+        now = self.clock()
+        ticket = LegTicket(name, max(int(tokens), 0), self._queued_tokens(s, now), self._decoding(s), now)
+        self.acquire(name)
+        s.queued_tokens += ticket.tokens
+        s.prefilling += 1
+        return ticket
+
+    def first_token(self, ticket: LegTicket, at: float | None = None) -> None:
+        """The leg's first token arrived: its prefill left the engine's queue."""
+        if ticket.first_token_at is not None or ticket.closed:
+            return
+        ticket.first_token_at = self.clock() if at is None else at
+        s = self.states.get(ticket.backend)
+        if s is not None:
+            s.queued_tokens -= ticket.tokens
+            s.prefilling -= 1
+            s.decoding += 1
+
+    def close_leg(self, ticket: LegTicket) -> None:
+        """The leg ended (finished, failed, cancelled). Safe to call more than once."""
+        if ticket.closed:
+            return
+        ticket.closed = True
+        s = self.states.get(ticket.backend)
+        if s is None:
+            return
+        if ticket.first_token_at is None:
+            s.queued_tokens -= ticket.tokens
+            s.prefilling -= 1
+        else:
+            s.decoding -= 1
+        self.release(ticket.backend)
+
+    def learn_first_token(self, ticket: LegTicket, lacking_tokens: int, held_tokens: int = 0) -> float | None:
+        """One speed sample from a leg that reached its first token, now that its usage says
+        how many prompt tokens it lacked and held. Returns the observed seconds to first
+        token. The held tokens' load time (CPU tier) is the scraped counters' to explain,
+        so it is taken out of the sample before it teaches the prefill speed."""
+        if ticket.first_token_at is None:
+            return None
+        seconds = ticket.first_token_at - ticket.sent_at
+        loading = self.learner.speed(ticket.backend).held_cost_s(held_tokens)
+        self.learner.observe_first_token(
+            ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
+        )
+        return seconds
+
+    # --- request-path feedback ---------------------------------------------------------
+    def acquire(self, name: str) -> None:
+        s = self.states[name]
+        s.inflight += 1
+        now = self.clock()
+        if s.breaker == BreakerState.OPEN and now - s.opened_at >= self.health.cooldown_s:
+            s.breaker = BreakerState.HALF_OPEN
+            log.info("backend %s: circuit half-open, one trial request", name)
+        if s.breaker == BreakerState.HALF_OPEN:
+            s.half_open_trial_taken = True
+            s.trial_at = now
+
+    def release(self, name: str) -> None:
+        s = self.states[name]
+        s.inflight -= 1
+        if s.breaker == BreakerState.HALF_OPEN:
+            # The trial's verdict (record_success / record_failure) follows if it had one;
+            # a trial without one (rejected or cancelled probe) frees the slot.
+            s.half_open_trial_taken = False
+
+    def record_success(self, name: str) -> None:
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
+        s.consecutive_failures = 0
+        if s.breaker != BreakerState.CLOSED or not s.healthy:
+            log.info("backend %s: healthy again (breaker closed)", name)
+        s.breaker = BreakerState.CLOSED
+        s.half_open_trial_taken = False
+        s.healthy = True
+
+    def record_failure(self, name: str, reason: str) -> None:
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
+        s.consecutive_failures += 1
+        s.last_error = reason
+        if s.breaker == BreakerState.HALF_OPEN or (
+            s.breaker == BreakerState.CLOSED and s.consecutive_failures >= self.health.failure_threshold
+        ):
+            log.warning("backend %s: circuit opened after %d failures (%s)", name, s.consecutive_failures, reason)
+            s.breaker = BreakerState.OPEN
+            s.opened_at = self.clock()
+            s.half_open_trial_taken = False
+
+    # --- scraper feedback ----------------------------------------------------------------
+    def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
+        s.check_failures = 0
+        s.running = load.get(RUNNING, 0.0)
+        s.waiting = load.get(WAITING, 0.0)
+        # What the engine holds beyond this router's legs now is other replicas' traffic:
+        # waiting first (our prefilling legs may sit in either queue), the rest running.
+        others = max(s.running + s.waiting - s.prefilling - s.decoding, 0.0)
+        s.others_waiting = min(others, max(s.waiting - s.prefilling, 0.0))
+        s.others_running = others - s.others_waiting
+        s.kv_usage = load.get(KV_USAGE, 0.0)
+        if HITS_DEVICE in load:
+            self.learner.observe_cache_tiers(
+                name, load[HITS_DEVICE], load.get(HITS_HOST, 0.0), load.get(OFFLOAD_LOAD_TIME, 0.0)
+            )
+        s.last_scrape_ok = self.clock()
+        if models is not None and not s.config.models and models != s.models:
+            if s.models:
+                log.info("backend %s: now serves %s", name, ", ".join(models))
+            s.models = models
+        if not s.healthy:
+            log.info(
+                "backend %s: answers its health checks again%s",
+                name,
+                "" if s.breaker == BreakerState.CLOSED else f" (circuit {s.breaker} until a trial request succeeds)",
+            )
+        # Healthy, but the breaker is left alone: only requests close it.
+        s.healthy = True
+
+    def record_scrape_failure(self, name: str, reason: str, definitive: bool = True) -> None:
+        """A failed health check. Definitive failures (connection refused: nothing
+        listens) mark the backend down at once; ambiguous ones (a timeout, which a loaded
+        machine produces too) only after `failure_threshold` in a row."""
+        s = self.states.get(name)
+        if s is None:  # removed meanwhile
+            return
+        s.check_failures += 1
+        if definitive or s.check_failures >= self.health.failure_threshold:
+            if s.healthy:
+                log.warning("backend %s: unreachable (%s), skipped until it answers", name, reason)
+            s.healthy = False
+        s.last_error = reason

@@ -1,0 +1,190 @@
+"""What every routing strategy shares: the query, the plan, the `Strategy` interface and
+the cost-model helpers the planners in router/routing/policies/ are built from.
+
+A strategy answers one question, `plan(query, snapshot, exclude) -> Plan`: which backends
+to probe with which cache-hit threshold, or which single backend to send the request to.
+The fallback after a race that found no cache is router/routing/fallback.py. Nothing here does
+I/O, so every policy is unit-tested with plain data. Strategies may keep small state that
+a feedback hook (`on_routed`, as in Ray Serve's request router) updates: the round-robin
+counter and the prefix memory of where prompts went.
+
+Every load- or cache-aware choice is "least predicted time to first token"
+(router/routing/costmodel.py: queued prefill tokens, tokens the engine lacks, decoding sequences,
+measured speed). Ties rotate with a per-request salt so equal engines share traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence
+
+from router.config.schema import RoutingConfig
+from router.names import StrategyName
+from router.routing import costmodel
+from router.routing.prefix_memory import PrefixMemory
+from router.routing.snapshot import BackendView, ClusterSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """The part of a request a planner may look at."""
+
+    model: str | None
+    text: str  # prompt text (chat: rendered messages), for prefix affinity
+    salt: int = 0  # spreads ties; e.g. hash of the request id
+    prompt_tokens: int | None = None  # exact when the prompt came as token ids
+
+    def tokens(self, snap: ClusterSnapshot) -> float:
+        """The prompt's length in tokens: exact, or from the learned characters per token."""
+        if self.prompt_tokens is not None:
+            return float(self.prompt_tokens)
+        return len(self.text) / max(snap.chars_per_token, 0.5)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """First step for a request: race `probes` at `threshold`, or send to `direct`."""
+
+    probes: tuple[str, ...] = ()
+    threshold: float = 0.0
+    deadline_s: float = 0.0
+    # Added to the deadline per prompt token once the prompt's length is known.
+    deadline_per_prompt_token_s: float = 0.0
+    direct: str | None = None
+    # Cost-model figures of the choice: prompt tokens the chosen engine is expected to
+    # prefill (its queue grows by that until the first token) and the predicted seconds
+    # to first token, per probe when racing.
+    prefill_tokens: int = 0
+    predicted_ttft_s: float | None = None
+    probe_ttft_s: tuple[float, ...] = ()
+    # The race's alternative: where the request would have gone without it.
+    cold: str | None = None
+    cold_ttft_s: float | None = None
+    scratch_ttft_s: float | None = None  # the best engine computing the whole prompt
+    # The race was skipped: the prompt is computed where the fallback's cost model says,
+    # which may be a prefill/decode split (router/routing/fallback.py).
+    skipped_race: bool = False
+    # The prefix memory expected the prompt on some engine (what a race is worth is
+    # measured apart for prompts it places and prompts it does not).
+    placed: bool = True
+
+    @property
+    def empty(self) -> bool:
+        return not self.probes and self.direct is None
+
+
+def predicted_ttft(b: BackendView, lacking: float, prompt_tokens: float | None = None) -> float:
+    """The cost model on one backend as the snapshot sees it; with `prompt_tokens`, the
+    tokens it holds (prompt - lacking) cost what loading them from its CPU tier costs."""
+    held = 0.0 if prompt_tokens is None else max(prompt_tokens - max(lacking, 0.0), 0.0)
+    return costmodel.ttft(b.speed, b.queued_tokens, b.decoding, lacking, held)
+
+
+def fastest(
+    candidates: Sequence[BackendView],
+    lacking: Callable[[BackendView], float],
+    salt: int = 0,
+    prompt_tokens: float | None = None,
+) -> tuple[BackendView, float]:
+    """The backend with the least predicted time to first token, and that time; equal
+    predictions rotate with `salt` (KV usage breaks ties first: more room, fewer preemptions)."""
+    n = len(candidates)
+    costs = [predicted_ttft(b, lacking(b), prompt_tokens) for b in candidates]
+    best = min(range(n), key=lambda i: (costs[i], candidates[i].kv_usage, (i - salt) % n))
+    return candidates[best], costs[best]
+
+
+class Strategy(Protocol):
+    """A routing policy (router/routing/policies/): a planner and the feedback it learns from."""
+
+    name: StrategyName
+
+    @staticmethod
+    def validate(routing: RoutingConfig) -> list[str]:
+        """Problems of the `routing` keys this policy reads, each naming its key."""
+        ...
+
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan: ...
+
+    def on_routed(self, query: RouteQuery, backend: str) -> None:
+        """Feedback: `backend` served `query` (winner, fallback decode, or direct)."""
+        ...
+
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
+        """Prompt tokens each backend is expected to hold (with `sent_within_s`: because
+        the router sent it the prompt that recently, so it may still be computing it)."""
+        ...
+
+
+class Policy(Protocol):
+    """A policy as the registry holds it (router/routing/policies/): its class, which names itself,
+    validates the routing keys it reads, and builds a planner from them."""
+
+    name: StrategyName
+
+    def __call__(self, routing: RoutingConfig) -> Strategy: ...
+
+    @staticmethod
+    def validate(routing: RoutingConfig) -> list[str]: ...
+
+
+class RemembersPrefixes:
+    """A planner's feedback when it remembers where it sent prompts (router/routing/prefix_memory.py):
+    each routed prompt goes into the memory, whose expectations are the planner's hits. A
+    reload that keeps the policy hands the memory on (where prompts went is still true)."""
+
+    memory: PrefixMemory
+
+    def on_routed(self, query: RouteQuery, backend: str) -> None:
+        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
+
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
+        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
+
+
+def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str]) -> list[BackendView]:
+    return [b for b in snap.decoders(query.model) if b.name not in exclude]
+
+
+def direct_plan(
+    query: RouteQuery, snap: ClusterSnapshot, candidates: Sequence[BackendView], hits: Mapping[str, float]
+) -> Plan:
+    """Send to the candidate with the least predicted time to first token, each lacking
+    the prompt minus its expected hit."""
+    n = query.tokens(snap)
+    best, seconds = fastest(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
+    return Plan(
+        direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)), predicted_ttft_s=seconds
+    )
+
+
+def race_value(
+    plan: Plan,
+    snap: ClusterSnapshot,
+    prompt_tokens: float,
+    expected: Mapping[str, float],
+    winner: str | None,
+    chosen_ttft_s: float | None,
+    reported: Mapping[str, float],
+) -> float:
+    """What a finished race was worth, as a share of the prompt's prefill time on the cold
+    choice: how much sooner its outcome is predicted to deliver the first token than the
+    cold choice would have, judged with what the engines reported (the truth) where they
+    reported. A winner other than the cold choice saved the difference between the cold
+    choice and the winner as an acceptor; the cold choice winning saved nothing."""
+    cold = snap.get(plan.cold) if plan.cold else None
+    if cold is None or prompt_tokens <= 0:
+        return 0.0
+    held = reported.get(cold.name, expected.get(cold.name, 0.0))
+    cold_s = predicted_ttft(cold, prompt_tokens - held, prompt_tokens)
+    if winner is not None:
+        if winner == cold.name:
+            return 0.0
+        chosen_ttft_s = dict(zip(plan.probes, plan.probe_ttft_s)).get(winner)
+    if chosen_ttft_s is None:
+        return 0.0
+    return max(cold_s - chosen_ttft_s, 0.0) / costmodel.hit_saving_s(cold.speed, prompt_tokens)

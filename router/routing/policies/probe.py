@@ -1,0 +1,152 @@
+"""`probe`: ask the engines whether they hold the prompt, by racing probes at the cache-hit
+threshold where the cost model says a race is worth its wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from router.config.checks import Problems, check_fraction, check_one_of, check_positive
+from router.config.schema import RoutingConfig
+from router.names import Mode, StrategyName
+from router.routing import costmodel
+from router.routing.planning import (
+    Plan,
+    RemembersPrefixes,
+    RouteQuery,
+    decoders_for,
+    direct_plan,
+    fastest,
+    predicted_ttft,
+)
+from router.routing.prefix_memory import PrefixMemory
+from router.routing.snapshot import ClusterSnapshot
+
+# Of the requests whose race the learned figures call not worth it, one in this many races
+# anyway, so that what races are worth keeps being measured as traffic changes.
+EXPLORE_ONE_IN = 16
+
+# The race deadline allows an acceptor this many times its predicted time to first token:
+# predictions are medians, and an acceptor cut off at the deadline costs a whole fallback.
+DEADLINE_MARGIN = 2.0
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """The `[routing]` keys the probe policy reads (docs/CONFIG.md)."""
+
+    race: Mode
+    cache_hit_threshold: float
+    probe_deadline_ms: float
+    max_probe_waiting: int
+    max_probes: int
+
+    @classmethod
+    def from_routing(cls, routing: RoutingConfig) -> ProbeConfig:
+        return cls(
+            race=routing.race,
+            cache_hit_threshold=routing.cache_hit_threshold,
+            probe_deadline_ms=routing.probe_deadline_ms,
+            max_probe_waiting=routing.max_probe_waiting,
+            max_probes=routing.max_probes,
+        )
+
+
+class ProbeStrategy(RemembersPrefixes):
+    """Ask the engines: probe the decode backends at threshold T.
+
+    Which ones, from the cost model: an engine that accepts holds at least T of the prompt
+    (or what the prefix memory expects it to hold, if more), so its predicted time to first
+    token as an acceptor is ttft(queue, prompt - max(T * prompt, expected hit)). It is probed
+    only if that is no later than the best engine computing the whole prompt: an acceptor
+    slower than that can only make the request wait. (The bound leaves the memory out: it
+    may be stale, and an engine it wrongly favours must not keep the others from being
+    asked.) With `max_probes` the qualifying engines are ranked by that prediction; with
+    `max_probe_waiting` engines with a longer scraped queue are skipped.
+
+    Whether to race at all: a race is worth what the engines know that the router does not
+    (a prefix another replica sent, an eviction the memory missed, a CPU-tier copy). The
+    router measures it (`race_value`): the share of the prompt's prefill time that racing
+    saved over the cold choice. The request races if that share of its prefill time on the
+    cold choice is more than what waiting for verdicts has cost (`race_wait_s`); otherwise it
+    goes straight to the cold choice, as does one whose prompt is too short for any hit to
+    beat the wait. One in `EXPLORE_ONE_IN` of the skipped requests races anyway, so the
+    measurement follows the traffic.
+
+    The prefix memory (`on_routed`) also serves the fallback: an engine still computing a
+    cold prompt rejects a follower sharing its prefix (the blocks are not cached yet), so
+    `expected_hits` adds what the engines will hold to what they said they hold.
+    """
+
+    name = StrategyName.PROBE
+
+    def __init__(self, routing: RoutingConfig, memory: PrefixMemory | None = None):
+        self.config = ProbeConfig.from_routing(routing)
+        self.memory = memory or PrefixMemory()
+
+    @staticmethod
+    def validate(routing: RoutingConfig) -> list[str]:
+        problems = Problems()
+        problems.check(check_one_of, "routing.race", routing.race, Mode)
+        problems.check(check_fraction, "routing.cache_hit_threshold", routing.cache_hit_threshold)
+        problems.check(check_positive, "routing.probe_deadline_ms", routing.probe_deadline_ms)
+        problems.check(check_positive, "routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
+        problems.check(check_positive, "routing.max_probes", routing.max_probes, allow_zero=True)
+        return problems.found
+
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        decoders = decoders_for(query, snap, exclude)
+        if not decoders:
+            return Plan()
+        # Engines without the threshold would accept every probe: never probed, only sent
+        # to directly when no engine can be probed, or as a fallback.
+        n = query.tokens(snap)
+        hits = self.expected_hits(query, n)
+        capable = [b for b in decoders if b.threshold_capable]
+        if not capable:
+            return direct_plan(query, snap, decoders, hits)
+        decoders = capable
+        bound = self.config.max_probe_waiting
+        if bound:
+            decoders = [b for b in decoders if b.waiting <= bound] or decoders
+        cold = direct_plan(query, snap, decoders, hits)
+        assert cold.predicted_ttft_s is not None and cold.direct is not None
+        best = snap.get(cold.direct)
+        # What the memory expects is a guess (engines evict; other replicas route too), so
+        # the most a race can save is the whole prompt's prefill on the cold choice.
+        placed = any(v > 0.0 for v in hits.values())
+        skip = replace(cold, skipped_race=True, placed=placed)
+        most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
+        if self.config.race == Mode.AUTO:
+            if most <= snap.race_wait_s:
+                return skip
+            share = snap.race_saving_share if placed else snap.race_saving_share_unplaced
+            if share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
+                return skip
+        t = self.config.cache_hit_threshold
+        _, from_scratch = fastest(decoders, lambda b: n, query.salt)
+        as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0)), n), b) for b in decoders]
+        worth = [(s, b) for s, b in as_acceptor if s <= from_scratch]
+        if not worth:
+            return skip
+        limit = self.config.max_probes
+        if limit and len(worth) > limit:
+            k = len(decoders)
+            order = {b.name: i for i, b in enumerate(decoders)}
+            worth.sort(key=lambda sb: (sb[0], (order[sb[1].name] - query.salt) % k))
+            worth = worth[:limit]
+        # Deadline: the slowest probed engine's predicted time as an acceptor, with margin,
+        # on top of the configured floor; it grows with the prompt once a rejection says
+        # how long the prompt is (the estimate from characters may be short).
+        slowest = max(b.speed.per_token_s for _, b in worth)
+        return Plan(
+            probes=tuple(b.name for _, b in worth),
+            threshold=t,
+            deadline_s=self.config.probe_deadline_ms / 1000.0 + DEADLINE_MARGIN * max(s for s, _ in worth),
+            deadline_per_prompt_token_s=DEADLINE_MARGIN * (1.0 - t) * max(slowest, costmodel.MIN_PER_TOKEN_S),
+            probe_ttft_s=tuple(s for s, _ in worth),
+            cold=cold.direct,
+            cold_ttft_s=cold.predicted_ttft_s,
+            scratch_ttft_s=from_scratch,
+            placed=placed,
+        )

@@ -1,0 +1,41 @@
+"""`round_robin`: each request to the next decode backend in turn, blind to load and cache
+(a baseline).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from router.config.schema import RoutingConfig
+from router.names import StrategyName
+from router.routing.planning import Plan, RouteQuery, decoders_for, predicted_ttft
+from router.routing.snapshot import ClusterSnapshot
+
+
+class RoundRobinStrategy:
+    """Each request to the next decode backend in turn: blind to load and cache."""
+
+    name = StrategyName.ROUND_ROBIN
+
+    def __init__(self, routing: RoutingConfig):
+        self._counter = itertools.count()
+
+    @staticmethod
+    def validate(routing: RoutingConfig) -> list[str]:
+        return []  # reads no routing keys
+
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        decoders = decoders_for(query, snap, exclude)
+        if not decoders:
+            return Plan()
+        b = decoders[next(self._counter) % len(decoders)]
+        n = query.tokens(snap)
+        return Plan(direct=b.name, prefill_tokens=round(n), predicted_ttft_s=predicted_ttft(b, n))
+
+    def on_routed(self, query: RouteQuery, backend: str) -> None:
+        pass
+
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
+        return {}

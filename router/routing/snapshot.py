@@ -1,0 +1,75 @@
+"""What a planner may know: a frozen snapshot of the backends at one instant.
+
+The registry (router/fleet/registry.py) owns the mutable facts; every plan is made over a
+`ClusterSnapshot` of `BackendView`s, so routing policies are pure functions, testable
+without sockets, and a plan never sees a backend change under it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.routing.costmodel import EngineSpeed, TransferSpeed
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    """What a planner may know about one backend at one instant."""
+
+    name: str
+    url: str
+    decodes: bool
+    prefills: bool
+    models: tuple[str, ...]
+    available: bool  # healthy and breaker not open (half-open counts: it takes a trial)
+    inflight: int  # requests the router has open on it now
+    running: float  # scraped vllm:num_requests_running
+    waiting: float  # scraped vllm:num_requests_waiting
+    kv_usage: float  # scraped vllm:kv_cache_usage_perc, 0..1
+    drained: bool = False  # taken out of rotation by an operator (never routed to)
+    # Prompt tokens still to prefill ahead of a request sent now (router/routing/costmodel.py).
+    queued_tokens: float = 0.0
+    decoding: float = 0.0  # sequences generating
+    prefilling: int = 0  # this router's legs there without a first token yet
+    speed: EngineSpeed = EngineSpeed()
+    # False: a stock engine without the threshold plugin, never probed (router/fleet/capability.py).
+    threshold_capable: bool = True
+
+    @property
+    def load(self) -> float:
+        """One interpretable load figure: requests queued or running on the engine,
+        as the router sees them (its own in-flight) or as the engine reports them,
+        whichever is larger (scrapes lag; in-flight misses other routers' traffic)."""
+        return max(float(self.inflight), self.running + self.waiting)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    backends: tuple[BackendView, ...]
+    # Learned cluster-wide figures the cost model reads (router/routing/speed_learner.py).
+    transfer: TransferSpeed = TransferSpeed()
+    chars_per_token: float = 4.0
+    race_wait_s: float = 0.005  # what waiting for the verdicts of a race nobody won costs
+    race_saving_share: float = 0.5  # share of a prompt's prefill time races have been saving
+    race_saving_share_unplaced: float = 0.5  # the same for prompts the memory places nowhere
+
+    def decoders(self, model: str | None) -> list[BackendView]:
+        """Available decode backends for `model`. If none is available, every decode
+        backend for the model (panic routing, as Envoy does below its panic threshold): a
+        health view that says "nothing works" is more often wrong (checks timing out under
+        load) than right, and a real attempt fails fast with a precise error anyway. A
+        drained backend is never among them: an operator took it out on purpose."""
+        serving = [b for b in self.backends if b.decodes and b.serves(model) and not b.drained]
+        return [b for b in serving if b.available] or serving
+
+    def prefillers(self, model: str | None) -> list[BackendView]:
+        return [b for b in self.backends if b.available and b.prefills and b.serves(model)]
+
+    def get(self, name: str) -> BackendView | None:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        return None

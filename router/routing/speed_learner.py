@@ -1,0 +1,293 @@
+"""Learning the cost model's numbers online from what the router observes.
+
+The cost model (router/routing/costmodel.py) needs each engine's speed, the KV transfer's speed,
+how many characters a prompt token is, and what a probe rejection costs. None of these is
+configured per workload: each starts at a prior and follows the measurements:
+
+- engine speed: every leg that produced a first token is one sample, (prefill tokens
+  ahead of it when it was sent + tokens it lacked, decoding sequences then) -> seconds to
+  its first token. A per-engine recursive least-squares fit with exponential forgetting
+  (`OnlineLinear`), robust to outliers (residuals clipped at a few times their running
+  size: a preemption or a stall must not teach the model that every token is slow).
+  Engines of a fleet are usually alike, so every sample also feeds one fleet-wide fit; an
+  engine with fewer than `OWN_FIT_SAMPLES` samples of its own is predicted by the fleet's
+  (an engine judged by the prior while its peers are measured would be wrongly skipped or
+  wrongly chosen), and its own fit starts from the fleet's; its per-token cost stays within
+  `OWN_FIT_SPREAD` of the fleet's. An engine configured with its
+  own speed (`[[backends]] prefill_tokens_per_s`: other hardware) starts from that instead.
+  The fleet fit starts at the routing prior.
+- transfer: decode legs that pulled their KV, (prompt tokens) -> seconds to first token.
+- characters per token and the mean prompt length: from the engines' usage reports.
+- what a held token costs (`EngineSpeed.held_per_token_s`): an engine with a CPU tier
+  (vLLM's OffloadingConnector) loads part of its hits from host memory before the request
+  runs. Its scraped counters say how long those loads took (`vllm:kv_offload_load_time`)
+  and how many hit tokens came from each tier (`vllm:prompt_tokens_cached_by_source`:
+  device, host); between two scrapes, load seconds / host tokens is the cost of a CPU hit
+  token and host / (device + host) the share of hits it applies to, both averaged over
+  recent scrapes. A GPU-only engine's held tokens cost nothing.
+- what a race is worth: the share of a prompt's prefill time racing saved over going
+  straight to the cold choice (`race_saving_share`, judged after each race with what the
+  engines reported), and what waiting for the verdicts cost when nobody accepted
+  (`race_wait_s`). The probe strategy races when the one outweighs the other.
+
+Learning is per router replica: replicas learn the same engines from their own samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.config.schema import RoutingConfig
+from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed, TransferSpeed
+
+# Forgetting factor: a sample's weight halves after ~70 newer samples, so the fit follows
+# an engine that slows down (a noisy neighbour, a bigger batch) within a minute or two.
+FORGET = 0.99
+# Residuals are clipped at this many times their running mean size once warmed up.
+CLIP_SCALE = 5.0
+WARMUP_SAMPLES = 8
+# Samples an engine needs before its own fit replaces the fleet's: three coefficients from
+# samples that scatter by hundreds of milliseconds under load need a couple of dozen.
+OWN_FIT_SAMPLES = 20
+# How far an engine's own per-token cost may stray from the fleet's (engines of one fleet
+# differ by a hardware generation or two, ~2-3x). A fit past it is the model's error, not
+# the engine's: one first token that came far sooner than the queue ahead implied (a
+# scheduler that interleaves prefills) once drove an engine's cost to ~0, so it looked idle
+# whatever its queue and drew every request until its own late first tokens corrected it.
+OWN_FIT_SPREAD = 4.0
+# Typical scatter of an observed time to first token around the model (seconds).
+NOISE_S = 0.005
+
+
+class OnlineLinear:
+    """y ~ theta . x by recursive least squares with forgetting, started at a prior.
+
+    `prior_sd` is how far each coefficient may plausibly be from its prior. RLS weighs the
+    prior against the samples as if each sample's noise were 1, so the prior's covariance
+    is (prior_sd / NOISE_S)^2: samples with NOISE_S of scatter outweigh the prior after a
+    handful. The covariance never grows past it, so a direction the data stops exciting
+    (say, no decoding sequences for a while) does not wind up."""
+
+    __slots__ = ("theta", "_p", "_p0", "forget", "samples", "_resid")
+
+    def __init__(self, prior: tuple[float, ...], prior_sd: tuple[float, ...], forget: float = FORGET):
+        n = len(prior)
+        self.theta = list(prior)
+        self._p0 = [(sd / NOISE_S) ** 2 for sd in prior_sd]
+        self._p = [[self._p0[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.forget = forget
+        self.samples = 0
+        self._resid = 0.0  # running mean of |residual|
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x))
+
+    def observe(self, x: tuple[float, ...], y: float) -> None:
+        # Plain Python on 2-3 dimensions: once per finished leg, a few microseconds.
+        n = len(x)
+        p = self._p
+        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = self.forget + sum(x[i] * px[i] for i in range(n))
+        if denom <= 0.0:
+            return
+        r = y - self.predict(x)
+        if self.samples >= WARMUP_SAMPLES and self._resid > 0.0:
+            bound = CLIP_SCALE * self._resid
+            r_used = min(max(r, -bound), bound)
+        else:
+            r_used = r
+        # Grows by at most 1.4x a sample on clipped outliers: a real change of speed is
+        # followed within a dozen samples, a lone outlier barely moves it.
+        self._resid = abs(r) if self.samples == 0 else 0.9 * self._resid + 0.1 * abs(r_used)
+        k = [v / denom for v in px]
+        self.theta = [t + ki * r_used for t, ki in zip(self.theta, k)]
+        lam = self.forget
+        for i in range(n):
+            for j in range(n):
+                p[i][j] = (p[i][j] - k[i] * px[j]) / lam
+        for i in range(n):  # no wind-up past the prior's uncertainty
+            if p[i][i] > self._p0[i]:
+                s = (self._p0[i] / p[i][i]) ** 0.5
+                for j in range(n):
+                    p[i][j] *= s
+                    p[j][i] *= s
+        self.samples += 1
+
+
+@dataclass(frozen=True)
+class SpeedPrior:
+    """Where every engine's fit starts (routing.prior_* keys)."""
+
+    intercept_s: float = 0.02
+    per_token_s: float = 1e-4
+    per_decode_s: float = 1e-4
+    transfer_intercept_s: float = 0.01
+    transfer_per_token_s: float = 1e-5
+
+
+def speed_prior(routing: RoutingConfig) -> SpeedPrior:
+    """The prior of the configuration's routing.prior_* keys."""
+    return SpeedPrior(
+        per_token_s=1.0 / routing.prior_prefill_tokens_per_s,
+        transfer_per_token_s=1.0 / routing.prior_kv_transfer_tokens_per_s,
+    )
+
+
+def _ewma(old: float, new: float, alpha: float) -> float:
+    return old + alpha * (new - old)
+
+
+def _running_alpha(samples: int, floor: float) -> float:
+    """Weight of the next sample: a plain mean with the prior as one sample while samples
+    are few (a prior is a guess worth one observation), then a moving average."""
+    return max(1.0 / (samples + 2), floor)
+
+
+@dataclass
+class SpeedLearner:
+    """Every learned number of the cost model, for one router replica."""
+
+    prior: SpeedPrior = field(default_factory=SpeedPrior)
+    # Per-engine prior seconds per prompt token ([[backends]] prefill_tokens_per_s).
+    engine_per_token_s: dict[str, float] = field(default_factory=dict)
+    chars_per_token: float = 4.0
+    mean_prompt_tokens: float = 1024.0
+    race_wait_s: float = 0.005
+    # Optimistic start: races are assumed worth half the prompt until measured.
+    race_saving_share: float = 0.5
+    # The same for prompts the router's prefix memory places nowhere: cold, or sent by
+    # other replicas. Only the engines can find those, so the two are measured apart.
+    race_saving_share_unplaced: float = 0.5
+    _races: int = 0  # races observed (race_saving_share)
+    _races_unplaced: int = 0
+    _waits: int = 0  # races nobody won (race_wait_s)
+    _engines: dict[str, OnlineLinear] = field(default_factory=dict)
+    _fleet: OnlineLinear | None = None
+    _transfer: OnlineLinear | None = None
+    # Per engine: last scraped (device hits, host hits, load seconds) and the learned
+    # (share of hits from the CPU tier, seconds per CPU-hit token).
+    _tier_counters: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    _tier_cost: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def _new_fit(self, start: tuple[float, float, float]) -> OnlineLinear:
+        p = self.prior
+        # A coefficient may be off by ~10x its prior before the data settles it.
+        return OnlineLinear(start, (10 * p.intercept_s + 0.1, 10 * p.per_token_s, 10 * p.per_decode_s))
+
+    def _fleet_fit(self) -> OnlineLinear:
+        if self._fleet is None:
+            p = self.prior
+            self._fleet = self._new_fit((p.intercept_s, p.per_token_s, p.per_decode_s))
+        return self._fleet
+
+    def _engine(self, name: str) -> OnlineLinear:
+        fit = self._engines.get(name)
+        if fit is None:
+            own = self.engine_per_token_s.get(name)
+            if own is not None:
+                p = self.prior
+                fit = OnlineLinear(
+                    (p.intercept_s, own, p.per_decode_s), (10 * p.intercept_s + 0.1, 10 * own, 10 * p.per_decode_s)
+                )
+            else:
+                a, b, c = self._fleet_fit().theta
+                fit = self._new_fit((a, b, c))
+            self._engines[name] = fit
+        return fit
+
+    def _transfer_fit(self) -> OnlineLinear:
+        if self._transfer is None:
+            p = self.prior
+            self._transfer = OnlineLinear(
+                (p.transfer_intercept_s, p.transfer_per_token_s),
+                (10 * p.transfer_intercept_s + 0.1, 10 * p.transfer_per_token_s),
+            )
+        return self._transfer
+
+    # --- samples ------------------------------------------------------------------------
+    def observe_first_token(self, engine: str, prefill_tokens: float, decoding: float, seconds: float) -> None:
+        if seconds >= 0.0 and prefill_tokens >= 0.0:
+            x = (1.0, float(prefill_tokens), float(decoding))
+            self._engine(engine).observe(x, seconds)
+            if engine not in self.engine_per_token_s:
+                self._fleet_fit().observe(x, seconds)
+
+    def observe_transfer(self, tokens: float, seconds: float) -> None:
+        if seconds >= 0.0 and tokens > 0:
+            self._transfer_fit().observe((1.0, float(tokens)), seconds)
+
+    def observe_cache_tiers(self, engine: str, device_hits: float, host_hits: float, load_s: float) -> None:
+        """One scrape of an engine's cumulative hit counters by tier and CPU-tier load time."""
+        last = self._tier_counters.get(engine)
+        self._tier_counters[engine] = (device_hits, host_hits, load_s)
+        if last is None:
+            return
+        d_dev, d_host, d_load = device_hits - last[0], host_hits - last[1], load_s - last[2]
+        if d_dev < 0 or d_host < 0 or d_load < 0:
+            return  # counters went back: the engine restarted; the new values are the base
+        if d_dev + d_host <= 0:
+            return
+        # The first measurement sets each figure; later ones move it by a fifth.
+        share_now = d_host / (d_dev + d_host)
+        known = self._tier_cost.get(engine)
+        share = share_now if known is None else _ewma(known[0], share_now, 0.2)
+        per_token = 0.0 if known is None else known[1]
+        if d_host > 0 and d_load > 0:
+            per_token = d_load / d_host if per_token == 0.0 else _ewma(per_token, d_load / d_host, 0.2)
+        self._tier_cost[engine] = (share, per_token)
+
+    def held_per_token_s(self, engine: str) -> float:
+        share, per_token = self._tier_cost.get(engine, (0.0, 0.0))
+        return share * per_token
+
+    def observe_prompt(self, text_chars: int, prompt_tokens: int) -> None:
+        if prompt_tokens > 0:
+            self.mean_prompt_tokens = _ewma(self.mean_prompt_tokens, prompt_tokens, 0.05)
+            if text_chars > 0:
+                self.chars_per_token = _ewma(self.chars_per_token, text_chars / prompt_tokens, 0.05)
+
+    def observe_race(self, saving_share: float, waited_s: float | None, placed: bool = True) -> None:
+        """One race: the share of the prompt's prefill time it saved, and (when nobody
+        accepted) how long the verdicts took. `placed`: the prefix memory expected the
+        prompt on some engine."""
+        share = min(max(saving_share, 0.0), 1.0)
+        if placed:
+            alpha = _running_alpha(self._races, 0.05)
+            self._races += 1
+            self.race_saving_share = _ewma(self.race_saving_share, share, alpha)
+        else:
+            alpha = _running_alpha(self._races_unplaced, 0.05)
+            self._races_unplaced += 1
+            self.race_saving_share_unplaced = _ewma(self.race_saving_share_unplaced, share, alpha)
+        if waited_s is not None and waited_s >= 0.0:
+            alpha = _running_alpha(self._waits, 0.05)
+            self._waits += 1
+            self.race_wait_s = _ewma(self.race_wait_s, waited_s, alpha)
+
+    # --- what the planners read --------------------------------------------------------
+    def speed(self, engine: str) -> EngineSpeed:
+        fit = self._engines.get(engine)
+        own_prior = engine in self.engine_per_token_s
+        held = self.held_per_token_s(engine)
+        if fit is None and own_prior:
+            p = self.prior
+            return EngineSpeed(p.intercept_s, self.engine_per_token_s[engine], p.per_decode_s, 0, held)
+        if fit is None or (fit.samples < OWN_FIT_SAMPLES and not own_prior):
+            a, b, c = self._fleet_fit().theta
+            return EngineSpeed(a, b, c, 0 if fit is None else fit.samples, held)
+        a, b, c = fit.theta
+        if not own_prior:  # an engine configured as other hardware is judged on its own
+            fleet = max(self._fleet_fit().theta[1], MIN_PER_TOKEN_S)
+            b = min(max(b, fleet / OWN_FIT_SPREAD), fleet * OWN_FIT_SPREAD)
+        return EngineSpeed(a, b, c, fit.samples, held)
+
+    def transfer(self) -> TransferSpeed:
+        if self._transfer is None:
+            return TransferSpeed(self.prior.transfer_intercept_s, self.prior.transfer_per_token_s, 0)
+        a, b = self._transfer.theta
+        return TransferSpeed(a, b, self._transfer.samples)
+
+    def forget_engine(self, engine: str) -> None:
+        self._engines.pop(engine, None)
+        self._tier_counters.pop(engine, None)
+        self._tier_cost.pop(engine, None)

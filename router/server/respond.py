@@ -1,0 +1,127 @@
+"""Writing answers to the client: JSON bodies, OpenAI-shaped errors, and streaming answers.
+
+Headers go out with the first chunk, not before: until then a failure can still be an
+HTTP error status with a JSON body. After that, an error travels as vLLM sends it, an
+error event followed by `data: [DONE]`.
+
+Bounded buffering: a client that reads slower than the engine writes makes `send` wait
+once `server.stream_buffer_bytes` are queued for it (the socket's send buffer is bounded
+to the same size), and while `send` waits the router does not read that stream's engine
+leg, so the engine's socket carries the backpressure. A client that accepts nothing for
+`timeouts.idle_s` (or past the request's total deadline) is dropped: `ClientStalled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any, Awaitable
+
+import orjson
+from aiohttp import web
+
+from router.engine.sse import DONE_EVENT, format_event
+from router.errors import RouterError, sse_error_event
+
+
+def json_response(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(err: RouterError) -> web.Response:
+    return web.Response(
+        body=err.body_bytes(), status=err.status, content_type="application/json", headers=err.headers or None
+    )
+
+
+class ClientStalled(ConnectionResetError):
+    """The client read nothing of its stream for too long; its connection was dropped."""
+
+
+class SSEWriter:
+    def __init__(
+        self,
+        request: web.Request,
+        request_id: str,
+        *,
+        buffer_bytes: int = 8 * 1024,
+        idle_s: float = 60.0,
+        deadline: float | None = None,
+    ):
+        self.request = request
+        self.request_id = request_id
+        self.response: web.StreamResponse | None = None
+        self._buffer_bytes = buffer_bytes
+        self._idle_s = idle_s
+        self._deadline = deadline  # loop time
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def _start(self) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.request_id,
+            },
+        )
+        transport = self.request.transport
+        if transport is not None:
+            # Past `high` queued bytes the protocol pauses and writer.drain() waits.
+            transport.set_write_buffer_limits(high=self._buffer_bytes, low=self._buffer_bytes // 2)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                # The kernel's queue too (Linux doubles the value): autotuned, a socket
+                # nobody reads can hold megabytes.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buffer_bytes)
+        await resp.prepare(self.request)
+        self.response = resp
+        return resp
+
+    async def send(self, chunks: list[dict[str, Any]]) -> None:
+        if not chunks:
+            return
+        if self.response is None:
+            await self._start()
+        data = format_event(chunks[0]) if len(chunks) == 1 else b"".join(format_event(c) for c in chunks)
+        # drain=False: aiohttp would wait for a paused socket without a timeout; the wait
+        # below has one, and a timer is armed only when there is something to wait for.
+        await self.request.writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
+        transport = self.request.transport
+        if transport is not None and transport.get_write_buffer_size() > self._buffer_bytes:
+            await self._bounded(self.request.writer.drain())
+
+    async def _bounded(self, aw: Awaitable[None]) -> None:
+        """Await a write that waits for the client, for at most timeouts.idle_s (and not
+        past the total deadline); then drop the connection: `ClientStalled`."""
+        wait = self._idle_s
+        if self._deadline is not None:
+            wait = min(wait, self._deadline - asyncio.get_running_loop().time())
+        try:
+            async with asyncio.timeout(max(0.0, wait)):
+                await aw
+        except TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()  # close() would wait for the unread bytes to leave
+            raise ClientStalled(
+                f"the client read nothing of its stream for {wait:.3g} s (timeouts.idle_s or total_s)"
+            ) from None
+
+    async def finish(self) -> web.StreamResponse:
+        resp = self.response or await self._start()
+        await self._bounded(resp.write(DONE_EVENT))
+        await self._bounded(resp.write_eof())
+        return resp
+
+    async def fail(self, err: RouterError) -> web.StreamResponse:
+        """Only after the stream started: an error event, then [DONE]."""
+        assert self.response is not None
+        await self._bounded(self.response.write(sse_error_event(err) + DONE_EVENT))
+        await self._bounded(self.response.write_eof())
+        return self.response
