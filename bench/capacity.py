@@ -26,8 +26,8 @@ prefill/decode (with no hits).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from engine_launcher.sim.config import TimingModel
 

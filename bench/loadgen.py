@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import aiohttp
 import orjson
@@ -136,7 +136,7 @@ async def stream_completion(
                     details = usage.get("prompt_tokens_details") or {}
                     if isinstance(details, dict):
                         res.cached_tokens = details.get("cached_tokens")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         res.error = f"client timeout after {timeout_s:g} s"
     except aiohttp.ClientError as e:
         res.error = f"{type(e).__name__}: {e}"[:200]

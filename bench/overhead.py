@@ -383,7 +383,7 @@ def main(a) -> int:
     }
     with tempfile.TemporaryDirectory() as tmpd, ProcessSet(out / "logs") as procs:
         tmp = Path(tmpd)
-        nports = max([8] + ks)
+        nports = max([8, *ks])
         bports = free_ports(nports)
         backend = procs.start(
             "instant_backend",

@@ -16,9 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import aiohttp
 
@@ -127,7 +127,7 @@ class ProcessSet:
         for p in reversed(list(self.procs)):
             self.stop(p)
 
-    def __enter__(self) -> "ProcessSet":
+    def __enter__(self) -> ProcessSet:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -150,7 +150,7 @@ async def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0,
                     if r.status == expect:
                         return
                     last = f"HTTP {r.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 last = repr(e)
             await asyncio.sleep(0.1)
     tail = proc.log_tail() if proc is not None else ""

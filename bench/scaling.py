@@ -148,7 +148,7 @@ async def open_streams(out: Path, n: int) -> dict:
                     try:
                         m = await scrape(s, cluster.url)
                         max_inflight = max(max_inflight, metric_sum(m, "cachehit_router_inflight_requests"))
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                    except (TimeoutError, aiohttp.ClientError):
                         pass
                     await asyncio.sleep(0.25)
 

@@ -62,10 +62,9 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"process exited ({proc.returncode}) before {url} answered")
-        with contextlib.suppress(Exception):
-            with urllib.request.urlopen(url, timeout=1.0) as r:
-                if r.status == 200:
-                    return
+        with contextlib.suppress(Exception), urllib.request.urlopen(url, timeout=1.0) as r:
+            if r.status == 200:
+                return
         time.sleep(0.05)
     raise RuntimeError(f"{url} did not answer within {timeout} s")
 

@@ -9,8 +9,8 @@ the observed one. Definitions: docs/BENCHMARKS.md, "suite".
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .report import console, markdown_table, table
 from .stats import median, rnd

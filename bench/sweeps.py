@@ -276,7 +276,7 @@ async def rejection_latency(out: Path, quick: bool = False) -> dict:
                             url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)
                         ) as r:
                             await r.read()
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                    except (TimeoutError, aiohttp.ClientError):
                         pass
 
                 # Keep the engine full: 8 long generations for 4 slots, refilled as they end.

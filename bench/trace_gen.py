@@ -115,13 +115,11 @@ def conversations(p: TraceParams = TraceParams()) -> list[list[dict]]:
         ids = list(prefix) + new_ids(-(-n_in // TRACE_BLOCK) - len(prefix))
         at = t
         for k in range(turns):
-            n_out = int(round(_log_uniform(r, *p.output_tokens)))
-            conv.append(
-                {"timestamp": int(round(at * 1000)), "input_length": n_in, "output_length": n_out, "hash_ids": ids}
-            )
+            n_out = round(_log_uniform(r, *p.output_tokens))
+            conv.append({"timestamp": round(at * 1000), "input_length": n_in, "output_length": n_out, "hash_ids": ids})
             if k + 1 == turns:
                 break
-            grown = n_in + n_out + int(round(_log_uniform(r, *p.message_tokens)))
+            grown = n_in + n_out + round(_log_uniform(r, *p.message_tokens))
             if grown > p.max_input:
                 break
             whole = n_in // TRACE_BLOCK

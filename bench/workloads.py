@@ -30,9 +30,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import orjson
 

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import signal
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

@@ -40,9 +40,9 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 from router.config.schema import ConfigError, EngineConfig
 
@@ -492,23 +492,23 @@ def resolve_ports(
 
 
 __all__ = [
-    "HostInfo",
-    "EnginePorts",
+    "ASYNC_SCHEDULER_CLS",
+    "SYNC_SCHEDULER_CLS",
     "EngineCommand",
-    "detect_host",
-    "visible_gpus",
-    "url_for",
-    "build_commands",
-    "vllm_command",
-    "sim_command",
-    "group_sim_engines",
+    "EnginePorts",
+    "HostInfo",
     "assign_cpu_cores",
     "assign_gpus",
-    "scheduler_cls",
-    "kv_transfer_config",
+    "build_commands",
     "check_ports",
+    "detect_host",
+    "group_sim_engines",
+    "kv_transfer_config",
     "ports_to_pick",
     "resolve_ports",
-    "SYNC_SCHEDULER_CLS",
-    "ASYNC_SCHEDULER_CLS",
+    "scheduler_cls",
+    "sim_command",
+    "url_for",
+    "visible_gpus",
+    "vllm_command",
 ]

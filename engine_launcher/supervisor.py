@@ -50,9 +50,9 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import aiohttp
 
@@ -233,7 +233,7 @@ def read_log_tail(path: str | Path, lines: int = 40, max_bytes: int = 64 * 1024)
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # --- the supervisor ------------------------------------------------------------------
@@ -363,7 +363,7 @@ class Supervisor:
         """Return when stop() has run or every engine process has been given up."""
         await self._done.wait()
 
-    async def __aenter__(self) -> "Supervisor":
+    async def __aenter__(self) -> Supervisor:
         await self.start()
         return self
 
@@ -449,7 +449,7 @@ class Supervisor:
         try:
             async with self._session.get(url) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def _wait_healthy(self, unit: _Unit) -> None:
@@ -563,18 +563,18 @@ class Supervisor:
 
 
 __all__ = [
-    "Supervisor",
-    "EngineStartError",
-    "ProgressEvent",
-    "ProgressCallback",
-    "UnitStatus",
-    "PortReservation",
-    "read_log_tail",
-    "PENDING",
-    "STARTING",
-    "HEALTHY",
-    "RESTARTING",
-    "FAILED",
-    "STOPPED",
     "EXITED",
+    "FAILED",
+    "HEALTHY",
+    "PENDING",
+    "RESTARTING",
+    "STARTING",
+    "STOPPED",
+    "EngineStartError",
+    "PortReservation",
+    "ProgressCallback",
+    "ProgressEvent",
+    "Supervisor",
+    "UnitStatus",
+    "read_log_tail",
 ]

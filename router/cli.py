@@ -13,7 +13,8 @@ import os
 import signal
 import ssl
 import sys
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 

@@ -54,7 +54,7 @@ class SimEngineHandle:
     async def close(self) -> None:
         await self.server.close()
 
-    async def __aenter__(self) -> "SimEngineHandle":
+    async def __aenter__(self) -> SimEngineHandle:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -24,7 +24,7 @@ the default is one block), `store_threshold` filtering, pinned-memory accounting
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 class CpuTier:

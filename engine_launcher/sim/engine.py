@@ -45,8 +45,9 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from . import tokenizer as tok
 from .config import SimEngineConfig
@@ -340,7 +341,7 @@ class SimEngine:
                 timeout = self._next_lease_expiry()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             seconds = self.config.timing.step_seconds(prefill_tokens, decode_seqs)

@@ -18,7 +18,7 @@ What is left out: hybrid/sliding-window groups, KV events, multimodal extra keys
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 # Seed of the hash chain (vLLM uses a random or fixed NONE_HASH; any constant will do
 # because hashes never leave the engine).
@@ -26,7 +26,7 @@ _ROOT_HASH = 0x5EED
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_hash", "block_id", "next", "prev", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -60,7 +60,8 @@ class FreeBlockQueue:
         return b
 
     def remove(self, b: Block) -> None:
-        assert b.prev is not None and b.next is not None
+        assert b.prev is not None
+        assert b.next is not None
         b.prev.next = b.next
         b.next.prev = b.prev
         b.prev = b.next = None

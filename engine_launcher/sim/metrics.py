@@ -90,7 +90,7 @@ class EngineMetrics:
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
             "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
             "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
-            labels + ["reason"],
+            [*labels, "reason"],
             registry=r,
         )
         self.waiting_capacity = waiting_by_reason.labels(*values, "capacity")
@@ -115,7 +115,7 @@ class EngineMetrics:
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         by_source = Counter(
-            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", labels + ["source"], registry=r
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [*labels, "source"], registry=r
         )
         self.prompt_tokens_local_compute = by_source.labels(*values, "local_compute")
         self.prompt_tokens_local_cache_hit = by_source.labels(*values, "local_cache_hit")
@@ -128,7 +128,7 @@ class EngineMetrics:
             "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
             "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
             "vllm:external_prefix_cache_hits.",
-            labels + ["source"],
+            [*labels, "source"],
             registry=r,
         )
         self.cached_by_source = {
@@ -150,7 +150,7 @@ class EngineMetrics:
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            labels + ["finished_reason"],
+            [*labels, "finished_reason"],
             registry=r,
         )
         self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}

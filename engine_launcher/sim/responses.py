@@ -24,7 +24,7 @@ from .protocol import ParsedRequest
 class ResponseContext:
     """Per-request constants of the answer: id, created, model, fingerprint."""
 
-    __slots__ = ("request_id", "created", "model", "fingerprint", "parsed", "chat")
+    __slots__ = ("chat", "created", "fingerprint", "model", "parsed", "request_id")
 
     def __init__(self, request_id: str, created: int, model: str, fingerprint: str, parsed: ParsedRequest) -> None:
         self.request_id = request_id
@@ -103,7 +103,7 @@ def _chat_logprobs(lps: list[list[tuple[int, float]]], k: int) -> dict:
 class CompletionStreamState:
     """Running offsets a stream needs (completion logprobs' text_offset)."""
 
-    __slots__ = ("text_offset", "first")
+    __slots__ = ("first", "text_offset")
 
     def __init__(self) -> None:
         self.text_offset = 0

@@ -315,7 +315,7 @@ class SimServer:
             ) as resp:
                 await resp.read()
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.warning("KV pull from %s:%s failed: %s", host, port, e)
             return False
 

@@ -54,7 +54,7 @@ class _BindingsWithDelay:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - NIXL's name
+    def nixlAgent(self, name: str, config: Any) -> Any:
         if getattr(config, "useProgThread", False):
             config.pthrDelay = self._delay_us
         return self._real.nixlAgent(name, config)

@@ -8,8 +8,9 @@ the simulator implements the same one.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 FIELD = "cache_hit_threshold"
 GLOBAL_KEY = "global_cache_hit_threshold"
@@ -58,7 +59,7 @@ class PluginConfig:
     arrival_check: bool = True
 
     @classmethod
-    def from_additional_config(cls, additional: Any) -> "PluginConfig":
+    def from_additional_config(cls, additional: Any) -> PluginConfig:
         if not isinstance(additional, Mapping):
             return cls()
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Mapping
+from collections.abc import Mapping
 
 from router import errors
 from router.admission.tenants import Tenant, build_tenants, parse_priority
@@ -34,7 +34,7 @@ class KeyRing:
         self._tenants = tuple((_digest(k.encode()), t) for k, t in build_tenants(api_keys, tenants).items())
         self._admin = _digest(admin_key.encode()) if admin_key else None
 
-    def keeping(self, old: "KeyRing") -> "KeyRing":
+    def keeping(self, old: KeyRing) -> KeyRing:
         """This ring with `old`'s Tenant objects where the names match (a reload): a tenant's
         running requests, queue and rate budget carry over."""
         by_name = {t.name: t for t in old.tenants}

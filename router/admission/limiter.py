@@ -34,7 +34,7 @@ class ConcurrencyLimiter:
         self._waiting: dict[Tenant, list[list[Any]]] = {}
         self._arrivals = itertools.count()
 
-    def slot(self, tenant: Tenant | None = None, priority: int = 0) -> "_Slot":
+    def slot(self, tenant: Tenant | None = None, priority: int = 0) -> _Slot:
         """`async with limiter.slot(tenant, priority):` holds one slot for the block. A
         plain async context manager object: @asynccontextmanager's generator costs several
         microseconds per request for the same acquire/release."""
@@ -134,7 +134,7 @@ class ConcurrencyLimiter:
 
 
 class _Slot:
-    __slots__ = ("_limiter", "_tenant", "_priority")
+    __slots__ = ("_limiter", "_priority", "_tenant")
 
     def __init__(self, limiter: ConcurrencyLimiter, tenant: Tenant, priority: int):
         self._limiter = limiter

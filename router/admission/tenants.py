@@ -37,7 +37,7 @@ def key_name(key: str) -> str:
 class TokenBucket:
     """`rate` requests per second on average, `burst` at once."""
 
-    __slots__ = ("rate", "burst", "_tokens", "_t")
+    __slots__ = ("_t", "_tokens", "burst", "rate")
 
     def __init__(self, rate: float, burst: int):
         self.rate, self.burst = rate, burst
@@ -58,7 +58,7 @@ class TokenBucket:
 class Tenant:
     """One tenant's limits and what it holds now (counted by the limiter)."""
 
-    __slots__ = ("name", "max_concurrent", "max_queued", "bucket", "max_priority", "active", "queued")
+    __slots__ = ("active", "bucket", "max_concurrent", "max_priority", "max_queued", "name", "queued")
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ class Tenant:
         self.queued = 0
 
     @classmethod
-    def from_config(cls, t: TenantConfig) -> "Tenant":
+    def from_config(cls, t: TenantConfig) -> Tenant:
         return cls(
             t.name,
             max_concurrent=t.max_concurrent_requests,

@@ -44,7 +44,8 @@ must not use the chunk afterwards. That saves a copy per chunk on the hot path.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from router.admission.spec import ENDPOINT_CHAT, RequestSpec
 from router.answer.assembly import ResponseAssembler

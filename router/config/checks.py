@@ -7,8 +7,9 @@ Every message names the key (dotted path, with list indexes) and what was expect
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from router.config.schema import ConfigError
@@ -155,7 +156,7 @@ def check_url(key: str, value: str) -> None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"{key}: expected an http:// or https:// URL with a host, got {value!r}")
     try:
-        parts.port
+        _ = parts.port  # reading it checks the port
     except ValueError:
         raise ConfigError(f"{key}: expected a valid port in URL, got {value!r}") from None
     if parts.query or parts.fragment:

@@ -11,8 +11,9 @@ its variable.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from router.config.parse import parse_config, read_toml
 from router.config.schema import Config, ConfigError

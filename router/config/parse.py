@@ -17,8 +17,9 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from router.config.checks import (
     Problems,
@@ -258,7 +259,12 @@ def parse_sections(raw: dict[str, Any]) -> Config:
     p.raise_if_any()
 
     # raise_if_any raised if a section failed to parse: every one is here.
-    assert server and routing and timeouts and health and launcher and tracing
+    assert server
+    assert routing
+    assert timeouts
+    assert health
+    assert launcher
+    assert tracing
     cfg = Config(
         server=server,
         routing=routing,

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from router import errors
 from router.config.schema import Config, TimeoutsConfig
@@ -142,7 +143,7 @@ class LegPlacer:
         plan, winner = race.plan, race.winner
         assert winner is not None
         self.learn_race_won(ctx.query, race)
-        ctx.record_predicted(race.sent, dict(zip(plan.probes, plan.probe_ttft_s)).get(winner.backend))
+        ctx.record_predicted(race.sent, dict(zip(plan.probes, plan.probe_ttft_s, strict=False)).get(winner.backend))
         ctx.record_scratch(race.sent, plan.scratch_ttft_s)
         return self._accepted(ctx, race.result, Route.PROBE_HIT, race.tickets)
 
@@ -283,7 +284,8 @@ class LegPlacer:
 
     def _accepted(self, ctx: RequestContext, result: RaceResult, route: str, tickets: dict[str, LegTicket]) -> Leg:
         w = result.winner
-        assert w is not None and w.stream is not None
+        assert w is not None
+        assert w.stream is not None
         ticket = tickets.get(w.backend)
         if ticket is not None:
             self.registry.first_token(ticket)

@@ -12,8 +12,9 @@ count as expired (a rejection for the fallback's purposes).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 from router.engine.errors import UpstreamError
 from router.engine.stream import UpstreamStream

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson

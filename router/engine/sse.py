@@ -40,7 +40,7 @@ class SSEDecoder:
     blank line never came.
     """
 
-    __slots__ = ("_buf", "_data", "_skip_lf", "_max_line")
+    __slots__ = ("_buf", "_data", "_max_line", "_skip_lf")
 
     def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
         self._buf = b""  # an unterminated line carried over from the last feed

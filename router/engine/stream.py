@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -34,18 +35,18 @@ class UpstreamStream:
     """One streamed leg. Not safe for concurrent readers."""
 
     __slots__ = (
-        "backend",
-        "_resp",
         "_decoder",
-        "_pending",
+        "_done",
+        "_first_deadline",
         "_loop",
+        "_on_close",
+        "_pending",
+        "_resp",
+        "_span",
         "_timeouts",
         "_total_deadline",
-        "_first_deadline",
-        "_done",
-        "_on_close",
+        "backend",
         "chunks_read",
-        "_span",
     )
 
     def __init__(

@@ -15,8 +15,9 @@ router reads (an engine that breaks them is a protocol error, not a router crash
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 CACHE_THRESHOLD = "cache_threshold"
 THRESHOLD_KEY = "cache_hit_threshold"

@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import dns.asyncresolver
 import dns.exception

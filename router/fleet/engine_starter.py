@@ -9,8 +9,9 @@ no launcher at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from router.config.schema import EngineConfig, LauncherConfig
 

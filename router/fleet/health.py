@@ -76,7 +76,7 @@ class HealthMonitor:
         try:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
             load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
-        except (Exception, asyncio.TimeoutError) as e:  # any failure means: not usable now
+        except (TimeoutError, Exception) as e:  # any failure means: not usable now
             self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive_failure(e))
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None

@@ -13,8 +13,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import ssl
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import aiohttp
 import orjson
@@ -69,13 +70,15 @@ class KubernetesLookup:
         url = f"{self.api}/api/v1/namespaces/{self.namespace}/pods"
         timeout = aiohttp.ClientTimeout(total=_TIMEOUT_S)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as s:
-                async with s.get(
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as s,
+                s.get(
                     url, params={"labelSelector": self.d.label_selector}, headers=self._headers(), ssl=self._ssl()
-                ) as r:
-                    body = await r.read()
-                    if r.status != 200:
-                        raise LookupFailed(f"{url} answered HTTP {r.status}: {body[:200]!r}")
+                ) as r,
+            ):
+                body = await r.read()
+                if r.status != 200:
+                    raise LookupFailed(f"{url} answered HTTP {r.status}: {body[:200]!r}")
         except aiohttp.ClientError as e:
             raise LookupFailed(f"{url}: {type(e).__name__}: {e}") from None
         try:

@@ -3,7 +3,7 @@ router/fleet/kubernetes.py): a call that returns the backends found, or fails.""
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from router.config.schema import BackendConfig, DiscoveryConfig
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -226,10 +228,8 @@ class RouterMetrics:
             self.prefill_speed,
             self.threshold_capable,
         ):
-            try:
+            with contextlib.suppress(KeyError):
                 gauge.remove(name)
-            except KeyError:
-                pass
 
     def bind_tenant(self, t: TenantGauges) -> None:
         self.tenant_inflight.labels(t.name).set_function(lambda: t.active)

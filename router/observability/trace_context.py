@@ -36,7 +36,8 @@ _MAX_TRACESTATE_CHARS = 512
 # Printable ASCII without spaces: safe in a header, a log line and a JSON id.
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]+$")
 
-_UPSTREAM: ContextVar[dict[str, str]] = ContextVar("cachehit_upstream_headers", default={})
+# Never mutated in place: each push sets a new dict, so one empty default is safe.
+_UPSTREAM: ContextVar[dict[str, str]] = ContextVar("cachehit_upstream_headers", default={})  # noqa: B039
 
 
 def client_request_id(request: web.Request) -> str | None:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -60,7 +61,7 @@ _RESUMING: ContextVar[bool] = ContextVar("cachehit_resuming", default=False)
 class Tracing:
     """The tracer provider of one router and how its spans leave."""
 
-    def __init__(self, cfg: "TracingConfig", exporter: Any = None):
+    def __init__(self, cfg: TracingConfig, exporter: Any = None):
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -126,7 +127,7 @@ def middleware(get_tracing: Callable[[], Tracing | None]) -> Middleware:
     return trace_middleware
 
 
-def annotate_request(rec: "RequestRecord") -> None:
+def annotate_request(rec: RequestRecord) -> None:
     """The per-request record's facts on the request span (no-op without tracing)."""
     if _TRACER.get() is None:
         return

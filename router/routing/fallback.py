@@ -19,8 +19,8 @@ prefills off the decoders.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from router.config.schema import RoutingConfig
 from router.names import Mode, Route

@@ -15,8 +15,9 @@ measured speed). Ties rotate with a per-request salt so equal engines share traf
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 from router.config.schema import RoutingConfig
 from router.names import StrategyName
@@ -184,7 +185,7 @@ def race_value(
     if winner is not None:
         if winner == cold.name:
             return 0.0
-        chosen_ttft_s = dict(zip(plan.probes, plan.probe_ttft_s)).get(winner)
+        chosen_ttft_s = dict(zip(plan.probes, plan.probe_ttft_s, strict=False)).get(winner)
     if chosen_ttft_s is None:
         return 0.0
     return max(cold_s - chosen_ttft_s, 0.0) / costmodel.hit_saving_s(cold.speed, prompt_tokens)

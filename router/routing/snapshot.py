@@ -7,7 +7,7 @@ without sockets, and a plan never sees a backend change under it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.routing.costmodel import EngineSpeed, TransferSpeed
 
@@ -31,7 +31,7 @@ class BackendView:
     queued_tokens: float = 0.0
     decoding: float = 0.0  # sequences generating
     prefilling: int = 0  # this router's legs there without a first token yet
-    speed: EngineSpeed = EngineSpeed()
+    speed: EngineSpeed = field(default_factory=EngineSpeed)
     # False: a stock engine without the threshold plugin, never probed (router/fleet/capability.py).
     threshold_capable: bool = True
 
@@ -50,7 +50,7 @@ class BackendView:
 class ClusterSnapshot:
     backends: tuple[BackendView, ...]
     # Learned cluster-wide figures the cost model reads (router/routing/speed_learner.py).
-    transfer: TransferSpeed = TransferSpeed()
+    transfer: TransferSpeed = field(default_factory=TransferSpeed)
     chars_per_token: float = 4.0
     race_wait_s: float = 0.005  # what waiting for the verdicts of a race nobody won costs
     race_saving_share: float = 0.5  # share of a prompt's prefill time races have been saving

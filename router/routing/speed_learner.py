@@ -68,7 +68,7 @@ class OnlineLinear:
     handful. The covariance never grows past it, so a direction the data stops exciting
     (say, no decoding sequences for a while) does not wind up."""
 
-    __slots__ = ("theta", "_p", "_p0", "forget", "samples", "_resid")
+    __slots__ = ("_p", "_p0", "_resid", "forget", "samples", "theta")
 
     def __init__(self, prior: tuple[float, ...], prior_sd: tuple[float, ...], forget: float = FORGET):
         n = len(prior)
@@ -80,7 +80,7 @@ class OnlineLinear:
         self._resid = 0.0  # running mean of |residual|
 
     def predict(self, x: tuple[float, ...]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x))
+        return sum(t * v for t, v in zip(self.theta, x, strict=True))
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
         # Plain Python on 2-3 dimensions: once per finished leg, a few microseconds.
@@ -100,7 +100,7 @@ class OnlineLinear:
         # followed within a dozen samples, a lone outlier barely moves it.
         self._resid = abs(r) if self.samples == 0 else 0.9 * self._resid + 0.1 * abs(r_used)
         k = [v / denom for v in px]
-        self.theta = [t + ki * r_used for t, ki in zip(self.theta, k)]
+        self.theta = [t + ki * r_used for t, ki in zip(self.theta, k, strict=True)]
         lam = self.forget
         for i in range(n):
             for j in range(n):

@@ -109,7 +109,8 @@ class AdminApi:
     async def handle_add(self, request: web.Request) -> web.Response:
         """A new backend, in rotation once its health check passes (201 with its state)."""
         registry, fleet = self.state.registry, self.state.fleet
-        assert registry is not None and fleet is not None
+        assert registry is not None
+        assert fleet is not None
         refusal = self._refusal(request)
         if refusal is not None:
             return refusal
@@ -132,7 +133,8 @@ class AdminApi:
         """Drained now (no new requests), forgotten once the requests it serves have
         finished (202; GET /admin/backends shows it until then)."""
         registry, fleet = self.state.registry, self.state.fleet
-        assert registry is not None and fleet is not None
+        assert registry is not None
+        assert fleet is not None
         refusal = self._refusal(request)
         if refusal is not None:
             return refusal

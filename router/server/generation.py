@@ -45,7 +45,8 @@ class GenerationHandler:
 
     async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         state = self.state
-        assert state.registry is not None and state.dispatcher is not None
+        assert state.registry is not None
+        assert state.dispatcher is not None
         t0 = state.last_arrival = time.monotonic()
         rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
         writer: SSEWriter | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-from typing import Callable
+from collections.abc import Callable
 
 IDLE_S = 2.0  # no request in flight for this long before trimming
 

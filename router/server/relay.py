@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -74,7 +75,8 @@ class EngineRelay:
         cost model's load (a `LegTicket`), instead of the least loaded engine."""
         state = self.state
         registry, client, timeouts = state.registry, state.client, state.config.timeouts
-        assert registry is not None and client is not None  # routes are served only after start()
+        assert registry is not None
+        assert client is not None
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + timeouts.total_s
@@ -113,7 +115,7 @@ class EngineRelay:
                 name, tokens = await choose(frozenset(exclude)) or (None, None)
             else:
                 name = least_loaded(snap, model, frozenset(exclude))
-            if name is None or len(exclude) >= attempts and not find:
+            if name is None or (len(exclude) >= attempts and not find):
                 break
             exclude.add(name)
             chosen = registry.states.get(name)

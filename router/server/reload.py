@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from router.config.schema import Config, ConfigError
 from router.fleet.membership import CONFIG

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import orjson
 from aiohttp import web

@@ -180,7 +180,8 @@ class RouterState:
     def apply_config(self, cfg: Config) -> None:
         """A reload's live keys (router/server/reload.py): requests that start from now on see
         them; those running keep what they started with."""
-        assert self.dispatcher is not None and self.registry is not None
+        assert self.dispatcher is not None
+        assert self.registry is not None
         old, self.config = self.config, cfg
         if (cfg.server.api_keys, cfg.server.admin_api_key) != (old.server.api_keys, old.server.admin_api_key):
             self.keys = KeyRing(cfg.server.api_keys, cfg.tenants, cfg.server.admin_api_key).keeping(self.keys)

@@ -86,7 +86,8 @@ def test_generated_router_config_is_valid():
         RouterOptions(strategy="prefix_tree", threshold=0.3),
     )
     cfg = parse_config(tomllib.loads(text))
-    assert cfg.routing.strategy == "prefix_tree" and cfg.routing.cache_hit_threshold == 0.3
+    assert cfg.routing.strategy == "prefix_tree"
+    assert cfg.routing.cache_hit_threshold == 0.3
     assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
 
 
@@ -112,7 +113,8 @@ def test_tiny_replay_probe_and_oracle(tmp_path):
             continue
         assert s["errors"] == 0, s["error_examples"]
         assert 0.0 <= s["hit_ratio"] <= s["oracle_hit_ratio"] + 1e-9
-        assert s["router_cpu_s_per_1k"] > 0 and s["router_rss_mb"] > 10
+        assert s["router_cpu_s_per_1k"] > 0
+        assert s["router_rss_mb"] > 10
         rows = load_requests(tmp_path / mode)
         assert len(rows) == 20
         assert all(r["status"] == 200 and r["output_tokens"] == 8 and r["ttft_ms"] is not None for r in rows)
@@ -128,7 +130,8 @@ def test_tiny_replay_probe_and_oracle(tmp_path):
     rows = compare(dirs, tmp_path)
     assert [r["label"] for r in rows] == ["oracle", "probe", "round_robin"]
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 1000
-    assert (tmp_path / "hit_ratio.png").exists() and (tmp_path / "compare.md").exists()
+    assert (tmp_path / "hit_ratio.png").exists()
+    assert (tmp_path / "compare.md").exists()
 
 
 def test_instant_backend_answers_in_vllm_shapes(tmp_path):
@@ -142,7 +145,8 @@ def test_instant_backend_answers_in_vllm_shapes(tmp_path):
         asyncio.run(wait_http(f"http://127.0.0.1:{port}/health", p, 30))
         c = BlockingClient(port)
         t, first, status = c.roundtrip(http_request("127.0.0.1", port, "/v1/completions", SMALL))
-        assert status == 200 and first <= t
+        assert status == 200
+        assert first <= t
         t, first, status = c.roundtrip(
             http_request(
                 "127.0.0.1",
@@ -164,5 +168,6 @@ def test_instant_backend_answers_in_vllm_shapes(tmp_path):
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert [c["choices"][0]["text"] for c in chunks[:4]] == [" tok"] * 4
-        assert chunks[0]["choices"][0]["prompt_token_ids"] and chunks[3]["choices"][0]["finish_reason"] == "length"
+        assert chunks[0]["choices"][0]["prompt_token_ids"]
+        assert chunks[3]["choices"][0]["finish_reason"] == "length"
         assert chunks[4]["usage"]["completion_tokens"] == 4

@@ -72,7 +72,8 @@ def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path):
     rows = load_requests(tmp_path / "probe")
     assert all(r.get("route") for r in rows)  # every answer matched to a replica's log line
     assert s["restart"]["down_at_s"] == pytest.approx(1.0, abs=0.5)
-    assert s["recovery"]["after"] and s["recovery"]["before_100"] is not None
+    assert s["recovery"]["after"]
+    assert s["recovery"]["before_100"] is not None
     assert (tmp_path / "probe" / "logs" / "sim-consumer-0-restarted.log").exists()
 
 
@@ -103,7 +104,8 @@ def test_fleet_table_compares_each_mode_with_its_own_single_router(tmp_path):
     assert checks[("multiturn", "probe ttft_p99 < prefix_tree")]["met"] is True
     assert checks[("prefix-groups", "probe ttft_p50 < smg_cache_aware")]["met"] is None  # not measured
     text = write_tables(tmp_path, rows, targets(rows), [])
-    assert "| prefix-groups | probe | 4 |" in text and (tmp_path / "fleet.json").exists()
+    assert "| prefix-groups | probe | 4 |" in text
+    assert (tmp_path / "fleet.json").exists()
 
 
 def test_recovery_counts_requests_until_the_hit_ratio_is_back():
@@ -119,7 +121,8 @@ def test_recovery_counts_requests_until_the_hit_ratio_is_back():
             }
         }
     )
-    assert rows[0]["recovered_after"] == 125 and rows[0]["within_100"] is False
+    assert rows[0]["recovered_after"] == 125
+    assert rows[0]["within_100"] is False
     assert rows[0]["after"] == "0.20 0.30 0.40 0.50 0.59"
     # A run that ended before any window after the restart says nothing about recovery.
     ended = recovery_rows({("multiturn", "probe"): {"recovery": {"before_100": 0.5, "window": 25, "after": []}}})

@@ -62,7 +62,9 @@ def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
     before = suite.workload_load(ns)
     load = suite.set_rate(ns, wd)
     assert load["utilisation"] == pytest.approx(wd.target, rel=1e-6)
-    assert load["requests"] == 60 and load["engines"] == 4 and load["speed"] == wd.speed
+    assert load["requests"] == 60
+    assert load["engines"] == 4
+    assert load["speed"] == wd.speed
     # The same work over a span stretched or shrunk by utilisation / target.
     assert load["work_s"] == pytest.approx(before.work_s)
     assert load["span_s"] == pytest.approx(before.span_s * before.utilisation / wd.target, rel=1e-6)
@@ -93,7 +95,8 @@ def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says
     wd = suite.BY_NAME["cpu-tier"]
     ns = suite.replay_args(_suite_args(tmp_path), wd, tmp_path)
     sim = run_spec_from_args(ns, "probe", tmp_path).sim
-    assert sim.num_gpu_blocks == suite.CPU_TIER_GPU_BLOCKS and sim.cpu_offload_x == 8.0
+    assert sim.num_gpu_blocks == suite.CPU_TIER_GPU_BLOCKS
+    assert sim.cpu_offload_x == 8.0
     assert "--cpu-offload-tokens" in sim.args()
     # The suite's own cluster flags win; the other workloads keep the simulator's defaults.
     ns = suite.replay_args(_suite_args(tmp_path, "--num-gpu-blocks", "900", "--cpu-offload-x", "2"), wd, tmp_path)
@@ -113,7 +116,8 @@ def test_default_trace_is_generated_inside_the_repository(tmp_path):
     a = build_parser().parse_args(["replay", "--out", str(tmp_path)])
     w = workload_from_args(a)
     repo = Path(suite.__file__).resolve().parent.parent
-    assert Path(w.trace).is_relative_to(repo) and Path(w.trace).exists()
+    assert Path(w.trace).is_relative_to(repo)
+    assert Path(w.trace).exists()
     first = json.loads(Path(w.trace).read_text().splitlines()[0])
     assert set(first) == {"timestamp", "input_length", "output_length", "hash_ids"}
     a = build_parser().parse_args(["replay", "--out", str(tmp_path), "--trace", "other.jsonl"])

@@ -34,23 +34,28 @@ def test_suite_quick_tiny_table_and_regret(tmp_path):
     rows = {r["mode"]: r for r in data["rows"]}
     assert list(rows) == ["oracle", "probe", "round_robin"]
     load = data["loads"]["hetero"]
-    assert load["utilisation"] == pytest.approx(0.85, rel=1e-6) and load["engines"] == 2
+    assert load["utilisation"] == pytest.approx(0.85, rel=1e-6)
+    assert load["engines"] == 2
     for mode in ("probe", "round_robin"):
         r = rows[mode]
-        assert r["requests"] == 16 and r["errors"] == 0
+        assert r["requests"] == 16
+        assert r["errors"] == 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-        assert r["hit_ratio"] is not None and r["oracle_hit_ratio"] == rows["oracle"]["oracle_hit_ratio"]
+        assert r["hit_ratio"] is not None
+        assert r["oracle_hit_ratio"] == rows["oracle"]["oracle_hit_ratio"]
         shares = [r[f"share_{x}"] for x in ("probe_hit", "pd", "direct")]
         assert sum(shares) == pytest.approx(1.0)
     # round_robin is the only baseline that ran: it is the 1.0 every regret is relative to.
     rr, probe = rows["round_robin"], rows["probe"]
-    assert rr["regret_p50"] == 1.0 and rr["regret_p99"] == 1.0
+    assert rr["regret_p50"] == 1.0
+    assert rr["regret_p99"] == 1.0
     assert probe["regret_p50"] == pytest.approx(probe["ttft_p50_ms"] / rr["ttft_p50_ms"], rel=1e-3)
     assert probe["regret_p99"] == pytest.approx(probe["ttft_p99_ms"] / rr["ttft_p99_ms"], rel=1e-3)
     assert rows["round_robin"]["share_direct"] == 1.0  # a direct strategy never probes
     assert rows["oracle"]["regret_p50"] is None
     md = (tmp_path / "suite.md").read_text()
-    assert "utilisation 0.85 of K=2" in md and "| hetero | probe |" in md
+    assert "utilisation 0.85 of K=2" in md
+    assert "| hetero | probe |" in md
     assert (tmp_path / "regret.png").stat().st_size > 1000
     assert (tmp_path / "hetero" / "probe" / "requests.jsonl").exists()
 

@@ -86,10 +86,13 @@ def test_route_shares_and_rows():
         "routes": {"probe_hit": 2, "pd": 1},
     }
     row = suite_row("w", s, [{"predicted_ttft_ms": 12.0, "router_ttft_ms": 10.0}])
-    assert row["share_probe_hit"] == pytest.approx(2 / 3) and row["share_direct"] == 0.0
-    assert row["pred_abs_err_p50_ms"] == 2.0 and row["hit_ratio"] == 0.5
+    assert row["share_probe_hit"] == pytest.approx(2 / 3)
+    assert row["share_direct"] == 0.0
+    assert row["pred_abs_err_p50_ms"] == 2.0
+    assert row["hit_ratio"] == 0.5
     oracle = suite_row("w", {"mode": "oracle", "hit_ratio": 0.6, "oracle_hit_ratio": 0.6}, [])
-    assert oracle["share_pd"] is None and oracle["pred_requests"] == 0
+    assert oracle["share_pd"] is None
+    assert oracle["pred_requests"] == 0
 
 
 def test_table_shows_a_dash_without_predictions(tmp_path):
@@ -98,7 +101,8 @@ def test_table_shows_a_dash_without_predictions(tmp_path):
     md = (tmp_path / "suite.md").read_text()
     line = next(x for x in md.splitlines() if x.startswith("| w |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[1] == "round_robin" and cells[8:10] == ["1.00", "1.00"]
+    assert cells[1] == "round_robin"
+    assert cells[8:10] == ["1.00", "1.00"]
     assert cells[-3:] == ["-", "-", "-"]
     assert "closed loop" in md
     assert json.loads((tmp_path / "suite.json").read_text())["rows"][0]["regret_p50"] == 1.0
@@ -132,7 +136,8 @@ def test_predicted_ttft_is_carried_from_the_router_log_into_requests_jsonl(tmp_p
 
 def test_on_off_arrivals_keep_the_mean_rate_in_bursts():
     t = wl.on_off_arrivals(4000, 10.0, on_s=2.0, off_s=6.0, seed=1)
-    assert t == sorted(t) and t == wl.on_off_arrivals(4000, 10.0, 2.0, 6.0, seed=1)
+    assert t == sorted(t)
+    assert t == wl.on_off_arrivals(4000, 10.0, 2.0, 6.0, seed=1)
     assert 9.0 < len(t) / t[-1] < 11.0
     # Nothing arrives in the silent part of a period.
     assert all((x % 8.0) < 2.0 for x in t)
@@ -143,11 +148,14 @@ def test_on_off_arrivals_keep_the_mean_rate_in_bursts():
 def test_heterogeneous_prompts_span_their_range_with_little_reuse():
     reqs = wl.heterogeneous_requests(n=300, min_tokens=32, max_tokens=8000, output_tokens=16, rate=5.0, seed=2)
     lengths = [r.prompt_tokens for r in reqs]
-    assert min(lengths) >= 32 and max(lengths) <= 8000
-    assert min(lengths) < 64 and max(lengths) > 4000  # log-uniform: both ends are reached
+    assert min(lengths) >= 32
+    assert max(lengths) <= 8000
+    assert min(lengths) < 64
+    assert max(lengths) > 4000
     assert sum(x < 506 for x in lengths) / len(lengths) == pytest.approx(0.5, abs=0.1)  # median ~ sqrt(32*8000)
     for r in reqs[:20]:
-        assert wl.token_count(r.prompt) == r.prompt_tokens and r.max_tokens == 16
+        assert wl.token_count(r.prompt) == r.prompt_tokens
+        assert r.max_tokens == 16
     assert wl.oracle_for_requests(reqs[:60], 16)["oracle_hit_ratio"] < 0.01
     assert [r.prompt for r in reqs[:5]] == [
         r.prompt

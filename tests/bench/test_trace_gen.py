@@ -34,13 +34,15 @@ def test_next_turn_extends_the_previous_prompt_and_answer_after_a_think_time():
     convs = tg.conversations(P)
     multi = [c for c in convs if len(c) > 1]
     single = [c for c in convs if len(c) == 1]
-    assert multi and single  # single-turn requests are mixed in
+    assert multi
+    assert single
     # single_turn_share 0.4; with short think times no turn falls past the end of the trace.
     brief = tg.conversations(replace(P, think_s=(1.0, 2.0)))
     assert 0.3 < sum(len(c) == 1 for c in brief) / len(brief) < 0.5
     firsts = [c[0]["input_length"] for c in convs]
     # Heavy tail: most first prompts are short, some are long.
-    assert sorted(firsts)[len(firsts) // 2] < 4000 and max(firsts) > 12000
+    assert sorted(firsts)[len(firsts) // 2] < 4000
+    assert max(firsts) > 12000
     for c in multi:
         for prev, nxt in zip(c, c[1:]):
             whole = prev["input_length"] // tg.TRACE_BLOCK
@@ -78,9 +80,11 @@ def test_head_has_little_reuse_the_whole_trace_more():
 
 def test_cached_trace_is_written_once_and_replays(tmp_path):
     path = tg.cached_trace(P, tmp_path)
-    assert path.parent == tmp_path and path.exists()
+    assert path.parent == tmp_path
+    assert path.exists()
     mtime = path.stat().st_mtime_ns
-    assert tg.cached_trace(P, tmp_path) == path and path.stat().st_mtime_ns == mtime
+    assert tg.cached_trace(P, tmp_path) == path
+    assert path.stat().st_mtime_ns == mtime
     assert tg.cached_trace(replace(P, seed=9), tmp_path) != path
     recs = wl.load_trace(path)
     assert recs == tg.generate(P)
@@ -89,5 +93,6 @@ def test_cached_trace_is_written_once_and_replays(tmp_path):
     reqs = wl.mooncake_requests(conv, block_tokens=32)
     whole = conv[0]["input_length"] // tg.TRACE_BLOCK * 32
     first, second = simtok.encode(reqs[0].prompt), simtok.encode(reqs[1].prompt)
-    assert second[:whole] == first[:whole] and len(second) > len(first)
+    assert second[:whole] == first[:whole]
+    assert len(second) > len(first)
     assert wl.oracle_for_requests(reqs, 16)["per_request"][1] >= whole

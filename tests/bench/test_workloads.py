@@ -53,7 +53,8 @@ def test_prefix_groups_and_sessions_deterministic():
     a = wl.prefix_group_requests(groups=3, per_group=4, system_tokens=40, question_tokens=8, rate=10, seed=3)
     b = wl.prefix_group_requests(groups=3, per_group=4, system_tokens=40, question_tokens=8, rate=10, seed=3)
     assert [r.prompt for r in a] == [r.prompt for r in b]
-    assert len(a) == 12 and all(wl.token_count(r.prompt) == 48 == r.prompt_tokens for r in a)
+    assert len(a) == 12
+    assert all(wl.token_count(r.prompt) == 48 == r.prompt_tokens for r in a)
     assert sorted({r.tag for r in a}) == ["g0", "g1", "g2"]
     assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:]))
     by_group = {}
@@ -67,7 +68,8 @@ def test_prefix_groups_and_sessions_deterministic():
 
 def test_poisson_arrivals():
     t = wl.poisson_arrivals(2000, 50.0, seed=1)
-    assert t[0] == 0.0 and t == sorted(t)
+    assert t[0] == 0.0
+    assert t == sorted(t)
     assert 35 < 2000 / t[-1] < 65
     assert wl.poisson_arrivals(3, 0) == [0.0, 0.0, 0.0]
 
@@ -80,9 +82,10 @@ def test_oracle_counts_whole_blocks_and_leaves_the_last_token():
     d = [7] + list(range(9))  # no shared prefix
     hits, total, per = wl.oracle_hit_tokens([(a, None), (b, None), (c, None), (d, None)], bs)
     assert per == [0, 8, 4, 0]
-    assert total == 10 + 12 + 8 + 10 and hits == 12
+    assert total == 10 + 12 + 8 + 10
+    assert hits == 12
     # Blocks cached after a request (its answer) count for later prompts.
-    hits2, _, per2 = wl.oracle_hit_tokens([(a[:4], a), (a + [1], None)], bs)
+    _hits2, _, per2 = wl.oracle_hit_tokens([(a[:4], a), ([*a, 1], None)], bs)
     assert per2 == [0, 8]
 
 

@@ -134,12 +134,14 @@ def test_the_configmap_is_a_valid_router_configuration_with_the_secret_in_the_en
     for e in container["env"]:
         if "valueFrom" in e:
             ref = e["valueFrom"]["secretKeyRef"]
-            assert ref["name"] == "cachehit-router" and ref["key"] in secret
+            assert ref["name"] == "cachehit-router"
+            assert ref["key"] in secret
             env[e["name"]] = secret[ref["key"]]
         else:
             env[e["name"]] = e["value"]
     cfg = parse_config(layer(router_toml(), env))
-    assert cfg.server.api_keys == ("sk-change-me",) and cfg.server.admin_api_key
+    assert cfg.server.api_keys == ("sk-change-me",)
+    assert cfg.server.admin_api_key
     assert cfg.server.host == "0.0.0.0"
     # The file the ConfigMap mounts is the one the router reads.
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
@@ -169,11 +171,12 @@ def test_router_replicas_probes_service_and_budget_line_up():
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
 
 
-@pytest.mark.parametrize("role, kv_role", [("decode", "kv_consumer"), ("prefill", "kv_producer")])
+@pytest.mark.parametrize(("role", "kv_role"), [("decode", "kv_consumer"), ("prefill", "kv_producer")])
 def test_engines_are_found_through_their_headless_services(role, kv_role):
     table = next(d for d in router_toml()["discovery"] if d["role"] == role)
     service_name, namespace, *rest = table["name"].split(".")
-    assert namespace == NAMESPACE and rest == ["svc", "cluster", "local"]
+    assert namespace == NAMESPACE
+    assert rest == ["svc", "cluster", "local"]
     svc = find("Service", service_name)
     assert svc["spec"]["clusterIP"] == "None"  # headless: DNS answers the pods' IPs
     assert not svc["spec"].get("publishNotReadyAddresses")  # only ready pods

@@ -142,7 +142,7 @@ def test_dry_run_mentions_picked_ports(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "body,key",
+    ("body", "key"),
     [
         ('[[engines]]\nname = "e"\nkind = "bogus"\n', "engines[0].kind"),
         ('[[engines]]\nname = "e"\nkind = "vllm"\n', "engines[0].model"),
@@ -169,7 +169,7 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "sub,usage",
+    ("sub", "usage"),
     [
         ("sim", "usage: python -m engine_launcher.sim"),
         ("install-deps", "usage: engine-launcher install-deps"),

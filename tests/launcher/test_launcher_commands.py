@@ -43,11 +43,12 @@ def one(engine: EngineConfig, host: HostInfo, http: int = 9000, nixl: int = 5600
 
 
 @pytest.mark.parametrize(
-    "role,kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
+    ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
 def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
     cmd = one(vllm_engine("e0", role), CPU_HOST)
-    assert list(cmd.argv) == VLLM_HEAD + [
+    assert list(cmd.argv) == [
+        *VLLM_HEAD,
         "--model",
         "/models/tiny",
         "--served-model-name",
@@ -79,21 +80,23 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
         "VLLM_CPU_OMP_THREADS_BIND": "0,1",
         "UCX_TLS": "tcp,self",
     }
-    assert cmd.kind == "vllm" and cmd.engines == ("e0",)
+    assert cmd.kind == "vllm"
+    assert cmd.engines == ("e0",)
     assert cmd.log_file == "logs/e0.log"
     assert dict(cmd.urls) == {"e0": "http://127.0.0.1:9000"}
     assert cmd.health_urls() == {"e0": "http://127.0.0.1:9000/health"}
 
 
 @pytest.mark.parametrize(
-    "role,kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
+    ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
 def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
     e = vllm_engine(
         "g0", role, served_model_name="llama", gpu_ids=(2, 3), nixl_side_channel_host="10.0.0.5", host="0.0.0.0"
     )
     cmd = one(e, GPU_HOST, http=8200, nixl=5601)
-    assert list(cmd.argv) == VLLM_HEAD + [
+    assert list(cmd.argv) == [
+        *VLLM_HEAD,
         "--model",
         "/models/tiny",
         "--served-model-name",
@@ -121,7 +124,7 @@ def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
 
 
 @pytest.mark.parametrize(
-    "role,kv_role", [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
+    ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
 def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role):
     cmd = one(vllm_engine("g0", role, kv_offload_gib=64.5), GPU_HOST)
@@ -182,8 +185,10 @@ def test_extra_args_come_last_and_replace_launcher_defaults():
     argv = list(cmd.argv)
     assert argv[-len(extra) :] == list(extra)
     # CPU defaults the user chose are not emitted twice; the rest stay.
-    assert argv.count("--dtype") == 1 and "float32" not in argv
-    assert "--block-size" not in argv and "--enforce-eager" in argv
+    assert argv.count("--dtype") == 1
+    assert "float32" not in argv
+    assert "--block-size" not in argv
+    assert "--enforce-eager" in argv
     # Flags the launcher always sets stay, and the user's later copy wins (argparse: last one).
     assert argv.index("--scheduler-cls") < len(argv) - len(extra)
     assert argv[argv.index("my.Sched") - 1] == "--scheduler-cls"
@@ -267,7 +272,8 @@ def test_identical_sim_engines_share_one_process():
         "sim-llama-8b",
     ]
     assert dict(decode.env) == {"PYTHONUNBUFFERED": "1"}
-    assert decode.name == "decode-0" and decode.log_file == "engine-logs/decode-0.log"
+    assert decode.name == "decode-0"
+    assert decode.log_file == "engine-logs/decode-0.log"
     assert dict(decode.urls) == {f"decode-{i}": f"http://127.0.0.1:{8101 + i}" for i in range(4)}
 
 

@@ -68,7 +68,8 @@ def test_entrypoint_cmd_expose_and_healthcheck():
 
 def test_project_installed_without_engine_extras():
     runs = " ".join(a for w, a in instructions() if w == "RUN")
-    assert "pip wheel" in runs and "pip install" in runs
+    assert "pip wheel" in runs
+    assert "pip install" in runs
     for extra in ("[gpu]", "[cpu]", "vllm", "nixl"):
         assert extra not in runs
 
@@ -92,7 +93,9 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
             for src in a.split()[:-1]:
                 assert (REPO / src).exists(), src
                 assert included(src), f"{src} is excluded by .dockerignore"
-    assert not included(".venv") and not included("tests") and not included(".git")
+    assert not included(".venv")
+    assert not included("tests")
+    assert not included(".git")
 
 
 def _hadolint(path: Path) -> subprocess.CompletedProcess:

@@ -108,7 +108,8 @@ def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path
         out = lp.output(STOP_GUARD_S)
         assert lp.proc.returncode == 0, out
         # The API server, its engine core and workers: the whole group is gone.
-        assert pid_gone(engine_pid) and group_gone(engine_pid)
+        assert pid_gone(engine_pid)
+        assert group_gone(engine_pid)
         assert children_of(lp.proc.pid) == []
     finally:
         lp.kill()

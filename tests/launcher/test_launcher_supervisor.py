@@ -53,9 +53,8 @@ class Events:
 
 
 async def get_status(url: str) -> int:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
-            return r.status
+    async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+        return r.status
 
 
 def launcher(tmp_path: Path, **kw) -> LauncherConfig:
@@ -98,7 +97,8 @@ async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_l
         for url in urls.values():
             assert await get_status(f"{url}/health") == 200
         logs = tmp_path / "logs"
-        assert (logs / "decode-a.log").is_file() and (logs / "prefill-a.log").is_file()
+        assert (logs / "decode-a.log").is_file()
+        assert (logs / "prefill-a.log").is_file()
         assert os.readlink(logs / "decode-b.log") == "decode-a.log"
 
         old_pid = status["prefill-a"].pid
@@ -108,7 +108,8 @@ async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_l
         await events.next("prefill-a", HEALTHY, after=mark)
         restarted = {s.name: s for s in sup.status()}["prefill-a"]
         kill_leftovers.append(restarted.pid)
-        assert restarted.pid != old_pid and restarted.restarts == 1
+        assert restarted.pid != old_pid
+        assert restarted.restarts == 1
         assert restarted.last_exit_code == -signal.SIGKILL
         # Same port after the restart: the router's URL stays valid.
         assert await get_status(f"{urls['prefill-a']}/health") == 200
@@ -129,7 +130,8 @@ async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_pytho
     sup.plan()
     ports = sup.ports
     picked = [ports["e0"].http, ports["e1"].http, ports["v"].http, ports["v"].nixl]
-    assert len(set(picked)) == 4 and all(p > 0 for p in picked)
+    assert len(set(picked)) == 4
+    assert all(p > 0 for p in picked)
     # Held: nobody else can bind a picked port before the engine is spawned.
     import socket
 
@@ -179,7 +181,8 @@ async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill
         await start
     assert ev.detail == "attempt 1"
     assert "fake engine hang" in Path(tmp_path / "logs" / "hung.log").read_text()
-    assert pid_gone(pid) and group_gone(pid)
+    assert pid_gone(pid)
+    assert group_gone(pid)
 
 
 async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_python, kill_leftovers):
@@ -195,7 +198,9 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_pyth
     assert not pid_gone(grandchild)
     await sup.stop()
     # Both ignore SIGTERM; the group SIGKILL reached the grandchild as well.
-    assert pid_gone(engine_pid) and pid_gone(grandchild) and group_gone(leader)
+    assert pid_gone(engine_pid)
+    assert pid_gone(grandchild)
+    assert group_gone(leader)
 
 
 async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers):
@@ -220,7 +225,9 @@ async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers
         # wait() returns once every process has been given up.
         await asyncio.wait_for(sup.wait(), EVENT_TIMEOUT_S)
         (st,) = sup.status()
-        assert st.state == FAILED and st.pid is None and st.restarts == 1
+        assert st.state == FAILED
+        assert st.pid is None
+        assert st.restarts == 1
     finally:
         await sup.stop()
     states = [e.state for e in events.seen]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the `support` package
 sys.path.insert(0, str(HERE))
 
-from real_engine_util import (  # noqa: E402
+from real_engine_util import (
     EngineProcess,
     engine_command,
     parse_sse,
@@ -41,7 +41,7 @@ from real_engine_util import (  # noqa: E402
 )
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
-from support.ports import free_port_below_ephemeral_range  # noqa: E402
+from support.ports import free_port_below_ephemeral_range
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"
 
@@ -336,7 +336,7 @@ def run_disagg(producer: str, consumer: str) -> None:
     rec["request"]["body"] = json.loads(normalize(json.dumps(decode, separators=(",", ":"))))
     write("disagg_decode_leg_stream", rec)
     time.sleep(1.5)  # metrics are pushed by the engine core about once per second
-    status, data = request(consumer, "GET", "/metrics")
+    _status, data = request(consumer, "GET", "/metrics")
     hits = [
         normalize(l)
         for l in data.decode().splitlines()

@@ -34,7 +34,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from real_engine_util import (  # noqa: E402
+from real_engine_util import (
     EngineProcess,
     EngineStartError,
     engine_command,
@@ -44,7 +44,7 @@ from real_engine_util import (  # noqa: E402
 )
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
-from support.ports import free_port_below_ephemeral_range  # noqa: E402
+from support.ports import free_port_below_ephemeral_range
 
 NIXL_WARMUP_ATTEMPTS = 3
 STARTUP_TIMEOUT_S = float(os.environ.get("CACHEHIT_ENGINE_STARTUP_TIMEOUT", "420"))

@@ -22,10 +22,28 @@ from support.ports import free_port_below_ephemeral_range
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
-WORDS = (
-    "cache block token prefix request engine router model stream prompt decode "
-    "prefill queue latency thread memory batch vector matrix kernel"
-).split()
+WORDS = [
+    "cache",
+    "block",
+    "token",
+    "prefix",
+    "request",
+    "engine",
+    "router",
+    "model",
+    "stream",
+    "prompt",
+    "decode",
+    "prefill",
+    "queue",
+    "latency",
+    "thread",
+    "memory",
+    "batch",
+    "vector",
+    "matrix",
+    "kernel",
+]
 
 
 def words(n: int, tag: str | None = None) -> str:
@@ -117,7 +135,7 @@ def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemp
     url = preemption_engine.base_url
     shared = two_full_blocks(url, uuid.uuid4().hex[:12])
     # Put the shared prefix in the prefix cache (T=0: always served).
-    status, warm = post_json(url, "/v1/completions", long_body(shared, 1))
+    status, _warm = post_json(url, "/v1/completions", long_body(shared, 1))
     assert status == 200
     before = scrape_metrics(url)
 
@@ -295,7 +313,8 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
     assert status == 200, answer
     assert answer["choices"][0]["finish_reason"] == "length"
     kv = answer["kv_transfer_params"]
-    assert kv and kv["do_remote_prefill"] is True
+    assert kv
+    assert kv["do_remote_prefill"] is True
 
     url = threshold_engine.base_url
     before = scrape_metrics(url)

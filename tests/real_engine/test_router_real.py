@@ -31,10 +31,26 @@ from support.sse import read_sse
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(1200)]
 
 MODEL = "tiny"
-WORDS = (
-    "river mountain quiet morning light window paper garden silver harbor winter "
-    "lantern meadow orchard candle copper valley thunder"
-).split()
+WORDS = [
+    "river",
+    "mountain",
+    "quiet",
+    "morning",
+    "light",
+    "window",
+    "paper",
+    "garden",
+    "silver",
+    "harbor",
+    "winter",
+    "lantern",
+    "meadow",
+    "orchard",
+    "candle",
+    "copper",
+    "valley",
+    "thunder",
+]
 
 
 def cold_prompt(tag: str, words: int) -> str:
@@ -60,7 +76,7 @@ class RealCluster:
             }
         )
 
-    async def __aenter__(self) -> "RealCluster":
+    async def __aenter__(self) -> RealCluster:
         self.app = build_app(self.config, start_engines=False)
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
         await self.runner.setup()
@@ -175,11 +191,13 @@ async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engi
             assert out["usage"]["completion_tokens"] == max_tokens
             assert out["choices"][0]["finish_reason"] == "length"
         for status, events in results[2:]:
-            assert status == 200 and events[-1] == "[DONE]"
+            assert status == 200
+            assert events[-1] == "[DONE]"
             assert events[-2]["usage"]["completion_tokens"] == max_tokens
             assert not any(isinstance(e, dict) and "error" in e for e in events)
             finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
-            assert finishes[-1] == "length" and "cache_threshold" not in finishes
+            assert finishes[-1] == "length"
+            assert "cache_threshold" not in finishes
         resumed = c.metric("cachehit_router_resumes_total", reason="preempted")
     after = scrape_metrics(preemption_engine.base_url)
     preemptions = after.value("vllm:num_preemptions_total") - before.value("vllm:num_preemptions_total")

@@ -389,7 +389,8 @@ def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engin
 
     engine.run_until_idle()
     streamed = engine.streamed_tokens("victim")
-    assert streamed and streamed == [TOKEN] * len(streamed)
+    assert streamed
+    assert streamed == [TOKEN] * len(streamed)
     # Back in the queue it counts prompt + generated tokens, while the cache only still
     # holds its two prompt blocks (vLLM frees a request's blocks tail first). Its third
     # block (tokens 32-47) is gone by the time it is rejected: under the sync scheduler it
@@ -398,7 +399,7 @@ def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engin
     # step that computed it has returned, so it was never cached and the first re-check
     # rejects.
     total = len(victim_prompt) + len(streamed)
-    assert 2 * BLOCK < 0.9 * total
+    assert 0.9 * total > 2 * BLOCK
     assert_rejected(engine, "victim", stage="readmission", hit=2 * BLOCK, total=total, threshold=0.9)
     # It keeps the tokens it generated (the API server already has them) ...
     assert list(victim.output_token_ids) == streamed

@@ -19,10 +19,28 @@ from router.engine.wire import PREFILL_REQUEST_PARAMS
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
-WORDS = (
-    "river mountain garden winter summer morning evening city village road bridge "
-    "window light water stone green blue red yellow quiet"
-).split()
+WORDS = [
+    "river",
+    "mountain",
+    "garden",
+    "winter",
+    "summer",
+    "morning",
+    "evening",
+    "city",
+    "village",
+    "road",
+    "bridge",
+    "window",
+    "light",
+    "water",
+    "stone",
+    "green",
+    "blue",
+    "red",
+    "yellow",
+    "quiet",
+]
 
 
 def cold_prompt(items: int = 60) -> str:
@@ -87,7 +105,8 @@ def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
     url = threshold_engine.base_url
     head = cold_prompt(40)
     status, body = post_json(url, "/v1/completions", completion(head, cache_hit_threshold=0))
-    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] == "length"
     head_tokens = body["usage"]["prompt_tokens"]
     cached_blocks = head_tokens // 32  # every full block of the prompt (the output fills none)
     longer = head + " " + " ".join(f"tail{i}" for i in range(150))
@@ -103,7 +122,8 @@ def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
         "/v1/completions",
         completion(longer, cache_hit_threshold=0.9, stream=True, stream_options={"include_usage": True}),
     )
-    assert status == 200 and events[-1] == "[DONE]"
+    assert status == 200
+    assert events[-1] == "[DONE]"
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
 
 
@@ -131,7 +151,7 @@ def test_global_threshold_and_per_request_override(threshold_engine):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize(
-    "fields, param",
+    ("fields", "param"),
     [
         ({"cache_hit_threshold": 1.5}, "cache_hit_threshold"),
         ({"cache_hit_threshold": -0.1}, "cache_hit_threshold"),
@@ -167,9 +187,11 @@ def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_e
     finish, usage, done = events
     choice = finish["choices"][0]
     assert choice["finish_reason"] == "cache_threshold"
-    assert choice["text"] == "" and choice["token_ids"] == []
+    assert choice["text"] == ""
+    assert choice["token_ids"] == []
     assert choice["prompt_token_ids"], "the first chunk of a choice carries prompt_token_ids"
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 0
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 0
     assert usage["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"])
     assert done == "[DONE]"
     assert finish["id"] == usage["id"]
@@ -237,14 +259,15 @@ def test_prefill_leg_is_never_rejected(threshold_engine):
     assert answer["choices"][0]["finish_reason"] == "length", answer
     params = answer["kv_transfer_params"]
     assert params["do_remote_prefill"] is True
-    assert params["remote_block_ids"] and params["remote_block_ids"][0]
+    assert params["remote_block_ids"]
+    assert params["remote_block_ids"][0]
     assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"]
 
 
 def test_rejections_are_counted_in_metrics(threshold_engine):
     url = threshold_engine.base_url
     before = scrape_metrics(url)
-    status, body = post_json(url, "/v1/completions", completion(cold_prompt(), cache_hit_threshold=0.5))
+    _status, body = post_json(url, "/v1/completions", completion(cold_prompt(), cache_hit_threshold=0.5))
     assert_rejected_body(body)
     # The engine core pushes stats to the API server about once a second.
     deadline = time.monotonic() + 15

@@ -17,7 +17,7 @@ from engine_launcher.vllm_plugin.threshold import (
 )
 
 
-@pytest.mark.parametrize("value, expected", [(None, None), (0, 0.0), (1, 1.0), (0.5, 0.5), (0.0, 0.0), (1.0, 1.0)])
+@pytest.mark.parametrize(("value", "expected"), [(None, None), (0, 0.0), (1, 1.0), (0.5, 0.5), (0.0, 0.0), (1.0, 1.0)])
 def test_valid_thresholds(value, expected):
     assert validate_threshold(value) == expected
 

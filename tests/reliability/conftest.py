@@ -18,8 +18,7 @@ for p in (_HERE, _HERE.parent / "router"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from cluster_util import make_cluster  # noqa: E402,F401  (fixture)
-from relutil import RouterProc, SimProc  # noqa: E402
+from relutil import RouterProc, SimProc
 
 
 class Procs:

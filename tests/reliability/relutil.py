@@ -50,7 +50,7 @@ class SimProc:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "SimProc":
+    def start(self, timeout: float = 30.0) -> SimProc:
         if not self.port:
             self.port = free_port()
         cmd = [
@@ -80,7 +80,7 @@ class SimProc:
         if self.proc is not None:
             stop_group(self.proc)
 
-    def restart(self, timeout: float = 30.0) -> "SimProc":
+    def restart(self, timeout: float = 30.0) -> SimProc:
         """Start again on the same port (a restarted engine keeps its URL)."""
         self.stop()
         deadline = time.monotonic() + timeout
@@ -134,7 +134,7 @@ class RouterProc:
     def log_path(self) -> Path:
         return self.workdir / "router.log"
 
-    def start(self, timeout: float = 60.0, ssl_ctx: Any = None) -> "RouterProc":
+    def start(self, timeout: float = 60.0, ssl_ctx: Any = None) -> RouterProc:
         server = self.config.setdefault("server", {})
         self.port = server.setdefault("port", free_port())
         server.setdefault("host", "127.0.0.1")
@@ -218,7 +218,8 @@ async def stream_request(
                     raw = await r.read()
                     try:
                         err = orjson.loads(raw)["error"]
-                        assert isinstance(err["message"], str) and err["code"] == r.status
+                        assert isinstance(err["message"], str)
+                        assert err["code"] == r.status
                     except Exception:
                         return Outcome(r.status, "lost", f"unparseable error body {raw[:200]!r}")
                     return Outcome(r.status, "error", err["message"])

@@ -57,7 +57,8 @@ async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_
         for st, headers, raw in results:
             if st == 429:
                 err = orjson.loads(raw)["error"]
-                assert err["code"] == 429 and err["type"] == "RateLimitError"
+                assert err["code"] == 429
+                assert err["type"] == "RateLimitError"
                 assert int(headers["Retry-After"]) >= 1
         ms = await scrape_metrics(s, router.url)
         assert ms.value("cachehit_router_overload_rejections_total") == 17

@@ -37,7 +37,8 @@ def test_a_good_health_check_does_not_close_an_open_breaker():
     r = _registry(clock)
     _open(r)
     r.record_scrape("a", {}, None)
-    assert r.states["a"].breaker == BreakerState.OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.OPEN
+    assert not r.snapshot().get("a").available
     assert [b.name for b in r.snapshot().decoders(None)] == ["b"]  # not even probed
 
 
@@ -45,7 +46,8 @@ def test_health_check_failures_do_not_open_the_breaker():
     r = _registry(Clock(), threshold=2)
     for _ in range(5):
         r.record_scrape_failure("a", "timeout", definitive=False)
-    assert r.states["a"].breaker == BreakerState.CLOSED and not r.states["a"].healthy
+    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert not r.states["a"].healthy
     r.record_scrape("a", {}, None)
     assert r.snapshot().get("a").available
 
@@ -56,7 +58,8 @@ def test_a_trial_without_verdict_frees_the_slot():
     _open(r)
     clock.t += 5.0
     r.acquire("a")  # the trial (a probe)
-    assert r.states["a"].breaker == BreakerState.HALF_OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.HALF_OPEN
+    assert not r.snapshot().get("a").available
     r.release("a")  # rejected or lost the race: no verdict
     assert r.snapshot().get("a").available
     r.acquire("a")
@@ -85,7 +88,8 @@ def test_a_failed_trial_reopens_for_a_full_cooldown():
     r.acquire("a")
     r.release("a")
     r.record_failure("a", "still 500")
-    assert r.states["a"].breaker == BreakerState.OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.OPEN
+    assert not r.snapshot().get("a").available
     clock.t += 4.9
     assert not r.snapshot().get("a").available
     clock.t += 0.2
@@ -100,4 +104,5 @@ def test_an_unhealthy_open_backend_gets_no_trial():
     clock.t += 60
     assert not r.snapshot().get("a").available
     r.record_scrape("a", {}, None)
-    assert r.snapshot().get("a").available and r.states["a"].breaker == BreakerState.OPEN
+    assert r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.OPEN

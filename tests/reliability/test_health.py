@@ -78,7 +78,8 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
             assert r.status == 200
         gen_before = await _engine_generated(s, engines["d0"].url)
         status, out = await _complete(s, router.url, prompt, max_tokens=5)
-        assert status == 200 and out["usage"]["completion_tokens"] == 5
+        assert status == 200
+        assert out["usage"]["completion_tokens"] == 5
         assert await _engine_generated(s, engines["d0"].url) >= gen_before + 5
 
         # Everything down: /ready says so and requests end at once with a clear error.

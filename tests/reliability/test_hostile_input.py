@@ -58,7 +58,8 @@ def _post(port: int, path: str, body: bytes, headers: dict | None = None) -> tup
 def _error(status: int, raw: bytes, expected: int) -> dict:
     assert status == expected, raw[:300]
     err = orjson.loads(raw)["error"]
-    assert err["code"] == expected and isinstance(err["message"], str)
+    assert err["code"] == expected
+    assert isinstance(err["message"], str)
     return err
 
 
@@ -112,7 +113,8 @@ def test_request_ids_with_control_characters_are_served_with_a_sendable_header(r
     status, headers, raw = _post(router.port, "/v1/completions", body)
     assert status == 200, raw[:300]
     assert "X-Injected" not in headers
-    assert headers["X-Request-Id"].isprintable() and headers["X-Request-Id"].isascii()
+    assert headers["X-Request-Id"].isprintable()
+    assert headers["X-Request-Id"].isascii()
     if stream:
         assert raw.rstrip().endswith(b"data: [DONE]")
         first = orjson.loads(raw.split(b"data: ", 2)[1].split(b"\n")[0])
@@ -126,7 +128,7 @@ def test_a_printable_unicode_request_id_is_kept(router, stream):
     body = orjson.dumps(
         {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream, "request_id": "kunde-\u00e9t\u00e9-42"}
     )
-    status, headers, raw = _post(router.port, "/v1/completions", body)
+    status, _headers, raw = _post(router.port, "/v1/completions", body)
     assert status == 200, raw[:300]
     first = orjson.loads(raw.split(b"data: ", 2)[1].split(b"\n")[0]) if stream else orjson.loads(raw)
     assert first["id"] == "cmpl-kunde-\u00e9t\u00e9-42"
@@ -157,7 +159,7 @@ def _read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
     while marker not in out and time.monotonic() < end:
         try:
             data = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             break
         if not data:
             break

@@ -40,10 +40,15 @@ async def test_every_log_line_is_one_json_object(procs):
         ("request", "cmpl-logged-1", 200),
         ("request", reqs[1]["request_id"], 404),
     ]
-    assert reqs[1]["request_id"].startswith("cmpl-") and reqs[1]["model"] == "nope"
+    assert reqs[1]["request_id"].startswith("cmpl-")
+    assert reqs[1]["model"] == "nope"
     ok = reqs[0]
-    assert ok["endpoint"] == "completions" and ok["model"] == MODEL and ok["route"] in ("probe_hit", "direct")
-    assert ok["winner"] == "e" and ok["completion_tokens"] == 2 and isinstance(ok["ttft_ms"], float)
+    assert ok["endpoint"] == "completions"
+    assert ok["model"] == MODEL
+    assert ok["route"] in ("probe_hit", "direct")
+    assert ok["winner"] == "e"
+    assert ok["completion_tokens"] == 2
+    assert isinstance(ok["ttft_ms"], float)
     assert any(o["logger"] == "cachehit_router.app" and "router ready" in o["message"] for o in objs)
 
 
@@ -57,5 +62,6 @@ async def test_text_logs_for_humans(procs, fmt):
     reqs = [ln for ln in lines if " INFO cachehit_router.requests: " in ln]
     assert len(reqs) == 2
     fields = orjson.loads(reqs[0].split(" INFO cachehit_router.requests: ", 1)[1])
-    assert fields["request_id"] == "cmpl-logged-1" and fields["status"] == 200
+    assert fields["request_id"] == "cmpl-logged-1"
+    assert fields["status"] == 200
     assert any(" INFO cachehit_router.app: router ready" in ln for ln in lines)

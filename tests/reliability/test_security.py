@@ -149,7 +149,8 @@ async def _post(st, body: dict | bytes, headers: dict | None = None, path: str =
 
 def _err(raw: bytes, status: int) -> dict:
     err = orjson.loads(raw)["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status
     return err
 
 
@@ -340,11 +341,14 @@ async def test_client_headers_and_internal_fields_never_reach_the_engine(stack):
             assert names <= _ALLOWED_UPSTREAM, names - _ALLOWED_UPSTREAM
             hdr = {k.decode().lower(): v.decode() for k, v in s["headers"]}
             assert hdr["authorization"] == f"Bearer {BACKEND_KEY}"  # the configured key only
-            assert hdr["user-agent"].startswith("Python/") and "evil" not in hdr["user-agent"]
+            assert hdr["user-agent"].startswith("Python/")
+            assert "evil" not in hdr["user-agent"]
             assert hdr["host"] == stack.cap_host
-            assert "evil" not in repr(s["headers"]).lower() and "6.6.6.6" not in repr(s["headers"])
+            assert "evil" not in repr(s["headers"]).lower()
+            assert "6.6.6.6" not in repr(s["headers"])
             sent = orjson.loads(s["body"])
-            assert "kv_transfer_params" not in sent and "ec_transfer_params" not in sent
+            assert "kv_transfer_params" not in sent
+            assert "ec_transfer_params" not in sent
             assert sent.get("request_id") in (None,) or sent["request_id"] != "client-request-id"
             assert sent["vllm_xargs"]["mine"] == 1  # the client's own xargs pass
             # The threshold is the router's own (the probe's T), never the client's 0.0.
@@ -426,7 +430,7 @@ def _self_signed(tmp_path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 made now: with the `cryptography` package, else with
     the `openssl` command."""
     try:
-        import cryptography  # noqa: F401
+        import cryptography
     except ImportError:
         return _self_signed_openssl(tmp_path)
     from cryptography import x509
@@ -436,7 +440,7 @@ def _self_signed(tmp_path) -> tuple[str, str]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -214,4 +214,4 @@ def long_prompt(tag: str, words: int = 400) -> str:
     return " ".join(WORDS[(start + i * 31) % len(WORDS)] for i in range(words))
 
 
-__all__ = ["Cluster", "FaultConfig", "MODEL", "PD_PREFERRED", "long_prompt"]
+__all__ = ["MODEL", "PD_PREFERRED", "Cluster", "FaultConfig", "long_prompt"]

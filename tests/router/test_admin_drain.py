@@ -43,7 +43,9 @@ async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(ma
     stream = asyncio.create_task(c.stream({**warm, "max_tokens": 60}))
     await eventually(lambda: c.engine_running()[holder], what="the stream running on the holder", interval=0.005)
     status, view = await admin(c, f"/admin/backends/{holder}/drain")
-    assert status == 200 and view["name"] == holder and view["draining"] is True
+    assert status == 200
+    assert view["name"] == holder
+    assert view["draining"] is True
     assert c.router_metric("cachehit_router_backend_draining", backend=holder) == 1
 
     before = await requests_seen(c)
@@ -55,7 +57,8 @@ async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(ma
     # The drained engine finished only the stream it had; the other took every new request.
     assert after[other] - before[other] >= 4
     status, events = await stream
-    assert status == 200 and events[-1] == "[DONE]"
+    assert status == 200
+    assert events[-1] == "[DONE]"
     assert not any("error" in e for e in events[:-1])
     assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 60
     assert (await requests_seen(c))[holder] == before[holder] + 1  # the stream, nothing new
@@ -65,11 +68,13 @@ async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(ma
 
     # Back in rotation: the warm prompt is a probe hit on it again.
     status, view = await admin(c, f"/admin/backends/{holder}/enable")
-    assert status == 200 and view["draining"] is False
+    assert status == 200
+    assert view["draining"] is False
     assert c.router_metric("cachehit_router_backend_draining", backend=holder) == 0
     hits = c.routes()["probe_hit"]
     status, out = await c.complete(warm)
-    assert status == 200 and c.routes()["probe_hit"] == hits + 1
+    assert status == 200
+    assert c.routes()["probe_hit"] == hits + 1
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
 
 
@@ -95,9 +100,11 @@ async def test_drain_needs_the_admin_key_and_a_configured_name(make_cluster):
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     for headers in ({}, {"Authorization": "Bearer sk-admi"}):
         status, body = await admin(c, "/admin/backends/d0/drain", headers)
-        assert status == 401 and body["error"]["type"] == "AuthenticationError"
+        assert status == 401
+        assert body["error"]["type"] == "AuthenticationError"
     status, body = await admin(c, "/admin/backends/http%3A%2F%2Fevil:80/drain")
-    assert status == 404 and body["error"]["param"] == "name"
+    assert status == 404
+    assert body["error"]["param"] == "name"
     assert "configured: d0" in body["error"]["message"]
     assert c.state.registry.states["d0"].draining is False
     plain = await make_cluster(decoders=1)  # no admin key: no admin routes

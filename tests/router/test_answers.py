@@ -67,7 +67,7 @@ async def test_chat_matches_engine_field_by_field(make_cluster, extra):
 
 
 @pytest.mark.parametrize(
-    "path, prompt",
+    ("path", "prompt"),
     [
         ("/v1/completions", {"prompt": long_prompt("sparity", 50)}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("cparity", 50)}]}),

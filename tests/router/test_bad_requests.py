@@ -13,12 +13,13 @@ from support.polling import eventually
 def _is_error(body: dict, status: int) -> None:
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["message"], str)
+    assert err["message"]
     assert err["code"] == status
 
 
 @pytest.mark.parametrize(
-    "raw, param",
+    ("raw", "param"),
     [
         (b"{not json", None),
         (b"[1, 2]", None),
@@ -43,7 +44,7 @@ async def test_malformed_completions_get_400(make_cluster, raw, param):
 
 
 @pytest.mark.parametrize(
-    "extra, param",
+    ("extra", "param"),
     [
         ({"logprobs": 50}, "logprobs"),
         ({"max_tokens": 10**6}, "max_tokens"),
@@ -64,7 +65,8 @@ async def test_engine_side_validation_errors_pass_through(make_cluster, extra, p
 async def test_unknown_model_404_unknown_route_404_wrong_method_405(make_cluster):
     c = await make_cluster(decoders=1)
     status, body = await c.complete({"model": "nope", "prompt": "x"})
-    assert status == 404 and body["error"]["param"] == "model"
+    assert status == 404
+    assert body["error"]["param"] == "model"
     async with c.session.get(c.url + "/v2/nothing") as r:
         assert r.status == 404
         _is_error(orjson.loads(await r.read()), 404)

@@ -52,12 +52,16 @@ def test_environment_and_flags_override_the_file(tmp_path):
         "CACHEHIT_ROUTER_BACKEND_API_KEY": "engine-key",
     }
     cfg = load(f, env)
-    assert cfg.server.api_keys == ("k1", "k2") and cfg.server.admin_api_key == "adm"
+    assert cfg.server.api_keys == ("k1", "k2")
+    assert cfg.server.admin_api_key == "adm"
     assert (cfg.server.host, cfg.server.port, cfg.server.log_level) == ("0.0.0.0", 2222, "warning")
-    assert cfg.routing.strategy == "prefix_tree" and cfg.backends[0].api_key == "engine-key"
+    assert cfg.routing.strategy == "prefix_tree"
+    assert cfg.backends[0].api_key == "engine-key"
     # A flag beats the environment; an empty variable is unset (auth is not switched off).
     cfg = load(f, {**env, "CACHEHIT_ROUTER_API_KEYS": ""}, {"server.port": 3333, "server.host": None})
-    assert cfg.server.port == 3333 and cfg.server.host == "0.0.0.0" and cfg.server.api_keys == ("in-file",)
+    assert cfg.server.port == 3333
+    assert cfg.server.host == "0.0.0.0"
+    assert cfg.server.api_keys == ("in-file",)
     # Bad values name the variable (type) or the key they set (range).
     with pytest.raises(ConfigError) as e:
         load(f, {"CACHEHIT_ROUTER_PORT": "eighty"})
@@ -77,7 +81,8 @@ def test_check_config_shows_the_environment_without_printing_secrets(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     out = orjson.loads(r.stdout)
-    assert out["server"]["port"] == 4321 and out["server"]["api_keys"] == ["***"]
+    assert out["server"]["port"] == 4321
+    assert out["server"]["api_keys"] == ["***"]
     assert "sk-env" not in r.stdout
 
 

@@ -26,13 +26,15 @@ def test_repository_router_toml_is_valid():
 def test_defaults_are_safe():
     cfg = parse_config(MIN_BACKEND)
     assert cfg.server.host == "127.0.0.1"
-    assert cfg.server.max_body_bytes > 0 and cfg.server.max_concurrent_requests > 0
+    assert cfg.server.max_body_bytes > 0
+    assert cfg.server.max_concurrent_requests > 0
     assert 0 < cfg.routing.cache_hit_threshold <= 1
-    assert cfg.timeouts.total_s > 0 and cfg.timeouts.idle_s > 0
+    assert cfg.timeouts.total_s > 0
+    assert cfg.timeouts.idle_s > 0
 
 
 @pytest.mark.parametrize(
-    "raw, key, expected",
+    ("raw", "key", "expected"),
     [
         ({**MIN_BACKEND, "sevrer": {}}, "sevrer", "unknown key"),
         ({**MIN_BACKEND, "server": {"port": "8000"}}, "server.port", "expected an integer"),
@@ -151,9 +153,12 @@ def test_parsed_names_are_enum_members_that_read_as_their_strings():
             "engines": [{"name": "p", "kind": "sim", "role": "producer", "port": 9001}],
         }
     )
-    assert cfg.routing.strategy is StrategyName.PREFIX_TREE and cfg.routing.split is Mode.ALWAYS
-    assert cfg.backends[0].role is Role.DECODE and cfg.engines[0].role is EngineRole.PRODUCER
-    assert cfg.engines[0].backend_role == "prefill" and f"{cfg.routing.race}" == "auto"
+    assert cfg.routing.strategy is StrategyName.PREFIX_TREE
+    assert cfg.routing.split is Mode.ALWAYS
+    assert cfg.backends[0].role is Role.DECODE
+    assert cfg.engines[0].role is EngineRole.PRODUCER
+    assert cfg.engines[0].backend_role == "prefill"
+    assert f"{cfg.routing.race}" == "auto"
 
 
 def test_engines_become_backends_with_mapped_roles():
@@ -168,8 +173,10 @@ def test_engines_become_backends_with_mapped_roles():
     )
     b = {x.name: x for x in cfg.all_backends({"c": "http://127.0.0.1:9999"})}
     assert set(b) == {"p", "c"}
-    assert b["p"].role == "prefill" and b["c"].role == "decode"
-    assert b["c"].url == "http://127.0.0.1:9999" and b["p"].url == "http://127.0.0.1:9001"
+    assert b["p"].role == "prefill"
+    assert b["c"].role == "decode"
+    assert b["c"].url == "http://127.0.0.1:9999"
+    assert b["p"].url == "http://127.0.0.1:9001"
     assert b["p"].models == ("m",)
 
 
@@ -193,16 +200,19 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert r.returncode == 2
     assert "routing.cache_hit_threshold: expected a number" in r.stderr
     r = _run_cli("--config", str(tmp_path / "missing.toml"))
-    assert r.returncode == 2 and "cannot read configuration file" in r.stderr
+    assert r.returncode == 2
+    assert "cannot read configuration file" in r.stderr
     bad.write_text("[server\n")
     r = _run_cli("check-config", "--config", str(bad))
-    assert r.returncode == 2 and "not valid TOML" in r.stderr
+    assert r.returncode == 2
+    assert "not valid TOML" in r.stderr
 
 
 def test_secrets_are_not_printed():
     cfg = parse_config({**MIN_BACKEND, "server": {"api_keys": ["sk-secret"], "admin_api_key": "adm"}})
     d = cfg.to_dict()
-    assert "sk-secret" not in str(d) and "adm" not in str(d["server"]["admin_api_key"])
+    assert "sk-secret" not in str(d)
+    assert "adm" not in str(d["server"]["admin_api_key"])
 
 
 def test_tenant_keys_come_from_the_environment_and_are_never_printed(monkeypatch):

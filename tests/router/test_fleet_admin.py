@@ -40,7 +40,9 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
             c, "POST", "/admin/backends", {"name": "late", "url": extra.url, "role": "decode", "models": [MODEL]}
         )
         assert status == 201, view
-        assert view["name"] == "late" and view["source"] == "admin" and view["healthy"] is True
+        assert view["name"] == "late"
+        assert view["source"] == "admin"
+        assert view["healthy"] is True
         assert c.router_metric("cachehit_router_backend_healthy", backend="late") == 1
 
         # The old engine is drained: every new request must go to the added one.
@@ -60,14 +62,17 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         assert not stream.done(), stream.result()
         assert (await call(c, "POST", "/admin/backends/d0/enable"))[0] == 200
         status, view = await call(c, "DELETE", "/admin/backends/late")
-        assert status == 202 and view["draining"] is True and view["removing"] is True
+        assert status == 202
+        assert view["draining"] is True
+        assert view["removing"] is True
         # Still listed (and refusing re-enabling) while its stream runs.
         status, listed = await call(c, "GET", "/admin/backends")
         assert {b["name"] for b in listed} == {"d0", "late"}
         assert (await call(c, "POST", "/admin/backends/late/enable"))[0] == 409
 
         status, events = await stream
-        assert status == 200 and events[-1] == "[DONE]"
+        assert status == 200
+        assert events[-1] == "[DONE]"
         assert not any("error" in e for e in events[:-1])
         assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 60
 
@@ -126,9 +131,11 @@ async def test_admin_add_validates_the_operators_input(make_cluster):
         assert status == 400, (body, out)
         assert out["error"]["param"] == param and out["error"]["type"] == "BadRequestError", (body, out)
     status, out = await call(c, "POST", "/admin/backends", b"{not json")
-    assert status == 400 and "JSON" in out["error"]["message"]
+    assert status == 400
+    assert "JSON" in out["error"]["message"]
     status, out = await call(c, "POST", "/admin/backends", {"name": "d0", "url": d0})
-    assert status == 409 and out["error"]["param"] == "name"
+    assert status == 409
+    assert out["error"]["param"] == "name"
     # Only the operator: a client key does not open the admin routes.
     status, out = await call(
         c, "POST", "/admin/backends", {"name": "x", "url": d0}, headers={"Authorization": "Bearer sk-client"}
@@ -137,7 +144,8 @@ async def test_admin_add_validates_the_operators_input(make_cluster):
     status, out = await call(c, "DELETE", "/admin/backends/d0", headers={})
     assert status == 401, out
     status, out = await call(c, "DELETE", "/admin/backends/nope")
-    assert status == 404 and out["error"]["param"] == "name"
+    assert status == 404
+    assert out["error"]["param"] == "name"
     assert set(c.state.registry.states) == {"d0"}
 
 
@@ -151,7 +159,7 @@ async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster
 
 
 @pytest.mark.parametrize(
-    "strategy, stream", [("round_robin", False), ("probe", False), ("probe", True), ("round_robin", "whole")]
+    ("strategy", "stream"), [("round_robin", False), ("probe", False), ("probe", True), ("round_robin", "whole")]
 )
 async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster, strategy, stream):
     """A drain that ends right after a request was planned (the plan names a backend that is
@@ -184,4 +192,5 @@ async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster, 
     else:
         status, out = await c.complete(body)
         assert status == 200, out
-    assert removed and removed[0] not in state.registry.states
+    assert removed
+    assert removed[0] not in state.registry.states

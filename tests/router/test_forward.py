@@ -31,10 +31,13 @@ async def test_embeddings_tokenize_detokenize_answer_as_the_engine_does(make_clu
     status, got, headers = await _post(c, "/v1/embeddings", body)
     assert status == 200, got
     _, direct = await _direct(c, "d0", "/v1/embeddings", body)
-    assert got["object"] == "list" and got["model"] == MODEL and got["id"].startswith("embd-")
+    assert got["object"] == "list"
+    assert got["model"] == MODEL
+    assert got["id"].startswith("embd-")
     assert [d["embedding"] for d in got["data"]] == [d["embedding"] for d in direct["data"]]
     assert [d["index"] for d in got["data"]] == [0, 1]
-    assert got["usage"] == direct["usage"] and got["usage"]["prompt_tokens"] > 0
+    assert got["usage"] == direct["usage"]
+    assert got["usage"]["prompt_tokens"] > 0
     assert headers["Content-Type"].startswith("application/json")
 
     # base64, what the OpenAI SDK asks for: the float32 bytes of the same vector.
@@ -55,23 +58,27 @@ async def test_embeddings_tokenize_detokenize_answer_as_the_engine_does(make_clu
             )
         )[1]
     )
-    assert tokens["count"] == len(tokens["tokens"]) == 3 and tokens["token_strs"] == ["the", " river", " stone"]
+    assert tokens["count"] == len(tokens["tokens"]) == 3
+    assert tokens["token_strs"] == ["the", " river", " stone"]
     status, text, _ = await _post(c, "/detokenize", {"model": MODEL, "tokens": tokens["tokens"]})
     assert (status, text) == (200, {"prompt": "the river stone"})
 
     async with c.session.get(c.url + "/version") as r:
-        assert r.status == 200 and await r.json() == {"version": "0.32.0"}
+        assert r.status == 200
+        assert await r.json() == {"version": "0.32.0"}
     assert c.router_metric("cachehit_router_requests_total", route="forward", status="200") == 5
 
 
 async def test_engine_errors_pass_through_and_unknown_models_are_404(make_cluster):
     c = await make_cluster(decoders=1)
     status, err, _ = await _post(c, "/v1/embeddings", {"model": "nope", "input": "x"})
-    assert status == 404 and err["error"]["param"] == "model"
+    assert status == 404
+    assert err["error"]["param"] == "model"
     assert err["error"]["message"] == f"The model `nope` does not exist. Valid aliases: {MODEL}."
     # The engine's own 400, as it wrote it.
     status, err, _ = await _post(c, "/detokenize", {"model": MODEL, "tokens": "oops"})
-    assert status == 400 and err["error"]["param"] == "tokens"
+    assert status == 400
+    assert err["error"]["param"] == "tokens"
     status, err, _ = await _post(
         c, "/tokenize", {"model": MODEL, "prompt": "x"}, headers={"Content-Type": "application/json"}
     )
@@ -79,17 +86,19 @@ async def test_engine_errors_pass_through_and_unknown_models_are_404(make_cluste
     async with c.session.post(
         c.url + "/v1/embeddings", data=b"{not json", headers={"Content-Type": "application/json"}
     ) as r:
-        assert r.status == 400 and (await r.json())["error"]["type"] == "BadRequestError"
+        assert r.status == 400
+        assert (await r.json())["error"]["type"] == "BadRequestError"
 
 
 async def test_auth_and_body_limit_hold_on_forwarded_routes(make_cluster):
     c = await make_cluster(decoders=1, server={"api_keys": ["k1"], "max_body_bytes": 2048})
     status, err, headers = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"})
-    assert status == 401 and headers.get("WWW-Authenticate") == "Bearer"
+    assert status == 401
+    assert headers.get("WWW-Authenticate") == "Bearer"
     auth = {"Authorization": "Bearer k1"}
     status, _, _ = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"}, headers=auth)
     assert status == 200
-    status, err, _ = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x" * 4096}, headers=auth)
+    status, _err, _ = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x" * 4096}, headers=auth)
     assert status == 413
     async with c.session.get(c.url + "/version") as r:
         assert r.status == 401
@@ -128,7 +137,8 @@ async def test_only_engine_failing_gives_its_500(make_cluster):
         decoders=1, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}}, health={"failure_threshold": 100}
     )
     status, err, _ = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"})
-    assert status == 500 and "fault injection" in err["error"]["message"]
+    assert status == 500
+    assert "fault injection" in err["error"]["message"]
 
 
 async def test_x_request_id_names_the_answer_and_comes_back(make_cluster):
@@ -136,7 +146,9 @@ async def test_x_request_id_names_the_answer_and_comes_back(make_cluster):
     status, got, headers = await _post(
         c, "/v1/embeddings", {"model": MODEL, "input": "x"}, headers={"X-Request-Id": "client-id-7"}
     )
-    assert status == 200 and got["id"] == "embd-client-id-7" and headers["X-Request-Id"] == "client-id-7"
+    assert status == 200
+    assert got["id"] == "embd-client-id-7"
+    assert headers["X-Request-Id"] == "client-id-7"
     # Generation: vLLM names the answer cmpl-<X-Request-Id>, before the body's request_id.
     for stream in (False, True):
         async with await c.post(
@@ -144,14 +156,16 @@ async def test_x_request_id_names_the_answer_and_comes_back(make_cluster):
             {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": stream, "request_id": "body-id"},
             headers={"X-Request-Id": "hdr-id"},
         ) as r:
-            assert r.status == 200 and r.headers["X-Request-Id"] == "hdr-id"
+            assert r.status == 200
+            assert r.headers["X-Request-Id"] == "hdr-id"
             raw = await r.read()
         first = orjson.loads(raw.split(b"data: ")[1]) if stream else orjson.loads(raw)
         assert first["id"] == "cmpl-hdr-id"
     status, err, _ = await _post(
         c, "/v1/completions", {"model": MODEL, "prompt": "hi"}, headers={"X-Request-Id": "has space"}
     )
-    assert status == 400 and err["error"]["param"] == "X-Request-Id"
+    assert status == 400
+    assert err["error"]["param"] == "X-Request-Id"
 
 
 async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster):
@@ -185,7 +199,8 @@ async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster):
     form.add_field("model", "other-model")
     form.add_field("file", b"abc", filename="a.wav", content_type="audio/wav")
     async with c.session.post(c.url + "/v1/audio/translations", data=form) as r:
-        assert r.status == 404 and (await r.json())["error"]["param"] == "model"
+        assert r.status == 404
+        assert (await r.json())["error"]["param"] == "model"
 
 
 async def test_upload_past_max_upload_bytes_is_413(make_cluster):

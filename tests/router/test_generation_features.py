@@ -26,7 +26,7 @@ async def _direct(c, path: str, body: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "path, body",
+    ("path", "body"),
     [
         ("/v1/completions", {"prompt": "the cat sat on", "n": 3, "max_tokens": 5, "logprobs": 2}),
         ("/v1/completions", {"prompt": ["the cat sat", [101, 34, 102], "a dog"], "max_tokens": 4}),
@@ -58,7 +58,8 @@ async def test_answered_as_the_engine_answers(make_cluster, path, body):
     prompts = body.get("prompt") if isinstance(body.get("prompt"), list) else [None]
     n = body.get("n", 1)
     assert [ch["index"] for ch in routed["choices"]] == list(range(len(prompts) * n))
-    assert c.routes()["direct"] == 1 and c.routes()["probe_hit"] == 0
+    assert c.routes()["direct"] == 1
+    assert c.routes()["probe_hit"] == 0
 
 
 async def test_n_choices_differ_and_usage_counts_the_prompt_once(make_cluster):
@@ -76,10 +77,12 @@ async def test_echo_puts_the_prompt_first(make_cluster):
     c = await make_cluster(decoders=1)
     prompt = "echo me please"
     status, out = await c.complete({"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 3})
-    assert status == 200 and out["choices"][0]["text"].startswith(prompt)
+    assert status == 200
+    assert out["choices"][0]["text"].startswith(prompt)
     status, events = await c.stream({"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 3})
     chunks = [e for e in events if e != "[DONE]"]
-    assert status == 200 and events[-1] == "[DONE]"
+    assert status == 200
+    assert events[-1] == "[DONE]"
     assert chunks[0]["choices"][0]["text"].startswith(prompt)
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == out["choices"][0]["text"]
 
@@ -94,7 +97,8 @@ async def test_streamed_batch_with_n_has_every_index_and_one_usage(make_cluster)
         "stream_options": {"include_usage": True},
     }
     async with await c.post("/v1/completions", {**body, "stream": True}, headers={"X-Request-Id": "batch-7"}) as r:
-        assert r.status == 200 and r.headers["X-Request-Id"] == "batch-7"
+        assert r.status == 200
+        assert r.headers["X-Request-Id"] == "batch-7"
         assert r.headers["Content-Type"].startswith("text/event-stream")
         raw = await r.read()
     events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
@@ -107,7 +111,8 @@ async def test_streamed_batch_with_n_has_every_index_and_one_usage(make_cluster)
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert sorted(texts) == [0, 1, 2, 3]
     usage = chunks[-1]
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 20
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 20
     _, whole = await c.complete({k: v for k, v in body.items() if k != "stream_options"})
     assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
 
@@ -119,7 +124,8 @@ async def test_engine_errors_are_relayed_and_failures_retried(make_cluster):
     assert status == 400 and out["error"]["message"] == "n must be 1 when using greedy sampling, got 2.", out
     # Checked by the router as vLLM checks it: no prompt_logprobs in a stream.
     status, events = await c.stream({"model": MODEL, "prompt": "x", "prompt_logprobs": 1})
-    assert status == 400 and events[0]["error"]["param"] == "prompt_logprobs"
+    assert status == 400
+    assert events[0]["error"]["param"] == "prompt_logprobs"
     # d0 fails every generation: each request is retried on d1 before its first byte.
     for i in range(4):
         status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"r{i}", 20), "n": 2, "max_tokens": 2})
@@ -161,7 +167,8 @@ async def test_the_race_picks_the_engine_holding_the_prompt(make_cluster):
         body = {"model": MODEL, "prompt": prompt, "n": 2, "max_tokens": 3}
         if i == 3:
             status, events = await c.stream(body)
-            assert status == 200 and events[-1] == "[DONE]"
+            assert status == 200
+            assert events[-1] == "[DONE]"
         else:
             status, out = await c.complete(body)
             assert status == 200 and len(out["choices"]) == 2, out

@@ -109,7 +109,8 @@ async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_clus
             text = out["choices"][0]["text"]
             assert out["usage"]["completion_tokens"] == 12, out
         # Two tokens came from the bad engine, ten from the resume on d0.
-        assert text.startswith(" the of") and len(text.split()) == 12
+        assert text.startswith(" the of")
+        assert len(text.split()) == 12
     finally:
         await router.cleanup()
         await bad_runner.cleanup()

@@ -23,7 +23,9 @@ async def test_models_are_the_engines_cards(make_cluster):
         engine = (await r.json())["data"]
     assert await _router_models(c) == {MODEL: engine[0]}
     card = engine[0]
-    assert card["root"] == MODEL and card["parent"] is None and card["max_model_len"] == 8192
+    assert card["root"] == MODEL
+    assert card["parent"] is None
+    assert card["max_model_len"] == 8192
 
 
 async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster):
@@ -32,26 +34,31 @@ async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster
     async with c.session.post(
         d1 + "/v1/load_lora_adapter", json={"lora_name": "sql-lora", "lora_path": "/adapters/sql"}
     ) as r:
-        assert r.status == 200 and await r.text() == "Success: LoRA adapter 'sql-lora' added successfully."
+        assert r.status == 200
+        assert await r.text() == "Success: LoRA adapter 'sql-lora' added successfully."
 
     async def listed():
         models = await _router_models(c)
         return models if "sql-lora" in models else None
 
     models = await eventually(listed, what="the adapter listed by the router", interval=0.05)
-    assert models["sql-lora"]["parent"] == MODEL and models["sql-lora"]["root"] == "/adapters/sql"
+    assert models["sql-lora"]["parent"] == MODEL
+    assert models["sql-lora"]["root"] == "/adapters/sql"
     assert models["sql-lora"]["max_model_len"] is None
 
     for stream in (False, True):
         body = {"model": "sql-lora", "prompt": "hello", "max_tokens": 2}
         if stream:
             status, events = await c.stream(body)
-            assert status == 200 and events[0]["model"] == "sql-lora"
+            assert status == 200
+            assert events[0]["model"] == "sql-lora"
         else:
             status, out = await c.complete(body)
-            assert status == 200 and out["model"] == "sql-lora"
+            assert status == 200
+            assert out["model"] == "sql-lora"
     served = await c.engine_metrics("vllm:request_success_total")
-    assert served["d0"] == 0 and served["d1"] >= 2  # only the engine with the adapter (probe, then answer)
+    assert served["d0"] == 0
+    assert served["d1"] >= 2
 
     async with c.session.post(d1 + "/v1/unload_lora_adapter", json={"lora_name": "sql-lora"}) as r:
         assert r.status == 200
@@ -61,4 +68,5 @@ async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster
 
     await eventually(gone, what="the unloaded adapter gone from the router's list", interval=0.05)
     status, err = await c.complete({"model": "sql-lora", "prompt": "hello", "max_tokens": 2})
-    assert status == 404 and err["error"]["param"] == "model"
+    assert status == 404
+    assert err["error"]["param"] == "model"

@@ -24,13 +24,16 @@ async def test_async_completions_chat_and_streams(cluster):
     async with _async_client(cluster) as client:
         out = await client.completions.create(model=MODEL, prompt=long_prompt("sdk", 60), max_tokens=5, logprobs=2)
         (choice,) = out.choices
-        assert out.usage.completion_tokens == 5 and choice.finish_reason == "length"
-        assert len(choice.logprobs.tokens) == 5 and all(len(t) >= 1 for t in choice.logprobs.top_logprobs)
+        assert out.usage.completion_tokens == 5
+        assert choice.finish_reason == "length"
+        assert len(choice.logprobs.tokens) == 5
+        assert all(len(t) >= 1 for t in choice.logprobs.top_logprobs)
 
         chat = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4, logprobs=True, top_logprobs=2
         )
-        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.usage.completion_tokens == 4
         assert len(chat.choices[0].logprobs.content) == 4
 
         stream = await client.chat.completions.create(
@@ -46,16 +49,19 @@ async def test_async_completions_chat_and_streams(cluster):
             for ch in chunk.choices:
                 text += ch.delta.content or ""
             usage = chunk.usage or usage
-        assert len(ids) == 1 and usage.completion_tokens == 6
+        assert len(ids) == 1
+        assert usage.completion_tokens == 6
         # The simulator samples from the prompt alone: the stream's first 4 tokens are the
         # unary answer's.
-        assert len(text) > len(chat.choices[0].message.content) and text.startswith(chat.choices[0].message.content)
+        assert len(text) > len(chat.choices[0].message.content)
+        assert text.startswith(chat.choices[0].message.content)
 
 
 async def test_async_n_batches_and_embeddings(cluster):
     async with _async_client(cluster) as client:
         out = await client.completions.create(model=MODEL, prompt="one two", n=3, max_tokens=3)
-        assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 9
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert out.usage.completion_tokens == 9
         batch = await client.completions.create(model=MODEL, prompt=["one two", "three four"], n=2, max_tokens=2)
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]
         chat = await client.chat.completions.create(
@@ -69,7 +75,8 @@ async def test_async_n_batches_and_embeddings(cluster):
                 pieces[ch.index] = pieces.get(ch.index, "") + ch.text
         assert sorted(pieces) == [0, 1]
         emb = await client.embeddings.create(model=MODEL, input=["a", "b"])
-        assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+        assert len(emb.data) == 2
+        assert len(emb.data[0].embedding) > 0
 
 
 async def test_request_id_and_errors(cluster):
@@ -120,4 +127,6 @@ async def test_sync_client(cluster):
     # The router serves on this test's loop: the blocking client runs in a thread.
     texts, tokens, indices = await asyncio.to_thread(run)
     unary, streamed = texts.split("|")
-    assert unary == streamed and tokens == 3 and indices == [0, 1]
+    assert unary == streamed
+    assert tokens == 3
+    assert indices == [0, 1]

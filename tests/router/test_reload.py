@@ -87,10 +87,12 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
         # The cost model starts from the new priors: the fleet's, and the added engine's own.
         assert state.registry.learner.prior.per_token_s == 1.0 / 5000.0
         assert state.registry.learner.speed("e0").per_token_s == 1.0 / 3000.0
-        assert state.registry.states["d1"].draining and state.fleet.removing("d1")
+        assert state.registry.states["d1"].draining
+        assert state.fleet.removing("d1")
 
         status, events = await stream
-        assert status == 200 and events[-1] == "[DONE]"
+        assert status == 200
+        assert events[-1] == "[DONE]"
         assert not any("error" in e for e in events[:-1])
         assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 40
         await eventually(lambda: "d1" not in state.registry.states, what="d1's removal")
@@ -139,4 +141,5 @@ async def test_a_bad_file_changes_nothing(make_cluster, caplog):
     with caplog.at_level(logging.ERROR, logger="cachehit_router.reload"):
         assert await reload(c.state, lambda: parse_config(raw)) == []
     assert "routing.cache_hit_threshold: expected a number in [0, 1]" in caplog.text
-    assert c.state.config is before and set(c.state.registry.states) == {"d0", "d1"}
+    assert c.state.config is before
+    assert set(c.state.registry.states) == {"d0", "d1"}

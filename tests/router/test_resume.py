@@ -33,7 +33,8 @@ async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stre
             chunks = [e for e in events[:-1]]
             assert chunks[-1]["usage"]["completion_tokens"] == max_tokens, chunks[-2:]
             finishes = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]]
-            assert finishes.count("length") == 1 and "cache_threshold" not in finishes
+            assert finishes.count("length") == 1
+            assert "cache_threshold" not in finishes
             assert len({ch["id"] for ch in chunks}) == 1
     else:
         results = await asyncio.gather(*(c.complete(b) for b in bodies))
@@ -77,7 +78,8 @@ async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster, stream
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 80}
     if stream:
         status, events = await c.stream({**body, "stream_options": {"include_usage": True}})
-        assert status == 200 and events[-1] == "[DONE]"
+        assert status == 200
+        assert events[-1] == "[DONE]"
         assert events[-2]["usage"]["completion_tokens"] == 80
         assert not any("error" in e for e in events[:-1])
     else:
@@ -100,7 +102,8 @@ async def test_resume_bound_ends_with_a_clear_error(make_cluster):
     assert status == 200
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
-    assert err["code"] == 502 and "max_resumes" in err["message"]
+    assert err["code"] == 502
+    assert "max_resumes" in err["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -114,7 +117,8 @@ async def test_chat_answer_resumed_through_completions_reads_as_one_chat_answer(
     body = {"model": MODEL, "messages": msgs, "max_tokens": 60}
     if stream:
         status, events = await c.stream({**body, "stream_options": {"include_usage": True}}, "/v1/chat/completions")
-        assert status == 200 and events[-1] == "[DONE]"
+        assert status == 200
+        assert events[-1] == "[DONE]"
         chunks = events[:-1]
         assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
         assert len({ch["id"] for ch in chunks}) == 1

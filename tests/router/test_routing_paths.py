@@ -26,7 +26,8 @@ async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(
     # The consumer pulled the prompt over the side channel: external hits on exactly one decoder.
     ext = await c.engine_metrics("vllm:external_prefix_cache_hits_total")
     decoder = max(("d0", "d1"), key=lambda n: ext[n])
-    assert ext[decoder] >= 300 - 16 and ext[{"d0": "d1", "d1": "d0"}[decoder]] == 0
+    assert ext[decoder] >= 300 - 16
+    assert ext[{"d0": "d1", "d1": "d0"}[decoder]] == 0
     assert first["usage"]["completion_tokens"] == 8
 
     status, second = await c.complete(body)
@@ -64,14 +65,16 @@ async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, str
     body = {"model": MODEL, "prompt": long_prompt("xferfail", 300), "max_tokens": 6}
     if stream:
         status, events = await c.stream({**body, "stream_options": {"include_usage": True}})
-        assert status == 200 and events[-1] == "[DONE]"
+        assert status == 200
+        assert events[-1] == "[DONE]"
         assert not any(isinstance(e, dict) and "error" in e for e in events)
         usage = events[-2]["usage"]
     else:
         status, out = await c.complete(body)
         assert status == 200, out
         usage = out["usage"]
-    assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == 300
+    assert usage["completion_tokens"] == 6
+    assert usage["prompt_tokens"] == 300
     assert await c.engine_metric("d0", "vllm:nixl_num_failed_transfers_total") == 1
     assert await c.engine_metric("d0", "vllm:request_success_total") >= 1
     # One prefill on the producer, then the prompt computed on the decoder.
@@ -132,13 +135,14 @@ async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(mak
 async def test_no_prefill_backend_falls_back_to_direct(make_cluster):
     c = await make_cluster(decoders=2, prefillers=0)
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("nopf"), "max_tokens": 4})
-    assert status == 200 and out["choices"][0]["finish_reason"] == "length"
+    assert status == 200
+    assert out["choices"][0]["finish_reason"] == "length"
     assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 1}
 
 
 async def test_short_prompt_goes_direct_even_with_a_prefill_backend(make_cluster):
     c = await make_cluster(decoders=2, prefillers=1, routing={"min_pd_prompt_tokens": 256})
-    status, out = await c.complete({"model": MODEL, "prompt": long_prompt("short", 40), "max_tokens": 4})
+    status, _out = await c.complete({"model": MODEL, "prompt": long_prompt("short", 40), "max_tokens": 4})
     assert status == 200
     assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 1}
     assert await c.engine_metric("p0", "vllm:prompt_tokens_total") == 0
@@ -153,7 +157,8 @@ async def test_streaming_answer_has_one_id_usage_and_done(make_cluster):
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len({ch["id"] for ch in chunks}) == 1
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
     text_chunks = [ch for ch in chunks if ch["choices"]]
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(ch["choices"][0].get("token_ids") is None for ch in text_chunks)  # the client did not ask
@@ -169,7 +174,8 @@ async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluste
         ) as r:
             assert r.status == 200
     status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 200})
-    assert status == 200 and out["usage"]["completion_tokens"] == 200
+    assert status == 200
+    assert out["usage"]["completion_tokens"] == 200
     assert c.routes()["probe_hit"] == 1
     losers = sum(c.router_metric("cachehit_router_probe_losers_total", backend=n) for n in c.engines)
     assert losers == 2
@@ -177,7 +183,9 @@ async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluste
     # each loser produced far fewer tokens than the winner's 200.
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "d2": 0}
     gen = sorted((await c.engine_metrics("vllm:generation_tokens_total")).values())
-    assert gen[-1] >= 200 + 1 and gen[0] < 50 and gen[1] < 50
+    assert gen[-1] >= 200 + 1
+    assert gen[0] < 50
+    assert gen[1] < 50
 
 
 async def test_client_disconnect_stops_upstream_work(make_cluster):
@@ -220,7 +228,8 @@ async def test_other_strategies_route_directly(make_cluster, strategy):
         assert status == 200
     assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 4}
     served = await c.engine_metrics("vllm:request_success_total")
-    assert served["p0"] == 0 and served["d0"] + served["d1"] == 4
+    assert served["p0"] == 0
+    assert served["d0"] + served["d1"] == 4
     if strategy == "round_robin":
         assert served["d0"] == served["d1"] == 2
 
@@ -236,7 +245,8 @@ async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend
     for i in range(4):
         status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"rr{i}", 30), "max_tokens": 3})
         assert status == 200, out
-        assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 3
+        assert out["object"] == "text_completion"
+        assert out["usage"]["completion_tokens"] == 3
         assert out["id"].startswith("cmpl-")
     assert c.router_metric("cachehit_router_upstream_errors_total", backend="d0", kind="connect") >= 1
     assert c.routes()["direct"] == 4
@@ -344,5 +354,6 @@ async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_report
     lines = [r.request for r in caplog.records if r.name == "cachehit_router.requests"]
     assert lines[-1]["rejected_hits"]["d1"] == 0
     assert lines[-1]["rejected_hits"]["d0"] == 288
-    assert lines[-1]["route"] == "direct" and lines[-1]["winner"] == "d0"
+    assert lines[-1]["route"] == "direct"
+    assert lines[-1]["winner"] == "d0"
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 288

@@ -92,7 +92,8 @@ async def test_client_trace_context_reaches_every_engine_leg(make_cluster, front
     assert {s["path"] for s in legs} == {"/v1/completions", "/v1/embeddings"}
     assert len(legs) >= 3  # two probes and the forwarded call
     for s in legs:
-        assert s["headers"]["traceparent"] == TRACEPARENT and s["headers"]["tracestate"] == "vendor=abc"
+        assert s["headers"]["traceparent"] == TRACEPARENT
+        assert s["headers"]["tracestate"] == "vendor=abc"
 
     # A malformed traceparent is dropped (W3C: ignore it), and none is invented.
     front.seen.clear()
@@ -103,7 +104,8 @@ async def test_client_trace_context_reaches_every_engine_leg(make_cluster, front
             headers={"traceparent": tp} if tp else {},
         ) as r:
             assert r.status == 200
-    assert front.seen and all("traceparent" not in s["headers"] for s in front.seen)
+    assert front.seen
+    assert all("traceparent" not in s["headers"] for s in front.seen)
 
 
 def _by_name(spans):
@@ -141,7 +143,8 @@ async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
     (race,) = names["probe_race"]
     assert race.parent.span_id == req.context.span_id
     probes = names["probe"]
-    assert len(probes) == 2 and all(p.parent.span_id == race.context.span_id for p in probes)
+    assert len(probes) == 2
+    assert all(p.parent.span_id == race.context.span_id for p in probes)
     assert {p.attributes["cachehit.backend"] for p in probes} == {"d0", "d1"}
     (prefill,) = names["prefill"]
     (decode,) = names["decode"]
@@ -150,7 +153,7 @@ async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
         assert leg.parent.span_id == req.context.span_id
         assert leg.context.trace_id == req.context.trace_id
     # Each engine call carried its own leg span as parent.
-    leg_ids = {format(s.context.span_id, "016x") for s in probes + [prefill, decode]}
+    leg_ids = {format(s.context.span_id, "016x") for s in [*probes, prefill, decode]}
     sent = {s["headers"]["traceparent"].split("-")[2] for s in front.seen if s["path"] == "/v1/completions"}
     assert sent == leg_ids
 
@@ -161,7 +164,8 @@ async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
     names = _by_name(exporter.get_finished_spans())
     (req,) = names["POST /tokenize"]
     (fwd,) = names["forward"]
-    assert fwd.parent.span_id == req.context.span_id and req.parent is None
+    assert fwd.parent.span_id == req.context.span_id
+    assert req.parent is None
 
 
 async def test_resume_leg_span(make_cluster):
@@ -178,14 +182,17 @@ async def test_resume_leg_span(make_cluster):
     ) as r:
         assert r.status == 200
     status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 80})
-    assert status == 200 and out["usage"]["completion_tokens"] == 80
+    assert status == 200
+    assert out["usage"]["completion_tokens"] == 80
     names = _by_name(exporter.get_finished_spans())
     (req,) = names["POST /v1/completions"]
     assert req.attributes["cachehit.resumes"] == ("failure",)
     resumes = names["resume"]
-    assert resumes and all(s.attributes["cachehit.backend"] == "d1" for s in resumes)
+    assert resumes
+    assert all(s.attributes["cachehit.backend"] == "d1" for s in resumes)
     winner = [p for p in names["probe"] if p.attributes["cachehit.backend"] == "d0"]
-    assert winner and winner[0].attributes["cachehit.outcome"] == "aborted"
+    assert winner
+    assert winner[0].attributes["cachehit.outcome"] == "aborted"
 
 
 async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
@@ -228,7 +235,8 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
         assert services == {"router-under-test"}
         req = next(s for _, s in spans if s.name == "POST /v1/completions")
         race = next(s for _, s in spans if s.name == "probe_race")
-        assert race.parent_span_id == req.span_id and race.trace_id == req.trace_id
+        assert race.parent_span_id == req.span_id
+        assert race.trace_id == req.trace_id
     finally:
         await runner.cleanup()
 

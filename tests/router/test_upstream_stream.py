@@ -67,7 +67,7 @@ async def test_next_chunks_returns_everything_received_in_one_read(serve_sse):
 
 
 @pytest.mark.parametrize(
-    "bad, kind",
+    ("bad", "kind"),
     [
         (b"{not json", PROTOCOL),
         (b"[1, 2]", PROTOCOL),

@@ -10,8 +10,8 @@ script is the engine's [DONE].
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from router.engine.errors import UpstreamError
 
@@ -173,4 +173,4 @@ def answer(prompt_ids: list[int], words: list[tuple[str, int]], cached: int = 0)
                 text, [tid], finish="stop" if k == len(words) - 1 else None, prompt_ids=prompt_ids if k == 0 else None
             )
         )
-    return out + [usage(len(prompt_ids), len(words), cached)]
+    return [*out, usage(len(prompt_ids), len(words), cached)]

@@ -49,12 +49,16 @@ def rejects(endpoint: str, body, param: str | None) -> RouterError:
 
 def test_completions_spec_defaults():
     s = cmpl()
-    assert s.endpoint == ENDPOINT_COMPLETIONS and s.model == "m"
-    assert s.request_id.startswith("cmpl-") and len(s.request_id) == 5 + 32
+    assert s.endpoint == ENDPOINT_COMPLETIONS
+    assert s.model == "m"
+    assert s.request_id.startswith("cmpl-")
+    assert len(s.request_id) == 5 + 32
     assert (s.stream, s.include_usage, s.continuous_usage, s.return_token_ids) == (False, False, False, False)
     assert s.max_tokens == COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's default when absent
-    assert s.prompt_token_ids is None and s.routing_text == "hello"
-    assert s.body == CMPL and s.created > 1_600_000_000
+    assert s.prompt_token_ids is None
+    assert s.routing_text == "hello"
+    assert s.body == CMPL
+    assert s.created > 1_600_000_000
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.model = "x"  # type: ignore[misc]
 
@@ -66,7 +70,8 @@ def test_ids_are_unique_and_chat_prefixed():
 
 def test_client_request_id_names_the_answer_like_vllm_and_is_not_forwarded():
     s = chat(request_id="abc")
-    assert s.request_id == "chatcmpl-abc" and "request_id" not in s.body
+    assert s.request_id == "chatcmpl-abc"
+    assert "request_id" not in s.body
     rejects(ENDPOINT_CHAT, {**CHAT, "request_id": 5}, "request_id")
     rejects(ENDPOINT_CHAT, {**CHAT, "request_id": ""}, "request_id")
 
@@ -86,7 +91,8 @@ def test_token_id_prompts():
     assert cmpl(prompt=[1, 2, 3]).prompt_token_ids == (1, 2, 3)
     assert cmpl(prompt=[[0, MAX_TOKEN_ID]]).prompt_token_ids == (0, MAX_TOKEN_ID)
     s = cmpl(prompt=["only one"])
-    assert s.routing_text == "only one" and s.prompt_token_ids is None
+    assert s.routing_text == "only one"
+    assert s.prompt_token_ids is None
     assert cmpl(prompt=[7, 80]).routing_text == "7,80,"
     assert cmpl(prompt=[7, 80, 9]).routing_text.startswith(cmpl(prompt=[7, 80]).routing_text)
     assert not cmpl(prompt=[7, 800]).routing_text.startswith(cmpl(prompt=[7, 80]).routing_text)
@@ -104,7 +110,8 @@ def test_budgets():
 
 def test_default_model():
     s = parse_request(ENDPOINT_CHAT, orjson.dumps({"messages": CHAT["messages"]}), default_model="d")
-    assert s.model == "d" and "model" not in s.body
+    assert s.model == "d"
+    assert "model" not in s.body
     s = parse_request(ENDPOINT_CHAT, orjson.dumps({**CHAT, "model": None}), default_model="d")
     assert s.model == "d"
     rejects(ENDPOINT_CHAT, {"messages": CHAT["messages"]}, "model")
@@ -159,7 +166,8 @@ def test_internal_fields_are_stripped():
         vllm_xargs={"cache_hit_threshold": 0.3, "other": 1, "list": [1, "a"]},
     )
     assert s.body == {**CHAT, "vllm_xargs": {"other": 1, "list": [1, "a"]}}
-    assert s.return_token_ids is True and s.include_usage is True
+    assert s.return_token_ids is True
+    assert s.include_usage is True
 
 
 def test_xargs_without_threshold_untouched_and_emptied_xargs_dropped():
@@ -200,7 +208,7 @@ def test_malformed_bodies(raw):
 
 
 @pytest.mark.parametrize(
-    "body,param",
+    ("body", "param"),
     [
         ({"model": 1, "prompt": "x"}, "model"),
         ({"model": "m"}, "prompt"),
@@ -256,7 +264,7 @@ def test_completions_rules(body, param):
 
 
 @pytest.mark.parametrize(
-    "body,param",
+    ("body", "param"),
     [
         ({"model": "m"}, "messages"),
         ({"model": "m", "messages": []}, "messages"),
@@ -275,7 +283,7 @@ def test_chat_rules(body, param):
 
 
 @pytest.mark.parametrize(
-    "endpoint,fields",
+    ("endpoint", "fields"),
     [
         (ENDPOINT_COMPLETIONS, {"n": 2}),
         (ENDPOINT_COMPLETIONS, {"prompt": ["a", "b"]}),
@@ -300,9 +308,12 @@ def test_features_only_an_engine_can_compose_are_answered_whole(endpoint, fields
         "request_id": "mine",
     }
     s = parse_request(endpoint, orjson.dumps(body))
-    assert s.whole and s.stream and s.request_id.endswith("-mine")
+    assert s.whole
+    assert s.stream
+    assert s.request_id.endswith("-mine")
     # The client's own streaming and token-id fields reach the engine; internal ones never.
-    assert s.body["stream"] is True and s.body["return_token_ids"] is True
+    assert s.body["stream"] is True
+    assert s.body["return_token_ids"] is True
     assert s.body["stream_options"] == {"include_usage": True}
     for internal in ("kv_transfer_params", "cache_hit_threshold", "request_id"):
         assert internal not in s.body
@@ -318,7 +329,8 @@ def test_features_only_an_engine_can_compose_are_answered_whole(endpoint, fields
 def test_chat_echo_and_odd_content_pass_through():
     # Chat echo does not interact with token ids; odd content is the engine's to judge.
     s = chat(echo=True, messages=[{"role": "user", "content": 5}])
-    assert s.body["echo"] is True and s.routing_text == "user: "
+    assert s.body["echo"] is True
+    assert s.routing_text == "user: "
 
 
 def test_unknown_endpoint_is_a_programming_error():
@@ -421,7 +433,7 @@ def test_same_error_body_as_vllm_for_checks_vllm_makes(name):
 
 
 @pytest.mark.parametrize(
-    "name,endpoint",
+    ("name", "endpoint"),
     [
         ("error_bad_type_max_tokens", ENDPOINT_COMPLETIONS),
         ("error_chat_bad_messages", ENDPOINT_CHAT),

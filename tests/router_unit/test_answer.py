@@ -19,8 +19,10 @@ def test_tokens_and_text_accumulate_across_legs_and_leg_state_resets():
     assert (a.leg_tokens, a.finish_reason, a.stop_reason, a.legs) == (0, None, None, 2)
     a.add_token_ids([9])
     a.add_text("c")
-    assert list(a.generated_token_ids) == [7, 8, 9] and a.generated_text == "abc"
-    assert a.prompt_token_ids == [1, 2] and a.token_ids_complete
+    assert list(a.generated_token_ids) == [7, 8, 9]
+    assert a.generated_text == "abc"
+    assert a.prompt_token_ids == [1, 2]
+    assert a.token_ids_complete
 
 
 def test_text_kept_in_blocks_reads_whole():
@@ -35,11 +37,13 @@ def test_engine_count_beyond_the_ids_marks_them_incomplete():
     a.begin_leg()
     a.add_token_ids([1, 2])
     a.note_engine_count(2)
-    assert a.token_ids_complete and a.leg_tokens == 2
+    assert a.token_ids_complete
+    assert a.leg_tokens == 2
     a.note_engine_count(None)
     assert a.token_ids_complete
     a.note_engine_count(5)
-    assert not a.token_ids_complete and a.leg_tokens == 5
+    assert not a.token_ids_complete
+    assert a.leg_tokens == 5
 
 
 def test_a_token_id_beyond_64_bits_is_a_protocol_error():

@@ -28,14 +28,17 @@ def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open
     assert r.snapshot().get("a").available
     r.record_failure("a", "x")
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == BreakerState.CLOSED and r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert r.snapshot().get("a").available
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == BreakerState.OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.OPEN
+    assert not r.snapshot().get("a").available
     assert not r.ready()  # the only decoder is open
     clock.t += 5.0
     assert r.snapshot().get("a").available  # cool-down over: one trial allowed
     r.acquire("a")
-    assert r.states["a"].breaker == BreakerState.HALF_OPEN and not r.snapshot().get("a").available
+    assert r.states["a"].breaker == BreakerState.HALF_OPEN
+    assert not r.snapshot().get("a").available
     r.release("a")
     r.record_failure("a", "still broken")
     assert r.states["a"].breaker == BreakerState.OPEN
@@ -43,7 +46,9 @@ def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open
     r.acquire("a")
     r.release("a")
     r.record_success("a")
-    assert r.states["a"].breaker == BreakerState.CLOSED and r.snapshot().get("a").available and r.ready()
+    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert r.snapshot().get("a").available
+    assert r.ready()
 
 
 def test_success_resets_the_failure_count():
@@ -61,14 +66,16 @@ def test_scrape_failure_marks_unhealthy_until_it_answers():
     assert not r.snapshot().get("a").available
     r.record_scrape("a", {"vllm:num_requests_waiting": 3.0}, None)
     v = r.snapshot().get("a")
-    assert v.available and v.waiting == 3.0
+    assert v.available
+    assert v.waiting == 3.0
 
 
 def test_inflight_counts_and_load():
     r = registry(Clock())
     r.acquire("a")
     r.acquire("a")
-    assert r.snapshot().get("a").inflight == 2 and r.snapshot().get("a").load == 2
+    assert r.snapshot().get("a").inflight == 2
+    assert r.snapshot().get("a").load == 2
     r.release("a")
     r.record_scrape("a", {"vllm:num_requests_running": 4.0, "vllm:num_requests_waiting": 1.0}, None)
     assert r.snapshot().get("a").load == 5.0

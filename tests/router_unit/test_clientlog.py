@@ -45,6 +45,10 @@ def test_server_logger_logs_client_events_on_one_info_line(caplog):
         except TypeError as e:
             logger.exception("Unhandled exception", exc_info=e)
     info, error = caplog.records
-    assert info.levelno == logging.INFO and info.exc_info is None
-    assert "\n" not in info.getMessage() and "\x00" not in info.getMessage() and "\x1b" not in info.getMessage()
-    assert error.levelno == logging.ERROR and error.exc_info is not None
+    assert info.levelno == logging.INFO
+    assert info.exc_info is None
+    assert "\n" not in info.getMessage()
+    assert "\x00" not in info.getMessage()
+    assert "\x1b" not in info.getMessage()
+    assert error.levelno == logging.ERROR
+    assert error.exc_info is not None

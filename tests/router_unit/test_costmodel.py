@@ -66,7 +66,8 @@ def test_online_fit_shrugs_off_outliers_and_follows_a_real_change():
 def test_learner_starts_at_the_prior_and_learns_each_engine_apart():
     routing = RoutingConfig(prior_prefill_tokens_per_s=5000, prior_kv_transfer_tokens_per_s=50_000)
     learner = SpeedLearner(speed_prior(routing))
-    assert learner.speed("d0").per_token_s == 1 / 5000 and learner.speed("d0").samples == 0
+    assert learner.speed("d0").per_token_s == 1 / 5000
+    assert learner.speed("d0").samples == 0
     assert learner.transfer().per_token_s == 1 / 50_000
     rng = random.Random(1)
     for _ in range(200):

@@ -22,7 +22,7 @@ def test_a_discovery_table_alone_is_a_valid_fleet():
 
 
 @pytest.mark.parametrize(
-    "table, expected",
+    ("table", "expected"),
     [
         ({"kind": "srv", "name": "x"}, "discovery[0].kind: expected one of dns, kubernetes, got 'srv'"),
         ({"kind": "dns"}, "discovery[0].name: required for kind 'dns'"),

@@ -141,8 +141,10 @@ async def test_all_reject_the_prompt_is_computed_on_the_engine_holding_most_of_i
     assert (rec.route, rec.winner, rec.prefill) == ("direct", "d1", "")
     assert rec.rejected_hits == {"d0": 0, "d1": 120}
     fallback_leg = h.up.legs_to("d1")[-1]
-    assert fallback_leg.body["cache_hit_threshold"] == 0.0 and "kv_transfer_params" not in fallback_leg.body
-    assert rec.probes == 2 and rec.rejections == 2  # the fallback leg is not a probe
+    assert fallback_leg.body["cache_hit_threshold"] == 0.0
+    assert "kv_transfer_params" not in fallback_leg.body
+    assert rec.probes == 2
+    assert rec.rejections == 2
     assert h.in_flight == {"d0": 0, "d1": 0}
 
 
@@ -162,9 +164,11 @@ async def test_all_reject_prefill_then_decode_when_the_fallback_plans_a_split():
     assert h.text == "Hi"
     assert (rec.route, rec.winner, rec.prefill, rec.legs) == ("pd", "d0", "p0", ["pd:d0"])
     prefill = h.up.legs_to("p0")[0]
-    assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+    assert prefill.body["max_tokens"] == 1
+    assert prefill.body["stream"] is False
     decode = h.up.legs_to("d0")[-1]
-    assert decode.body["kv_transfer_params"] == kv and decode.body["cache_hit_threshold"] == 0.1
+    assert decode.body["kv_transfer_params"] == kv
+    assert decode.body["cache_hit_threshold"] == 0.1
     assert h.in_flight == {"d0": 0, "p0": 0}
 
 
@@ -206,7 +210,8 @@ async def test_retries_stop_at_max_retries_with_the_last_failure():
     h.planner.plan = lambda query, snap, exclude=frozenset(): Plan(direct="d0", predicted_ttft_s=0.01)
     with pytest.raises(RouterError) as failed:
         await h.serve()
-    assert failed.value.status == 502 and "d0" in failed.value.message
+    assert failed.value.status == 502
+    assert "d0" in failed.value.message
     assert len(h.up.calls) == 2
     assert h.metric("cachehit_router_retries_total", backend="d0") == 1
 
@@ -233,7 +238,8 @@ async def test_a_broken_decode_resumes_elsewhere_and_the_client_sees_one_answer(
     # raced without the engine that broke.
     resume = h.up.legs_to("d1")[-1]
     assert resume.path == "/v1/completions"
-    assert resume.body["prompt"] == [*PROMPT_IDS, 1, 2] and resume.body["max_tokens"] == 8
+    assert resume.body["prompt"] == [*PROMPT_IDS, 1, 2]
+    assert resume.body["max_tokens"] == 8
     assert rec.resumes == ["failure"]
     assert (rec.route, rec.winner, rec.legs) == ("probe_hit", "d0", ["probe_hit:d0", "probe_hit:d1"])
     assert h.metric("cachehit_router_resumes_total", reason="failure") == 1

@@ -64,7 +64,8 @@ def test_retry_after_is_a_positive_integer():
 def test_sse_error_event_decodes_to_the_body():
     err = errors.upstream_failed("e1", "connection reset")
     ev = sse_error_event(err)
-    assert ev.startswith(b"data: ") and ev.endswith(b"\n\n")
+    assert ev.startswith(b"data: ")
+    assert ev.endswith(b"\n\n")
     (payload,) = SSEDecoder().feed(ev)
     assert orjson.loads(payload) == err.body()
 
@@ -95,7 +96,9 @@ def test_from_upstream_body_odd_bodies_become_502():
 def test_from_error_object_midstream_event():
     obj = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
     err = errors.from_error_object(obj)
-    assert err is not None and err.status == 500 and err.type == "InternalServerError"
+    assert err is not None
+    assert err.status == 500
+    assert err.type == "InternalServerError"
     assert errors.from_error_object({"choices": []}) is None
 
 
@@ -134,4 +137,5 @@ def test_real_error_body_passes_through():
 
     d = load("error_out_of_range_temperature")
     err = errors.from_upstream_body(d["status"], d["raw"].encode())
-    assert err.status == 400 and err.body() == orjson.loads(d["raw"])
+    assert err.status == 400
+    assert err.body() == orjson.loads(d["raw"])

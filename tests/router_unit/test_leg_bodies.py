@@ -19,7 +19,8 @@ def test_streamed_leg_sets_threshold_both_ways_and_keeps_client_xargs():
     out = streamed_leg_body(body, 0.5)
     assert out["cache_hit_threshold"] == 0.5
     assert out["vllm_xargs"] == {"foo": 1, "cache_hit_threshold": 0.5}
-    assert out["stream"] is True and out["stream_options"] == {"include_usage": True}
+    assert out["stream"] is True
+    assert out["stream_options"] == {"include_usage": True}
     assert out["return_token_ids"] is True
     assert body == {"model": "m", "prompt": "hi", "stream": False, "vllm_xargs": {"foo": 1}}
 
@@ -35,8 +36,11 @@ def test_prefill_leg_matches_the_nixl_protocol():
         "temperature": 0.2,
     }
     out = prefill_leg_body(body)
-    assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1 and out["stream"] is False
-    assert "stream_options" not in out and "min_tokens" not in out
+    assert out["max_tokens"] == 1
+    assert out["max_completion_tokens"] == 1
+    assert out["stream"] is False
+    assert "stream_options" not in out
+    assert "min_tokens" not in out
     assert out["kv_transfer_params"] == PREFILL_REQUEST_PARAMS
     assert out["temperature"] == 0.2
     assert "max_completion_tokens" not in prefill_leg_body({"prompt": "x"})
@@ -45,7 +49,8 @@ def test_prefill_leg_matches_the_nixl_protocol():
 def test_decode_leg_carries_the_producers_params_verbatim():
     kv = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "h", "remote_port": 5601}
     out = decode_leg_body({"prompt": "x"}, kv, 0.1)
-    assert out["kv_transfer_params"] is kv and out["cache_hit_threshold"] == 0.1
+    assert out["kv_transfer_params"] is kv
+    assert out["cache_hit_threshold"] == 0.1
 
 
 def test_prefill_response_parsing():
@@ -70,8 +75,11 @@ def test_completion_resume_body():
     body = {"model": "m", "prompt": "hello", "max_tokens": 10, "min_tokens": 4, "echo": False, "temperature": 0}
     out = resume_leg_body(body, "completions", [1, 2, 3], [7, 8, 9], 10)
     assert out["prompt"] == [1, 2, 3, 7, 8, 9]
-    assert out["max_tokens"] == 7 and out["min_tokens"] == 1
-    assert "echo" not in out and out["temperature"] == 0 and out["model"] == "m"
+    assert out["max_tokens"] == 7
+    assert out["min_tokens"] == 1
+    assert "echo" not in out
+    assert out["temperature"] == 0
+    assert out["model"] == "m"
 
 
 def test_chat_resume_body_keeps_only_sampling_fields():
@@ -108,7 +116,7 @@ def test_prompt_length_estimate_when_no_engine_reported_it():
 
 
 @pytest.mark.parametrize(
-    "error, recompute",
+    ("error", "recompute"),
     [
         (None, False),
         # vLLM's answer to a failed KV load (kv_load_failure_policy "fail"): alive, so recompute.

@@ -24,11 +24,13 @@ async def test_queue_then_429_when_full():
     with pytest.raises(RouterError) as e:
         async with lim.slot():
             pass
-    assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1
+    assert e.value.status == 429
+    assert int(e.value.headers["Retry-After"]) >= 1
     release.set()
     await asyncio.gather(*tasks)
     assert order == [0, 1, 2]
-    assert lim.active == 0 and lim.queued == 0
+    assert lim.active == 0
+    assert lim.queued == 0
 
 
 async def test_queue_timeout_gives_429_and_leaves_no_waiter():
@@ -72,7 +74,8 @@ async def test_cancelled_waiter_does_not_leak_a_slot():
     await asyncio.gather(w, return_exceptions=True)
     hold.set()
     await t
-    assert lim.active == 0 and lim.queued == 0
+    assert lim.active == 0
+    assert lim.queued == 0
     async with lim.slot():
         assert lim.active == 1
 
@@ -136,7 +139,8 @@ async def test_a_flooding_tenant_does_not_starve_another():
     )
     release.set()  # two slots free: one for the tenant with none executing, one for flood
     await eventually(lambda: len(order) >= 2, what="two waiters in the freed slots")
-    assert "quiet" in order and len(order) == 2
+    assert "quiet" in order
+    assert len(order) == 2
     hold.set()
     await asyncio.gather(*holders, *tasks)
     assert (lim.active, lim.queued, flood.active, flood.queued, quiet.active) == (0, 0, 0, 0, 0)
@@ -155,11 +159,14 @@ async def test_a_tenant_at_its_own_limit_waits_while_others_start():
     with pytest.raises(RouterError) as e:  # its own queue (max_queued = 1) is full
         async with lim.slot(capped):
             pass
-    assert e.value.status == 429 and e.value.reason == "tenant_queue"
-    assert "'capped'" in e.value.message and int(e.value.headers["Retry-After"]) >= 1
+    assert e.value.status == 429
+    assert e.value.reason == "tenant_queue"
+    assert "'capped'" in e.value.message
+    assert int(e.value.headers["Retry-After"]) >= 1
     release.set()
     await asyncio.gather(*holders, waiting)
-    assert order == ["capped2"] and (lim.active, capped.active, capped.queued) == (0, 0, 0)
+    assert order == ["capped2"]
+    assert (lim.active, capped.active, capped.queued) == (0, 0, 0)
 
 
 async def test_a_tenant_over_its_rate_gets_429_with_retry_after():
@@ -171,8 +178,10 @@ async def test_a_tenant_over_its_rate_gets_429_with_retry_after():
     with pytest.raises(RouterError) as e:
         async with lim.slot(t):
             pass
-    assert e.value.status == 429 and e.value.reason == "rate"
-    assert e.value.headers["Retry-After"] == "2" and "0.5 requests per second" in e.value.message
+    assert e.value.status == 429
+    assert e.value.reason == "rate"
+    assert e.value.headers["Retry-After"] == "2"
+    assert "0.5 requests per second" in e.value.message
     async with lim.slot(Tenant("other")):  # others are not affected
         pass
     assert (lim.active, t.active) == (0, 0)
@@ -182,7 +191,8 @@ def test_token_bucket_refills_at_its_rate_up_to_the_burst():
     b = TokenBucket(rate=2.0, burst=3)
     assert [b.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
     assert b.take(0.0) == pytest.approx(0.5)
-    assert b.take(0.5) == 0.0 and b.take(0.5) == pytest.approx(0.5)
+    assert b.take(0.5) == 0.0
+    assert b.take(0.5) == pytest.approx(0.5)
     assert [b.take(100.0) for _ in range(3)] == [0.0, 0.0, 0.0]  # no more than the burst
     assert b.take(100.0) > 0
 

@@ -15,7 +15,8 @@ async def test_trims_once_after_a_burst_and_never_while_busy():
     t.idle()
     await eventually(lambda: calls == [0], 5.0, "one trim after the idle time", interval=0.005)
     t.idle()  # no request since: no second trim
-    assert t._timer is None and calls == [0]
+    assert t._timer is None
+    assert calls == [0]
 
 
 def test_glibc_malloc_trim_is_found_and_runs():

@@ -117,7 +117,8 @@ def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_ra
     # Engines whose verdicts are slow (no arrival check: a rejection waits in the queue)
     # make even a 1,000-token prompt not worth racing.
     plan = ProbeStrategy(R).plan(Q, snap(view("d0"), view("d1"), race_wait_s=0.5))
-    assert plan.direct is not None and not plan.probes
+    assert plan.direct is not None
+    assert not plan.probes
     # Skipped, not merely direct: the dispatcher weighs a prefill/decode split for it.
     assert plan.skipped_race
     # An operator who wants every request raced says so.
@@ -145,7 +146,8 @@ def test_probe_races_only_where_races_have_been_paying_off_but_keeps_exploring()
 def test_race_value_is_what_the_outcome_saved_over_the_cold_choice():
     s = snap(view("d0", queued=500), view("d1", queued=600))
     plan = ProbeStrategy(R).plan(Q, s)
-    assert plan.cold == "d0" and plan.probes == ("d0", "d1")
+    assert plan.cold == "d0"
+    assert plan.probes == ("d0", "d1")
     share = lambda winner, chosen, reported: race_value(plan, s, 1000, {}, winner, chosen, reported)
     assert share("d0", None, {}) == 0.0  # the cold choice itself accepted
     # d1 accepted: as an acceptor (600 + 500 tokens) vs d0 computing it all (500 + 1,000).
@@ -169,7 +171,8 @@ def test_round_robin_cycles_and_still_reports_the_model_prediction():
     rr = RoundRobinStrategy(R)
     plans = [rr.plan(Q, s) for _ in range(6)]
     assert [p.direct for p in plans] == ["a", "b", "c", "a", "b", "c"]
-    assert plans[1].predicted_ttft_s == SPEED.ttft(1500, 0) and plans[1].prefill_tokens == 1000
+    assert plans[1].predicted_ttft_s == SPEED.ttft(1500, 0)
+    assert plans[1].prefill_tokens == 1000
 
 
 def test_least_loaded_counts_tokens_not_requests():
@@ -243,7 +246,8 @@ def test_fallback_splits_when_prefill_decode_is_predicted_faster():
     split = pd_ttft(SPEED, 0, 0, 1000, SPEED, 2000, 0, s.transfer, 1000)
     assert split < direct
     assert (fb.prefill, fb.decode, fb.route, fb.prefill_tokens) == ("p1", "d0", "pd", 1000)
-    assert fb.decode_threshold == R.decode_guard_threshold and fb.predicted_ttft_s == split
+    assert fb.decode_threshold == R.decode_guard_threshold
+    assert fb.predicted_ttft_s == split
 
 
 def test_fallback_computes_on_an_idle_decoder_rather_than_split():
@@ -331,7 +335,8 @@ def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
     follower = RouteQuery(model="m", text="system prompt " * 40 + "another question")
     hits = s.expected_hits(follower, 1000)
     # The shared head is ~560 of ~576 characters: most of the 1,000 tokens, expected on d1.
-    assert set(hits) == {"d1"} and 850 <= hits["d1"] < 1000
+    assert set(hits) == {"d1"}
+    assert 850 <= hits["d1"] < 1000
     assert s.expected_hits(RouteQuery(model="m", text="unrelated " * 60), 1000) == {}
     # Only where it was sent recently (it may still be computing it): by the send time.
     mem = PrefixMemory()
@@ -406,8 +411,11 @@ def test_probe_races_prompts_its_memory_does_not_place_where_those_races_pay():
     probe = ProbeStrategy(R)
     unknown = RouteQuery("m", "never seen " * 100, salt=1, prompt_tokens=1000)
     plan = probe.plan(unknown, s)
-    assert plan.probes == ("d0", "d1") and plan.placed is False
+    assert plan.probes == ("d0", "d1")
+    assert plan.placed is False
     known = RouteQuery("m", Q.text, salt=1, prompt_tokens=1000)
     probe.on_routed(known, "d1")
     plan = probe.plan(known, s)
-    assert plan.skipped_race and plan.placed and plan.direct == "d1"
+    assert plan.skipped_race
+    assert plan.placed
+    assert plan.direct == "d1"

@@ -21,13 +21,18 @@ async def test_the_first_acceptor_wins_and_the_others_are_stopped():
         }
     )
     result = await run_race(("fast", "slow", "silent"), up.opener(), 5.0)
-    assert result.winner is not None and result.winner.backend == "fast"
+    assert result.winner is not None
+    assert result.winner.backend == "fast"
     assert result.winner.verdict == Verdict.ACCEPTED
     # The winner keeps its open stream and the chunks the race read.
     assert result.winner.buffered == [token("Hi", [7])]
     winner_stream, *others = up.streams
     assert not winner_stream.closed
-    assert {o.backend: o.verdict for o in result.outcomes} == {"fast": Verdict.ACCEPTED, "slow": Verdict.LOST, "silent": Verdict.LOST}
+    assert {o.backend: o.verdict for o in result.outcomes} == {
+        "fast": Verdict.ACCEPTED,
+        "slow": Verdict.LOST,
+        "silent": Verdict.LOST,
+    }
     assert all(s.aborted for s in others)
 
 
@@ -35,7 +40,8 @@ async def test_two_acceptors_in_one_wake_up_one_wins_the_other_is_closed():
     up = FakeUpstream({"a": [[token("x", [1])]], "b": [[token("y", [2])]]})
     result = await run_race(("a", "b"), up.opener(), 5.0)
     loser = next(o for o in result.outcomes if o is not result.winner)
-    assert loser.verdict == Verdict.LOST and loser.stream is None
+    assert loser.verdict == Verdict.LOST
+    assert loser.stream is None
     assert loser.tokens_seen == 1  # read before it lost: tokens generated for nothing
     assert [s.aborted for s in up.streams if s.backend == loser.backend] == [True]
     assert [s.closed for s in up.streams if s.backend == result.winner.backend] == [False]
@@ -65,10 +71,13 @@ async def test_an_upstream_error_in_one_probe_does_not_lose_the_race_for_the_oth
         }
     )
     result = await run_race(("refused", "broken", "ok"), up.opener(), 5.0)
-    assert result.winner is not None and result.winner.backend == "ok"
+    assert result.winner is not None
+    assert result.winner.backend == "ok"
     verdicts = {o.backend: o for o in result.outcomes}
-    assert verdicts["refused"].verdict == Verdict.FAILED and verdicts["refused"].error.kind == CONNECT
-    assert verdicts["broken"].verdict == Verdict.FAILED and verdicts["broken"].error.kind == BROKEN
+    assert verdicts["refused"].verdict == Verdict.FAILED
+    assert verdicts["refused"].error.kind == CONNECT
+    assert verdicts["broken"].verdict == Verdict.FAILED
+    assert verdicts["broken"].error.kind == BROKEN
     assert result.client_error is None
     broken_stream = next(s for s in up.streams if s.backend == "broken")
     assert broken_stream.aborted
@@ -89,7 +98,8 @@ async def test_a_rejection_reporting_the_prompt_length_extends_the_deadline():
     # 0.05 s floor + 1,000 prompt tokens * 0.2 ms: an acceptor answering at 0.15 s wins.
     up = FakeUpstream({"d0": [rejection(1000, 0)], "d1": [[Pause(0.15), token("Hi", [7])]]})
     result = await run_race(("d0", "d1"), up.opener(), 0.05, deadline_per_prompt_token_s=0.0002)
-    assert result.winner is not None and result.winner.backend == "d1"
+    assert result.winner is not None
+    assert result.winner.backend == "d1"
     # Without the extension the same acceptor is cut off.
     up = FakeUpstream({"d0": [rejection(1000, 0)], "d1": [[Pause(0.15), token("Hi", [7])]]})
     result = await run_race(("d0", "d1"), up.opener(), 0.05)
@@ -103,4 +113,5 @@ async def test_cancelling_the_race_closes_every_stream():
     await asyncio.sleep(0.05)
     race.cancel()
     await asyncio.gather(race, return_exceptions=True)
-    assert len(up.streams) == 2 and all(s.aborted for s in up.streams)
+    assert len(up.streams) == 2
+    assert all(s.aborted for s in up.streams)

@@ -174,16 +174,21 @@ def test_completions_stream_one_leg_matches_vllm():
     g = Gen(PROMPT, steps_for(3), cached_tokens=2, system_fingerprint="fp")
     sh, out = run_legs(spec, [(False, completion_stream(g))])
     assert out == completion_stream(client_view(spec, g))
-    assert {c["id"] for c in out} == {spec.request_id} and {c["model"] for c in out} == {"client-model"}
-    assert list(sh.answer.generated_token_ids) == [1000, 1001, 1002] and sh.answer.generated_text == "t0t1t2"
-    assert sh.answer.prompt_token_ids == PROMPT and sh.answer.finish_reason == "length" and sh.answer.leg_tokens == 3
-    assert sh.answer.first_token_seen and sh.emitted
+    assert {c["id"] for c in out} == {spec.request_id}
+    assert {c["model"] for c in out} == {"client-model"}
+    assert list(sh.answer.generated_token_ids) == [1000, 1001, 1002]
+    assert sh.answer.generated_text == "t0t1t2"
+    assert sh.answer.prompt_token_ids == PROMPT
+    assert sh.answer.finish_reason == "length"
+    assert sh.answer.leg_tokens == 3
+    assert sh.answer.first_token_seen
+    assert sh.emitted
 
 
 def test_chat_stream_one_leg_matches_vllm():
     spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True)
     g = Gen(PROMPT, steps_for(3, finish="stop"), cached_tokens=0)
-    sh, out = run_legs(spec, [(False, chat_stream(g))])
+    _sh, out = run_legs(spec, [(False, chat_stream(g))])
     assert out == chat_stream(client_view(spec, g))
     assert out[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert out[0]["prompt_token_ids"] == PROMPT
@@ -364,20 +369,23 @@ def test_completion_text_offsets_continue_across_legs():
 
 def test_cache_threshold_finish_is_held_until_released():
     spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True)
-    g = Gen(PROMPT, steps_for(2) + [Step("", [], CACHE_THRESHOLD)])
+    g = Gen(PROMPT, [*steps_for(2), Step("", [], CACHE_THRESHOLD)])
     g.steps[1].finish_reason = None
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
     chunks = completion_stream(g)
     shaped = [sh.shape(c) for c in chunks]
     assert [len(s) for s in shaped] == [1, 1, 0, 0]  # the finish and the usage chunk are kept
-    assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 2
+    assert sh.answer.finish_reason == CACHE_THRESHOLD
+    assert sh.answer.leg_tokens == 2
     held = sh.release_held()
-    assert len(held) == 1 and held[0]["choices"][0]["finish_reason"] == CACHE_THRESHOLD
+    assert len(held) == 1
+    assert held[0]["choices"][0]["finish_reason"] == CACHE_THRESHOLD
     assert held[0]["id"] == spec.request_id
     assert sh.release_held() == []
     final = sh.final_chunks()
-    assert len(final) == 1 and final[0]["usage"]["completion_tokens"] == 2
+    assert len(final) == 1
+    assert final[0]["usage"]["completion_tokens"] == 2
 
 
 def test_final_chunks_release_a_still_held_finish():
@@ -420,7 +428,7 @@ def test_rejected_first_leg_then_resume_keeps_role_and_prompt_usage():
     spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True)
     g = Gen(PROMPT, steps_for(2, finish="stop"), cached_tokens=0)
     legs = split_legs(ENDPOINT_CHAT, g, [0], [False], [1, 3])
-    sh, out = run_legs(spec, legs)
+    _sh, out = run_legs(spec, legs)
     want = client_view(spec, g)
     want.cached_tokens = 3
     assert out == chat_stream(want)
@@ -434,13 +442,15 @@ def test_retry_leg_role_chunk_not_sent_twice():
     first = sh.shape(chat_stream(g)[0])  # role chunk, then the leg breaks
     sh.begin_leg(is_resume=False)  # retry elsewhere
     rest = [c for ch in chat_stream(g) for c in sh.shape(ch)] + sh.final_chunks()
-    assert len(first) == 1 and len(rest) == 1 and "role" not in rest[0]["choices"][0]["delta"]
+    assert len(first) == 1
+    assert len(rest) == 1
+    assert "role" not in rest[0]["choices"][0]["delta"]
 
 
 def test_model_falls_back_to_the_first_legs():
     spec = make_spec(ENDPOINT_COMPLETIONS)
     spec = RequestSpec(**{**{f: getattr(spec, f) for f in spec.__slots__}, "model": None})
-    sh, out = run_legs(spec, [(False, completion_stream(Gen(PROMPT, steps_for(1))))])
+    _sh, out = run_legs(spec, [(False, completion_stream(Gen(PROMPT, steps_for(1))))])
     assert out[0]["model"] == "tiny"
 
 
@@ -459,7 +469,7 @@ def test_content_of_a_dropped_finish_chunk_still_reaches_the_client():
     sh.begin_leg(is_resume=True)
     out += [
         c
-        for ch in completion_stream(Gen(PROMPT + [1, 2], [Step("c", [3], "stop")], include_usage=False))
+        for ch in completion_stream(Gen([*PROMPT, 1, 2], [Step("c", [3], "stop")], include_usage=False))
         for c in sh.shape(ch)
     ]
     out += sh.final_chunks()
@@ -526,7 +536,7 @@ def _run_one_leg(upstream: list[dict], spec: RequestSpec) -> tuple[ResponseShape
     return run_legs(spec, [(False, upstream)])
 
 
-@pytest.mark.parametrize("upstream,client", WIRE_CASES)
+@pytest.mark.parametrize(("upstream", "client"), WIRE_CASES)
 def test_real_capture_one_leg(upstream, client):
     spec = parse_request(_endpoint(client), request_body(client))
     sh, out = _run_one_leg(stream_chunks(upstream), spec)
@@ -556,7 +566,8 @@ def test_real_capture_verdicts():
     chat = stream_chunks("chat_stream_usage_token_ids")
     assert [is_rejection_chunk(c) for c in chat] == [None, False, False, False, False, None]
     cmpl = stream_chunks("disagg_decode_leg_stream")
-    assert is_rejection_chunk(cmpl[0]) is False and is_rejection_chunk(cmpl[-1]) is None
+    assert is_rejection_chunk(cmpl[0]) is False
+    assert is_rejection_chunk(cmpl[-1]) is None
 
 
 def _as_resume_leg(chat_chunks: list[dict], prompt: list[int], generated: list[int]) -> list[dict]:
@@ -663,9 +674,9 @@ def test_real_threshold_rejection_captures(stream_name):
     sh.begin_leg(is_resume=False)
     out = [c for ch in stream_chunks(stream_name) for c in sh.shape(ch)]
     assert all(c["choices"][0]["finish_reason"] is None for c in out)  # the finish is held
-    assert (
-        sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 0 and not sh.answer.generated_token_ids
-    )
+    assert sh.answer.finish_reason == CACHE_THRESHOLD
+    assert sh.answer.leg_tokens == 0
+    assert not sh.answer.generated_token_ids
     out += sh.release_held() + sh.final_chunks()
     assert orjson.dumps(normalized(out)) == orjson.dumps(normalized(chunks))
 
@@ -736,7 +747,8 @@ def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
     ]
     for c in chunks:
         assert sh.shape(c) == []  # nothing is built for a non-streaming client
-    assert not sh.emitted and sh.answer.first_token_seen
+    assert not sh.emitted
+    assert sh.answer.first_token_seen
     msg = sh.accumulate_response()["choices"][0]
     assert msg["finish_reason"] == "tool_calls"
     assert msg["message"] == {
@@ -770,7 +782,8 @@ def test_reasoning_then_content():
     ]:
         sh.shape(c)
     m = sh.accumulate_response()["choices"][0]["message"]
-    assert (m["content"], m["reasoning"]) == ("answer", "r") and "tool_calls" not in m
+    assert (m["content"], m["reasoning"]) == ("answer", "r")
+    assert "tool_calls" not in m
 
 
 def test_zero_token_answer_has_empty_content():
@@ -780,7 +793,8 @@ def test_zero_token_answer_has_empty_content():
     for c in chat_stream(Gen(PROMPT, [Step("", [], "stop")])):
         sh.shape(c)
     r = sh.accumulate_response()
-    assert r["choices"][0]["message"]["content"] == "" and r["usage"]["completion_tokens"] == 0
+    assert r["choices"][0]["message"]["content"] == ""
+    assert r["usage"]["completion_tokens"] == 0
 
 
 def test_odd_top_logprobs_does_not_break_the_shaper():
@@ -999,7 +1013,7 @@ def odd_chunks(draw):
     base = copy.deepcopy(draw(st.sampled_from(chat_stream(g) + completion_stream(g))))
     if base["choices"] and draw(st.booleans()):
         c = base["choices"][0]
-        key = draw(st.sampled_from(sorted(c) + ["delta.content", "delta.tool_calls", "logprobs.tokens"]))
+        key = draw(st.sampled_from([*sorted(c), "delta.content", "delta.tool_calls", "logprobs.tokens"]))
         value = draw(_json)
         if "." in key:
             outer, inner = key.split(".")
@@ -1048,9 +1062,10 @@ def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume():
     out = [c for ch in leg1 for c in sh.shape(ch)]
     assert "".join(c["choices"][0]["text"] for c in out) == "abc"
     assert all(c["choices"][0]["finish_reason"] is None for c in out)
-    assert sh.answer.finish_reason == CACHE_THRESHOLD and sh.answer.leg_tokens == 2
+    assert sh.answer.finish_reason == CACHE_THRESHOLD
+    assert sh.answer.leg_tokens == 2
     sh.begin_leg(is_resume=True)  # the held finish is dropped
-    leg2 = completion_stream(Gen(PROMPT + [1, 2], [Step("d", [3], "stop")], include_usage=False))
+    leg2 = completion_stream(Gen([*PROMPT, 1, 2], [Step("d", [3], "stop")], include_usage=False))
     out += [c for ch in leg2 for c in sh.shape(ch)] + sh.final_chunks()
     assert "".join(c["choices"][0]["text"] for c in out) == "abcd"
     assert [c["choices"][0]["finish_reason"] for c in out][-1] == "stop"
@@ -1080,4 +1095,5 @@ def test_hidden_token_ids_make_the_answer_unresumable():
     sh2.begin_leg(is_resume=False)
     for c in chat_stream(Gen(PROMPT, steps_for(2))):
         sh2.shape(c)
-    assert sh2.answer.token_ids_complete and sh2.answer.leg_tokens == 2
+    assert sh2.answer.token_ids_complete
+    assert sh2.answer.leg_tokens == 2

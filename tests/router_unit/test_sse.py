@@ -42,7 +42,9 @@ def test_vllm_shaped_stream():
 
 def test_format_event_is_one_data_line():
     ev = format_event({"text": "line1\nline2\r\n"})
-    assert ev.startswith(b"data: ") and ev.endswith(b"\n\n") and ev.count(b"\n") == 2
+    assert ev.startswith(b"data: ")
+    assert ev.endswith(b"\n\n")
+    assert ev.count(b"\n") == 2
 
 
 def test_crlf_and_cr_line_ends():
@@ -164,7 +166,8 @@ def test_format_then_decode_roundtrip(payloads):
     objs = [orjson.loads(p) for p in payloads if p != b"[DONE]"]
     data = b"".join(format_event(o) for o in objs) + DONE_EVENT
     out = decode_all([data])
-    assert [orjson.loads(p) for p in out[:-1]] == objs and out[-1] == b"[DONE]"
+    assert [orjson.loads(p) for p in out[:-1]] == objs
+    assert out[-1] == b"[DONE]"
 
 
 def test_whole_event_reads_with_odd_content():

@@ -89,7 +89,8 @@ def test_one_token_probe_races_the_first_prompt_for_one_token():
     assert one_token_probe({"prompt": [1, 2, 3]})["prompt"] == [1, 2, 3]  # one prompt of token ids
     assert body["prompt"] == ["first", "second"]  # the client's body is not touched
     leg = streamed_leg_body(out, 0.4)
-    assert leg[THRESHOLD_KEY] == 0.4 and leg["stream"] is True
+    assert leg[THRESHOLD_KEY] == 0.4
+    assert leg["stream"] is True
 
 
 def test_unary_leg_sets_threshold_zero_explicitly():

@@ -3,7 +3,8 @@ at teardown, and an HTTP session (helpers: sim_testutil.py)."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest

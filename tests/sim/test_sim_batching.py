@@ -99,7 +99,9 @@ async def test_a_cache_smaller_than_max_model_len_caps_requests(make_engine, htt
     status, body = await post(
         http, eng.url + "/v1/completions", {"prompt": [5] * 100, "max_tokens": 500, "ignore_eos": True}
     )
-    assert status == 200 and body["usage"]["completion_tokens"] == 44
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 44
     status, err = await post(http, eng.url + "/v1/completions", {"prompt": [5] * 150})
-    assert status == 400 and err["error"]["param"] == "input_tokens"
+    assert status == 400
+    assert err["error"]["param"] == "input_tokens"
     assert "maximum context length is 144 tokens" in err["error"]["message"]

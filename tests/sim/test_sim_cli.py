@@ -57,11 +57,17 @@ def test_flags_map_to_config() -> None:
     cfg = config_from_args(args)
     assert args.port == [8001, 8002]
     assert (cfg.role, cfg.block_size, cfg.num_gpu_blocks, cfg.speed) == ("producer", 32, 100, 50.0)
-    assert cfg.arrival_check is False and cfg.global_cache_hit_threshold == 0.3
-    assert cfg.kv_lease_duration == 5.0 and cfg.enable_admin and cfg.model == "m"
-    assert cfg.faults.error_rate == 0.1 and cfg.faults.exit_after_tokens == 9
-    assert cfg.faults.stall_after_tokens == 4 and cfg.faults.stall_seconds == 2.0
-    assert cfg.timing.step_overhead_s == 0.01 and cfg.max_model_len == 1024
+    assert cfg.arrival_check is False
+    assert cfg.global_cache_hit_threshold == 0.3
+    assert cfg.kv_lease_duration == 5.0
+    assert cfg.enable_admin
+    assert cfg.model == "m"
+    assert cfg.faults.error_rate == 0.1
+    assert cfg.faults.exit_after_tokens == 9
+    assert cfg.faults.stall_after_tokens == 4
+    assert cfg.faults.stall_seconds == 2.0
+    assert cfg.timing.step_overhead_s == 0.01
+    assert cfg.max_model_len == 1024
 
 
 def test_bad_values_exit_with_status_2(capsys) -> None:

@@ -41,7 +41,9 @@ def test_cpu_tier_is_an_lru_of_blocks_and_lookup_is_read_only() -> None:
     assert tier.lookup([1, 9, 3], 0, 3) == 1  # a run from the start only
     tier.load([1])  # 1 is now the most recently used
     tier.store([4])  # full: evicts the LRU block, 2
-    assert 2 not in tier and 1 in tier and 4 in tier
+    assert 2 not in tier
+    assert 1 in tier
+    assert 4 in tier
     assert tier.evicted_blocks == 1
     # Lookups touch nothing: 3 is still the next to go.
     tier.lookup([3], 0, 1)
@@ -52,7 +54,8 @@ def test_cpu_tier_is_an_lru_of_blocks_and_lookup_is_read_only() -> None:
 async def evict_a_from_gpu(http, url: str) -> None:
     for prompt in (PROMPT_A, PROMPT_B, PROMPT_C):
         status, body = await post(http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
-        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert status == 200
+        assert body["choices"][0]["finish_reason"] == "length"
 
 
 async def test_an_offloaded_prefix_is_a_hit_that_a_gpu_only_engine_lacks(make_engine, http) -> None:

@@ -19,7 +19,8 @@ async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
     )
     assert resp.status == 200
     await resp.content.readuntil(b"\n\n")  # first chunk: the request is running
-    assert eng.engine.num_running == 1 and eng.engine.kv.usage > 0
+    assert eng.engine.num_running == 1
+    assert eng.engine.kv.usage > 0
     resp.close()  # drop the connection mid-stream
     await eventually(lambda: eng.engine.num_running == 0)
     assert eng.engine.kv.usage == 0.0
@@ -65,5 +66,7 @@ async def test_closing_an_engine_ends_open_streams(make_engine, http) -> None:
     # Guard only: a close that waited for the 2000-token generation would take 12 s+.
     await asyncio.wait_for(eng.close(), timeout=10)
     rest = await resp.read()
-    assert b'"finish_reason":"abort"' in rest and rest.endswith(b"data: [DONE]\n\n")
-    assert eng.engine.num_running == 0 and not eng.engine.requests
+    assert b'"finish_reason":"abort"' in rest
+    assert rest.endswith(b"data: [DONE]\n\n")
+    assert eng.engine.num_running == 0
+    assert not eng.engine.requests

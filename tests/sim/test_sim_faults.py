@@ -52,7 +52,8 @@ async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine
         assert received < 20
         rest = parse_sse(await r.read())
     received += sum(len(c["choices"][0]["token_ids"]) for c in rest[:-1])
-    assert received == 20 and rest[-1] == "[DONE]"
+    assert received == 20
+    assert rest[-1] == "[DONE]"
 
 
 async def test_exit_fault_drops_connections_and_stops_serving(make_engine, http) -> None:
@@ -80,7 +81,8 @@ async def test_faults_change_at_runtime_with_admin(make_engine, http) -> None:
     eng = await make_engine(enable_admin=True)
     url = eng.url + "/_sim/faults"
     async with http.post(url, json={"error_rate": 1.0}) as r:
-        assert r.status == 200 and (await r.json())["error_rate"] == 1.0
+        assert r.status == 200
+        assert (await r.json())["error_rate"] == 1.0
     assert (await post(http, eng.url + "/v1/completions", {"prompt": "x"}))[0] == 500
     async with http.post(url, json={"error_rate": 0}) as r:
         assert r.status == 200

@@ -44,17 +44,21 @@ async def test_completion_non_streaming_shape(make_engine, http) -> None:
     )
     assert status == 200
     assert set(body) == COMPLETION_KEYS
-    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
-    assert body["model"] == "sim-model" and body["system_fingerprint"].startswith("vllm-0.32.0-")
+    assert body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert body["model"] == "sim-model"
+    assert body["system_fingerprint"].startswith("vllm-0.32.0-")
     (choice,) = body["choices"]
     assert set(choice) == COMPLETION_CHOICE_KEYS
-    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    assert choice["finish_reason"] == "length"
+    assert choice["stop_reason"] is None
     assert len(choice["token_ids"]) == 7
     assert choice["text"] == tok.decode(choice["token_ids"])
     assert choice["prompt_token_ids"] == tok.encode(PROMPT)
     u = body["usage"]
     assert u["prompt_tokens"] == len(tok.encode(PROMPT))
-    assert u["completion_tokens"] == 7 and u["total_tokens"] == u["prompt_tokens"] + 7
+    assert u["completion_tokens"] == 7
+    assert u["total_tokens"] == u["prompt_tokens"] + 7
     assert u["prompt_tokens_details"]["cached_tokens"] == 0
     assert body["kv_transfer_params"] is None
 
@@ -98,7 +102,8 @@ async def test_completion_stream_shape(make_engine, http) -> None:
             "stream_options": {"include_usage": True},
         },
     )
-    assert status == 200 and events[-1] == "[DONE]"
+    assert status == 200
+    assert events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
     ids: list[int] = []
     for i, c in enumerate(chunks):
@@ -113,7 +118,8 @@ async def test_completion_stream_shape(make_engine, http) -> None:
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert "".join(c["choices"][0]["text"] for c in chunks) == tok.decode(ids)
     assert len(ids) == 5
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 5
     assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert usage["system_fingerprint"].startswith("vllm-")
     assert len({c["id"] for c in events[:-1]}) == 1
@@ -141,7 +147,8 @@ async def test_continuous_usage_stats(make_engine, http) -> None:
         },
     )
     counts = [c["usage"]["completion_tokens"] for c in events[:-2]]
-    assert counts == sorted(counts) and counts[-1] == 4
+    assert counts == sorted(counts)
+    assert counts[-1] == 4
 
 
 async def test_chat_non_streaming_shape(make_engine, http) -> None:
@@ -151,7 +158,8 @@ async def test_chat_non_streaming_shape(make_engine, http) -> None:
         http, eng.url + "/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 4, "return_token_ids": True}
     )
     assert status == 200
-    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
     assert body["prompt_token_ids"] == tok.encode(tok.render_chat(msgs))
     (ch,) = body["choices"]
     assert ch["message"]["role"] == "assistant"
@@ -178,12 +186,14 @@ async def test_chat_stream_starts_with_a_role_chunk(make_engine, http) -> None:
     role, *chunks, usage, done = events
     assert done == "[DONE]"
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert role["prompt_token_ids"] and role["object"] == "chat.completion.chunk"
+    assert role["prompt_token_ids"]
+    assert role["object"] == "chat.completion.chunk"
     assert "token_ids" not in role["choices"][0]
     assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 3
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "stop_reason" in chunks[-1]["choices"][0]
-    assert usage["usage"]["completion_tokens"] == 3 and usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 3
+    assert usage["choices"] == []
 
 
 async def test_prompt_as_token_ids_and_batched_forms(make_engine, http) -> None:
@@ -192,7 +202,8 @@ async def test_prompt_as_token_ids_and_batched_forms(make_engine, http) -> None:
     ids = tok.encode(PROMPT)
     for prompt in (ids, [ids], [PROMPT]):
         status, body = await post(http, url, {"prompt": prompt, "max_tokens": 1, "return_token_ids": True})
-        assert status == 200 and body["choices"][0]["prompt_token_ids"] == ids
+        assert status == 200
+        assert body["choices"][0]["prompt_token_ids"] == ids
 
 
 async def test_stop_string_ends_and_trims_the_output(make_engine, http) -> None:
@@ -204,7 +215,8 @@ async def test_stop_string_ends_and_trims_the_output(make_engine, http) -> None:
     cut = text.index(" " + stop)
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 30, "stop": [stop]})
     ch = body["choices"][0]
-    assert ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
+    assert ch["finish_reason"] == "stop"
+    assert ch["stop_reason"] == stop
     assert ch["text"] == text[: cut + 1]
     _, body = await post(
         http, url, {"prompt": PROMPT, "max_tokens": 30, "stop": stop, "include_stop_str_in_output": True}
@@ -220,10 +232,14 @@ async def test_eos_min_tokens_and_ignore_eos(make_engine, http) -> None:
     url = eng.url + "/v1/completions"
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "return_token_ids": True})
     ch = body["choices"][0]
-    assert ch["finish_reason"] == "stop" and ch["token_ids"] == [tok.EOS_ID] and ch["text"] == ""
+    assert ch["finish_reason"] == "stop"
+    assert ch["token_ids"] == [tok.EOS_ID]
+    assert ch["text"] == ""
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "min_tokens": 4, "return_token_ids": True})
     ids = body["choices"][0]["token_ids"]
-    assert len(ids) == 5 and ids[-1] == tok.EOS_ID and tok.EOS_ID not in ids[:4]
+    assert len(ids) == 5
+    assert ids[-1] == tok.EOS_ID
+    assert tok.EOS_ID not in ids[:4]
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "ignore_eos": True})
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 10
@@ -235,9 +251,11 @@ async def test_completion_logprobs(make_engine, http) -> None:
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
     assert "".join(lp["tokens"]) == body["choices"][0]["text"]
-    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    assert lp["text_offset"][0] == 0
+    assert lp["text_offset"][1] == len(lp["tokens"][0])
     for token, top in zip(lp["tokens"], lp["top_logprobs"]):
-        assert token in top and len(top) == 2  # the sampled token is the top one
+        assert token in top
+        assert len(top) == 2
 
 
 async def test_chat_logprobs(make_engine, http) -> None:
@@ -257,14 +275,16 @@ async def test_models_health_version_metrics(make_engine, http) -> None:
     async with http.get(eng.url + "/v1/models") as r:
         models = await r.json()
     assert models["object"] == "list"
-    assert models["data"][0]["id"] == "m1" and models["data"][0]["max_model_len"] == 1024
+    assert models["data"][0]["id"] == "m1"
+    assert models["data"][0]["max_model_len"] == 1024
     assert models["data"][0]["owned_by"] == "vllm"
     async with http.get(eng.url + "/health") as r:
         assert r.status == 200
     async with http.get(eng.url + "/version") as r:
         assert (await r.json()) == {"version": "0.32.0"}
     async with http.get(eng.url + "/metrics") as r:
-        assert r.status == 200 and "vllm:num_requests_running" in await r.text()
+        assert r.status == 200
+        assert "vllm:num_requests_running" in await r.text()
 
 
 BAD = [
@@ -303,15 +323,18 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("body,param", BAD)
+@pytest.mark.parametrize(("body", "param"), BAD)
 async def test_bad_input_is_a_400_in_vllm_error_shape(make_engine, http, body, param) -> None:
     eng = await make_engine(max_model_len=2048)
     status, err = await post(http, eng.url + "/v1/completions", body)
     assert status == 400
-    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
-    assert err["error"]["code"] == 400 and err["error"]["param"] == param
+    assert set(err) == {"error"}
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["code"] == 400
+    assert err["error"]["param"] == param
     assert err["error"]["type"] in ("BadRequestError", "Bad Request")
-    assert eng.engine.num_running == 0 and eng.engine.num_waiting == 0
+    assert eng.engine.num_running == 0
+    assert eng.engine.num_waiting == 0
 
 
 async def test_bad_chat_input(make_engine, http) -> None:
@@ -351,11 +374,13 @@ async def test_unknown_model_is_a_404(make_engine, http) -> None:
 async def test_prompt_longer_than_max_model_len_is_a_400(make_engine, http) -> None:
     eng = await make_engine(max_model_len=64)
     status, err = await post(http, eng.url + "/v1/completions", {"prompt": list(range(2, 70))})
-    assert status == 400 and err["error"]["param"] == "input_tokens"
+    assert status == 400
+    assert err["error"]["param"] == "input_tokens"
     assert "maximum context length is 64 tokens" in err["error"]["message"]
 
 
 async def test_max_tokens_is_clamped_to_the_context(make_engine, http) -> None:
     eng = await make_engine(max_model_len=64)
     status, body = await post(http, eng.url + "/v1/completions", {"prompt": list(range(2, 62)), "max_tokens": 20})
-    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 4

@@ -37,7 +37,7 @@ def test_hits_are_whole_blocks_and_leave_the_last_token() -> None:
     # Same prompt again: at most 15 tokens may hit -> 3 whole blocks.
     assert len(kv.find_cache_hit(hashes(prompt), len(prompt))) * BS == 12
     # A longer prompt with the same 16-token prefix hits all 4 blocks.
-    longer = prompt + [7, 7, 7]
+    longer = [*prompt, 7, 7, 7]
     assert len(kv.find_cache_hit(hashes(longer), len(longer))) * BS == 16
     # A prompt diverging inside block 2 hits block 1 only.
     other = prompt[:5] + [0] * 11
@@ -51,7 +51,8 @@ def test_null_block_is_reserved_and_usage_counts_held_blocks() -> None:
     assert kv.usage == 0.5
     assert all(b.block_id != 0 for b in kv.req_blocks["a"])
     assert not kv.allocate("b", 12)  # needs 3, 2 free: refused, nothing changed
-    assert kv.num_free_blocks == 2 and "b" not in kv.req_blocks
+    assert kv.num_free_blocks == 2
+    assert "b" not in kv.req_blocks
 
 
 def test_referenced_blocks_are_never_evicted() -> None:
@@ -60,7 +61,7 @@ def test_referenced_blocks_are_never_evicted() -> None:
     run(kv, "a", prompt)  # holds 2 cached blocks
     assert kv.allocate("b", 8)  # takes the other 2
     assert not kv.allocate("c", 4)
-    assert len(kv.find_cache_hit(hashes(prompt + [1]), 9)) == 2
+    assert len(kv.find_cache_hit(hashes([*prompt, 1]), 9)) == 2
 
 
 def test_lru_eviction_takes_the_least_recently_freed_block_first() -> None:
@@ -74,8 +75,8 @@ def test_lru_eviction_takes_the_least_recently_freed_block_first() -> None:
     # Every block is free and cached; one more block must evict the oldest free one.
     # Requests free tail-first, so "old"'s second block went to the queue first.
     assert kv.allocate("x", 4)
-    assert len(kv.find_cache_hit(hashes(old + [0]), 9)) == 1
-    assert len(kv.find_cache_hit(hashes(new + [0]), 9)) == 2
+    assert len(kv.find_cache_hit(hashes([*old, 0]), 9)) == 1
+    assert len(kv.find_cache_hit(hashes([*new, 0]), 9)) == 2
     kv.free("x")
 
 
@@ -84,13 +85,14 @@ def test_a_hit_takes_a_free_cached_block_back_out_of_the_free_queue() -> None:
     p = list(range(8))
     run(kv, "a", p)
     kv.free("a")
-    h = hashes(p + [9])
+    h = hashes([*p, 9])
     hit = kv.find_cache_hit(h, 9)
     assert len(hit) == 2
     assert kv.allocate("b", 8, hit)
     assert kv.num_free_blocks == 0
     assert all(b.ref_cnt == 1 for b in hit)
-    assert kv.allocate("c", 0) and kv.num_free_blocks == 0
+    assert kv.allocate("c", 0)
+    assert kv.num_free_blocks == 0
     kv.free("b")
     assert kv.num_free_blocks == 2
 
@@ -98,8 +100,8 @@ def test_a_hit_takes_a_free_cached_block_back_out_of_the_free_queue() -> None:
 def test_shared_blocks_stay_until_the_last_reference_goes() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     p = list(range(8))
-    run(kv, "a", p + [50])
-    run(kv, "b", p + [60])  # shares the 2 prompt blocks
+    run(kv, "a", [*p, 50])
+    run(kv, "b", [*p, 60])  # shares the 2 prompt blocks
     shared = kv.req_blocks["a"][:2]
     assert all(b.ref_cnt == 2 for b in shared)
     kv.free("a")

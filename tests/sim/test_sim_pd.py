@@ -39,14 +39,18 @@ async def decode(http, consumer, kv: dict, max_tokens: int = 10, **extra) -> dic
 async def test_prefill_leg_returns_vllm_shaped_params_and_holds_a_lease(make_engine, http) -> None:
     producer = await make_engine(role="producer", block_size=16)
     kv = await prefill(http, producer)
-    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
-    assert len(kv["remote_block_ids"]) == 1 and len(kv["remote_block_ids"][0]) == 7  # ceil(100/16)
+    assert kv["do_remote_prefill"] is True
+    assert kv["do_remote_decode"] is False
+    assert len(kv["remote_block_ids"]) == 1
+    assert len(kv["remote_block_ids"][0]) == 7
     assert kv["remote_engine_id"] == producer.engine.engine_id
     uuid.UUID(kv["remote_engine_id"])
-    assert kv["remote_host"] == "127.0.0.1" and kv["remote_port"] == producer.port
+    assert kv["remote_host"] == "127.0.0.1"
+    assert kv["remote_port"] == producer.port
     assert kv["remote_request_id"].startswith("cmpl-")
     assert (kv["tp_size"], kv["dcp_size"], kv["pp_size"]) == (1, 1, 1)
-    assert kv["remote_num_tokens"] == 100 and kv["transfer_mode"] == "pull"
+    assert kv["remote_num_tokens"] == 100
+    assert kv["transfer_mode"] == "pull"
     assert producer.engine.snapshot()["leases"] == 1
     assert producer.engine.kv.usage > 0  # blocks held by the lease, not by a request
     assert producer.engine.num_running == 0
@@ -86,7 +90,8 @@ async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(make_e
     }
     assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
     assert (await scrape_metrics(http, consumer.url)).value("vllm:request_success_total", finished_reason="error") == 1
-    assert consumer.engine.num_running == 0 and consumer.engine.kv.usage == 0.0
+    assert consumer.engine.num_running == 0
+    assert consumer.engine.kv.usage == 0.0
     # Streamed, the 200 has begun: one error event, then [DONE].
     async with http.post(
         consumer.url + "/v1/completions",
@@ -140,20 +145,23 @@ async def test_side_channel_errors(make_engine, http) -> None:
     async with http.post(
         producer.url + "/_sim/kv/pull", json={"remote_engine_id": producer.engine.engine_id, "remote_request_id": "x"}
     ) as r:
-        assert r.status == 404 and (await r.json())["error"]["code"] == 404
+        assert r.status == 404
+        assert (await r.json())["error"]["code"] == 404
 
 
 async def test_consumer_only_engine_serves_ordinary_requests(make_engine, http) -> None:
     consumer = await make_engine(role="consumer")
     status, body = await post(http, consumer.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
-    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 3
     # Not a producer: a prefill leg runs as a plain request and leases nothing.
     status, body = await post(
         http,
         consumer.url + "/v1/completions",
         {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_REQUEST_PARAMS},
     )
-    assert status == 200 and body["kv_transfer_params"] is None
+    assert status == 200
+    assert body["kv_transfer_params"] is None
     assert not consumer.engine.leases
 
 
@@ -161,7 +169,7 @@ async def test_both_role_does_prefill_and_decode_and_streams_the_decode(make_eng
     a = await make_engine(role="both")
     b = await make_engine(role="both")
     kv = await prefill(http, a)
-    status, events = await post(
+    _status, events = await post(
         http,
         b.url + "/v1/completions",
         {

@@ -28,7 +28,8 @@ async def test_tiny_cache_forces_preemption_and_everything_still_completes(make_
     for status, body in results:
         assert status == 200
         ch = body["choices"][0]
-        assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 40
+        assert ch["finish_reason"] == "length"
+        assert len(ch["token_ids"]) == 40
         assert ch["text"] == tok.decode(ch["token_ids"])
     assert eng.engine.kv.usage == 0.0
 
@@ -100,4 +101,5 @@ async def test_preempted_stream_ends_with_cache_threshold_after_its_tokens(make_
     ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "cache_threshold"
     assert 0 < len(ids) < 40
-    assert usage["usage"]["completion_tokens"] == len(ids) and done == "[DONE]"
+    assert usage["usage"]["completion_tokens"] == len(ids)
+    assert done == "[DONE]"

@@ -29,7 +29,8 @@ async def test_cold_request_below_threshold_is_rejected_without_tokens(make_engi
     assert status == 200
     ch = body["choices"][0]
     assert ch["finish_reason"] == "cache_threshold"
-    assert ch["text"] == "" and ch["token_ids"] == []
+    assert ch["text"] == ""
+    assert ch["token_ids"] == []
     assert body["usage"]["completion_tokens"] == 0
     assert (await scrape_metrics(http, eng.url)).value(
         "vllm:request_success_total", finished_reason="cache_threshold"
@@ -47,7 +48,7 @@ async def test_warm_request_is_accepted_and_hit_rate_counts_whole_blocks(make_en
     )
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
-    status, body = await post(
+    _status, body = await post(
         http, url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "cache_hit_threshold": 0.76}
     )
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
@@ -134,9 +135,12 @@ async def test_completion_stream_rejection_framing(make_engine, http) -> None:
     finish, usage, done = events
     assert done == "[DONE]"
     ch = finish["choices"][0]
-    assert ch["finish_reason"] == "cache_threshold" and ch["text"] == "" and ch["token_ids"] == []
+    assert ch["finish_reason"] == "cache_threshold"
+    assert ch["text"] == ""
+    assert ch["token_ids"] == []
     assert ch["prompt_token_ids"] == PROMPT
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 0
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 0
 
 
 async def test_chat_stream_rejection_framing(make_engine, http) -> None:
@@ -156,7 +160,8 @@ async def test_chat_stream_rejection_framing(make_engine, http) -> None:
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert finish["choices"][0]["finish_reason"] == "cache_threshold"
     assert finish["choices"][0]["delta"] == {"content": ""}
-    assert usage["usage"]["completion_tokens"] == 0 and done == "[DONE]"
+    assert usage["usage"]["completion_tokens"] == 0
+    assert done == "[DONE]"
 
 
 async def _run_with_full_running_set(make_engine, http, arrival_check: bool):
@@ -179,7 +184,8 @@ async def _run_with_full_running_set(make_engine, http, arrival_check: bool):
     )
     generated_then = len(long_req.output_ids)
     status, long_body = await long_task
-    assert status == 200 and long_body["usage"]["completion_tokens"] == long_tokens
+    assert status == 200
+    assert long_body["usage"]["completion_tokens"] == long_tokens
     return body, generated_then, long_tokens, eng
 
 

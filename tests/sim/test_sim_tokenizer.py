@@ -25,7 +25,8 @@ def test_texts_sharing_a_prefix_share_all_but_the_last_token(a: str, b: str, c: 
 
 def test_ids_past_the_built_in_vocabulary_decode_to_placeholders() -> None:
     assert tok.decode([tok.VOCAB_SIZE - 1]) == f"<|id_{tok.VOCAB_SIZE - 1}|>"
-    assert tok.is_valid_id(tok.VOCAB_SIZE - 1) and not tok.is_valid_id(tok.VOCAB_SIZE)
+    assert tok.is_valid_id(tok.VOCAB_SIZE - 1)
+    assert not tok.is_valid_id(tok.VOCAB_SIZE)
 
 
 def test_words_are_single_tokens_and_bytes_the_fallback() -> None:
@@ -67,4 +68,5 @@ def test_fake_logprobs_put_the_sampled_token_first_and_descend() -> None:
     assert len({i for i, _ in lps}) == 4
     assert len(tok.fake_logprobs(k, 3, t, 0)) == 1  # logprobs=0: the sampled token only
     values = [lp for _, lp in lps]
-    assert values == sorted(values, reverse=True) and all(v < 0 for v in values)
+    assert values == sorted(values, reverse=True)
+    assert all(v < 0 for v in values)

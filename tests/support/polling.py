@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _describe(what: str | None, condition: Callable) -> str:

@@ -110,7 +110,8 @@ class ProbeStrategy(RemembersPrefixes):
         if bound:
             decoders = [b for b in decoders if b.waiting <= bound] or decoders
         cold = direct_plan(query, snap, decoders, hits)
-        assert cold.predicted_ttft_s is not None and cold.direct is not None
+        assert cold.predicted_ttft_s is not None
+        assert cold.direct is not None
         best = snap.get(cold.direct)
         # What the memory expects is a guess (engines evict; other replicas route too), so
         # the most a race can save is the whole prompt's prefill on the cold choice.
