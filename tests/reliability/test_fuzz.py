@@ -46,7 +46,7 @@ def fuzz_router(tmp_path_factory):
     )
     try:
         sim.start()
-        router.config.schema["backends"] = sim_backends({"d0": sim})
+        router.config["backends"] = sim_backends({"d0": sim})
         router.start()
         yield router
     finally:
