@@ -19,10 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.config.schema import RoutingConfig, ServerConfig
 from router.routing.policies import POLICIES
+from router.routing.policies.probe import ProbeSettings
 
 from .procs import PY, Proc, ProcessSet, free_ports, pinned, wait_http
 
 _ROUTING = RoutingConfig()
+_PROBE = ProbeSettings()
 _SERVER = ServerConfig()
 
 MODEL = "sim-model"
@@ -91,12 +93,12 @@ class RouterOptions:
     """The routing keys a bench run sets; defaults are the router's own."""
 
     strategy: str = _ROUTING.strategy
-    threshold: float = _ROUTING.cache_hit_threshold
-    probe_deadline_ms: float = _ROUTING.probe_deadline_ms
+    threshold: float = _PROBE.cache_hit_threshold
+    probe_deadline_ms: float = _PROBE.probe_deadline_ms
     min_pd_prompt_tokens: int = _ROUTING.min_pd_prompt_tokens
     decode_guard_threshold: float = _ROUTING.decode_guard_threshold
-    max_probe_waiting: int = _ROUTING.max_probe_waiting
-    max_probes: int = _ROUTING.max_probes
+    max_probe_waiting: int = _PROBE.max_probe_waiting
+    max_probes: int = _PROBE.max_probes
     log_level: str = _SERVER.log_level
     # Far above the router's defaults: a bench measures routing, not admission control.
     max_concurrent_requests: int = 4096

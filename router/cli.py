@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -21,6 +22,7 @@ import orjson
 from router.config import overrides
 from router.config.schema import Config, ConfigError
 from router.routing import policies
+from router.server.settings import load_checked
 
 if TYPE_CHECKING:  # aiohttp is imported when serving, not for --version or check-config
     from aiohttp import web
@@ -74,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = {"server.host": args.host, "server.port": args.port, "server.log_level": args.log_level}
 
     def load() -> Config:
-        config = overrides.load(args.config, os.environ, flags)
-        policies.check(config.routing)
-        return config
+        return load_checked(args.config, os.environ, flags)
 
     try:
         config = load()
@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         print(e.report("router"), file=sys.stderr)
         return 2
     if args.command == "check-config":
-        sys.stdout.write(orjson.dumps(config.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        shown = config.to_dict()
+        # The chosen policy's keys with their defaults: what it will run with.
+        shown["routing"] = {**dataclasses.asdict(policies.settings(config.routing)), **shown["routing"]}
+        sys.stdout.write(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode() + "\n")
         print(
             f"router: {args.config} is valid ({len(config.all_backends())} backends, "
             f"{len(config.engines)} engines to start)",

@@ -1,4 +1,4 @@
-"""The router's fixed vocabularies (routes, breaker states, roles, modes, strategy names) as
+"""The router's fixed vocabularies (routes, breaker states, verdicts, roles, modes) as
 string enums.
 
 They are `enum.StrEnum`s so that a member is its string: comparisons with config values,
@@ -76,12 +76,3 @@ class Mode(StrEnum):
 
     AUTO = "auto"
     ALWAYS = "always"
-
-
-class StrategyName(StrEnum):
-    """`routing.strategy`; router/routing/policies/ maps each to its planner."""
-
-    PROBE = "probe"
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOADED = "least_loaded"
-    PREFIX_TREE = "prefix_tree"

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from router.config.parse import parse_config, read_toml
-from router.config.schema import Config, ConfigError
+from router.config.schema import ConfigError
 
 
 def _keys(var: str, value: str) -> list[str]:
@@ -85,8 +83,3 @@ def layer(raw: dict[str, Any], env: Mapping[str, str], flags: Mapping[str, Any] 
     if problems:
         raise ConfigError(*problems)
     return out
-
-
-def load(path: str | Path, env: Mapping[str, str], flags: Mapping[str, Any] | None = None) -> Config:
-    """The validated configuration the router runs with (also what SIGHUP re-reads)."""
-    return parse_config(layer(read_toml(path), env, flags))

@@ -49,7 +49,7 @@ from router.config.schema import (
     TimeoutsConfig,
     TracingConfig,
 )
-from router.names import EngineKind, EngineRole, Mode, Role, StrategyName
+from router.names import EngineKind, EngineRole, Mode, Role
 
 # Keys of earlier versions whose job the cost model does now: accepted with a warning so
 # that an old configuration still starts.
@@ -97,14 +97,24 @@ def parse_server(p: Problems, raw: Any) -> ServerConfig | None:
     return server
 
 
+def split_routing_table(raw: dict[str, Any]) -> tuple[dict[str, Any], tuple[tuple[str, Any], ...]]:
+    """[routing] as (the pipeline's own keys, the rest as sorted pairs): the rest belong to
+    the policies, which parse and check them (router/routing/policies/)."""
+    own = {f.name for f in dataclasses.fields(RoutingConfig)} - {"policy_keys"}
+    return {k: v for k, v in raw.items() if k in own}, tuple(sorted((k, v) for k, v in raw.items() if k not in own))
+
+
 def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
-    routing = build_table(p, RoutingConfig, "routing", _without_retired(raw, "routing"))
+    raw = _without_retired(raw, "routing")
+    if not isinstance(raw, dict):
+        p.add(f"routing: expected a table, got {raw!r}")
+        return None
+    own, policy_keys = split_routing_table(raw)
+    routing = build_table(p, RoutingConfig, "routing", own)
     if routing is None:
         return None
+    routing = dataclasses.replace(routing, policy_keys=policy_keys)
     p.check(check_one_of, "routing.split", routing.split, Mode)
-    p.check(check_one_of, "routing.strategy", routing.strategy, StrategyName)
-    # The keys only a policy reads are checked by the policy registry
-    # (router/routing/policies/), which the configuration does not import.
     p.check(check_fraction, "routing.decode_guard_threshold", routing.decode_guard_threshold)
     p.check(check_positive, "routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
     p.check(check_positive, "routing.prior_prefill_tokens_per_s", routing.prior_prefill_tokens_per_s)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.names import EngineRole, Mode, Role, StrategyName
+from router.names import EngineRole, Mode, Role
 
 
 class ConfigError(ValueError):
@@ -62,39 +62,32 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    strategy: StrategyName = StrategyName.PROBE
-    # Fraction of the prompt an engine must already hold to accept a probe.
-    cache_hit_threshold: float = 0.5
+    """The `[routing]` keys the request pipeline reads. A policy's own keys (the probe's
+    threshold, race mode, deadline, probe bounds) stay in `policy_keys` as written, and the
+    policy parses and checks them into its own settings (router/routing/policies/)."""
+
+    # A policy's registered name (router/routing/policies/; checked by the registry).
+    strategy: str = "probe"
     # Threshold sent on decode legs (after a prefill, or when resuming); a small guard
     # lets a decode engine that lost the cache (preemption) hand the request back.
     decode_guard_threshold: float = 0.0
     # Prompts shorter than this never go prefill/decode (an operator's floor; above it the
     # cost model decides whether a split is faster).
     min_pd_prompt_tokens: int = 256
-    # "auto": race when the measured saving of past races outweighs waiting for verdicts;
-    # "always": race every request (the engines are the only index the router trusts).
-    race: Mode = Mode.AUTO
     # "auto": a prompt nobody accepted is split (prefill/decode) when the cost model predicts
     # the split sooner; "always": split whenever a producer is available and the prompt is
     # over min_pd_prompt_tokens (keeps prefills off the decoders, for their inter-token
     # latency, which the time-to-first-token model does not weigh).
     split: Mode = Mode.AUTO
-    # Probe race deadline floor; the cost model adds twice the slowest probed engine's
-    # predicted time to first token as an acceptor. Silent engines then count as rejections.
-    probe_deadline_ms: float = 250.0
     # Where the cost model's measured engine speeds start (router/routing/speed_learner.py); the
     # router replaces them with measurements after a few requests per engine.
     prior_prefill_tokens_per_s: float = 10000.0
     prior_kv_transfer_tokens_per_s: float = 100000.0
-    # Engines whose scraped waiting queue exceeds this are not probed (0: no bound).
-    max_probe_waiting: int = 0
-    # Probe at most this many engines per request (0: every available decode engine): those
-    # the router last sent the prompt's longest known prefix to, then the least loaded.
-    # Bounds the race's cost on large fleets (each probe is a request to an engine).
-    max_probes: int = 0
     max_resumes: int = 3
     # Retries on another backend for failures before the first token.
     max_retries: int = 2
+    # The other [routing] keys as (key, value) pairs, sorted: the policies' own.
+    policy_keys: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -276,4 +269,5 @@ class Config:
                 b["api_key"] = "***"
         for t in d["tenants"]:
             t["api_key"] = "***"
+        d["routing"].update(d["routing"].pop("policy_keys"))
         return d

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from router.config.checks import Problems
 from router.config.schema import RoutingConfig
-from router.names import StrategyName
 from router.routing import costmodel
 from router.routing.prefix_memory import PrefixMemory
 from router.routing.snapshot import BackendView, ClusterSnapshot
@@ -96,14 +96,9 @@ def fastest(
 
 
 class Strategy(Protocol):
-    """A routing policy (router/routing/policies/): a planner and the feedback it learns from."""
+    """A routing policy's planner (router/routing/policies/) and the feedback it learns from."""
 
-    name: StrategyName
-
-    @staticmethod
-    def validate(routing: RoutingConfig) -> list[str]:
-        """Problems of the `routing` keys this policy reads, each naming its key."""
-        ...
+    name: str
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan: ...
 
@@ -120,15 +115,24 @@ class Strategy(Protocol):
 
 
 class Policy(Protocol):
-    """A policy as the registry holds it (router/routing/policies/): its class, which names itself,
-    validates the routing keys it reads, and builds a planner from them."""
+    """A policy as the registry holds it (router/routing/policies/): its class, which names
+    itself, declares its settings (a frozen dataclass whose fields are its `[routing]` keys,
+    with their defaults), checks them, and builds a planner from them."""
 
-    name: StrategyName
+    name: str
+    Settings: type[Any]
 
-    def __call__(self, routing: RoutingConfig) -> Strategy: ...
+    def __call__(self, routing: RoutingConfig, settings: Any) -> Strategy: ...
 
     @staticmethod
-    def validate(routing: RoutingConfig) -> list[str]: ...
+    def check(settings: Any, problems: Problems) -> None:
+        """Record in `problems` each wrong value of `settings`, naming its `routing.` key."""
+        ...
+
+
+@dataclass(frozen=True)
+class NoSettings:
+    """The settings of a policy that reads no `[routing]` keys of its own."""
 
 
 class RemembersPrefixes:

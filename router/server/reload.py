@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from router.config.schema import Config, ConfigError
 from router.fleet.membership import CONFIG
@@ -26,6 +26,13 @@ log = logging.getLogger("cachehit_router.reload")
 LIVE = ("backends", "discovery", "routing", "server.api_keys", "server.admin_api_key", "server.log_level")
 
 
+def _table(section: Any) -> dict[str, Any]:
+    """A section's keys as router.toml spells them (a policy's keys are `[routing]` keys)."""
+    keys = {g.name: getattr(section, g.name) for g in dataclasses.fields(section)}
+    keys.update(keys.pop("policy_keys", ()))
+    return keys
+
+
 def changed_keys(old: Config, new: Config) -> list[str]:
     """Dotted keys whose values differ: `section.key` for tables, the name for arrays."""
     out = []
@@ -34,7 +41,9 @@ def changed_keys(old: Config, new: Config) -> list[str]:
         if a == b:
             continue
         if dataclasses.is_dataclass(a):
-            out += [f"{f.name}.{g.name}" for g in dataclasses.fields(a) if getattr(a, g.name) != getattr(b, g.name)]
+            ta, tb = _table(a), _table(b)
+            keys = [*ta, *(k for k in tb if k not in ta)]
+            out += [f"{f.name}.{k}" for k in keys if ta.get(k) != tb.get(k)]
         else:
             out.append(f.name)
     return out
@@ -48,12 +57,17 @@ def split_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
 
 
 def effective(old: Config, new: Config) -> Config:
-    """The configuration the router runs with after a reload: `new`'s live keys, `old`'s
-    everything else."""
-    server = dataclasses.replace(
-        old.server, api_keys=new.server.api_keys, admin_api_key=new.server.admin_api_key, log_level=new.server.log_level
-    )
-    return dataclasses.replace(old, server=server, routing=new.routing, backends=new.backends, discovery=new.discovery)
+    """The configuration the router runs with after a reload: `new`'s live keys (LIVE: a
+    whole section, or one key of a table), `old`'s everything else."""
+    out = old
+    for key in LIVE:
+        section, _, field = key.partition(".")
+        if not field:
+            out = dataclasses.replace(out, **{section: getattr(new, section)})
+        else:
+            table = dataclasses.replace(getattr(out, section), **{field: getattr(getattr(new, section), field)})
+            out = dataclasses.replace(out, **{section: table})
+    return out
 
 
 async def reload(state: Reloadable, load: Callable[[], Config]) -> list[str]:

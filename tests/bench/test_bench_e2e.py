@@ -15,7 +15,8 @@ from bench.overhead import SMALL, BlockingClient, http_request
 from bench.procs import ProcessSet, free_ports
 from bench.replay import SUMMARY_KEYS, load_requests, run_replay
 from bench.report import compare
-from router.config.parse import parse_config
+from router.routing import policies
+from router.server.settings import parse_checked
 
 TINY = [
     "--workload",
@@ -85,9 +86,9 @@ def test_generated_router_config_is_valid():
         ["http://127.0.0.1:3"],
         RouterOptions(strategy="prefix_tree", threshold=0.3),
     )
-    cfg = parse_config(tomllib.loads(text))
+    cfg = parse_checked(tomllib.loads(text))
     assert cfg.routing.strategy == "prefix_tree"
-    assert cfg.routing.cache_hit_threshold == 0.3
+    assert policies.settings(cfg.routing, "probe").cache_hit_threshold == 0.3
     assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
 
 

@@ -22,6 +22,8 @@ from test_scheduler_in_process import (
     MAX_MODEL_LEN,
     TOKEN,
     EngineLoop,
+    block_hasher,  # noqa: F401 - a fixture, used by name
+    make_request,  # noqa: F401 - a fixture, used by name
     prompt,
 )
 

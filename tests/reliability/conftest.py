@@ -18,6 +18,7 @@ for p in (_HERE, _HERE.parent / "router"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from cluster_util import make_cluster  # noqa: F401 - a fixture, used by name
 from relutil import RouterProc, SimProc
 
 

@@ -430,7 +430,7 @@ def _self_signed(tmp_path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 made now: with the `cryptography` package, else with
     the `openssl` command."""
     try:
-        import cryptography
+        import cryptography  # noqa: F401 - only whether it is installed
     except ImportError:
         return _self_signed_openssl(tmp_path)
     from cryptography import x509

@@ -16,7 +16,8 @@ import pytest
 from cluster_util import MODEL
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from router.config.overrides import layer, load
+from router.config.overrides import layer
+from router.server.settings import load_checked as load
 from router.config.schema import ConfigError
 from support.polling import eventually
 from support.ports import free_port

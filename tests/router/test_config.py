@@ -8,8 +8,9 @@ import pytest
 
 from router.config.parse import load_config, parse_config
 from router.config.schema import ConfigError, RoutingConfig
-from router.names import EngineRole, Mode, Role, StrategyName
+from router.names import EngineRole, Mode, Role
 from router.routing import policies
+from router.server.settings import parse_checked
 
 ROOT = Path(__file__).resolve().parents[2]
 MIN_BACKEND = {"backends": [{"name": "d0", "url": "http://127.0.0.1:9001"}]}
@@ -28,7 +29,7 @@ def test_defaults_are_safe():
     assert cfg.server.host == "127.0.0.1"
     assert cfg.server.max_body_bytes > 0
     assert cfg.server.max_concurrent_requests > 0
-    assert 0 < cfg.routing.cache_hit_threshold <= 1
+    assert 0 < policies.settings(cfg.routing, "probe").cache_hit_threshold <= 1
     assert cfg.timeouts.total_s > 0
     assert cfg.timeouts.idle_s > 0
 
@@ -88,7 +89,7 @@ def test_defaults_are_safe():
 )
 def test_bad_configs_name_the_key(raw, key, expected):
     with pytest.raises(ConfigError) as e:
-        parse_config(raw)
+        parse_checked(raw)
     msg = str(e.value)
     assert msg.startswith(key), msg
     assert expected in msg, msg
@@ -98,7 +99,7 @@ def test_every_problem_is_reported_at_once():
     # One run names them all: an unknown key does not hide a bad value of the same table,
     # and a broken backend does not hide a broken engine.
     with pytest.raises(ConfigError) as e:
-        parse_config(
+        parse_checked(
             {
                 "server": {"port": "x", "foo": 1},
                 "routing": {"bogus": 1, "cache_hit_threshold": 1.5, "strategy": "fast"},
@@ -109,40 +110,45 @@ def test_every_problem_is_reported_at_once():
     assert [m.split(":")[0] for m in e.value.problems] == [
         "server.port",
         "server.foo",
-        "routing.bogus",
-        "routing.strategy",
-        "routing.cache_hit_threshold",
         "backends[0].name",
         "backends[1].url",
         "backends[1].role",
         "engines[0].role",
         "engines[0].model",
         "engines[0].host",
+        # The policies' keys, checked by their registry after the configuration's own.
+        "routing.strategy",
+        "routing.cache_hit_threshold",
+        "routing.bogus",
     ]
     report = e.value.report("router")
     assert report.startswith("router: 11 configuration errors:\n  server.port: expected an integer")
     assert ConfigError("x.y: bad").report("router") == "router: configuration error: x.y: bad"
 
 
-def test_every_strategy_name_has_a_policy_and_the_registry_is_what_config_accepts():
-    assert set(policies.POLICIES) == set(StrategyName)
+def test_every_policy_module_is_registered_under_the_name_config_accepts():
+    assert set(policies.POLICIES) == {"least_loaded", "prefix_tree", "probe", "round_robin"}
     assert all(name == cls.name for name, cls in policies.POLICIES.items())
-    for name in StrategyName:
-        cfg = parse_config({**MIN_BACKEND, "routing": {"strategy": str(name)}})
+    for name in policies.POLICIES:
+        cfg = parse_checked({**MIN_BACKEND, "routing": {"strategy": name}})
         assert policies.make_strategy(cfg.routing).name == name
 
 
-def test_a_policy_names_the_routing_keys_it_reads():
-    bad = RoutingConfig(race="sometimes", max_probes=-1)
-    assert policies.ProbeStrategy.validate(bad) == [
+def test_a_policy_parses_and_checks_the_routing_keys_it_reads():
+    bad = RoutingConfig(policy_keys=(("max_probes", -1), ("race", "sometimes")))
+    assert policies.problems(bad) == [
         "routing.race: expected one of auto, always, got 'sometimes'",
         "routing.max_probes: expected a non-negative number, got -1",
     ]
-    assert policies.RoundRobinStrategy.validate(bad) == []
+    assert policies.settings(RoutingConfig(policy_keys=(("max_probes", 3),))).max_probes == 3
     # Checked whatever the strategy: a reload or the environment may switch to the policy
-    # that reads them.
+    # that reads them; the configuration itself keeps them as written.
+    raw = {**MIN_BACKEND, "routing": {"strategy": "round_robin", "race": "sometimes"}}
+    assert parse_config(raw).routing.policy_keys == (("race", "sometimes"),)
     with pytest.raises(ConfigError, match="routing.race: expected one of auto, always"):
-        parse_config({**MIN_BACKEND, "routing": {"strategy": "round_robin", "race": "sometimes"}})
+        parse_checked(raw)
+    with pytest.raises(ConfigError, match="routing.bogus: unknown key"):
+        parse_checked({**MIN_BACKEND, "routing": {"bogus": 1}})
 
 
 def test_parsed_names_are_enum_members_that_read_as_their_strings():
@@ -153,12 +159,12 @@ def test_parsed_names_are_enum_members_that_read_as_their_strings():
             "engines": [{"name": "p", "kind": "sim", "role": "producer", "port": 9001}],
         }
     )
-    assert cfg.routing.strategy is StrategyName.PREFIX_TREE
+    assert cfg.routing.strategy == "prefix_tree"
     assert cfg.routing.split is Mode.ALWAYS
     assert cfg.backends[0].role is Role.DECODE
     assert cfg.engines[0].role is EngineRole.PRODUCER
     assert cfg.engines[0].backend_role == "prefill"
-    assert f"{cfg.routing.race}" == "auto"
+    assert f"{policies.settings(cfg.routing, 'probe').race}" == "auto"
 
 
 def test_engines_become_backends_with_mapped_roles():
@@ -261,4 +267,8 @@ def test_every_config_key_is_documented():
     for section, cls in sections.items():
         assert f"## [{section}]" in doc, section
         for f in dataclasses.fields(cls):
-            assert f"`{f.name}`" in doc, f"{section}.{f.name} is not documented in docs/CONFIG.md"
+            if f.name != "policy_keys":  # the policies' own keys, below
+                assert f"`{f.name}`" in doc, f"{section}.{f.name} is not documented in docs/CONFIG.md"
+    for name, policy in policies.POLICIES.items():
+        for f in dataclasses.fields(policy.Settings):
+            assert f"`{f.name}`" in doc, f"routing.{f.name} (policy {name}) is not documented in docs/CONFIG.md"

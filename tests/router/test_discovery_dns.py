@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 import pytest
 from cluster_util import MODEL, long_prompt
+from dnsmasq_util import dns_server  # noqa: F401 - a fixture, used by name
 from fleet_util import ADDRS, finished, start_router
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine

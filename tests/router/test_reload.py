@@ -12,7 +12,9 @@ from cluster_util import MODEL, long_prompt
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
+from router.routing import policies
 from router.server.reload import changed_keys, reload, split_changes
+from router.server.settings import parse_checked
 from support.polling import eventually
 
 
@@ -77,12 +79,12 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
             server={"port": 1234},
         )
         with caplog.at_level(logging.WARNING, logger="cachehit_router.reload"):
-            fixed = await reload(state, lambda: parse_config(raw))
+            fixed = await reload(state, lambda: parse_checked(raw))
         assert fixed == ["server.port"]
         assert "restart it to apply them: server.port" in caplog.text
         assert state.config.server.port == 0  # not applied
-        assert state.config.routing.cache_hit_threshold == 0.8
-        assert state.dispatcher.routing.cache_hit_threshold == 0.8
+        assert policies.settings(state.config.routing).cache_hit_threshold == 0.8
+        assert state.dispatcher.strategy.config.cache_hit_threshold == 0.8
         assert state.registry.states["e0"].healthy  # checked when added
         # The cost model starts from the new priors: the fleet's, and the added engine's own.
         assert state.registry.learner.prior.per_token_s == 1.0 / 5000.0
@@ -139,7 +141,7 @@ async def test_a_bad_file_changes_nothing(make_cluster, caplog):
     raw = raw_of(c, configured(c)[:1], routing={"cache_hit_threshold": 7})
     before = c.state.config
     with caplog.at_level(logging.ERROR, logger="cachehit_router.reload"):
-        assert await reload(c.state, lambda: parse_config(raw)) == []
+        assert await reload(c.state, lambda: parse_checked(raw)) == []
     assert "routing.cache_hit_threshold: expected a number in [0, 1]" in caplog.text
     assert c.state.config is before
     assert set(c.state.registry.states) == {"d0", "d1"}

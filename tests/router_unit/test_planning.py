@@ -10,11 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.config.schema import RoutingConfig
+from router.names import Mode
 from router.routing.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
 from router.routing.fallback import plan_fallback
 from router.routing.planning import RouteQuery, fastest, predicted_ttft, race_value
-from router.routing.policies import LeastLoadedStrategy, PrefixTreeStrategy, ProbeStrategy, RoundRobinStrategy
-from router.routing.policies.probe import EXPLORE_ONE_IN
+from router.routing.policies.least_loaded import LeastLoadedStrategy
+from router.routing.policies.prefix_tree import PrefixTreeStrategy
+from router.routing.policies.probe import EXPLORE_ONE_IN, ProbeSettings, ProbeStrategy
+from router.routing.policies.round_robin import RoundRobinStrategy
 from router.routing.prefix_memory import PrefixMemory
 from router.routing.snapshot import BackendView, ClusterSnapshot
 
@@ -80,21 +83,21 @@ def test_probe_targets_every_available_decoder_for_the_model():
     )
     plan = ProbeStrategy(R).plan(Q, s)
     assert plan.probes == ("d0", "d1")
-    assert plan.threshold == R.cache_hit_threshold
+    assert plan.threshold == ProbeSettings().cache_hit_threshold
     # Deadline: the floor plus twice the slowest acceptor's predicted time (it lacks at most
     # (1 - T) of the prompt).
-    acceptor = SPEED.ttft((1 - R.cache_hit_threshold) * 1000, 0)
+    acceptor = SPEED.ttft((1 - ProbeSettings().cache_hit_threshold) * 1000, 0)
     assert plan.probe_ttft_s == (acceptor, acceptor)
-    assert abs(plan.deadline_s - (R.probe_deadline_ms / 1000 + 2 * acceptor)) < 1e-9
+    assert abs(plan.deadline_s - (ProbeSettings().probe_deadline_ms / 1000 + 2 * acceptor)) < 1e-9
     assert ProbeStrategy(R).plan(Q, s, frozenset({"d0"})).probes == ("d1",)
 
 
 def test_probe_skips_long_queues_but_never_everything():
-    routing = replace(R, max_probe_waiting=4)
+    routing = ProbeSettings(max_probe_waiting=4)
     s = snap(view("busy", waiting=10), view("idle", waiting=1))
-    assert ProbeStrategy(routing).plan(Q, s).probes == ("idle",)
+    assert ProbeStrategy(R, routing).plan(Q, s).probes == ("idle",)
     s = snap(view("busy", waiting=10), view("busier", waiting=20))
-    assert set(ProbeStrategy(routing).plan(Q, s).probes) == {"busy", "busier"}
+    assert set(ProbeStrategy(R, routing).plan(Q, s).probes) == {"busy", "busier"}
 
 
 def test_probe_skips_an_engine_that_even_as_an_acceptor_is_slower_than_computing_elsewhere():
@@ -122,7 +125,7 @@ def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_ra
     # Skipped, not merely direct: the dispatcher weighs a prefill/decode split for it.
     assert plan.skipped_race
     # An operator who wants every request raced says so.
-    always = ProbeStrategy(replace(R, race="always"))
+    always = ProbeStrategy(R, ProbeSettings(race=Mode.ALWAYS))
     assert always.plan(short, snap(view("d0", queued=50), view("d1"))).probes == ("d1",)
     assert always.plan(Q, snap(view("d0"), view("d1"), race_wait_s=0.5)).probes == ("d0", "d1")
 
@@ -348,8 +351,7 @@ def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
 
 
 def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor():
-    routing = replace(R, max_probes=2)
-    strategy = ProbeStrategy(routing)
+    strategy = ProbeStrategy(R, ProbeSettings(max_probes=2))
     decoders = (view("d0", queued=300), view("d1", queued=100), view("d2", queued=450), view("d3"))
     # Nothing known of the prompt: the two that would answer soonest.
     assert strategy.plan(Q, snap(*decoders)).probes == ("d3", "d1")
@@ -361,7 +363,7 @@ def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor():
     assert strategy.plan(other, snap(*decoders)).probes == ("d3", "d1")
     # No bound, or a bound at least the fleet's size: every qualifying decoder, in order.
     assert ProbeStrategy(R).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
-    assert ProbeStrategy(replace(R, max_probes=4)).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
+    assert ProbeStrategy(R, ProbeSettings(max_probes=4)).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
 
 
 def test_a_drained_backend_is_never_planned_even_as_panic_routing():

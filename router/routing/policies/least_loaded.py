@@ -4,9 +4,9 @@ whole prompt (load-aware, cache-blind: the cost model's baseline).
 
 from __future__ import annotations
 
+from router.config.checks import Problems
 from router.config.schema import RoutingConfig
-from router.names import StrategyName
-from router.routing.planning import Plan, RouteQuery, decoders_for, direct_plan
+from router.routing.planning import NoSettings, Plan, RouteQuery, decoders_for, direct_plan
 from router.routing.snapshot import ClusterSnapshot
 
 
@@ -14,14 +14,15 @@ class LeastLoadedStrategy:
     """The least predicted time to first token, blind to the cache (every engine is
     assumed to compute the whole prompt): load-aware only, the baseline of the cost model."""
 
-    name = StrategyName.LEAST_LOADED
+    name = "least_loaded"
+    Settings = NoSettings
 
-    def __init__(self, routing: RoutingConfig):
+    def __init__(self, routing: RoutingConfig, settings: NoSettings | None = None):
         pass
 
     @staticmethod
-    def validate(routing: RoutingConfig) -> list[str]:
-        return []  # reads no routing keys
+    def check(settings: NoSettings, problems: Problems) -> None:
+        pass  # reads no routing keys of its own
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         decoders = decoders_for(query, snap, exclude)
@@ -36,3 +37,6 @@ class LeastLoadedStrategy:
         self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
     ) -> dict[str, float]:
         return {}
+
+
+POLICY = LeastLoadedStrategy

@@ -4,9 +4,9 @@ weighed by load through the cost model.
 
 from __future__ import annotations
 
+from router.config.checks import Problems
 from router.config.schema import RoutingConfig
-from router.names import StrategyName
-from router.routing.planning import Plan, RemembersPrefixes, RouteQuery, decoders_for, direct_plan
+from router.routing.planning import NoSettings, Plan, RemembersPrefixes, RouteQuery, decoders_for, direct_plan
 from router.routing.prefix_memory import PrefixMemory
 from router.routing.snapshot import ClusterSnapshot
 
@@ -18,17 +18,21 @@ class PrefixTreeStrategy(RemembersPrefixes):
     sent it. Its load bound is the cost model itself: an engine holding the prefix wins
     unless another computes the whole prompt sooner than it works through its queue."""
 
-    name = StrategyName.PREFIX_TREE
+    name = "prefix_tree"
+    Settings = NoSettings
 
-    def __init__(self, routing: RoutingConfig, memory: PrefixMemory | None = None):
+    def __init__(self, routing: RoutingConfig, settings: NoSettings | None = None, memory: PrefixMemory | None = None):
         self.memory = memory or PrefixMemory()
 
     @staticmethod
-    def validate(routing: RoutingConfig) -> list[str]:
-        return []  # reads no routing keys
+    def check(settings: NoSettings, problems: Problems) -> None:
+        pass  # reads no routing keys of its own
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         decoders = decoders_for(query, snap, exclude)
         if not decoders:
             return Plan()
         return direct_plan(query, snap, decoders, self.expected_hits(query, query.tokens(snap)))
+
+
+POLICY = PrefixTreeStrategy

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from router.config.checks import Problems, check_fraction, check_one_of, check_positive
 from router.config.schema import RoutingConfig
-from router.names import Mode, StrategyName
+from router.names import Mode
 from router.routing import costmodel
 from router.routing.planning import (
     Plan,
@@ -32,24 +32,22 @@ DEADLINE_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
-class ProbeConfig:
+class ProbeSettings:
     """The `[routing]` keys the probe policy reads (docs/CONFIG.md)."""
 
-    race: Mode
-    cache_hit_threshold: float
-    probe_deadline_ms: float
-    max_probe_waiting: int
-    max_probes: int
-
-    @classmethod
-    def from_routing(cls, routing: RoutingConfig) -> ProbeConfig:
-        return cls(
-            race=routing.race,
-            cache_hit_threshold=routing.cache_hit_threshold,
-            probe_deadline_ms=routing.probe_deadline_ms,
-            max_probe_waiting=routing.max_probe_waiting,
-            max_probes=routing.max_probes,
-        )
+    # "auto": race when the measured saving of past races outweighs waiting for verdicts;
+    # "always": race every request (the engines are the only index the router trusts).
+    race: Mode = Mode.AUTO
+    # Fraction of the prompt an engine must already hold to accept a probe.
+    cache_hit_threshold: float = 0.5
+    # Race deadline floor; the cost model adds twice the slowest probed engine's predicted
+    # time to first token as an acceptor. Silent engines then count as rejections.
+    probe_deadline_ms: float = 250.0
+    # Engines whose scraped waiting queue exceeds this are not probed (0: no bound).
+    max_probe_waiting: int = 0
+    # Probe at most this many engines per request (0: every available decode engine), the
+    # ones with the least predicted time as acceptors: bounds a race's cost on large fleets.
+    max_probes: int = 0
 
 
 class ProbeStrategy(RemembersPrefixes):
@@ -78,21 +76,22 @@ class ProbeStrategy(RemembersPrefixes):
     `expected_hits` adds what the engines will hold to what they said they hold.
     """
 
-    name = StrategyName.PROBE
+    name = "probe"
+    Settings = ProbeSettings
 
-    def __init__(self, routing: RoutingConfig, memory: PrefixMemory | None = None):
-        self.config = ProbeConfig.from_routing(routing)
+    def __init__(
+        self, routing: RoutingConfig, settings: ProbeSettings | None = None, memory: PrefixMemory | None = None
+    ):
+        self.config = settings or ProbeSettings()
         self.memory = memory or PrefixMemory()
 
     @staticmethod
-    def validate(routing: RoutingConfig) -> list[str]:
-        problems = Problems()
-        problems.check(check_one_of, "routing.race", routing.race, Mode)
-        problems.check(check_fraction, "routing.cache_hit_threshold", routing.cache_hit_threshold)
-        problems.check(check_positive, "routing.probe_deadline_ms", routing.probe_deadline_ms)
-        problems.check(check_positive, "routing.max_probe_waiting", routing.max_probe_waiting, allow_zero=True)
-        problems.check(check_positive, "routing.max_probes", routing.max_probes, allow_zero=True)
-        return problems.found
+    def check(settings: ProbeSettings, problems: Problems) -> None:
+        problems.check(check_one_of, "routing.race", settings.race, Mode)
+        problems.check(check_fraction, "routing.cache_hit_threshold", settings.cache_hit_threshold)
+        problems.check(check_positive, "routing.probe_deadline_ms", settings.probe_deadline_ms)
+        problems.check(check_positive, "routing.max_probe_waiting", settings.max_probe_waiting, allow_zero=True)
+        problems.check(check_positive, "routing.max_probes", settings.max_probes, allow_zero=True)
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         decoders = decoders_for(query, snap, exclude)
@@ -151,3 +150,6 @@ class ProbeStrategy(RemembersPrefixes):
             scratch_ttft_s=from_scratch,
             placed=placed,
         )
+
+
+POLICY = ProbeStrategy

@@ -6,23 +6,24 @@ from __future__ import annotations
 
 import itertools
 
+from router.config.checks import Problems
 from router.config.schema import RoutingConfig
-from router.names import StrategyName
-from router.routing.planning import Plan, RouteQuery, decoders_for, predicted_ttft
+from router.routing.planning import NoSettings, Plan, RouteQuery, decoders_for, predicted_ttft
 from router.routing.snapshot import ClusterSnapshot
 
 
 class RoundRobinStrategy:
     """Each request to the next decode backend in turn: blind to load and cache."""
 
-    name = StrategyName.ROUND_ROBIN
+    name = "round_robin"
+    Settings = NoSettings
 
-    def __init__(self, routing: RoutingConfig):
+    def __init__(self, routing: RoutingConfig, settings: NoSettings | None = None):
         self._counter = itertools.count()
 
     @staticmethod
-    def validate(routing: RoutingConfig) -> list[str]:
-        return []  # reads no routing keys
+    def check(settings: NoSettings, problems: Problems) -> None:
+        pass  # reads no routing keys of its own
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         decoders = decoders_for(query, snap, exclude)
@@ -39,3 +40,6 @@ class RoundRobinStrategy:
         self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
     ) -> dict[str, float]:
         return {}
+
+
+POLICY = RoundRobinStrategy
