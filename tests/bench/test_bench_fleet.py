@@ -7,11 +7,13 @@ import asyncio
 
 import pytest
 
-from bench.__main__ import build_parser, run_spec_from_args
-from bench.fleet import recovery
-from bench.fleet_table import fleet_rows, recovered_after, recovery_rows, targets, write_tables
-from bench.loadgen import _rotation
-from bench.replay import load_requests, run_replay
+from bench.cli import build_parser
+from bench.experiments.options import run_spec_from_args
+from bench.experiments.replay import run_replay
+from bench.harness.loadgen import _rotation
+from bench.harness.replicas import recovery
+from bench.reports.fleet_table import fleet_rows, recovered_after, recovery_rows, targets, write_tables
+from bench.reports.rundir import load_requests
 
 TINY = [
     "--workload",

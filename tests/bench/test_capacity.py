@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import capacity, suite
-from bench.__main__ import build_parser
-from bench.cluster import SimOptions
+from bench.cli import build_parser
+from bench.experiments import capacity, suite
+from bench.harness.cluster import SimOptions
 from engine_launcher.sim.config import TimingModel
 
 T = TimingModel()
@@ -53,7 +53,7 @@ def _suite_args(tmp_path: Path, *extra: str):
 @pytest.mark.parametrize("name", ["low-reuse", "hetero", "overload"])
 def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
     trace = tmp_path / "t.jsonl"
-    from bench import trace_gen as tg
+    from bench.workloads import trace_gen as tg
 
     tg.write(trace, tg.generate(tg.TraceParams(duration_s=200.0)))
     wd = suite.BY_NAME[name]
@@ -90,7 +90,7 @@ def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path):
 
 
 def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says_otherwise(tmp_path):
-    from bench.__main__ import run_spec_from_args
+    from bench.experiments.options import run_spec_from_args
 
     wd = suite.BY_NAME["cpu-tier"]
     ns = suite.replay_args(_suite_args(tmp_path), wd, tmp_path)
@@ -111,7 +111,7 @@ def test_closed_loop_multiturn_has_no_utilisation(tmp_path):
 
 
 def test_default_trace_is_generated_inside_the_repository(tmp_path):
-    from bench.__main__ import workload_from_args
+    from bench.experiments.options import workload_from_args
 
     a = build_parser().parse_args(["replay", "--out", str(tmp_path)])
     w = workload_from_args(a)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from bench import workloads as wl
-from bench.loadgen import Result
-from bench.replay import load_requests, parse_router_log, write_outputs
-from bench.suite_report import add_regret, model_accuracy, route_shares, suite_row, write_suite
+from bench.harness.loadgen import Result
+from bench.reports.rundir import load_requests, parse_router_log, write_outputs
+from bench.reports.suite_report import add_regret, model_accuracy, route_shares, suite_row, write_suite
+from bench.workloads import generators as wl
 
 
 def _row(workload, mode, p50, p99):

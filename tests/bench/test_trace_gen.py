@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from bench import trace_gen as tg
-from bench import workloads as wl
+from bench.workloads import generators as wl
+from bench.workloads import trace_gen as tg
 from engine_launcher.sim import tokenizer as simtok
 
 P = tg.TraceParams(seed=3, duration_s=300.0)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from bench import vllm_client
+from bench.experiments import vllm_client
 
 
 def test_vllm_bench_serve_through_the_router_and_direct(tmp_path, capsys):

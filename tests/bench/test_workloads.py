@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench import workloads as wl
+from bench.workloads import generators as wl
 from engine_launcher.sim import tokenizer as simtok
 
 

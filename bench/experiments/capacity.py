@@ -29,9 +29,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.harness.cluster import SimOptions
 from engine_launcher.sim.config import TimingModel
-
-from .cluster import SimOptions
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`python -m bench.soak [--minutes M]`: a long steady load with periodic engine restarts.
+"""`python -m bench soak [--minutes M]`: a long steady load with periodic engine restarts.
 
 Simulated engines run as processes (own process groups) behind `router --config` (also
 a process). A closed loop of `--concurrency` streaming clients sends requests that share
@@ -20,7 +20,7 @@ counts must return to 0.
 Exit status 1 when a request was lost or a gauge did not return to 0.
 
 Default run: 2 minutes, 4 engines, 32 streams. A longer run (docs/RELIABILITY.md):
-    python -m bench.soak --minutes 60 --concurrency 64 --restart-every 60
+    python -m bench soak --minutes 60 --concurrency 64 --restart-every 60
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ import aiohttp
 import orjson
 import tomli_w
 
+from bench.harness.procs import free_ports
 from router.engine.sse import SSEDecoder
-
-from .procs import free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
@@ -585,7 +584,7 @@ def print_table(summary: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=2.0, help="load duration (default %(default)s)")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=32, help="streaming clients in a closed loop")

@@ -18,10 +18,10 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from .cluster import RouterOptions, router_command, router_toml
-from .overhead import SMALL, run_wrk
-from .procs import PY, ProcessSet, cpu_list, free_ports, pinned, wait_http
-from .report import console, markdown_table, table
+from bench.experiments.overhead import SMALL, run_wrk
+from bench.harness.cluster import RouterOptions, router_command, router_toml
+from bench.harness.procs import PY, ProcessSet, cpu_list, free_ports, pinned, wait_http
+from bench.reports.render import console, markdown_table, table
 
 
 def aggregate(raw_lines: list[str], top: int = 25) -> tuple[list[dict], list[dict], int]:
@@ -78,7 +78,7 @@ def main(a) -> int:
         bports = free_ports(a.k)
         backend = procs.start(
             "instant_backend",
-            pinned([PY, "-m", "bench.instant_backend", *sum((["--port", str(p)] for p in bports), [])], other),
+            pinned([PY, "-m", "bench.harness.instant_backend", *sum((["--port", str(p)] for p in bports), [])], other),
         )
         urls = [f"http://127.0.0.1:{p}" for p in bports]
         asyncio.run(_wait(urls, backend))

@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 import tomli_w
 
-from .procs import PY, ProcessSet, RSSSampler, free_ports, wait_http
+from bench.harness.procs import PY, ProcessSet, RSSSampler, free_ports, wait_http
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"

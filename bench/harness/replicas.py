@@ -21,9 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from .cluster import (
-    EXTERNAL_MODES,
-    ROUTER_MODES,
+from bench.harness.cluster import (
     Cluster,
     RouterOptions,
     peer_router_command,
@@ -31,10 +29,8 @@ from .cluster import (
     router_toml,
     scrape,
 )
-from .procs import Proc, RSSSampler, free_ports, pinned, wait_http
-
-# SGLang's router as an external baseline: mode -> policy (vllm-router's: cluster.EXTERNAL_MODES).
-SMG_MODES = {"smg_rr": "round_robin", "smg_cache_aware": "cache_aware"}
+from bench.harness.modes import EXTERNAL_MODES, ROUTER_MODES, SMG_MODES
+from bench.harness.procs import Proc, RSSSampler, free_ports, pinned, wait_http
 
 
 async def start_replicas(

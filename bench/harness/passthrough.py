@@ -1,6 +1,6 @@
 """The floor: a minimal aiohttp + uvloop pass-through proxy.
 
-`python -m bench.passthrough --port P --upstream URL`
+`python -m bench.harness.passthrough --port P --upstream URL`
 
 POST /v1/completions and /v1/chat/completions are forwarded to one upstream over a pooled
 `ClientSession` (TCP_NODELAY on both sides, as aiohttp does by default); a streamed answer
@@ -53,7 +53,7 @@ def build_app(upstream: str) -> web.Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.passthrough")
+    p = argparse.ArgumentParser(prog="python -m bench.harness.passthrough")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--upstream", required=True)
     a = p.parse_args(argv)

@@ -1,11 +1,11 @@
 """`python -m bench overhead`: what the router adds over a backend that answers at once.
 
-Targets, all in front of the same instant backend (`bench.instant_backend`, 32-chunk
+Targets, all in front of the same instant backend (`bench.harness.instant_backend`, 32-chunk
 streams in vLLM's shape), all started once and measured in interleaved repetitions
 (rep 1: every target, rep 2: every target, ...; the median over repetitions is reported):
 
 - `direct`: the backend itself (the reference every "added" figure subtracts);
-- `passthrough`: a minimal aiohttp + uvloop proxy (`bench.passthrough`), the floor;
+- `passthrough`: a minimal aiohttp + uvloop proxy (`bench.harness.passthrough`), the floor;
 - `router_round_robin`, `router_least_loaded`: our router, direct routing;
 - `router_round_robin_quiet`: the same with `server.log_level = "warning"` (no per-request log line);
 - `router_probe_k1`: our router in probe mode with one engine (the race always streams upstream);
@@ -37,10 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .cluster import RouterOptions, router_command, router_toml
-from .procs import PY, ProcessSet, RSSSampler, cpu_list, free_ports, pinned, wait_http
-from .report import bar_plot, console, markdown_table, table
-from .stats import median, percentile, rnd
+from bench.harness.cluster import RouterOptions, router_command, router_toml
+from bench.harness.procs import PY, ProcessSet, RSSSampler, cpu_list, free_ports, pinned, wait_http
+from bench.harness.stats import median, percentile, rnd
+from bench.reports.render import bar_plot, console, markdown_table, table
 
 SMALL = {"model": "sim-model", "prompt": "Hello router, this is a small request.", "max_tokens": 32}
 
@@ -216,7 +216,8 @@ async def start_targets(
         port = free_ports(1)[0]
         if name == "passthrough":
             proc = procs.start(
-                name, pinned([PY, "-m", "bench.passthrough", "--port", str(port), "--upstream", up], proxy_cores)
+                name,
+                pinned([PY, "-m", "bench.harness.passthrough", "--port", str(port), "--upstream", up], proxy_cores),
             )
             await wait_http(f"http://127.0.0.1:{port}/health", proc, 30)
         elif name.startswith("router_"):
@@ -388,7 +389,14 @@ def main(a) -> int:
         backend = procs.start(
             "instant_backend",
             pinned(
-                [PY, "-m", "bench.instant_backend", *sum((["--port", str(p)] for p in bports), []), "--chunks", "32"],
+                [
+                    PY,
+                    "-m",
+                    "bench.harness.instant_backend",
+                    *sum((["--port", str(p)] for p in bports), []),
+                    "--chunks",
+                    "32",
+                ],
                 other_cores,
             ),
         )

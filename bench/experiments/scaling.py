@@ -18,12 +18,12 @@ from pathlib import Path
 
 import aiohttp
 
-from .cluster import Cluster, RouterOptions, SimOptions, metric_sum, scrape
-from .loadgen import Result, completion_body, make_session, stream_completion
-from .procs import ProcessSet, RSSSampler
-from .replay import RunSpec, WorkloadSpec, run_replay
-from .report import console, line_plot, markdown_table, table
-from .stats import percentile, rnd
+from bench.experiments.replay import RunSpec, WorkloadSpec, run_replay
+from bench.harness.cluster import Cluster, RouterOptions, SimOptions, metric_sum, scrape
+from bench.harness.loadgen import Result, completion_body, make_session, stream_completion
+from bench.harness.procs import ProcessSet, RSSSampler
+from bench.harness.stats import percentile, rnd
+from bench.reports.render import console, line_plot, markdown_table, table
 
 
 def main(a) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .replay import load_requests, load_summary
+from bench.reports.rundir import load_requests, load_summary
 
 console = Console(width=200)
 

@@ -1,15 +1,15 @@
 """The routing suite: every routing mode on every suite workload, in one run, one table.
 
 `python -m bench suite --out DIR [--quick] [--workloads a,b] [--modes m1,m2]` replays each
-workload of `WORKLOADS` through each mode (`bench/replay.py`, a fresh cluster per mode) and
-writes `DIR/suite.md`, `DIR/suite.json` and `DIR/regret.png` (`bench/suite_report.py`), with
+workload of `WORKLOADS` through each mode (`bench/experiments/replay.py`, a fresh cluster per mode) and
+writes `DIR/suite.md`, `DIR/suite.json` and `DIR/regret.png` (`bench/reports/suite_report.py`), with
 each run's own directory in `DIR/<workload>/<mode>/`. Every routing change must hold its
 TTFT regret on this table (docs/BENCHMARKS.md, "suite").
 
 The modes of one workload run back to back, so they share the machine's load of that
 moment; the order rotates from one workload to the next so that no mode always runs first
 (or last) on a warming or cooling machine. Rates of the near-capacity, bursty and overload
-workloads are derived from the simulator's timing model (`bench/capacity.py`), not guessed.
+workloads are derived from the simulator's timing model (`bench/experiments/capacity.py`), not guessed.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import workloads as wl
-from .capacity import Load, offered_load
-from .report import console
-from .suite_report import add_regret, load_line, suite_row, write_suite
+from bench.experiments.capacity import Load, offered_load
+from bench.experiments.options import add_cluster_args, add_replay_args, expand_modes, run_spec_from_args
+from bench.experiments.replay import run_replay
+from bench.harness.modes import ORACLE
+from bench.reports.render import console
+from bench.reports.rundir import load_requests
+from bench.reports.suite_report import add_regret, load_line, suite_row, write_suite
+from bench.workloads import generators as wl
+from bench.workloads.spec import build_requests
 
-DEFAULT_MODES = ("oracle", "probe", "prefix_tree", "least_loaded", "round_robin")
 TRACE_HEAD = ("--workload", "trace", "--window", "head", "--limit", "400")
 TRACE_SPEED = 0.3  # engines at 0.3 of an H100: ~6 requests/s at utilisation 0.85 on K = 4
 # GPU KV of the cpu-tier workload: 8k tokens per engine, a fraction of what 400 requests of the
@@ -124,8 +128,6 @@ BY_NAME = {w.name: w for w in WORKLOADS}
 
 def cluster_keys() -> list[str]:
     """The cluster flags of `replay` (add_cluster_args): the suite passes them through."""
-    from .__main__ import add_cluster_args
-
     p = argparse.ArgumentParser()
     add_cluster_args(p)
     return list(vars(p.parse_args([])))
@@ -133,9 +135,9 @@ def cluster_keys() -> list[str]:
 
 def replay_args(a: argparse.Namespace, wd: SuiteWorkload, out: Path) -> argparse.Namespace:
     """The `replay` arguments of one suite workload: its flags, the suite's cluster flags."""
-    from .__main__ import build_parser
-
-    ns = build_parser().parse_args(["replay", "--out", str(out), *wd.flags, *(wd.quick_flags if a.quick else ())])
+    p = argparse.ArgumentParser()
+    add_replay_args(p)
+    ns = p.parse_args(["--out", str(out), *wd.flags, *(wd.quick_flags if a.quick else ())])
     for k in cluster_keys():
         setattr(ns, k, getattr(a, k))
     ns.speed = a.speed or wd.speed
@@ -161,12 +163,9 @@ def cap_requests(ns: argparse.Namespace, n: int) -> None:
 def workload_load(ns: argparse.Namespace) -> Load | None:
     """Offered load of the workload as `ns` describes it (None: multi-turn, a closed loop whose
     arrivals depend on the answers)."""
-    from .__main__ import run_spec_from_args
-    from .replay import build_requests
-
     if ns.workload == "multiturn":
         return None
-    spec = run_spec_from_args(ns, "oracle", Path(ns.out))
+    spec = run_spec_from_args(ns, ORACLE, Path(ns.out))
     reqs = build_requests(spec.workload)
     hits = wl.oracle_for_requests(reqs, spec.sim.block_size)["per_request"]
     span = reqs[-1].arrival_s - reqs[0].arrival_s
@@ -203,9 +202,9 @@ def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict | None:
 
 def mode_order(modes: list[str], i: int) -> list[str]:
     """Modes of the i-th workload: oracle first (it runs nothing), the others rotated by i."""
-    rest = [m for m in modes if m != "oracle"]
+    rest = [m for m in modes if m != ORACLE]
     k = i % len(rest) if rest else 0
-    return [m for m in modes if m == "oracle"] + rest[k:] + rest[:k]
+    return [m for m in modes if m == ORACLE] + rest[k:] + rest[:k]
 
 
 def select(text: str, known: dict, what: str) -> list:
@@ -219,9 +218,6 @@ def select(text: str, known: dict, what: str) -> list:
 
 
 def run_suite(a: argparse.Namespace) -> int:
-    from .__main__ import expand_modes, run_spec_from_args
-    from .replay import load_requests, run_replay
-
     out = Path(a.out)
     chosen = select(a.workloads, BY_NAME, "workload")
     modes = expand_modes(a.modes)
@@ -233,7 +229,7 @@ def run_suite(a: argparse.Namespace) -> int:
         loads[wd.name] = load = set_rate(ns, wd)
         console.print(f"[bold]suite[/bold] {load_line(wd.name, load)}")
         for mode in mode_order(modes, i):
-            if mode == "oracle" and ns.workload == "multiturn":
+            if mode == ORACLE and ns.workload == "multiturn":
                 continue  # its oracle needs the engines' answers: every run reports it instead
             d = out / wd.name / mode
             console.print(f"[bold]suite[/bold] {wd.name} mode={mode} -> {d}")

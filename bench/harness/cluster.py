@@ -17,20 +17,13 @@ import aiohttp
 import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness.procs import PY, Proc, ProcessSet, free_ports, pinned, wait_http
 from router.config.schema import RoutingConfig, ServerConfig
-from router.routing.policies import POLICIES
-
-from .procs import PY, Proc, ProcessSet, free_ports, pinned, wait_http
 
 _ROUTING = RoutingConfig()
 _SERVER = ServerConfig()
 
 MODEL = "sim-model"
-
-# Router modes (our router's [routing] strategy) and external baselines.
-# Plain strings, like the external modes: orjson refuses str subclasses as dict keys.
-ROUTER_MODES = tuple(str(name) for name in POLICIES)
-EXTERNAL_MODES = {"vllm_router_rr": "round_robin", "vllm_router_cache_aware": "cache_aware"}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """An upstream that answers at once, in vLLM 0.32's shapes, for the overhead benchmark.
 
-`python -m bench.instant_backend --port A [--port B ...] [--chunks 32]`
+`python -m bench.harness.instant_backend --port A [--port B ...] [--chunks 32]`
 
 POST /v1/completions (and /v1/chat/completions): non-streaming, one completion JSON with
 usage; streaming (`"stream": true` in the body), `--chunks` text chunks (the first with
@@ -268,7 +268,7 @@ async def serve(ports: list[int], chunks: int, host: str = "127.0.0.1") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.instant_backend")
+    p = argparse.ArgumentParser(prog="python -m bench.harness.instant_backend")
     p.add_argument("--port", type=int, action="append", required=True)
     p.add_argument("--chunks", type=int, default=32)
     a = p.parse_args(argv)

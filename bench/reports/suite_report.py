@@ -12,8 +12,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .report import console, markdown_table, table
-from .stats import median, rnd
+from bench.harness.stats import median, rnd
+from bench.reports.render import console, markdown_table, table
 
 # The policies a routing change is measured against: regret 1.0 is the best of them.
 BASELINES = ("round_robin", "least_loaded", "prefix_tree")
@@ -118,7 +118,7 @@ def add_regret(rows: list[dict]) -> list[dict]:
 
 
 def load_line(name: str, load: dict | None) -> str:
-    """One line of the table header: the workload's offered load (bench/capacity.py)."""
+    """One line of the table header: the workload's offered load (bench/experiments/capacity.py)."""
     if not load:
         return f"{name}: closed loop (each turn waits for the previous answer), utilisation not set"
     pd = load.get("pd_prefill_utilisation")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from .workloads import BenchRequest, Session
+from bench.workloads.generators import BenchRequest, Session
 
 MODEL = "sim-model"
 

@@ -28,9 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.harness.procs import ProcessSet, free_ports
 from router.engine.wire import PREFILL_REQUEST_PARAMS
-
-from .procs import ProcessSet, free_ports
 
 PROGRESS_ENV = "CACHEHIT_NIXL_PROGRESS_DELAY_US"
 

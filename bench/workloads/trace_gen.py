@@ -1,4 +1,4 @@
-"""A deterministic Mooncake-format trace of multi-turn conversations: `python -m bench.trace_gen`.
+"""A deterministic Mooncake-format trace of multi-turn conversations: `python -m bench.workloads.trace_gen`.
 
 The benchmarks replay Mooncake-format traces (docs/BENCHMARKS.md). A clone of the repository
 has no trace, so this module writes one from a seed. It has the structure that makes routing
@@ -179,7 +179,7 @@ def describe(records: list[dict], n: int | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.trace_gen", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.workloads.trace_gen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the trace here (default: print the cached trace's path)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--duration-s", type=float, default=TraceParams.duration_s)

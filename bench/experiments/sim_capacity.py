@@ -1,4 +1,4 @@
-"""How much load one simulator process carries: `python -m bench.sim_capacity`.
+"""How much load one simulator process carries: `python -m bench sim-capacity`.
 
 Starts one simulated engine in a child process (`python -m engine_launcher.sim`), drives it
 from this process with closed-loop streaming clients (each client sends a streaming
@@ -237,7 +237,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.sim_capacity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench sim-capacity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--levels",

@@ -29,8 +29,8 @@ import aiohttp
 import orjson
 import tomli_w
 
-from .procs import PY, ProcessSet, free_ports, wait_http
-from .stats import percentile, rnd
+from bench.harness.procs import PY, ProcessSet, free_ports, wait_http
+from bench.harness.stats import percentile, rnd
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
@@ -90,7 +90,7 @@ async def _flood(url: str, clients: int, seconds: float, max_tokens: int) -> int
     proc = await asyncio.create_subprocess_exec(
         PY,
         "-m",
-        "bench.fairness",
+        "bench.experiments.fairness",
         "--flood-worker",
         url,
         str(clients),
