@@ -32,7 +32,7 @@ import tomli_w
 from bench.harness.procs import PY, ProcessSet, free_ports, wait_http
 from bench.harness.stats import percentile, rnd
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
 VICTIM_KEY, FLOOD_KEY = "bench-victim-key", "bench-flood-key"
 

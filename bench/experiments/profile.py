@@ -57,7 +57,7 @@ def _short(frame: str) -> str:
     # py-spy raw frames look like "func (path/to/file.py:123)"; keep func and file:line.
     name, _, loc = frame.partition(" (")
     loc = loc.rstrip(")").rsplit(":", 1)[0]  # per function, not per line
-    repo = str(Path(__file__).resolve().parent.parent) + "/"
+    repo = str(Path(__file__).resolve().parents[2]) + "/"
     for marker in ("site-packages/", repo, "lib/python3"):
         if marker in loc:
             loc = loc.split(marker, 1)[1]

@@ -30,7 +30,7 @@ import tomli_w
 
 from bench.harness.procs import PY, ProcessSet, RSSSampler, free_ports, wait_http
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
 MIB = 2**20
 

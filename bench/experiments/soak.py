@@ -48,7 +48,7 @@ import tomli_w
 from bench.harness.procs import free_ports
 from router.engine.sse import SSEDecoder
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "sim-model"
 PY = sys.executable
 

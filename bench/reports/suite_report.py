@@ -12,11 +12,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.harness.modes import BASELINES
 from bench.harness.stats import median, rnd
 from bench.reports.render import console, markdown_table, table
 
 # The policies a routing change is measured against: regret 1.0 is the best of them.
-BASELINES = ("round_robin", "least_loaded", "prefix_tree")
 ROUTES = ("probe_hit", "pd", "direct")
 
 COLUMNS = [
@@ -132,7 +132,7 @@ def load_line(name: str, load: dict | None) -> str:
 
 def write_suite(out: Path, rows: list[dict], loads: dict[str, dict | None], config: dict) -> list[Path]:
     header = [load_line(name, loads.get(name)) for name in loads]
-    title = "Routing suite: TTFT regret against the best of round_robin, least_loaded, prefix_tree"
+    title = f"Routing suite: TTFT regret against the best of {', '.join(BASELINES)}"
     t = table(title, COLUMNS, rows, ND)
     t.caption = "\n".join(header)
     console.print(t)
@@ -176,7 +176,7 @@ def plot_regret(path: Path, rows: list[dict]) -> Path | None:
         ax.set_ylim(min(vals) / 1.25, max(vals) * 1.25)
         ax.set_ylabel(f"TTFT {q} regret (log)")
         ax.grid(True, axis="y", which="both", alpha=0.3)
-    axes[0].set_title("TTFT regret = mode / best of round_robin, least_loaded, prefix_tree", fontsize=10)
+    axes[0].set_title(f"TTFT regret = mode / best of {', '.join(BASELINES)}", fontsize=10)
     axes[0].legend(fontsize=8, ncol=len(modes))
     axes[1].set_xticks(range(len(workloads)))
     axes[1].set_xticklabels(workloads, rotation=15, ha="right")

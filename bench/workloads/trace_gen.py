@@ -40,7 +40,7 @@ from pathlib import Path
 
 TRACE_BLOCK = 512
 GENERATOR_VERSION = 1  # bump when the output for the same parameters changes
-CACHE_DIR = Path(__file__).resolve().parent / "out" / "traces"  # git-ignored
+CACHE_DIR = Path(__file__).resolve().parents[1] / "out" / "traces"  # bench/out, git-ignored
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def test_default_trace_is_generated_inside_the_repository(tmp_path):
 
     a = build_parser().parse_args(["replay", "--out", str(tmp_path)])
     w = workload_from_args(a)
-    repo = Path(suite.__file__).resolve().parent.parent
+    repo = Path(suite.__file__).resolve().parents[2]
     assert Path(w.trace).is_relative_to(repo)
     assert Path(w.trace).exists()
     first = json.loads(Path(w.trace).read_text().splitlines()[0])
