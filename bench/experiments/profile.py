@@ -18,8 +18,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from bench.experiments.overhead import SMALL, run_wrk
 from bench.harness.cluster import RouterOptions, router_command, router_toml
+from bench.harness.load_clients import SMALL, run_wrk
 from bench.harness.procs import PY, ProcessSet, cpu_list, free_ports, pinned, wait_http
 from bench.reports.render import console, markdown_table, table
 

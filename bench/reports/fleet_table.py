@@ -10,6 +10,7 @@ so `--resume` re-tabulates runs that are done without running them again.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bench.reports.render import console, markdown_table, table

@@ -11,9 +11,9 @@ import pytest
 
 from bench.cli import build_parser
 from bench.experiments.options import run_spec_from_args
-from bench.experiments.overhead import SMALL, BlockingClient, http_request
 from bench.experiments.replay import SUMMARY_KEYS, run_replay
 from bench.harness.cluster import RouterOptions, histogram_quantile, router_toml
+from bench.harness.load_clients import SMALL, BlockingClient, http_request
 from bench.harness.procs import ProcessSet, free_ports
 from bench.reports.render import compare
 from bench.reports.rundir import load_requests
