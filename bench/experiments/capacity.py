@@ -84,8 +84,10 @@ def offered_load(
     n = len(prompt_tokens)
     if n == 0 or span_s <= 0 or engines <= 0:
         raise ValueError("offered load needs requests, a positive span and engines")
-    work = sum(request_work_s(p, o, sim) for p, o in zip(prompt_tokens, output_tokens))
-    work_or = sum(request_work_s(p - h, o, sim) for p, h, o in zip(prompt_tokens, hit_tokens, output_tokens))
+    work = sum(request_work_s(p, o, sim) for p, o in zip(prompt_tokens, output_tokens, strict=False))
+    work_or = sum(
+        request_work_s(p - h, o, sim) for p, h, o in zip(prompt_tokens, hit_tokens, output_tokens, strict=False)
+    )
     pd = sum(prefill_work_s(p, sim) for p in prompt_tokens) / span_s / prefill if prefill > 0 else None
     return Load(
         requests=n,

@@ -56,7 +56,7 @@ def idle_cpu(pgids: list[int], seconds: float) -> list[float]:
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
-    return [100.0 * (tree_cpu_s(g) - b) / dt for g, b in zip(pgids, before)]
+    return [100.0 * (tree_cpu_s(g) - b) / dt for g, b in zip(pgids, before, strict=False)]
 
 
 def post(url: str, body: dict) -> dict:
@@ -75,7 +75,7 @@ def healthy(url: str) -> bool:
 
 def wait_healthy(procs, urls, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    pending = dict(zip(urls, procs))
+    pending = dict(zip(urls, procs, strict=False))
     while pending and time.monotonic() < deadline:
         for url, p in list(pending.items()):
             if not p.alive():

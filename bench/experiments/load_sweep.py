@@ -147,6 +147,63 @@ def load_sweep(a: argparse.Namespace) -> int:
     return 0
 
 
+async def _probe_full_engine(url: str, n_probes: int) -> tuple[list[float], int]:
+    """Cold probes at T=0.5 to an engine kept full: (each one's latency in ms, how many were rejected)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def long_gen(i: int) -> None:
+            body = {
+                "model": "sim-model",
+                "prompt": f" the cache block {i}" * 20,
+                "max_tokens": 400,
+                "ignore_eos": True,
+            }
+            try:
+                async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+                    await r.read()
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+
+        # Keep the engine full: 8 long generations for 4 slots, refilled as they end.
+        stop = asyncio.Event()
+
+        async def filler(i: int) -> None:
+            k = 0
+            while not stop.is_set():
+                await long_gen(i * 1000 + k)
+                k += 1
+
+        fillers = [asyncio.ensure_future(filler(i)) for i in range(8)]
+        await asyncio.sleep(1.0)
+        lat: list[float] = []
+        rejected = 0
+        for j in range(n_probes):
+            body = {
+                "model": "sim-model",
+                "prompt": f" river stone {j} window" * 30,
+                "max_tokens": 8,
+                "stream": True,
+                "cache_hit_threshold": 0.5,
+            }
+            t0 = time.perf_counter()
+            async with s.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: ") and b"finish_reason" in line:
+                        chunk = orjson.loads(line[6:]) if not line.startswith(b"data: [DONE]") else {}
+                        fr = [c.get("finish_reason") for c in chunk.get("choices") or ()]
+                        if any(fr):
+                            if "cache_threshold" in fr:
+                                rejected += 1
+                            break
+            lat.append((time.perf_counter() - t0) * 1000)
+            await asyncio.sleep(0.05)
+        stop.set()
+        for f in fillers:
+            f.cancel()
+        await asyncio.gather(*fillers, return_exceptions=True)
+    return lat, rejected
+
+
 async def rejection_latency(out: Path, quick: bool = False) -> dict:
     """One engine with max_num_seqs 4 kept full by long generations; cold probes at T=0.5
     straight to the engine: time until the cache_threshold answer, arrival check on and off."""
@@ -159,61 +216,7 @@ async def rejection_latency(out: Path, quick: bool = False) -> dict:
             sim = SimOptions(speed=1.0, max_num_seqs=4, arrival_check=arrival, num_gpu_blocks=4096)
             await cluster.start_engines(1, 0, sim)
             url = cluster.decoders[0]
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-
-                async def long_gen(i: int) -> None:
-                    body = {
-                        "model": "sim-model",
-                        "prompt": f" the cache block {i}" * 20,
-                        "max_tokens": 400,
-                        "ignore_eos": True,
-                    }
-                    try:
-                        async with s.post(
-                            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)
-                        ) as r:
-                            await r.read()
-                    except (TimeoutError, aiohttp.ClientError):
-                        pass
-
-                # Keep the engine full: 8 long generations for 4 slots, refilled as they end.
-                stop = asyncio.Event()
-
-                async def filler(i: int) -> None:
-                    k = 0
-                    while not stop.is_set():
-                        await long_gen(i * 1000 + k)
-                        k += 1
-
-                fillers = [asyncio.ensure_future(filler(i)) for i in range(8)]
-                await asyncio.sleep(1.0)
-                lat, rejected = [], 0
-                for j in range(n_probes):
-                    body = {
-                        "model": "sim-model",
-                        "prompt": f" river stone {j} window" * 30,
-                        "max_tokens": 8,
-                        "stream": True,
-                        "cache_hit_threshold": 0.5,
-                    }
-                    t0 = time.perf_counter()
-                    async with s.post(
-                        url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)
-                    ) as r:
-                        async for line in r.content:
-                            if line.startswith(b"data: ") and b"finish_reason" in line:
-                                chunk = orjson.loads(line[6:]) if not line.startswith(b"data: [DONE]") else {}
-                                fr = [c.get("finish_reason") for c in chunk.get("choices") or ()]
-                                if any(fr):
-                                    if "cache_threshold" in fr:
-                                        rejected += 1
-                                    break
-                    lat.append((time.perf_counter() - t0) * 1000)
-                    await asyncio.sleep(0.05)
-                stop.set()
-                for f in fillers:
-                    f.cancel()
-                await asyncio.gather(*fillers, return_exceptions=True)
+            lat, rejected = await _probe_full_engine(url, n_probes)
             rows.append(
                 {
                     "arrival_check": "on" if arrival else "off",

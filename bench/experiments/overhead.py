@@ -236,7 +236,7 @@ def main(a) -> int:
                     PY,
                     "-m",
                     "bench.harness.instant_backend",
-                    *sum((["--port", str(p)] for p in bports), []),
+                    *(arg for p in bports for arg in ("--port", str(p))),
                     "--chunks",
                     "32",
                 ],

@@ -78,7 +78,9 @@ def main(a) -> int:
         bports = free_ports(a.k)
         backend = procs.start(
             "instant_backend",
-            pinned([PY, "-m", "bench.harness.instant_backend", *sum((["--port", str(p)] for p in bports), [])], other),
+            pinned(
+                [PY, "-m", "bench.harness.instant_backend", *(arg for p in bports for arg in ("--port", str(p)))], other
+            ),
         )
         urls = [f"http://127.0.0.1:{p}" for p in bports]
         asyncio.run(_wait(urls, backend))

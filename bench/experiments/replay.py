@@ -71,10 +71,11 @@ def machine_info() -> dict:
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
     return info
@@ -129,7 +130,7 @@ async def run_replay(spec: RunSpec) -> dict:
         (spec.out / "requests.jsonl").write_text(
             "".join(
                 json.dumps({"index": r.index, "prompt_tokens": r.prompt_tokens, "oracle_hit_tokens": h}) + "\n"
-                for r, h in zip(reqs, oracle["per_request"])
+                for r, h in zip(reqs, oracle["per_request"], strict=False)
             )
         )
         return summary
@@ -206,7 +207,7 @@ async def run_replay(spec: RunSpec) -> dict:
     if sessions is not None:
         # Multi-turn oracle: every prompt and its answer, in send order.
         seqs = []
-        for p, r in zip(prompts, results):
+        for p, r in zip(prompts, results, strict=False):
             ids = simtok.encode(p)
             seqs.append((ids, simtok.encode(p + r.text) if r.ok else None))
         hits, total, per = wl.oracle_hit_tokens(seqs, block)
@@ -216,7 +217,7 @@ async def run_replay(spec: RunSpec) -> dict:
             "oracle_hit_ratio": hits / total if total else 0.0,
             "per_request": per,
         }
-        for r, p in zip(results, prompts):
+        for r, p in zip(results, prompts, strict=False):
             r.expected_prompt_tokens = len(simtok.encode(p))
         base["workload"].update({"requests": len(results), "prompt_tokens": total})
     logs = {}

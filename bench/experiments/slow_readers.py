@@ -107,7 +107,7 @@ async def run(a: argparse.Namespace, out: Path) -> dict:
                     ),
                 )
             )
-        for name, port, p in engines:
+        for _name, port, p in engines:
             await wait_http(f"http://127.0.0.1:{port}/health", p)
         rport = ports[-1]
         cfg = {

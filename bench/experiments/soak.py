@@ -49,7 +49,16 @@ from bench.experiments.soak_load import (
     metrics_value,
     one_request,
 )
-from bench.experiments.soak_procs import PY, REPO, Engine, cpu_seconds, router_toml, rss_bytes, stop_group, wait_http
+from bench.experiments.soak_procs import (
+    REPO,
+    Engine,
+    cpu_seconds,
+    router_toml,
+    rss_bytes,
+    start_router,
+    stop_group,
+    wait_http,
+)
 from bench.experiments.soak_report import plot, print_table, summarize
 from bench.harness.procs import free_ports
 
@@ -62,14 +71,7 @@ async def soak(args: argparse.Namespace, out: Path) -> tuple[dict, list[Sample]]
     try:
         for e in engines:
             e.start()
-        (out / "router.toml").write_text(router_toml(port, engines, args))
-        router_proc = subprocess.Popen(
-            [PY, "-m", "router.cli", "--config", str(out / "router.toml"), "--no-engines"],
-            cwd=REPO,
-            stdout=open(out / "router.log", "ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        router_proc = start_router(out, router_toml(port, engines, args))
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60, router_proc)
         pid = router_proc.pid

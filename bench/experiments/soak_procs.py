@@ -66,24 +66,25 @@ class Engine:
     def start(self) -> None:
         deadline = time.monotonic() + 30
         while True:  # a killed engine's port may linger a moment
-            self.proc = subprocess.Popen(
-                [
-                    PY,
-                    "-m",
-                    "engine_launcher.sim",
-                    "--port",
-                    str(self.port),
-                    "--model",
-                    MODEL,
-                    "--log-level",
-                    "warning",
-                    *self.args,
-                ],
-                cwd=REPO,
-                stdout=open(self.log, "ab"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            with open(self.log, "ab") as log:  # the engine keeps its own copy of the descriptor
+                self.proc = subprocess.Popen(
+                    [
+                        PY,
+                        "-m",
+                        "engine_launcher.sim",
+                        "--port",
+                        str(self.port),
+                        "--model",
+                        MODEL,
+                        "--log-level",
+                        "warning",
+                        *self.args,
+                    ],
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             try:
                 wait_http(self.url + "/health", 30, self.proc)
                 return
@@ -122,3 +123,16 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_router(out: Path, config: str) -> subprocess.Popen[bytes]:
+    """The router as its own process group, configured with `config`, logging to out/router.log."""
+    (out / "router.toml").write_text(config)
+    with open(out / "router.log", "ab") as log:  # the router keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [PY, "-m", "router.cli", "--config", str(out / "router.toml"), "--no-engines"],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )

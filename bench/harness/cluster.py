@@ -201,7 +201,7 @@ class Cluster:
                     PY,
                     "-m",
                     "engine_launcher.sim",
-                    *sum((["--port", str(pt)] for pt in group), []),
+                    *(arg for pt in group for arg in ("--port", str(pt))),
                     "--role",
                     role,
                     *sim.args(),
@@ -212,13 +212,15 @@ class Cluster:
                     self._owners.append(proc)
                 self.engine_procs.append(proc)
                 out.extend(f"http://127.0.0.1:{pt}" for pt in group)
-        await asyncio.gather(*(wait_http(u + "/health", p, 60) for u, p in zip(self.engines, self._owners)))
+        await asyncio.gather(
+            *(wait_http(u + "/health", p, 60) for u, p in zip(self.engines, self._owners, strict=False))
+        )
 
     async def start_router(
         self, opts: RouterOptions, work_dir: Path, cores: list[int] | None = None, port: int | None = None
     ) -> None:
         port = port or free_ports(1)[0]
-        work_dir.mkdir(parents=True, exist_ok=True)
+        work_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
         cfg = work_dir / "router.toml"
         cfg.write_text(router_toml(port, self.decoders, self.prefillers, opts))
         self.router = self.procs.start(
@@ -276,7 +278,7 @@ ENGINE_COUNTERS = (
 async def engine_counters(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, float]]:
     pages = await asyncio.gather(*(scrape(session, u) for u in urls))
     out = {}
-    for u, m in zip(urls, pages):
+    for u, m in zip(urls, pages, strict=False):
         d = {n: metric_sum(m, n) for n in ENGINE_COUNTERS}
         d["cpu_tier_hit_tokens"] = metric_sum(m, "vllm:prompt_tokens_cached_by_source_total", source="host")
         for reason in ("cache_threshold", "length", "stop", "abort"):

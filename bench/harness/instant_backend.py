@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
+from typing import ClassVar
 
 import orjson
 
@@ -183,7 +185,7 @@ def build_answers(chunks: int) -> dict[str, bytes]:
 
 
 class InstantProtocol(asyncio.Protocol):
-    answers: dict[str, bytes] = {}
+    answers: ClassVar[dict[str, bytes]] = {}
     connections = 0  # accepted so far (in /metrics as instant_backend_connections_total)
     requests = 0
 
@@ -195,10 +197,8 @@ class InstantProtocol(asyncio.Protocol):
         if sock is not None:
             import socket
 
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
 
     def data_received(self, data: bytes) -> None:  # type: ignore[override]
         self.buf += data

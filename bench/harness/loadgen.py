@@ -199,7 +199,7 @@ async def run_open_loop(
                 if progress is not None:
                     progress()
 
-        for r, res in zip(reqs, results):
+        for r, res in zip(reqs, results, strict=False):
             delay = t0 + r.arrival_s - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -84,8 +84,7 @@ class ProcessSet:
     def start(self, name: str, cmd: Sequence[str], env: dict | None = None) -> Proc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        f = open(log_path, "wb")
-        try:
+        with open(log_path, "wb") as f:  # the child keeps its own copy of the descriptor
             popen = subprocess.Popen(
                 list(cmd),
                 stdout=f,
@@ -94,8 +93,6 @@ class ProcessSet:
                 start_new_session=True,
                 env={**os.environ, **(env or {})},
             )
-        finally:
-            f.close()
         p = Proc(name, popen, log_path)
         self.procs.append(p)
         return p

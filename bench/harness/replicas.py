@@ -38,7 +38,7 @@ async def start_replicas(
 ) -> list[str]:
     """N routers of `mode` in front of the cluster's engines; their URLs. The first is also
     `cluster.router` / `cluster.url` (its log is logs/router.log, the others router-<i>.log)."""
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
     urls, procs, health = [], [], []
     for i in range(n):
         name = "router" if i == 0 else f"router-{i}"

@@ -122,7 +122,7 @@ def plot_compare(dirs: Sequence[Path], rows: list[dict], out: Path) -> list[Path
     # TTFT CDF per mode.
     fig, ax = plt.subplots(figsize=(7, 4.5))
     any_line = False
-    for d, r in zip(dirs, rows):
+    for d, r in zip(dirs, rows, strict=False):
         ttft = sorted(x["ttft_ms"] for x in load_requests(d) if x.get("ttft_ms") is not None)
         if not ttft:
             continue

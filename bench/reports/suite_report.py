@@ -162,7 +162,7 @@ def plot_regret(path: Path, rows: list[dict]) -> Path | None:
     by = {(r["workload"], r["mode"]): r for r in rows}
     width = 0.8 / max(1, len(modes))
     fig, axes = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(workloads)), 7), sharex=True)
-    for ax, q in zip(axes, ("p50", "p99")):
+    for ax, q in zip(axes, ("p50", "p99"), strict=False):
         vals = [1.0]
         for j, m in enumerate(modes):
             xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(workloads))]

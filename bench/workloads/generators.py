@@ -241,7 +241,7 @@ def prefix_group_requests(
     times = poisson_arrivals(len(order), rate, seed)
     systems = [words_text(system_tokens, "system", seed, g) for g in range(groups)]
     out = []
-    for i, ((g, j), t) in enumerate(zip(order, times)):
+    for i, ((g, j), t) in enumerate(zip(order, times, strict=False)):
         prompt = systems[g] + words_text(question_tokens, "question", seed, g, j)
         out.append(
             BenchRequest(

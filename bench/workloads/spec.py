@@ -83,11 +83,13 @@ def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
     else:
         raise ValueError(f"no request list for workload {w.kind!r}")
     if w.rate > 0 and w.kind == "trace":
-        for r, t in zip(reqs, wl.poisson_arrivals(len(reqs), w.rate, w.seed)):
+        for r, t in zip(reqs, wl.poisson_arrivals(len(reqs), w.rate, w.seed), strict=False):
             r.arrival_s = t
     if w.burst_on_s > 0 and w.burst_off_s > 0 and len(reqs) > 1:
         span = reqs[-1].arrival_s - reqs[0].arrival_s
-        for r, t in zip(reqs, wl.on_off_arrivals(len(reqs), len(reqs) / span, w.burst_on_s, w.burst_off_s, w.seed)):
+        for r, t in zip(
+            reqs, wl.on_off_arrivals(len(reqs), len(reqs) / span, w.burst_on_s, w.burst_off_s, w.seed), strict=False
+        ):
             r.arrival_s = t
     return reqs
 

@@ -65,7 +65,7 @@ def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path):
     )
     assert (a.routers, a.restart_engine_at) == (2, 1.0)
     s = asyncio.run(run_replay(run_spec_from_args(a, "probe", tmp_path / "probe")))
-    assert s["routers"] == 2 and s["requests"] == 24 and s["errors"] == 0, s.get("error_examples")
+    assert (s["routers"], s["requests"], s["errors"]) == (2, 24, 0), s.get("error_examples")
     # Both replicas served: each wrote per-request log lines that the summary read.
     logs = sorted(p.name for p in (tmp_path / "probe" / "logs").glob("router*.log"))
     assert logs == ["router-1.log", "router.log"]
@@ -135,4 +135,4 @@ def test_smg_replicas(tmp_path):
     # sglang-router comes with the bench extra, which the test command installs.
     a = build_parser().parse_args(["replay", *TINY, "--routers", "2", "--out", str(tmp_path)])
     s = asyncio.run(run_replay(run_spec_from_args(a, "smg_cache_aware", tmp_path / "smg")))
-    assert s["routers"] == 2 and s["errors"] == 0, s.get("error_examples")
+    assert (s["routers"], s["errors"]) == (2, 0), s.get("error_examples")

@@ -31,8 +31,8 @@ def test_offered_load_is_work_per_second_per_engine():
     sim = SimOptions(speed=1.0, max_num_batched_tokens=8192)
     prompts, hits, outs = [1000, 3000], [0, 2000], [50, 50]
     load = capacity.offered_load(prompts, hits, outs, span_s=2.0, sim=sim, engines=4, prefill=1)
-    w = [capacity.request_work_s(p, o, sim) for p, o in zip(prompts, outs)]
-    w_oracle = [capacity.request_work_s(p - h, o, sim) for p, h, o in zip(prompts, hits, outs)]
+    w = [capacity.request_work_s(p, o, sim) for p, o in zip(prompts, outs, strict=False)]
+    w_oracle = [capacity.request_work_s(p - h, o, sim) for p, h, o in zip(prompts, hits, outs, strict=False)]
     assert load.utilisation == pytest.approx(sum(w) / 2.0 / 4)
     assert load.utilisation_oracle == pytest.approx(sum(w_oracle) / 2.0 / 4)
     assert load.utilisation_oracle < load.utilisation
@@ -42,7 +42,7 @@ def test_offered_load_is_work_per_second_per_engine():
     assert load.pd_prefill_utilisation == pytest.approx(pd)
     # Twice the engines: half the utilisation.
     assert capacity.offered_load(prompts, hits, outs, 2.0, sim, 8).utilisation == pytest.approx(load.utilisation / 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs requests"):
         capacity.offered_load([], [], [], 1.0, sim, 4)
 
 

@@ -141,7 +141,7 @@ def test_on_off_arrivals_keep_the_mean_rate_in_bursts():
     assert 9.0 < len(t) / t[-1] < 11.0
     # Nothing arrives in the silent part of a period.
     assert all((x % 8.0) < 2.0 for x in t)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="mean_rate > 0"):
         wl.on_off_arrivals(3, 0.0, 1.0, 1.0)
 
 
