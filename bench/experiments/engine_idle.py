@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from bench.harness.procs import ProcessSet, free_ports
 from router.engine.wire import PREFILL_REQUEST_PARAMS
@@ -59,7 +60,7 @@ def idle_cpu(pgids: list[int], seconds: float) -> list[float]:
     return [100.0 * (tree_cpu_s(g) - b) / dt for g, b in zip(pgids, before, strict=False)]
 
 
-def post(url: str, body: dict) -> dict:
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
@@ -87,7 +88,7 @@ def wait_healthy(procs, urls, timeout_s: float) -> None:
         raise RuntimeError(f"not healthy after {timeout_s:.0f} s: {list(pending)}")
 
 
-def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict:
+def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     from engine_launcher.commands import EnginePorts, HostInfo, vllm_command
     from router.config.schema import EngineConfig
 

@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -102,7 +103,7 @@ async def _flood(url: str, clients: int, seconds: float, max_tokens: int) -> int
     return int(out.strip() or -1)
 
 
-async def _phase(url: str, a: argparse.Namespace, flood_clients: int) -> dict:
+async def _phase(url: str, a: argparse.Namespace, flood_clients: int) -> dict[str, Any]:
     until = time.monotonic() + a.phase_s
     victim: list[float] = []
     jobs = [_closed_loop(url, VICTIM_KEY, a.victim_clients, until, a.max_tokens, victim)]
@@ -118,8 +119,8 @@ async def _phase(url: str, a: argparse.Namespace, flood_clients: int) -> dict:
     }
 
 
-def _router_config(port: int, engines: list[tuple[str, int]], a: argparse.Namespace, tenants: bool) -> dict:
-    cfg: dict = {
+def _router_config(port: int, engines: list[tuple[str, int]], a: argparse.Namespace, tenants: bool) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
         "server": {
             "port": port,
             "host": "127.0.0.1",
@@ -147,9 +148,9 @@ def _router_config(port: int, engines: list[tuple[str, int]], a: argparse.Namesp
     return cfg
 
 
-async def run(a: argparse.Namespace, out: Path) -> dict:
+async def run(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     ports = free_ports(a.engines + 1)
-    phases: dict[str, dict] = {}
+    phases: dict[str, dict[str, Any]] = {}
     with ProcessSet(out / "logs") as ps:
         engines = [(f"d{i}", ports[i]) for i in range(a.engines)]
         for n, p in engines:

@@ -20,6 +20,7 @@ import asyncio
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 from bench.experiments.options import run_spec_from_args
 from bench.experiments.replay import run_replay
@@ -53,7 +54,7 @@ def _args_for(a: argparse.Namespace, workload: str, mode: str, n: int, restart_s
     return b
 
 
-def _run(a: argparse.Namespace, mode: str, d: Path) -> dict:
+def _run(a: argparse.Namespace, mode: str, d: Path) -> dict[str, Any]:
     done = d / "summary.json"
     if a.resume and done.exists():
         return json.loads(done.read_text())
@@ -68,8 +69,8 @@ def main(a: argparse.Namespace) -> int:
     modes, missing = available_modes([m for m in a.modes.split(",") if m])
     for m in missing:
         console.print(f"[yellow]fleet: {m} left out: its router is not installed[/yellow]")
-    summaries: dict[tuple[str, str, int], dict] = {}
-    restarts: dict[tuple[str, str], dict] = {}
+    summaries: dict[tuple[str, str, int], dict[str, Any]] = {}
+    restarts: dict[tuple[str, str], dict[str, Any]] = {}
     for workload in workloads:
         for n in ns:  # interleaved: every mode at one N, then the next N
             for mode in modes:

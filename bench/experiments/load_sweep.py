@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -78,7 +79,7 @@ def load_sweep(a: argparse.Namespace) -> int:
             dirs.append(d)
     compare(dirs, out, title=f"Load sweep: {a.workload}")
     # Goodput and time to fallback against load.
-    by: dict[str, list[dict]] = {}
+    by: dict[str, list[dict[str, Any]]] = {}
     for d in dirs:
         s = json.loads((d / "summary.json").read_text())
         by.setdefault(s["sweep_series"], []).append(s)
@@ -204,7 +205,7 @@ async def _probe_full_engine(url: str, n_probes: int) -> tuple[list[float], int]
     return lat, rejected
 
 
-async def rejection_latency(out: Path, quick: bool = False) -> dict:
+async def rejection_latency(out: Path, quick: bool = False) -> dict[str, Any]:
     """One engine with max_num_seqs 4 kept full by long generations; cold probes at T=0.5
     straight to the engine: time until the cache_threshold answer, arrival check on and off."""
     rows = []

@@ -33,6 +33,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from bench.harness.cluster import RouterOptions, router_command, router_toml
 from bench.harness.load_clients import SMALL, measure_latency, run_wrk
@@ -44,7 +45,7 @@ from bench.reports.render import bar_plot, console, markdown_table, table
 class Target:
     def __init__(self, name: str, port: int, proc=None):
         self.name, self.port, self.proc = name, port, proc
-        self.samples: list[dict] = []
+        self.samples: list[dict[str, Any]] = []
 
 
 async def start_targets(
@@ -126,8 +127,8 @@ def backend_counts(port: int) -> tuple[int, int]:
     return (int(c.group(1)) if c else 0), (int(r.group(1)) if r else 0)
 
 
-def measure_target(t: Target, a, cores_other, tmp: Path, backend_port: int | None = None) -> dict:
-    s: dict = {}
+def measure_target(t: Target, a, cores_other, tmp: Path, backend_port: int | None = None) -> dict[str, Any]:
+    s: dict[str, Any] = {}
     lat = measure_latency(t.port, "/v1/completions", SMALL, a.latency_requests)
     s.update({"lat_p50_us": lat["p50_us"], "lat_p99_us": lat["p99_us"], "lat_errors": lat["errors"]})
     lat_s = measure_latency(t.port, "/v1/completions", {**SMALL, "stream": True}, a.latency_requests)
@@ -160,7 +161,7 @@ def measure_target(t: Target, a, cores_other, tmp: Path, backend_port: int | Non
     return s
 
 
-def summarize_target(t: Target, direct: dict | None) -> dict:
+def summarize_target(t: Target, direct: dict[str, Any] | None) -> dict[str, Any]:
     keys = [
         "lat_p50_us",
         "lat_p99_us",
@@ -218,7 +219,7 @@ def main(a) -> int:
     ):
         names.remove("vllm_router_rr")
     ks = [int(k) for k in a.probe_k.split(",") if k]
-    result: dict = {
+    result: dict[str, Any] = {
         "machine": {"cpus": len(cores), "pinned": pin, "loadavg_before": os.getloadavg()},
         "connections": a.connections,
         "duration_s": a.duration,

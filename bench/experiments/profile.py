@@ -17,6 +17,7 @@ import tempfile
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from bench.harness.cluster import RouterOptions, router_command, router_toml
 from bench.harness.load_clients import SMALL, run_wrk
@@ -24,7 +25,7 @@ from bench.harness.procs import PY, ProcessSet, cpu_list, free_ports, pinned, wa
 from bench.reports.render import console, markdown_table, table
 
 
-def aggregate(raw_lines: list[str], top: int = 25) -> tuple[list[dict], list[dict], int]:
+def aggregate(raw_lines: list[str], top: int = 25) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     own: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     total = 0
@@ -45,7 +46,7 @@ def aggregate(raw_lines: list[str], top: int = 25) -> tuple[list[dict], list[dic
         for f in set(_short(x) for x in frames):
             incl[f] += n
 
-    def rows(c: Counter) -> list[dict]:
+    def rows(c: Counter[str]) -> list[dict[str, Any]]:
         return [
             {"function": f, "samples": n, "pct": 100.0 * n / total if total else 0.0} for f, n in c.most_common(top)
         ]
@@ -95,7 +96,7 @@ def main(a) -> int:
         asyncio.run(wait_http(f"http://127.0.0.1:{port}/ready", router, 60))
         body = {**SMALL, "stream": True} if a.stream else SMALL
         raw = out / f"profile_{a.strategy}{'_stream' if a.stream else ''}.raw"
-        result: dict = {}
+        result: dict[str, Any] = {}
 
         def drive() -> None:
             result["wrk"] = run_wrk(port, body, a.connections, a.duration + 2, other, tmp)

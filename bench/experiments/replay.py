@@ -63,7 +63,7 @@ SUMMARY_KEYS = (
 )
 
 
-def machine_info() -> dict:
+def machine_info() -> dict[str, Any]:
     info = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -90,7 +90,7 @@ def _pinning(spec: RunSpec) -> tuple[list[int] | None, list[int] | None]:
     return [cores[-1]], cores[:-1]
 
 
-async def run_replay(spec: RunSpec) -> dict:
+async def run_replay(spec: RunSpec) -> dict[str, Any]:
     spec.out.mkdir(parents=True, exist_ok=True)
     w = spec.workload
     block = spec.sim.block_size

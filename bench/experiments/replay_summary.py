@@ -14,19 +14,19 @@ from bench.harness.stats import mean, percentile, rnd
 
 def summarize(
     spec: RunSpec,
-    base: dict,
+    base: dict[str, Any],
     results: list[Result],
     wall: float,
-    eng: dict,
+    eng: dict[str, Any],
     decoders: list[str],
     prefillers: list[str],
-    rm_before: dict,
-    rm_after: dict,
-    logs: dict,
-    oracle: dict,
+    rm_before: dict[str, Any],
+    rm_after: dict[str, Any],
+    logs: dict[str, Any],
+    oracle: dict[str, Any],
     router_cpu: float | None,
     router_rss: int | None,
-) -> dict:
+) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     n = len(results)
     total_prompt = sum(r.expected_prompt_tokens or 0 for r in results)
@@ -159,6 +159,6 @@ def summarize(
     return s
 
 
-def _q_ms(buckets: list, q: float) -> float | None:
+def _q_ms(buckets: list[tuple[float, float]], q: float) -> float | None:
     v = histogram_quantile(buckets, q)
     return rnd(v * 1000, 1) if v is not None else None

@@ -15,15 +15,18 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
-from bench.experiments.replay import RunSpec, WorkloadSpec, run_replay
+from bench.experiments.replay import run_replay
+from bench.experiments.runspec import RunSpec
 from bench.harness.cluster import Cluster, RouterOptions, SimOptions, metric_sum, scrape
 from bench.harness.loadgen import Result, completion_body, make_session, stream_completion
 from bench.harness.procs import ProcessSet, RSSSampler
 from bench.harness.stats import percentile, rnd
 from bench.reports.render import console, line_plot, markdown_table, table
+from bench.workloads.spec import WorkloadSpec
 
 
 def main(a) -> int:
@@ -126,7 +129,7 @@ def main(a) -> int:
     return 0
 
 
-async def open_streams(out: Path, n: int) -> dict:
+async def open_streams(out: Path, n: int) -> dict[str, Any]:
     procs = ProcessSet(out / "logs")
     cluster = Cluster(procs, [], [])
     try:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -72,7 +73,7 @@ class LevelResult:
         return self.wall_busy_s / self.model_busy_s if self.model_busy_s else float("nan")
 
 
-def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], int]:
     cmd = [
         sys.executable,
         "-m",
@@ -96,7 +97,7 @@ def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-async def state(session: aiohttp.ClientSession, url: str) -> dict:
+async def state(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with session.get(url + "/_sim/state") as r:
         return orjson.loads(await r.read())
 

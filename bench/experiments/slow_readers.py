@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -78,7 +79,7 @@ async def _open_unread_stream(port: int, body: bytes, rcvbuf: int) -> socket.soc
     return sock
 
 
-async def run(a: argparse.Namespace, out: Path) -> dict:
+async def run(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     ports = free_ports(a.engines + 1)
     with ProcessSet(out / "logs") as ps:
         engines = []

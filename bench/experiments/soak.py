@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -63,10 +64,10 @@ from bench.experiments.soak_report import plot, print_table, summarize
 from bench.harness.procs import free_ports
 
 
-async def soak(args: argparse.Namespace, out: Path) -> tuple[dict, list[Sample]]:
+async def soak(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], list[Sample]]:
     *engine_ports, port = free_ports(args.engines + 1)
     engines = [Engine(f"d{i}", p, ["--speed", str(args.speed)], out / f"d{i}.log") for i, p in enumerate(engine_ports)]
-    router_proc: subprocess.Popen | None = None
+    router_proc: subprocess.Popen[bytes] | None = None
     run = Run()
     try:
         for e in engines:
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import uvloop
 
-    summary_holder: dict = {}
+    summary_holder: dict[str, Any] = {}
 
     async def go() -> None:
         summary_holder["s"] = await soak(args, out)

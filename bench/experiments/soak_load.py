@@ -8,6 +8,7 @@ import contextlib
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
@@ -62,7 +63,7 @@ async def one_request(
             "stream_options": {"include_usage": True},
         }
     )
-    events: list = []
+    events: list[Any] = []  # parsed chunks, then "[DONE]"
     try:
         async with asyncio.timeout(bound_s):
             async with s.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as r:

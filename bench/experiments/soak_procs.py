@@ -24,7 +24,7 @@ PY = sys.executable
 # --- processes ---------------------------------------------------------------------------
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -36,7 +36,7 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout} s")
 
 
-def stop_group(proc: subprocess.Popen | None) -> None:
+def stop_group(proc: subprocess.Popen[bytes] | None) -> None:
     """SIGTERM the process group, then SIGKILL; by group id only, never by name."""
     if proc is None:
         return
@@ -57,7 +57,7 @@ class Engine:
     port: int
     args: list[str]
     log: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:

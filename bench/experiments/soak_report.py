@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from pathlib import Path
+from typing import Any
 
 from bench.experiments.soak_load import Run, Sample
 
@@ -16,7 +17,7 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def windows(run: Run, width: float) -> list[dict]:
+def windows(run: Run, width: float) -> list[dict[str, Any]]:
     if not run.samples:
         return []
     horizon = run.samples[-1].t
@@ -41,7 +42,7 @@ def windows(run: Run, width: float) -> list[dict]:
     return out
 
 
-def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: float) -> dict:
+def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: float) -> dict[str, Any]:
     ok = [r for r in run.results if r.kind == "completed"]
     lat = [r.latency_s for r in ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -82,7 +83,7 @@ def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: floa
     }
 
 
-def plot(run_summary: dict, samples: list[Sample], path: Path) -> None:
+def plot(run_summary: dict[str, Any], samples: list[Sample], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,7 +130,7 @@ def plot(run_summary: dict, samples: list[Sample], path: Path) -> None:
     plt.close(fig)
 
 
-def print_table(summary: dict, out: Path) -> None:
+def print_table(summary: dict[str, Any], out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 

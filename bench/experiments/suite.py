@@ -19,6 +19,7 @@ import asyncio
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from bench.experiments.capacity import Load, offered_load
 from bench.experiments.options import add_cluster_args, add_replay_args, expand_modes, run_spec_from_args
@@ -37,6 +38,8 @@ TRACE_SPEED = 0.3  # engines at 0.3 of an H100: ~6 requests/s at utilisation 0.8
 # down 16x from the trace's token counts; 28,000 blocks / 16 would be 1,750); the CPU tier
 # is 8x that.
 CPU_TIER_GPU_BLOCKS = 500
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ def workload_load(ns: argparse.Namespace) -> Load | None:
     )
 
 
-def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict | None:
+def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict[str, Any] | None:
     """Set the workload's arrival rate for its target utilisation; returns the resulting load."""
     load = workload_load(ns)
     if load is not None and wd.target:
@@ -207,7 +210,7 @@ def mode_order(modes: list[str], i: int) -> list[str]:
     return [m for m in modes if m == ORACLE] + rest[k:] + rest[:k]
 
 
-def select(text: str, known: dict, what: str) -> list:
+def select(text: str, known: dict[str, T], what: str) -> list[T]:
     if text == "all":
         return list(known.values())
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -221,8 +224,8 @@ def run_suite(a: argparse.Namespace) -> int:
     out = Path(a.out)
     chosen = select(a.workloads, BY_NAME, "workload")
     modes = expand_modes(a.modes)
-    rows: list[dict] = []
-    loads: dict[str, dict | None] = {}
+    rows: list[dict[str, Any]] = []
+    loads: dict[str, dict[str, Any] | None] = {}
     failures: list[str] = []
     for i, wd in enumerate(chosen):
         ns = replay_args(a, wd, out / wd.name)

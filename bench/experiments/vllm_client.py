@@ -17,6 +17,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from bench.harness.cluster import MODEL, Cluster, RouterOptions, SimOptions
 from bench.harness.procs import PY, ProcessSet
@@ -109,7 +110,7 @@ async def run_client(cmd: list[str], procs: ProcessSet, name: str) -> None:
         raise RuntimeError(f"vllm bench serve ({name}) failed:\n{proc.log_tail(40)}")
 
 
-def table(results: dict[str, dict]) -> str:
+def table(results: dict[str, dict[str, Any]]) -> str:
     lines = ["| path | completed | failed | " + " | ".join(FIGURES) + " |", "|---|---|---|" + "---|" * len(FIGURES)]
     for name, r in results.items():
         lines.append(
@@ -118,7 +119,7 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-async def run(a: argparse.Namespace) -> dict[str, dict]:
+async def run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out: Path = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
     tokenizer = a.tokenizer
@@ -126,7 +127,7 @@ async def run(a: argparse.Namespace) -> dict[str, dict]:
         from engine_launcher.tiny_model import build_tiny_model
 
         tokenizer = build_tiny_model(out / "tiny-model")
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, Any]] = {}
     with ProcessSet(out / "logs") as procs:
         cluster = Cluster(procs, [], [])
         await cluster.start_engines(1, 0, SimOptions(speed=a.speed))

@@ -12,6 +12,7 @@ import asyncio
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import tomli_w
@@ -94,7 +95,7 @@ class RouterOptions:
     # Far above the router's defaults: a bench measures routing, not admission control.
     max_concurrent_requests: int = 4096
     max_queued_requests: int = 4096
-    extra_routing: dict = field(default_factory=dict)
+    extra_routing: dict[str, Any] = field(default_factory=dict[str, Any])
 
 
 def router_toml(port: int, decoders: list[str], prefillers: list[str], opts: RouterOptions) -> str:
@@ -249,18 +250,18 @@ class Cluster:
 # --- metrics ----------------------------------------------------------------------------
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, list[tuple[dict, float]]]:
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, list[tuple[dict[str, Any], float]]]:
     """name -> [(labels, value)] from a Prometheus /metrics page."""
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
         text = await r.text()
-    out: dict[str, list[tuple[dict, float]]] = {}
+    out: dict[str, list[tuple[dict[str, Any], float]]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out.setdefault(s.name, []).append((dict(s.labels), s.value))
     return out
 
 
-def metric_sum(m: dict, name: str, **labels: str) -> float:
+def metric_sum(m: dict[str, Any], name: str, **labels: str) -> float:
     return sum(v for lab, v in m.get(name, ()) if all(lab.get(k) == x for k, x in labels.items()))
 
 
@@ -288,8 +289,8 @@ async def engine_counters(session: aiohttp.ClientSession, urls: list[str]) -> di
     return out
 
 
-def counters_delta(before: dict, after: dict) -> dict[str, dict]:
-    out: dict[str, dict] = {}
+def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
     for u in after:
         b = before.get(u, {})
         out[u] = {
@@ -325,7 +326,7 @@ def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float | 
     return prev_le
 
 
-def histogram_buckets(m: dict, name: str, **labels: str) -> list[tuple[float, float]]:
+def histogram_buckets(m: dict[str, Any], name: str, **labels: str) -> list[tuple[float, float]]:
     """Cumulative buckets of histogram `name` (without _bucket), summed over other labels."""
     acc: dict[float, float] = {}
     for lab, v in m.get(name + "_bucket", ()):

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.harness.procs import pinned
 from bench.harness.stats import percentile
@@ -18,7 +19,7 @@ from bench.harness.stats import percentile
 SMALL = {"model": "sim-model", "prompt": "Hello router, this is a small request.", "max_tokens": 32}
 
 
-def http_request(host: str, port: int, path: str, body: dict) -> bytes:
+def http_request(host: str, port: int, path: str, body: dict[str, Any]) -> bytes:
     b = json.dumps(body, separators=(",", ":")).encode()
     return (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
@@ -107,7 +108,7 @@ class BlockingClient:
         return t1 - t0, (first or t1) - t0, status
 
 
-def measure_latency(port: int, path: str, body: dict, n: int) -> dict:
+def measure_latency(port: int, path: str, body: dict[str, Any], n: int) -> dict[str, Any]:
     c = BlockingClient(port)
     req = http_request("127.0.0.1", port, path, body)
     for _ in range(min(50, n)):  # warm-up: connections, pools, caches
@@ -139,7 +140,9 @@ wrk.headers["Content-Type"] = "application/json"
 """
 
 
-def run_wrk(port: int, body: dict, connections: int, duration: float, cores: list[int] | None, tmp: Path) -> dict:
+def run_wrk(
+    port: int, body: dict[str, Any], connections: int, duration: float, cores: list[int] | None, tmp: Path
+) -> dict[str, Any]:
     script = tmp / f"wrk_{abs(hash(json.dumps(body)))}.lua"
     script.write_text(WRK_LUA.format(body=json.dumps(body, separators=(",", ":"))))
     cmd = pinned(

@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
@@ -47,7 +48,7 @@ class Result:
     def ok(self) -> bool:
         return self.status == 200 and not self.error
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         d = {
             "index": self.index,
             "tag": self.tag,
@@ -70,7 +71,7 @@ class Result:
         return d
 
 
-def completion_body(prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+def completion_body(prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "model": MODEL,
         "prompt": prompt,
@@ -84,7 +85,12 @@ def completion_body(prompt: str, max_tokens: int, extra: dict | None = None) -> 
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, url: str, body: dict, res: Result, keep_text: bool = False, timeout_s: float = 600.0
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    res: Result,
+    keep_text: bool = False,
+    timeout_s: float = 600.0,
 ) -> Result:
     t0 = time.perf_counter()
     last = None
@@ -166,7 +172,7 @@ async def run_open_loop(
     url: str | Sequence[str],
     reqs: Sequence[BenchRequest],
     *,
-    extra_body: dict | None = None,
+    extra_body: dict[str, Any] | None = None,
     max_in_flight: int = 4096,
     timeout_s: float = 600.0,
     progress=None,
@@ -213,7 +219,7 @@ async def run_sessions(
     url: str | Sequence[str],
     sessions: Sequence[Session],
     *,
-    extra_body: dict | None = None,
+    extra_body: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
     progress=None,
 ) -> tuple[list[Result], list[str], float]:

@@ -11,6 +11,7 @@ any Python proxy must at least spend.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -18,7 +19,7 @@ from aiohttp import web
 
 def build_app(upstream: str) -> web.Application:
     app = web.Application()
-    state: dict = {}
+    state: dict[str, Any] = {}
 
     async def on_startup(_app):
         state["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

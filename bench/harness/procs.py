@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -58,7 +59,7 @@ def pinned(cmd: Sequence[str], cores: Sequence[int] | None) -> list[str]:
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     log_path: Path
 
     @property
@@ -81,7 +82,7 @@ class ProcessSet:
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, name: str, cmd: Sequence[str], env: dict | None = None) -> Proc:
+    def start(self, name: str, cmd: Sequence[str], env: dict[str, Any] | None = None) -> Proc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "wb") as f:  # the child keeps its own copy of the descriptor
@@ -163,7 +164,7 @@ class RSSSampler:
         self.proc = psutil.Process(pid)
         self.interval_s = interval_s
         self.peak_rss = 0
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.cpu0 = self.cpu_s()
 
     def cpu_s(self) -> float:

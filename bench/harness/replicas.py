@@ -18,6 +18,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -81,7 +82,7 @@ class Samplers:
         return sum(c for c, _ in got), max(r for _, r in got)
 
 
-async def restart_engine_at(cluster: Cluster, delay_s: float, engine: int = 0) -> dict:
+async def restart_engine_at(cluster: Cluster, delay_s: float, engine: int = 0) -> dict[str, Any]:
     """After `delay_s`, stop decode engine `engine` and start it again on the same port
     with an empty cache; returns when (run-relative seconds) it went down and came back."""
     t0 = time.monotonic()
@@ -102,12 +103,12 @@ async def restart_engine_at(cluster: Cluster, delay_s: float, engine: int = 0) -
     return {"engine": url, "down_at_s": round(down, 3), "up_at_s": round(time.monotonic() - t0, 3)}
 
 
-def recovery(rows: list[dict], restart_s: float, window: int = 25, windows: int = 6) -> dict:
+def recovery(rows: list[dict[str, Any]], restart_s: float, window: int = 25, windows: int = 6) -> dict[str, Any]:
     """Hit ratio (cached prompt tokens reported to the client over prompt tokens; a request
     that went prefill/decode counts as computed) of the 100 requests sent before the
     restart and of each `window` requests sent after it, in send order."""
 
-    def ratio(rs: list[dict]) -> float | None:
+    def ratio(rs: list[dict[str, Any]]) -> float | None:
         prompt = sum(r.get("expected_prompt_tokens") or 0 for r in rs)
         hit = sum((r.get("cached_tokens") or 0) for r in rs if r.get("route") != "pd")
         return round(hit / prompt, 4) if prompt else None
@@ -123,10 +124,10 @@ def recovery(rows: list[dict], restart_s: float, window: int = 25, windows: int 
     }
 
 
-async def scrape_all(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, list[tuple[dict, float]]]:
+async def scrape_all(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, list[tuple[dict[str, Any], float]]]:
     """Every replica's /metrics as one page: the samples side by side, so sums (counters,
     histogram buckets) are the fleet's."""
-    merged: dict[str, list[tuple[dict, float]]] = {}
+    merged: dict[str, list[tuple[dict[str, Any], float]]] = {}
     for page in await asyncio.gather(*(scrape(session, u) for u in urls)):
         for name, samples in page.items():
             merged.setdefault(name, []).extend(samples)

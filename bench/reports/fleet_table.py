@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from bench.reports.render import console, markdown_table, table
 
@@ -20,7 +21,7 @@ HIT_TOLERANCE = 0.03  # probe's hit ratio at the largest N may be this much (rel
 RECOVERED = 0.97  # a window after the restart whose hit ratio is this share of before it
 
 
-def fleet_rows(summaries: dict[tuple[str, str, int], dict]) -> list[dict]:
+def fleet_rows(summaries: dict[tuple[str, str, int], dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (workload, mode, N) from {(workload, mode, N): summary.json}, with the
     hit ratio's change against the same mode's N = 1 run (relative, %)."""
     rows = []
@@ -44,7 +45,7 @@ def fleet_rows(summaries: dict[tuple[str, str, int], dict]) -> list[dict]:
     return rows
 
 
-def targets(rows: list[dict]) -> list[dict]:
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per workload, at its largest N: probe's hit ratio against its N = 1 run, and probe's
     TTFT p50/p99 against each index-based mode measured there. `met` is None when a side
     is missing."""
@@ -80,7 +81,7 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def recovered_after(rec: dict) -> int | None:
+def recovered_after(rec: dict[str, Any]) -> int | None:
     """Requests after the restart until a window's hit ratio is back to RECOVERED of the
     100 before it (the end of that window); None if no window got there."""
     before, window = rec.get("before_100"), rec.get("window") or 0
@@ -92,7 +93,7 @@ def recovered_after(rec: dict) -> int | None:
     return None
 
 
-def recovery_rows(restarts: dict[tuple[str, str], dict]) -> list[dict]:
+def recovery_rows(restarts: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (workload, mode) restart run: hit ratio before, per window after, and
     the requests it took to recover (target: probe within 100)."""
     rows = []
@@ -141,7 +142,7 @@ RECOVERY_COLS = [
 ND = {"hit_ratio": 3, "hit_vs_1_pct": 2, "before_100": 3, "router_cpu_s_per_1k": 2}
 
 
-def write_tables(out: Path, rows: list[dict], checks: list[dict], rec: list[dict]) -> str:
+def write_tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]], rec: list[dict[str, Any]]) -> str:
     parts = [
         "## Router replicas",
         markdown_table(ROW_COLS, rows, ND),

@@ -29,7 +29,9 @@ def fmt(v: Any, nd: int = 1) -> str:
     return str(v)
 
 
-def table(title: str, columns: Sequence[tuple[str, str]], rows: Sequence[dict], nd: dict | None = None) -> Table:
+def table(
+    title: str, columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]], nd: dict[str, Any] | None = None
+) -> Table:
     """columns: (key, header); values formatted with fmt (nd: key -> decimals)."""
     t = Table(title=title, show_lines=False)
     for i, (_, header) in enumerate(columns):
@@ -39,7 +41,9 @@ def table(title: str, columns: Sequence[tuple[str, str]], rows: Sequence[dict], 
     return t
 
 
-def markdown_table(columns: Sequence[tuple[str, str]], rows: Sequence[dict], nd: dict | None = None) -> str:
+def markdown_table(
+    columns: Sequence[tuple[str, str]], rows: Sequence[dict[str, Any]], nd: dict[str, Any] | None = None
+) -> str:
     head = "| " + " | ".join(h for _, h in columns) + " |"
     sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"
     body = ["| " + " | ".join(fmt(r.get(k), (nd or {}).get(k, 1)) for k, _ in columns) + " |" for r in rows]
@@ -77,11 +81,11 @@ COMPARE_ND = {
 }
 
 
-def label_of(d: Path, s: dict) -> str:
+def label_of(d: Path, s: dict[str, Any]) -> str:
     return s.get("label") or s.get("mode") or d.name
 
 
-def compare_rows(dirs: Sequence[Path]) -> list[dict]:
+def compare_rows(dirs: Sequence[Path]) -> list[dict[str, Any]]:
     rows = []
     for d in dirs:
         s = load_summary(d)
@@ -97,7 +101,7 @@ def compare_rows(dirs: Sequence[Path]) -> list[dict]:
     return rows
 
 
-def compare(dirs: Sequence[Path], out: Path | None = None, title: str = "Routing modes") -> list[dict]:
+def compare(dirs: Sequence[Path], out: Path | None = None, title: str = "Routing modes") -> list[dict[str, Any]]:
     rows = compare_rows(dirs)
     console.print(table(title, COMPARE_COLUMNS, rows, COMPARE_ND))
     out = out or (Path(dirs[0]).parent if dirs else Path("."))
@@ -112,7 +116,7 @@ def compare(dirs: Sequence[Path], out: Path | None = None, title: str = "Routing
     return rows
 
 
-def plot_compare(dirs: Sequence[Path], rows: list[dict], out: Path) -> list[Path]:
+def plot_compare(dirs: Sequence[Path], rows: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -13,11 +13,11 @@ if TYPE_CHECKING:  # a type only: reading results needs no load generator
     from bench.harness.loadgen import Result
 
 
-def parse_router_log(path: Path) -> dict[str, dict]:
+def parse_router_log(path: Path) -> dict[str, dict[str, Any]]:
     """request id -> the router's per-request log record: a JSON line of logger
     cachehit_router.requests (server.log_format = "json", the default), or in the text
     format the JSON after the logger name."""
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -40,7 +40,7 @@ def parse_router_log(path: Path) -> dict[str, dict]:
     return out
 
 
-def write_outputs(out: Path, summary: dict, results: list[Result], logs: dict) -> None:
+def write_outputs(out: Path, summary: dict[str, Any], results: list[Result], logs: dict[str, Any]) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     with open(out / "requests.jsonl", "wb") as f:
         for r in results:
@@ -66,11 +66,11 @@ def write_outputs(out: Path, summary: dict, results: list[Result], logs: dict) -
             f.write(orjson.dumps(row) + b"\n")
 
 
-def load_summary(d: Path) -> dict:
+def load_summary(d: Path) -> dict[str, Any]:
     return json.loads((Path(d) / "summary.json").read_text())
 
 
-def load_requests(d: Path) -> list[dict]:
+def load_requests(d: Path) -> list[dict[str, Any]]:
     p = Path(d) / "requests.jsonl"
     if not p.exists():
         return []

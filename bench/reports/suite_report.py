@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.harness.modes import BASELINES
 from bench.harness.stats import median, rnd
@@ -49,7 +50,7 @@ ND = {
 }
 
 
-def model_accuracy(requests: Sequence[dict]) -> dict:
+def model_accuracy(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Errors of the cost model's TTFT prediction over the requests that carry one:
     error = predicted_ttft_ms - observed, observed = the router's own TTFT of the request
     (`router_ttft_ms`, from the same log line as the prediction). Medians of |error|, of the
@@ -71,13 +72,13 @@ def model_accuracy(requests: Sequence[dict]) -> dict:
     }
 
 
-def route_shares(routes: dict | None) -> dict:
+def route_shares(routes: dict[str, Any] | None) -> dict[str, Any]:
     """Shares of the routes the answered requests took (None when no route is known)."""
     total = sum((routes or {}).values())
     return {f"share_{r}": (routes.get(r, 0) / total if total else None) for r in ROUTES}
 
 
-def suite_row(workload: str, summary: dict, requests: Sequence[dict]) -> dict:
+def suite_row(workload: str, summary: dict[str, Any], requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
     mode = summary.get("mode")
     row = {"workload": workload, "mode": mode}
     for k in (
@@ -101,7 +102,7 @@ def suite_row(workload: str, summary: dict, requests: Sequence[dict]) -> dict:
     return {**row, **route_shares(summary.get("routes")), **model_accuracy(requests)}
 
 
-def add_regret(rows: list[dict]) -> list[dict]:
+def add_regret(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """regret_pX = a mode's TTFT pX / the lowest TTFT pX among the baselines (BASELINES) of the
     same workload; None when the workload ran no baseline or the mode has no TTFT."""
     for q in ("p50", "p99"):
@@ -117,7 +118,7 @@ def add_regret(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def load_line(name: str, load: dict | None) -> str:
+def load_line(name: str, load: dict[str, Any] | None) -> str:
     """One line of the table header: the workload's offered load (bench/experiments/capacity.py)."""
     if not load:
         return f"{name}: closed loop (each turn waits for the previous answer), utilisation not set"
@@ -130,7 +131,9 @@ def load_line(name: str, load: dict | None) -> str:
     )
 
 
-def write_suite(out: Path, rows: list[dict], loads: dict[str, dict | None], config: dict) -> list[Path]:
+def write_suite(
+    out: Path, rows: list[dict[str, Any]], loads: dict[str, dict[str, Any] | None], config: dict[str, Any]
+) -> list[Path]:
     header = [load_line(name, loads.get(name)) for name in loads]
     title = f"Routing suite: TTFT regret against the best of {', '.join(BASELINES)}"
     t = table(title, COLUMNS, rows, ND)
@@ -147,7 +150,7 @@ def write_suite(out: Path, rows: list[dict], loads: dict[str, dict | None], conf
     return written
 
 
-def plot_regret(path: Path, rows: list[dict]) -> Path | None:
+def plot_regret(path: Path, rows: list[dict[str, Any]]) -> Path | None:
     """Grouped bars: TTFT p50 and p99 regret per workload, one bar per mode."""
     rows = [r for r in rows if r.get("regret_p50") is not None or r.get("regret_p99") is not None]
     if not rows:

@@ -33,6 +33,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -53,7 +54,7 @@ class BenchRequest:
     prompt_tokens: int
     max_tokens: int
     tag: str = ""  # group / session id, for per-group analysis
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict[str, Any])
 
 
 # --- deterministic text -----------------------------------------------------------------
@@ -79,7 +80,7 @@ def token_count(text: str) -> int:
 # --- Mooncake trace ---------------------------------------------------------------------
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
+def load_trace(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
     out = []
     with open(path, "rb") as f:
         for line in f:
@@ -93,7 +94,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[dict]:
 
 
 def mooncake_requests(
-    records: Sequence[dict],
+    records: Sequence[dict[str, Any]],
     *,
     block_tokens: int = 32,
     time_scale: float = 1.0,
@@ -335,7 +336,7 @@ def oracle_hit_tokens(
     return hits, total, per
 
 
-def oracle_for_requests(reqs: Sequence[BenchRequest], block_size: int) -> dict:
+def oracle_for_requests(reqs: Sequence[BenchRequest], block_size: int) -> dict[str, Any]:
     hits, total, per = oracle_hit_tokens(((simtok.encode(r.prompt), None) for r in reqs), block_size)
     return {
         "oracle_hit_tokens": hits,
@@ -345,7 +346,7 @@ def oracle_for_requests(reqs: Sequence[BenchRequest], block_size: int) -> dict:
     }
 
 
-def describe(reqs: Sequence[BenchRequest]) -> dict:
+def describe(reqs: Sequence[BenchRequest]) -> dict[str, Any]:
     if not reqs:
         return {"requests": 0}
     span = reqs[-1].arrival_s - reqs[0].arrival_s

@@ -37,6 +37,7 @@ import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 TRACE_BLOCK = 512
 GENERATOR_VERSION = 1  # bump when the output for the same parameters changes
@@ -73,7 +74,7 @@ def bounded_pareto(r: random.Random, lo: float, hi: float, alpha: float) -> floa
     return lo / (1.0 - u * (1.0 - ratio)) ** (1.0 / alpha)
 
 
-def generate(p: TraceParams = TraceParams()) -> list[dict]:
+def generate(p: TraceParams = TraceParams()) -> list[dict[str, Any]]:
     """The trace as Mooncake records (`timestamp` ms, `input_length`, `output_length`, `hash_ids`),
     in time order."""
     records = [(rec["timestamp"], c, k, rec) for c, conv in enumerate(conversations(p)) for k, rec in enumerate(conv)]
@@ -81,7 +82,7 @@ def generate(p: TraceParams = TraceParams()) -> list[dict]:
     return [rec for *_, rec in records]
 
 
-def conversations(p: TraceParams = TraceParams()) -> list[list[dict]]:
+def conversations(p: TraceParams = TraceParams()) -> list[list[dict[str, Any]]]:
     """The trace's conversations, each a list of its turns' records, in order of their start."""
     r = random.Random(p.seed)
     next_id = 0
@@ -93,13 +94,13 @@ def conversations(p: TraceParams = TraceParams()) -> list[list[dict]]:
         return ids
 
     shared = [new_ids(r.randint(*p.shared_prefix_blocks)) for _ in range(p.shared_prefixes)]
-    out: list[list[dict]] = []
+    out: list[list[dict[str, Any]]] = []
     t = 0.0
     while True:
         t += r.expovariate(p.conversation_rate)
         if t >= p.duration_s:
             break
-        conv: list[dict] = []
+        conv: list[dict[str, Any]] = []
         out.append(conv)
         turns = 1
         if r.random() >= p.single_turn_share:
@@ -131,7 +132,7 @@ def conversations(p: TraceParams = TraceParams()) -> list[list[dict]]:
     return out
 
 
-def write(path: Path, records: list[dict]) -> None:
+def write(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text("".join(json.dumps(rec, separators=(",", ":")) + "\n" for rec in records))
@@ -149,7 +150,7 @@ def cached_trace(p: TraceParams = TraceParams(), cache_dir: Path | None = None) 
     return path
 
 
-def describe(records: list[dict], n: int | None = None) -> dict:
+def describe(records: list[dict[str, Any]], n: int | None = None) -> dict[str, Any]:
     """Shape of the trace (or its first n records): rate, lengths, and the infinite-cache hit
     ratio in whole 512-token blocks (a block hits when an earlier prompt had the same id there)."""
     recs = records[:n] if n else records
