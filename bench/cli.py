@@ -280,4 +280,4 @@ def main(argv: list[str] | None = None) -> int:
         return int(importlib.import_module(FORWARDED[argv[0]]).main(argv[1:]) or 0)
     a = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    return a.fn(a)
+    return int(a.fn(a))

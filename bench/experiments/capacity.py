@@ -60,15 +60,15 @@ def request_work_s(computed_tokens: int, output_tokens: int, sim: SimOptions) ->
     """Engine-seconds one request costs (module docstring)."""
     t = timing_of(sim)
     chunks = max(1, math.ceil(computed_tokens / sim.max_num_batched_tokens))
-    return (
-        t.prefill_token_s * computed_tokens + t.decode_seq_s * output_tokens + t.step_overhead_s * chunks
-    ) / sim.speed
+    return float(
+        (t.prefill_token_s * computed_tokens + t.decode_seq_s * output_tokens + t.step_overhead_s * chunks) / sim.speed
+    )
 
 
 def prefill_work_s(computed_tokens: int, sim: SimOptions) -> float:
     t = timing_of(sim)
     chunks = max(1, math.ceil(computed_tokens / sim.max_num_batched_tokens))
-    return (t.prefill_token_s * computed_tokens + t.step_overhead_s * chunks) / sim.speed
+    return float((t.prefill_token_s * computed_tokens + t.step_overhead_s * chunks) / sim.speed)
 
 
 def offered_load(

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import ProcessSet, free_ports
+from bench.harness.procs import Proc, ProcessSet, free_ports
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 
 PROGRESS_ENV = "CACHEHIT_NIXL_PROGRESS_DELAY_US"
@@ -63,18 +63,19 @@ def idle_cpu(pgids: list[int], seconds: float) -> list[float]:
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+        answer: dict[str, Any] = json.loads(r.read())
+        return answer
 
 
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
+            return bool(r.status == 200)
     except OSError:
         return False
 
 
-def wait_healthy(procs, urls, timeout_s: float) -> None:
+def wait_healthy(procs: list[Proc], urls: list[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     pending = dict(zip(urls, procs, strict=False))
     while pending and time.monotonic() < deadline:

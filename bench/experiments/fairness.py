@@ -72,7 +72,7 @@ async def _closed_loop(url: str, key: str, clients: int, until: float, max_token
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
 
-        async def loop():
+        async def loop() -> None:
             nonlocal failed
             while time.monotonic() < until:
                 t = await _ttft_ms(s, url, key, next(counter), max_tokens)

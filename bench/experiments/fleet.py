@@ -57,7 +57,8 @@ def _args_for(a: argparse.Namespace, workload: str, mode: str, n: int, restart_s
 def _run(a: argparse.Namespace, mode: str, d: Path) -> dict[str, Any]:
     done = d / "summary.json"
     if a.resume and done.exists():
-        return json.loads(done.read_text())
+        summary: dict[str, Any] = json.loads(done.read_text())
+        return summary
     return asyncio.run(run_replay(run_spec_from_args(a, mode, d)))
 
 

@@ -73,7 +73,7 @@ class LevelResult:
         return self.wall_busy_s / self.model_busy_s if self.model_busy_s else float("nan")
 
 
-def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], int]:
+def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen[str], int]:
     cmd = [
         sys.executable,
         "-m",
@@ -99,7 +99,8 @@ def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], 
 
 async def state(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with session.get(url + "/_sim/state") as r:
-        return orjson.loads(await r.read())
+        answer: dict[str, Any] = orjson.loads(await r.read())
+        return answer
 
 
 async def run_level(

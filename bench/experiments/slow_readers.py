@@ -22,6 +22,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,7 @@ async def run(a: argparse.Namespace, out: Path) -> dict[str, Any]:
             await asyncio.sleep(1.0)
             idle = sampler.rss() / MIB
             tcp_idle = _tcp_mem_mib()
-            body_of = lambda i: orjson.dumps(
+            body_of: Callable[[int], bytes] = lambda i: orjson.dumps(
                 {
                     "model": MODEL,
                     "prompt": f"slow reader {i} " + "w " * 64,

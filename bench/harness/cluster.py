@@ -177,6 +177,7 @@ class Cluster:
     router_kind: str = ""  # ours | vllm-router | ""
     engine_procs: list[Proc] = field(default_factory=list)
     _owners: list[Proc] = field(default_factory=list)  # the process of each engine, in engines order
+    replicas: list[Proc] = field(default_factory=list)  # router replicas (harness/replicas.py), the first is `router`
 
     @property
     def engines(self) -> list[str]:
@@ -262,7 +263,7 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, list[tup
 
 
 def metric_sum(m: dict[str, Any], name: str, **labels: str) -> float:
-    return sum(v for lab, v in m.get(name, ()) if all(lab.get(k) == x for k, x in labels.items()))
+    return float(sum(v for lab, v in m.get(name, ()) if all(lab.get(k) == x for k, x in labels.items())))
 
 
 ENGINE_COUNTERS = (
@@ -276,11 +277,12 @@ ENGINE_COUNTERS = (
 )
 
 
-async def engine_counters(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, float]]:
+async def engine_counters(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict[str, Any]]:
+    """Per engine: its counters (floats) and its TTFT histogram buckets (`ttft_buckets`)."""
     pages = await asyncio.gather(*(scrape(session, u) for u in urls))
     out = {}
     for u, m in zip(urls, pages, strict=False):
-        d = {n: metric_sum(m, n) for n in ENGINE_COUNTERS}
+        d: dict[str, Any] = {n: metric_sum(m, n) for n in ENGINE_COUNTERS}
         d["cpu_tier_hit_tokens"] = metric_sum(m, "vllm:prompt_tokens_cached_by_source_total", source="host")
         for reason in ("cache_threshold", "length", "stop", "abort"):
             d[f"finished_{reason}"] = metric_sum(m, "vllm:request_success_total", finished_reason=reason)

@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import orjson
 
@@ -189,9 +189,9 @@ class InstantProtocol(asyncio.Protocol):
     connections = 0  # accepted so far (in /metrics as instant_backend_connections_total)
     requests = 0
 
-    def connection_made(self, transport):  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         InstantProtocol.connections += 1
-        self.t = transport
+        self.t = cast(asyncio.Transport, transport)  # a TCP server's transport
         self.buf = b""
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -200,7 +200,7 @@ class InstantProtocol(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def data_received(self, data: bytes) -> None:  # type: ignore[override]
+    def data_received(self, data: bytes) -> None:
         self.buf += data
         while True:
             end = self.buf.find(b"\r\n\r\n")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +160,7 @@ def make_session(connections: int = 0) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=conn)
 
 
-def _rotation(url: str | Sequence[str]):
+def _rotation(url: str | Sequence[str]) -> Callable[[], str]:
     """Request k goes to url k mod n: round robin over router replicas, as an L4 load
     balancer spreads connections."""
     urls = [url] if isinstance(url, str) else list(url)
@@ -175,7 +175,7 @@ async def run_open_loop(
     extra_body: dict[str, Any] | None = None,
     max_in_flight: int = 4096,
     timeout_s: float = 600.0,
-    progress=None,
+    progress: Callable[[], object] | None = None,
 ) -> tuple[list[Result], float]:
     """Send each request at its arrival time (to `url`, or round robin over several);
     returns (results in request order, wall seconds)."""
@@ -221,7 +221,7 @@ async def run_sessions(
     *,
     extra_body: dict[str, Any] | None = None,
     timeout_s: float = 600.0,
-    progress=None,
+    progress: Callable[[], object] | None = None,
 ) -> tuple[list[Result], list[str], float]:
     """Multi-turn (every turn to the next of the urls, round robin): returns (results in
     send order, the prompts sent, wall seconds)."""

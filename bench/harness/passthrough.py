@@ -11,6 +11,7 @@ any Python proxy must at least spend.
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -21,10 +22,10 @@ def build_app(upstream: str) -> web.Application:
     app = web.Application()
     state: dict[str, Any] = {}
 
-    async def on_startup(_app):
+    async def on_startup(_app: web.Application) -> None:
         state["s"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
-    async def on_cleanup(_app):
+    async def on_cleanup(_app: web.Application) -> None:
         await state["s"].close()
 
     async def forward(request: web.Request) -> web.StreamResponse:
@@ -42,7 +43,7 @@ def build_app(upstream: str) -> web.Application:
                 return resp
             return web.Response(body=await up.read(), status=up.status, headers={"Content-Type": ctype})
 
-    async def health(_request):
+    async def health(_request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     app.on_startup.append(on_startup)
@@ -61,10 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover
-        import asyncio
-
         loop = asyncio.new_event_loop()
     web.run_app(
         build_app(a.upstream.rstrip("/")), host="127.0.0.1", port=a.port, print=None, access_log=None, loop=loop

@@ -175,13 +175,13 @@ class RSSSampler:
                 with contextlib.suppress(Exception):
                     ct = c.cpu_times()
                     total += ct.user + ct.system
-            return total
+            return float(total)
         except Exception:
             return 0.0
 
     def rss(self) -> int:
         try:
-            return self.proc.memory_info().rss
+            return int(self.proc.memory_info().rss)
         except Exception:
             return 0
 

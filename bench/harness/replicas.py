@@ -18,7 +18,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
@@ -63,7 +63,7 @@ async def start_replicas(
         health.append(wait_http(urls[-1] + ready, proc, 90))
     await asyncio.gather(*health)
     cluster.router, cluster.router_kind, cluster.url = procs[0], kind, urls[0]
-    cluster.replicas = procs  # type: ignore[attr-defined]
+    cluster.replicas = procs
     return urls
 
 
@@ -91,7 +91,7 @@ async def restart_engine_at(cluster: Cluster, delay_s: float, engine: int = 0) -
     proc = cluster._owners[engine]
     if sum(p is proc for p in cluster._owners) > 1:
         raise SystemExit("--restart-engine-at needs one engine per process (--engines-per-process 1)")
-    cmd = list(proc.popen.args)
+    cmd = list(cast("list[str]", proc.popen.args))  # ProcessSet.start passes a list
     down = time.monotonic() - t0
     cluster.procs.stop(proc, grace_s=2.0)
     new = cluster.procs.start(f"{proc.name}-restarted", cmd)

@@ -67,7 +67,8 @@ def write_outputs(out: Path, summary: dict[str, Any], results: list[Result], log
 
 
 def load_summary(d: Path) -> dict[str, Any]:
-    return json.loads((Path(d) / "summary.json").read_text())
+    summary: dict[str, Any] = json.loads((Path(d) / "summary.json").read_text())
+    return summary
 
 
 def load_requests(d: Path) -> list[dict[str, Any]]:

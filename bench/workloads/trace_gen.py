@@ -71,7 +71,7 @@ def bounded_pareto(r: random.Random, lo: float, hi: float, alpha: float) -> floa
     """Inverse-CDF sample of a Pareto law of shape alpha truncated to [lo, hi]."""
     u = r.random()
     ratio = (lo / hi) ** alpha
-    return lo / (1.0 - u * (1.0 - ratio)) ** (1.0 / alpha)
+    return float(lo / (1.0 - u * (1.0 - ratio)) ** (1.0 / alpha))
 
 
 def generate(p: TraceParams = TraceParams()) -> list[dict[str, Any]]:
