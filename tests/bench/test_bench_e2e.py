@@ -9,12 +9,14 @@ import tomllib
 
 import pytest
 
-from bench.__main__ import build_parser, run_spec_from_args
-from bench.cluster import RouterOptions, histogram_quantile, router_toml
-from bench.overhead import SMALL, BlockingClient, http_request
-from bench.procs import ProcessSet, free_ports
-from bench.replay import SUMMARY_KEYS, load_requests, run_replay
-from bench.report import compare
+from bench.cli import build_parser
+from bench.experiments.options import run_spec_from_args
+from bench.experiments.replay import SUMMARY_KEYS, run_replay
+from bench.harness.cluster import RouterOptions, histogram_quantile, router_toml
+from bench.harness.load_clients import SMALL, BlockingClient, http_request
+from bench.harness.procs import ProcessSet, free_ports
+from bench.reports.render import compare
+from bench.reports.rundir import load_requests
 from router.routing import policies
 from router.server.settings import parse_checked
 
@@ -139,9 +141,9 @@ def test_instant_backend_answers_in_vllm_shapes(tmp_path):
     port = free_ports(1)[0]
     with ProcessSet(tmp_path) as procs:
         p = procs.start(
-            "instant", [sys.executable, "-m", "bench.instant_backend", "--port", str(port), "--chunks", "4"]
+            "instant", [sys.executable, "-m", "bench.harness.instant_backend", "--port", str(port), "--chunks", "4"]
         )
-        from bench.procs import wait_http
+        from bench.harness.procs import wait_http
 
         asyncio.run(wait_http(f"http://127.0.0.1:{port}/health", p, 30))
         c = BlockingClient(port)

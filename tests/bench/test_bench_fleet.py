@@ -7,11 +7,13 @@ import asyncio
 
 import pytest
 
-from bench.__main__ import build_parser, run_spec_from_args
-from bench.fleet import recovery
-from bench.fleet_table import fleet_rows, recovered_after, recovery_rows, targets, write_tables
-from bench.loadgen import _rotation
-from bench.replay import load_requests, run_replay
+from bench.cli import build_parser
+from bench.experiments.options import run_spec_from_args
+from bench.experiments.replay import run_replay
+from bench.harness.loadgen import _rotation
+from bench.harness.replicas import recovery
+from bench.reports.fleet_table import fleet_rows, recovered_after, recovery_rows, targets, write_tables
+from bench.reports.rundir import load_requests
 
 TINY = [
     "--workload",
@@ -63,7 +65,7 @@ def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path):
     )
     assert (a.routers, a.restart_engine_at) == (2, 1.0)
     s = asyncio.run(run_replay(run_spec_from_args(a, "probe", tmp_path / "probe")))
-    assert s["routers"] == 2 and s["requests"] == 24 and s["errors"] == 0, s.get("error_examples")
+    assert (s["routers"], s["requests"], s["errors"]) == (2, 24, 0), s.get("error_examples")
     # Both replicas served: each wrote per-request log lines that the summary read.
     logs = sorted(p.name for p in (tmp_path / "probe" / "logs").glob("router*.log"))
     assert logs == ["router-1.log", "router.log"]
@@ -133,4 +135,4 @@ def test_smg_replicas(tmp_path):
     # sglang-router comes with the bench extra, which the test command installs.
     a = build_parser().parse_args(["replay", *TINY, "--routers", "2", "--out", str(tmp_path)])
     s = asyncio.run(run_replay(run_spec_from_args(a, "smg_cache_aware", tmp_path / "smg")))
-    assert s["routers"] == 2 and s["errors"] == 0, s.get("error_examples")
+    assert (s["routers"], s["errors"]) == (2, 0), s.get("error_examples")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import capacity, suite
-from bench.__main__ import build_parser
-from bench.cluster import SimOptions
+from bench.cli import build_parser
+from bench.experiments import capacity, suite
+from bench.harness.cluster import SimOptions
 from engine_launcher.sim.config import TimingModel
 
 T = TimingModel()
@@ -31,8 +31,8 @@ def test_offered_load_is_work_per_second_per_engine():
     sim = SimOptions(speed=1.0, max_num_batched_tokens=8192)
     prompts, hits, outs = [1000, 3000], [0, 2000], [50, 50]
     load = capacity.offered_load(prompts, hits, outs, span_s=2.0, sim=sim, engines=4, prefill=1)
-    w = [capacity.request_work_s(p, o, sim) for p, o in zip(prompts, outs)]
-    w_oracle = [capacity.request_work_s(p - h, o, sim) for p, h, o in zip(prompts, hits, outs)]
+    w = [capacity.request_work_s(p, o, sim) for p, o in zip(prompts, outs, strict=False)]
+    w_oracle = [capacity.request_work_s(p - h, o, sim) for p, h, o in zip(prompts, hits, outs, strict=False)]
     assert load.utilisation == pytest.approx(sum(w) / 2.0 / 4)
     assert load.utilisation_oracle == pytest.approx(sum(w_oracle) / 2.0 / 4)
     assert load.utilisation_oracle < load.utilisation
@@ -42,7 +42,7 @@ def test_offered_load_is_work_per_second_per_engine():
     assert load.pd_prefill_utilisation == pytest.approx(pd)
     # Twice the engines: half the utilisation.
     assert capacity.offered_load(prompts, hits, outs, 2.0, sim, 8).utilisation == pytest.approx(load.utilisation / 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs requests"):
         capacity.offered_load([], [], [], 1.0, sim, 4)
 
 
@@ -53,7 +53,7 @@ def _suite_args(tmp_path: Path, *extra: str):
 @pytest.mark.parametrize("name", ["low-reuse", "hetero", "overload"])
 def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
     trace = tmp_path / "t.jsonl"
-    from bench import trace_gen as tg
+    from bench.workloads import trace_gen as tg
 
     tg.write(trace, tg.generate(tg.TraceParams(duration_s=200.0)))
     wd = suite.BY_NAME[name]
@@ -90,7 +90,7 @@ def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path):
 
 
 def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says_otherwise(tmp_path):
-    from bench.__main__ import run_spec_from_args
+    from bench.experiments.options import run_spec_from_args
 
     wd = suite.BY_NAME["cpu-tier"]
     ns = suite.replay_args(_suite_args(tmp_path), wd, tmp_path)
@@ -111,11 +111,11 @@ def test_closed_loop_multiturn_has_no_utilisation(tmp_path):
 
 
 def test_default_trace_is_generated_inside_the_repository(tmp_path):
-    from bench.__main__ import workload_from_args
+    from bench.experiments.options import workload_from_args
 
     a = build_parser().parse_args(["replay", "--out", str(tmp_path)])
     w = workload_from_args(a)
-    repo = Path(suite.__file__).resolve().parent.parent
+    repo = Path(suite.__file__).resolve().parents[2]
     assert Path(w.trace).is_relative_to(repo)
     assert Path(w.trace).exists()
     first = json.loads(Path(w.trace).read_text().splitlines()[0])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.__main__ import main
+from bench.cli import main
 
 
 def test_suite_quick_tiny_table_and_regret(tmp_path):

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from bench import workloads as wl
-from bench.loadgen import Result
-from bench.replay import load_requests, parse_router_log, write_outputs
-from bench.suite_report import add_regret, model_accuracy, route_shares, suite_row, write_suite
+from bench.harness.loadgen import Result
+from bench.reports.rundir import load_requests, parse_router_log, write_outputs
+from bench.reports.suite_report import add_regret, model_accuracy, route_shares, suite_row, write_suite
+from bench.workloads import generators as wl
 
 
 def _row(workload, mode, p50, p99):
@@ -141,7 +141,7 @@ def test_on_off_arrivals_keep_the_mean_rate_in_bursts():
     assert 9.0 < len(t) / t[-1] < 11.0
     # Nothing arrives in the silent part of a period.
     assert all((x % 8.0) < 2.0 for x in t)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="mean_rate > 0"):
         wl.on_off_arrivals(3, 0.0, 1.0, 1.0)
 
 

@@ -3,11 +3,12 @@ lengths and times in their ranges, usable by the replay."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
-from bench import trace_gen as tg
-from bench import workloads as wl
+from bench.workloads import generators as wl
+from bench.workloads import trace_gen as tg
 from engine_launcher.sim import tokenizer as simtok
 
 P = tg.TraceParams(seed=3, duration_s=300.0)
@@ -44,7 +45,7 @@ def test_next_turn_extends_the_previous_prompt_and_answer_after_a_think_time():
     assert sorted(firsts)[len(firsts) // 2] < 4000
     assert max(firsts) > 12000
     for c in multi:
-        for prev, nxt in zip(c, c[1:]):
+        for prev, nxt in itertools.pairwise(c):
             whole = prev["input_length"] // tg.TRACE_BLOCK
             assert nxt["hash_ids"][:whole] == prev["hash_ids"][:whole]
             # The previous answer and a new message: at least the answer plus the shortest message.

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from bench import vllm_client
+from bench.experiments import vllm_client
 
 
 def test_vllm_bench_serve_through_the_router_and_direct(tmp_path, capsys):
@@ -41,7 +41,7 @@ def test_vllm_bench_serve_through_the_router_and_direct(tmp_path, capsys):
     for name in ("direct", "router"):
         r = json.loads((out / f"{name}.json").read_text())
         # Every request answered, each with its 6 tokens (ignore_eos), timed by vLLM's client.
-        assert r["completed"] == 6 and r.get("failed", 0) == 0, r.get("errors")
+        assert (r["completed"], r.get("failed", 0)) == (6, 0), r.get("errors")
         assert r["total_output_tokens"] == 36
         assert r["mean_ttft_ms"] > 0
         assert r["p99_itl_ms"] >= 0

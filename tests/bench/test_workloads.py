@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
-from bench import workloads as wl
+from bench.workloads import generators as wl
 from engine_launcher.sim import tokenizer as simtok
 
 
@@ -56,7 +57,7 @@ def test_prefix_groups_and_sessions_deterministic():
     assert len(a) == 12
     assert all(wl.token_count(r.prompt) == 48 == r.prompt_tokens for r in a)
     assert sorted({r.tag for r in a}) == ["g0", "g1", "g2"]
-    assert all(x.arrival_s <= y.arrival_s for x, y in zip(a, a[1:]))
+    assert all(x.arrival_s <= y.arrival_s for x, y in itertools.pairwise(a))
     by_group = {}
     for r in a:
         by_group.setdefault(r.tag, set()).add(r.prompt[:200])
@@ -77,9 +78,9 @@ def test_poisson_arrivals():
 def test_oracle_counts_whole_blocks_and_leaves_the_last_token():
     bs = 4
     a = list(range(10))  # 2 full blocks + 2 tokens
-    b = list(range(10)) + [99, 98]  # shares a's 2 full blocks and more
+    b = [*range(10), 99, 98]  # shares a's 2 full blocks and more
     c = list(range(8))  # exactly 2 blocks: at most (8-1)//4 = 1 block can hit
-    d = [7] + list(range(9))  # no shared prefix
+    d = [7, *range(9)]  # no shared prefix
     hits, total, per = wl.oracle_hit_tokens([(a, None), (b, None), (c, None), (d, None)], bs)
     assert per == [0, 8, 4, 0]
     assert total == 10 + 12 + 8 + 10

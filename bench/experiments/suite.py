@@ -1,0 +1,265 @@
+"""The routing suite: every routing mode on every suite workload, in one run, one table.
+
+`python -m bench suite --out DIR [--quick] [--workloads a,b] [--modes m1,m2]` replays each
+workload of `WORKLOADS` through each mode (`bench/experiments/replay.py`, a fresh cluster per mode) and
+writes `DIR/suite.md`, `DIR/suite.json` and `DIR/regret.png` (`bench/reports/suite_report.py`), with
+each run's own directory in `DIR/<workload>/<mode>/`. Every routing change must hold its
+TTFT regret on this table (docs/BENCHMARKS.md, "suite").
+
+The modes of one workload run back to back, so they share the machine's load of that
+moment; the order rotates from one workload to the next so that no mode always runs first
+(or last) on a warming or cooling machine. Rates of the near-capacity, bursty and overload
+workloads are derived from the simulator's timing model (`bench/experiments/capacity.py`), not guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bench.experiments.capacity import Load, offered_load
+from bench.experiments.options import add_cluster_args, add_replay_args, expand_modes, run_spec_from_args
+from bench.experiments.replay import run_replay
+from bench.harness.modes import ORACLE
+from bench.reports.render import console
+from bench.reports.rundir import load_requests
+from bench.reports.suite_report import add_regret, load_line, suite_row, write_suite
+from bench.workloads import generators as wl
+from bench.workloads.spec import build_requests
+
+TRACE_HEAD = ("--workload", "trace", "--window", "head", "--limit", "400")
+TRACE_SPEED = 0.3  # engines at 0.3 of an H100: ~6 requests/s at utilisation 0.85 on K = 4
+# GPU KV of the cpu-tier workload: 8k tokens per engine, a fraction of what 400 requests of the
+# trace leave behind, so turns come back after eviction (the trace's prompts are scaled
+# down 16x from the trace's token counts; 28,000 blocks / 16 would be 1,750); the CPU tier
+# is 8x that.
+CPU_TIER_GPU_BLOCKS = 500
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SuiteWorkload:
+    name: str
+    breaks: str  # the routing policy this workload is there to catch out
+    flags: tuple[str, ...]  # `replay` workload flags
+    quick_flags: tuple[str, ...] = ()  # added with --quick (about a third of the requests)
+    speed: float = 1.0  # simulator speed unless --speed is given
+    target: float | None = None  # utilisation the arrival rate is set for (None: the workload's own)
+    bursts: tuple[float, float] | None = None  # (on s, off s): re-timed into bursts after the rate is set
+    # Cluster settings of this workload ((replay attribute, value)), used where the suite's
+    # own flag is left at its default.
+    cluster: tuple[tuple[str, float], ...] = ()
+
+
+WORKLOADS: tuple[SuiteWorkload, ...] = (
+    SuiteWorkload(
+        "low-reuse",
+        "probe's P/D fallback and prefix_tree: little to hit, so load balance decides",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+    ),
+    SuiteWorkload(
+        "prefix-groups",
+        "round_robin and least_loaded: they scatter each group's prefix",
+        ("--workload", "prefix-groups", "--rate", "8"),
+        ("--per-group", "8"),
+    ),
+    SuiteWorkload(
+        "multiturn",
+        "cache-blind policies: each turn extends the previous turn's cached prompt",
+        ("--workload", "multiturn"),
+        ("--sessions", "6"),
+    ),
+    SuiteWorkload(
+        "hetero",
+        "least_loaded and round_robin: requests are not work; long prompts block short ones",
+        (
+            "--workload",
+            "hetero",
+            "--limit",
+            "400",
+            "--rate",
+            "8",
+            "--min-prompt-tokens",
+            "32",
+            "--max-prompt-tokens",
+            "8000",
+            "--output-tokens",
+            "64",
+        ),
+        ("--limit", "130"),
+        0.15,
+        target=0.85,
+    ),
+    SuiteWorkload(
+        "bursty",
+        "load signals that lag: a burst lands before the queues show it",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+        bursts=(2.0, 6.0),
+    ),
+    SuiteWorkload(
+        "overload",
+        "anything that piles onto one engine or into P/D when every queue grows",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=1.2,
+    ),
+    SuiteWorkload(
+        "cpu-tier",
+        "routers that only know what they sent or what the GPU holds: a conversation's "
+        "next turn returns after its blocks left the GPU for one engine's CPU tier",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+        cluster=(("num_gpu_blocks", CPU_TIER_GPU_BLOCKS), ("cpu_offload_x", 8.0)),
+    ),
+)
+BY_NAME = {w.name: w for w in WORKLOADS}
+
+
+def cluster_keys() -> list[str]:
+    """The cluster flags of `replay` (add_cluster_args): the suite passes them through."""
+    p = argparse.ArgumentParser()
+    add_cluster_args(p)
+    return list(vars(p.parse_args([])))
+
+
+def replay_args(a: argparse.Namespace, wd: SuiteWorkload, out: Path) -> argparse.Namespace:
+    """The `replay` arguments of one suite workload: its flags, the suite's cluster flags."""
+    p = argparse.ArgumentParser()
+    add_replay_args(p)
+    ns = p.parse_args(["--out", str(out), *wd.flags, *(wd.quick_flags if a.quick else ())])
+    for k in cluster_keys():
+        setattr(ns, k, getattr(a, k))
+    ns.speed = a.speed or wd.speed
+    for k, v in wd.cluster:
+        if not getattr(a, k):
+            setattr(ns, k, v)
+    ns.trace, ns.seed = a.trace, a.seed
+    if a.requests:
+        cap_requests(ns, a.requests)
+    return ns
+
+
+def cap_requests(ns: argparse.Namespace, n: int) -> None:
+    """About n requests of the workload (for small runs)."""
+    if ns.workload == "prefix-groups":
+        ns.per_group = max(1, -(-n // ns.groups))
+    elif ns.workload == "multiturn":
+        ns.sessions = max(1, -(-n // ns.turns))
+    else:
+        ns.limit = n
+
+
+def workload_load(ns: argparse.Namespace) -> Load | None:
+    """Offered load of the workload as `ns` describes it (None: multi-turn, a closed loop whose
+    arrivals depend on the answers)."""
+    if ns.workload == "multiturn":
+        return None
+    spec = run_spec_from_args(ns, ORACLE, Path(ns.out))
+    reqs = build_requests(spec.workload)
+    hits = wl.oracle_for_requests(reqs, spec.sim.block_size)["per_request"]
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    return offered_load(
+        [r.prompt_tokens for r in reqs], hits, [r.max_tokens for r in reqs], span, spec.sim, spec.engines, spec.prefill
+    )
+
+
+def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict[str, Any] | None:
+    """Set the workload's arrival rate for its target utilisation; returns the resulting load."""
+    load = workload_load(ns)
+    if load is not None and wd.target:
+        # Utilisation is work per second: proportional to the rate, inversely to the time scale.
+        factor = load.utilisation / wd.target
+        if ns.workload == "trace" and not ns.rate:
+            ns.time_scale *= factor
+        else:
+            ns.rate /= factor
+    if wd.bursts:
+        ns.burst_on_s, ns.burst_off_s = wd.bursts
+    load = workload_load(ns) if (wd.target or wd.bursts) else load
+    if load is None:
+        return None
+    return {
+        **asdict(load),
+        "engines": ns.engines,
+        "prefill": ns.prefill,
+        "speed": ns.speed,
+        "target": wd.target,
+        "time_scale": ns.time_scale,
+        "rate": ns.rate,
+    }
+
+
+def mode_order(modes: list[str], i: int) -> list[str]:
+    """Modes of the i-th workload: oracle first (it runs nothing), the others rotated by i."""
+    rest = [m for m in modes if m != ORACLE]
+    k = i % len(rest) if rest else 0
+    return [m for m in modes if m == ORACLE] + rest[k:] + rest[:k]
+
+
+def select(text: str, known: dict[str, T], what: str) -> list[T]:
+    if text == "all":
+        return list(known.values())
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in known]
+    if bad or not names:
+        raise SystemExit(f"unknown {what} {', '.join(bad) or '(none)'}: one of {', '.join(known)} or 'all'")
+    return [known[x] for x in names]
+
+
+def run_suite(a: argparse.Namespace) -> int:
+    out = Path(a.out)
+    chosen = select(a.workloads, BY_NAME, "workload")
+    modes = expand_modes(a.modes)
+    rows: list[dict[str, Any]] = []
+    loads: dict[str, dict[str, Any] | None] = {}
+    failures: list[str] = []
+    for i, wd in enumerate(chosen):
+        ns = replay_args(a, wd, out / wd.name)
+        loads[wd.name] = load = set_rate(ns, wd)
+        console.print(f"[bold]suite[/bold] {load_line(wd.name, load)}")
+        for mode in mode_order(modes, i):
+            if mode == ORACLE and ns.workload == "multiturn":
+                continue  # its oracle needs the engines' answers: every run reports it instead
+            d = out / wd.name / mode
+            console.print(f"[bold]suite[/bold] {wd.name} mode={mode} -> {d}")
+            try:
+                s = asyncio.run(run_replay(run_spec_from_args(ns, mode, d)))
+            except Exception as e:  # one broken run must not lose the others' results
+                traceback.print_exc()
+                failures.append(f"{wd.name}/{mode}: {type(e).__name__}: {e}")
+                rows.append({"workload": wd.name, "mode": mode, "failed": f"{type(e).__name__}: {e}"})
+                continue
+            rows.append(suite_row(wd.name, s, load_requests(d)))
+    rank = {m: j for j, m in enumerate(modes)}
+    rows.sort(key=lambda r: ([w.name for w in chosen].index(r["workload"]), rank.get(r["mode"], 99)))
+    add_regret(rows)
+    config = {
+        "workloads": [w.name for w in chosen],
+        "modes": modes,
+        "quick": a.quick,
+        "engines": a.engines,
+        "prefill": a.prefill,
+        "speed": a.speed or None,
+        "seed": a.seed,
+        "trace": a.trace or "generated",
+        "requests": a.requests or None,
+    }
+    for p in write_suite(out, rows, loads, config):
+        console.print(f"wrote {p}")
+    for f in failures:
+        console.print(f"[red]failed[/red] {f}")
+    return 1 if failures else 0

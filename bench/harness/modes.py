@@ -1,0 +1,34 @@
+"""The routing modes the bench knows, in one place: our router's strategies (read from its
+policy registry, so a new policy is benchmarked without editing the bench), the peer
+routers' modes, and `oracle` (the infinite-cache bound, which runs nothing).
+
+Plain strings: orjson refuses str subclasses (StrategyName) as dict keys.
+"""
+
+from __future__ import annotations
+
+from router.names import StrategyName
+from router.routing.policies import POLICIES
+
+# Our router's [routing] strategies, in the registry's order.
+ROUTER_MODES: tuple[str, ...] = tuple(str(name) for name in POLICIES)
+# The strategy that asks the engines (the probe race).
+PROBE = str(StrategyName.PROBE)
+# Our strategies that do not ask the engines: the suite's regret is against the best of them.
+BASELINES: tuple[str, ...] = tuple(m for m in ROUTER_MODES if m != PROBE)
+ORACLE = "oracle"
+
+# Peer routers: mode -> the peer's own policy name.
+EXTERNAL_MODES = {"vllm_router_rr": "round_robin", "vllm_router_cache_aware": "cache_aware"}  # vllm-router
+SMG_MODES = {"smg_rr": "round_robin", "smg_cache_aware": "cache_aware"}  # SGLang's router
+PEER_EXECUTABLES = {**dict.fromkeys(EXTERNAL_MODES, "vllm-router"), **dict.fromkeys(SMG_MODES, "smg")}
+
+ALL_MODES: tuple[str, ...] = (*ROUTER_MODES, *EXTERNAL_MODES, *SMG_MODES, ORACLE)
+
+# Tables and suite runs list our strategies from the most cache-aware down; a policy not
+# named here follows in the registry's order.
+_LISTED_FIRST = (PROBE, "prefix_tree", "least_loaded", "round_robin")
+_RANK = {m: i for i, m in enumerate(_LISTED_FIRST)}
+TABLE_ORDER: tuple[str, ...] = tuple(sorted(ROUTER_MODES, key=lambda m: _RANK.get(m, len(_RANK))))
+# The suite's default: the bound, then every strategy of ours.
+SUITE_MODES: tuple[str, ...] = (ORACLE, *TABLE_ORDER)
