@@ -1,19 +1,16 @@
 """The routing modes the bench knows, in one place: our router's strategies (read from its
 policy registry, so a new policy is benchmarked without editing the bench), the peer
 routers' modes, and `oracle` (the infinite-cache bound, which runs nothing).
-
-Plain strings: orjson refuses str subclasses (StrategyName) as dict keys.
 """
 
 from __future__ import annotations
 
-from router.names import StrategyName
 from router.routing.policies import POLICIES
 
 # Our router's [routing] strategies, in the registry's order.
-ROUTER_MODES: tuple[str, ...] = tuple(str(name) for name in POLICIES)
+ROUTER_MODES: tuple[str, ...] = tuple(POLICIES)
 # The strategy that asks the engines (the probe race).
-PROBE = str(StrategyName.PROBE)
+PROBE = "probe"
 # Our strategies that do not ask the engines: the suite's regret is against the best of them.
 BASELINES: tuple[str, ...] = tuple(m for m in ROUTER_MODES if m != PROBE)
 ORACLE = "oracle"
