@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -318,12 +323,16 @@ def test_config_defaults_and_errors_name_the_key() -> None:
     assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
 
 
-def test_batches_encode_byte_for_byte_as_vllms() -> None:
+def need_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         # CI installs vLLM (CACHEHIT_REQUIRE_REAL_ENGINE=1): there a missing one is a failure.
         if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE", "").strip().lower() not in ("", "0", "false", "no"):
             pytest.fail("CACHEHIT_REQUIRE_REAL_ENGINE is set but vLLM is not installed", pytrace=False)
         pytest.skip("vLLM is not installed (run `engine-launcher install-deps --cpu`)")
+
+
+def test_batches_encode_byte_for_byte_as_vllms() -> None:
+    need_vllm()
     from vllm.distributed import kv_events as v
 
     h = [wire_hash(x) for x in (-5, 1 << 40, -(1 << 62))]
@@ -375,3 +384,108 @@ def test_batches_encode_byte_for_byte_as_vllms() -> None:
     decoded = msgspec.msgpack.Decoder(v.KVEventBatch).decode(ours)
     assert decoded.events[1].lora_name == "chat-fr"
     assert v.ZmqEventPublisher.END_SEQ == END_SEQ
+
+
+def sync_replay(ctx: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
+    """One replay request, every frame of the answer up to and with the end marker."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        frames = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            frames.append(dealer.recv_multipart())
+            if frames[-1][2] == END_SEQ:
+                return frames
+    finally:
+        dealer.close(linger=0)
+
+
+def test_replay_frames_match_vllms_own_publisher() -> None:
+    need_vllm()
+    from vllm.distributed import kv_events as v
+
+    from engine_launcher.sim.kv_event_publisher import ZmqEventPublisher
+    from support.ports import free_port
+
+    def batch(m: Any) -> Any:
+        stored = m.BlockStored(
+            block_hashes=[7, 8],
+            parent_block_hash=None,
+            token_ids=list(range(32)),
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            extra_keys=[None, None],
+            group_idx=0,
+        )
+        return m.KVEventBatch(ts=1.5, events=[stored, m.AllBlocksCleared()], data_parallel_rank=0)
+
+    theirs = v.ZmqEventPublisher(0, endpoint="tcp://*:0", replay_endpoint=f"tcp://*:{free_port()}", topic=TOPIC)
+    ours = ZmqEventPublisher("tcp://*:0", "tcp://*:0", 10, 100, 100, TOPIC)
+    ctx = zmq.Context()
+    try:
+        theirs.publish(batch(v))
+        theirs.publish(batch(v))
+        ours.publish(encode_batch(batch(sim_kv_events)))
+        ours.publish(encode_batch(batch(sim_kv_events)))
+        answers = []
+        for endpoint in (theirs.get_publisher_config().replay_endpoint, ours.replay_endpoint):
+            deadline = time.monotonic() + 10
+            while len(frames := sync_replay(ctx, local(endpoint), 1)) < 2:  # published by its thread
+                assert time.monotonic() < deadline, "the batches were not published"
+            answers.append(frames)
+        assert answers[0] == answers[1]
+        assert answers[1] == [
+            [b"", TOPIC.encode(), (1).to_bytes(8, "big"), encode_batch(batch(sim_kv_events))],
+            [b"", b"", END_SEQ, b""],
+        ]
+    finally:
+        theirs.shutdown()
+        ours.close()
+        ctx.destroy(linger=0)
+
+
+def free_port_pair(avoid: tuple[int, ...] = ()) -> int:
+    """A port p with p + 1 free too (the second engine's), both outside `avoid`."""
+    from support.ports import free_port
+
+    while True:
+        port = free_port()
+        if port + 1 > 65535 or {port, port + 1} & set(avoid):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def test_the_command_line_offsets_each_engines_ports() -> None:
+    pub = free_port_pair()
+    replay = free_port_pair((pub, pub + 1, pub - 1))
+    config = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{pub}", "replay_endpoint": "tcp://*:{replay}"}}'
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_launcher.sim", "--port", "0", "--port", "0", "--kv-events-config", config],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    ctx = zmq.Context()
+    try:
+        assert proc.stdout is not None
+        for _ in range(2):
+            assert "sim engine listening" in proc.stdout.readline()
+        # Both engines answer replay (with the end marker alone: nothing published yet), the
+        # second one port + 1, as vLLM's DP rank 1.
+        for rank in (0, 1):
+            assert sync_replay(ctx, f"tcp://127.0.0.1:{replay + rank}", 0) == [[b"", b"", END_SEQ, b""]]
+    finally:
+        ctx.destroy(linger=0)
+        proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()
