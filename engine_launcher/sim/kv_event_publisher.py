@@ -146,7 +146,10 @@ class ZmqEventPublisher:
                 payload = self._pull.recv()
                 if not payload:
                     return
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                try:
+                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                except zmq.ZMQError as e:  # the batch stays replayable under its number
+                    log.warning("KV events: publishing batch %d failed: %s", seq, e)
                 self._buffer.append((seq, payload))
                 seq += 1
 
