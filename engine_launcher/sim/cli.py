@@ -21,6 +21,7 @@ from .config import (
     SimEngineConfig,
     TimingModel,
 )
+from .kv_events import parse_kv_events_config
 from .server import SimServer
 
 log = logging.getLogger("engine_launcher.sim")
@@ -121,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--fault-stall-after-tokens", type=int, default=0, help="stall each stream after this many tokens (0: never)")
     a("--fault-stall-seconds", type=float, default=0.0)
+    a(
+        "--kv-events-config",
+        help="vLLM's KV cache event stream, as a JSON object of KVEventsConfig keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off)',
+    )
     a("--enable-admin", action="store_true", help="enable POST /_sim/faults")
     a("--log-level", default="info")
     return p
@@ -163,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
             stall_seconds=args.fault_stall_seconds,
         ),
         enable_admin=args.enable_admin,
+        kv_events_config=parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None,
     )
     cfg.validate()
     return cfg
@@ -199,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configs = [copy.deepcopy(base) for _ in args.port]
+    for i, cfg in enumerate(configs):  # each engine's event ports, offset as vLLM's DP ranks
+        if cfg.kv_events_config is not None:
+            cfg.kv_events_config = cfg.kv_events_config.for_rank(i)
     try:
         import uvloop
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .kv_events import KVEventsConfig
+
 ROLES = ("producer", "consumer", "both")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 VLLM_VERSION = "0.32.0"
@@ -128,6 +130,8 @@ class SimEngineConfig:
     # loaded and unloaded at runtime with POST /v1/load_lora_adapter, /v1/unload_lora_adapter.
     # The simulator has no weights: an adapter answers as the base model does.
     lora_modules: dict = field(default_factory=dict)
+    # vLLM's --kv-events-config (kv_events.py): the KV cache event stream; None: off.
+    kv_events_config: KVEventsConfig | None = None
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -158,6 +162,8 @@ class SimEngineConfig:
             if getattr(self.timing, f.name) < 0:
                 raise ValueError(f"timing.{f.name} must be >= 0")
         self.faults.validate()
+        if self.kv_events_config is not None:
+            self.kv_events_config.validate()
 
     @property
     def context_len(self) -> int:

@@ -17,14 +17,25 @@ vllm/v1/kv_offload/cpu/manager.py, cpu/spec.py), with vLLM's defaults:
 - a hit is loaded asynchronously before the request runs (the request waits in
   WAITING_FOR_REMOTE_KVS, like a NIXL pull), costing `timing.cpu_load_token_s` per token
   instead of a recompute; the blocks then sit in the GPU cache as well.
+- KV events (kv_events.py): an optional listener hears stores and evictions, which the
+  connector publishes with medium "CPU".
 What is left out: chunks of several blocks (`block_size` in the connector's extra config;
-the default is one block), `store_threshold` filtering, pinned-memory accounting, events.
+the default is one block), `store_threshold` filtering, pinned-memory accounting.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class TierListener(Protocol):
+    """Hears what the OffloadingConnector publishes as KV events."""
+
+    def cpu_stored(self, request_id: str | None, block_indices: list[int]) -> None: ...
+
+    def cpu_removed(self, block_hashes: list[int]) -> None: ...
 
 
 class CpuTier:
@@ -36,6 +47,7 @@ class CpuTier:
         self.stored_blocks = 0  # blocks copied to the tier (vllm:kv_offload_store_bytes)
         self.loaded_blocks = 0  # blocks copied back (vllm:kv_offload_load_bytes)
         self.evicted_blocks = 0
+        self.listener: TierListener | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -47,21 +59,35 @@ class CpuTier:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def store(self, block_hashes: Iterable[int]) -> int:
-        """Copy blocks in (already stored ones are skipped); returns how many were new."""
+    def store(self, block_hashes: Iterable[int], request_id: str | None = None) -> int:
+        """Copy blocks in (already stored ones are skipped); returns how many were new.
+        `block_hashes` are the request's from its first block on (the listener is told
+        which of them were stored, by index)."""
         if not self.capacity:
             return 0
-        new = 0
         blocks = self._blocks
-        for h in block_hashes:
+        new = 0
+        stored: dict[int, int] = {}  # hash -> index, of the blocks this call stores
+        evicted: list[int] = []
+        for i, h in enumerate(block_hashes):
             if h in blocks:
                 continue
             if len(blocks) >= self.capacity:
-                blocks.popitem(last=False)
+                old = blocks.popitem(last=False)[0]
                 self.evicted_blocks += 1
+                # One stored and evicted within this call was never there for a listener.
+                if stored.pop(old, None) is None:
+                    evicted.append(old)
             blocks[h] = None
+            stored[h] = i
             new += 1
         self.stored_blocks += new
+        if self.listener is not None:
+            # As the connector: a store's evictions are announced before the store.
+            if evicted:
+                self.listener.cpu_removed(evicted)
+            if stored:
+                self.listener.cpu_stored(request_id, list(stored.values()))
         return new
 
     def lookup(self, block_hashes: Sequence[int], start: int, stop: int) -> int:

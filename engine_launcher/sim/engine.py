@@ -49,6 +49,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import kv_events
 from . import tokenizer as tok
 from .config import SimEngineConfig
 from .cpu_tier import CpuTier
@@ -109,6 +110,8 @@ class SimRequest:
         self.kv_pull: dict | None = params if params.get("do_remote_prefill") else None
         self.kv_transfer_params_out: dict | None = None
         self.block_hashes: list[int] = []
+        # The LoRA adapter the request names (its blocks hash apart from the base model's).
+        self.lora_name: str | None = None
         self.status = Status.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
@@ -208,6 +211,7 @@ class SimEngine:
         self._deadline = 0.0
         self._closed = False
         self.dead = False
+        self.kv_events = kv_events.attach(self)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -224,6 +228,8 @@ class SimEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
         for req in list(self.requests.values()):
             self.abort(req.request_id)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # --- public API used by the HTTP layer --------------------------------------------
 
@@ -268,7 +274,7 @@ class SimEngine:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
         req.gen_key = tok.generation_key(self.config.seed, req.sampling.seed, req.prompt_ids)
-        hash_blocks(req.all_ids, self.block_size, req.block_hashes)
+        hash_blocks(req.all_ids, self.block_size, req.block_hashes, req.lora_name)
         self.requests[req.request_id] = req
         threshold = self.effective_threshold(req)
         if threshold > 0 and self.config.arrival_check:
@@ -330,6 +336,8 @@ class SimEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closed:
+            if self.kv_events is not None:  # the last step's events, as one batch
+                self.kv_events.flush()
             self._expire_leases()
             started = loop.time()
             batch, prefill_tokens, decode_seqs = self._schedule()
@@ -521,7 +529,7 @@ class SimEngine:
     def _offload(self, req: SimRequest) -> None:
         """Write-through to the CPU tier: the prompt's full blocks computed so far."""
         end = min(req.num_computed_tokens, len(req.prompt_ids)) // self.block_size
-        new = self.cpu.store(req.block_hashes[:end])
+        new = self.cpu.store(req.block_hashes[:end], req.request_id)
         if new:
             self.metrics.offload_stored(new * self.block_size * self.config.kv_bytes_per_token)
 
@@ -572,7 +580,7 @@ class SimEngine:
         req.output_ids.append(token)
         req.all_ids.append(token)
         if len(req.all_ids) % self.block_size == 0:  # a block just filled up
-            hash_blocks(req.all_ids, self.block_size, req.block_hashes)
+            hash_blocks(req.all_ids, self.block_size, req.block_hashes, req.lora_name)
         if sp.logprobs is not None:
             req.output_logprobs.append(tok.fake_logprobs(req.gen_key, pos, token, sp.logprobs))
         self.stats.total_generated += 1  # vllm:generation_tokens is updated once per step

@@ -13,16 +13,41 @@ What is kept from vLLM (vllm/v1/core/block_pool.py, kv_cache_manager.py, kv_cach
 - a cache hit is a run of whole blocks from the start and stops before the last token
   (max hit = num_tokens - 1, rounded down to blocks): vLLM must recompute the last token
   to get logits.
-What is left out: hybrid/sliding-window groups, KV events, multimodal extra keys, salts.
+- a LoRA adapter's blocks hash apart from the base model's (vLLM puts the adapter in the
+  block hash's extra keys), so they never serve each other's hits;
+- KV events (kv_events.py): an optional listener hears each block cached, each cached block
+  evicted and each reset, where vLLM's block pool queues BlockStored, BlockRemoved and
+  AllBlocksCleared.
+What is left out: hybrid/sliding-window groups, multimodal extra keys, salts.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-# Seed of the hash chain (vLLM uses a random or fixed NONE_HASH; any constant will do
-# because hashes never leave the engine).
+# Seed of the hash chain (vLLM derives its NONE_HASH from a fixed seed too): a constant, so
+# every simulator process hashes a prefix alike and published hashes compare across engines.
 _ROOT_HASH = 0x5EED
+
+
+class CacheListener(Protocol):
+    """Hears the cache changes that vLLM publishes as KV events."""
+
+    def gpu_stored(self, request_id: str, block_indices: list[int]) -> None: ...
+
+    def gpu_removed(self, block_hash: int) -> None: ...
+
+    def gpu_cleared(self) -> None: ...
+
+
+def _root_hash(lora_name: str | None) -> int:
+    if lora_name is None:
+        return _ROOT_HASH
+    # A digest, not hash(str): str hashes are salted per process.
+    digest = int.from_bytes(hashlib.blake2b(lora_name.encode(), digest_size=8).digest(), "big")
+    return hash((_ROOT_HASH, digest))
 
 
 class Block:
@@ -83,10 +108,10 @@ class FreeBlockQueue:
             b = b.next
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, hashes: list[int]) -> None:
+def hash_blocks(token_ids: Sequence[int], block_size: int, hashes: list[int], lora_name: str | None = None) -> None:
     """Extend `hashes` with the chained hashes of every further full block of `token_ids`."""
     start = len(hashes)
-    parent = hashes[-1] if hashes else _ROOT_HASH
+    parent = hashes[-1] if hashes else _root_hash(lora_name)
     for i in range(start, len(token_ids) // block_size):
         parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         hashes.append(parent)
@@ -104,6 +129,7 @@ class KVCacheManager:
         # Per request: its blocks in order, and how many of them are hashed and cached.
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_num_cached: dict[str, int] = {}
+        self.listener: CacheListener | None = None
 
     # --- queries -----------------------------------------------------------------------
 
@@ -158,6 +184,8 @@ class KVCacheManager:
             if b.block_hash is not None:  # evict: the block is reused for other tokens
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    if self.listener is not None:
+                        self.listener.gpu_removed(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             blocks.append(b)
@@ -172,14 +200,18 @@ class KVCacheManager:
             return
         start = self.req_num_cached[request_id]
         end = min(num_computed // self.block_size, len(block_hashes), len(blocks))
+        stored: list[int] = []
         for i in range(start, end):
             b = blocks[i]
             h = block_hashes[i]
             if b.block_hash is None and h not in self.cached:
                 b.block_hash = h
                 self.cached[h] = b
+                stored.append(i)
             # A duplicate of an already cached block stays unhashed (as in vLLM, the first
-            # one keeps serving hits).
+            # one keeps serving hits); it is not announced, so no removal is owed for it.
+        if stored and self.listener is not None:
+            self.listener.gpu_stored(request_id, stored)
         if end > start:
             self.req_num_cached[request_id] = end
 
@@ -209,4 +241,6 @@ class KVCacheManager:
         for b in self.cached.values():
             b.block_hash = None
         self.cached.clear()
+        if self.listener is not None:
+            self.listener.gpu_cleared()
         return True

@@ -182,6 +182,7 @@ class SimServer:
             return await self._generate_choices(request, parsed)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold, parsed.kv_transfer_params)
+        req.lora_name = self._lora_name(parsed.model)
         ctx = R.ResponseContext(rid, int(time.time()), parsed.model, self.fingerprint, parsed)
         transport = request.transport
         if transport is not None:
@@ -214,6 +215,7 @@ class SimServer:
         reqs = multi.choice_requests(parsed, f"{rid}-{uuid.uuid4().hex}")
         details = self.config.enable_prompt_tokens_details
         for _, req in reqs:
+            req.lora_name = self._lora_name(parsed.model)
             self.engine.add_request(req)
         try:
             if parsed.stream:
@@ -424,6 +426,10 @@ class SimServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         self.engine.refresh_gauges()
         return web.Response(body=self.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _lora_name(self, model: str) -> str | None:
+        """The adapter a request names (None: the base model)."""
+        return None if model == self.config.model else model
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return _json({"success": self.engine.reset_prefix_cache()})
