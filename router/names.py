@@ -32,6 +32,19 @@ class BreakerState(StrEnum):
 BREAKER_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
+class RaceReason(StrEnum):
+    """Why a request raced, or did not (the `race_reason` log field and metric label)."""
+
+    RACED = "raced"  # engines the index cannot speak for may hold it: asked
+    ALWAYS = "always"  # routing.race = "always"
+    INDEX_KNOWS = "index_knows"  # the KV-event index speaks for every engine worth asking
+    NOT_WORTH = "not_worth"  # past races saved less than waiting for verdicts costs
+    SHORT_PROMPT = "short_prompt"  # no hit could save more than the wait
+    NO_ACCEPTOR = "no_acceptor"  # no engine as an acceptor beats computing the prompt
+    NO_PROBE_ENGINE = "no_probe_engine"  # no engine runs the threshold
+    NOT_RACING = "not_racing"  # the policy never races
+
+
 class Verdict(StrEnum):
     """What one engine said of a leg sent to it: the one vocabulary of the race, the
     request record and the metrics (an engine's own answer is the wire's finish reason,

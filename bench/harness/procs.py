@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,6 +41,25 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.close()
     return ports
+
+
+def free_port_run(n: int, low: int = 20000, high: int = 32000) -> int:
+    """The first of `n` consecutive free TCP ports (a simulator process offsets each of its
+    engines' KV-event ports by the engine's index, as vLLM offsets data-parallel ranks)."""
+    for base in random.Random().sample(range(low, high - n), 200):
+        socks: list[socket.socket] = []
+        try:
+            for pt in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", pt))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high})")
 
 
 def cpu_list() -> list[int]:

@@ -106,6 +106,14 @@ class RequestContext:
         if result.prompt_tokens is not None and rec.prompt_tokens is None:
             rec.prompt_tokens = result.prompt_tokens
 
+    def record_plan(self, plan: Plan) -> None:
+        """Why the request raced or not, and what the KV-event index said (first plan)."""
+        rec = self.record
+        if not rec.race_reason and plan.race_reason:
+            rec.race_reason = plan.race_reason
+        if rec.indexed_hits is None and self.query.indexed is not None:
+            rec.indexed_hits = {k: round(v) for k, v in self.query.indexed.items()}
+
     def record_failure(self, error: UpstreamError) -> None:
         self.record.upstream_errors.append((error.backend, error.kind))
 

@@ -36,7 +36,15 @@ from router.dispatch.placement import LegPlacer, client_error
 from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
 from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
-from router.engine.wire import MalformedChunk, message_usage, one_token_probe, resume_leg_body, unary_leg_body
+from router.engine.wire import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MalformedChunk,
+    message_usage,
+    one_token_probe,
+    resume_leg_body,
+    unary_leg_body,
+)
 from router.fleet.registry import BackendRegistry
 from router.names import Route
 from router.observability import tracing
@@ -45,8 +53,6 @@ from router.routing.planning import RouteQuery, Strategy
 
 log = logging.getLogger("cachehit_router.dispatch")
 
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
 
 Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 
@@ -57,6 +63,7 @@ def route_query(spec: RequestSpec) -> RouteQuery:
         spec.routing_text,
         salt=hash(spec.request_id) & 0xFFFF,
         prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids),
+        token_ids=spec.prompt_token_ids,
     )
 
 
@@ -145,7 +152,13 @@ class Dispatcher:
                 if spec.prompt_token_ids is not None
                 else answer.generated_text
             )
-            query = RouteQuery(spec.model, spec.routing_text + grown, first.query.salt, len(prompt_ids) + answer_tokens)
+            query = RouteQuery(
+                spec.model,
+                spec.routing_text + grown,
+                first.query.salt,
+                len(prompt_ids) + answer_tokens,
+                token_ids=(*prompt_ids, *answer.generated_token_ids),
+            )
             # A resume starts a new leg: only the engine that just failed is kept out. One
             # that failed an earlier leg may be healthy again (the breaker and the health
             # checks say whether it is available), and with it out too a long answer on a

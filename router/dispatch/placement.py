@@ -24,6 +24,7 @@ from router import errors
 from router.config.schema import Config, TimeoutsConfig
 from router.dispatch.context import FallbackOutcome, Leg, RaceOutcome, RequestContext, fallback_direct
 from router.dispatch.disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
+from router.dispatch.prompt_index import PromptIndex
 from router.dispatch.race import RaceResult, run_race
 from router.engine.client import UpstreamClient
 from router.engine.errors import (
@@ -35,7 +36,7 @@ from router.engine.errors import (
     UpstreamError,
 )
 from router.engine.stream import UpstreamStream
-from router.engine.wire import decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
+from router.engine.wire import CHAT_PATH, decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
 from router.fleet.registry import BackendRegistry, BackendState, LegTicket
 from router.names import Route, Verdict
 from router.observability import tracing
@@ -66,12 +67,21 @@ def client_error(e: UpstreamError, timeouts: TimeoutsConfig) -> errors.RouterErr
 class LegPlacer:
     """The stages that place one request's answer legs (see the module docstring)."""
 
-    def __init__(self, config: Config, registry: BackendRegistry, client: UpstreamClient, strategy: Strategy):
+    def __init__(
+        self,
+        config: Config,
+        registry: BackendRegistry,
+        client: UpstreamClient,
+        strategy: Strategy,
+        prompt_index: PromptIndex | None = None,
+    ):
         self.routing = config.routing
         self.timeouts = config.timeouts
         self.registry = registry
         self.client = client
         self.strategy = strategy
+        # Only for a policy that reads the KV-event index.
+        self.prompt_index = prompt_index if strategy.reads_index else None
 
     # --- an accepted leg, retries included ---------------------------------------------
     async def acquire(self, ctx: RequestContext) -> Leg:
@@ -81,7 +91,12 @@ class LegPlacer:
             if attempt:
                 ctx.record_retry(last_error.backend if last_error else "unknown")
             snap = self.registry.snapshot()
+            if self.prompt_index is not None:
+                query = ctx.query = await self.prompt_index.annotate(
+                    query, ctx.path == CHAT_PATH, ctx.body, snap, ctx.deadline
+                )
             plan = self.strategy.plan(query, snap, frozenset(ctx.tried))
+            ctx.record_plan(plan)
             if plan.empty:
                 break
             if plan.probes:

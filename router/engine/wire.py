@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# The generation routes the router sends legs to.
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
 CACHE_THRESHOLD = "cache_threshold"
 THRESHOLD_KEY = "cache_hit_threshold"
 KV_TRANSFER_PARAMS = "kv_transfer_params"

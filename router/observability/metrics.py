@@ -115,6 +115,9 @@ class RouterMetrics:
             registry=r,
         )
         self.resumes = Counter("cachehit_router_resumes", "Answers continued on another leg", ["reason"], registry=r)
+        self.race_decisions = Counter(
+            "cachehit_router_race_decisions", "Why requests raced or did not (RaceReason)", ["reason"], registry=r
+        )
         self.retries = Counter(
             "cachehit_router_retries", "Legs retried before the first token", ["backend"], registry=r
         )
@@ -264,6 +267,8 @@ class RouterMetrics:
         hists[1].observe(rec.duration_s)
         for reason in rec.resumes:
             self.resumes.labels(reason).inc()
+        if rec.race_reason:
+            self.race_decisions.labels(rec.race_reason).inc()
         for v in rec.verdicts:
             self.probe_latency.labels(v.verdict).observe(v.latency_s)
             if v.verdict == Verdict.REJECTED:
@@ -292,6 +297,8 @@ class RouterMetrics:
                     "stream": rec.stream,
                     "tenant": rec.tenant,
                     "route": rec.route,
+                    **({"race_reason": rec.race_reason} if rec.race_reason else {}),
+                    **({"indexed_hits": rec.indexed_hits} if rec.indexed_hits is not None else {}),
                     "winner": rec.winner,
                     "prefill": rec.prefill,
                     "legs": rec.legs,

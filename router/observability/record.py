@@ -54,6 +54,9 @@ class RequestRecord:
     scratch_ttft_s: float | None = None
     dispatch_started: float = 0.0
     tenant: str = ""  # the API key's tenant name (router/admission/tenants.py), never the key
+    race_reason: str = ""  # why the request raced or not (router.names.RaceReason)
+    # Per engine the KV-event index spoke for: the prompt tokens it said the engine holds.
+    indexed_hits: dict[str, int] | None = None
 
     @property
     def probes(self) -> int:

@@ -33,7 +33,13 @@ class RouteQuery:
     model: str | None
     text: str  # prompt text (chat: rendered messages), for prefix affinity
     salt: int = 0  # spreads ties; e.g. hash of the request id
-    prompt_tokens: int | None = None  # exact when the prompt came as token ids
+    prompt_tokens: int | None = None  # exact when the prompt's token ids are known
+    token_ids: tuple[int, ...] | None = None  # the engine's token ids, when known
+    # What the KV-event index says each engine holds of this prompt (both tiers, in
+    # tokens), for the engines whose index is fresh now (router/routing/kv_index.py; filled
+    # by router/dispatch/prompt_index.py). An engine absent is unknown, not empty; None: the
+    # prompt was not matched against the index.
+    indexed: Mapping[str, float] | None = None
 
     def tokens(self, snap: ClusterSnapshot) -> float:
         """The prompt's length in tokens: exact, or from the learned characters per token."""
@@ -68,6 +74,8 @@ class Plan:
     # The prefix memory expected the prompt on some engine (what a race is worth is
     # measured apart for prompts it places and prompts it does not).
     placed: bool = True
+    # Why the request races or not (a RaceReason), for the log line and the metric.
+    race_reason: str = ""
 
     @property
     def empty(self) -> bool:
@@ -99,6 +107,9 @@ class Strategy(Protocol):
     """A routing policy's planner (router/routing/policies/) and the feedback it learns from."""
 
     name: str
+    # True: the dispatcher matches each prompt against the KV-event index for it
+    # (`RouteQuery.indexed`; one /tokenize call per text prompt).
+    reads_index: bool
 
     def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan: ...
 

@@ -16,6 +16,7 @@ class LeastLoadedStrategy:
 
     name = "least_loaded"
     Settings = NoSettings
+    reads_index = False
 
     def __init__(self, routing: RoutingConfig, settings: NoSettings | None = None):
         pass

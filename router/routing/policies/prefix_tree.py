@@ -20,6 +20,7 @@ class PrefixTreeStrategy(RemembersPrefixes):
 
     name = "prefix_tree"
     Settings = NoSettings
+    reads_index = False
 
     def __init__(self, routing: RoutingConfig, settings: NoSettings | None = None, memory: PrefixMemory | None = None):
         self.memory = memory or PrefixMemory()

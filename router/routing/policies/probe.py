@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from router.config.checks import Problems, check_fraction, check_one_of, check_positive
 from router.config.schema import RoutingConfig
-from router.names import Mode
+from router.names import Mode, RaceReason
 from router.routing import costmodel
 from router.routing.planning import (
     Plan,
@@ -25,6 +25,10 @@ from router.routing.snapshot import ClusterSnapshot
 # Of the requests whose race the learned figures call not worth it, one in this many races
 # anyway, so that what races are worth keeps being measured as traffic changes.
 EXPLORE_ONE_IN = 16
+
+# A prompt the router sent an engine this recently may still be in its prefill, cached
+# in no block yet and so in no KV event: the memory's expectation stands for it.
+IN_FLIGHT_S = 5.0
 
 # The race deadline allows an acceptor this many times its predicted time to first token:
 # predictions are medians, and an acceptor cut off at the deadline costs a whole fallback.
@@ -78,6 +82,7 @@ class ProbeStrategy(RemembersPrefixes):
 
     name = "probe"
     Settings = ProbeSettings
+    reads_index = True
 
     def __init__(
         self, routing: RoutingConfig, settings: ProbeSettings | None = None, memory: PrefixMemory | None = None
@@ -103,7 +108,7 @@ class ProbeStrategy(RemembersPrefixes):
         hits = self.expected_hits(query, n)
         capable = [b for b in decoders if b.threshold_capable]
         if not capable:
-            return direct_plan(query, snap, decoders, hits)
+            return replace(direct_plan(query, snap, decoders, hits), race_reason=RaceReason.NO_PROBE_ENGINE)
         decoders = capable
         bound = self.config.max_probe_waiting
         if bound:
@@ -116,19 +121,30 @@ class ProbeStrategy(RemembersPrefixes):
         # the most a race can save is the whole prompt's prefill on the cold choice.
         placed = any(v > 0.0 for v in hits.values())
         skip = replace(cold, skipped_race=True, placed=placed)
+        auto = self.config.race == Mode.AUTO
+        # An engine the KV-event index speaks for (fresh, this prompt matched) has its
+        # answer known: asking it adds nothing. The others may hold what the index cannot
+        # see (no stream, a stream behind or just restarted, another router's index).
+        known = set(query.indexed or ()) if auto else set()
+        unknown = [b for b in decoders if b.name not in known]
+        if not unknown:
+            return replace(skip, race_reason=RaceReason.INDEX_KNOWS)
         most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
-        if self.config.race == Mode.AUTO:
+        if auto:
             if most <= snap.race_wait_s:
-                return skip
+                return replace(skip, race_reason=RaceReason.SHORT_PROMPT)
             share = snap.race_saving_share if placed else snap.race_saving_share_unplaced
             if share * most <= snap.race_wait_s and query.salt % EXPLORE_ONE_IN:
-                return skip
+                return replace(skip, race_reason=RaceReason.NOT_WORTH)
         t = self.config.cache_hit_threshold
+        # Worth asking: an engine that, as an acceptor, beats both computing the prompt
+        # afresh and the best choice the known holders give.
         _, from_scratch = fastest(decoders, lambda b: n, query.salt)
-        as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0)), n), b) for b in decoders]
-        worth = [(s, b) for s, b in as_acceptor if s <= from_scratch]
+        to_beat = min(from_scratch, cold.predicted_ttft_s) if known else from_scratch
+        as_acceptor = [(predicted_ttft(b, n - max(t * n, hits.get(b.name, 0.0)), n), b) for b in unknown]
+        worth = [(s, b) for s, b in as_acceptor if s <= to_beat]
         if not worth:
-            return skip
+            return replace(skip, race_reason=RaceReason.INDEX_KNOWS if known else RaceReason.NO_ACCEPTOR)
         limit = self.config.max_probes
         if limit and len(worth) > limit:
             k = len(decoders)
@@ -149,7 +165,23 @@ class ProbeStrategy(RemembersPrefixes):
             cold_ttft_s=cold.predicted_ttft_s,
             scratch_ttft_s=from_scratch,
             placed=placed,
+            race_reason=RaceReason.RACED if auto else RaceReason.ALWAYS,
         )
+
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+    ) -> dict[str, float]:
+        """The prefix memory's expectations, with the KV-event index's exact figures for the
+        engines it speaks for, raised to the memory's where the router sent the prompt
+        there so recently that the engine may still be computing it (no event yet)."""
+        remembered = self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
+        if not query.indexed:
+            return remembered
+        recent = self.memory.expected_hits(query.text, prompt_tokens, IN_FLIGHT_S)
+        merged = {**remembered, **query.indexed}
+        for name, tokens in recent.items():
+            merged[name] = max(merged.get(name, 0.0), tokens)
+        return merged
 
 
 POLICY = ProbeStrategy

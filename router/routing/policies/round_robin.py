@@ -17,6 +17,7 @@ class RoundRobinStrategy:
 
     name = "round_robin"
     Settings = NoSettings
+    reads_index = False
 
     def __init__(self, routing: RoutingConfig, settings: NoSettings | None = None):
         self._counter = itertools.count()
