@@ -234,7 +234,7 @@ def _prompts(b: _Body) -> tuple[list[list[int]], list[str]]:
     p = b.raw.get("prompt")
     batch = p if isinstance(p, list) and p and not all(_is_int(x) for x in p) else [p]
     ids = [_prompt_ids(x) for x in batch]
-    return ids, [x if isinstance(x, str) else tok.decode(i) for x, i in zip(batch, ids)]
+    return ids, [x if isinstance(x, str) else tok.decode(i) for x, i in zip(batch, ids, strict=True)]
 
 
 def _prompt_ids(p: Any) -> list[int]:
