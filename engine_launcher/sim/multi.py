@@ -23,8 +23,8 @@ from aiohttp import web
 
 from . import responses as R
 from . import tokenizer as tok
-from .engine import SimRequest
 from .protocol import ParsedRequest
+from .request import SimRequest
 
 UNSEEDED = 1 << 40
 # prompt_logprobs = -1 asks for the whole vocabulary; the simulator gives this many.

@@ -20,7 +20,7 @@ from typing import Any
 
 from . import tokenizer as tok
 from .config import SimEngineConfig
-from .engine import SamplingSpec
+from .request import SamplingSpec
 
 
 class ApiError(Exception):

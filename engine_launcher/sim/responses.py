@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 
 from . import tokenizer as tok
-from .engine import SimRequest
 from .protocol import ParsedRequest
+from .request import SimRequest
 
 
 class ResponseContext:

@@ -36,8 +36,9 @@ from . import multi
 from . import responses as R
 from .aux_routes import AuxRoutes
 from .config import VLLM_VERSION, FaultConfig, SimEngineConfig
-from .engine import SimEngine, SimRequest
+from .engine import SimEngine
 from .protocol import ApiError, json_error, parse_request
+from .request import SimRequest
 
 log = logging.getLogger("engine_launcher.sim")
 
