@@ -38,8 +38,8 @@ import orjson
 from aiohttp import web
 
 from . import tokenizer as tok
+from .api_errors import ApiError, json_error
 from .config import SimEngineConfig
-from .protocol import ApiError, json_error
 
 EMBEDDING_DIM = 32
 
