@@ -18,7 +18,7 @@ What is left out: hybrid/sliding-window groups, KV events, multimodal extra keys
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 # Seed of the hash chain (vLLM uses a random or fixed NONE_HASH; any constant will do
 # because hashes never leave the engine).
@@ -76,7 +76,7 @@ class FreeBlockQueue:
         self._tail.prev = b
         self.num_free += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Block]:
         b = self._head.next
         while b is not None and b is not self._tail:
             yield b

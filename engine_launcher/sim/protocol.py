@@ -19,7 +19,7 @@ from typing import Any
 from . import tokenizer as tok
 from .api_errors import ApiError, schema_error, value_error
 from .config import SimEngineConfig
-from .request import SamplingSpec
+from .request import KvParams, SamplingSpec
 
 
 def _check_sampling_ranges(temperature: Any, top_k: Any, penalties: dict[str, Any]) -> None:
@@ -56,7 +56,7 @@ class ParsedRequest:
     # completions: `logprobs` (int); chat: `logprobs` true with `top_logprobs`.
     want_logprobs: bool
     threshold: float | None
-    kv_transfer_params: dict | None
+    kv_transfer_params: KvParams | None
     # Every prompt of a batch (prompt_ids is the first) and, for echo, each one's text.
     prompts: tuple[list[int], ...] = ()
     prompt_texts: tuple[str, ...] = ()
@@ -119,7 +119,7 @@ def _check_threshold(value: Any, param: str) -> float | None:
     return float(value)
 
 
-def parse_threshold(body: dict) -> float | None:
+def parse_threshold(body: dict[str, Any]) -> float | None:
     """Top-level `cache_hit_threshold` wins over `vllm_xargs.cache_hit_threshold`; both
     must be numbers in [0, 1] when present."""
     top = _check_threshold(body.get("cache_hit_threshold"), "cache_hit_threshold")
@@ -244,7 +244,7 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
         want = top is not None
 
     if chat:
-        prompts, texts = [_chat_prompt_ids(b)], []
+        prompts, texts = [_chat_prompt_ids(b)], list[str]()
     else:
         prompts, texts = _prompts(b)
     prompt_ids = prompts[0]
