@@ -17,11 +17,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_scheduler_in_process import (
+from test_scheduler_in_process import (  # noqa: F401 - fixtures used by name
     BLOCK,
     MAX_MODEL_LEN,
     TOKEN,
     EngineLoop,
+    block_hasher,
+    make_request,
     prompt,
 )
 
