@@ -19,13 +19,18 @@ import dataclasses
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from router.config.parse import load_config
 from router.config.schema import Config, ConfigError
+
+if TYPE_CHECKING:
+    from .engine_status import ProgressEvent
+    from .supervisor import Supervisor
 
 # Subcommands forwarded to another module's main(argv); imported only when used, so the
 # launcher works before (or without) the simulator or the vLLM dependencies.
@@ -128,10 +133,10 @@ class ProgressView:
         self.progress = Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=False
         )
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
         self.live = False
 
-    def __call__(self, ev) -> None:
+    def __call__(self, ev: ProgressEvent) -> None:
         label = ev.unit if len(ev.engines) == 1 else f"{ev.unit} (+{len(ev.engines) - 1})"
         text = f"{label}: {ev.state}" + (f" - {ev.detail}" if ev.detail else "")
         if self.live:
@@ -152,7 +157,7 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
-def status_table(sup) -> Table:
+def status_table(sup: Supervisor) -> Table:
     t = Table(title="engines", title_justify="left")
     for col in ("name", "kind", "role", "URL", "PID", "state", "log file"):
         t.add_column(col, overflow="fold")
@@ -165,7 +170,8 @@ def status_table(sup) -> Table:
 
 
 async def run(cfg: Config, host_has_gpu: bool | None, console: Console) -> int:
-    from .supervisor import EngineStartError, Supervisor
+    from .engine_status import EngineStartError
+    from .supervisor import Supervisor
 
     sup = Supervisor(cfg.engines, cfg.launcher, host_has_gpu=host_has_gpu)
     stop = asyncio.Event()

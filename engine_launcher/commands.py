@@ -1,13 +1,13 @@
 """The exact command line and environment of each engine the launcher starts.
 
-Pure functions, no I/O except `detect_host()`: an `EngineConfig` plus the ports picked for it
-and a description of the host (`HostInfo`) go in, `EngineCommand`s come out. The supervisor
-spawns them; `engine-launcher --dry-run` prints them; the tests compare them exactly.
+Pure functions: an `EngineConfig` plus the ports picked for it (ports.py) and a description
+of the host (host.py) go in, `EngineCommand`s come out. The supervisor spawns them;
+`engine-launcher --dry-run` prints them; the tests compare them exactly.
 
 API (stable; the supervisor, the CLI and the router use it):
 
-    host = detect_host()                                   # or HostInfo(gpu_count=0, cpu_ids=(0, 1))
-    ports = {"decode-0": EnginePorts(http=8101, nixl=None), ...}
+    host = detect_host()                                   # host.py; or HostInfo(gpu_count=0, cpu_ids=(0, 1))
+    ports = {"decode-0": EnginePorts(http=8101, nixl=None), ...}   # ports.py
     cmds = build_commands(engines, ports, host, log_dir="engine-logs")   # list[EngineCommand]
     cmds[0].argv, cmds[0].env, cmds[0].log_file, cmds[0].urls
 
@@ -37,7 +37,6 @@ the printed command stays readable. ``env`` from the config overrides launcher v
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,6 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.config.schema import ConfigError, EngineConfig
+
+from .host import HostInfo
+from .placement import assign_cpu_cores, assign_gpus, engine_key
+from .ports import EnginePorts, check_ports, url_for
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 SIM_MODULE = "engine_launcher.sim"
@@ -68,34 +71,6 @@ NIXL_PROGRESS_DELAY_ENV = "CACHEHIT_NIXL_PROGRESS_DELAY_US"
 NIXL_PROGRESS_DELAY_US = "10000"
 CPU_DTYPE = "float32"
 CPU_BLOCK_SIZE = "32"
-
-
-@dataclass(frozen=True)
-class HostInfo:
-    """What the command builder needs to know about the machine the engines run on."""
-
-    gpu_count: int = 0
-    # CPUs this process may run on (os.sched_getaffinity), used to spread CPU engines.
-    cpu_ids: tuple[int, ...] = (0,)
-    # Physical indices of the GPUs engines may use (the launcher's own CUDA_VISIBLE_DEVICES
-    # when it is restricted); empty: 0 .. gpu_count-1.
-    gpu_ids: tuple[int, ...] = ()
-
-    @property
-    def usable_gpus(self) -> tuple[int, ...]:
-        return self.gpu_ids or tuple(range(self.gpu_count))
-
-    @property
-    def has_gpu(self) -> bool:
-        return self.gpu_count > 0
-
-
-@dataclass(frozen=True)
-class EnginePorts:
-    """Resolved ports of one engine: HTTP, and the NIXL side channel (vllm only)."""
-
-    http: int
-    nixl: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,117 +99,12 @@ class EngineCommand:
         return f"{env} {cmd}" if env else cmd
 
 
-def detect_host() -> HostInfo:
-    """Count NVIDIA GPUs (driver's /proc entries, else /dev/nvidiaN) and usable CPUs."""
-    try:
-        cpu_ids = tuple(sorted(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        cpu_ids = tuple(range(os.cpu_count() or 1))
-    gpus = 0
-    proc = Path("/proc/driver/nvidia/gpus")
-    if proc.is_dir():
-        gpus = sum(1 for _ in proc.iterdir())
-    else:
-        gpus = sum(1 for p in Path("/dev").glob("nvidia[0-9]*"))
-    gpus, gpu_ids = visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    return HostInfo(gpu_count=gpus, cpu_ids=cpu_ids or (0,), gpu_ids=gpu_ids)
-
-
-def visible_gpus(found: int, visible: str | None) -> tuple[int, tuple[int, ...]]:
-    """(GPU count, physical indices) given the GPUs found and the launcher's own
-    CUDA_VISIBLE_DEVICES. A restricted launcher keeps its engines inside that set. Engines
-    get physical indices (their CUDA_VISIBLE_DEVICES replaces the launcher's), so only
-    numeric entries can be honoured that way; UUID entries only limit the count."""
-    if not found or visible is None:
-        return found, ()
-    entries = [v.strip() for v in visible.split(",") if v.strip()]
-    if "-1" in entries:  # CUDA stops at the first invalid index
-        entries = entries[: entries.index("-1")]
-    count = min(found, len(entries))
-    if entries and all(v.isdigit() for v in entries):
-        return count, tuple(int(v) for v in entries[:count])
-    return count, ()
-
-
-def url_for(host: str, port: int) -> str:
-    """Base URL to reach an engine listening on host:port (wildcards reached via loopback)."""
-    if host in ("0.0.0.0", ""):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
-
-
 def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _engine_key(engines: Sequence[EngineConfig], name: str) -> str:
-    for i, e in enumerate(engines):
-        if e.name == name:
-            return f"engines[{i}]"
-    return "engines"
-
-
 def _cpu_list(cpus: Iterable[int]) -> str:
     return ",".join(str(c) for c in cpus)
-
-
-def assign_cpu_cores(engines: Sequence[EngineConfig], host: HostInfo) -> dict[str, tuple[int, ...]]:
-    """CPU cores for each vllm engine on a CPU host: its `cpu_cores`, or a share of the rest.
-
-    Two CPU engines spinning OpenMP threads on the same cores starve each other (a NIXL
-    handshake took over 20 s, docs/LAUNCHER.md), so engines without `cpu_cores` split the
-    host's CPUs not claimed explicitly into contiguous, disjoint slices; with more engines
-    than CPUs they take single CPUs in turn.
-    """
-    vllm = [e for e in engines if e.kind == "vllm"]
-    out = {e.name: tuple(e.cpu_cores) for e in vllm if e.cpu_cores}
-    claimed = {c for cores in out.values() for c in cores}
-    free = [c for c in host.cpu_ids if c not in claimed] or list(host.cpu_ids)
-    rest = [e for e in vllm if not e.cpu_cores]
-    if not rest:
-        return out
-    if len(rest) <= len(free):
-        share, extra = divmod(len(free), len(rest))
-        start = 0
-        for i, e in enumerate(rest):
-            n = share + (1 if i < extra else 0)
-            out[e.name] = tuple(free[start : start + n])
-            start += n
-    else:
-        for i, e in enumerate(rest):
-            out[e.name] = (free[i % len(free)],)
-    return out
-
-
-def assign_gpus(engines: Sequence[EngineConfig], host: HostInfo) -> dict[str, tuple[int, ...]]:
-    """GPU ids for each vllm engine on a GPU host (CUDA_VISIBLE_DEVICES).
-
-    Explicit `gpu_ids` win. A single engine without them sees every GPU (tensor parallelism
-    through extra_args). Several engines without them get one free GPU each; when there are
-    not enough GPUs that is an error, because vLLM engines sharing a GPU at the default
-    --gpu-memory-utilization 0.9 cannot all start.
-    """
-    vllm = [e for e in engines if e.kind == "vllm"]
-    out = {e.name: tuple(e.gpu_ids) for e in vllm if e.gpu_ids}
-    rest = [e for e in vllm if not e.gpu_ids]
-    if len(rest) <= 1 and not out:
-        return {e.name: () for e in rest}
-    claimed = {g for ids in out.values() for g in ids}
-    free = [g for g in host.usable_gpus if g not in claimed]
-    if len(rest) > len(free):
-        e = rest[len(free)]
-        raise ConfigError(
-            f"{_engine_key(engines, e.name)}.gpu_ids: {len(rest)} vllm engines without gpu_ids "
-            f"but only {len(free)} unclaimed GPU(s) on this host; set gpu_ids for each engine "
-            f"(and --gpu-memory-utilization in extra_args to share a GPU)"
-        )
-    for e, g in zip(rest, free):
-        out[e.name] = (g,)
-    return out
 
 
 def scheduler_cls(extra_args: Sequence[str], host: HostInfo) -> str:
@@ -350,7 +220,11 @@ def vllm_command(
     )
 
 
-def _sim_group_key(e: EngineConfig) -> tuple:
+# What makes two sim engines share one process (see _sim_group_key).
+SimGroupKey = tuple[object, ...]
+
+
+def _sim_group_key(e: EngineConfig) -> SimGroupKey:
     # Everything that ends up in the process's argv or environment except the port.
     return (e.host, e.model, e.served_model_name, e.role, e.extra_args, e.env, e.cpu_cores, e.kv_offload_gib)
 
@@ -394,29 +268,11 @@ def sim_command(
 
 def group_sim_engines(engines: Sequence[EngineConfig]) -> list[list[EngineConfig]]:
     """Sim engines with identical options, in config order (a group is ordered by first member)."""
-    groups: dict[tuple, list[EngineConfig]] = {}
+    groups: dict[SimGroupKey, list[EngineConfig]] = {}
     for e in engines:
         if e.kind == "sim":
             groups.setdefault(_sim_group_key(e), []).append(e)
     return list(groups.values())
-
-
-def check_ports(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePorts]) -> None:
-    """Every engine has ports, and no two listeners share a port (a clash names the key)."""
-    seen: dict[int, str] = {}
-    for i, e in enumerate(engines):
-        p = ports.get(e.name)
-        if p is None:
-            raise ValueError(f"no ports resolved for engine {e.name!r}")
-        pairs = [(f"engines[{i}].port", p.http)]
-        if e.kind == "vllm":
-            pairs.append((f"engines[{i}].nixl_side_channel_port", p.nixl))
-        for key, port in pairs:
-            if port is None or port <= 0:
-                raise ValueError(f"{key}: port not resolved for engine {e.name!r}")
-            if port in seen:
-                raise ConfigError(f"{key}: port {port} is already used by {seen[port]}")
-            seen[port] = key
 
 
 def build_commands(
@@ -461,33 +317,7 @@ def build_commands(
         elif e.name in sim_groups:
             out.append(sim_command(sim_groups[e.name], ports, log_dir=log_dir, python=python))
         elif e.kind != "sim":
-            raise ConfigError(f"{_engine_key(engines, e.name)}.kind: unknown engine kind {e.kind!r}")
-    return out
-
-
-def ports_to_pick(engines: Sequence[EngineConfig]) -> list[tuple[str, str, str]]:
-    """(engine name, "http" | "nixl", bind host) for every port the config leaves at 0."""
-    out = []
-    for e in engines:
-        if e.port == 0:
-            out.append((e.name, "http", e.host))
-        if e.kind == "vllm" and e.nixl_side_channel_port == 0:
-            out.append((e.name, "nixl", e.nixl_side_channel_host))
-    return out
-
-
-def resolve_ports(
-    engines: Sequence[EngineConfig], picked: Mapping[tuple[str, str], int] | None = None
-) -> dict[str, EnginePorts]:
-    """Configured ports, with the zeros filled from `picked[(name, "http"|"nixl")]`."""
-    picked = picked or {}
-    out = {}
-    for e in engines:
-        http = e.port or picked.get((e.name, "http"), 0)
-        nixl = None
-        if e.kind == "vllm":
-            nixl = e.nixl_side_channel_port or picked.get((e.name, "nixl"), 0)
-        out[e.name] = EnginePorts(http=http, nixl=nixl)
+            raise ConfigError(f"{engine_key(engines, e.name)}.kind: unknown engine kind {e.kind!r}")
     return out
 
 
@@ -495,20 +325,10 @@ __all__ = [
     "ASYNC_SCHEDULER_CLS",
     "SYNC_SCHEDULER_CLS",
     "EngineCommand",
-    "EnginePorts",
-    "HostInfo",
-    "assign_cpu_cores",
-    "assign_gpus",
     "build_commands",
-    "check_ports",
-    "detect_host",
     "group_sim_engines",
     "kv_transfer_config",
-    "ports_to_pick",
-    "resolve_ports",
     "scheduler_cls",
     "sim_command",
-    "url_for",
-    "visible_gpus",
     "vllm_command",
 ]

@@ -19,10 +19,12 @@ which is what vLLM's NixlConnector does on start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 VLLM_VERSION = "0.32.0"
 NIXL_VERSION = "1.5.1"
@@ -167,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # The runtime check imports vLLM (a few seconds); once it passed for exactly these installed
 # versions, a marker next to the interpreter lets later no-op runs skip it.
-def _marker_path():
-    from pathlib import Path
-
+def _marker_path() -> Path:
     return Path(sys.prefix) / ".cachehit-install-deps-ok"
 
 
@@ -186,10 +186,8 @@ def _checked_marker_ok(target: str) -> bool:
 
 
 def _write_marker(target: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # the marker is only an optimisation
         _marker_path().write_text(_fingerprint(target))
-    except OSError:
-        pass  # only an optimisation
 
 
 if __name__ == "__main__":

@@ -44,82 +44,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import datetime as _dt
 import os
-import signal
-import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
 from router.config.schema import EngineConfig, LauncherConfig
 
-from .commands import (
-    EngineCommand,
-    EnginePorts,
-    HostInfo,
-    build_commands,
-    detect_host,
-    ports_to_pick,
-    resolve_ports,
+from .commands import EngineCommand, build_commands
+from .engine_logs import open_log, prepare_logs, read_log_tail
+from .engine_status import (
+    EXITED,
+    FAILED,
+    HEALTHY,
+    PENDING,
+    RESTARTING,
+    STARTING,
+    STOPPED,
+    EngineStartError,
+    ProgressCallback,
+    ProgressEvent,
+    UnitStatus,
 )
-
-# Unit (process) states.
-PENDING, STARTING, HEALTHY, RESTARTING, FAILED, STOPPED = (
-    "pending",
-    "starting",
-    "healthy",
-    "restarting",
-    "failed",
-    "stopped",
-)
-EXITED = "exited"  # an event only: the process ended; the state becomes restarting/failed
-
-
-class EngineStartError(RuntimeError):
-    """An engine did not become healthy; the message carries the reason and its log tail."""
-
-    def __init__(self, name: str, reason: str, log_file: str, log_tail: str):
-        self.name, self.reason, self.log_file, self.log_tail = name, reason, log_file, log_tail
-        tail = log_tail.rstrip() or "(log is empty)"
-        super().__init__(f"engine {name!r} {reason}; last lines of {log_file}:\n{tail}")
-
-
-@dataclass(frozen=True)
-class ProgressEvent:
-    """A state change of one process (`unit`, named after its first engine)."""
-
-    unit: str
-    engines: tuple[str, ...]
-    state: str
-    detail: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.unit
-
-
-ProgressCallback = Callable[[ProgressEvent], None]
-
-
-@dataclass(frozen=True)
-class UnitStatus:
-    """A snapshot of one engine process, for display."""
-
-    name: str
-    kind: str
-    role: str
-    engines: tuple[str, ...]
-    urls: dict[str, str]
-    pid: int | None
-    state: str
-    restarts: int
-    last_exit_code: int | None
-    log_file: str
+from .host import HostInfo, detect_host
+from .ports import EnginePorts, PortReservation, ports_to_pick, resolve_ports
+from .process_group import child_setup, kill_group_leftovers, terminate_group
 
 
 @dataclass(eq=False)
@@ -133,110 +84,7 @@ class _Unit:
     healthy_at: float | None = None
     last_exit_code: int | None = None
     attempt: int = 0
-    watcher: asyncio.Task | None = None
-
-
-# --- port reservation ----------------------------------------------------------------
-
-
-class PortReservation:
-    """Free ports picked by binding port 0 and kept bound until released.
-
-    Holding every picked socket until its engine is spawned makes the picks distinct and
-    keeps other programs off them in the meantime; the socket never listens, so releasing
-    it leaves no TIME_WAIT behind and the engine binds the port at once.
-    """
-
-    def __init__(self) -> None:
-        self._socks: dict[tuple[str, str], socket.socket] = {}
-        self.picked: dict[tuple[str, str], int] = {}
-
-    def pick(self, engine: str, which: str, host: str) -> int:
-        bind_host = "127.0.0.1" if host == "localhost" else host
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            s.bind((bind_host, 0))
-        except OSError:
-            # Not an address of this machine (e.g. a NIXL side-channel host advertised through
-            # NAT): any interface's free port will do.
-            s.close()
-            s = socket.socket(family, socket.SOCK_STREAM)
-            s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-        port = s.getsockname()[1]
-        self._socks[(engine, which)] = s
-        self.picked[(engine, which)] = port
-        return port
-
-    def release(self, engines: Sequence[str]) -> None:
-        for key in [k for k in self._socks if k[0] in engines]:
-            self._socks.pop(key).close()
-
-    def release_all(self) -> None:
-        for s in self._socks.values():
-            s.close()
-        self._socks.clear()
-
-
-# --- process helpers -----------------------------------------------------------------
-
-try:
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-    _PRCTL = _LIBC.prctl if _LIBC is not None else None
-except (OSError, AttributeError):
-    _PRCTL = None
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup(parent_pid: int) -> Callable[[], None] | None:
-    """preexec_fn: SIGTERM the child when the supervising thread dies (Linux only).
-
-    Kept to one libc call on a preloaded function pointer: code between fork and exec must
-    not take locks another thread might hold.
-    """
-    if _PRCTL is None:
-        return None
-
-    def setup() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return setup
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send sig to a process group; False when the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # only zombies we cannot signal remain
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    return _signal_group(pgid, 0)
-
-
-def read_log_tail(path: str | Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-# --- the supervisor ------------------------------------------------------------------
+    watcher: asyncio.Task[None] | None = None
 
 
 class Supervisor:
@@ -324,7 +172,7 @@ class Supervisor:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         try:
             for unit in self._units:
-                self._prepare_logs(unit)
+                prepare_logs(unit.cmd)
                 await self._spawn(unit)
             waits = [asyncio.create_task(self._wait_healthy(u)) for u in self._units]
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
@@ -367,7 +215,7 @@ class Supervisor:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
     def status(self) -> list[UnitStatus]:
@@ -394,18 +242,6 @@ class Supervisor:
         if self._progress is not None:
             self._progress(ProgressEvent(unit.cmd.name, unit.cmd.engines, event or state, detail))
 
-    def _prepare_logs(self, unit: _Unit) -> None:
-        log = Path(unit.cmd.log_file)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        # Every engine of a shared sim process finds its log under its own name.
-        for other in unit.cmd.engines[1:]:
-            link = log.parent / f"{other}.log"
-            if link.is_symlink() or not link.exists():
-                with contextlib.suppress(OSError):
-                    if link.is_symlink():
-                        link.unlink()
-                    link.symlink_to(log.name)
-
     async def _spawn(self, unit: _Unit) -> None:
         """Start the unit's process. Not interrupted by cancellation: a process created while
         stop() cancels this task must still land in unit.proc, or nobody would stop it."""
@@ -421,12 +257,7 @@ class Supervisor:
         unit.attempt += 1
         cmd = unit.cmd
         self._set(unit, STARTING, f"attempt {unit.attempt}")
-        with open(cmd.log_file, "ab") as log:
-            log.write(
-                f"\n==== engine-launcher: {_now()} start {cmd.name} (attempt {unit.attempt})"
-                f" serving {', '.join(cmd.engines)}\n$ {cmd.shell_line()}\n".encode()
-            )
-            log.flush()
+        with open_log(cmd, unit.attempt) as log:
             # The engine binds these ports next; stop holding them.
             self._reservation.release(cmd.engines)
             unit.proc = await asyncio.create_subprocess_exec(
@@ -437,7 +268,7 @@ class Supervisor:
                 env={**os.environ, **cmd.env},
                 cwd=cmd.cwd,
                 start_new_session=True,
-                preexec_fn=_child_setup(os.getpid()),
+                preexec_fn=child_setup(os.getpid()),
             )
         unit.healthy_at = None
         if cmd.cpu_affinity:
@@ -465,7 +296,7 @@ class Supervisor:
             exited.cancel()
 
     async def _poll_health(
-        self, unit: _Unit, proc: asyncio.subprocess.Process, exited: asyncio.Future, deadline: float
+        self, unit: _Unit, proc: asyncio.subprocess.Process, exited: asyncio.Future[int], deadline: float
     ) -> None:
         loop = asyncio.get_running_loop()
         pending = dict(unit.cmd.health_urls())
@@ -477,7 +308,7 @@ class Supervisor:
                     unit, f"did not answer GET /health within {self.launcher.startup_timeout_s:g} s"
                 )
             results = await asyncio.gather(*(self._healthy_once(u) for u in pending.values()))
-            for name, ok in zip(list(pending), results):
+            for name, ok in zip(list(pending), results, strict=True):
                 if ok:
                     del pending[name]
             if pending:
@@ -491,31 +322,8 @@ class Supervisor:
 
     async def _terminate(self, unit: _Unit) -> None:
         """SIGTERM the unit's process group, wait up to stop_timeout_s, then SIGKILL it."""
-        proc = unit.proc
-        if proc is None:
-            return
-        pgid = proc.pid  # start_new_session: the leader's pid is the group id
-        if not _signal_group(pgid, signal.SIGTERM):
-            await proc.wait()
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.stop_timeout_s
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
-        # vLLM's engine core and workers may outlive the API server by a moment.
-        while _group_alive(pgid) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        _signal_group(pgid, signal.SIGKILL)
-        await proc.wait()
-        while _group_alive(pgid) and loop.time() < deadline + 5.0:
-            await asyncio.sleep(0.05)
-
-    async def _kill_leftovers(self, pgid: int) -> None:
-        if _signal_group(pgid, signal.SIGKILL):
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 5.0
-            while _group_alive(pgid) and loop.time() < deadline:
-                await asyncio.sleep(0.05)
+        if unit.proc is not None:
+            await terminate_group(unit.proc, self.stop_timeout_s)
 
     async def _watch(self, unit: _Unit) -> None:
         """Restart the unit's process whenever it exits, with exponential backoff."""
@@ -529,7 +337,7 @@ class Supervisor:
             unit.last_exit_code = code
             # A crashed API server can leave its engine core behind in the group, holding
             # memory and the NIXL port the restarted engine needs.
-            await self._kill_leftovers(unit.proc.pid)
+            await kill_group_leftovers(unit.proc.pid)
             if unit.healthy_at is not None and loop.time() - unit.healthy_at >= self.stable_after_s:
                 unit.consecutive = 0
             self._set(unit, unit.state, failure or f"exit code {code}", event=EXITED)
@@ -562,19 +370,4 @@ class Supervisor:
                 await self._terminate(unit)
 
 
-__all__ = [
-    "EXITED",
-    "FAILED",
-    "HEALTHY",
-    "PENDING",
-    "RESTARTING",
-    "STARTING",
-    "STOPPED",
-    "EngineStartError",
-    "PortReservation",
-    "ProgressCallback",
-    "ProgressEvent",
-    "Supervisor",
-    "UnitStatus",
-    "read_log_tail",
-]
+__all__ = ["Supervisor"]

@@ -277,7 +277,8 @@ def _train_tokenizer(out: Path) -> None:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
     )
-    fast = PreTrainedTokenizerFast(
+    # transformers leaves the tokenizer's __init__ unannotated.
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -306,10 +307,12 @@ def _write_model(out: Path) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        # Recorded in config.json for vLLM; the typed signature no longer lists this alias.
+        torch_dtype="float32",  # type: ignore[call-arg]
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # transformers' model __init__ is unannotated and its typed `.to` wrapper takes no dtype.
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[no-untyped-call, arg-type]
     model.save_pretrained(str(out), safe_serialization=True)
 
 

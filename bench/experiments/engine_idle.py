@@ -90,7 +90,9 @@ def wait_healthy(procs: list[Proc], urls: list[str], timeout_s: float) -> None:
 
 
 def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    from engine_launcher.commands import EnginePorts, HostInfo, vllm_command
+    from engine_launcher.commands import vllm_command
+    from engine_launcher.host import HostInfo
+    from engine_launcher.ports import EnginePorts
     from router.config.schema import EngineConfig
 
     cores = sorted(os.sched_getaffinity(0))

@@ -32,23 +32,26 @@ import random
 import struct
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from . import tokenizer as tok
+from .api_errors import ApiError, json_error
 from .config import SimEngineConfig
-from .protocol import ApiError, json_error
 
 EMBEDDING_DIM = 32
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-async def _body(request: web.Request, cfg: SimEngineConfig) -> dict:
+async def _body(request: web.Request, cfg: SimEngineConfig) -> dict[str, Any]:
     data = await request.read()
     try:
         body = orjson.loads(data)
@@ -94,7 +97,7 @@ class AuxRoutes:
         app.router.add_post("/v1/audio/transcriptions", self._guard(self.audio))
         app.router.add_post("/v1/audio/translations", self._guard(self.audio))
 
-    def _guard(self, handler):
+    def _guard(self, handler: Handler) -> Handler:
         async def run(request: web.Request) -> web.Response:
             try:
                 rate = self.cfg.faults.error_rate
@@ -186,6 +189,8 @@ class AuxRoutes:
         size = 0
         seen_file = False
         async for part in reader:
+            # A form upload's parts are plain body parts (nested multipart is not a form).
+            assert isinstance(part, BodyPartReader)
             if part.filename is not None:
                 seen_file = True
                 while chunk := await part.read_chunk(64 * 1024):

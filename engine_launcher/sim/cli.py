@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import logging
 import signal
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from .config import (
     KV_LOAD_FAILURE_POLICIES,
@@ -180,12 +183,10 @@ async def serve(configs: list[SimEngineConfig], host: str, ports: list[int]) -> 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     try:
-        for cfg, port in zip(configs, ports):
+        for cfg, port in zip(configs, ports, strict=True):
             server = SimServer(cfg, exit_process_on_fault=True)
             actual = await server.start(host, port)
             servers.append(server)
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, cfg in enumerate(configs):  # each engine's event ports, offset as vLLM's DP ranks
         if cfg.kv_events_config is not None:
             cfg.kv_events_config = cfg.kv_events_config.for_rank(i)
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

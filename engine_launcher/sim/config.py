@@ -129,7 +129,7 @@ class SimEngineConfig:
     # LoRA adapters served besides the model: name -> path (vLLM's --lora-modules); also
     # loaded and unloaded at runtime with POST /v1/load_lora_adapter, /v1/unload_lora_adapter.
     # The simulator has no weights: an adapter answers as the base model does.
-    lora_modules: dict = field(default_factory=dict)
+    lora_modules: dict[str, str] = field(default_factory=dict)
     # vLLM's --kv-events-config (kv_events.py): the KV cache event stream; None: off.
     kv_events_config: KVEventsConfig | None = None
 

@@ -18,16 +18,8 @@ A step, as in vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/scheduler.py)
 
 Timing model (defaults and their sources: config.py): step time = step_overhead_s +
 prefill_token_s x tokens prefilled in the step + decode_seq_s x sequences decoding in it.
-A transfer of remote KV costs kv_transfer_token_s per token and runs beside the steps, as
-NIXL reads do; a load from the CPU tier (`cpu_tier.py`, vLLM's OffloadingConnector) costs
-cpu_load_token_s per token and runs the same way. All durations are divided by `speed`.
-
-KV connectors, as vLLM's MultiConnector of NIXL and the OffloadingConnector: a decode leg's
-NIXL pull comes first (it covers the whole prompt past the local hit); otherwise the CPU
-tier offers the stored blocks that follow the GPU hit. Either counts as the connector's
-("external") tokens: in the threshold, in `cached_tokens`, in
-`vllm:external_prefix_cache_hits` and in `vllm:prompt_tokens_cached_by_source` (`p2p` for
-NIXL, `host` for the CPU tier, `device` for the GPU prefix cache).
+All durations are divided by `speed`. KV connectors (NIXL pulls and leases, the CPU tier),
+whose loads run beside the steps: kv_transfer.py.
 
 Cache-hit threshold (vLLM RFC 24256, docs/ARCHITECTURE.md): hit rate = (local prefix hit
 tokens + tokens the KV connector would pull) / (prompt tokens + tokens already generated);
@@ -40,21 +32,24 @@ and a request below it is rejected without queueing; admission stays the final w
 from __future__ import annotations
 
 import asyncio
-import enum
+import contextlib
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from . import kv_events
 from . import tokenizer as tok
 from .config import SimEngineConfig
 from .cpu_tier import CpuTier
-from .kv_cache import Block, KVCacheManager, hash_blocks
+from .engine_stats import EngineStats
+from .generation import Finish, append_next_token, finish_after
+from .kv_cache import KVCacheManager, hash_blocks
+from .kv_transfer import KvTransferMixin, Lease, PullFn
 from .metrics import EngineMetrics
+from .request import SimRequest, Status
 
 log = logging.getLogger("engine_launcher.sim")
 
@@ -63,121 +58,9 @@ CACHE_THRESHOLD = "cache_threshold"
 MAX_TIME_DEBT_S = 0.1
 
 
-class Status(enum.Enum):
-    WAITING = "waiting"  # in the waiting queue
-    TRANSFERRING = "transferring"  # blocks allocated, pulling remote KV (vLLM: WAITING_FOR_REMOTE_KVS)
-    READY = "ready"  # transfer done, waiting for a running slot
-    RUNNING = "running"
-    FINISHED = "finished"
+class SimEngine(KvTransferMixin):
+    """One simulated engine core; the HTTP layer (server.py) adds requests and reads them."""
 
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    max_tokens: int
-    min_tokens: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    seed: int | None = None
-    # Number of top logprobs per token (None: no logprobs).
-    logprobs: int | None = None
-
-
-class SimRequest:
-    """One request inside the engine; its output is read by the HTTP layer with `drain()`."""
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingSpec,
-        threshold: float | None = None,
-        kv_transfer_params: dict | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.all_ids = list(prompt_ids)
-        self.output_ids: list[int] = []
-        self.output_logprobs: list[list[tuple[int, float]]] = []
-        self.output_text = ""
-        self.sampling = sampling
-        self.threshold = threshold
-        params = kv_transfer_params or {}
-        # A prefill leg (P side of NIXL): never rejected, blocks kept under a lease.
-        self.is_prefill_leg = bool(params.get("do_remote_decode"))
-        # A decode leg (D side): the producer's params, until the one pull attempt.
-        self.kv_pull: dict | None = params if params.get("do_remote_prefill") else None
-        self.kv_transfer_params_out: dict | None = None
-        self.block_hashes: list[int] = []
-        # The LoRA adapter the request names (its blocks hash apart from the base model's).
-        self.lora_name: str | None = None
-        self.status = Status.WAITING
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = -1
-        self.num_external_tokens = 0
-        # Where the external tokens come from: "p2p" (NIXL pull) or "host" (CPU tier).
-        self.external_source: str | None = None
-        self.num_preemptions = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.gen_key = 0
-        # Read side (HTTP layer).
-        self.event = asyncio.Event()
-        self._sent_tokens = 0
-        self._sent_text = 0
-        self._holdback = max((len(s) for s in sampling.stop), default=1) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
-
-    def drain(self) -> tuple[list[int], str, list[list[tuple[int, float]]] | None]:
-        """New token ids, text and logprobs since the last call. While a stop string could
-        still match, its possible beginning is held back (as vLLM's detokenizer does)."""
-        n = len(self.output_ids)
-        ids = self.output_ids[self._sent_tokens : n]
-        lps = self.output_logprobs[self._sent_tokens : n] if self.sampling.logprobs is not None else None
-        self._sent_tokens = n
-        end = len(self.output_text)
-        if not self.finished and self._holdback:
-            end = max(self._sent_text, end - self._holdback)
-        text = self.output_text[self._sent_text : end]
-        self._sent_text = end
-        return ids, text, lps
-
-
-@dataclass
-class Lease:
-    blocks: list[Block]
-    expiry: float
-    num_tokens: int
-
-
-# (kv_transfer_params, number of tokens) -> True when the producer handed the blocks over.
-PullFn = Callable[[dict, int], Awaitable[bool]]
-
-
-@dataclass
-class EngineStats:
-    step_count: int = 0
-    total_generated: int = 0
-    busy_model_seconds: float = 0.0
-    busy_wall_seconds: float = 0.0
-    leases_expired: int = 0
-    failed_pulls: int = 0
-    arrival_rejections: int = 0
-    admission_rejections: int = 0
-    preemptions: int = 0
-
-
-class SimEngine:
     def __init__(self, config: SimEngineConfig) -> None:
         config.validate()
         self.config = config
@@ -206,8 +89,8 @@ class SimEngine:
         self.side_channel_port = 0
         self.on_fatal: Callable[[], None] | None = None
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._pull_tasks: set[asyncio.Task] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._pull_tasks: set[asyncio.Task[None]] = set()
         self._deadline = 0.0
         self._closed = False
         self.dead = False
@@ -248,25 +131,6 @@ class SimEngine:
             return req.threshold
         return self.config.global_cache_hit_threshold
 
-    def hit_tokens(self, req: SimRequest) -> tuple[list[Block], int, int, str | None]:
-        """Read-only lookup: (local hit blocks, local hit tokens, external tokens, their
-        source: "p2p" for a NIXL pull, "host" for the CPU tier, None)."""
-        hit = self.kv.find_cache_hit(req.block_hashes, req.num_tokens)
-        local = len(hit) * self.block_size
-        if req.kv_pull is not None and self.config.consumes:
-            external = max(0, len(req.prompt_ids) - local)
-            if external:
-                return hit, local, external, "p2p"
-        if self.cpu.enabled:
-            # The OffloadingConnector offers every stored full block, up to the request's
-            # last one (its lookup caps at num_tokens, not num_tokens - 1); the last token is
-            # recomputed after the load, as after a NIXL pull.
-            stop = req.num_tokens // self.block_size
-            offloaded = self.cpu.lookup(req.block_hashes, len(hit), stop) * self.block_size
-            if offloaded:
-                return hit, local, offloaded, "host"
-        return hit, local, 0, None
-
     def add_request(self, req: SimRequest) -> None:
         """Queue a request (or reject it at once when the arrival check says so)."""
         if self._closed or self.dead:
@@ -305,21 +169,6 @@ class SimEngine:
         self._finish(req, "abort")
         self._wake.set()
 
-    def serve_pull(self, remote_request_id: str, remote_engine_id: str) -> tuple[bool, str, int]:
-        """Producer side of the KV side channel: hand over (release) a leased request's
-        blocks. Returns (ok, error message, number of tokens)."""
-        if remote_engine_id != self.engine_id:
-            return False, f"unknown engine id {remote_engine_id!r}", 0
-        lease = self.leases.pop(remote_request_id, None)
-        if lease is None:
-            return False, f"no KV lease for request {remote_request_id!r} (expired or unknown)", 0
-        if lease.expiry < time.monotonic():
-            self._expire(lease)
-            return False, f"KV lease for request {remote_request_id!r} expired", 0
-        self.kv.release(reversed(lease.blocks))
-        self._wake.set()
-        return True, "", lease.num_tokens
-
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
@@ -347,10 +196,8 @@ class SimEngine:
                 self._wake.clear()
                 self._deadline = 0.0  # idle time is not a debt to catch up on
                 timeout = self._next_lease_expiry()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
-                except TimeoutError:
-                    pass
                 continue
             seconds = self.config.timing.step_seconds(prefill_tokens, decode_seqs)
             seconds /= self.config.speed
@@ -436,14 +283,7 @@ class SimEngine:
                 req.num_external_tokens = external
                 req.status = Status.TRANSFERRING
                 self.transferring[req.request_id] = req
-                if source == "host":
-                    load = self._load_from_cpu(req, external)
-                else:
-                    params, req.kv_pull = req.kv_pull, None  # NIXL contributes once only
-                    load = self._pull(req, params, external)
-                task = asyncio.get_running_loop().create_task(load)
-                self._pull_tasks.add(task)
-                task.add_done_callback(self._pull_tasks.discard)
+                self._start_transfer(req, source, external)
                 continue
             # A decode leg on an engine that already holds the whole prompt pulls nothing.
             req.kv_pull = None
@@ -473,65 +313,6 @@ class SimEngine:
             m.external_prefix_cache_hits.inc(external)
             if external and req.external_source:
                 m.cached_by_source[req.external_source].inc(external)
-
-    async def _pull(self, req: SimRequest, params: dict, external: int) -> None:
-        ok = False
-        try:
-            await asyncio.sleep(external * self.config.timing.kv_transfer_token_s / self.config.speed)
-            if self.pull_fn is not None:
-                ok = await self.pull_fn(params, external)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a pull that fails for any reason falls back to recompute
-            log.exception("KV pull for %s failed", req.request_id)
-            ok = False
-        if req.status is not Status.TRANSFERRING:
-            return  # aborted meanwhile
-        del self.transferring[req.request_id]
-        if not ok and self.config.kv_load_failure_policy == "fail":
-            # vLLM's default policy: the request ends with FinishReason.ERROR (an HTTP 500).
-            self.stats.failed_pulls += 1
-            self.metrics.nixl_num_failed_transfers.inc()
-            self._finish(req, "error")
-            return
-        if ok:
-            # As vLLM: with the whole prompt loaded, the last token is recomputed for logits.
-            req.num_computed_tokens = min(req.num_computed_tokens + external, req.num_tokens - 1)
-            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
-        else:
-            # Fall back to recomputing the prompt; only the local hit was really cached.
-            self.stats.failed_pulls += 1
-            self.metrics.nixl_num_failed_transfers.inc()
-            req.num_cached_tokens = req.num_computed_tokens
-        req.status = Status.READY
-        self.ready.append(req)
-        self._wake.set()
-
-    async def _load_from_cpu(self, req: SimRequest, tokens: int) -> None:
-        """The OffloadingConnector's asynchronous load of CPU-tier blocks into the GPU cache."""
-        # Wall-clock seconds, as vLLM's vllm:kv_offload_load_time counts them (a router
-        # compares them with the time to first token it observes).
-        seconds = tokens * self.config.timing.cpu_load_token_s / self.config.speed
-        await asyncio.sleep(seconds)
-        if req.status is not Status.TRANSFERRING:
-            return  # aborted meanwhile
-        del self.transferring[req.request_id]
-        start = req.num_computed_tokens // self.block_size
-        loaded = req.block_hashes[start : start + tokens // self.block_size]
-        self.cpu.load(loaded)
-        self.metrics.offload_loaded(tokens * self.config.kv_bytes_per_token, seconds)
-        req.num_computed_tokens = min(req.num_computed_tokens + tokens, req.num_tokens - 1)
-        self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
-        req.status = Status.READY
-        self.ready.append(req)
-        self._wake.set()
-
-    def _offload(self, req: SimRequest) -> None:
-        """Write-through to the CPU tier: the prompt's full blocks computed so far."""
-        end = min(req.num_computed_tokens, len(req.prompt_ids)) // self.block_size
-        new = self.cpu.store(req.block_hashes[:end], req.request_id)
-        if new:
-            self.metrics.offload_stored(new * self.block_size * self.config.kv_bytes_per_token)
 
     def _preempt(self, req: SimRequest) -> None:
         self.kv.free(req.request_id)
@@ -570,19 +351,10 @@ class SimEngine:
             if self.on_fatal is not None:
                 self.on_fatal()
 
-    def _sample(self, req: SimRequest) -> tuple[str, str | int | None] | None:
+    def _sample(self, req: SimRequest) -> Finish | None:
         """Append one generated token; return (finish_reason, stop_reason) when done."""
-        cfg = self.config
-        sp = req.sampling
-        pos = len(req.output_ids)
-        allow_eos = not sp.ignore_eos and pos >= sp.min_tokens
-        token = tok.next_token(req.gen_key, pos, cfg.eos_probability, allow_eos)
-        req.output_ids.append(token)
-        req.all_ids.append(token)
-        if len(req.all_ids) % self.block_size == 0:  # a block just filled up
-            hash_blocks(req.all_ids, self.block_size, req.block_hashes, req.lora_name)
-        if sp.logprobs is not None:
-            req.output_logprobs.append(tok.fake_logprobs(req.gen_key, pos, token, sp.logprobs))
+        text_before = len(req.output_text)
+        token = append_next_token(req, self.config.eos_probability, self.block_size)
         self.stats.total_generated += 1  # vllm:generation_tokens is updated once per step
         m = self.metrics
         if req.first_token_time is None:
@@ -595,23 +367,7 @@ class SimEngine:
             m.prompt_tokens_external.inc(external)
             m.prompt_tokens_local_cache_hit.inc(cached - external)
             m.prompt_tokens_local_compute.inc(n_prompt - cached)
-        old_len = len(req.output_text)
-        req.output_text += tok.token_text(token) if token != tok.EOS_ID else ""
-        n_out = pos + 1
-        if token == tok.EOS_ID:
-            return "stop", None
-        if token in sp.stop_token_ids and n_out >= sp.min_tokens:
-            return "stop", token
-        if sp.stop and n_out >= sp.min_tokens:
-            text = req.output_text
-            for s in sp.stop:
-                idx = text.find(s, max(0, old_len - len(s) + 1))
-                if idx >= 0:
-                    req.output_text = text[: idx + len(s)] if sp.include_stop_str_in_output else text[:idx]
-                    return "stop", s
-        if n_out >= sp.max_tokens or req.num_tokens >= cfg.context_len:
-            return "length", None
-        return None
+        return finish_after(req, token, text_before, self.config.context_len)
 
     def _finish(self, req: SimRequest, reason: str, stop_reason: str | int | None = None) -> None:
         lease_it = (
@@ -621,25 +377,7 @@ class SimEngine:
             and req.request_id in self.kv.req_blocks
         )
         if lease_it:
-            blocks = self.kv.take(req.request_id)
-            expiry = time.monotonic() + self.config.kv_lease_duration
-            self.leases[req.request_id] = Lease(blocks, expiry, req.num_computed_tokens)
-            req.kv_transfer_params_out = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": [[b.block_id for b in blocks]],
-                "remote_engine_id": self.engine_id,
-                "remote_request_id": req.request_id,
-                "remote_host": self.config.advertise_host or self.side_channel_host,
-                "remote_port": self.side_channel_port,
-                "tp_size": 1,
-                "dcp_size": 1,
-                "pp_size": 1,
-                "remote_num_tokens": req.num_computed_tokens,
-                "remote_blocks_expiry_time": None,
-                "transfer_mode": "pull",
-                "remote_prefill_cached_tokens": max(req.num_cached_tokens, 0),
-            }
+            self._lease(req)
         else:
             self.kv.free(req.request_id)
         req.status = Status.FINISHED
@@ -649,27 +387,6 @@ class SimEngine:
         self.metrics.request_success[reason].inc()
         self.metrics.e2e_request_latency.observe(time.monotonic() - req.arrival_time)
         req.event.set()
-
-    # --- leases ------------------------------------------------------------------------
-
-    def _expire(self, lease: Lease) -> None:
-        self.kv.release(reversed(lease.blocks))
-        self.stats.leases_expired += 1
-        self.metrics.nixl_num_kv_expired_reqs.inc()
-        self._wake.set()
-
-    def _expire_leases(self) -> None:
-        if not self.leases:
-            return
-        now = time.monotonic()
-        for rid in [rid for rid, lease in self.leases.items() if lease.expiry <= now]:
-            log.info("Releasing expired KV blocks for request %s", rid)
-            self._expire(self.leases.pop(rid))
-
-    def _next_lease_expiry(self) -> float | None:
-        if not self.leases:
-            return None
-        return max(0.0, min(lease.expiry for lease in self.leases.values()) - time.monotonic())
 
     def snapshot(self) -> dict[str, Any]:
         """White-box view for tests and benchmarks."""

@@ -24,7 +24,7 @@ What is left out: hybrid/sliding-window groups, multimodal extra keys, salts.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 # Seed of the hash chain (vLLM derives its NONE_HASH from a fixed seed too): a constant, so
@@ -101,7 +101,7 @@ class FreeBlockQueue:
         self._tail.prev = b
         self.num_free += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Block]:
         b = self._head.next
         while b is not None and b is not self._tail:
             yield b

@@ -23,8 +23,8 @@ from aiohttp import web
 
 from . import responses as R
 from . import tokenizer as tok
-from .engine import SimRequest
 from .protocol import ParsedRequest
+from .request import SimRequest
 
 UNSEEDED = 1 << 40
 # prompt_logprobs = -1 asks for the whole vocabulary; the simulator gives this many.
@@ -51,9 +51,9 @@ def choice_requests(parsed: ParsedRequest, request_id: str) -> list[tuple[int, S
     return out
 
 
-def prompt_logprobs(ids: list[int], k: int) -> list[dict[str, dict] | None]:
+def prompt_logprobs(ids: list[int], k: int) -> list[dict[str, dict[str, Any]] | None]:
     k = ALL_VOCAB_LOGPROBS if k == -1 else k
-    out: list[dict[str, dict] | None] = [None]
+    out: list[dict[str, dict[str, Any]] | None] = [None]
     words = tok._GEN_IDS
     for pos, t in enumerate(ids[1:], start=1):
         lp = -((t * 31 + pos) % 97) / 10.0 - 0.01

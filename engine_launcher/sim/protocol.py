@@ -1,7 +1,7 @@
 """Parsing and validation of /v1/completions and /v1/chat/completions bodies.
 
-Bad input gets vLLM's error body `{"error": {"message", "type", "param", "code"}}` and
-status: 400 for wrong types or out-of-range values (type "Bad Request" for schema errors,
+Bad input gets vLLM's error body `{"error": {"message", "type", "param", "code"}}`
+(api_errors.py) and status: 400 for wrong types or out-of-range values (type "Bad Request" for schema errors,
 as vLLM's validation handler writes them, "BadRequestError" for value checks), 404
 "NotFoundError" for an unknown model. Fields the simulator does not model (temperature,
 top_p, penalties, ...) are type-checked and otherwise ignored.
@@ -13,31 +13,13 @@ together with `logprobs` (400 when requested).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from . import tokenizer as tok
+from .api_errors import ApiError, schema_error, value_error
 from .config import SimEngineConfig
-from .engine import SamplingSpec
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400, err_type: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.err_type = err_type or (
-            "BadRequestError" if status == 400 else HTTPStatus(status).phrase.replace(" ", "") + "Error"
-        )
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
-
-
-_NO_VALUE = object()
+from .request import KvParams, SamplingSpec
 
 
 def _check_sampling_ranges(temperature: Any, top_k: Any, penalties: dict[str, Any]) -> None:
@@ -61,60 +43,6 @@ def _check_sampling_ranges(temperature: Any, top_k: Any, penalties: dict[str, An
         raise ApiError(f"min_p must be in [0, 1], got {float(min_p)}.")
 
 
-def value_error(message: str, param: str, value: Any = _NO_VALUE) -> ApiError:
-    """vLLM's VLLMValidationError: the message ends with the parameter (and value)."""
-    if value is _NO_VALUE:
-        return ApiError(f"{message} (parameter={param})", param=param)
-    return ApiError(f"{message} (parameter={param}, value={value})", param=param)
-
-
-# kind -> (pydantic error type, message) as pydantic v2 words them.
-_SCHEMA = {
-    "int": ("int_type", "Input should be a valid integer"),
-    "number": ("float_type", "Input should be a valid number"),
-    "bool": ("bool_type", "Input should be a valid boolean"),
-    "str": ("string_type", "Input should be a valid string"),
-    "dict": ("dict_type", "Input should be a valid dictionary"),
-    "list": ("list_type", "Input should be a valid list"),
-}
-
-
-def _schema_error(param: str, kind: str, value: Any) -> ApiError:
-    """A request-model validation error, in the shape of vLLM's validation handler."""
-    err_type, msg = _SCHEMA.get(kind, ("value_error", f"Input should be {kind}"))
-    if kind == "int" and isinstance(value, str):
-        err_type, msg = "int_parsing", msg + ", unable to parse string as an integer"
-    elif kind == "number" and isinstance(value, str):
-        err_type, msg = "float_parsing", msg + ", unable to parse string as a number"
-    elif kind == "bool" and isinstance(value, str):
-        err_type, msg = "bool_parsing", msg + ", unable to interpret input"
-    return ApiError(
-        f"1 validation error:\n  {{'type': '{err_type}', 'loc': 'body.{param}', 'msg': '{msg}', 'input': {value!r}}}",
-        400,
-        "Bad Request",
-        f"body.{param}",
-    )
-
-
-def json_error(text: str) -> ApiError:
-    """Invalid JSON, worded and located (character offset) like vLLM's answer."""
-    try:
-        json.loads(text)
-        pos, why = 0, "Invalid JSON"
-    except json.JSONDecodeError as e:
-        pos, why = e.pos, e.msg
-    except ValueError as e:  # e.g. undecodable bytes
-        pos, why = 0, str(e)
-    return ApiError(
-        f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', "
-        f"'msg': 'JSON decode error', 'input': '<dict of 0 items>', 'ctx': "
-        f"{{'error': '{why}'}}}}",
-        400,
-        "Bad Request",
-        f"body.{pos}",
-    )
-
-
 @dataclass
 class ParsedRequest:
     chat: bool
@@ -128,7 +56,7 @@ class ParsedRequest:
     # completions: `logprobs` (int); chat: `logprobs` true with `top_logprobs`.
     want_logprobs: bool
     threshold: float | None
-    kv_transfer_params: dict | None
+    kv_transfer_params: KvParams | None
     # Every prompt of a batch (prompt_ids is the first) and, for echo, each one's text.
     prompts: tuple[list[int], ...] = ()
     prompt_texts: tuple[str, ...] = ()
@@ -174,7 +102,7 @@ class _Body:
             "list": isinstance(v, list),
         }[kind]
         if not ok:
-            raise _schema_error(key, kind, v)
+            raise schema_error(key, kind, v)
         return v
 
 
@@ -191,7 +119,7 @@ def _check_threshold(value: Any, param: str) -> float | None:
     return float(value)
 
 
-def parse_threshold(body: dict) -> float | None:
+def parse_threshold(body: dict[str, Any]) -> float | None:
     """Top-level `cache_hit_threshold` wins over `vllm_xargs.cache_hit_threshold`; both
     must be numbers in [0, 1] when present."""
     top = _check_threshold(body.get("cache_hit_threshold"), "cache_hit_threshold")
@@ -214,13 +142,13 @@ def _stop_list(b: _Body) -> tuple[str, ...]:
         return (v,) if v else ()
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return tuple(s for s in v if s)
-    raise _schema_error("stop", "str", v)
+    raise schema_error("stop", "str", v)
 
 
 def _stop_token_ids(b: _Body) -> frozenset[int]:
     v = b.get("stop_token_ids", "list", [])
     if not all(_is_int(t) for t in v):
-        raise _schema_error("stop_token_ids", "list", v)
+        raise schema_error("stop_token_ids", "list", v)
     return frozenset(v)
 
 
@@ -234,7 +162,7 @@ def _prompts(b: _Body) -> tuple[list[list[int]], list[str]]:
     p = b.raw.get("prompt")
     batch = p if isinstance(p, list) and p and not all(_is_int(x) for x in p) else [p]
     ids = [_prompt_ids(x) for x in batch]
-    return ids, [x if isinstance(x, str) else tok.decode(i) for x, i in zip(batch, ids)]
+    return ids, [x if isinstance(x, str) else tok.decode(i) for x, i in zip(batch, ids, strict=True)]
 
 
 def _prompt_ids(p: Any) -> list[int]:
@@ -243,25 +171,25 @@ def _prompt_ids(p: Any) -> list[int]:
     if isinstance(p, list) and p and all(_is_int(x) for x in p):
         for t in p:
             if t < 0:
-                raise _schema_error("prompt", "greater than or equal to 0", t)
+                raise schema_error("prompt", "greater than or equal to 0", t)
             if not tok.is_valid_id(t):
                 raise value_error(f"Token id {t} is out of vocabulary", "prompt", t)
         return list(p)
     if p is None or p == "" or p == []:
         raise value_error(_EMPTY_PROMPT, "prompt")
-    raise _schema_error("prompt", "str", p)
+    raise schema_error("prompt", "str", p)
 
 
 def _chat_prompt_ids(b: _Body) -> list[int]:
     msgs = b.raw.get("messages")
     if not isinstance(msgs, list):
-        raise _schema_error("messages", "list", msgs)
+        raise schema_error("messages", "list", msgs)
     if not msgs:
         raise value_error("messages must be a non-empty list.", "messages")
     rendered: list[dict[str, str]] = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _schema_error(f"messages.{i}.role", "str", m)
+            raise schema_error(f"messages.{i}.role", "str", m)
         content = m.get("content")
         if content is None:
             text = ""
@@ -275,7 +203,7 @@ def _chat_prompt_ids(b: _Body) -> list[int]:
                 parts.append(part["text"])
             text = "\n".join(parts)
         else:
-            raise _schema_error(f"messages.{i}.content", "str", content)
+            raise schema_error(f"messages.{i}.content", "str", content)
         rendered.append({"role": m["role"], "content": text})
     return tok.encode(tok.render_chat(rendered))
 
@@ -316,7 +244,7 @@ def parse_request(raw: Any, cfg: SimEngineConfig, chat: bool) -> ParsedRequest:
         want = top is not None
 
     if chat:
-        prompts, texts = [_chat_prompt_ids(b)], []
+        prompts, texts = [_chat_prompt_ids(b)], list[str]()
     else:
         prompts, texts = _prompts(b)
     prompt_ids = prompts[0]

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 
 from . import tokenizer as tok
-from .engine import SimRequest
 from .protocol import ParsedRequest
+from .request import SimRequest
 
 
 class ResponseContext:
@@ -50,7 +50,7 @@ def usage(req: SimRequest, details: bool, full: bool, chat: bool = False) -> dic
     p = len(req.prompt_ids)
     c = len(req.output_ids)
     u: dict[str, Any] = {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
-    ptd = None
+    ptd: dict[str, int | None] | None = None
     if details:
         ptd = {"cached_tokens": max(req.num_cached_tokens, 0)}
         if full:
@@ -65,8 +65,8 @@ def usage(req: SimRequest, details: bool, full: bool, chat: bool = False) -> dic
     return u
 
 
-def _completion_logprobs(lps: list[list[tuple[int, float]]], k: int, offset: int) -> dict:
-    out: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+def _completion_logprobs(lps: list[list[tuple[int, float]]], k: int, offset: int) -> dict[str, Any]:
+    out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
     for entries in lps:
         token_id, lp = entries[0]
         text = tok.token_text(token_id)
@@ -81,7 +81,7 @@ def _completion_logprobs(lps: list[list[tuple[int, float]]], k: int, offset: int
     return out
 
 
-def _chat_logprobs(lps: list[list[tuple[int, float]]], k: int) -> dict:
+def _chat_logprobs(lps: list[list[tuple[int, float]]], k: int) -> dict[str, Any]:
     content = []
     for entries in lps:
         token_id, lp = entries[0]
@@ -116,7 +116,7 @@ def stream_chunk(
     state: CompletionStreamState,
     ids: list[int],
     text: str,
-    lps: list | None,
+    lps: list[list[tuple[int, float]]] | None,
     finish_reason: str | None,
     stop_reason: Any,
     index: int = 0,
@@ -136,7 +136,7 @@ def stream_chunk(
         for t in ids:  # completion logprobs' text_offset runs across chunks
             state.text_offset += len(tok.token_text(t))
     echoed = echo is not None and state.first
-    if echoed:
+    if echo is not None and echoed:
         text = echo + text
     if ctx.chat:
         choice: dict[str, Any] = {

@@ -16,6 +16,13 @@ request the same way it finishes any other (`finish_requests`, `get_finished_rea
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, TypeVar, cast
+
+if TYPE_CHECKING:
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+_E = TypeVar("_E", bound=enum.IntEnum)
 
 CACHE_THRESHOLD = "cache_threshold"
 FINISH_REASON_NAME = "CACHE_THRESHOLD"
@@ -23,9 +30,9 @@ FINISH_REASON_VALUE = 5
 STATUS_NAME = "FINISHED_CACHE_THRESHOLD"
 
 
-def _add_member(cls: type[enum.IntEnum], name: str, value: int) -> enum.IntEnum:
+def _add_member(cls: type[_E], name: str, value: int) -> _E:
     """Add `name = value` to an existing IntEnum (idempotent)."""
-    existing = cls._member_map_.get(name)
+    existing = cast("_E | None", cls._member_map_.get(name))
     if existing is not None:
         if int(existing) != value:
             raise RuntimeError(f"{cls.__name__}.{name} already exists with value {int(existing)}")
@@ -39,7 +46,7 @@ def _add_member(cls: type[enum.IntEnum], name: str, value: int) -> enum.IntEnum:
     member = int.__new__(cls, value)
     member._name_ = name
     member._value_ = value
-    member._sort_order_ = len(cls._member_names_)
+    member._sort_order_ = len(cls._member_names_)  # type: ignore[attr-defined]  # Enum's private order, untyped
     cls._member_map_[name] = member
     cls._value2member_map_[value] = member
     cls._member_names_.append(name)
@@ -56,7 +63,8 @@ def ensure_extended() -> None:
     strings = engine_mod.FINISH_REASON_STRINGS
     if len(strings) == FINISH_REASON_VALUE:
         # FinishReason.__str__ indexes this module-level tuple at call time.
-        engine_mod.FINISH_REASON_STRINGS = (*strings, CACHE_THRESHOLD)
+        # vLLM declares the tuple's length; the extended one is one longer on purpose.
+        engine_mod.FINISH_REASON_STRINGS = (*strings, CACHE_THRESHOLD)  # type: ignore[assignment]
     elif len(strings) <= FINISH_REASON_VALUE or strings[FINISH_REASON_VALUE] != CACHE_THRESHOLD:
         raise RuntimeError(f"unexpected vllm FINISH_REASON_STRINGS {strings!r}")
     reason = _add_member(engine_mod.FinishReason, FINISH_REASON_NAME, FINISH_REASON_VALUE)
@@ -70,13 +78,13 @@ def ensure_extended() -> None:
     request_mod._FINISHED_REASON_MAP[status] = reason
 
 
-def finish_reason():
+def finish_reason() -> FinishReason:
     import vllm.v1.engine as engine_mod
 
     return engine_mod.FinishReason[FINISH_REASON_NAME]
 
 
-def finished_status():
+def finished_status() -> RequestStatus:
     import vllm.v1.request as request_mod
 
     return request_mod.RequestStatus[STATUS_NAME]

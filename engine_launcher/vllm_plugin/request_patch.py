@@ -12,20 +12,27 @@ raised there becomes vLLM's own 400 body
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 from .threshold import FIELD, ThresholdError, request_threshold
 
 _PATCHED_ATTR = "_cachehit_threshold_patched"
 
 
-def _threshold_of(request) -> float | None:
+def _threshold_of(request: Any) -> float | None:
     extra = getattr(request, "model_extra", None) or {}
     return request_threshold(extra.get(FIELD), getattr(request, "vllm_xargs", None))
 
 
-def _wrap_to_sampling_params(original):
+# vLLM's request classes and their to_sampling_params, as the patch sees them: any request
+# model, any arguments, a SamplingParams back.
+ToSamplingParams = Callable[..., Any]
+
+
+def _wrap_to_sampling_params(original: ToSamplingParams) -> ToSamplingParams:
     @functools.wraps(original)
-    def to_sampling_params(self, *args, **kwargs):
+    def to_sampling_params(self: Any, *args: Any, **kwargs: Any) -> Any:
         from vllm.exceptions import VLLMValidationError
 
         try:
@@ -50,4 +57,4 @@ def apply() -> None:
     for cls in (CompletionRequest, ChatCompletionRequest):
         current = cls.to_sampling_params
         if not getattr(current, _PATCHED_ATTR, False):
-            cls.to_sampling_params = _wrap_to_sampling_params(current)
+            cls.to_sampling_params = _wrap_to_sampling_params(current)  # type: ignore[method-assign]  # the patch

@@ -41,11 +41,14 @@ Prefill legs (`kv_transfer_params.do_remote_decode`) are never rejected.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
 
 from . import finish_reason, offload_lookup
 from .stream_patch import REJECTION_MARK
@@ -54,8 +57,15 @@ from .version import check_vllm_version
 
 logger = logging.getLogger("vllm.plugins.cachehit_threshold")
 
+# The mixin goes in front of Scheduler or AsyncScheduler; for the type checker it is a
+# Scheduler, so its overrides and the state it reads are checked against vLLM's.
+if TYPE_CHECKING:
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
 
-class ThresholdSchedulerMixin:
+
+class ThresholdSchedulerMixin(_SchedulerBase):
     """Threshold checks on top of a vLLM scheduler class (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -78,7 +88,7 @@ class ThresholdSchedulerMixin:
 
     # ------------------------------------------------------------------ the rule
 
-    def _threshold_for(self, request) -> float:
+    def _threshold_for(self, request: Request) -> float:
         params = request.sampling_params
         if params is None or is_prefill_leg(request.kv_transfer_params):
             return 0.0
@@ -86,7 +96,7 @@ class ThresholdSchedulerMixin:
 
     # ------------------------------------------------------------------ admission
 
-    def _ec_transfer_pending(self, request, num_computed_tokens: int) -> bool:
+    def _ec_transfer_pending(self, request: Request, num_computed_tokens: int) -> bool:
         # Only the fresh-lookup branch: there request.num_computed_tokens is still 0 and
         # num_computed_tokens is local + external hit. The other call (a request that already
         # holds blocks, e.g. after an async KV load) is past admission.
@@ -99,7 +109,7 @@ class ThresholdSchedulerMixin:
                 return True  # skipped this step; finished after schedule() returns
         return super()._ec_transfer_pending(request, num_computed_tokens)
 
-    def schedule(self, *args: Any, **kwargs: Any):
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         output = super().schedule(*args, **kwargs)
         if self._threshold_pending:
             pending, self._threshold_pending = self._threshold_pending, {}
@@ -109,7 +119,7 @@ class ThresholdSchedulerMixin:
 
     # ------------------------------------------------------------------ arrival
 
-    def add_request(self, request) -> None:
+    def add_request(self, request: Request) -> None:
         is_new = request.request_id not in self.requests
         super().add_request(request)
         if not (is_new and self._threshold_config.arrival_check):
@@ -121,7 +131,7 @@ class ThresholdSchedulerMixin:
         if hit is not None and below_threshold(hit, request.num_tokens, threshold):
             self._finish_below_threshold(request.request_id, _mark("arrival", hit, request.num_tokens, threshold))
 
-    def _arrival_hit_tokens(self, request) -> int | None:
+    def _arrival_hit_tokens(self, request: Request) -> int | None:
         """Local + connector hit without side effects, or None when that cannot be known."""
         manager = self.kv_cache_manager
         if (
@@ -165,7 +175,9 @@ class ThresholdSchedulerMixin:
                 )
             )
 
-    def update_from_output(self, scheduler_output, model_runner_output):
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._threshold_outputs:
             pending, self._threshold_outputs = self._threshold_outputs, []

@@ -29,6 +29,11 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 from .finish_reason import CACHE_THRESHOLD
 
@@ -38,7 +43,7 @@ logger = logging.getLogger("vllm.plugins.cachehit_threshold")
 REJECTION_MARK = "_cachehit_rejection"
 STAGES = ("arrival", "admission", "readmission")
 _PATCHED_ATTR = "_cachehit_generate_patched"
-_counter = None
+_counter: Counter | None = None
 
 
 class VisibleEmptyText(str):
@@ -48,7 +53,7 @@ class VisibleEmptyText(str):
         return True
 
 
-def rejections_counter():
+def rejections_counter() -> Counter:
     global _counter
     if _counter is None:
         from prometheus_client import Counter
@@ -65,7 +70,7 @@ def rejections_counter():
     return _counter
 
 
-def _take_mark(request_output) -> dict | None:
+def _take_mark(request_output: Any) -> dict[str, Any] | None:
     params = getattr(request_output, "kv_transfer_params", None)
     if not isinstance(params, dict) or REJECTION_MARK not in params:
         return None
@@ -75,7 +80,7 @@ def _take_mark(request_output) -> dict | None:
     return mark if isinstance(mark, dict) else {}
 
 
-def fix_request_output(request_output) -> None:
+def fix_request_output(request_output: Any) -> None:
     mark = _take_mark(request_output)
     outputs = getattr(request_output, "outputs", None) or ()
     rejected = False
@@ -104,9 +109,13 @@ def fix_request_output(request_output) -> None:
             )
 
 
-def _wrap_generate(original):
+# AsyncLLM.generate as the patch sees it: an async generator of RequestOutput.
+Generate = Callable[..., AsyncGenerator[Any, None]]
+
+
+def _wrap_generate(original: Generate) -> Generate:
     @functools.wraps(original)
-    async def generate(self, *args, **kwargs):
+    async def generate(self: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
         agen = original(self, *args, **kwargs)
         try:
             async for request_output in agen:
@@ -125,5 +134,5 @@ def apply() -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     if not getattr(AsyncLLM.generate, _PATCHED_ATTR, False):
-        AsyncLLM.generate = _wrap_generate(AsyncLLM.generate)
+        AsyncLLM.generate = _wrap_generate(AsyncLLM.generate)  # type: ignore[method-assign]  # the patch
     rejections_counter()

@@ -38,10 +38,10 @@ def validate_threshold(value: Any, param: str = FIELD) -> float | None:
         raise ThresholdError(
             f"{param} must be a number between 0 and 1, got {type(value).__name__} {value!r}", param, value
         )
-    value = float(value)
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise ThresholdError(f"{param} must be between 0 and 1, got {value}", param, value)
-    return value
+    number = float(value)
+    if not math.isfinite(number) or not 0.0 <= number <= 1.0:
+        raise ThresholdError(f"{param} must be between 0 and 1, got {number}", param, number)
+    return number
 
 
 def request_threshold(top_level: Any, xargs: Mapping[str, Any] | None) -> float | None:
@@ -90,7 +90,7 @@ def effective_threshold(extra_args: Mapping[str, Any] | None, config: PluginConf
 def is_prefill_leg(kv_transfer_params: Mapping[str, Any] | None) -> bool:
     """A NIXL prefill leg (`do_remote_decode`) is never rejected: the router chose this
     engine to compute the prompt, a cold cache is the point."""
-    return bool(kv_transfer_params) and bool(kv_transfer_params.get("do_remote_decode"))
+    return kv_transfer_params is not None and bool(kv_transfer_params.get("do_remote_decode"))
 
 
 def below_threshold(hit_tokens: int, total_tokens: int, threshold: float) -> bool:

@@ -7,17 +7,10 @@ import sys
 
 import pytest
 
-from engine_launcher.commands import (
-    ASYNC_SCHEDULER_CLS,
-    SYNC_SCHEDULER_CLS,
-    EnginePorts,
-    HostInfo,
-    assign_cpu_cores,
-    build_commands,
-    ports_to_pick,
-    resolve_ports,
-    url_for,
-)
+from engine_launcher.commands import ASYNC_SCHEDULER_CLS, SYNC_SCHEDULER_CLS, build_commands
+from engine_launcher.host import HostInfo
+from engine_launcher.placement import assign_cpu_cores
+from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports, url_for
 from router.config.parse import load_config
 from router.config.schema import ConfigError, EngineConfig
 
@@ -340,7 +333,7 @@ def test_shell_line_quotes_json_and_puts_env_first():
 
 
 def test_gpus_stay_inside_the_launchers_own_visible_devices():
-    from engine_launcher.commands import visible_gpus
+    from engine_launcher.host import visible_gpus
 
     engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer")]
     ports = {"a": EnginePorts(1, 2), "b": EnginePorts(3, 4)}

@@ -14,13 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine_launcher.supervisor import (
-    FAILED,
-    HEALTHY,
-    EngineStartError,
-    ProgressEvent,
-    Supervisor,
-)
+from engine_launcher.engine_status import FAILED, HEALTHY, EngineStartError, ProgressEvent
+from engine_launcher.supervisor import Supervisor
 from router.config.schema import EngineConfig, LauncherConfig
 from support.polling import eventually
 from support.processes import group_gone, pid_gone
@@ -245,7 +240,7 @@ async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers
 
 
 async def test_host_type_can_be_forced_either_way(tmp_path):
-    from engine_launcher.commands import HostInfo
+    from engine_launcher.host import HostInfo
 
     engines = [
         EngineConfig(name=n, kind="vllm", role=r, model="/m", port=p, nixl_side_channel_port=p + 100)

@@ -65,7 +65,9 @@ def engine_command(
     plugin=False serves plain vLLM (the wire capture): no `--scheduler-cls`, and
     VLLM_PLUGINS set to an allowlist that names no plugin, so the entry point is not loaded.
     """
-    from engine_launcher.commands import EnginePorts, HostInfo, vllm_command
+    from engine_launcher.commands import vllm_command
+    from engine_launcher.host import HostInfo
+    from engine_launcher.ports import EnginePorts
     from router.config.schema import EngineConfig
 
     engine = EngineConfig(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_scheduler_in_process import (
+from test_scheduler_in_process import (  # noqa: F401 - fixtures used by name
     BLOCK,
     MAX_MODEL_LEN,
     TOKEN,
@@ -105,7 +105,8 @@ def make_tiered(tiny_model, vllm_plugin, monkeypatch):
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from engine_launcher.commands import HostInfo, kv_transfer_config
+        from engine_launcher.commands import kv_transfer_config
+        from engine_launcher.host import HostInfo
 
         # The exact JSON the launcher gives a GPU engine (kv_offload_gib) or one without it.
         kv_json = json.loads(
