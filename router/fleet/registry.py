@@ -102,6 +102,8 @@ class BackendRegistry:
     health: HealthConfig
     clock: Callable[[], float] = time.monotonic
     learner: SpeedLearner = field(default_factory=SpeedLearner)
+    # Whether a backend's KV-event index is fresh at a time (router/fleet/kv_events.py).
+    kv_fresh: Callable[[BackendState, float], bool] | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +137,7 @@ class BackendRegistry:
                     prefilling=s.prefilling,
                     speed=learner.speed(c.name),
                     threshold_capable=s.threshold_capable is not False,
+                    kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
                 )
             )
         return ClusterSnapshot(

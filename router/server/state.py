@@ -23,11 +23,13 @@ from router.engine.client import UpstreamClient
 from router.fleet.discovery import Discovery
 from router.fleet.engine_starter import EngineStarter, engine_starter
 from router.fleet.health import HealthMonitor
+from router.fleet.kv_events import KvEvents
 from router.fleet.membership import CONFIG, ENGINES, Fleet
-from router.fleet.registry import BackendRegistry
+from router.fleet.registry import BackendRegistry, BackendState
 from router.observability import tracing
 from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
+from router.routing.kv_index import KvIndex
 from router.routing.planning import RemembersPrefixes
 from router.routing.policies import make_strategy
 from router.routing.speed_learner import SpeedLearner, speed_prior
@@ -75,6 +77,8 @@ class RouterState:
         for t in (self.limiter.anonymous, *self.keys.tenants):
             self.metrics.bind_tenant(t)
         self.fleet: Fleet | None = None
+        # The engines' KV-event streams and the block index they keep (router/fleet/kv_events.py).
+        self.kv_events: KvEvents | None = None
         self.discovery: Discovery | None = None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
@@ -96,8 +100,10 @@ class RouterState:
             cfg.all_backends(engine_urls), cfg.health, learner=SpeedLearner(speed_prior(cfg.routing))
         )
         learner = self.registry.learner
+        self.kv_events = KvEvents(KvIndex(cfg.kv_events.max_blocks_per_engine), self.registry, cfg.kv_events)
+        self.registry.kv_fresh = self.kv_events.fresh
         for s in self.registry.states.values():
-            self.metrics.bind_backend(s, learner)
+            self._backend_added(s)
         self.metrics.race_saving_share.labels("placed").set_function(lambda: learner.race_saving_share)
         self.metrics.race_saving_share.labels("unplaced").set_function(lambda: learner.race_saving_share_unplaced)
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
@@ -107,8 +113,8 @@ class RouterState:
         self.fleet = Fleet(
             self.registry,
             self.monitor,
-            on_added=lambda s: self.metrics.bind_backend(s, learner),
-            on_removed=self.metrics.unbind_backend,
+            on_added=self._backend_added,
+            on_removed=self._backend_removed,
             initial={n: CONFIG if n in configured else ENGINES for n in self.registry.states},
         )
         await self.monitor.check_all()
@@ -124,6 +130,21 @@ class RouterState:
             ", ".join(ready) or "none",
             cfg.routing.strategy,
         )
+
+    def _backend_added(self, s: BackendState) -> None:
+        assert self.registry is not None
+        assert self.kv_events is not None
+        self.metrics.bind_backend(s, self.registry.learner)
+        kv = self.kv_events
+        stream = kv.subscribe(s)
+        if stream is not None:
+            registry = self.registry
+            self.metrics.bind_kv_events(stream, kv.index, lambda: kv.fresh(s, registry.clock()))
+
+    def _backend_removed(self, name: str) -> None:
+        if self.kv_events is not None:
+            self.kv_events.unsubscribe(name)
+        self.metrics.unbind_backend(name)
 
     async def drain(self, _app: web.Application | None = None, quiet_s: float = 0.0) -> None:
         """Shutting down (SIGTERM/SIGINT; also on_shutdown): the listening socket is
@@ -170,6 +191,8 @@ class RouterState:
             await self.fleet.close()
         if self.monitor is not None:
             await self.monitor.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.client is not None:
             await self.client.close()
         if self.supervisor is not None:
