@@ -1,0 +1,156 @@
+"""The router following engines' KV-event streams (router/fleet/kv_events.py): a real ZMQ
+publisher speaking vLLM's protocol (support/kv_publisher.py) against a started router's
+fleet, index and snapshot. The engines' HTTP side is absent (health checks fail): the
+streams do not depend on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config.parse import parse_config
+from router.config.schema import BackendConfig
+from router.fleet.membership import ADMIN
+from router.routing.kv_index import KvHit
+from router.server.state import RouterState
+from support.kv_publisher import KvPublisher, cleared, removed, stored
+from support.polling import eventually
+
+BS = 4
+PROMPT = list(range(1000, 1024))  # 6 blocks
+H = [f"blk{i}".encode() for i in range(6)]
+
+
+def block(i: int, parent_known: bool = True) -> dict:
+    return stored([H[i]], PROMPT[i * BS : (i + 1) * BS], H[i - 1] if i and parent_known else None)
+
+
+def backend(name: str, pub: KvPublisher) -> dict:
+    return {
+        "name": name,
+        "url": "http://127.0.0.1:9",  # nothing listens: the stream is all these tests need
+        "kv_events_endpoint": pub.endpoint,
+        "kv_events_replay_endpoint": pub.replay_endpoint,
+    }
+
+
+@pytest.fixture
+async def publishers():
+    pubs: list[KvPublisher] = []
+    yield pubs
+    for p in pubs:
+        p.close()
+
+
+@pytest.fixture
+async def router_with(publishers):
+    states: list[RouterState] = []
+
+    async def start(n: int = 1, **pub_kwargs) -> RouterState:
+        pubs = [KvPublisher(**pub_kwargs) for _ in range(n)]
+        publishers.extend(pubs)
+        raw = {"backends": [backend(f"e{i}", p) for i, p in enumerate(pubs)], "kv_events": {"stale_after_s": 30.0}}
+        state = RouterState(parse_config(raw), start_engines=False)
+        states.append(state)
+        await state.start()
+        return state
+
+    yield start
+    for s in states:
+        await s.stop()
+
+
+async def joined(state: RouterState, name: str, pub: KvPublisher) -> None:
+    """Until the SUB socket receives live batches (ZMQ drops what is sent before it joined)."""
+    stream = state.kv_events.streams[name]
+
+    def live() -> bool:
+        if stream.last_live is None:
+            pub.publish()
+            return False
+        return stream.synced
+
+    await eventually(live, what=f"{name}'s stream live")
+
+
+def hits(state: RouterState) -> dict[str, KvHit]:
+    return state.kv_events.index.match(PROMPT)
+
+
+async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(router_with, publishers):
+    state = await router_with()
+    pub = publishers[0]
+    await joined(state, "e0", pub)
+    pub.publish(block(0), stored(H[1:4], PROMPT[4:16], H[0]))
+    await eventually(lambda: hits(state) == {"e0": KvHit(16, 0)}, what="stored blocks indexed")
+    pub.publish(stored(H[:2], PROMPT[:8], medium="CPU"), removed(H[1:2]))
+    await eventually(lambda: hits(state) == {"e0": KvHit(4, 4)}, what="a GPU removal and a CPU copy")
+    view = state.registry.snapshot().get("e0")
+    assert view is not None
+    assert view.kv_events_fresh
+    pub.publish(cleared())
+    await eventually(lambda: hits(state) == {"e0": KvHit(0, 0)}, what="cleared")
+    text = state.metrics.exposition().decode()
+    assert 'cachehit_router_kv_index_blocks{backend="e0",medium="gpu"} 0.0' in text
+    assert 'cachehit_router_kv_events_fresh{backend="e0"} 1.0' in text
+
+
+async def test_a_dropped_batch_is_replayed_before_the_next_one(router_with, publishers):
+    state = await router_with()
+    pub = publishers[0]
+    await joined(state, "e0", pub)
+    stream = state.kv_events.streams["e0"]
+    pub.publish(block(0))
+    missing = pub.publish(block(1), drop=True)
+    pub.publish(block(2))
+    await eventually(lambda: hits(state) == {"e0": KvHit(12, 0)}, what="the gap filled by a replay")
+    assert stream.gaps == 1
+    assert missing in pub.replay_requests
+    assert stream.lost == 0
+
+
+async def test_a_restarted_publisher_clears_and_rebuilds(router_with, publishers):
+    state = await router_with()
+    pub = publishers[0]
+    await joined(state, "e0", pub)
+    stream = state.kv_events.streams["e0"]
+    pub.publish(block(0), block(1), block(2))
+    await eventually(lambda: hits(state) == {"e0": KvHit(12, 0)}, what="before the restart")
+    pub.restart()
+    pub.publish(block(0), drop=True)  # lost on the wire: the rebuild replays it from 0
+    pub.publish(block(1))
+    await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="rebuilt after the restart")
+    assert stream.restarts == 1
+    assert state.kv_events.index.stats("e0").blocks == 2
+    assert pub.replay_requests[-1] == 0
+
+
+async def test_a_payload_that_does_not_decode_is_counted_and_the_stream_goes_on(router_with, publishers):
+    state = await router_with()
+    pub = publishers[0]
+    await joined(state, "e0", pub)
+    pub.send_raw(b"\xc1not msgpack")
+    pub.publish(block(0))
+    await eventually(lambda: hits(state) == {"e0": KvHit(4, 0)}, what="the next batch indexed")
+    assert state.kv_events.streams["e0"].decode_errors == 1
+
+
+async def test_a_backend_added_at_run_time_is_followed_and_a_removed_one_forgotten(router_with, publishers):
+    state = await router_with()
+    late = KvPublisher()
+    publishers.append(late)
+    late.publish(block(0), block(1))  # before the router subscribes: its replay brings them
+    config = BackendConfig(
+        name="late",
+        url="http://127.0.0.1:9",
+        kv_events_endpoint=late.endpoint,
+        kv_events_replay_endpoint=late.replay_endpoint,
+    )
+    await state.fleet.add(config, ADMIN)
+    await eventually(lambda: hits(state).get("late") == KvHit(8, 0), what="the added backend's blocks")
+    await joined(state, "late", late)
+    late.publish(block(2))
+    await eventually(lambda: hits(state).get("late") == KvHit(12, 0), what="its live batches")
+    await state.fleet.remove("late")
+    assert "late" not in state.kv_events.streams
+    assert "late" not in hits(state)
+    assert 'backend="late"' not in state.metrics.exposition().decode()
