@@ -41,6 +41,7 @@ from router.fleet.registry import BackendRegistry
 from router.names import Route
 from router.observability import tracing
 from router.observability.record import RequestRecord
+from router.routing.kv_index import KvIndex
 from router.routing.planning import RouteQuery, Strategy
 
 log = logging.getLogger("cachehit_router.dispatch")
@@ -51,12 +52,13 @@ CHAT_PATH = "/v1/chat/completions"
 Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 
 
-def route_query(spec: RequestSpec) -> RouteQuery:
+def route_query(spec: RequestSpec, kv_index: KvIndex | None = None) -> RouteQuery:
     return RouteQuery(
         spec.model,
         spec.routing_text,
         salt=hash(spec.request_id) & 0xFFFF,
         prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids),
+        kv_hits=None if kv_index is None else kv_index.match_request(spec.prompt_token_ids, spec.model),
     )
 
 
@@ -77,7 +79,12 @@ class Dispatcher:
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
         started = rec.dispatch_started = asyncio.get_running_loop().time()
         return RequestContext(
-            route_query(spec), request_path(spec), body, started, started + self.timeouts.total_s, rec
+            route_query(spec, self.registry.kv_index),
+            request_path(spec),
+            body,
+            started,
+            started + self.timeouts.total_s,
+            rec,
         )
 
     # --- the answer ------------------------------------------------------------------------
@@ -145,7 +152,14 @@ class Dispatcher:
                 if spec.prompt_token_ids is not None
                 else answer.generated_text
             )
-            query = RouteQuery(spec.model, spec.routing_text + grown, first.query.salt, len(prompt_ids) + answer_tokens)
+            kv = self.registry.kv_index
+            query = RouteQuery(
+                spec.model,
+                spec.routing_text + grown,
+                first.query.salt,
+                len(prompt_ids) + answer_tokens,
+                None if kv is None else kv.match_request([*prompt_ids, *answer.generated_token_ids], spec.model),
+            )
             # A resume starts a new leg: only the engine that just failed is kept out. One
             # that failed an earlier leg may be healthy again (the breaker and the health
             # checks say whether it is available), and with it out too a long answer on a
@@ -291,7 +305,7 @@ class Dispatcher:
             rec.dispatch_started = loop.time()
         now = loop.time()
         ctx = RequestContext(
-            route_query(spec),
+            route_query(spec, self.registry.kv_index),
             request_path(spec),
             one_token_probe(spec.body),
             rec.dispatch_started,

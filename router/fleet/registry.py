@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.names import BreakerState
+from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
 from router.routing.speed_learner import SpeedLearner
 
@@ -104,6 +105,8 @@ class BackendRegistry:
     learner: SpeedLearner = field(default_factory=SpeedLearner)
     # Whether a backend's KV-event index is fresh at a time (router/fleet/kv_events.py).
     kv_fresh: Callable[[BackendState, float], bool] | None = None
+    # The engines' KV block index, looked up per request (RouteQuery.kv_hits); None: no streams.
+    kv_index: KvIndex | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from router.names import BREAKER_STATE_VALUE, BreakerState, Verdict
 from router.observability.clientlog import escape
+from router.observability.kv_metrics import KvEventGauges
 from router.observability.record import RequestRecord
 from router.observability.tracing import annotate_request
 
@@ -46,34 +47,6 @@ class _PerToken(Protocol):
 
 class SpeedGauges(Protocol):
     def speed(self, name: str) -> _PerToken: ...
-
-
-class KvStreamGauges(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def lag_s(self) -> float: ...
-    @property
-    def gaps(self) -> int: ...
-    @property
-    def replays(self) -> int: ...
-    @property
-    def restarts(self) -> int: ...
-    @property
-    def decode_errors(self) -> int: ...
-
-
-class _KvBlocks(Protocol):
-    @property
-    def gpu_blocks(self) -> int: ...
-    @property
-    def cpu_blocks(self) -> int: ...
-    @property
-    def orphans(self) -> int: ...
-
-
-class KvIndexGauges(Protocol):
-    def stats(self, backend: str) -> _KvBlocks: ...
 
 
 class TenantGauges(Protocol):
@@ -207,53 +180,7 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
-        # The engines' KV-event streams and the block index (router/fleet/kv_events.py); the
-        # cumulative counts are gauges read from the stream's own counters.
-        self.kv_lag = Gauge(
-            "cachehit_router_kv_events_lag_seconds",
-            "Age of the engine's last KV-event batch when it arrived (router clock - engine's batch ts)",
-            ["backend"],
-            registry=r,
-        )
-        self.kv_fresh = Gauge(
-            "cachehit_router_kv_events_fresh",
-            "1 while the engine's KV-event index is in sync and current (planners trust it)",
-            ["backend"],
-            registry=r,
-        )
-        self.kv_gaps = Gauge(
-            "cachehit_router_kv_events_gaps", "Sequence gaps in the engine's KV-event stream", ["backend"], registry=r
-        )
-        self.kv_replays = Gauge(
-            "cachehit_router_kv_events_replays",
-            "Replay requests sent to the engine's replay socket",
-            ["backend"],
-            registry=r,
-        )
-        self.kv_restarts = Gauge(
-            "cachehit_router_kv_events_restarts",
-            "Times the engine's KV-event sequence went back (an engine restart)",
-            ["backend"],
-            registry=r,
-        )
-        self.kv_decode_errors = Gauge(
-            "cachehit_router_kv_events_decode_errors",
-            "KV-event messages from the engine that did not decode",
-            ["backend"],
-            registry=r,
-        )
-        self.kv_blocks = Gauge(
-            "cachehit_router_kv_index_blocks",
-            "Blocks the router's index holds for the engine, by medium (gpu, cpu: its CPU/offload tier)",
-            ["backend", "medium"],
-            registry=r,
-        )
-        self.kv_orphans = Gauge(
-            "cachehit_router_kv_index_orphans",
-            "Stored blocks not indexed because their parent was unknown (stream joined late)",
-            ["backend"],
-            registry=r,
-        )
+        self.kv = KvEventGauges(r)  # the engines' KV-event streams (router/observability/kv_metrics.py)
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served", registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)
         self._requests_by: dict[tuple[str, int, str], Counter] = {}
@@ -293,22 +220,8 @@ class RouterMetrics:
             lambda: -1 if s.threshold_capable is None else int(s.threshold_capable)
         )
 
-    def bind_kv_events(self, st: KvStreamGauges, index: KvIndexGauges, fresh: Callable[[], bool]) -> None:
-        name = st.name
-        self.kv_lag.labels(name).set_function(lambda: st.lag_s)
-        self.kv_fresh.labels(name).set_function(lambda: 1 if fresh() else 0)
-        self.kv_gaps.labels(name).set_function(lambda: st.gaps)
-        self.kv_replays.labels(name).set_function(lambda: st.replays)
-        self.kv_restarts.labels(name).set_function(lambda: st.restarts)
-        self.kv_decode_errors.labels(name).set_function(lambda: st.decode_errors)
-        self.kv_blocks.labels(name, "gpu").set_function(lambda: index.stats(name).gpu_blocks)
-        self.kv_blocks.labels(name, "cpu").set_function(lambda: index.stats(name).cpu_blocks)
-        self.kv_orphans.labels(name).set_function(lambda: index.stats(name).orphans)
-
     def unbind_backend(self, name: str) -> None:
-        for medium in ("gpu", "cpu"):
-            with contextlib.suppress(KeyError):
-                self.kv_blocks.remove(name, medium)
+        self.kv.unbind(name)
         for gauge in (
             self.inflight,
             self.healthy,
@@ -317,13 +230,6 @@ class RouterMetrics:
             self.queued_tokens,
             self.prefill_speed,
             self.threshold_capable,
-            self.kv_lag,
-            self.kv_fresh,
-            self.kv_gaps,
-            self.kv_replays,
-            self.kv_restarts,
-            self.kv_decode_errors,
-            self.kv_orphans,
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(name)

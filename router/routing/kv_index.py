@@ -172,6 +172,7 @@ class KvIndex:
     def __init__(self, max_blocks_per_engine: int = 262_144):
         self.max_blocks = max_blocks_per_engine
         self._engines: dict[Engine, _EngineIndex] = {}
+        self.loras: set[str] = set()  # LoRA names engines stored blocks for
 
     # --- updates (the subscriber) --------------------------------------------------------
     def apply(self, backend: str, batch: Batch) -> None:
@@ -218,6 +219,8 @@ class KvIndex:
                 else:
                     eng.set_tiers(key, eng.tiers.get(key, 0) | tier)
             return
+        if ev.lora_name and ev.lora_name not in self.loras:
+            self.loras.add(ev.lora_name)
         parent = ev.parent_block_hash
         key = _root(ev.lora_name) if parent is None else eng.by_hash.get(parent)
         raw = _pack(ev.token_ids)
@@ -310,6 +313,15 @@ class KvIndex:
         for size in self.block_sizes():
             out.update(self.hits(self.prompt_keys(token_ids, size, lora)))
         return out
+
+    def match_request(self, token_ids: Sequence[int] | None, model: str | None) -> dict[str, KvHit] | None:
+        """`match` for a request, None without an index or token ids. `model` is taken for
+        a LoRA adapter when engines stored blocks under that name; otherwise the prompt is
+        matched as the base model's (an adapter no engine announced a block of yet is
+        matched as its base model: its hits may be over-counted until its first block)."""
+        if token_ids is None or not self._engines:
+            return None
+        return self.match(token_ids, model if model in self.loras else None)
 
     def block_sizes(self) -> set[int]:
         return {s for s in (e.block_size for e in self._engines.values()) if s}

@@ -22,6 +22,7 @@ from typing import Protocol
 from router.config.schema import RoutingConfig
 from router.names import StrategyName
 from router.routing import costmodel
+from router.routing.kv_index import KvHit
 from router.routing.prefix_memory import PrefixMemory
 from router.routing.snapshot import BackendView, ClusterSnapshot
 
@@ -34,6 +35,11 @@ class RouteQuery:
     text: str  # prompt text (chat: rendered messages), for prefix affinity
     salt: int = 0  # spreads ties; e.g. hash of the request id
     prompt_tokens: int | None = None  # exact when the prompt came as token ids
+    # Per backend, the prompt's tokens its engine holds per the router's KV-event index
+    # (router/routing/kv_index.py), looked up when the query was made: only for prompts
+    # given as token ids, and only backends with an index (trust it where the snapshot's
+    # BackendView.kv_events_fresh says so). None: no index, or no token ids.
+    kv_hits: Mapping[str, KvHit] | None = None
 
     def tokens(self, snap: ClusterSnapshot) -> float:
         """The prompt's length in tokens: exact, or from the learned characters per token."""

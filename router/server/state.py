@@ -101,7 +101,8 @@ class RouterState:
         )
         learner = self.registry.learner
         self.kv_events = KvEvents(KvIndex(cfg.kv_events.max_blocks_per_engine), self.registry, cfg.kv_events)
-        self.registry.kv_fresh = self.kv_events.fresh
+        # Looked up per request only once an engine's stream has brought a batch.
+        self.registry.kv_fresh, self.registry.kv_index = self.kv_events.fresh, self.kv_events.index
         for s in self.registry.states.values():
             self._backend_added(s)
         self.metrics.race_saving_share.labels("placed").set_function(lambda: learner.race_saving_share)
@@ -139,7 +140,7 @@ class RouterState:
         stream = kv.subscribe(s)
         if stream is not None:
             registry = self.registry
-            self.metrics.bind_kv_events(stream, kv.index, lambda: kv.fresh(s, registry.clock()))
+            self.metrics.kv.bind(stream, kv.index, lambda: kv.fresh(s, registry.clock()))
 
     def _backend_removed(self, name: str) -> None:
         if self.kv_events is not None:

@@ -5,10 +5,13 @@ streams do not depend on it."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
+from router.admission.spec import parse_request
 from router.config.parse import parse_config
 from router.config.schema import BackendConfig
+from router.dispatch.pipeline import route_query
 from router.fleet.membership import ADMIN
 from router.routing.kv_index import KvHit
 from router.server.state import RouterState
@@ -87,6 +90,11 @@ async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(rout
     view = state.registry.snapshot().get("e0")
     assert view is not None
     assert view.kv_events_fresh
+    # What a planner gets for a request whose prompt came as token ids.
+    spec = parse_request("completions", orjson.dumps({"model": "m", "prompt": PROMPT}))
+    assert route_query(spec, state.registry.kv_index).kv_hits == {"e0": KvHit(4, 4)}
+    text_spec = parse_request("completions", orjson.dumps({"model": "m", "prompt": "text"}))
+    assert route_query(text_spec, state.registry.kv_index).kv_hits is None
     pub.publish(cleared())
     await eventually(lambda: hits(state) == {"e0": KvHit(0, 0)}, what="cleared")
     text = state.metrics.exposition().decode()

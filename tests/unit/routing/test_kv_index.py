@@ -155,3 +155,13 @@ def test_prompt_keys_of_what_no_engine_can_hold():
     assert KvIndex.prompt_keys(PROMPT, 0).keys == ()
     assert KvIndex.prompt_keys(tuple(PROMPT), BS) == KvIndex.prompt_keys(PROMPT, BS)
     assert KvIndex().match(PROMPT) == {}
+
+
+def test_match_request_takes_the_model_for_an_adapter_only_once_engines_stored_under_it():
+    idx = KvIndex()
+    assert idx.match_request(PROMPT, "m") is None  # no index yet
+    store_prompt(idx, "a", 2)
+    assert idx.match_request(None, "m") is None  # a text prompt
+    assert idx.match_request(PROMPT, "m") == {"a": KvHit(8, 0)}
+    idx.apply("a", batch(stored([b"l0"], PROMPT[:4], lora="ad")))
+    assert idx.match_request(PROMPT, "ad") == {"a": KvHit(4, 0)}
