@@ -194,7 +194,8 @@ class KvEvents:
 
     async def _live(self, st: KvStream, seq: int, payload: bytes) -> None:
         st.last_recv = self.clock()
-        if st.last_live is not None and seq <= st.last_live:
+        restarted = st.last_live is not None and seq <= st.last_live
+        if restarted:
             st.restarts += 1
             log.info(
                 "backend %s: KV-event sequence went back (%d after %d): engine restarted", st.name, seq, st.last_live
@@ -205,7 +206,7 @@ class KvEvents:
         if st.expected is None:  # no replay socket: the stream starts here
             st.expected = seq
         if seq > st.expected:
-            if st.synced:
+            if st.synced and not restarted:
                 st.gaps += 1
             await self._catch_up(st, seq)
         if seq < st.expected:

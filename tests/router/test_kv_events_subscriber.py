@@ -5,6 +5,8 @@ streams do not depend on it."""
 
 from __future__ import annotations
 
+import time
+
 import orjson
 import pytest
 
@@ -127,9 +129,27 @@ async def test_a_restarted_publisher_clears_and_rebuilds(router_with, publishers
     pub.publish(block(0), drop=True)  # lost on the wire: the rebuild replays it from 0
     pub.publish(block(1))
     await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="rebuilt after the restart")
-    assert stream.restarts == 1
+    assert (stream.restarts, stream.gaps) == (1, 0)
     assert state.kv_events.index.stats("e0").blocks == 2
     assert pub.replay_requests[-1] == 0
+
+
+async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_replay(router_with, publishers):
+    state = await router_with()
+    await state.monitor.stop()  # its checks (nothing listens) are driven by hand below
+    pub, registry = publishers[0], state.registry
+    await joined(state, "e0", pub)
+    stream = state.kv_events.streams["e0"]
+    pub.publish(block(0), block(1))
+    await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="indexed")
+    registry.record_scrape("e0", {}, None)
+    await eventually(lambda: stream.seen_healthy, what="seen healthy")
+    registry.record_scrape_failure("e0", "refused")
+    await eventually(lambda: stream.was_down, what="seen down")
+    asked = len(pub.replay_requests)
+    registry.record_scrape("e0", {}, None)
+    await eventually(lambda: pub.replay_requests[asked:] == [0], what="a replay from 0")
+    await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)} and stream.synced, what="rebuilt")
 
 
 async def test_a_payload_that_does_not_decode_is_counted_and_the_stream_goes_on(router_with, publishers):
@@ -162,3 +182,20 @@ async def test_a_backend_added_at_run_time_is_followed_and_a_removed_one_forgott
     assert "late" not in state.kv_events.streams
     assert "late" not in hits(state)
     assert 'backend="late"' not in state.metrics.exposition().decode()
+
+
+async def test_without_a_replay_socket_a_gap_clears_the_engine_and_a_late_stream_is_not_fresh(router_with, publishers):
+    state = await router_with(replay=False)
+    pub = publishers[0]
+    await joined(state, "e0", pub)
+    stream = state.kv_events.streams["e0"]
+    pub.publish(block(0))
+    await eventually(lambda: hits(state) == {"e0": KvHit(4, 0)}, what="indexed")
+    pub.publish(block(1), drop=True)
+    pub.publish(block(2))  # its parent was in the lost batch: an orphan
+    await eventually(lambda: stream.lost == 1, what="the gap seen")
+    assert hits(state) == {"e0": KvHit(0, 0)}
+    assert state.kv_events.index.stats("e0").orphans == 1
+    assert state.registry.snapshot().backends[0].kv_events_fresh
+    pub.publish(block(0), ts=time.time() - 300)  # published long ago: the stream is behind
+    await eventually(lambda: not state.registry.snapshot().backends[0].kv_events_fresh, what="not fresh")
