@@ -5,6 +5,9 @@ streams do not depend on it."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
+import os
 import time
 
 import orjson
@@ -19,6 +22,7 @@ from router.routing.kv_index import KvHit
 from router.server.state import RouterState
 from support.kv_publisher import KvPublisher, cleared, removed, stored
 from support.polling import eventually
+from support.ports import free_port
 
 BS = 4
 PROMPT = list(range(1000, 1024))  # 6 blocks
@@ -53,7 +57,8 @@ async def router_with(publishers):
     async def start(n: int = 1, **pub_kwargs) -> RouterState:
         pubs = [KvPublisher(**pub_kwargs) for _ in range(n)]
         publishers.extend(pubs)
-        raw = {"backends": [backend(f"e{i}", p) for i, p in enumerate(pubs)], "kv_events": {"stale_after_s": 30.0}}
+        backends = [backend(f"e{i}", p) for i, p in enumerate(pubs)] or [{"name": "plain", "url": "http://127.0.0.1:9"}]
+        raw = {"backends": backends, "kv_events": {"stale_after_s": 30.0}}
         state = RouterState(parse_config(raw), start_engines=False)
         states.append(state)
         await state.start()
@@ -199,3 +204,52 @@ async def test_without_a_replay_socket_a_gap_clears_the_engine_and_a_late_stream
     assert state.registry.snapshot().backends[0].kv_events_fresh
     pub.publish(block(0), ts=time.time() - 300)  # published long ago: the stream is behind
     await eventually(lambda: not state.registry.snapshot().backends[0].kv_events_fresh, what="not fresh")
+
+
+async def test_vllms_own_publisher_is_followed_replay_included(router_with):
+    """vLLM's ZmqEventPublisher (PUB and replay ROUTER) as the engine: what it published
+    before the router subscribed comes through its replay socket, the rest live."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE") == "1":
+            pytest.fail("vLLM is not installed (CACHEHIT_REQUIRE_REAL_ENGINE=1)")
+        pytest.skip("vLLM is not installed")
+    from vllm.distributed import kv_events as v
+
+    port, replay_port = free_port(), free_port()
+    publisher = v.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}")
+    try:
+
+        def publish(*events) -> None:
+            publisher.publish(v.KVEventBatch(ts=time.time(), events=list(events)))
+
+        def vllm_block(i: int):
+            return v.BlockStored(
+                block_hashes=[H[i]], parent_block_hash=H[i - 1] if i else None,
+                token_ids=PROMPT[i * BS : (i + 1) * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+            )  # fmt: skip
+
+        publish(vllm_block(0), vllm_block(1))
+        state = await router_with(0)
+        config = BackendConfig(
+            name="vllm",
+            url="http://127.0.0.1:9",
+            kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+            kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        )
+        await state.fleet.add(config, ADMIN)
+        await eventually(lambda: hits(state).get("vllm") == KvHit(8, 0), what="replayed from vLLM's buffer")
+        stream = state.kv_events.streams["vllm"]
+        live = stream.batches
+
+        def joined_live() -> bool:
+            publish()
+            return stream.last_live is not None
+
+        await eventually(joined_live, what="vLLM's live stream")
+        assert stream.batches > live
+        publish(vllm_block(2), v.BlockRemoved(block_hashes=[H[0]], medium="GPU"))
+        await eventually(lambda: hits(state).get("vllm") == KvHit(0, 0), what="live stores and removals")
+        assert state.kv_events.index.stats("vllm").blocks == 2
+        assert (stream.decode_errors, stream.lost) == (0, 0)
+    finally:
+        await asyncio.to_thread(publisher.shutdown)
