@@ -31,12 +31,14 @@ Memory: at most `max_blocks_per_engine` blocks per (backend, rank); past it the 
 (least recently stored or re-stored: vLLM re-announces blocks a request reuses) go, and
 that engine's view is marked incomplete until it is cleared.
 
-What a policy calls, per request with token ids (the snapshot's `BackendView.kv_events_fresh`
-says whose entries to trust):
+What a policy reads: `RouteQuery.kv_hits`, which the dispatcher fills per request whose
+prompt came as token ids with `match_request(token_ids, model)`, and the snapshot's
+`BackendView.kv_events_fresh`, which says whose entries to trust. The calls themselves:
 - `match(token_ids, lora)` -> {backend: KvHit(gpu_tokens, cpu_tokens)}: for each block size
   the engines use, `prompt_keys` then `hits`. A backend absent from the answer has no
   index (no stream, or no block size learnt yet): unknown, not zero.
-- or the two steps: `prompt_keys(token_ids, block_size, lora)` and `hits(keys)`.
+- or the two steps: `prompt_keys(token_ids, block_size, lora)` and `hits(keys)`;
+- `stats(backend)`, `block_size(backend)`: the index's size and completeness per backend.
 `hits` counts the longest leading run of the prompt's blocks the engine holds on GPU, then
 the run after it held in the CPU tier (what vLLM's connector would load). The counts are of
 full blocks; vLLM recomputes at least a prompt's last token, so a policy comparing with a
