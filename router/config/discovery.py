@@ -13,6 +13,7 @@ import ipaddress
 from typing import Any
 
 from router.config.checks import Problems, build_table, check_one_of, check_port, check_positive, check_url, str_list
+from router.config.kv_events import check_discovery_kv_events
 from router.config.schema import ConfigError, DiscoveryConfig
 from router.names import Role
 
@@ -66,6 +67,7 @@ def parse_discovery(p: Problems, raw: Any) -> tuple[DiscoveryConfig, ...]:
             p.check(parse_nameserver, f"{key}.nameservers[{j}]", ns)
         if d.api_server:
             p.check(check_url, f"{key}.api_server", d.api_server)
+        check_discovery_kv_events(p, key, d)
         out.append(d)
     sources = [d.source for d in out]
     for s in sorted({s for s in sources if sources.count(s) > 1}):

@@ -34,6 +34,7 @@ from router.config.checks import (
     string_table,
 )
 from router.config.discovery import parse_discovery
+from router.config.kv_events import check_backend_kv_events, parse_kv_events
 from router.config.schema import (
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -183,6 +184,7 @@ def parse_backends(p: Problems, raw: Any) -> list[BackendConfig]:
         p.check(check_url, f"{key}.url", b.url)
         p.check(check_positive, f"{key}.prefill_tokens_per_s", b.prefill_tokens_per_s, allow_zero=True)
         p.check(check_one_of, f"{key}.role", b.role, Role)
+        check_backend_kv_events(p, key, b)
         backends.append(b)
     return backends
 
@@ -264,6 +266,7 @@ def parse_sections(raw: dict[str, Any]) -> Config:
     backends = parse_backends(p, raw.get("backends", []))
     engines = parse_engines(p, raw.get("engines", []))
     discovery = parse_discovery(p, raw.get("discovery", []))
+    kv_events = parse_kv_events(p, raw.get("kv_events", {}))
     _check_names(p, backends, engines)
     tenants = parse_tenants(p, raw.get("tenants", []), server.api_keys if server is not None else ())
     p.raise_if_any()
@@ -275,6 +278,7 @@ def parse_sections(raw: dict[str, Any]) -> Config:
     assert health
     assert launcher
     assert tracing
+    assert kv_events
     cfg = Config(
         server=server,
         routing=routing,
@@ -286,6 +290,7 @@ def parse_sections(raw: dict[str, Any]) -> Config:
         engines=tuple(engines),
         tenants=tuple(tenants),
         discovery=discovery,
+        kv_events=kv_events,
     )
     # Only once everything else holds: a backend that failed to parse is not counted.
     if not any(b.decodes for b in cfg.all_backends()) and not any(d.role != Role.PREFILL for d in discovery):

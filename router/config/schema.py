@@ -132,6 +132,11 @@ class BackendConfig:
     # Expected prefill speed of this engine (its hardware), where the cost model's fit of
     # it starts; 0: routing.prior_prefill_tokens_per_s. Measurements replace it.
     prefill_tokens_per_s: float = 0.0
+    # The engine's KV-event stream (vLLM --kv-events-config: its ZMQ PUB endpoint, replay
+    # ROUTER endpoint and topic); empty: not subscribed (router/fleet/kv_events.py).
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
     @property
     def decodes(self) -> bool:
@@ -223,11 +228,26 @@ class DiscoveryConfig:
     api_server: str = ""  # empty: in-cluster (KUBERNETES_SERVICE_HOST / _PORT)
     token_file: str = f"{SERVICE_ACCOUNT}/token"
     ca_file: str = f"{SERVICE_ACCOUNT}/ca.crt"
+    # The engines' KV-event ports on each address found (0: not subscribed).
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
+    kv_events_topic: str = ""
 
     @property
     def source(self) -> str:
         """The fleet source name of this table's backends (stable across reloads)."""
         return f"discovery:{self.kind}:{self.name or self.label_selector}"
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """The index of the engines' KV-event streams (router/routing/kv_index.py)."""
+
+    # Blocks kept per engine (per data-parallel rank); past it the oldest go.
+    max_blocks_per_engine: int = 262_144
+    # A stream whose last batch was this late, or silent this long while the engine works,
+    # is reported as not fresh.
+    stale_after_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -243,6 +263,7 @@ class Config:
     # Client keys with limits of their own (router/admission/tenants.py).
     tenants: tuple[TenantConfig, ...] = ()
     discovery: tuple[DiscoveryConfig, ...] = ()  # router/config/discovery.py
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)  # router/config/kv_events.py
 
     def all_backends(self, engine_urls: dict[str, str] | None = None) -> tuple[BackendConfig, ...]:
         """Backends declared directly plus registered engines.

@@ -33,6 +33,7 @@ from router.answer.shaper import ResponseShaper
 from router.config.schema import Config
 from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.dispatch.placement import LegPlacer, client_error
+from router.dispatch.prompt_index import PromptIndex
 from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
 from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
@@ -72,19 +73,31 @@ def request_path(spec: RequestSpec) -> str:
 
 
 class Dispatcher:
-    def __init__(self, config: Config, registry: BackendRegistry, client: UpstreamClient, strategy: Strategy):
+    def __init__(
+        self,
+        config: Config,
+        registry: BackendRegistry,
+        client: UpstreamClient,
+        strategy: Strategy,
+        prompt_index: PromptIndex | None = None,
+    ):
         self.config = config
         self.routing = config.routing
         self.timeouts = config.timeouts
         self.registry = registry
         self.client = client
         self.strategy = strategy
-        self.placer = LegPlacer(config, registry, client, strategy)
+        self.placer = LegPlacer(config, registry, client, strategy, prompt_index)
 
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
         started = rec.dispatch_started = asyncio.get_running_loop().time()
         return RequestContext(
-            route_query(spec), request_path(spec), body, started, started + self.timeouts.total_s, rec
+            route_query(spec),
+            request_path(spec),
+            body,
+            started,
+            started + self.timeouts.total_s,
+            rec,
         )
 
     # --- the answer ------------------------------------------------------------------------

@@ -33,12 +33,10 @@ class PromptIndex:
         index: KvIndex,
         tokenizer: PromptTokenizer,
         url_of: Callable[[str], tuple[str, str] | None],
-        is_adapter: Callable[[str], bool] = lambda model: False,
     ) -> None:
         self.index = index
         self.tokenizer = tokenizer
         self.url_of = url_of  # backend name -> (base URL, API key), None once it left the fleet
-        self.is_adapter = is_adapter
         self.failures = 0  # prompts planned without the index because /tokenize failed
 
     async def token_ids(
@@ -72,8 +70,7 @@ class PromptIndex:
         ids = await self.token_ids(query, chat, body, snap, deadline)
         if ids is None:
             return query
-        lora = query.model if query.model and self.is_adapter(query.model) else None
-        found = self.index.match(ids, lora)
+        found = self.index.match_request(ids, query.model) or {}
         # Full blocks only, and vLLM computes at least the prompt's last token itself.
         cap = max(len(ids) - 1, 0)
         indexed = {

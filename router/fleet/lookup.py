@@ -24,4 +24,7 @@ def backend_for(d: DiscoveryConfig, address: str, label: str) -> BackendConfig:
         role=d.role,
         models=d.models,
         api_key=d.api_key,
+        kv_events_endpoint=f"tcp://{host}:{d.kv_events_port}" if d.kv_events_port else "",
+        kv_events_replay_endpoint=f"tcp://{host}:{d.kv_events_replay_port}" if d.kv_events_replay_port else "",
+        kv_events_topic=d.kv_events_topic,
     )

@@ -18,7 +18,8 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from router import errors
-from router.config.checks import check_url
+from router.config.checks import Problems, check_url
+from router.config.kv_events import check_backend_kv_events
 from router.config.schema import BackendConfig, ConfigError
 from router.fleet.health import HealthMonitor
 from router.fleet.registry import BackendRegistry, BackendState
@@ -29,6 +30,8 @@ log = logging.getLogger("cachehit_router.fleet")
 CONFIG, ENGINES, ADMIN = "config", "engines", "admin"
 # Names appear in metric labels and admin URLs: keep them to a safe alphabet.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@\[\]-]{0,127}$")
+# The KV-event stream of an engine added by an operator (router/fleet/kv_events.py).
+_KV_EVENTS_FIELDS = ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic")
 # How often a removal looks whether the drained backend's last request ended.
 _IDLE_POLL_S = 0.02
 
@@ -169,10 +172,11 @@ def backend_from_admin(raw: Any) -> BackendConfig:
     """The body of POST /admin/backends, validated (400 naming the field otherwise)."""
     if not isinstance(raw, dict):
         raise errors.bad_request("Expected a JSON object with name, url, role and models.")
-    unknown = sorted(set(raw) - {"name", "url", "role", "models", "api_key"})
+    unknown = sorted(set(raw) - {"name", "url", "role", "models", "api_key", *_KV_EVENTS_FIELDS})
     if unknown:
         raise errors.bad_request(
-            f"Unknown field {unknown[0]!r}; expected name, url, role, models, api_key.", param=unknown[0]
+            f"Unknown field {unknown[0]!r}; expected name, url, role, models, api_key, {', '.join(_KV_EVENTS_FIELDS)}.",
+            param=unknown[0],
         )
     name, url = raw.get("name"), raw.get("url")
     if not isinstance(name, str) or not NAME_RE.match(name):
@@ -195,4 +199,14 @@ def backend_from_admin(raw: Any) -> BackendConfig:
     api_key = raw.get("api_key", "")
     if not isinstance(api_key, str):
         raise errors.bad_request("'api_key' must be a string.", param="api_key")
-    return BackendConfig(name=name, url=url.rstrip("/"), role=Role(role), models=tuple(models), api_key=api_key)
+    kv = {f: raw.get(f, "") for f in _KV_EVENTS_FIELDS}
+    for f, v in kv.items():
+        if not isinstance(v, str):
+            raise errors.bad_request(f"'{f}' must be a string.", param=f)
+    config = BackendConfig(name=name, url=url.rstrip("/"), role=Role(role), models=tuple(models), api_key=api_key, **kv)
+    problems = Problems()
+    check_backend_kv_events(problems, "backend", config)
+    if problems.found:
+        field = problems.found[0].split(":", 1)[0].removeprefix("backend.")
+        raise errors.bad_request(problems.found[0].removeprefix("backend."), param=field)
+    return config

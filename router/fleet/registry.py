@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.names import BreakerState
+from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
 from router.routing.speed_learner import SpeedLearner
 
@@ -102,6 +103,10 @@ class BackendRegistry:
     health: HealthConfig
     clock: Callable[[], float] = time.monotonic
     learner: SpeedLearner = field(default_factory=SpeedLearner)
+    # Whether a backend's KV-event index is fresh at a time (router/fleet/kv_events.py).
+    kv_fresh: Callable[[BackendState, float], bool] | None = None
+    # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
+    kv_index: KvIndex | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +140,7 @@ class BackendRegistry:
                     prefilling=s.prefilling,
                     speed=learner.speed(c.name),
                     threshold_capable=s.threshold_capable is not False,
+                    kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
                 )
             )
         return ClusterSnapshot(

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from router.names import BREAKER_STATE_VALUE, BreakerState, Verdict
 from router.observability.clientlog import escape
+from router.observability.kv_metrics import KvEventGauges
 from router.observability.record import RequestRecord
 from router.observability.tracing import annotate_request
 
@@ -182,6 +183,7 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        self.kv = KvEventGauges(r)  # the engines' KV-event streams (router/observability/kv_metrics.py)
         self.client_inflight = Gauge("cachehit_router_inflight_requests", "Client requests being served", registry=r)
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)
         self._requests_by: dict[tuple[str, int, str], Counter] = {}
@@ -222,6 +224,7 @@ class RouterMetrics:
         )
 
     def unbind_backend(self, name: str) -> None:
+        self.kv.unbind(name)
         for gauge in (
             self.inflight,
             self.healthy,

@@ -34,6 +34,10 @@ class BackendView:
     speed: EngineSpeed = field(default_factory=EngineSpeed)
     # False: a stock engine without the threshold plugin, never probed (router/fleet/capability.py).
     threshold_capable: bool = True
+    # The router's index of the engine's KV blocks (router/routing/kv_index.py) follows its
+    # event stream closely: in sync, not behind, not silent while the engine works
+    # (router/fleet/kv_events.py). False: no stream, or its entries are not to be trusted now.
+    kv_events_fresh: bool = False
 
     @property
     def load(self) -> float:

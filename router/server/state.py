@@ -19,15 +19,19 @@ from router.admission.limiter import ConcurrencyLimiter
 from router.admission.tenants import Tenant
 from router.config.schema import Config
 from router.dispatch.pipeline import Dispatcher
+from router.dispatch.prompt_index import PromptIndex
 from router.engine.client import UpstreamClient
+from router.engine.tokenize import PromptTokenizer
 from router.fleet.discovery import Discovery
 from router.fleet.engine_starter import EngineStarter, engine_starter
 from router.fleet.health import HealthMonitor
+from router.fleet.kv_events import KvEvents
 from router.fleet.membership import CONFIG, ENGINES, Fleet
-from router.fleet.registry import BackendRegistry
+from router.fleet.registry import BackendRegistry, BackendState
 from router.observability import tracing
 from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
+from router.routing.kv_index import KvIndex
 from router.routing.planning import RemembersPrefixes
 from router.routing.policies import make_strategy
 from router.routing.speed_learner import SpeedLearner, speed_prior
@@ -75,6 +79,9 @@ class RouterState:
         for t in (self.limiter.anonymous, *self.keys.tenants):
             self.metrics.bind_tenant(t)
         self.fleet: Fleet | None = None
+        # The engines' KV-event streams and the block index they keep (router/fleet/kv_events.py).
+        self.kv_events: KvEvents | None = None
+        self.prompt_index: PromptIndex | None = None  # prompts matched against that index
         self.discovery: Discovery | None = None
         # Graceful shutdown (drain): the generation handlers running now, whether the
         # drain is on, and whether it ran out of time (handlers then get cancelled).
@@ -96,8 +103,11 @@ class RouterState:
             cfg.all_backends(engine_urls), cfg.health, learner=SpeedLearner(speed_prior(cfg.routing))
         )
         learner = self.registry.learner
+        self.kv_events = KvEvents(KvIndex(cfg.kv_events.max_blocks_per_engine), self.registry, cfg.kv_events)
+        # Looked up per request only once an engine's stream has brought a batch.
+        self.registry.kv_fresh, self.registry.kv_index = self.kv_events.fresh, self.kv_events.index
         for s in self.registry.states.values():
-            self.metrics.bind_backend(s, learner)
+            self._backend_added(s)
         self.metrics.race_saving_share.labels("placed").set_function(lambda: learner.race_saving_share)
         self.metrics.race_saving_share.labels("unplaced").set_function(lambda: learner.race_saving_share_unplaced)
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
@@ -107,15 +117,21 @@ class RouterState:
         self.fleet = Fleet(
             self.registry,
             self.monitor,
-            on_added=lambda s: self.metrics.bind_backend(s, learner),
-            on_removed=self.metrics.unbind_backend,
+            on_added=self._backend_added,
+            on_removed=self._backend_removed,
             initial={n: CONFIG if n in configured else ENGINES for n in self.registry.states},
         )
         await self.monitor.check_all()
         self.monitor.start()
         self.discovery = Discovery(self.fleet, cfg.discovery)
         await self.discovery.start()
-        self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing))
+        registry = self.registry
+        self.prompt_index = PromptIndex(
+            self.kv_events.index,
+            PromptTokenizer(self.client),
+            lambda name: (s.config.url, s.config.api_key) if (s := registry.states.get(name)) else None,
+        )
+        self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing), self.prompt_index)
         ready = [n for n, s in self.registry.states.items() if s.healthy]
         log.info(
             "router ready: %d/%d backends healthy (%s), strategy %s",
@@ -124,6 +140,21 @@ class RouterState:
             ", ".join(ready) or "none",
             cfg.routing.strategy,
         )
+
+    def _backend_added(self, s: BackendState) -> None:
+        assert self.registry is not None
+        assert self.kv_events is not None
+        self.metrics.bind_backend(s, self.registry.learner)
+        kv = self.kv_events
+        stream = kv.subscribe(s)
+        if stream is not None:
+            registry = self.registry
+            self.metrics.kv.bind(stream, kv.index, lambda: kv.fresh(s, registry.clock()))
+
+    def _backend_removed(self, name: str) -> None:
+        if self.kv_events is not None:
+            self.kv_events.unsubscribe(name)
+        self.metrics.unbind_backend(name)
 
     async def drain(self, _app: web.Application | None = None, quiet_s: float = 0.0) -> None:
         """Shutting down (SIGTERM/SIGINT; also on_shutdown): the listening socket is
@@ -170,6 +201,8 @@ class RouterState:
             await self.fleet.close()
         if self.monitor is not None:
             await self.monitor.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.client is not None:
             await self.client.close()
         if self.supervisor is not None:
@@ -199,7 +232,7 @@ class RouterState:
             ):
                 strategy.memory = before.memory
             assert self.client is not None
-            self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy)
+            self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.prompt_index)
 
     def refused(self, rec: RequestRecord, e: errors.RouterError) -> web.Response:
         """The error answer of a request that ended before its answer started, its status on
