@@ -97,11 +97,13 @@ async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(rout
     view = state.registry.snapshot().get("e0")
     assert view is not None
     assert view.kv_events_fresh
-    # What a planner gets for a request whose prompt came as token ids.
+    # What a planner gets for a request whose prompt came as token ids: both tiers' tokens
+    # for the engines whose index is fresh.
     spec = parse_request("completions", orjson.dumps({"model": "m", "prompt": PROMPT}))
-    assert route_query(spec, state.registry.kv_index).kv_hits == {"e0": KvHit(4, 4)}
-    text_spec = parse_request("completions", orjson.dumps({"model": "m", "prompt": "text"}))
-    assert route_query(text_spec, state.registry.kv_index).kv_hits is None
+    assert state.prompt_index is not None
+    query = await state.prompt_index.annotate(route_query(spec), False, spec.body, state.registry.snapshot(), None)
+    assert query.indexed == {"e0": 8.0}
+    assert query.prompt_tokens == len(PROMPT)
     pub.publish(cleared())
     await eventually(lambda: hits(state) == {"e0": KvHit(0, 0)}, what="cleared")
     text = state.metrics.exposition().decode()

@@ -31,6 +31,7 @@ class FixedPlanner:
     """Races every decode engine not kept out; `direct`: sends to the first of them."""
 
     name = "probe"
+    reads_index = False
 
     def __init__(self, direct: bool = False):
         self.direct = direct
