@@ -38,6 +38,9 @@ TRACE_SPEED = 0.3  # engines at 0.3 of an H100: ~6 requests/s at utilisation 0.8
 # down 16x from the trace's token counts; 28,000 blocks / 16 would be 1,750); the CPU tier
 # is 8x that.
 CPU_TIER_GPU_BLOCKS = 500
+# GPU KV of the many-tenants workload: about 50 of the 150 prompts of 1,564 tokens per
+# engine (16-token blocks).
+MANY_TENANTS_GPU_BLOCKS = 5000
 
 T = TypeVar("T")
 
@@ -125,6 +128,47 @@ WORKLOADS: tuple[SuiteWorkload, ...] = (
         target=0.85,
         cluster=(("num_gpu_blocks", CPU_TIER_GPU_BLOCKS), ("cpu_offload_x", 8.0)),
     ),
+    SuiteWorkload(
+        "many-tenants",
+        "approximate indexes and races spent where the answer is known: 150 shared 1,500-token "
+        "system prompts, 5 questions each, at 40 requests/s, engines that each hold about a third",
+        (
+            "--workload",
+            "prefix-groups",
+            "--groups",
+            "150",
+            "--per-group",
+            "5",
+            "--system-tokens",
+            "1500",
+            "--rate",
+            "40",
+        ),
+        ("--groups", "60"),
+        cluster=(("num_gpu_blocks", MANY_TENANTS_GPU_BLOCKS),),
+    ),
+    SuiteWorkload(
+        "new-prefix-bursts",
+        "an index fed by events: a burst of requests sharing a prefix nobody computed yet "
+        "arrives before the first one's blocks are stored and announced",
+        ("--workload", "prefix-groups", "--groups", "40", "--per-group", "8", "--rate", "24"),
+        ("--groups", "16"),
+        bursts=(1.0, 3.0),
+    ),
+    SuiteWorkload(
+        "replicas",
+        "one router's memory: four replicas behind a round-robin balancer share the engines",
+        ("--workload", "prefix-groups", "--rate", "8"),
+        ("--per-group", "8"),
+        cluster=(("routers", 4),),
+    ),
+    SuiteWorkload(
+        "engine-restart",
+        "a view that misses a restart: one decoder restarts, its cache gone, mid-run",
+        ("--workload", "prefix-groups", "--rate", "8"),
+        ("--per-group", "8"),
+        cluster=(("restart_engine_at", 12.0),),
+    ),
 )
 BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -145,7 +189,7 @@ def replay_args(a: argparse.Namespace, wd: SuiteWorkload, out: Path) -> argparse
         setattr(ns, k, getattr(a, k))
     ns.speed = a.speed or wd.speed
     for k, v in wd.cluster:
-        if not getattr(a, k):
+        if not getattr(a, k, None):  # the suite's own flag wins where it has one
             setattr(ns, k, v)
     ns.trace, ns.seed = a.trace, a.seed
     if a.requests:
