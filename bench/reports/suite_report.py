@@ -2,7 +2,7 @@
 
 Pure functions over summaries and request rows (no processes): `suite_row` turns one run's
 summary.json and requests.jsonl into a row, `add_regret` divides each mode's TTFT by the best
-baseline's of the same workload, `model_accuracy` compares the router's predicted TTFT with
+other mode's of the same workload, `model_accuracy` compares the router's predicted TTFT with
 the observed one. Definitions: docs/BENCHMARKS.md, "suite".
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.modes import BASELINES
+from bench.harness.modes import ORACLE
 from bench.harness.stats import median, rnd
 from bench.reports.render import console, markdown_table, table
 
@@ -31,6 +31,9 @@ COLUMNS = [
     ("ttft_p99_ms", "TTFT p99 ms"),
     ("regret_p50", "regret p50"),
     ("regret_p99", "regret p99"),
+    ("itl_p50_ms", "ITL p50 ms"),
+    ("itl_p99_ms", "ITL p99 ms"),
+    ("probes_per_request", "probes/req"),
     ("share_probe_hit", "probe_hit"),
     ("share_pd", "pd"),
     ("share_direct", "direct"),
@@ -89,6 +92,8 @@ def suite_row(workload: str, summary: dict[str, Any], requests: Sequence[dict[st
         "ttft_p50_ms",
         "ttft_p99_ms",
         "ttft_p90_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
         "goodput_fraction",
         "throughput_rps",
         "offered_rps",
@@ -103,18 +108,23 @@ def suite_row(workload: str, summary: dict[str, Any], requests: Sequence[dict[st
 
 
 def add_regret(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """regret_pX = a mode's TTFT pX / the lowest TTFT pX among the baselines (BASELINES) of the
-    same workload; None when the workload ran no baseline or the mode has no TTFT."""
+    """regret_pX = a mode's TTFT pX / the lowest TTFT pX of every *other* mode of the same
+    workload (the oracle runs nothing and is left out): below 1, the mode beat them all;
+    None when no other mode ran or the mode has no TTFT."""
     for q in ("p50", "p99"):
         key = f"ttft_{q}_ms"
-        best: dict[str, float] = {}
         for r in rows:
             v = r.get(key)
-            if r.get("mode") in BASELINES and v is not None and v > 0:
-                best[r["workload"]] = min(v, best.get(r["workload"], v))
-        for r in rows:
-            b, v = best.get(r["workload"]), r.get(key)
-            r[f"regret_{q}"] = rnd(v / b, 4) if b and v is not None else None
+            others = [
+                o[key]
+                for o in rows
+                if o is not r
+                and o["workload"] == r["workload"]
+                and o.get("mode") not in (ORACLE, r.get("mode"))
+                and o.get(key) is not None
+                and o[key] > 0
+            ]
+            r[f"regret_{q}"] = rnd(v / min(others), 4) if others and v is not None and r.get("mode") != ORACLE else None
     return rows
 
 
@@ -135,7 +145,7 @@ def write_suite(
     out: Path, rows: list[dict[str, Any]], loads: dict[str, dict[str, Any] | None], config: dict[str, Any]
 ) -> list[Path]:
     header = [load_line(name, loads.get(name)) for name in loads]
-    title = f"Routing suite: TTFT regret against the best of {', '.join(BASELINES)}"
+    title = "Routing suite: TTFT regret against the best other mode of the same run"
     t = table(title, COLUMNS, rows, ND)
     t.caption = "\n".join(header)
     console.print(t)
@@ -179,7 +189,7 @@ def plot_regret(path: Path, rows: list[dict[str, Any]]) -> Path | None:
         ax.set_ylim(min(vals) / 1.25, max(vals) * 1.25)
         ax.set_ylabel(f"TTFT {q} regret (log)")
         ax.grid(True, axis="y", which="both", alpha=0.3)
-    axes[0].set_title(f"TTFT regret = mode / best of {', '.join(BASELINES)}", fontsize=10)
+    axes[0].set_title("TTFT regret = mode / best other mode", fontsize=10)
     axes[0].legend(fontsize=8, ncol=len(modes))
     axes[1].set_xticks(range(len(workloads)))
     axes[1].set_xticklabels(workloads, rotation=15, ha="right")
