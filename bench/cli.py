@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(of)
     add_cluster_args(of)
     of.add_argument("--factors", default="0,2,4,8,16", help="CPU tier sizes, x GPU KV capacity")
-    of.add_argument("--modes", default="probe,prefix_tree,round_robin")
+    of.add_argument("--modes", default="probe,kv_events,prefix_tree,round_robin")
     of.add_argument("--out", required=True)
     of.add_argument("--resume", action="store_true", help="keep runs whose summary.json exists")
     of.set_defaults(fn=cmd_offload_sweep)
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--routers-list", default="1,2,4", help="replica counts (default %(default)s)")
     fl.add_argument(
         "--modes",
-        default="probe,prefix_tree,vllm_router_cache_aware,smg_cache_aware",
+        default="probe,kv_events,prefix_tree,vllm_router_cache_aware,smg_cache_aware",
         help="comma list; modes whose router is not installed are left out (default %(default)s)",
     )
     fl.add_argument(
