@@ -132,6 +132,7 @@ class Policy(Protocol):
 
     name: str
     Settings: type[Any]
+    reads_index: bool
 
     def __call__(self, routing: RoutingConfig, settings: Any) -> Strategy: ...
 
