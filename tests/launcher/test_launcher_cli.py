@@ -11,9 +11,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from launcher_testutil import LauncherProcess
 
 from engine_launcher.cli import main
+from support.launcher_process import LauncherProcess
 from support.ports import free_port
 from support.processes import children_of, group_gone, pid_gone
 

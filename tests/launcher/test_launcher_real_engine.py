@@ -1,7 +1,7 @@
 """One real vLLM engine (CPU build) started by `engine-launcher --config`, on the tiny model.
 
-Skipped only when vLLM is not installed and CACHEHIT_REQUIRE_REAL_ENGINE is unset; with
-CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI) a missing vLLM fails. An installed vLLM that does not
+Skipped when vLLM is not installed, unless support.requirements.real_engine_required()
+(CI): then a missing vLLM fails. An installed vLLM that does not
 start always fails, with the engine's log tail in the message.
 """
 
@@ -17,10 +17,11 @@ import textwrap
 import urllib.request
 
 import pytest
-from launcher_testutil import LauncherProcess
 
+from support.launcher_process import LauncherProcess
 from support.ports import free_port
 from support.processes import children_of, group_gone, pid_gone
+from support.requirements import missing_dependency
 
 # Engine start-up may take minutes on a loaded 2-core machine (START_GUARD_S below).
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -34,10 +35,7 @@ def require_vllm() -> None:
     missing = [m for m in ("vllm", "nixl") if importlib.util.find_spec(m) is None]
     if not missing:
         return
-    msg = f"{', '.join(missing)} not installed; run `engine-launcher install-deps --cpu`"
-    if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE") == "1":
-        pytest.fail(msg + " (CACHEHIT_REQUIRE_REAL_ENGINE=1)")
-    pytest.skip(msg)
+    missing_dependency(f"{', '.join(missing)} not installed; run `engine-launcher install-deps --cpu`")
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_scheduler_in_process import (
+
+# The scheduler tests' fixtures, imported under their own names (an explicit re-export, which
+# the linter keeps) so that this module's tests can ask for them.
+from real_engine.test_scheduler_in_process import (
     BLOCK,
     MAX_MODEL_LEN,
     TOKEN,
     EngineLoop,
     prompt,
 )
+from real_engine.test_scheduler_in_process import block_hasher as block_hasher
+from real_engine.test_scheduler_in_process import make_request as make_request
 
 pytestmark = pytest.mark.real_engine
 

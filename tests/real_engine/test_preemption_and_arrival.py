@@ -14,10 +14,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from real_engine_util import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range
+from support.real_engine import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]

@@ -20,11 +20,11 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from real_engine_util import scrape_metrics
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.server.app import ROUTER_KEY, build_app
+from support.real_engine import scrape_metrics
 from support.sse import read_sse
 
 # Engine start-up (the session fixture) is charged to the first test: allow for a slow machine.

@@ -12,9 +12,9 @@ import time
 import uuid
 
 import pytest
-from real_engine_util import post_json, post_sse, scrape_metrics
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
+from support.real_engine import post_json, post_sse, scrape_metrics
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]

@@ -12,10 +12,9 @@ import orjson
 
 N_BURST = 300
 
-from relutil import MODEL, set_faults, sim_backends
-
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, set_faults, sim_backends
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: bytes | dict, stream: bool = False):

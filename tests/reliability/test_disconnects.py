@@ -16,10 +16,10 @@ import random
 import aiohttp
 import orjson
 import pytest
-from relutil import MODEL, sim_backends
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, sim_backends
 
 STORM_REQUESTS = 1500
 STORM_CONCURRENCY = 48

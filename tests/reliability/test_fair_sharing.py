@@ -10,10 +10,10 @@ import asyncio
 
 import aiohttp
 import pytest
-from relutil import MODEL, sim_backends
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, sim_backends
 
 FLOOD_KEY, QUIET_KEY, METERED_KEY = "sk-flood-0123", "sk-quiet-4567", "sk-metered-89ab"
 

@@ -18,10 +18,18 @@ import signal
 
 import aiohttp
 import pytest
-from relutil import MODEL, Outcome, set_faults, sim_backends, sim_state, stream_request, unary_request
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import (
+    MODEL,
+    Outcome,
+    set_faults,
+    sim_backends,
+    sim_state,
+    stream_request,
+    unary_request,
+)
 
 N_STREAMS = 200
 MAX_TOKENS = 48

@@ -21,9 +21,9 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relutil import MODEL, RouterProc, SimProc, sim_backends
 
 from support.metrics import parse_metrics
+from support.subprocess_cluster import MODEL, RouterProc, SimProc, sim_backends
 
 READ_TIMEOUT_S = 1.5
 EXCHANGE_BOUND_S = 15.0  # any single exchange taking longer is a hang

@@ -14,10 +14,10 @@ import signal
 
 import aiohttp
 import orjson
-from relutil import MODEL, set_faults, sim_backends
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, set_faults, sim_backends
 
 ADMIN = "admin-secret"
 

@@ -21,9 +21,9 @@ import time
 
 import orjson
 import pytest
-from relutil import MODEL, RouterProc, SimProc, sim_backends
 
 from support.polling import eventually_blocking
+from support.subprocess_cluster import MODEL, RouterProc, SimProc, sim_backends
 
 KEY = "client-key-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}

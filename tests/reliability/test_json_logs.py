@@ -6,7 +6,8 @@ from __future__ import annotations
 import aiohttp
 import orjson
 import pytest
-from relutil import MODEL, sim_backends
+
+from support.subprocess_cluster import MODEL, sim_backends
 
 ANNOUNCE = ("router: serving", "  try:")  # printed to stdout for a human, not logged
 

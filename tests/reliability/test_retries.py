@@ -6,7 +6,8 @@ test_timeouts, tests/router/test_resume.py)."""
 from __future__ import annotations
 
 import pytest
-from cluster_util import MODEL, FaultConfig
+
+from support.cluster import MODEL, FaultConfig
 
 
 def _sum(c, name: str, **labels) -> float:

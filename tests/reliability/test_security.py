@@ -21,12 +21,13 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from relutil import MODEL, sim_backends
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.fleet.capability import CHECK_PROMPT_PREFIX
 from router.server.app import build_app
+from support.requirements import missing_dependency
+from support.subprocess_cluster import MODEL, sim_backends
 
 CLIENT_KEY = "sk-client-1"
 OTHER_CLIENT_KEY = "sk-client-two-longer"
@@ -466,7 +467,7 @@ def _self_signed_openssl(tmp_path) -> tuple[str, str]:
     import subprocess
 
     if shutil.which("openssl") is None:
-        pytest.skip("neither the cryptography package nor the openssl command is available")
+        missing_dependency("neither the cryptography package nor the openssl command is available")
     cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         [

@@ -14,9 +14,9 @@ import socket
 
 import aiohttp
 import orjson
-from relutil import MODEL
 
 from support.polling import eventually
+from support.subprocess_cluster import MODEL
 
 ADMIN = "admin-key"
 

@@ -15,10 +15,10 @@ import socket
 import aiohttp
 import orjson
 import pytest
-from relutil import MODEL, sim_backends
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, sim_backends
 
 MAX_TOKENS = 30_000
 ENGINE_ARGS = ("--speed", "100", "--max-model-len", "40000")

@@ -11,7 +11,8 @@ import asyncio
 import socket
 
 import pytest
-from cluster_util import MODEL, FaultConfig, long_prompt
+
+from support.cluster import MODEL, FaultConfig, long_prompt
 
 
 def _assert_error(body: dict, status: int, *needles: str) -> str:

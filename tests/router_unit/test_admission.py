@@ -9,8 +9,6 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from wire_fixtures import body as wire_body
-from wire_fixtures import load as wire_load
 
 from router.admission.spec import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -21,6 +19,8 @@ from router.admission.spec import (
     parse_request,
 )
 from router.errors import RouterError
+from support.wire_captures import body as wire_body
+from support.wire_captures import load as wire_load
 
 CMPL = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

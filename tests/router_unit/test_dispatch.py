@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from fake_upstream import FakeUpstream, answer, rejection, token
 
 from router.admission.spec import parse_request
 from router.answer.shaper import ResponseShaper
@@ -23,6 +22,7 @@ from router.fleet.registry import BackendRegistry
 from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
 from router.routing.planning import Plan
+from support.fake_upstream import FakeUpstream, answer, rejection, token
 
 PROMPT_IDS = [11, 12, 13]
 

@@ -126,14 +126,14 @@ def test_from_error_object_never_raises(value):
 
 
 def test_model_not_found_equals_the_real_capture():
-    from wire_fixtures import body
+    from support.wire_captures import body
 
     assert errors.model_not_found("no-such-model", ["tiny"]).body() == body("error_unknown_model")
     assert errors.model_not_found("no-such-model", ["tiny"]).body() == body("error_unknown_model_chat")
 
 
 def test_real_error_body_passes_through():
-    from wire_fixtures import load
+    from support.wire_captures import load
 
     d = load("error_out_of_range_temperature")
     err = errors.from_upstream_body(d["status"], d["raw"].encode())

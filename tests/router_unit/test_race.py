@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from fake_upstream import HANG, FakeUpstream, Pause, rejection, token
-
 from router.dispatch.race import run_race
 from router.engine.errors import BROKEN, CONNECT, UpstreamError
 from router.names import Verdict
+from support.fake_upstream import HANG, FakeUpstream, Pause, rejection, token
 
 
 async def test_the_first_acceptor_wins_and_the_others_are_stopped():

@@ -14,7 +14,11 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_shapes import (
+
+from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
+from router.answer.shaper import ResponseShaper
+from router.engine.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
+from support.vllm_serving import (
     Gen,
     Step,
     _chat_logprobs,
@@ -24,11 +28,7 @@ from vllm_shapes import (
     completion_full,
     completion_stream,
 )
-from wire_fixtures import body, normalized, request_body, stream_chunks
-
-from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
-from router.answer.shaper import ResponseShaper
-from router.engine.wire import CACHE_THRESHOLD, MalformedChunk, is_rejection_chunk
+from support.wire_captures import body, normalized, request_body, stream_chunks
 
 PROMPT = [101, 102, 103, 104]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sim_testutil import post
 
 from engine_launcher.sim import TimingModel
 from support.polling import eventually
+from support.sim_http import post
 
 
 def test_step_time_formula() -> None:

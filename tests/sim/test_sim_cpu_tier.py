@@ -5,7 +5,6 @@ vLLM's metric names."""
 from __future__ import annotations
 
 import pytest
-from sim_testutil import post
 
 from engine_launcher.sim import SimEngineConfig
 from engine_launcher.sim.cli import build_parser, config_from_args
@@ -15,6 +14,7 @@ from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import parse_load_metrics
 from router.fleet.registry import BackendRegistry
 from support.metrics import scrape_metrics
+from support.sim_http import post
 from support.sse import parse_sse
 
 BS = 16

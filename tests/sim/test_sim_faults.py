@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import aiohttp
 import pytest
-from sim_testutil import post
 
 from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
 from support.polling import eventually
+from support.sim_http import post
 from support.sse import parse_sse
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from sim_testutil import post
 
 from engine_launcher.sim import tokenizer as tok
+from support.sim_http import post
 
 PROMPT = "the first river of the world was known to all people"
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from sim_testutil import post
-
 from support.metrics import scrape_metrics
+from support.sim_http import post
 
 
 async def test_prefix_cache_counters_count_tokens(make_engine, http) -> None:

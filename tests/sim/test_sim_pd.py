@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import uuid
 
-from sim_testutil import post
-
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.sim_http import post
 
 PROMPT = list(range(200, 300))
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from sim_testutil import post
-
 from engine_launcher.sim import tokenizer as tok
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.sim_http import post
 
 
 async def test_tiny_cache_forces_preemption_and_everything_still_completes(make_engine, http) -> None:

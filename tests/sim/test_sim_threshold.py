@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sim_testutil import post
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.sim_http import post
 from support.sse import parse_sse
 
 PROMPT = list(range(400, 464))  # 64 token ids = 4 blocks of 16

@@ -11,7 +11,6 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from cluster_util import MODEL, PD_PREFERRED, FaultConfig, long_prompt
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -19,6 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from router.fleet.capability import CHECK_PROMPT_PREFIX
+from support.cluster import MODEL, PD_PREFERRED, FaultConfig, long_prompt
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

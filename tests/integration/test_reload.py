@@ -8,11 +8,10 @@ import asyncio
 import dataclasses
 import logging
 
-from cluster_util import MODEL, long_prompt
-
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.server.reload import changed_keys, reload, split_changes
+from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 

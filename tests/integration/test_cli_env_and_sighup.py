@@ -13,11 +13,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-from cluster_util import MODEL
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.overrides import layer, load
 from router.config.schema import ConfigError
+from support.cluster import MODEL
 from support.polling import eventually
 from support.ports import free_port
 

@@ -12,9 +12,9 @@ import asyncio
 
 import orjson
 import pytest
-from cluster_util import MODEL, long_prompt
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
+from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}

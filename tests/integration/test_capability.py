@@ -7,9 +7,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from cluster_util import MODEL, long_prompt
-
 from engine_launcher.sim import start_sim_engine
+from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 GAUGE = "cachehit_router_backend_threshold_capable"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from cluster_util import MODEL, FaultConfig, long_prompt
+
+from support.cluster import MODEL, FaultConfig, long_prompt
 
 CHAT = "/v1/chat/completions"
 

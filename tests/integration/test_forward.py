@@ -10,8 +10,8 @@ import struct
 
 import aiohttp
 import orjson
-from cluster_util import MODEL, FaultConfig
 
+from support.cluster import MODEL, FaultConfig
 from support.polling import eventually
 
 

@@ -2,7 +2,8 @@
 
 import orjson
 import pytest
-from cluster_util import MODEL, long_prompt
+
+from support.cluster import MODEL, long_prompt
 
 VOLATILE = ("id", "created")
 

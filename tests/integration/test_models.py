@@ -4,8 +4,7 @@ models with its health checks)."""
 
 from __future__ import annotations
 
-from cluster_util import MODEL
-
+from support.cluster import MODEL
 from support.polling import eventually
 
 

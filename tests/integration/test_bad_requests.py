@@ -5,8 +5,8 @@ import asyncio
 import orjson
 import pytest
 from aiohttp import web
-from cluster_util import MODEL, long_prompt
 
+from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 

@@ -3,9 +3,9 @@
 import asyncio
 
 import pytest
-from cluster_util import MODEL, PD_PREFERRED, long_prompt
 
 from engine_launcher.sim import FaultConfig
+from support.cluster import MODEL, PD_PREFERRED, long_prompt
 
 
 async def _preempting_cluster(make_cluster):

@@ -9,8 +9,9 @@ import json
 import re
 from pathlib import Path
 
-from cluster_util import MODEL
 from prometheus_client.parser import text_string_to_metric_families
+
+from support.cluster import MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "cachehit-router.json"

@@ -2,8 +2,7 @@
 
 import asyncio
 
-from cluster_util import MODEL, long_prompt
-
+from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 

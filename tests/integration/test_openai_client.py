@@ -8,7 +8,8 @@ import asyncio
 
 import openai
 import pytest
-from cluster_util import MODEL, long_prompt
+
+from support.cluster import MODEL, long_prompt
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import asyncio
 import logging
 
 import pytest
-from cluster_util import MODEL, PD_PREFERRED, long_prompt
 
+from support.cluster import MODEL, PD_PREFERRED, long_prompt
 from support.polling import eventually
 
 

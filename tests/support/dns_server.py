@@ -18,6 +18,7 @@ import dns.resolver
 import pytest
 
 from support.ports import free_port
+from support.requirements import missing_dependency
 
 
 def _dnsmasq_binary() -> str | None:
@@ -98,9 +99,7 @@ async def dns_server(tmp_path):
     binary = _dnsmasq_binary()
     if binary is None:
         message = "dnsmasq is not installed (scripts/test.sh installs it: apt-get install dnsmasq-base)"
-        if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE"):
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_dependency(message)
     server = await _start(binary, tmp_path)
     try:
         yield server

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster_util import MODEL, long_prompt
-
 from router.dispatch.race import run_race
 from router.engine.wire import streamed_leg_body
+from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 

@@ -15,11 +15,11 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from cluster_util import MODEL
-from fleet_util import ADDRS, finished, start_router
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.fleet.kubernetes import ready_pods
+from support.cluster import MODEL
+from support.fleet import ADDRS, finished, start_router
 from support.polling import eventually
 from support.ports import free_port_on
 

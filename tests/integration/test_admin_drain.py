@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import orjson
-from cluster_util import MODEL, long_prompt
 
+from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}

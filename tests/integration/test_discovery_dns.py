@@ -13,10 +13,10 @@ import asyncio
 import aiohttp
 import orjson
 import pytest
-from cluster_util import MODEL, long_prompt
-from fleet_util import ADDRS, finished, start_router
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
+from support.cluster import MODEL, long_prompt
+from support.fleet import ADDRS, finished, start_router
 from support.polling import eventually
 from support.ports import free_port_on
 

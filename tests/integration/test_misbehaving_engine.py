@@ -10,11 +10,11 @@ import asyncio
 import orjson
 import pytest
 from aiohttp import web
-from cluster_util import MODEL, long_prompt
 
 from engine_launcher.sim import tokenizer as tok
 from router.config.parse import parse_config
 from router.server.app import build_app
+from support.cluster import MODEL, long_prompt
 
 
 def _chunk(text_ids: list[int], prompt_ids=None, finish=None) -> bytes:

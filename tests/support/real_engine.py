@@ -21,13 +21,6 @@ from support.metrics import Metrics, parse_metrics
 from support.processes import group_has_live_members, start_group, stop_group
 from support.sse import decode_payload, parse_sse
 
-REQUIRE_ENV = "CACHEHIT_REQUIRE_REAL_ENGINE"
-
-
-def real_engine_required() -> bool:
-    """CI sets CACHEHIT_REQUIRE_REAL_ENGINE=1: an engine that cannot start fails the test."""
-    return os.environ.get(REQUIRE_ENV, "").strip().lower() not in ("", "0", "false", "no")
-
 
 def vllm_missing_reason() -> str | None:
     try:
