@@ -1,7 +1,7 @@
 """Retries: a connection failure or a 5xx before the first token is
 retried on another backend, at most routing.max_retries times; a 4xx is the client's and
 is not retried; after the first token the resume path takes over (test_fault_injection,
-test_timeouts, tests/router/test_resume.py)."""
+test_timeouts, tests/integration/test_resume.py)."""
 
 from __future__ import annotations
 
