@@ -117,7 +117,7 @@ async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster):
     # Every answer came from d1; each request that tried d0 first was retried there.
     assert c.router_metric("cachehit_router_requests_total", route="forward", status="200") == 6
     assert c.router_metric("cachehit_router_upstream_errors_total", backend="d0", kind="status") >= 1
-    assert c.router_metric("cachehit_router_upstream_errors_total", backend="d1", kind="status") == 0
+    assert c.router_metric_or_zero("cachehit_router_upstream_errors_total", backend="d1", kind="status") == 0
 
     # Least loaded: with d1 busy (requests in flight), a forwarded request goes to d0.
     c2 = await make_cluster(decoders=2)

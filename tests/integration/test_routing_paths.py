@@ -50,7 +50,7 @@ async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(ma
     assert out["usage"]["completion_tokens"] == 6
     assert c.routes() == {"probe_hit": 0, "pd": 1, "direct": 0}
     for d in ("d0", "d1"):
-        assert c.router_metric("cachehit_router_probe_rejections_total", backend=d) in (None, 0.0)
+        assert c.router_metric_or_zero("cachehit_router_probe_rejections_total", backend=d) == 0
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
 
 
@@ -177,7 +177,7 @@ async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluste
     assert status == 200
     assert out["usage"]["completion_tokens"] == 200
     assert c.routes()["probe_hit"] == 1
-    losers = sum(c.router_metric("cachehit_router_probe_losers_total", backend=n) for n in c.engines)
+    losers = sum(c.router_metric_or_zero("cachehit_router_probe_losers_total", backend=n) for n in c.engines)
     assert losers == 2
     # The engines aborted the losers: nothing runs anywhere once the answer is complete, and
     # each loser produced far fewer tokens than the winner's 200.
@@ -286,7 +286,7 @@ async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_clust
 
     def refused_or_dropped() -> float:  # probes that did not win
         return sum(
-            c.router_metric(m, backend=n)
+            c.router_metric_or_zero(m, backend=n)
             for n in c.engines
             for m in ("cachehit_router_probe_rejections_total", "cachehit_router_probe_losers_total")
         )

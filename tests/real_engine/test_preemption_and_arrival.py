@@ -186,7 +186,11 @@ def _grown(url: str, name: str, before: float, target: float, timeout_s: float =
 
 def _rejections(url: str) -> dict[str, float]:
     m = scrape_metrics(url)
-    return {stage: m.value("cachehit_threshold_rejections_total", stage=stage) for stage in ("arrival", "admission")}
+    # A stage that has rejected nothing yet has no sample: it counts 0.
+    return {
+        stage: m.sample_or_zero("cachehit_threshold_rejections_total", stage=stage)
+        for stage in ("arrival", "admission")
+    }
 
 
 def _counted_rejections(url: str, before: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:

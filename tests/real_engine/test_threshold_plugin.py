@@ -273,14 +273,15 @@ def test_rejections_are_counted_in_metrics(threshold_engine):
     deadline = time.monotonic() + 15
     while True:
         after = scrape_metrics(url)
-        success = after.value("vllm:request_success_total", finished_reason="cache_threshold") - before.value(
+        # No request has finished that way before the first rejection: no sample yet reads 0.
+        success = after.sample_or_zero(
             "vllm:request_success_total", finished_reason="cache_threshold"
-        )
+        ) - before.sample_or_zero("vllm:request_success_total", finished_reason="cache_threshold")
         if success >= 1 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert success >= 1
-    arrival = after.value("cachehit_threshold_rejections_total", stage="arrival") - before.value(
+    arrival = after.value("cachehit_threshold_rejections_total", stage="arrival") - before.sample_or_zero(
         "cachehit_threshold_rejections_total", stage="arrival"
     )
     assert arrival == 1  # this engine checks at arrival; a cold prompt is rejected there

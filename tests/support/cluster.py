@@ -14,7 +14,7 @@ from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
 from engine_launcher.sim.tokenizer import WORDS
 from router.config.parse import parse_config
 from router.server.app import ROUTER_KEY, build_app
-from support.metrics import scrape_metrics
+from support.metrics import registry_metrics, scrape_metrics
 from support.polling import eventually
 from support.sse import read_sse
 
@@ -60,18 +60,18 @@ class Cluster:
 
     def router_metric(self, name: str, **labels) -> float:
         """A router sample summed over the label sets that include `labels` (so a test
-        need not name every label, e.g. `model`)."""
-        return sum(
-            s.value
-            for fam in self.state.metrics.registry.collect()
-            for s in fam.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        need not name every label, e.g. `model`); fails when the router has no such metric
+        or no sample with these labels (support/metrics.py)."""
+        return registry_metrics(self.state.metrics.registry).value(name, **labels)
+
+    def router_metric_or_zero(self, name: str, **labels) -> float:
+        """`router_metric`, but 0.0 for a declared metric with no sample with these labels."""
+        return registry_metrics(self.state.metrics.registry).sample_or_zero(name, **labels)
 
     def routes(self) -> dict[str, float]:
         out = {}
         for route in ("probe_hit", "pd", "direct"):
-            out[route] = self.router_metric("cachehit_router_requests_total", route=route, status="200")
+            out[route] = self.router_metric_or_zero("cachehit_router_requests_total", route=route, status="200")
         return out
 
     async def engine_metric(self, name: str, metric: str) -> float:
