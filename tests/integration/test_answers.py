@@ -86,7 +86,7 @@ async def test_streaming_matches_engine_stream_modulo_ids(make_cluster, path, pr
     assert status == 200
     direct_events = ["[DONE]" if p == b"[DONE]" else orjson.loads(p) for p in direct]
     assert len(events) == len(direct_events)
-    for got, want in zip(events, direct_events):
+    for got, want in zip(events, direct_events, strict=False):
         if want == "[DONE]":
             assert got == "[DONE]"
         else:

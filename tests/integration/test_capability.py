@@ -14,15 +14,14 @@ from support.polling import eventually
 GAUGE = "cachehit_router_backend_threshold_capable"
 
 
-async def _checked(c, timeout: float = 10.0) -> dict[str, float]:
+async def _checked(c, within: float = 10.0) -> dict[str, float]:
     def checked() -> dict[str, float]:
         values = {n: c.router_metric(GAUGE, backend=n) for n in c.engines}
-        assert all(v != -1 for v in values.values()) and all(
-            s.threshold_capable is not None for s in c.state.registry.states.values()
-        ), values
+        assert all(v != -1 for v in values.values()), values
+        assert all(s.threshold_capable is not None for s in c.state.registry.states.values()), values
         return values
 
-    return await eventually(checked, timeout, "the capability check of every engine")
+    return await eventually(checked, within, "the capability check of every engine")
 
 
 async def test_stock_engine_is_never_probed(make_cluster, caplog):

@@ -20,6 +20,7 @@ from router.config.schema import ConfigError
 from support.cluster import MODEL
 from support.polling import eventually
 from support.ports import free_port
+from support.processes import start_group
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +101,8 @@ async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(
     port = free_port()
     f = tmp_path / "router.toml"
     f.write_text(toml([("a", a.url)], "[health]\nscrape_interval_s = 0.2\ncheck_interval_s = 0.4\n"))
-    proc = subprocess.Popen(
+    # In its own process group (support/processes.py), like every process a test starts.
+    proc = start_group(
         [sys.executable, "-m", "router.cli", "--config", str(f), "--port", str(port)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,

@@ -141,7 +141,7 @@ def test_a_policy_names_the_routing_keys_it_reads():
     assert policies.RoundRobinStrategy.validate(bad) == []
     # Checked whatever the strategy: a reload or the environment may switch to the policy
     # that reads them.
-    with pytest.raises(ConfigError, match="routing.race: expected one of auto, always"):
+    with pytest.raises(ConfigError, match=r"routing\.race: expected one of auto, always"):
         parse_config({**MIN_BACKEND, "routing": {"strategy": "round_robin", "race": "sometimes"}})
 
 

@@ -98,18 +98,18 @@ async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_
         return s is not None
 
     await dns_server.publish({NAME: [a, b, dead]})
-    await eventually(joined, timeout=15, what="the new address to join")
+    await eventually(joined, within=15, what="the new address to join")
     assert not seen_unhealthy
     rounds = state.discovery.rounds[f"discovery:dns:{NAME}"]
     await eventually(
-        lambda: state.discovery.rounds[f"discovery:dns:{NAME}"] >= rounds + 3, timeout=15, what="more discovery rounds"
+        lambda: state.discovery.rounds[f"discovery:dns:{NAME}"] >= rounds + 3, within=15, what="more discovery rounds"
     )
     assert backend(dead, port) not in state.registry.states
 
     # The first engine is drained by hand so the stream lands on the second.
     state.registry.set_draining(backend(a, port), True)
     stream = asyncio.create_task(complete(session, url, long_prompt("dns", 40), max_tokens=60))
-    await eventually(lambda: second.engine.num_running > 0 or stream.done(), timeout=15, what="the stream to start")
+    await eventually(lambda: second.engine.num_running > 0 or stream.done(), within=15, what="the stream to start")
     assert not stream.done()
     state.registry.set_draining(backend(a, port), False)
 
@@ -117,13 +117,14 @@ async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_
     await dns_server.publish({NAME: [a]})
     await eventually(
         lambda: state.registry.states.get(backend(b, port)) is None or state.registry.states[backend(b, port)].draining,
-        timeout=15,
+        within=15,
         what="the drain",
     )
     assert not stream.done(), "the stream must still be running when the drain starts"
     status, out = await stream
-    assert status == 200 and out["usage"]["completion_tokens"] == 60, out
-    await eventually(lambda: backend(b, port) not in state.registry.states, timeout=15, what="the removal")
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] == 60, out
+    await eventually(lambda: backend(b, port) not in state.registry.states, within=15, what="the removal")
     before = {e: await finished(session, e) for e in (first, second)}
     for i in range(3):
         assert (await complete(session, url, f"after {i}"))[0] == 200
@@ -141,21 +142,19 @@ async def test_nxdomain_removes_the_engines_and_an_outage_keeps_them(dns_server,
     assert set(state.registry.states) == {backend(a, port)}
 
     await dns_server.publish({})  # the name is gone (NXDOMAIN): an answer, zero engines
-    await eventually(lambda: not state.registry.states, timeout=15, what="the removal")
+    await eventually(lambda: not state.registry.states, within=15, what="the removal")
     async with session.get(url + "/ready") as r:
         assert r.status == 503
     status, out = await complete(session, url, "nobody home")
     assert status == 503, out
 
     await dns_server.publish({NAME: [a]})
-    await eventually(lambda: backend(a, port) in state.registry.states, timeout=15, what="the address to come back")
+    await eventually(lambda: backend(a, port) in state.registry.states, within=15, what="the address to come back")
     assert (await complete(session, url, "back"))[0] == 200
 
     dns_server.close()  # the DNS server is gone: look-ups time out
     failures = state.discovery.failures.get(source, 0)
-    await eventually(
-        lambda: state.discovery.failures.get(source, 0) >= failures + 2, timeout=15, what="failed look-ups"
-    )
+    await eventually(lambda: state.discovery.failures.get(source, 0) >= failures + 2, within=15, what="failed look-ups")
     assert set(state.registry.states) == {backend(a, port)}
     assert not state.registry.states[backend(a, port)].draining
     assert (await complete(session, url, "during the outage"))[0] == 200

@@ -142,14 +142,14 @@ async def test_ready_pods_join_and_leave(kube):
     # A pod goes away (scale-down): drained and removed.
     api.present.discard(READY[1])
     await eventually(
-        lambda: set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}, timeout=15, what="the pod's removal"
+        lambda: set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}, within=15, what="the pod's removal"
     )
 
     # The API refuses (RBAC): nothing changes.
     api.forbidden = True
     failures = state.discovery.failures.get(source, 0)
     await eventually(
-        lambda: state.discovery.failures.get(source, 0) >= failures + 2, timeout=15, what="refused look-ups"
+        lambda: state.discovery.failures.get(source, 0) >= failures + 2, within=15, what="refused look-ups"
     )
     assert set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}
     api.forbidden = False
@@ -158,5 +158,5 @@ async def test_ready_pods_join_and_leave(kube):
     api.token = "token-2"
     api.token_file.write_text("token-2\n")
     api.present.add(READY[1])
-    await eventually(lambda: set(state.registry.states) == names, timeout=15, what="the pod's return")
+    await eventually(lambda: set(state.registry.states) == names, within=15, what="the pod's return")
     assert api.requests > 0

@@ -92,7 +92,7 @@ async def test_engine_errors_pass_through_and_unknown_models_are_404(make_cluste
 
 async def test_auth_and_body_limit_hold_on_forwarded_routes(make_cluster):
     c = await make_cluster(decoders=1, server={"api_keys": ["k1"], "max_body_bytes": 2048})
-    status, err, headers = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"})
+    status, _, headers = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"})
     assert status == 401
     assert headers.get("WWW-Authenticate") == "Bearer"
     auth = {"Authorization": "Bearer k1"}

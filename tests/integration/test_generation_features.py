@@ -122,7 +122,8 @@ async def test_engine_errors_are_relayed_and_failures_retried(make_cluster):
     c = await make_cluster(decoders=2, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}})
     # The engine's own validation answer, unchanged: n > 1 is not for greedy sampling.
     status, out = await c.complete({"model": MODEL, "prompt": "x", "n": 2, "temperature": 0})
-    assert status == 400 and out["error"]["message"] == "n must be 1 when using greedy sampling, got 2.", out
+    assert status == 400, out
+    assert out["error"]["message"] == "n must be 1 when using greedy sampling, got 2.", out
     # Checked by the router as vLLM checks it: no prompt_logprobs in a stream.
     status, events = await c.stream({"model": MODEL, "prompt": "x", "prompt_logprobs": 1})
     assert status == 400
@@ -130,7 +131,8 @@ async def test_engine_errors_are_relayed_and_failures_retried(make_cluster):
     # d0 fails every generation: each request is retried on d1 before its first byte.
     for i in range(4):
         status, out = await c.complete({"model": MODEL, "prompt": long_prompt(f"r{i}", 20), "n": 2, "max_tokens": 2})
-        assert status == 200 and len(out["choices"]) == 2, out
+        assert status == 200, out
+        assert len(out["choices"]) == 2, out
     assert c.router_metric("cachehit_router_requests_total", route="direct", status="200") == 4
 
 
@@ -142,7 +144,8 @@ async def test_still_rejected(make_cluster):
         ({"prompt": "x", "n": 2, "model": "nope"}, "model"),
     ):
         status, out = await c.complete({"model": MODEL, **body})
-        assert status in (400, 404) and out["error"]["param"] == param, out
+        assert status in (400, 404), out
+        assert out["error"]["param"] == param, out
 
 
 async def test_a_body_request_id_names_the_answer(make_cluster):
@@ -150,7 +153,8 @@ async def test_a_body_request_id_names_the_answer(make_cluster):
     for rid in ("mine-1", "odd\nid"):
         for n in (1, 2):
             status, out = await c.complete({"model": MODEL, "prompt": "x", "n": n, "max_tokens": 2, "request_id": rid})
-            assert status == 200 and out["id"] == f"cmpl-{rid}", out
+            assert status == 200, out
+            assert out["id"] == f"cmpl-{rid}", out
 
 
 async def test_the_race_picks_the_engine_holding_the_prompt(make_cluster):
@@ -172,10 +176,12 @@ async def test_the_race_picks_the_engine_holding_the_prompt(make_cluster):
             assert events[-1] == "[DONE]"
         else:
             status, out = await c.complete(body)
-            assert status == 200 and len(out["choices"]) == 2, out
+            assert status == 200, out
+            assert len(out["choices"]) == 2, out
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         after = await c.engine_metrics("vllm:generation_tokens_total")
         # The winner: its probe's one token and the 2 x 3 of the answer; the other rejected.
-        assert after[holder] - before[holder] == 7 and after[other] == before[other], (i, before, after)
+        assert after[holder] - before[holder] == 7, (i, before, after)
+        assert after[other] == before[other], (i, before, after)
     assert c.router_metric("cachehit_router_requests_total", route="probe_hit", status="200") == 4
     assert c.router_metric("cachehit_router_probe_rejections_total") == 4

@@ -19,13 +19,13 @@ from support.cluster import MODEL, long_prompt
 from support.polling import eventually
 
 
-async def _settled(c, timeout: float = 10.0) -> dict[str, int]:
+async def _settled(c, within: float = 10.0) -> dict[str, int]:
     def settled() -> dict[str, int]:
         counts = {n: s.inflight for n, s in c.state.registry.states.items()}
         assert not any(counts.values()), f"requests still in flight: {counts}"
         return counts
 
-    return await eventually(settled, timeout, "no request in flight")
+    return await eventually(settled, within, "no request in flight")
 
 
 def _opener(c, body: dict):

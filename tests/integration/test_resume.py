@@ -29,7 +29,8 @@ async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stre
     if stream:
         results = await asyncio.gather(*(c.stream({**b, "stream_options": {"include_usage": True}}) for b in bodies))
         for status, events in results:
-            assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
+            assert status == 200, (status, events[-3:])
+            assert events[-1] == "[DONE]", (status, events[-3:])
             chunks = [e for e in events[:-1]]
             assert chunks[-1]["usage"]["completion_tokens"] == max_tokens, chunks[-2:]
             finishes = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]]

@@ -268,7 +268,9 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
     await eventually(lambda: sum(c.engine_running().values()) >= 2, what="C's leg on the other engine", interval=0.002)
     status, b = await c.complete({"model": MODEL, "prompt": head + " " + long_prompt("b", 10), "max_tokens": 2})
     (status_a, a), (status_c, _) = await leader, await other
-    assert status == 200 and status_a == 200 and status_c == 200, (a, b)
+    assert status == 200, (a, b)
+    assert status_a == 200, (a, b)
+    assert status_c == 200, (a, b)
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 2000, b["usage"]
     assert c.routes()["pd"] == 0
@@ -300,7 +302,8 @@ async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_clust
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288  # whole blocks
         after = await c.engine_metrics("vllm:request_success_total")
         asked = {n for n in after if after[n] > before[n]}
-        assert len(asked) == 2 and holder in asked, asked  # two probes, the holder among them
+        assert len(asked) == 2, asked
+        assert holder in asked, asked  # two probes, the holder among them
     assert c.routes()["probe_hit"] == 3
     assert refused_or_dropped() == 2 + 3  # each warm request: the holder wins, the other does not
 

@@ -112,7 +112,9 @@ def test_hadolint_finds_nothing_in_the_dockerfile(tmp_path):
     bad.write_text("FROM python:latest\nRUN apt-get install curl\nRUN cd /app\n")
     flagged = _hadolint(bad)
     assert flagged.returncode != 0
-    assert "DL3007" in flagged.stdout and "DL3008" in flagged.stdout, flagged.stdout
+    assert "DL3007" in flagged.stdout, flagged.stdout
+    assert "DL3008" in flagged.stdout, flagged.stdout
     # ...and ours has no finding at any level.
     r = _hadolint(REPO / "Dockerfile")
-    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not r.stdout.strip(), r.stdout + r.stderr

@@ -135,7 +135,7 @@ async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_pytho
     # Held: nobody else can bind a picked port before the engine is spawned.
     import socket
 
-    with socket.socket() as s, pytest.raises(OSError):
+    with socket.socket() as s, pytest.raises(OSError, match="Address already in use"):
         s.bind(("127.0.0.1", ports["e0"].http))
     await sup.stop()  # releases the reservations
     with socket.socket() as s:
@@ -180,7 +180,7 @@ async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill
     with pytest.raises(EngineStartError, match=r"did not answer GET /health within 3 s"):
         await start
     assert ev.detail == "attempt 1"
-    assert "fake engine hang" in Path(tmp_path / "logs" / "hung.log").read_text()
+    assert "fake engine hang" in await asyncio.to_thread((tmp_path / "logs" / "hung.log").read_text)
     assert pid_gone(pid)
     assert group_gone(pid)
 

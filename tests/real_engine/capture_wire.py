@@ -325,7 +325,7 @@ def run_disagg(producer: str, consumer: str) -> None:
     )
     rec = capture(producer, "disagg_prefill_leg", "POST", "/v1/completions", body)
     write("disagg_prefill_leg", rec)
-    status, data = request(producer, "POST", "/v1/completions", body)  # fresh, un-normalized
+    _, data = request(producer, "POST", "/v1/completions", body)  # fresh, un-normalized
     kv = json.loads(data)["kv_transfer_params"]
     decode = comp(
         prompt=DISAGG_PROMPT, max_tokens=4, stream=True, return_token_ids=True, kv_transfer_params=kv, **USAGE

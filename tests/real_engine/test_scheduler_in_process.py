@@ -199,7 +199,8 @@ class EngineLoop:
         """The request's one finishing output (asserts there is exactly one, and it is last)."""
         outs = self.outputs.get(request_id, [])
         finishing = [o for o in outs if o.finish_reason is not None]
-        assert len(finishing) == 1 and finishing[0] is outs[-1], outs
+        assert len(finishing) == 1, outs
+        assert finishing[0] is outs[-1], outs
         return finishing[0]
 
     def streamed_tokens(self, request_id: str) -> list[int]:

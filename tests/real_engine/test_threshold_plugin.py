@@ -114,7 +114,9 @@ def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
     assert status == 200
     assert_rejected_body(body)
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 0 and cached % 32 == 0 and cached <= head_tokens, (cached, head_tokens)
+    assert cached > 0, (cached, head_tokens)
+    assert cached % 32 == 0, (cached, head_tokens)
+    assert cached <= head_tokens, (cached, head_tokens)
     assert cached >= (cached_blocks - 1) * 32, (cached, head_tokens)
     # Streamed: the usage chunk carries the same figure.
     status, events = post_sse(

@@ -40,19 +40,19 @@ def _prompt(i: int) -> str:
     return f"fault injection request {i} " + " ".join(f"w{(i * 7 + k) % 97}" for k in range(30))
 
 
-def _request(s, url: str, i: int, max_tokens: int, timeout: float):
+def _request(s, url: str, i: int, max_tokens: int, within: float):
     """Half streamed completions, a quarter streamed chat, a quarter non-streaming."""
     if i % 4 == 1:
         return stream_request(
             s,
             url,
             {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": _prompt(i)}]},
-            timeout=timeout,
+            within=within,
             path="/v1/chat/completions",
         )
     if i % 4 == 3:
-        return unary_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens}, timeout=timeout)
-    return stream_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens}, timeout=timeout)
+        return unary_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens}, within=within)
+    return stream_request(s, url, {"model": MODEL, "prompt": _prompt(i), "max_tokens": max_tokens}, within=within)
 
 
 @pytest.mark.slow

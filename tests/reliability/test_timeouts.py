@@ -8,17 +8,20 @@ running count returns to 0. The waits here are liveness bounds, not speed checks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
 
 from support.cluster import MODEL, FaultConfig, long_prompt
+from support.polling import eventually
 
 
 def _assert_error(body: dict, status: int, *needles: str) -> str:
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == status and err["type"] == "GatewayTimeoutError", err
+    assert err["code"] == status, err
+    assert err["type"] == "GatewayTimeoutError", err
     for n in needles:
         assert n in err["message"], err["message"]
     return err["message"]
@@ -114,6 +117,14 @@ async def test_total_timeout_is_not_resumed_and_names_the_whole_answer(make_clus
     assert await c.wait_idle(10) == {"d0": 0, "d1": 0}
 
 
+def _connected(sock: socket.socket) -> bool:
+    try:
+        sock.getpeername()
+    except OSError:  # ENOTCONN while the handshake is pending
+        return False
+    return True
+
+
 async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster):
     """The engine's port stops accepting (a full listen backlog drops SYNs, as a hung
     host does): the router gives up after timeouts.connect_s and says so."""
@@ -131,12 +142,12 @@ async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster):
         for _ in range(3):  # fill the accept queue; later SYNs are dropped
             f = socket.socket()
             f.setblocking(False)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 f.connect(("127.0.0.1", port))
-            except BlockingIOError:
-                pass
             fillers.append(f)
-        await asyncio.sleep(0.2)  # the kernel completes the fillers' handshakes: the backlog is full
+        # listen(0) queues one connection: once a filler's handshake completed, the backlog
+        # is full and later SYNs are dropped.
+        await eventually(lambda: any(_connected(f) for f in fillers), 5, "a filler connected: backlog full")
         async with asyncio.timeout(15):
             status, out = await c.complete({"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert status == 504, out
@@ -169,7 +180,8 @@ async def test_timeouts_count_against_the_backend(make_cluster):
             status, events = await c.stream(
                 {"model": MODEL, "prompt": p, "max_tokens": 6, "stream_options": {"include_usage": True}}
             )
-        assert status == 200 and events[-2]["usage"]["completion_tokens"] == 6, events[-3:]
+        assert status == 200, events[-3:]
+        assert events[-2]["usage"]["completion_tokens"] == 6, events[-3:]
     assert c.router_metric("cachehit_router_resumes_total", reason="failure") == 2
     assert c.state.registry.states["d0"].breaker == "open"
     assert c.router_metric("cachehit_router_backend_circuit_state", backend="d0") == 2

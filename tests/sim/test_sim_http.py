@@ -253,7 +253,7 @@ async def test_completion_logprobs(make_engine, http) -> None:
     assert "".join(lp["tokens"]) == body["choices"][0]["text"]
     assert lp["text_offset"][0] == 0
     assert lp["text_offset"][1] == len(lp["tokens"][0])
-    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+    for token, top in zip(lp["tokens"], lp["top_logprobs"], strict=False):
         assert token in top
         assert len(top) == 2
 
@@ -347,7 +347,8 @@ async def test_bad_chat_input(make_engine, http) -> None:
         {"messages": "hi"},
     ):
         status, err = await post(http, url, body)
-        assert status == 400 and err["error"]["code"] == 400, body
+        assert status == 400, body
+        assert err["error"]["code"] == 400, body
 
 
 async def test_invalid_json_is_a_400(make_engine, http) -> None:

@@ -43,7 +43,7 @@ async def test_warm_request_is_accepted_and_hit_rate_counts_whole_blocks(make_en
     url = eng.url
     await warm(http, url, PROMPT)
     # (64 - 1) // 16 = 3 blocks = 48 of 64 tokens: 0.75.
-    status, body = await post(
+    _, body = await post(
         http, url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "cache_hit_threshold": 0.75}
     )
     assert body["choices"][0]["finish_reason"] == "length"

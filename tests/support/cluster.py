@@ -82,7 +82,7 @@ class Cluster:
     async def _raw_engine_metric(self, name: str, metric: str) -> float:
         return (await scrape_metrics(self.session, self.engines[name].url)).value(metric)
 
-    async def wait_capability_checked(self, timeout: float = 15.0) -> None:
+    async def wait_capability_checked(self, within: float = 15.0) -> None:
         """Until the router knows whether each decode engine runs the threshold, then note
         the engines' counters: tests count from there."""
         states = self.state.registry.states
@@ -92,7 +92,7 @@ class Cluster:
             lambda: (
                 not any(s.threshold_capable is None for n, s in states.items() if s.config.decodes and n not in failing)
             ),
-            timeout,
+            within,
             "threshold capability checked on every decode engine",
         )
         for n, e in self.engines.items():
@@ -106,7 +106,7 @@ class Cluster:
     def engine_running(self) -> dict[str, int]:
         return {n: e.engine.num_running + e.engine.num_waiting for n, e in self.engines.items()}
 
-    async def wait_all_healthy(self, timeout: float = 15.0) -> None:
+    async def wait_all_healthy(self, within: float = 15.0) -> None:
         """Until the router has seen every backend answer a health check. Its first check at
         start may time out on a loaded machine (the backend then stays unused until the next
         scrape), and a test that counts where requests went must start from the full set."""
@@ -117,14 +117,14 @@ class Cluster:
             assert not unhealthy, f"backends the router never saw healthy: {unhealthy}"
             return True
 
-        await eventually(all_healthy, timeout, "every backend healthy")
+        await eventually(all_healthy, within, "every backend healthy")
 
-    async def wait_idle(self, timeout: float = 5.0) -> dict[str, int]:
+    async def wait_idle(self, within: float = 5.0) -> dict[str, int]:
         """Until every engine reports, on its own /metrics, no running and no waiting
         request (vllm:num_requests_running + vllm:num_requests_waiting); returns the last
         counts."""
         loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
+        end = loop.time() + within
         while True:
             counts = {
                 n: int(

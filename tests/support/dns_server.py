@@ -71,12 +71,12 @@ class DnsServer:
         except dns.exception.DNSException:
             return None
 
-    async def publish(self, records: dict[str, list[str]], timeout: float = 10.0) -> None:
+    async def publish(self, records: dict[str, list[str]], within: float = 10.0) -> None:
         """Rewrite the hosts file, make dnsmasq re-read it, and return once it answers so."""
         self.hosts.write_text("".join(f"{a} {n}\n" for n, addrs in records.items() for a in addrs))
         self.proc.send_signal(signal.SIGHUP)
         loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
+        end = loop.time() + within
         for name, addrs in records.items():
             while await self.resolve(name) != set(addrs):
                 if self.proc.poll() is not None:

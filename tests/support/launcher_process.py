@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import subprocess
 import threading
@@ -74,7 +75,5 @@ class LauncherProcess:
     def kill(self) -> None:
         for pgid in [self.proc.pid, *self.engine_groups]:
             signal_group(pgid)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass

@@ -114,15 +114,15 @@ class EngineProcess:
 
     def start(self) -> EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
         env = dict(os.environ)
         env.update(self.env)
         self.started_at = time.monotonic()
         # A new session makes the engine the leader of its own process group, so teardown
         # can kill the API server, the engine core and its workers together (and nothing
-        # else: other engineers' engines on this machine are in other groups).
-        self.proc = start_group(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        log.close()
+        # else: other engineers' engines on this machine are in other groups). The child
+        # keeps its own copy of the log's descriptor.
+        with open(self.log_path, "wb") as log:
+            self.proc = start_group(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         return self
 
     def log_tail(self, lines: int = 40) -> str:

@@ -4,6 +4,7 @@ would describe them (support/vllm_serving.py), and those generations cut into le
 from __future__ import annotations
 
 import copy
+import itertools
 
 import orjson
 
@@ -117,7 +118,7 @@ def split_legs(
     bounds = [0, *cuts, len(g.steps)]
     legs = []
     generated: list[int] = []
-    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for n, (a, b) in enumerate(itertools.pairwise(bounds)):
         steps = copy.deepcopy(g.steps[a:b])
         last = n == len(bounds) - 2
         if not last:
@@ -149,7 +150,7 @@ def split_legs(
 def expected_cached(g_steps: list[Step], cuts: list[int], cached: list[int | None]) -> int | None:
     bounds = [0, *cuts, len(g_steps)]
     first_reported = None
-    for n, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for n, (a, b) in enumerate(itertools.pairwise(bounds)):
         if cached[n] is None:
             continue
         if any(s.token_ids for s in g_steps[a:b]):

@@ -45,7 +45,10 @@ def view(
     )
 
 
-def snap(*views, transfer=TransferSpeed(0.005, 1e-5), race_wait_s=0.002, race_saving_share=0.5):
+TRANSFER = TransferSpeed(0.005, 1e-5)
+
+
+def snap(*views, transfer=TRANSFER, race_wait_s=0.002, race_saving_share=0.5):
     # Races measured alike for prompts the memory places and prompts it does not.
     return ClusterSnapshot(
         tuple(views),

@@ -66,8 +66,9 @@ class SimProc:
             "warning",
             *self.args,
         ]
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = start_group(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        # The child keeps its own copy of the log's descriptor.
+        with open(self.log_path or os.devnull, "ab") as out:
+            self.proc = start_group(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         wait_http(self.url + "/health", timeout, self.proc)
         return self
 
@@ -142,17 +143,18 @@ class RouterProc:
             self.scheme = "https"
         cfg_path = self.workdir / "router.toml"
         cfg_path.write_text(to_toml(self.config))
-        self.proc = start_group(
-            [PY, "-m", "router.cli", "--config", str(cfg_path), *self.extra_args],
-            cwd=ROOT,
-            stdout=open(self.log_path, "ab"),
-            stderr=subprocess.STDOUT,
-        )
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = start_group(
+                [PY, "-m", "router.cli", "--config", str(cfg_path), *self.extra_args],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             wait_http(self.url + "/health", timeout, self.proc, ssl_ctx=ssl_ctx)
-        except RuntimeError:
+        except RuntimeError as e:
             self.stop()
-            raise RuntimeError("router did not start:\n" + self.log_tail())
+            raise RuntimeError("router did not start:\n" + self.log_tail()) from e
         return self
 
     def log_tail(self, n: int = 60) -> str:
@@ -199,16 +201,16 @@ async def stream_request(
     url: str,
     body: dict,
     *,
-    timeout: float,
+    within: float,
     path: str = "/v1/completions",
     headers: dict | None = None,
 ) -> Outcome:
-    """One streamed request, classified. `lost`: a hang past `timeout`, a stream without
+    """One streamed request, classified. `lost`: a hang past `within` seconds, a stream without
     [DONE], a wrong token count without an error, several ids: anything that is neither a
     correct answer nor a clear error."""
     max_tokens = body["max_tokens"]
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(within):
             async with session.post(
                 url + path,
                 data=orjson.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}),
@@ -229,7 +231,7 @@ async def stream_request(
                     for p in decoder.feed(data):
                         events.append("[DONE]" if p == b"[DONE]" else orjson.loads(p))
     except TimeoutError:
-        return Outcome(0, "lost", f"no end within {timeout} s")
+        return Outcome(0, "lost", f"no end within {within} s")
     except aiohttp.ClientError as e:
         return Outcome(0, "lost", f"connection error {e!r}")
     if not events or events[-1] != "[DONE]":
@@ -256,19 +258,19 @@ async def stream_request(
 
 
 async def unary_request(
-    session: aiohttp.ClientSession, url: str, body: dict, *, timeout: float, path: str = "/v1/completions"
+    session: aiohttp.ClientSession, url: str, body: dict, *, within: float, path: str = "/v1/completions"
 ) -> Outcome:
     """One non-streaming request, classified like `stream_request`."""
     max_tokens = body["max_tokens"]
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(within):
             async with session.post(
                 url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
             ) as r:
                 raw = await r.read()
                 status = r.status
     except TimeoutError:
-        return Outcome(0, "lost", f"no answer within {timeout} s")
+        return Outcome(0, "lost", f"no answer within {within} s")
     except aiohttp.ClientError as e:
         return Outcome(0, "lost", f"connection error {e!r}")
     try:

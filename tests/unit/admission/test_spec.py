@@ -337,7 +337,7 @@ def test_chat_echo_and_odd_content_pass_through():
 
 
 def test_unknown_endpoint_is_a_programming_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown endpoint"):
         parse_request("embeddings", b"{}")
 
 

@@ -86,10 +86,7 @@ def scenarios(draw):
     finish_on_last = draw(st.lists(st.booleans(), min_size=n_legs, max_size=n_legs))
     cached = draw(st.lists(st.one_of(st.none(), st.integers(0, 12)), min_size=n_legs, max_size=n_legs))
     # --enable-prompt-tokens-details is engine-wide: all legs report it or none does.
-    if cached[0] is None:
-        cached = [None] * n_legs
-    else:
-        cached = [c if c is not None else 0 for c in cached]
+    cached = [None] * n_legs if cached[0] is None else [c if c is not None else 0 for c in cached]
     return (
         spec,
         Gen(PROMPT, steps, logprobs=lp, system_fingerprint=draw(st.sampled_from([None, "fp"]))),

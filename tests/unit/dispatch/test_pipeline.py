@@ -22,6 +22,7 @@ from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
 from router.routing.planning import Plan
 from support.fake_upstream import FakeUpstream, answer, rejection, token
+from support.metrics import registry_metrics
 
 PROMPT_IDS = [11, 12, 13]
 
@@ -95,12 +96,7 @@ class Harness:
         return rec
 
     def metric(self, name: str, **labels) -> float:
-        return sum(
-            s.value
-            for fam in self.metrics.registry.collect()
-            for s in fam.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        return registry_metrics(self.metrics.registry).value(name, **labels)
 
     @property
     def text(self) -> str:

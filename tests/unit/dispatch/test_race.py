@@ -9,6 +9,7 @@ from router.dispatch.race import run_race
 from router.engine.errors import BROKEN, CONNECT, UpstreamError
 from router.names import Verdict
 from support.fake_upstream import HANG, FakeUpstream, Pause, rejection, token
+from support.polling import eventually
 
 
 async def test_the_first_acceptor_wins_and_the_others_are_stopped():
@@ -109,7 +110,7 @@ async def test_a_rejection_reporting_the_prompt_length_extends_the_deadline():
 async def test_cancelling_the_race_closes_every_stream():
     up = FakeUpstream({"d0": [[HANG]], "d1": [[HANG]]})
     race = asyncio.ensure_future(run_race(("d0", "d1"), up.opener(), 5.0))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: len(up.streams) == 2, 5, "both probe streams open")
     race.cancel()
     await asyncio.gather(race, return_exceptions=True)
     assert len(up.streams) == 2

@@ -3,6 +3,8 @@ flush; format_event."""
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +25,7 @@ def decode_all(chunks: list[bytes]) -> list[bytes]:
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     cuts = sorted({c for c in cuts if 0 < c < len(data)})
     bounds = [0, *cuts, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def test_vllm_shaped_stream():
@@ -151,7 +153,7 @@ def test_byte_by_byte_equals_whole(stream):
     whole = decode_all([data])
     assert decode_all([data[i : i + 1] for i in range(len(data))]) == whole
     # Events without multi-line data decode to exactly the payloads sent.
-    for got, sent in zip(whole, payloads):
+    for got, sent in zip(whole, payloads, strict=False):
         assert got.replace(b"\n", b"") == sent
 
 
