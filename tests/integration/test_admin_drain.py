@@ -12,7 +12,7 @@ import asyncio
 
 import orjson
 
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
@@ -28,7 +28,7 @@ async def requests_seen(c) -> dict[str, float]:
     return await c.engine_metrics("vllm:request_success_total")
 
 
-async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(make_cluster):
+async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(make_cluster: MakeCluster) -> None:
     # Every request races: the holder's return to rotation shows as a probe hit.
     c = await make_cluster(
         decoders=2, server={"admin_api_key": "sk-admin"}, routing={"race": "always"}, sim={"speed": 1.0}
@@ -78,7 +78,7 @@ async def test_drained_backend_gets_no_new_requests_while_its_stream_finishes(ma
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
 
 
-async def test_all_drained_is_503_and_not_ready(make_cluster):
+async def test_all_drained_is_503_and_not_ready(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, server={"admin_api_key": "sk-admin"})
     for name in ("d0", "d1"):
         assert (await admin(c, f"/admin/backends/{name}/drain"))[0] == 200
@@ -96,7 +96,7 @@ async def test_all_drained_is_503_and_not_ready(make_cluster):
     assert status == 200, out
 
 
-async def test_drain_needs_the_admin_key_and_a_configured_name(make_cluster):
+async def test_drain_needs_the_admin_key_and_a_configured_name(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     for headers in ({}, {"Authorization": "Bearer sk-admi"}):
         status, body = await admin(c, "/admin/backends/d0/drain", headers)

@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 
 VOLATILE = ("id", "created")
 
@@ -35,7 +35,7 @@ async def _direct(c, path: str, body: dict) -> dict:
         {"stop": [" the"], "max_tokens": 40},
     ],
 )
-async def test_completion_matches_engine_field_by_field(make_cluster, extra):
+async def test_completion_matches_engine_field_by_field(make_cluster: MakeCluster, extra) -> None:
     c = await make_cluster(decoders=1)
     body = {"model": MODEL, "prompt": long_prompt("parity", 50), "max_tokens": 10, **extra}
     engine_answer = await _direct(c, "/v1/completions", body)
@@ -53,7 +53,7 @@ async def test_completion_matches_engine_field_by_field(make_cluster, extra):
         {"max_completion_tokens": 7},
     ],
 )
-async def test_chat_matches_engine_field_by_field(make_cluster, extra):
+async def test_chat_matches_engine_field_by_field(make_cluster: MakeCluster, extra) -> None:
     c = await make_cluster(decoders=1)
     body = {
         "model": MODEL,
@@ -74,7 +74,7 @@ async def test_chat_matches_engine_field_by_field(make_cluster, extra):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("cparity", 50)}]}),
     ],
 )
-async def test_streaming_matches_engine_stream_modulo_ids(make_cluster, path, prompt):
+async def test_streaming_matches_engine_stream_modulo_ids(make_cluster: MakeCluster, path, prompt) -> None:
     c = await make_cluster(decoders=1)
     body = {"model": MODEL, **prompt, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
     eng = c.engines["d0"]

@@ -6,7 +6,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
 
 
@@ -33,7 +33,7 @@ def _is_error(body: dict, status: int) -> None:
         (b"\xff\xfe", None),
     ],
 )
-async def test_malformed_completions_get_400(make_cluster, raw, param):
+async def test_malformed_completions_get_400(make_cluster: MakeCluster, raw, param) -> None:
     c = await make_cluster(decoders=1)
     async with c.session.post(c.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
         assert r.status == 400
@@ -52,7 +52,7 @@ async def test_malformed_completions_get_400(make_cluster, raw, param):
         ({"presence_penalty": 9}, None),
     ],
 )
-async def test_engine_side_validation_errors_pass_through(make_cluster, extra, param):
+async def test_engine_side_validation_errors_pass_through(make_cluster: MakeCluster, extra, param) -> None:
     """Fields the router does not validate itself: the engine's 400 reaches the client as is."""
     c = await make_cluster(decoders=2)
     status, body = await c.complete({"model": MODEL, "prompt": "x", **extra})
@@ -62,7 +62,7 @@ async def test_engine_side_validation_errors_pass_through(make_cluster, extra, p
     assert all(s.breaker == "closed" and s.healthy for s in c.state.registry.states.values())
 
 
-async def test_unknown_model_404_unknown_route_404_wrong_method_405(make_cluster):
+async def test_unknown_model_404_unknown_route_404_wrong_method_405(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     status, body = await c.complete({"model": "nope", "prompt": "x"})
     assert status == 404
@@ -75,14 +75,14 @@ async def test_unknown_model_404_unknown_route_404_wrong_method_405(make_cluster
         _is_error(orjson.loads(await r.read()), 405)
 
 
-async def test_body_limit_413(make_cluster):
+async def test_body_limit_413(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"max_body_bytes": 1000})
     status, body = await c.complete({"model": MODEL, "prompt": "x" * 5000})
     assert status == 413
     _is_error(body, 413)
 
 
-async def test_api_keys(make_cluster):
+async def test_api_keys(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"api_keys": ["sk-good"]})
     status, body = await c.complete({"model": MODEL, "prompt": "x", "max_tokens": 1})
     assert status == 401
@@ -99,11 +99,11 @@ async def test_api_keys(make_cluster):
         assert r.status == 200
 
 
-async def test_client_kv_transfer_params_never_reach_an_engine_or_a_foreign_host(make_cluster):
+async def test_client_kv_transfer_params_never_reach_an_engine_or_a_foreign_host(make_cluster: MakeCluster) -> None:
     """A client naming its own host in kv_transfer_params must not make anything contact it."""
     hits = []
 
-    async def trap(request):
+    async def trap(request: pytest.FixtureRequest):
         hits.append(request.path)
         return web.json_response({})
 
@@ -140,7 +140,7 @@ async def test_client_kv_transfer_params_never_reach_an_engine_or_a_foreign_host
         await runner.cleanup()
 
 
-async def test_ready_and_models(make_cluster):
+async def test_ready_and_models(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1)
     async with c.session.get(c.url + "/ready") as r:
         assert r.status == 200

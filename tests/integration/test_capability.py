@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import pytest
+
 from engine_launcher.sim import start_sim_engine
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
 
 GAUGE = "cachehit_router_backend_threshold_capable"
@@ -24,7 +26,7 @@ async def _checked(c, within: float = 10.0) -> dict[str, float]:
     return await eventually(checked, within, "the capability check of every engine")
 
 
-async def test_stock_engine_is_never_probed(make_cluster, caplog):
+async def test_stock_engine_is_never_probed(make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     c = await make_cluster(decoders=2, routing={"race": "always"}, per_engine={"d0": {"threshold_plugin": False}})
     assert await _checked(c) == {"d0": 0.0, "d1": 1.0}
@@ -51,7 +53,7 @@ async def test_stock_engine_is_never_probed(make_cluster, caplog):
     assert c.routes()["probe_hit"] == 1
 
 
-async def test_only_stock_engines_are_served_directly(make_cluster):
+async def test_only_stock_engines_are_served_directly(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, sim={"threshold_plugin": False})
     assert await _checked(c) == {"d0": 0.0, "d1": 0.0}
     for stream in (False, True):
@@ -66,7 +68,7 @@ async def test_only_stock_engines_are_served_directly(make_cluster):
     assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 2}
 
 
-async def test_a_backend_back_from_down_is_checked_again(make_cluster):
+async def test_a_backend_back_from_down_is_checked_again(make_cluster: MakeCluster) -> None:
     """The engine behind a backend's URL goes away and a stock one takes its port."""
     c = await make_cluster(decoders=1)
     assert await _checked(c) == {"d0": 1.0}

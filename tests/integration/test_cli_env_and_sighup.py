@@ -40,7 +40,7 @@ def toml(backends: list[tuple[str, str]], extra: str = "") -> str:
     return extra + "".join(f'[[backends]]\nname = "{n}"\nurl = "{u}"\nrole = "decode"\n' for n, u in backends)
 
 
-def test_environment_and_flags_override_the_file(tmp_path):
+def test_environment_and_flags_override_the_file(tmp_path: Path) -> None:
     f = tmp_path / "router.toml"
     f.write_text(toml([("a", "http://127.0.0.1:9")], '[server]\nport = 1111\napi_keys = ["in-file"]\n'))
     env = {
@@ -73,7 +73,7 @@ def test_environment_and_flags_override_the_file(tmp_path):
     assert layer({}, {}) == {}
 
 
-def test_check_config_shows_the_environment_without_printing_secrets(tmp_path):
+def test_check_config_shows_the_environment_without_printing_secrets(tmp_path: Path) -> None:
     f = tmp_path / "router.toml"
     f.write_text(toml([("a", "http://127.0.0.1:9")]))
     r = run_cli(
@@ -87,7 +87,7 @@ def test_check_config_shows_the_environment_without_printing_secrets(tmp_path):
     assert "sk-env" not in r.stdout
 
 
-def test_version():
+def test_version() -> None:
     r = run_cli("--version")
     assert r.returncode == 0
     from importlib.metadata import version
@@ -95,7 +95,7 @@ def test_version():
     assert r.stdout.strip() == f"router (cachehit-router) {version('cachehit-router')}"
 
 
-async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(tmp_path):
+async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(tmp_path: Path) -> None:
     a = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
     b = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
     port = free_port()

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MIN_BACKEND = {"backends": [{"name": "d0", "url": "http://127.0.0.1:9001"}]}
 
 
-def test_repository_router_toml_is_valid():
+def test_repository_router_toml_is_valid() -> None:
     cfg = load_config(ROOT / "router.toml")
     backends = cfg.all_backends()
     assert [b.role for b in backends].count("decode") == 4
@@ -23,7 +23,7 @@ def test_repository_router_toml_is_valid():
     assert all(b.url.startswith("http://127.0.0.1:") for b in backends)
 
 
-def test_defaults_are_safe():
+def test_defaults_are_safe() -> None:
     cfg = parse_config(MIN_BACKEND)
     assert cfg.server.host == "127.0.0.1"
     assert cfg.server.max_body_bytes > 0
@@ -86,7 +86,7 @@ def test_defaults_are_safe():
         ),
     ],
 )
-def test_bad_configs_name_the_key(raw, key, expected):
+def test_bad_configs_name_the_key(raw, key, expected) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config(raw)
     msg = str(e.value)
@@ -94,7 +94,7 @@ def test_bad_configs_name_the_key(raw, key, expected):
     assert expected in msg, msg
 
 
-def test_every_problem_is_reported_at_once():
+def test_every_problem_is_reported_at_once() -> None:
     # One run names them all: an unknown key does not hide a bad value of the same table,
     # and a broken backend does not hide a broken engine.
     with pytest.raises(ConfigError) as e:
@@ -124,7 +124,7 @@ def test_every_problem_is_reported_at_once():
     assert ConfigError("x.y: bad").report("router") == "router: configuration error: x.y: bad"
 
 
-def test_every_strategy_name_has_a_policy_and_the_registry_is_what_config_accepts():
+def test_every_strategy_name_has_a_policy_and_the_registry_is_what_config_accepts() -> None:
     assert set(policies.POLICIES) == set(StrategyName)
     assert all(name == cls.name for name, cls in policies.POLICIES.items())
     for name in StrategyName:
@@ -132,7 +132,7 @@ def test_every_strategy_name_has_a_policy_and_the_registry_is_what_config_accept
         assert policies.make_strategy(cfg.routing).name == name
 
 
-def test_a_policy_names_the_routing_keys_it_reads():
+def test_a_policy_names_the_routing_keys_it_reads() -> None:
     bad = RoutingConfig(race="sometimes", max_probes=-1)
     assert policies.ProbeStrategy.validate(bad) == [
         "routing.race: expected one of auto, always, got 'sometimes'",
@@ -145,7 +145,7 @@ def test_a_policy_names_the_routing_keys_it_reads():
         parse_config({**MIN_BACKEND, "routing": {"strategy": "round_robin", "race": "sometimes"}})
 
 
-def test_parsed_names_are_enum_members_that_read_as_their_strings():
+def test_parsed_names_are_enum_members_that_read_as_their_strings() -> None:
     cfg = parse_config(
         {
             **MIN_BACKEND,
@@ -161,7 +161,7 @@ def test_parsed_names_are_enum_members_that_read_as_their_strings():
     assert f"{cfg.routing.race}" == "auto"
 
 
-def test_engines_become_backends_with_mapped_roles():
+def test_engines_become_backends_with_mapped_roles() -> None:
     cfg = parse_config(
         {
             "engines": [
@@ -186,14 +186,14 @@ def _run_cli(*args):
     )
 
 
-def test_check_config_prints_resolved_configuration():
+def test_check_config_prints_resolved_configuration() -> None:
     r = _run_cli("check-config", "--config", str(ROOT / "router.toml"))
     assert r.returncode == 0, r.stderr
     assert '"cache_hit_threshold": 0.5' in r.stdout
     assert "is valid" in r.stderr
 
 
-def test_bad_config_exits_2_naming_the_key(tmp_path):
+def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[routing]\ncache_hit_threshold = "high"\n[[backends]]\nname="a"\nurl="http://h"\n')
     r = _run_cli("--config", str(bad))
@@ -208,14 +208,14 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     assert "not valid TOML" in r.stderr
 
 
-def test_secrets_are_not_printed():
+def test_secrets_are_not_printed() -> None:
     cfg = parse_config({**MIN_BACKEND, "server": {"api_keys": ["sk-secret"], "admin_api_key": "adm"}})
     d = cfg.to_dict()
     assert "sk-secret" not in str(d)
     assert "adm" not in str(d["server"]["admin_api_key"])
 
 
-def test_tenant_keys_come_from_the_environment_and_are_never_printed(monkeypatch):
+def test_tenant_keys_come_from_the_environment_and_are_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHEHIT_TEST_TENANT_KEY", "sk-from-env")
     cfg = parse_config(
         {
@@ -242,7 +242,7 @@ def test_tenant_keys_come_from_the_environment_and_are_never_printed(monkeypatch
     assert "sk-from-env" not in str(cfg.to_dict())
 
 
-def test_every_config_key_is_documented():
+def test_every_config_key_is_documented() -> None:
     import dataclasses
 
     from router.config import schema as c

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.cluster import MODEL
+from support.cluster import MODEL, MakeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "cachehit-router.json"
@@ -92,14 +92,14 @@ def vllm_samples() -> dict[str, set[str]]:
     return out
 
 
-def test_metric_name_extraction():
+def test_metric_name_extraction() -> None:
     assert metric_names('histogram_quantile(0.95, sum by (le) (rate(a_bucket{model=~"$model"}[5m])))') == {"a_bucket"}
     assert metric_names("sum(rate(x_total[1m])) / sum(rate(y:z_total[1m]))") == {"x_total", "y:z_total"}
     assert metric_names("label_values(cachehit_router_requests_total, model)") == {"cachehit_router_requests_total"}
     assert selector_labels('vllm:a{model_name=~"$m",x!="1"}') == {"vllm:a": {"model_name", "x"}}
 
 
-async def test_every_dashboard_query_names_an_exported_metric(make_cluster):
+async def test_every_dashboard_query_names_an_exported_metric(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     # A request of each outcome, so that the labelled series exist.
     status, _ = await c.complete({"model": MODEL, "prompt": "hello", "max_tokens": 2})
@@ -140,7 +140,7 @@ async def test_every_dashboard_query_names_an_exported_metric(make_cluster):
     assert all(p["targets"] for p in dash["panels"])
 
 
-async def test_request_metrics_have_a_model_label_and_buckets_to_the_total_timeout(make_cluster):
+async def test_request_metrics_have_a_model_label_and_buckets_to_the_total_timeout(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, timeouts={"total_s": 1500})
     status, _ = await c.complete({"model": MODEL, "prompt": "hello", "max_tokens": 2})
     assert status == 200

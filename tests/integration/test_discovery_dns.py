@@ -75,7 +75,7 @@ async def complete(session, url: str, prompt: str, max_tokens: int = 2) -> tuple
         return r.status, orjson.loads(await r.read())
 
 
-async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_server, dns_router):
+async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_server, dns_router) -> None:
     port, start_engine, start_router, session = dns_router
     a, b, dead = ADDRS[:3]
     first = await start_engine(a)
@@ -132,7 +132,7 @@ async def test_addresses_that_appear_join_and_those_that_vanish_are_drained(dns_
     assert await finished(session, first) >= before[first] + 3
 
 
-async def test_nxdomain_removes_the_engines_and_an_outage_keeps_them(dns_server, dns_router):
+async def test_nxdomain_removes_the_engines_and_an_outage_keeps_them(dns_server, dns_router) -> None:
     port, start_engine, start_router, session = dns_router
     a = ADDRS[0]
     await start_engine(a)

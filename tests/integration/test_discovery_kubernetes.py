@@ -30,14 +30,14 @@ SELECTOR = "app=vllm,role=decode"
 READY = ("vllm-decode-7d9f8c6b5-a1b2c", "vllm-decode-7d9f8c6b5-d3e4f")
 
 
-def test_only_pods_a_service_would_route_to_count():
+def test_only_pods_a_service_would_route_to_count() -> None:
     # Pending without an IP, Running but not Ready, and terminating pods are left out.
     assert ready_pods(POD_LIST) == [(READY[0], "127.0.0.2"), (READY[1], "127.0.0.3")]
     assert ready_pods({"kind": "PodList", "items": None}) == []
 
 
 class FakeApiServer:
-    def __init__(self, token: str):
+    def __init__(self, token: str) -> None:
         self.token = token
         self.present = {p["metadata"]["name"] for p in POD_LIST["items"]}
         self.forbidden = False
@@ -77,7 +77,7 @@ class FakeApiServer:
 
 
 @pytest.fixture
-async def kube(tmp_path):
+async def kube(tmp_path: Path):
     token_file = tmp_path / "token"
     token_file.write_text("token-1\n")
     api = FakeApiServer("token-1")
@@ -107,7 +107,7 @@ async def kube(tmp_path):
     await runner.cleanup()
 
 
-async def test_ready_pods_join_and_leave(kube):
+async def test_ready_pods_join_and_leave(kube) -> None:
     api, port, engines, runners, session = kube
     state, url = await start_router(
         {

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
@@ -32,7 +32,7 @@ async def served(url: str, session) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
 
 
-async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(make_cluster):
+async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     extra = await start_sim_engine(SimEngineConfig(model=MODEL, speed=2.0, role="consumer"), port=0)
     try:
@@ -97,7 +97,7 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         await extra.close()
 
 
-async def test_added_backend_that_does_not_answer_gets_no_requests(make_cluster):
+async def test_added_backend_that_does_not_answer_gets_no_requests(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     # Nothing listens on port 9 of loopback (discard; closed here).
     status, view = await call(
@@ -111,7 +111,7 @@ async def test_added_backend_that_does_not_answer_gets_no_requests(make_cluster)
     assert c.router_metric_or_zero("cachehit_router_upstream_errors_total", backend="dead", kind="connect") == 0
 
 
-async def test_admin_add_validates_the_operators_input(make_cluster):
+async def test_admin_add_validates_the_operators_input(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     d0 = c.engines["d0"].url
     bad = [
@@ -151,7 +151,7 @@ async def test_admin_add_validates_the_operators_input(make_cluster):
     assert set(c.state.registry.states) == {"d0"}
 
 
-async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster):
+async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     status, out = await call(c, "POST", "/admin/backends", {"name": "x", "url": c.engines["d0"].url})
     assert status == 404, out
@@ -163,7 +163,7 @@ async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster
 @pytest.mark.parametrize(
     ("strategy", "stream"), [("round_robin", False), ("probe", False), ("probe", True), ("round_robin", "whole")]
 )
-async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster, strategy, stream):
+async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster: MakeCluster, strategy, stream) -> None:
     """A drain that ends right after a request was planned (the plan names a backend that is
     gone by the time its leg opens): the leg fails like a dead engine and goes elsewhere."""
     c = await make_cluster(decoders=2, routing={"strategy": strategy})

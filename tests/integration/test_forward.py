@@ -11,7 +11,7 @@ import struct
 import aiohttp
 import orjson
 
-from support.cluster import MODEL, FaultConfig
+from support.cluster import MODEL, FaultConfig, MakeCluster
 from support.polling import eventually
 
 
@@ -25,7 +25,7 @@ async def _direct(c, name, path, body):
         return r.status, await r.json()
 
 
-async def test_embeddings_tokenize_detokenize_answer_as_the_engine_does(make_cluster):
+async def test_embeddings_tokenize_detokenize_answer_as_the_engine_does(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2)
     body = {"model": MODEL, "input": ["the river stone", "a river"]}
     status, got, headers = await _post(c, "/v1/embeddings", body)
@@ -69,7 +69,7 @@ async def test_embeddings_tokenize_detokenize_answer_as_the_engine_does(make_clu
     assert c.router_metric("cachehit_router_requests_total", route="forward", status="200") == 5
 
 
-async def test_engine_errors_pass_through_and_unknown_models_are_404(make_cluster):
+async def test_engine_errors_pass_through_and_unknown_models_are_404(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     status, err, _ = await _post(c, "/v1/embeddings", {"model": "nope", "input": "x"})
     assert status == 404
@@ -90,7 +90,7 @@ async def test_engine_errors_pass_through_and_unknown_models_are_404(make_cluste
         assert (await r.json())["error"]["type"] == "BadRequestError"
 
 
-async def test_auth_and_body_limit_hold_on_forwarded_routes(make_cluster):
+async def test_auth_and_body_limit_hold_on_forwarded_routes(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"api_keys": ["k1"], "max_body_bytes": 2048})
     status, _, headers = await _post(c, "/v1/embeddings", {"model": MODEL, "input": "x"})
     assert status == 401
@@ -104,7 +104,7 @@ async def test_auth_and_body_limit_hold_on_forwarded_routes(make_cluster):
         assert r.status == 401
 
 
-async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster):
+async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster: MakeCluster) -> None:
     c = await make_cluster(
         decoders=2,
         per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}},
@@ -132,7 +132,7 @@ async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster):
     assert c2.router_metric("cachehit_router_requests_total", route="forward", status="200") == 1
 
 
-async def test_only_engine_failing_gives_its_500(make_cluster):
+async def test_only_engine_failing_gives_its_500(make_cluster: MakeCluster) -> None:
     c = await make_cluster(
         decoders=1, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}}, health={"failure_threshold": 100}
     )
@@ -141,7 +141,7 @@ async def test_only_engine_failing_gives_its_500(make_cluster):
     assert "fault injection" in err["error"]["message"]
 
 
-async def test_x_request_id_names_the_answer_and_comes_back(make_cluster):
+async def test_x_request_id_names_the_answer_and_comes_back(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     status, got, headers = await _post(
         c, "/v1/embeddings", {"model": MODEL, "input": "x"}, headers={"X-Request-Id": "client-id-7"}
@@ -168,7 +168,7 @@ async def test_x_request_id_names_the_answer_and_comes_back(make_cluster):
     assert err["error"]["param"] == "X-Request-Id"
 
 
-async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster):
+async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster: MakeCluster) -> None:
     """The engine reads the file's first megabyte while the client is still sending: the
     router streams the upload; and an upload larger than max_body_bytes is fine."""
     c = await make_cluster(decoders=1, server={"max_body_bytes": 4096})
@@ -203,7 +203,7 @@ async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster):
         assert (await r.json())["error"]["param"] == "model"
 
 
-async def test_upload_past_max_upload_bytes_is_413(make_cluster):
+async def test_upload_past_max_upload_bytes_is_413(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"max_upload_bytes": 100_000})
 
     async def audio():

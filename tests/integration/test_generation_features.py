@@ -7,7 +7,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from support.cluster import MODEL, FaultConfig, long_prompt
+from support.cluster import MODEL, FaultConfig, MakeCluster, long_prompt
 
 CHAT = "/v1/chat/completions"
 
@@ -50,7 +50,7 @@ async def _direct(c, path: str, body: dict) -> dict:
         (CHAT, {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "max_tokens": 2}),
     ],
 )
-async def test_answered_as_the_engine_answers(make_cluster, path, body):
+async def test_answered_as_the_engine_answers(make_cluster: MakeCluster, path, body) -> None:
     c = await make_cluster(decoders=2)
     body = {"model": MODEL, "seed": 11, **body}
     status, routed = await c.complete(body, path)
@@ -63,7 +63,7 @@ async def test_answered_as_the_engine_answers(make_cluster, path, body):
     assert c.routes()["probe_hit"] == 0
 
 
-async def test_n_choices_differ_and_usage_counts_the_prompt_once(make_cluster):
+async def test_n_choices_differ_and_usage_counts_the_prompt_once(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     status, out = await c.complete({"model": MODEL, "prompt": "one two three", "n": 4, "max_tokens": 6})
     assert status == 200, out
@@ -74,7 +74,7 @@ async def test_n_choices_differ_and_usage_counts_the_prompt_once(make_cluster):
     assert out["usage"]["completion_tokens"] == 24
 
 
-async def test_echo_puts_the_prompt_first(make_cluster):
+async def test_echo_puts_the_prompt_first(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     prompt = "echo me please"
     status, out = await c.complete({"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 3})
@@ -88,7 +88,7 @@ async def test_echo_puts_the_prompt_first(make_cluster):
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == out["choices"][0]["text"]
 
 
-async def test_streamed_batch_with_n_has_every_index_and_one_usage(make_cluster):
+async def test_streamed_batch_with_n_has_every_index_and_one_usage(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2)
     body = {
         "model": MODEL,
@@ -118,7 +118,7 @@ async def test_streamed_batch_with_n_has_every_index_and_one_usage(make_cluster)
     assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
 
 
-async def test_engine_errors_are_relayed_and_failures_retried(make_cluster):
+async def test_engine_errors_are_relayed_and_failures_retried(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, per_engine={"d0": {"faults": FaultConfig(error_rate=1.0)}})
     # The engine's own validation answer, unchanged: n > 1 is not for greedy sampling.
     status, out = await c.complete({"model": MODEL, "prompt": "x", "n": 2, "temperature": 0})
@@ -136,7 +136,7 @@ async def test_engine_errors_are_relayed_and_failures_retried(make_cluster):
     assert c.router_metric("cachehit_router_requests_total", route="direct", status="200") == 4
 
 
-async def test_still_rejected(make_cluster):
+async def test_still_rejected(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     for body, param in (
         ({"prompt": "x", "n": 0}, "n"),
@@ -148,7 +148,7 @@ async def test_still_rejected(make_cluster):
         assert out["error"]["param"] == param, out
 
 
-async def test_a_body_request_id_names_the_answer(make_cluster):
+async def test_a_body_request_id_names_the_answer(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     for rid in ("mine-1", "odd\nid"):
         for n in (1, 2):
@@ -157,7 +157,7 @@ async def test_a_body_request_id_names_the_answer(make_cluster):
             assert out["id"] == f"cmpl-{rid}", out
 
 
-async def test_the_race_picks_the_engine_holding_the_prompt(make_cluster):
+async def test_the_race_picks_the_engine_holding_the_prompt(make_cluster: MakeCluster) -> None:
     # The probe strategy races a one-token probe of the prompt and the engine that accepts
     # it serves all n choices.
     c = await make_cluster(decoders=2, routing={"race": "always"})

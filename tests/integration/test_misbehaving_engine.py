@@ -14,7 +14,7 @@ from aiohttp import web
 from engine_launcher.sim import tokenizer as tok
 from router.config.parse import parse_config
 from router.server.app import build_app
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 
 
 def _chunk(text_ids: list[int], prompt_ids=None, finish=None) -> bytes:
@@ -85,7 +85,7 @@ async def _router(backends: list[dict], routing: dict | None = None):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_cluster, stream):
+async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_cluster: MakeCluster, stream) -> None:
     healthy = await make_cluster(decoders=1)  # d0: a real simulated engine
     bad_runner, bad_url = await _bad_engine("malformed")
     # Probe race on every request: the bad engine accepts at once (it streams text), d0
@@ -116,7 +116,7 @@ async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_clus
         await bad_runner.cleanup()
 
 
-async def test_answer_finished_before_the_connection_broke_is_not_resumed(make_cluster):
+async def test_answer_finished_before_the_connection_broke_is_not_resumed(make_cluster: MakeCluster) -> None:
     healthy = await make_cluster(decoders=1)
     bad_runner, bad_url = await _bad_engine("finish-then-break")
     router, url = await _router([{"name": "bad", "url": bad_url}], {"strategy": "round_robin"})

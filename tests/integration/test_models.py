@@ -4,7 +4,7 @@ models with its health checks)."""
 
 from __future__ import annotations
 
-from support.cluster import MODEL
+from support.cluster import MODEL, MakeCluster
 from support.polling import eventually
 
 
@@ -16,7 +16,7 @@ async def _router_models(c) -> dict[str, dict]:
     return {m["id"]: m for m in body["data"]}
 
 
-async def test_models_are_the_engines_cards(make_cluster):
+async def test_models_are_the_engines_cards(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2)
     async with c.session.get(c.engines["d0"].url + "/v1/models") as r:
         engine = (await r.json())["data"]
@@ -27,7 +27,7 @@ async def test_models_are_the_engines_cards(make_cluster):
     assert card["max_model_len"] == 8192
 
 
-async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster):
+async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2)
     d1 = c.engines["d1"].url
     async with c.session.post(

@@ -9,11 +9,11 @@ import asyncio
 import openai
 import pytest
 
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 
 
 @pytest.fixture
-async def cluster(make_cluster):
+async def cluster(make_cluster: MakeCluster):
     return await make_cluster(decoders=2)
 
 
@@ -21,7 +21,7 @@ def _async_client(c) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0)
 
 
-async def test_async_completions_chat_and_streams(cluster):
+async def test_async_completions_chat_and_streams(cluster) -> None:
     async with _async_client(cluster) as client:
         out = await client.completions.create(model=MODEL, prompt=long_prompt("sdk", 60), max_tokens=5, logprobs=2)
         (choice,) = out.choices
@@ -58,7 +58,7 @@ async def test_async_completions_chat_and_streams(cluster):
         assert text.startswith(chat.choices[0].message.content)
 
 
-async def test_async_n_batches_and_embeddings(cluster):
+async def test_async_n_batches_and_embeddings(cluster) -> None:
     async with _async_client(cluster) as client:
         out = await client.completions.create(model=MODEL, prompt="one two", n=3, max_tokens=3)
         assert [c.index for c in out.choices] == [0, 1, 2]
@@ -80,7 +80,7 @@ async def test_async_n_batches_and_embeddings(cluster):
         assert len(emb.data[0].embedding) > 0
 
 
-async def test_request_id_and_errors(cluster):
+async def test_request_id_and_errors(cluster) -> None:
     async with _async_client(cluster) as client:
         raw = await client.completions.with_raw_response.create(
             model=MODEL, prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "sdk-req-1"}
@@ -113,7 +113,7 @@ async def test_request_id_and_errors(cluster):
         assert "tools" in str(e.value)
 
 
-async def test_sync_client(cluster):
+async def test_sync_client(cluster) -> None:
     def run() -> tuple[str, int, list[int]]:
         with openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0) as client:
             out = client.completions.create(model=MODEL, prompt="sync call", max_tokens=3)

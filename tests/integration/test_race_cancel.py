@@ -15,7 +15,7 @@ import asyncio
 
 from router.dispatch.race import run_race
 from router.engine.wire import streamed_leg_body
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
 
 
@@ -36,7 +36,7 @@ def _opener(c, body: dict):
     )
 
 
-async def test_cancelled_while_an_accepted_probe_is_unread(make_cluster):
+async def test_cancelled_while_an_accepted_probe_is_unread(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     open_leg = _opener(c, {"model": MODEL, "prompt": long_prompt("unread"), "max_tokens": 200})
     race: asyncio.Task | None = None
@@ -54,7 +54,7 @@ async def test_cancelled_while_an_accepted_probe_is_unread(make_cluster):
     assert await c.wait_idle(10) == {"d0": 0}
 
 
-async def test_cancelled_while_waiting_for_the_losers(make_cluster):
+async def test_cancelled_while_waiting_for_the_losers(make_cluster: MakeCluster) -> None:
     # d1 is slow to answer: it is still running when d0 wins, and the race is cancelled
     # while it waits for d1's probe to stop.
     c = await make_cluster(decoders=2, per_engine={"d1": {"speed": 0.05}})

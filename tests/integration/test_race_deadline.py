@@ -2,11 +2,11 @@
 
 import asyncio
 
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
 
 
-async def test_silent_busy_engine_expires_and_is_cancelled(make_cluster):
+async def test_silent_busy_engine_expires_and_is_cancelled(make_cluster: MakeCluster) -> None:
     # d0 checks the threshold only at admission (like plain vLLM) and its single running
     # slot is taken by a long generation: a probe to it waits in its queue, silent.
     c = await make_cluster(
@@ -37,7 +37,7 @@ async def test_silent_busy_engine_expires_and_is_cancelled(make_cluster):
     await asyncio.gather(hog, return_exceptions=True)
 
 
-async def test_prompt_length_extends_the_deadline_for_a_prefilling_acceptor(make_cluster):
+async def test_prompt_length_extends_the_deadline_for_a_prefilling_acceptor(make_cluster: MakeCluster) -> None:
     """d0 holds half of a long prompt; prefilling the other half (4,000 tokens: ~0.2 s at the
     default timing) takes longer than the base deadline (0.1 s), but d1's rejection reports
     the prompt length and the deadline grows by (1 - T) * tokens * per_token."""
@@ -60,7 +60,7 @@ async def test_prompt_length_extends_the_deadline_for_a_prefilling_acceptor(make
     assert c.router_metric_or_zero("cachehit_router_probe_deadline_expiries_total", backend="d0") == 0
 
 
-async def test_fallback_never_picks_an_engine_whose_probe_expired(make_cluster):
+async def test_fallback_never_picks_an_engine_whose_probe_expired(make_cluster: MakeCluster) -> None:
     # d0 is silent (its only running slot is taken and it checks the threshold only at
     # admission: a stopped or stuck engine looks the same), d1 answers. By the cost model d0
     # would compute the prompt sooner (d1 is configured 100x slower), but an engine that

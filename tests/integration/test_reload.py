@@ -8,10 +8,12 @@ import asyncio
 import dataclasses
 import logging
 
+import pytest
+
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.server.reload import changed_keys, reload, split_changes
-from support.cluster import MODEL, long_prompt
+from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
 
 
@@ -32,7 +34,7 @@ def configured(c) -> list[dict]:
     return [{"name": n, "url": e.url, "role": "decode"} for n, e in c.engines.items()]
 
 
-def test_live_and_fixed_keys_are_told_apart():
+def test_live_and_fixed_keys_are_told_apart() -> None:
     base = {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
     old = parse_config(base)
     new = parse_config(
@@ -55,7 +57,9 @@ def test_live_and_fixed_keys_are_told_apart():
     )
 
 
-async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, caplog):
+async def test_reload_swaps_backends_without_dropping_a_stream(
+    make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     c = await make_cluster(decoders=2, sim={"speed": 2.0})
     extra = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
     try:
@@ -103,7 +107,7 @@ async def test_reload_swaps_backends_without_dropping_a_stream(make_cluster, cap
         await extra.close()
 
 
-async def test_reload_changes_strategy_and_keeps_the_prefix_memory(make_cluster):
+async def test_reload_changes_strategy_and_keeps_the_prefix_memory(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, routing={"strategy": "prefix_tree"})
     state = c.state
     before = state.dispatcher.strategy
@@ -122,7 +126,7 @@ async def test_reload_changes_strategy_and_keeps_the_prefix_memory(make_cluster)
     assert c.routes()["probe_hit"] == hits + 1  # a probe race found the engine holding it
 
 
-async def test_reload_rotates_client_keys(make_cluster):
+async def test_reload_rotates_client_keys(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"api_keys": ["sk-old"]})
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     ok = await c.post("/v1/completions", body, headers={"Authorization": "Bearer sk-old"})
@@ -133,7 +137,7 @@ async def test_reload_rotates_client_keys(make_cluster):
     assert (old.status, new.status) == (401, 200)
 
 
-async def test_a_bad_file_changes_nothing(make_cluster, caplog):
+async def test_a_bad_file_changes_nothing(make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture) -> None:
     c = await make_cluster(decoders=2)
     raw = raw_of(c, configured(c)[:1], routing={"cache_hit_threshold": 7})
     before = c.state.config

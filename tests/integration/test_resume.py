@@ -5,10 +5,10 @@ import asyncio
 import pytest
 
 from engine_launcher.sim import FaultConfig
-from support.cluster import MODEL, PD_PREFERRED, long_prompt
+from support.cluster import MODEL, PD_PREFERRED, MakeCluster, long_prompt
 
 
-async def _preempting_cluster(make_cluster):
+async def _preempting_cluster(make_cluster: MakeCluster):
     # One decoder with a tiny KV cache: 4 concurrent long generations cannot all fit, so the
     # engine preempts; the guard threshold on the prefill/decode legs makes it hand a
     # preempted request back.
@@ -22,7 +22,7 @@ async def _preempting_cluster(make_cluster):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stream):
+async def test_preempted_requests_resume_into_one_full_answer(make_cluster: MakeCluster, stream) -> None:
     c = await _preempting_cluster(make_cluster)
     max_tokens = 150
     bodies = [{"model": MODEL, "prompt": long_prompt(f"pre{i}", 100), "max_tokens": max_tokens} for i in range(4)]
@@ -47,7 +47,7 @@ async def test_preempted_requests_resume_into_one_full_answer(make_cluster, stre
     assert await c.wait_idle(10) == {"d0": 0, "p0": 0}
 
 
-async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(make_cluster):
+async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(make_cluster: MakeCluster) -> None:
     """Text before the interruption is kept verbatim: the continuation starts from it."""
     c = await _preempting_cluster(make_cluster)
     bodies = [
@@ -63,7 +63,7 @@ async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(m
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster, stream):
+async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster: MakeCluster, stream) -> None:
     c = await make_cluster(
         decoders=2,
         prefillers=0,
@@ -92,7 +92,7 @@ async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster, stream
     assert c.engines["d1"].engine.num_running == 0
 
 
-async def test_resume_bound_ends_with_a_clear_error(make_cluster):
+async def test_resume_bound_ends_with_a_clear_error(make_cluster: MakeCluster) -> None:
     c = await make_cluster(
         decoders=1,
         prefillers=0,
@@ -108,7 +108,9 @@ async def test_resume_bound_ends_with_a_clear_error(make_cluster):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_chat_answer_resumed_through_completions_reads_as_one_chat_answer(make_cluster, stream):
+async def test_chat_answer_resumed_through_completions_reads_as_one_chat_answer(
+    make_cluster: MakeCluster, stream
+) -> None:
     c = await make_cluster(decoders=2, prefillers=0, per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=25)}})
     msgs = [{"role": "system", "content": long_prompt("chatdies", 150)}, {"role": "user", "content": "go on"}]
     async with c.session.post(

@@ -10,11 +10,11 @@ import logging
 
 import pytest
 
-from support.cluster import MODEL, PD_PREFERRED, long_prompt
+from support.cluster import MODEL, PD_PREFERRED, MakeCluster, long_prompt
 from support.polling import eventually
 
 
-async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(make_cluster):
+async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
     prompt = long_prompt("warm", 300)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
@@ -40,7 +40,7 @@ async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
 
 
-async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(make_cluster):
+async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
     # Verdicts measured as slower than any hit could save: no race, and the prompt goes where
     # the fallback's cost model puts it (a split, under these priors), not just to a decoder.
@@ -55,7 +55,7 @@ async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(ma
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, stream):
+async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster: MakeCluster, stream) -> None:
     # The producer's lease ends before the consumer pulls: with vLLM's default
     # kv_load_failure_policy "fail" the consumer answers an internal error (an error event
     # in a stream); the router computes the prompt on that decoder instead of failing.
@@ -83,7 +83,7 @@ async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster, str
     assert await c.wait_idle() == {"d0": 0, "p0": 0}
 
 
-async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_cluster):
+async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_cluster: MakeCluster) -> None:
     # Each prompt's first 300 of 700 tokens sit on one decoder (43% < T = 0.5): both reject,
     # the holder's rejection says how much it holds, and the prompt is computed there.
     # (Speed 1: a 700-token prefill costs far more than waiting for the verdicts.)
@@ -107,7 +107,7 @@ async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_c
     assert c.router_metric("cachehit_router_probe_rejections_total", backend="d1") == 4
 
 
-async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(make_cluster):
+async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(make_cluster: MakeCluster) -> None:
     # The router sent P to one engine, which has since evicted it; the other engine holds
     # P's first 40%. Both reject (below T = 0.5) and report what they hold: the router's
     # memory says the first engine holds all of P, but that was long enough ago for the
@@ -132,7 +132,7 @@ async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(mak
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 400 // 16 * 16, out["usage"]
 
 
-async def test_no_prefill_backend_falls_back_to_direct(make_cluster):
+async def test_no_prefill_backend_falls_back_to_direct(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=0)
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("nopf"), "max_tokens": 4})
     assert status == 200
@@ -140,7 +140,7 @@ async def test_no_prefill_backend_falls_back_to_direct(make_cluster):
     assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 1}
 
 
-async def test_short_prompt_goes_direct_even_with_a_prefill_backend(make_cluster):
+async def test_short_prompt_goes_direct_even_with_a_prefill_backend(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1, routing={"min_pd_prompt_tokens": 256})
     status, _out = await c.complete({"model": MODEL, "prompt": long_prompt("short", 40), "max_tokens": 4})
     assert status == 200
@@ -148,7 +148,7 @@ async def test_short_prompt_goes_direct_even_with_a_prefill_backend(make_cluster
     assert await c.engine_metric("p0", "vllm:prompt_tokens_total") == 0
 
 
-async def test_streaming_answer_has_one_id_usage_and_done(make_cluster):
+async def test_streaming_answer_has_one_id_usage_and_done(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1)
     status, events = await c.stream(
         {"model": MODEL, "prompt": long_prompt("stream"), "max_tokens": 12, "stream_options": {"include_usage": True}}
@@ -164,7 +164,7 @@ async def test_streaming_answer_has_one_id_usage_and_done(make_cluster):
     assert all(ch["choices"][0].get("token_ids") is None for ch in text_chunks)  # the client did not ask
 
 
-async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluster):
+async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=3, prefillers=0, routing={"race": "always"})
     prompt = long_prompt("losers", 300)
     # Warm every decoder directly so all three hold the prompt and will accept a probe.
@@ -188,7 +188,7 @@ async def test_losers_are_cancelled_and_stop_running_on_their_engine(make_cluste
     assert gen[1] < 50
 
 
-async def test_client_disconnect_stops_upstream_work(make_cluster):
+async def test_client_disconnect_stops_upstream_work(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1, sim={"speed": 5.0})
     body = {"model": MODEL, "prompt": long_prompt("gone"), "max_tokens": 2000, "stream": True}
     resp = await c.post("/v1/completions", body)
@@ -208,7 +208,7 @@ async def test_client_disconnect_stops_upstream_work(make_cluster):
     )
 
 
-async def test_chat_non_streaming_through_pd(make_cluster):
+async def test_chat_non_streaming_through_pd(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
     msgs = [{"role": "system", "content": long_prompt("sys", 200)}, {"role": "user", "content": "hello there"}]
     status, out = await c.complete({"model": MODEL, "messages": msgs, "max_tokens": 6}, "/v1/chat/completions")
@@ -221,7 +221,7 @@ async def test_chat_non_streaming_through_pd(make_cluster):
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "least_loaded", "prefix_tree"])
-async def test_other_strategies_route_directly(make_cluster, strategy):
+async def test_other_strategies_route_directly(make_cluster: MakeCluster, strategy) -> None:
     c = await make_cluster(decoders=2, prefillers=1, routing={"strategy": strategy})
     for i in range(4):
         status, _ = await c.complete({"model": MODEL, "prompt": long_prompt(f"s{i}", 100), "max_tokens": 2})
@@ -234,7 +234,7 @@ async def test_other_strategies_route_directly(make_cluster, strategy):
         assert served["d0"] == served["d1"] == 2
 
 
-async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend(make_cluster):
+async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend(make_cluster: MakeCluster) -> None:
     c = await make_cluster(
         decoders=2,
         prefillers=0,
@@ -253,7 +253,7 @@ async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend
     assert await c.engine_metric("d1", "vllm:request_success_total") == 4
 
 
-async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(make_cluster):
+async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(make_cluster: MakeCluster) -> None:
     # A (2,000-token head) goes to one engine, C (another 2,000 tokens) to the other; B
     # shares A's head and arrives while both are computing, so every engine rejects B. The
     # router remembers where it sent A: there B lacks 10 tokens behind A's 2,010, on C's
@@ -276,7 +276,7 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
     assert c.routes()["pd"] == 0
 
 
-async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_cluster):
+async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=4, routing={"max_probes": 2, "race": "always"}, sim={"speed": 1.0})
     warm = {"model": MODEL, "prompt": long_prompt("bounded", 300), "max_tokens": 2}
     status, out = await c.complete(warm)  # cold: the two probes reject, the fallback computes it
@@ -314,7 +314,9 @@ def _evicting_prompts(tag: str) -> list[str]:
     return [long_prompt(f"{tag}{i}", 900) for i in range(2)]
 
 
-async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_reported(make_cluster, caplog):
+async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_reported(
+    make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     # Both decoders computed P, then evicted it from their small GPU caches; d0 keeps P in its
     # CPU tier (vLLM's OffloadingConnector), d1 has none. At T = 0.5 the GPU-only engine
     # rejects and d0 accepts: only the engine knew it still held P.

@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from router.fleet.capability import CHECK_PROMPT_PREFIX
-from support.cluster import MODEL, PD_PREFERRED, FaultConfig, long_prompt
+from support.cluster import MODEL, PD_PREFERRED, FaultConfig, MakeCluster, long_prompt
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -28,7 +28,7 @@ TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
 class RecordingFront:
     """A pass-through proxy in front of each engine that records what the router sends."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seen: list[dict] = []
         self.runners: list[web.AppRunner] = []
         self.session = aiohttp.ClientSession(auto_decompress=False)
@@ -68,7 +68,7 @@ class RecordingFront:
         self.runners.append(runner)
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
-    async def close(self):
+    async def close(self) -> None:
         await self.session.close()
         for r in self.runners:
             await r.cleanup()
@@ -81,7 +81,7 @@ async def front():
     await f.close()
 
 
-async def test_client_trace_context_reaches_every_engine_leg(make_cluster, front):
+async def test_client_trace_context_reaches_every_engine_leg(make_cluster: MakeCluster, front) -> None:
     c = await make_cluster(decoders=2, front=front, routing={"race": "always"})
     hdrs = {"traceparent": TRACEPARENT, "tracestate": "vendor=abc"}
     async with await c.post("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 3}, headers=hdrs) as r:
@@ -115,7 +115,7 @@ def _by_name(spans):
     return out
 
 
-async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
+async def test_one_span_per_request_and_one_per_leg(make_cluster: MakeCluster, front) -> None:
     exporter = InMemorySpanExporter()
     c = await make_cluster(
         decoders=2,
@@ -168,7 +168,7 @@ async def test_one_span_per_request_and_one_per_leg(make_cluster, front):
     assert req.parent is None
 
 
-async def test_resume_leg_span(make_cluster):
+async def test_resume_leg_span(make_cluster: MakeCluster) -> None:
     exporter = InMemorySpanExporter()
     c = await make_cluster(
         decoders=2,
@@ -195,7 +195,7 @@ async def test_resume_leg_span(make_cluster):
     assert winner[0].attributes["cachehit.outcome"] == "aborted"
 
 
-async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
+async def test_spans_reach_a_real_otlp_http_receiver(make_cluster: MakeCluster) -> None:
     received: list[ExportTraceServiceRequest] = []
 
     async def traces(request: web.Request) -> web.Response:
@@ -241,7 +241,7 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster):
         await runner.cleanup()
 
 
-def test_tracing_config_is_checked():
+def test_tracing_config_is_checked() -> None:
     from router.config.parse import parse_config
     from router.config.schema import ConfigError
 

@@ -51,7 +51,7 @@ async def open_leg(url: str):
     return client, stream
 
 
-async def test_next_chunks_returns_everything_received_in_one_read(serve_sse):
+async def test_next_chunks_returns_everything_received_in_one_read(serve_sse) -> None:
     url = await serve_sse(
         event(b'{"n":1}') + event(b'{"n":2}') + event(b'{"n":3}'), event(b'{"n":4}') + event(b"[DONE]")
     )
@@ -77,7 +77,7 @@ async def test_next_chunks_returns_everything_received_in_one_read(serve_sse):
         (b'{"error": {"message": "Internal server error", "code": 500}}', ENGINE_ERROR),
     ],
 )
-async def test_a_bad_event_comes_after_the_good_ones_before_it(serve_sse, bad, kind):
+async def test_a_bad_event_comes_after_the_good_ones_before_it(serve_sse, bad, kind) -> None:
     url = await serve_sse(event(b'{"n":1}') + event(b'{"n":2}') + event(bad) + event(b'{"n":3}'))
     client, stream = await open_leg(url)
     try:

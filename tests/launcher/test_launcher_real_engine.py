@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +40,7 @@ def require_vllm() -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(request, tmp_path_factory) -> str:
+def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     # Built once and cached across runs (the builder skips a finished build); in a
     # subprocess so this test process does not import torch and transformers. With pytest's
     # cache plugin off (-p no:cacheprovider) it is built in this run's temp dir instead.
@@ -51,7 +52,7 @@ def tiny_model_dir(request, tmp_path_factory) -> str:
     return str(path)
 
 
-def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path, tiny_model_dir):
+def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path: Path, tiny_model_dir) -> None:
     require_vllm()
     port = free_port()
     cfg = tmp_path / "router.toml"

@@ -87,7 +87,7 @@ class OffloadWorkerLoop(EngineLoop):
 
 
 @pytest.fixture
-def make_tiered(tiny_model, vllm_plugin, monkeypatch):
+def make_tiered(tiny_model, vllm_plugin, monkeypatch: pytest.MonkeyPatch):
     """make_tiered(cpu_tier: bool, **additional_config): OffloadWorkerLoop with a CPU tier
     (MultiConnector of NIXL and the OffloadingConnector), else EngineLoop (NIXL alone)."""
     from engine_launcher.vllm_plugin.scheduler import ThresholdScheduler
@@ -158,7 +158,9 @@ def evict_a_from_gpu(engine: OffloadWorkerLoop, make_request, a: list[int]) -> N
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(make_tiered, make_request, arrival_check):
+def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(
+    make_tiered, make_request, arrival_check
+) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
     from vllm.v1.engine import FinishReason
@@ -201,7 +203,7 @@ def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(make_tie
     assert tiered.hits_by_source == {"host": PROMPT_LEN}
 
 
-def test_arrival_rejection_reports_the_cpu_tier_hit(make_tiered, make_request):
+def test_arrival_rejection_reports_the_cpu_tier_hit(make_tiered, make_request) -> None:
     from vllm.v1.engine import FinishReason
 
     engine = make_tiered(True)  # arrival check on

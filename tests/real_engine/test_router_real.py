@@ -60,7 +60,7 @@ def cold_prompt(tag: str, words: int) -> str:
 
 
 class RealCluster:
-    def __init__(self, producer_url: str, consumer_url: str, routing: dict):
+    def __init__(self, producer_url: str, consumer_url: str, routing: dict) -> None:
         self.config = parse_config(
             {
                 "server": {"port": 0},
@@ -110,8 +110,8 @@ class RealCluster:
 
 
 async def test_cold_request_is_prefilled_on_the_producer_and_decoded_on_the_consumer(
-    threshold_engine, preemption_engine, caplog
-):
+    threshold_engine, preemption_engine, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     async with RealCluster(threshold_engine.base_url, preemption_engine.base_url, {"cache_hit_threshold": 0.5}) as c:
         # A first request through the router. Should its KV transfer fail (vLLM's
@@ -165,7 +165,7 @@ async def test_cold_request_is_prefilled_on_the_producer_and_decoded_on_the_cons
     assert external >= prompt_tokens - 32, (external, prompt_tokens)
 
 
-async def test_preempted_requests_are_resumed_into_full_answers(threshold_engine, preemption_engine):
+async def test_preempted_requests_are_resumed_into_full_answers(threshold_engine, preemption_engine) -> None:
     before = scrape_metrics(preemption_engine.base_url)
     # Prompt (~50 tokens) + 150 fits the consumer's 224-token context; two at once do not fit
     # its 8 blocks of 32 tokens, so it preempts.
@@ -264,7 +264,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, path: str, body: d
         return r.status, raw
 
 
-async def test_the_simulator_matches_the_real_engine_where_the_router_looks(threshold_engine):
+async def test_the_simulator_matches_the_real_engine_where_the_router_looks(threshold_engine) -> None:
     sim = await start_sim_engine(
         SimEngineConfig(model=MODEL, speed=100.0, block_size=32, global_cache_hit_threshold=0.5), port=0
     )

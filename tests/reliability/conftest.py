@@ -19,7 +19,7 @@ from support.subprocess_cluster import RouterProc, SimProc
 
 
 class Procs:
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.all: list = []
 
@@ -41,7 +41,7 @@ class Procs:
 
 
 @pytest.fixture
-def procs(tmp_path):
+def procs(tmp_path: Path):
     p = Procs(tmp_path)
     try:
         yield p

@@ -81,7 +81,7 @@ async def _engines_idle(s: aiohttp.ClientSession, engines) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_early_hang_ups_leak_no_inflight_count(procs):
+async def test_early_hang_ups_leak_no_inflight_count(procs) -> None:
     engines = {f"d{i}": procs.sim("--speed", "2") for i in range(4)}
     router = procs.router(
         {

@@ -19,7 +19,7 @@ FLOOD_KEY, QUIET_KEY, METERED_KEY = "sk-flood-0123", "sk-quiet-4567", "sk-metere
 
 
 @pytest.fixture
-def router(procs, monkeypatch):
+def router(procs, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CACHEHIT_TEST_FLOOD_KEY", FLOOD_KEY)
     monkeypatch.setenv("CACHEHIT_TEST_QUIET_KEY", QUIET_KEY)
     engine = procs.sim("--speed", "5")
@@ -53,7 +53,7 @@ async def _post(
 
 
 @pytest.mark.timeout(180)
-async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
+async def test_a_tenant_at_its_limits_does_not_hold_back_another(router) -> None:
     async with aiohttp.ClientSession() as s:
         flood = [asyncio.create_task(_post(s, router.url, FLOOD_KEY)) for _ in range(30)]
 
@@ -94,7 +94,7 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
 
 
 @pytest.mark.timeout(120)
-async def test_per_key_rate_limit_and_priority_rules(router):
+async def test_per_key_rate_limit_and_priority_rules(router) -> None:
     async with aiohttp.ClientSession() as s:
         assert (await _post(s, router.url, METERED_KEY, max_tokens=2))[0] == 200
         status, headers, body = await _post(s, router.url, METERED_KEY, max_tokens=2)

@@ -57,7 +57,7 @@ def _request(s, url: str, i: int, max_tokens: int, within: float):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs):
+async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs) -> None:
     # speed 0.25: a 48-token stream takes a few seconds, so streams are in flight when d0
     # dies; the simulator's timing model keeps the per-step cost realistic under batching.
     # idle_s 5: under this load a healthy engine's prefill-heavy step (resumed prompts pile

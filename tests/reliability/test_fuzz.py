@@ -32,7 +32,7 @@ EXCHANGE_BOUND_S = 15.0  # any single exchange taking longer is a hang
 
 
 @pytest.fixture(scope="module")
-def fuzz_router(tmp_path_factory):
+def fuzz_router(tmp_path_factory: pytest.TempPathFactory):
     """One engine and one router for the whole module (the fuzzing must not break them:
     every test ends by checking the router still serves)."""
     tmp = tmp_path_factory.mktemp("fuzz")
@@ -413,7 +413,7 @@ def test_header_and_encoding_combinations_never_get_a_500(
     assert fuzz_router.proc.poll() is None
 
 
-def test_after_fuzzing_the_router_still_serves(fuzz_router):
+def test_after_fuzzing_the_router_still_serves(fuzz_router) -> None:
     # Runs on its own router too: odd inputs first, then a normal request.
     for raw in (b"{", b"\xff" * 100, orjson.dumps({"prompt": [2**40]}), orjson.dumps({"max_tokens": -5})):
         status, headers, out = _request(fuzz_router.port, "POST", "/v1/completions", raw)
@@ -483,7 +483,7 @@ def test_truncated_bodies_then_close_never_crash_the_router(fuzz_router, sent, m
     assert fuzz_router.proc.poll() is None
 
 
-def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router):
+def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "cut", "max_tokens": 2})
     cuts = (0, 1, len(body) // 2, len(body) - 1)
     before = _requests_recorded(fuzz_router.port)
@@ -497,7 +497,7 @@ def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router):
     _no_500s(fuzz_router.port)
 
 
-def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router):
+def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2})
     t0 = time.monotonic()
     out = _raw_exchange(fuzz_router.port, _head(len(body)), [(body[:5], 0.0)], close_after=False)
@@ -510,7 +510,7 @@ def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router):
     _alive(fuzz_router.port)
 
 
-def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router):
+def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "slow but steady", "max_tokens": 2})
     step = max(1, len(body) // 5)
     parts = [(body[i : i + step], 0.15) for i in range(0, len(body), step)]
@@ -523,7 +523,7 @@ def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router):
     assert out.startswith(b"HTTP/1.1 200"), out[:300]
 
 
-def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router):
+def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router) -> None:
     """Connections that send half a header block or half a body and then stall: the
     router keeps serving everyone else meanwhile."""
     stalled = []

@@ -37,7 +37,7 @@ async def _healthy(s, router, name) -> float:
     return (await scrape_metrics(s, router.url)).value("cachehit_router_backend_healthy", backend=name)
 
 
-async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_same_port(procs):
+async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_same_port(procs) -> None:
     engines = {n: procs.sim("--speed", "5") for n in ("d0", "d1")}
     router = procs.router(
         {
@@ -114,7 +114,7 @@ async def _engine_generated(s, url: str) -> float:
         return orjson.loads(await r.read())["generated"]
 
 
-async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_trial(procs):
+async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_trial(procs) -> None:
     engines = {n: procs.sim("--speed", "5") for n in ("d0", "d1")}
     router = procs.router(
         {
@@ -165,7 +165,7 @@ async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_tr
         assert await _healthy(s, router, "d0") == 1
 
 
-async def test_ready_follows_the_breaker_of_the_only_decoder(procs):
+async def test_ready_follows_the_breaker_of_the_only_decoder(procs) -> None:
     engines = {"d0": procs.sim("--speed", "5")}
     router = procs.router(
         {

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from support.cluster import MODEL, FaultConfig
+from support.cluster import MODEL, FaultConfig, MakeCluster
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "probe"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster, strategy, stream):
+async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster: MakeCluster, strategy, stream) -> None:
     # race "always": every probe-mode request asks d0, whatever the race has been worth.
     c = await make_cluster(
         decoders=2,
@@ -40,7 +40,7 @@ async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster, s
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster, stream):
+async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster: MakeCluster, stream) -> None:
     c = await make_cluster(
         decoders=3,
         routing={"strategy": "round_robin", "max_retries": 1},
@@ -62,7 +62,7 @@ async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster, stream
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "probe"])
-async def test_a_dead_backend_the_router_still_thinks_healthy_is_retried(make_cluster, strategy):
+async def test_a_dead_backend_the_router_still_thinks_healthy_is_retried(make_cluster: MakeCluster, strategy) -> None:
     # Health checks far apart: the router learns of d0's death from the request itself.
     c = await make_cluster(
         decoders=2, routing={"strategy": strategy}, health={"scrape_interval_s": 60.0, "check_interval_s": 60.0}
@@ -77,7 +77,7 @@ async def test_a_dead_backend_the_router_still_thinks_healthy_is_retried(make_cl
     assert c.router_metric("cachehit_router_upstream_errors_total", backend="d0", kind="connect") >= 1
 
 
-async def test_client_errors_are_not_retried(make_cluster):
+async def test_client_errors_are_not_retried(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=3, routing={"strategy": "round_robin"})
     status, out = await c.complete({"model": MODEL, "prompt": "x", "max_tokens": 4, "logprobs": 50})
     assert status == 400

@@ -17,6 +17,7 @@ import datetime
 import importlib.util
 import ipaddress
 import ssl
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -27,6 +28,7 @@ from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.fleet.capability import CHECK_PROMPT_PREFIX
 from router.server.app import build_app
+from support.cluster import MakeCluster
 from support.requirements import missing_dependency
 from support.subprocess_cluster import MODEL, sim_backends
 
@@ -48,7 +50,7 @@ class Capture:
     """A proxy in front of a simulated engine that records each request's method, path,
     headers and body, and streams the engine's answer back untouched."""
 
-    def __init__(self, engine_url: str):
+    def __init__(self, engine_url: str) -> None:
         self.engine_url = engine_url
         self.seen: list[dict] = []
         self.session: aiohttp.ClientSession | None = None
@@ -175,7 +177,7 @@ def _err(raw: bytes, status: int) -> dict:
         "Token sk-client-1",
     ],
 )
-async def test_generation_needs_a_client_key(stack, header):
+async def test_generation_needs_a_client_key(stack, header) -> None:
     headers = {} if header is None else {"Authorization": header}
     status, h, raw = await _post(stack, {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers)
     if len(header or "") > 8190:  # past aiohttp's header line limit: its parser answers 400
@@ -187,7 +189,7 @@ async def test_generation_needs_a_client_key(stack, header):
     assert stack.cap.seen == [] or all(s["path"] != "/v1/completions" for s in stack.cap.seen)
 
 
-async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack):
+async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack) -> None:
     """Raw header bytes that are not UTF-8 (the server decodes them with surrogateescape)."""
     for path, method in (("/v1/completions", b"POST"), ("/v1/models", b"GET"), ("/admin/backends", b"GET")):
         reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
@@ -207,7 +209,7 @@ async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack):
 
 
 @pytest.mark.parametrize("key", [CLIENT_KEY, OTHER_CLIENT_KEY])
-async def test_each_client_key_works_and_the_scheme_is_case_insensitive(stack, key):
+async def test_each_client_key_works_and_the_scheme_is_case_insensitive(stack, key) -> None:
     for scheme in ("Bearer", "bearer", "BEARER"):
         status, _, raw = await _post(
             stack, {"model": MODEL, "prompt": "x", "max_tokens": 2}, {"Authorization": f"{scheme} {key}"}
@@ -215,7 +217,7 @@ async def test_each_client_key_works_and_the_scheme_is_case_insensitive(stack, k
         assert status == 200, raw
 
 
-async def test_models_need_a_key_probes_do_not(stack):
+async def test_models_need_a_key_probes_do_not(stack) -> None:
     async with stack.session.get(stack.url + "/v1/models") as r:
         assert r.status == 401
     async with stack.session.get(stack.url + "/v1/models", headers=_auth()) as r:
@@ -225,7 +227,7 @@ async def test_models_need_a_key_probes_do_not(stack):
             assert r.status == 200, path
 
 
-async def test_admin_route_needs_the_admin_key_and_never_shows_secrets(stack):
+async def test_admin_route_needs_the_admin_key_and_never_shows_secrets(stack) -> None:
     for headers in ({}, _auth(), _auth(OTHER_CLIENT_KEY), {"Authorization": "Bearer sk-admi"}):
         async with stack.session.get(stack.url + "/admin/backends", headers=headers) as r:
             assert r.status == 401
@@ -240,7 +242,7 @@ async def test_admin_route_needs_the_admin_key_and_never_shows_secrets(stack):
     assert status == 401
 
 
-async def test_admin_route_is_absent_without_an_admin_key(make_cluster):
+async def test_admin_route_is_absent_without_an_admin_key(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1)
     async with c.session.get(c.url + "/admin/backends", headers={"Authorization": "Bearer "}) as r:
         assert r.status == 404
@@ -249,7 +251,7 @@ async def test_admin_route_is_absent_without_an_admin_key(make_cluster):
 # --- body limit ----------------------------------------------------------------------------
 
 
-async def test_body_limit_with_and_without_content_length(stack):
+async def test_body_limit_with_and_without_content_length(stack) -> None:
     big = orjson.dumps({"model": MODEL, "prompt": "y" * 100_000, "max_tokens": 1})
     status, _, raw = await _post(stack, big, _auth())
     assert status == 413
@@ -306,7 +308,7 @@ _ALLOWED_UPSTREAM = {
 }
 
 
-async def test_client_headers_and_internal_fields_never_reach_the_engine(stack):
+async def test_client_headers_and_internal_fields_never_reach_the_engine(stack) -> None:
     body = {
         "model": MODEL,
         "prompt": "headers",
@@ -365,7 +367,7 @@ async def test_client_headers_and_internal_fields_never_reach_the_engine(stack):
 # --- no foreign host ----------------------------------------------------------------------
 
 
-async def test_no_request_makes_the_router_contact_a_host_outside_its_configuration(stack):
+async def test_no_request_makes_the_router_contact_a_host_outside_its_configuration(stack) -> None:
     trap = f"127.0.0.1:{stack.trap_port}"
     vectors = [
         ({"model": f"http://{trap}/v1", "prompt": "x", "max_tokens": 1}, {}),
@@ -438,7 +440,7 @@ async def _plain_http_get(s: aiohttp.ClientSession, url: str) -> None:
         raise aiohttp.ClientError("plain HTTP answered")
 
 
-def _self_signed(tmp_path) -> tuple[str, str]:
+def _self_signed(tmp_path: Path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 made now: with the `cryptography` package, else with
     the `openssl` command."""
     if importlib.util.find_spec("cryptography") is None:
@@ -471,7 +473,7 @@ def _self_signed(tmp_path) -> tuple[str, str]:
     return str(cert_path), str(key_path)
 
 
-def _self_signed_openssl(tmp_path) -> tuple[str, str]:
+def _self_signed_openssl(tmp_path: Path) -> tuple[str, str]:
     import shutil
     import subprocess
 
@@ -505,7 +507,7 @@ def _self_signed_openssl(tmp_path) -> tuple[str, str]:
     return str(cert_path), str(key_path)
 
 
-async def test_tls_with_a_self_signed_certificate(procs, tmp_path):
+async def test_tls_with_a_self_signed_certificate(procs, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     ctx = ssl.create_default_context(cafile=cert)
     engines = {"d0": procs.sim("--speed", "20")}

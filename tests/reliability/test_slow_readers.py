@@ -79,7 +79,7 @@ async def _gauges(s: aiohttp.ClientSession, router_url: str, engine_url: str) ->
 
 
 @pytest.mark.timeout(120)
-async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs):
+async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs) -> None:
     engine = procs.sim(*ENGINE_ARGS)
     router = procs.router({"timeouts": {"idle_s": 1.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)
@@ -106,7 +106,7 @@ async def _released(s, router_url, engine_url):
 
 
 @pytest.mark.timeout(120)
-async def test_a_client_that_pauses_gets_the_whole_answer(procs):
+async def test_a_client_that_pauses_gets_the_whole_answer(procs) -> None:
     engine = procs.sim(*ENGINE_ARGS)
     router = procs.router({"timeouts": {"idle_s": 60.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from support.cluster import MODEL, FaultConfig, long_prompt
+from support.cluster import MODEL, FaultConfig, MakeCluster, long_prompt
 from support.polling import eventually
 
 
@@ -36,7 +36,7 @@ def _stream_error(events: list) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_first_token_timeout_is_a_504_and_aborts_the_engine_request(make_cluster, stream):
+async def test_first_token_timeout_is_a_504_and_aborts_the_engine_request(make_cluster: MakeCluster, stream) -> None:
     # speed 0.002: the prefill step of this prompt takes seconds, so no token comes in time.
     c = await make_cluster(decoders=1, sim={"speed": 0.002}, timeouts={"first_token_s": 1.0})
     body = {"model": MODEL, "prompt": long_prompt("slow-first", 200), "max_tokens": 5}
@@ -52,7 +52,7 @@ async def test_first_token_timeout_is_a_504_and_aborts_the_engine_request(make_c
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_idle_timeout_mid_stream_ends_with_a_precise_error(make_cluster, stream):
+async def test_idle_timeout_mid_stream_ends_with_a_precise_error(make_cluster: MakeCluster, stream) -> None:
     # One engine, stalling every stream after 3 tokens: the leg times out between chunks;
     # the resume finds no other engine, so the client learns exactly what happened.
     c = await make_cluster(
@@ -73,7 +73,7 @@ async def test_idle_timeout_mid_stream_ends_with_a_precise_error(make_cluster, s
     assert await c.wait_idle(10) == {"d0": 0}
 
 
-async def test_idle_timeout_resumes_on_a_healthy_engine(make_cluster):
+async def test_idle_timeout_resumes_on_a_healthy_engine(make_cluster: MakeCluster) -> None:
     """With another engine available the same stall is invisible to the client."""
     c = await make_cluster(
         decoders=2,
@@ -100,7 +100,7 @@ async def test_idle_timeout_resumes_on_a_healthy_engine(make_cluster):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_total_timeout_is_not_resumed_and_names_the_whole_answer(make_cluster, stream):
+async def test_total_timeout_is_not_resumed_and_names_the_whole_answer(make_cluster: MakeCluster, stream) -> None:
     # speed 0.05: ~0.2 s per decode step, so 200 tokens need far more than total_s = 2.
     c = await make_cluster(decoders=2, sim={"speed": 0.05}, timeouts={"total_s": 2.0})
     body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 200}
@@ -125,7 +125,7 @@ def _connected(sock: socket.socket) -> bool:
     return True
 
 
-async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster):
+async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster: MakeCluster) -> None:
     """The engine's port stops accepting (a full listen backlog drops SYNs, as a hung
     host does): the router gives up after timeouts.connect_s and says so."""
     c = await make_cluster(
@@ -158,7 +158,7 @@ async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster):
         black.close()
 
 
-async def test_timeouts_count_against_the_backend(make_cluster):
+async def test_timeouts_count_against_the_backend(make_cluster: MakeCluster) -> None:
     """Idle timeouts are backend failures: after failure_threshold of them the breaker
     opens and the engine gets nothing (no probes either) during the cool-down, while the
     answers themselves complete on the other engine."""
@@ -197,7 +197,7 @@ async def test_timeouts_count_against_the_backend(make_cluster):
     assert await c.wait_idle(10) == {"d0": 0, "d1": 0}
 
 
-async def test_a_resume_may_go_back_to_an_engine_that_failed_an_earlier_leg(make_cluster):
+async def test_a_resume_may_go_back_to_an_engine_that_failed_an_earlier_leg(make_cluster: MakeCluster) -> None:
     """Both engines stall once per request after 4 tokens. The answer moves d -> other d ->
     back to the first (which is fine for a new request): only the engine that failed last
     is kept out of a resume, so two engines are enough for three legs."""

@@ -70,7 +70,7 @@ def test_flags_map_to_config() -> None:
     assert cfg.max_model_len == 1024
 
 
-def test_bad_values_exit_with_status_2(capsys) -> None:
+def test_bad_values_exit_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--port", "0", "--global-cache-hit-threshold", "2"]) == 2
     assert "global_cache_hit_threshold" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -138,6 +139,10 @@ class Cluster:
             await asyncio.sleep(0.02)
 
 
+# What the `make_cluster` fixture gives a test: `await make_cluster(decoders=2, ...)`.
+MakeCluster = Callable[..., Awaitable[Cluster]]
+
+
 # Backend priors under which prefill/decode is the cost model's choice for a cold prompt on
 # an idle cluster (producer predicted 1,000x faster than the decoders) until measurements
 # of the fast simulated decoders replace them: for tests of the split's mechanics.
@@ -214,4 +219,4 @@ def long_prompt(tag: str, words: int = 400) -> str:
     return " ".join(WORDS[(start + i * 31) % len(WORDS)] for i in range(words))
 
 
-__all__ = ["MODEL", "PD_PREFERRED", "Cluster", "FaultConfig", "long_prompt"]
+__all__ = ["MODEL", "PD_PREFERRED", "Cluster", "FaultConfig", "MakeCluster", "long_prompt"]

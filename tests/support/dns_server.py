@@ -28,7 +28,7 @@ def _dnsmasq_binary() -> str | None:
 
 
 class DnsServer:
-    def __init__(self, binary: str, workdir: Path):
+    def __init__(self, binary: str, workdir: Path) -> None:
         self.hosts = workdir / "hosts"
         self.hosts.write_text("")
         self.hosts.chmod(0o644)
@@ -95,7 +95,7 @@ class DnsServer:
 
 
 @pytest.fixture
-async def dns_server(tmp_path):
+async def dns_server(tmp_path: Path):
     binary = _dnsmasq_binary()
     if binary is None:
         message = "dnsmasq is not installed (scripts/test.sh installs it: apt-get install dnsmasq-base)"

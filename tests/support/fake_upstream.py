@@ -24,7 +24,7 @@ class Pause:
 
 
 class FakeStream:
-    def __init__(self, backend: str, script: list, on_close: Callable[[], None] | None):
+    def __init__(self, backend: str, script: list, on_close: Callable[[], None] | None) -> None:
         self.backend = backend
         self._script = list(script)
         self._on_close = on_close

@@ -18,7 +18,7 @@ class LauncherProcess:
     of the engines it started (each engine has its own), for cleanup after a failed test.
     """
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None):
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
         self.proc = start_group(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()

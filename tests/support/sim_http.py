@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import orjson
 
+from engine_launcher.sim import SimEngineHandle
 from support.sse import parse_sse
+
+# What the sim suite's `make_engine` fixture gives a test: `await make_engine(**SimEngineConfig fields)`.
+MakeEngine = Callable[..., Awaitable[SimEngineHandle]]
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, Any]:

@@ -12,7 +12,7 @@ from router.engine.sse import SSEDecoder
 from router.errors import RouterError, error_body, sse_error_event
 
 
-def test_body_is_vllm_error_response_shape():
+def test_body_is_vllm_error_response_shape() -> None:
     err = RouterError(400, "bad", param="prompt")
     # vLLM: ErrorResponse(error=ErrorInfo(message, type, param, code: int)).model_dump()
     assert err.body() == {"error": {"message": "bad", "type": "BadRequestError", "param": "prompt", "code": 400}}
@@ -21,13 +21,13 @@ def test_body_is_vllm_error_response_shape():
     assert error_body(404, "m") == {"error": {"message": "m", "type": "NotFoundError", "param": None, "code": 404}}
 
 
-def test_explicit_type_and_code_win():
+def test_explicit_type_and_code_win() -> None:
     err = RouterError(400, "x", type="invalid_request_error", code="bad_field")
     assert err.body()["error"]["type"] == "invalid_request_error"
     assert err.body()["error"]["code"] == "bad_field"
 
 
-def test_model_not_found_matches_vllm_wording():
+def test_model_not_found_matches_vllm_wording() -> None:
     err = errors.model_not_found("gpt-x", ["tiny", "tiny-lora"])
     assert err.status == 404
     assert err.body() == {
@@ -40,7 +40,7 @@ def test_model_not_found_matches_vllm_wording():
     }
 
 
-def test_common_helpers():
+def test_common_helpers() -> None:
     assert errors.bad_request("m", "n").status == 400
     u = errors.unauthorized()
     assert (u.status, u.type, u.headers) == (401, "AuthenticationError", {"WWW-Authenticate": "Bearer"})
@@ -54,7 +54,7 @@ def test_common_helpers():
     assert errors.route_not_found().body()["error"]["type"] == "Not Found"
 
 
-def test_retry_after_is_a_positive_integer():
+def test_retry_after_is_a_positive_integer() -> None:
     assert errors.too_many_requests(0).headers["Retry-After"] == "1"
     assert errors.too_many_requests(2.1).headers["Retry-After"] == "3"
     assert errors.too_many_requests(float("inf")).headers["Retry-After"] == "1"
@@ -62,7 +62,7 @@ def test_retry_after_is_a_positive_integer():
     assert errors.too_many_requests(5).type == "RateLimitError"
 
 
-def test_sse_error_event_decodes_to_the_body():
+def test_sse_error_event_decodes_to_the_body() -> None:
     err = errors.upstream_failed("e1", "connection reset")
     ev = sse_error_event(err)
     assert ev.startswith(b"data: ")
@@ -71,7 +71,7 @@ def test_sse_error_event_decodes_to_the_body():
     assert orjson.loads(payload) == err.body()
 
 
-def test_from_upstream_body_passes_vllm_errors_through():
+def test_from_upstream_body_passes_vllm_errors_through() -> None:
     raw = orjson.dumps(
         {
             "error": {
@@ -87,14 +87,14 @@ def test_from_upstream_body_passes_vllm_errors_through():
     assert err.body() == orjson.loads(raw)
 
 
-def test_from_upstream_body_odd_bodies_become_502():
+def test_from_upstream_body_odd_bodies_become_502() -> None:
     assert errors.from_upstream_body(500, b"<html>oops</html>").status == 502
     assert errors.from_upstream_body(400, b"[1]").status == 502
     # The engine refusing the router's own key is a router configuration fault.
     assert errors.from_upstream_body(401, b'{"error": "Unauthorized"}').status == 502
 
 
-def test_from_error_object_midstream_event():
+def test_from_error_object_midstream_event() -> None:
     obj = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}}
     err = errors.from_error_object(obj)
     assert err is not None
@@ -105,7 +105,7 @@ def test_from_error_object_midstream_event():
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200), st.integers(100, 599))
-def test_from_upstream_body_never_raises(raw, status):
+def test_from_upstream_body_never_raises(raw, status) -> None:
     err = errors.from_upstream_body(status, raw)
     assert 400 <= err.status <= 599
     orjson.dumps(err.body())
@@ -119,21 +119,21 @@ def test_from_upstream_body_never_raises(raw, status):
         max_leaves=10,
     )
 )
-def test_from_error_object_never_raises(value):
+def test_from_error_object_never_raises(value) -> None:
     err = errors.from_error_object({"error": value})
     if err is not None:
         orjson.dumps(err.body())
         assert 100 <= err.status <= 599
 
 
-def test_model_not_found_equals_the_real_capture():
+def test_model_not_found_equals_the_real_capture() -> None:
     from support.wire_captures import body
 
     assert errors.model_not_found("no-such-model", ["tiny"]).body() == body("error_unknown_model")
     assert errors.model_not_found("no-such-model", ["tiny"]).body() == body("error_unknown_model_chat")
 
 
-def test_real_error_body_passes_through():
+def test_real_error_body_passes_through() -> None:
     from support.wire_captures import load
 
     d = load("error_out_of_range_temperature")

@@ -66,11 +66,11 @@ def _imported(tree: ast.Module) -> set[str]:
     return names
 
 
-def test_router_modules_were_found():
+def test_router_modules_were_found() -> None:
     assert len(MODULES) > 30
 
 
-def test_the_router_never_imports_the_launcher():
+def test_the_router_never_imports_the_launcher() -> None:
     offenders = {
         str(p.relative_to(ROUTER)): sorted(
             n for n in _imported(ast.parse(p.read_text())) if n.split(".")[0] == "engine_launcher"
@@ -80,12 +80,12 @@ def test_the_router_never_imports_the_launcher():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_every_router_module_says_what_it_is_for():
+def test_every_router_module_says_what_it_is_for() -> None:
     missing = [str(p.relative_to(ROUTER)) for p in MODULES if not ast.get_docstring(ast.parse(p.read_text()))]
     assert missing == []
 
 
-def test_no_router_module_is_over_the_line_budget():
+def test_no_router_module_is_over_the_line_budget() -> None:
     long = {str(p.relative_to(ROUTER)): n for p in MODULES if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
 
@@ -95,13 +95,13 @@ def _unit_test_of(module: Path) -> Path:
     return UNIT / rel.parent / f"test_{rel.name}"
 
 
-def test_every_router_module_has_a_unit_test_or_says_where_it_is_tested():
+def test_every_router_module_has_a_unit_test_or_says_where_it_is_tested() -> None:
     modules = [p for p in MODULES if p.name not in ("__init__.py", "__main__.py")]
     untested = sorted(str(p.relative_to(ROUTER)) for p in modules if not _unit_test_of(p).exists())
     assert untested == sorted(NO_UNIT_TEST)
 
 
-def test_unit_test_directories_mirror_router_packages():
+def test_unit_test_directories_mirror_router_packages() -> None:
     packages = {p.relative_to(ROUTER) for p in ROUTER.rglob("*") if p.is_dir() and p.name != "__pycache__"}
     test_dirs = {p.relative_to(UNIT) for p in UNIT.rglob("*") if p.is_dir() and p.name != "__pycache__"}
     assert test_dirs <= packages

@@ -23,7 +23,7 @@ from support.vllm_serving import (
 
 
 @pytest.mark.slow
-def test_vllm_serving_transcription_matches_vllm_models():
+def test_vllm_serving_transcription_matches_vllm_models() -> None:
     cp = require_module("vllm.entrypoints.openai.completion.protocol")
     ch = require_module("vllm.entrypoints.openai.chat_completion.protocol")
     base = require_module("vllm.entrypoints.generate.base.protocol")

@@ -14,7 +14,7 @@ def _ring() -> KeyRing:
     return KeyRing(("plain-key",), (TenantConfig(name="batch", api_key="batch-key", max_priority=2),), "admin-key")
 
 
-def test_each_key_names_its_tenant_and_nothing_else_does():
+def test_each_key_names_its_tenant_and_nothing_else_does() -> None:
     ring = _ring()
     assert ring.required
     assert ring.has_admin
@@ -35,14 +35,14 @@ def test_each_key_names_its_tenant_and_nothing_else_does():
 
 
 @pytest.mark.parametrize(("value", "status"), [("3", 403), ("101", 400), ("high", 400), ("", 400), ("1.5", 400)])
-def test_priority_header_outside_the_rule_is_refused(value, status):
+def test_priority_header_outside_the_rule_is_refused(value, status) -> None:
     with pytest.raises(RouterError) as e:
         request_priority({"X-Request-Priority": value}, Tenant("batch", max_priority=2))
     assert e.value.status == status
     assert "X-Request-Priority" in e.value.message
 
 
-def test_priority_header_within_the_rule():
+def test_priority_header_within_the_rule() -> None:
     t = Tenant("batch", max_priority=2)
     assert request_priority({}, t) == 0
     assert [request_priority({"X-Request-Priority": v}, t) for v in ("2", " 1 ", "-100")] == [2, 1, -100]

@@ -13,12 +13,12 @@ from router.errors import RouterError
 from support.polling import eventually
 
 
-async def test_queue_then_429_when_full():
+async def test_queue_then_429_when_full() -> None:
     lim = ConcurrencyLimiter(max_concurrent=2, max_queued=1, queue_timeout_s=5)
     release = asyncio.Event()
     order = []
 
-    async def job(i):
+    async def job(i) -> None:
         async with lim.slot():
             order.append(i)
             await release.wait()
@@ -37,11 +37,11 @@ async def test_queue_then_429_when_full():
     assert lim.queued == 0
 
 
-async def test_queue_timeout_gives_429_and_leaves_no_waiter():
+async def test_queue_timeout_gives_429_and_leaves_no_waiter() -> None:
     lim = ConcurrencyLimiter(max_concurrent=1, max_queued=10, queue_timeout_s=0.05)
     hold = asyncio.Event()
 
-    async def holder():
+    async def holder() -> None:
         async with lim.slot():
             await hold.wait()
 
@@ -57,18 +57,18 @@ async def test_queue_timeout_gives_429_and_leaves_no_waiter():
     assert lim.active == 0
 
 
-async def test_cancelled_waiter_does_not_leak_a_slot():
+async def test_cancelled_waiter_does_not_leak_a_slot() -> None:
     lim = ConcurrencyLimiter(max_concurrent=1, max_queued=10, queue_timeout_s=10)
     hold = asyncio.Event()
 
-    async def holder():
+    async def holder() -> None:
         async with lim.slot():
             await hold.wait()
 
     t = asyncio.create_task(holder())
     await eventually(lambda: lim.active == 1, what="the holder in its slot")
 
-    async def waiter():
+    async def waiter() -> None:
         async with lim.slot():
             pass
 
@@ -89,7 +89,7 @@ async def _holders(lim, n, tenant=None):
     release = asyncio.Event()
     started = 0
 
-    async def hold():
+    async def hold() -> None:
         nonlocal started
         async with lim.slot(tenant):
             started += 1
@@ -100,14 +100,14 @@ async def _holders(lim, n, tenant=None):
     return release, tasks
 
 
-async def _waiter(lim, order, label, tenant=None, priority=0, hold: asyncio.Event | None = None):
+async def _waiter(lim, order, label, tenant=None, priority=0, hold: asyncio.Event | None = None) -> None:
     async with lim.slot(tenant, priority):
         order.append(label)
         if hold is not None:
             await hold.wait()
 
 
-async def test_the_highest_priority_waiter_gets_the_next_slot():
+async def test_the_highest_priority_waiter_gets_the_next_slot() -> None:
     lim = ConcurrencyLimiter(max_concurrent=1, max_queued=10, queue_timeout_s=5)
     release, holders = await _holders(lim, 1)
     order: list[str] = []
@@ -124,7 +124,7 @@ async def test_the_highest_priority_waiter_gets_the_next_slot():
     assert (lim.active, lim.queued) == (0, 0)
 
 
-async def test_a_flooding_tenant_does_not_starve_another():
+async def test_a_flooding_tenant_does_not_starve_another() -> None:
     lim = ConcurrencyLimiter(max_concurrent=2, max_queued=100, queue_timeout_s=5)
     flood, quiet = Tenant("flood"), Tenant("quiet")
     release, holders = await _holders(lim, 2, flood)
@@ -145,7 +145,7 @@ async def test_a_flooding_tenant_does_not_starve_another():
     assert (lim.active, lim.queued, flood.active, flood.queued, quiet.active) == (0, 0, 0, 0, 0)
 
 
-async def test_a_tenant_at_its_own_limit_waits_while_others_start():
+async def test_a_tenant_at_its_own_limit_waits_while_others_start() -> None:
     lim = ConcurrencyLimiter(max_concurrent=10, max_queued=10, queue_timeout_s=5)
     capped, other = Tenant("capped", max_concurrent=1, max_queued=1), Tenant("other")
     release, holders = await _holders(lim, 1, capped)
@@ -168,7 +168,7 @@ async def test_a_tenant_at_its_own_limit_waits_while_others_start():
     assert (lim.active, capped.active, capped.queued) == (0, 0, 0)
 
 
-async def test_a_tenant_over_its_rate_gets_429_with_retry_after():
+async def test_a_tenant_over_its_rate_gets_429_with_retry_after() -> None:
     lim = ConcurrencyLimiter(max_concurrent=10, max_queued=10, queue_timeout_s=5)
     t = Tenant("metered", requests_per_s=0.5, burst=2)
     for _ in range(2):
@@ -186,7 +186,7 @@ async def test_a_tenant_over_its_rate_gets_429_with_retry_after():
     assert (lim.active, t.active) == (0, 0)
 
 
-async def test_waiters_that_give_up_leave_no_count_behind():
+async def test_waiters_that_give_up_leave_no_count_behind() -> None:
     lim = ConcurrencyLimiter(max_concurrent=1, max_queued=100, queue_timeout_s=0.01)
     t = Tenant("t", max_concurrent=1, max_queued=100)
     release, holders = await _holders(lim, 1, t)

@@ -23,7 +23,7 @@ from support.wire_captures import load as wire_load
 from support.wire_captures import request_body
 
 
-def test_real_threshold_error_captures_are_not_router_errors():
+def test_real_threshold_error_captures_are_not_router_errors() -> None:
     # The router owns the threshold: out-of-range client values that the plugin answers with
     # a 400 are stripped at admission instead (documented in router/admission/spec.py).
     for name in ("threshold_error_out_of_range", "threshold_error_out_of_range_xargs"):
@@ -56,7 +56,7 @@ def rejects(endpoint: str, body, param: str | None) -> RouterError:
     return ei.value
 
 
-def test_completions_spec_defaults():
+def test_completions_spec_defaults() -> None:
     s = cmpl()
     assert s.endpoint == ENDPOINT_COMPLETIONS
     assert s.model == "m"
@@ -72,12 +72,12 @@ def test_completions_spec_defaults():
         s.model = "x"  # type: ignore[misc]
 
 
-def test_ids_are_unique_and_chat_prefixed():
+def test_ids_are_unique_and_chat_prefixed() -> None:
     assert chat().request_id.startswith("chatcmpl-")
     assert cmpl().request_id != cmpl().request_id
 
 
-def test_client_request_id_names_the_answer_like_vllm_and_is_not_forwarded():
+def test_client_request_id_names_the_answer_like_vllm_and_is_not_forwarded() -> None:
     s = chat(request_id="abc")
     assert s.request_id == "chatcmpl-abc"
     assert "request_id" not in s.body
@@ -85,7 +85,7 @@ def test_client_request_id_names_the_answer_like_vllm_and_is_not_forwarded():
     rejects(ENDPOINT_CHAT, {**CHAT, "request_id": ""}, "request_id")
 
 
-def test_streaming_flags():
+def test_streaming_flags() -> None:
     s = chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     assert (s.stream, s.include_usage, s.continuous_usage) == (True, True, True)
     s = chat(stream=True, stream_options={"continuous_usage_stats": True})
@@ -96,7 +96,7 @@ def test_streaming_flags():
     assert chat(stream_options={}).stream is False
 
 
-def test_token_id_prompts():
+def test_token_id_prompts() -> None:
     assert cmpl(prompt=[1, 2, 3]).prompt_token_ids == (1, 2, 3)
     assert cmpl(prompt=[[0, MAX_TOKEN_ID]]).prompt_token_ids == (0, MAX_TOKEN_ID)
     s = cmpl(prompt=["only one"])
@@ -107,7 +107,7 @@ def test_token_id_prompts():
     assert not cmpl(prompt=[7, 800]).routing_text.startswith(cmpl(prompt=[7, 80]).routing_text)
 
 
-def test_budgets():
+def test_budgets() -> None:
     assert cmpl(max_tokens=5).max_tokens == 5
     assert cmpl(max_tokens=None).max_tokens is None  # explicit null: up to the context
     assert chat().max_tokens is None
@@ -117,7 +117,7 @@ def test_budgets():
     assert cmpl(max_tokens=2**31).max_tokens == 2**31
 
 
-def test_default_model():
+def test_default_model() -> None:
     s = parse_request(ENDPOINT_CHAT, orjson.dumps({"messages": CHAT["messages"]}), default_model="d")
     assert s.model == "d"
     assert "model" not in s.body
@@ -126,7 +126,7 @@ def test_default_model():
     rejects(ENDPOINT_CHAT, {"messages": CHAT["messages"]}, "model")
 
 
-def test_chat_routing_text_renders_roles_and_text_parts():
+def test_chat_routing_text_renders_roles_and_text_parts() -> None:
     s = chat(
         messages=[
             {"role": "system", "content": "be brief"},
@@ -146,7 +146,7 @@ def test_chat_routing_text_renders_roles_and_text_parts():
     assert s.routing_text == "system: be brief\nuser: ab\nassistant: \ntool: "
 
 
-def test_other_fields_pass_through_unchanged():
+def test_other_fields_pass_through_unchanged() -> None:
     extra = {
         "temperature": 0.5,
         "top_p": 2.5,
@@ -161,7 +161,7 @@ def test_other_fields_pass_through_unchanged():
     assert cmpl(**extra).body == {**CMPL, **extra}
 
 
-def test_internal_fields_are_stripped():
+def test_internal_fields_are_stripped() -> None:
     s = chat(
         kv_transfer_params={"do_remote_prefill": True},
         ec_transfer_params={},
@@ -176,13 +176,13 @@ def test_internal_fields_are_stripped():
     assert s.include_usage is True
 
 
-def test_xargs_without_threshold_untouched_and_emptied_xargs_dropped():
+def test_xargs_without_threshold_untouched_and_emptied_xargs_dropped() -> None:
     assert chat(vllm_xargs={"k": "v"}).body["vllm_xargs"] == {"k": "v"}
     assert "vllm_xargs" not in chat(vllm_xargs={"cache_hit_threshold": 1}).body
     assert chat(vllm_xargs=None).body["vllm_xargs"] is None
 
 
-def test_out_of_range_threshold_is_stripped_not_rejected():
+def test_out_of_range_threshold_is_stripped_not_rejected() -> None:
     # The router owns the threshold: a client's value, valid or not, is dropped.
     assert "cache_hit_threshold" not in chat(cache_hit_threshold=7).body
     assert "cache_hit_threshold" not in chat(cache_hit_threshold="x").body
@@ -206,7 +206,7 @@ def test_out_of_range_threshold_is_stripped_not_rejected():
         b"[" * 5000,
     ],
 )
-def test_malformed_bodies(raw):
+def test_malformed_bodies(raw) -> None:
     rejects(ENDPOINT_CHAT, raw, None)
 
 
@@ -262,7 +262,7 @@ def test_malformed_bodies(raw):
         ({**CMPL, "return_token_ids": "yes"}, "return_token_ids"),
     ],
 )
-def test_completions_rules(body, param):
+def test_completions_rules(body, param) -> None:
     rejects(ENDPOINT_COMPLETIONS, body, param)
 
 
@@ -281,7 +281,7 @@ def test_completions_rules(body, param):
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
-def test_chat_rules(body, param):
+def test_chat_rules(body, param) -> None:
     rejects(ENDPOINT_CHAT, body, param)
 
 
@@ -298,7 +298,7 @@ def test_chat_rules(body, param):
         (ENDPOINT_CHAT, {"prompt_logprobs": 0}),
     ],
 )
-def test_features_only_an_engine_can_compose_are_answered_whole(endpoint, fields):
+def test_features_only_an_engine_can_compose_are_answered_whole(endpoint, fields) -> None:
     base = CMPL if endpoint == ENDPOINT_COMPLETIONS else CHAT
     body = {
         **base,
@@ -329,20 +329,20 @@ def test_features_only_an_engine_can_compose_are_answered_whole(endpoint, fields
     assert not plain.whole
 
 
-def test_chat_echo_and_odd_content_pass_through():
+def test_chat_echo_and_odd_content_pass_through() -> None:
     # Chat echo does not interact with token ids; odd content is the engine's to judge.
     s = chat(echo=True, messages=[{"role": "user", "content": 5}])
     assert s.body["echo"] is True
     assert s.routing_text == "user: "
 
 
-def test_unknown_endpoint_is_a_programming_error():
+def test_unknown_endpoint_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="unknown endpoint"):
         parse_request("embeddings", b"{}")
 
 
 @pytest.mark.parametrize("name", ["error_missing_prompt", "error_out_of_range_max_tokens"])
-def test_same_error_body_as_vllm_for_checks_vllm_makes(name):
+def test_same_error_body_as_vllm_for_checks_vllm_makes(name) -> None:
     req = wire_load(name)["request"]["body"]
     with pytest.raises(RouterError) as ei:
         parse_request(ENDPOINT_COMPLETIONS, orjson.dumps(req))
@@ -358,7 +358,7 @@ def test_same_error_body_as_vllm_for_checks_vllm_makes(name):
         ("error_invalid_json", ENDPOINT_COMPLETIONS),
     ],
 )
-def test_type_errors_same_status_and_field_as_vllm(name, endpoint):
+def test_type_errors_same_status_and_field_as_vllm(name, endpoint) -> None:
     # vLLM reports pydantic's wording and "body.<field>"; the router names the field alone.
     req = wire_load(name)["request"]["body"]
     raw = req.encode() if isinstance(req, str) else orjson.dumps(req)
@@ -370,7 +370,7 @@ def test_type_errors_same_status_and_field_as_vllm(name, endpoint):
         assert want["param"] == f"body.{ei.value.param}"
 
 
-def test_requests_vllm_accepts_are_admitted():
+def test_requests_vllm_accepts_are_admitted() -> None:
     for name in (
         "completions",
         "completions_stream_usage_token_ids",

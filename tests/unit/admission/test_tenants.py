@@ -7,7 +7,7 @@ import pytest
 from router.admission.tenants import TokenBucket
 
 
-def test_token_bucket_refills_at_its_rate_up_to_the_burst():
+def test_token_bucket_refills_at_its_rate_up_to_the_burst() -> None:
     b = TokenBucket(rate=2.0, burst=3)
     assert [b.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
     assert b.take(0.0) == pytest.approx(0.5)

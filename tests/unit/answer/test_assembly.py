@@ -16,7 +16,7 @@ from support.vllm_serving import (
 )
 
 
-def test_non_streaming_one_leg_equals_vllm_body():
+def test_non_streaming_one_leg_equals_vllm_body() -> None:
     for endpoint, full, stream in (
         (ENDPOINT_COMPLETIONS, completion_full, completion_stream),
         (ENDPOINT_CHAT, chat_full, chat_stream),
@@ -30,7 +30,7 @@ def test_non_streaming_one_leg_equals_vllm_body():
             assert sh.accumulate_response() == full(client_view(spec, g))
 
 
-def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
+def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas() -> None:
     spec = make_spec(ENDPOINT_CHAT, stream=False)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
@@ -81,7 +81,7 @@ def test_non_streaming_chat_merges_reasoning_and_tool_call_deltas():
     assert list(sh.answer.generated_token_ids) == [1, 2, 3, 4, 5, 6]
 
 
-def test_reasoning_then_content():
+def test_reasoning_then_content() -> None:
     spec = make_spec(ENDPOINT_CHAT, stream=False)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
@@ -97,7 +97,7 @@ def test_reasoning_then_content():
     assert "tool_calls" not in m
 
 
-def test_zero_token_answer_has_empty_content():
+def test_zero_token_answer_has_empty_content() -> None:
     spec = make_spec(ENDPOINT_CHAT, stream=False)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)

@@ -15,7 +15,7 @@ from support.vllm_serving import (
 )
 
 
-def test_cache_threshold_finish_is_held_until_released():
+def test_cache_threshold_finish_is_held_until_released() -> None:
     spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True)
     g = Gen(PROMPT, [*steps_for(2), Step("", [], CACHE_THRESHOLD)])
     g.steps[1].finish_reason = None
@@ -36,7 +36,7 @@ def test_cache_threshold_finish_is_held_until_released():
     assert final[0]["usage"]["completion_tokens"] == 2
 
 
-def test_final_chunks_release_a_still_held_finish():
+def test_final_chunks_release_a_still_held_finish() -> None:
     spec = make_spec(ENDPOINT_CHAT)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
@@ -46,7 +46,7 @@ def test_final_chunks_release_a_still_held_finish():
     assert [c["choices"][0]["finish_reason"] for c in final] == [CACHE_THRESHOLD]
 
 
-def test_finish_with_content_is_split():
+def test_finish_with_content_is_split() -> None:
     spec = make_spec(ENDPOINT_CHAT, return_token_ids=True)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
@@ -70,7 +70,7 @@ def test_finish_with_content_is_split():
     }
 
 
-def test_content_of_a_dropped_finish_chunk_still_reaches_the_client():
+def test_content_of_a_dropped_finish_chunk_still_reaches_the_client() -> None:
     # A leg sends its last content together with a normal finish, then breaks before
     # [DONE]; the lead resumes. The content must reach the client, the finish must not.
     spec = make_spec(ENDPOINT_COMPLETIONS)
@@ -97,7 +97,7 @@ def test_content_of_a_dropped_finish_chunk_still_reaches_the_client():
     assert list(sh.answer.generated_token_ids) == [1, 2, 3]
 
 
-def test_pending_content_flushed_by_final_chunks_when_no_leg_follows():
+def test_pending_content_flushed_by_final_chunks_when_no_leg_follows() -> None:
     spec = make_spec(ENDPOINT_CHAT)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
@@ -109,7 +109,7 @@ def test_pending_content_flushed_by_final_chunks_when_no_leg_follows():
     assert out[0]["choices"][0]["finish_reason"] is None
 
 
-def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume():
+def test_preemption_finish_flushing_held_back_text_goes_out_before_the_resume() -> None:
     # vLLM holds back text that may start a stop string and flushes it when the request
     # finishes: a cache_threshold finish can carry text with no new token ids.
     spec = make_spec(ENDPOINT_COMPLETIONS)

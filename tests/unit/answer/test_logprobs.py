@@ -13,7 +13,7 @@ from support.vllm_serving import (
 )
 
 
-def test_completion_text_offsets_continue_across_legs():
+def test_completion_text_offsets_continue_across_legs() -> None:
     spec = make_spec(ENDPOINT_COMPLETIONS, logprobs=1)
     g = Gen(PROMPT, steps_for(3, logprobs=True), logprobs=1)
     legs = split_legs(ENDPOINT_COMPLETIONS, g, [1, 2], [True, False], [None, None, None])
@@ -22,7 +22,7 @@ def test_completion_text_offsets_continue_across_legs():
     assert offsets == [0, 2, 4]
 
 
-def test_odd_top_logprobs_does_not_break_the_shaper():
+def test_odd_top_logprobs_does_not_break_the_shaper() -> None:
     spec = parse_request(
         ENDPOINT_CHAT,
         orjson.dumps(

@@ -16,7 +16,7 @@ from support.vllm_serving import (
 )
 
 
-def test_lead_state_after_a_preempted_leg():
+def test_lead_state_after_a_preempted_leg() -> None:
     spec = make_spec(ENDPOINT_COMPLETIONS)
     g = Gen(PROMPT, steps_for(3, finish="stop"))
     legs = split_legs(ENDPOINT_COMPLETIONS, g, [2], [False, False], [None, None])
@@ -38,7 +38,7 @@ def test_lead_state_after_a_preempted_leg():
     assert sh.answer.prompt_token_ids == PROMPT  # not the resume leg's prompt
 
 
-def test_hidden_token_ids_make_the_answer_unresumable():
+def test_hidden_token_ids_make_the_answer_unresumable() -> None:
     spec = make_spec(ENDPOINT_CHAT)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)
@@ -65,7 +65,7 @@ def test_hidden_token_ids_make_the_answer_unresumable():
     assert sh2.answer.leg_tokens == 2
 
 
-def test_tokens_and_text_accumulate_across_legs_and_leg_state_resets():
+def test_tokens_and_text_accumulate_across_legs_and_leg_state_resets() -> None:
     a = Answer([1, 2])
     a.begin_leg()
     a.add_token_ids([7, 8])
@@ -82,14 +82,14 @@ def test_tokens_and_text_accumulate_across_legs_and_leg_state_resets():
     assert a.token_ids_complete
 
 
-def test_text_kept_in_blocks_reads_whole():
+def test_text_kept_in_blocks_reads_whole() -> None:
     a = Answer(None)
     for i in range(1000):
         a.add_text(str(i % 10))
     assert a.generated_text == "".join(str(i % 10) for i in range(1000))
 
 
-def test_engine_count_beyond_the_ids_marks_them_incomplete():
+def test_engine_count_beyond_the_ids_marks_them_incomplete() -> None:
     a = Answer(None)
     a.begin_leg()
     a.add_token_ids([1, 2])
@@ -103,6 +103,6 @@ def test_engine_count_beyond_the_ids_marks_them_incomplete():
     assert a.leg_tokens == 5
 
 
-def test_a_token_id_beyond_64_bits_is_a_protocol_error():
+def test_a_token_id_beyond_64_bits_is_a_protocol_error() -> None:
     with pytest.raises(MalformedChunk):
         Answer(None).add_token_ids([2**64])

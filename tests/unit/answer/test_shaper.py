@@ -26,7 +26,7 @@ from support.vllm_serving import (
 )
 
 
-def test_completions_stream_one_leg_matches_vllm():
+def test_completions_stream_one_leg_matches_vllm() -> None:
     spec = make_spec(ENDPOINT_COMPLETIONS, include_usage=True)
     g = Gen(PROMPT, steps_for(3), cached_tokens=2, system_fingerprint="fp")
     sh, out = run_legs(spec, [(False, completion_stream(g))])
@@ -42,7 +42,7 @@ def test_completions_stream_one_leg_matches_vllm():
     assert sh.emitted
 
 
-def test_chat_stream_one_leg_matches_vllm():
+def test_chat_stream_one_leg_matches_vllm() -> None:
     spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True)
     g = Gen(PROMPT, steps_for(3, finish="stop"), cached_tokens=0)
     _sh, out = run_legs(spec, [(False, chat_stream(g))])
@@ -51,7 +51,7 @@ def test_chat_stream_one_leg_matches_vllm():
     assert out[0]["prompt_token_ids"] == PROMPT
 
 
-def test_token_ids_stripped_as_vllm_does_without_return_token_ids():
+def test_token_ids_stripped_as_vllm_does_without_return_token_ids() -> None:
     spec = make_spec(ENDPOINT_CHAT)
     g = Gen(PROMPT, steps_for(2))
     _, out = run_legs(spec, [(False, chat_stream(g))])
@@ -98,7 +98,7 @@ def scenarios(draw):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
-def test_any_legs_read_as_one_answer(scenario):
+def test_any_legs_read_as_one_answer(scenario) -> None:
     spec, g, cuts, finish_on_last, cached = scenario
     legs = split_legs(spec.endpoint, g, cuts, finish_on_last, cached)
     sh, out = run_legs(spec, legs)
@@ -118,7 +118,7 @@ def test_any_legs_read_as_one_answer(scenario):
     assert sh.answer.finish_reason == g.steps[-1].finish_reason
 
 
-def test_chat_resumed_through_completion_leg_reads_as_one_chat_stream():
+def test_chat_resumed_through_completion_leg_reads_as_one_chat_stream() -> None:
     spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True, logprobs=2)
     g = Gen(PROMPT, steps_for(4, finish="stop", logprobs=True), cached_tokens=4, logprobs=2)
     legs = split_legs(ENDPOINT_CHAT, g, [2], [False, False], [4, 6])
@@ -134,7 +134,7 @@ def test_chat_resumed_through_completion_leg_reads_as_one_chat_stream():
     }
 
 
-def test_rejected_first_leg_then_resume_keeps_role_and_prompt_usage():
+def test_rejected_first_leg_then_resume_keeps_role_and_prompt_usage() -> None:
     # The first leg is rejected with nothing generated (role chunk sent, finish held); the
     # answer then comes from a resume leg.
     spec = make_spec(ENDPOINT_CHAT, include_usage=True, return_token_ids=True)
@@ -146,7 +146,7 @@ def test_rejected_first_leg_then_resume_keeps_role_and_prompt_usage():
     assert out == chat_stream(want)
 
 
-def test_retry_leg_role_chunk_not_sent_twice():
+def test_retry_leg_role_chunk_not_sent_twice() -> None:
     spec = make_spec(ENDPOINT_CHAT)
     sh = ResponseShaper(spec)
     g = Gen(PROMPT, steps_for(1, finish="stop"), include_usage=False)
@@ -159,14 +159,14 @@ def test_retry_leg_role_chunk_not_sent_twice():
     assert "role" not in rest[0]["choices"][0]["delta"]
 
 
-def test_model_falls_back_to_the_first_legs():
+def test_model_falls_back_to_the_first_legs() -> None:
     spec = make_spec(ENDPOINT_COMPLETIONS)
     spec = RequestSpec(**{**{f: getattr(spec, f) for f in spec.__slots__}, "model": None})
     _sh, out = run_legs(spec, [(False, completion_stream(Gen(PROMPT, steps_for(1))))])
     assert out[0]["model"] == "tiny"
 
 
-def test_fingerprint_on_the_finish_chunk_without_usage_and_on_usage_chunk_with_it():
+def test_fingerprint_on_the_finish_chunk_without_usage_and_on_usage_chunk_with_it() -> None:
     g = Gen(PROMPT, steps_for(2), system_fingerprint="fp-1")
     for include_usage in (False, True):
         spec = make_spec(ENDPOINT_CHAT, include_usage=include_usage)
@@ -216,7 +216,7 @@ def odd_chunks(draw):
     st.booleans(),
     st.lists(st.tuples(st.sampled_from([None, False, True]), odd_chunks()), max_size=8),
 )
-def test_odd_upstream_chunks_never_crash_the_shaper(endpoint, stream, script):
+def test_odd_upstream_chunks_never_crash_the_shaper(endpoint, stream, script) -> None:
     spec = make_spec(endpoint, stream=stream, include_usage=stream, return_token_ids=True, logprobs=2)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)

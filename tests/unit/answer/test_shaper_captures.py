@@ -46,7 +46,7 @@ def _run_one_leg(upstream: list[dict], spec: RequestSpec) -> tuple[ResponseShape
 
 
 @pytest.mark.parametrize(("upstream", "client"), WIRE_CASES)
-def test_real_capture_one_leg(upstream, client):
+def test_real_capture_one_leg(upstream, client) -> None:
     spec = parse_request(_endpoint(client), request_body(client))
     sh, out = _run_one_leg(stream_chunks(upstream), spec)
     if spec.stream:
@@ -106,7 +106,7 @@ def _as_resume_leg(chat_chunks: list[dict], prompt: list[int], generated: list[i
 
 
 @pytest.mark.parametrize("client", ["chat_stream", "chat_stream_usage_token_ids", "chat", "chat_token_ids"])
-def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client):
+def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client) -> None:
     # The real stream, cut after two tokens by a preemption (the plugin's finishing chunk:
     # delta content "", token_ids [], cache_threshold; then usage), continued by a resume leg.
     real = stream_chunks("chat_stream_usage_token_ids")
@@ -150,7 +150,7 @@ THRESHOLD_STREAMS = {
 
 
 @pytest.mark.parametrize("stream_name", sorted(THRESHOLD_STREAMS))
-def test_real_threshold_rejection_captures(stream_name):
+def test_real_threshold_rejection_captures(stream_name) -> None:
     """Plugin captures (capture_wire.py --plugin) of a rejected request, streamed exactly as
     the router's probe legs ask (stream, usage, token ids, threshold)."""
     body_name, verdicts = THRESHOLD_STREAMS[stream_name]

@@ -15,7 +15,7 @@ from router.config.schema import ConfigError, DiscoveryConfig
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_a_discovery_table_alone_is_a_valid_fleet():
+def test_a_discovery_table_alone_is_a_valid_fleet() -> None:
     cfg = parse_config({"discovery": [{"name": "vllm.ns.svc.cluster.local", "nameservers": ["10.0.0.10:53"]}]})
     (d,) = cfg.discovery
     assert (d.kind, d.port, d.role, d.interval_s) == ("dns", 8000, "decode", 10.0)
@@ -44,13 +44,13 @@ def test_a_discovery_table_alone_is_a_valid_fleet():
         ),
     ],
 )
-def test_bad_tables_name_the_key(table, expected):
+def test_bad_tables_name_the_key(table, expected) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}], "discovery": [table]})
     assert any(p.startswith(expected) for p in e.value.problems), e.value.problems
 
 
-def test_prefill_only_discovery_is_not_a_fleet_and_duplicates_are_refused():
+def test_prefill_only_discovery_is_not_a_fleet_and_duplicates_are_refused() -> None:
     with pytest.raises(ConfigError) as e:
         parse_config({"discovery": [{"name": "p", "role": "prefill"}]})
     assert "at least one backend" in str(e.value)
@@ -59,14 +59,14 @@ def test_prefill_only_discovery_is_not_a_fleet_and_duplicates_are_refused():
     assert "discovery: two tables look up the same 'd'" in str(e.value)
 
 
-def test_nameserver_forms():
+def test_nameserver_forms() -> None:
     assert parse_nameserver("k", "10.0.0.2") == ("10.0.0.2", 53)
     assert parse_nameserver("k", "10.0.0.2:5353") == ("10.0.0.2", 5353)
     assert parse_nameserver("k", "::1") == ("::1", 53)
     assert parse_nameserver("k", "[::1]:5353") == ("::1", 5353)
 
 
-def test_every_discovery_key_is_documented():
+def test_every_discovery_key_is_documented() -> None:
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
     assert "## [[discovery]]" in doc
     for f in dataclasses.fields(DiscoveryConfig):

@@ -11,7 +11,7 @@ from router.config.schema import ConfigError
 RAW = {"server": {"host": "0.0.0.0", "port": 8000}, "backends": [{"name": "d0", "url": "http://d0"}]}
 
 
-def test_a_flag_beats_the_environment_which_beats_the_file():
+def test_a_flag_beats_the_environment_which_beats_the_file() -> None:
     assert layer(RAW, {})["server"]["port"] == 8000
     assert layer(RAW, {"CACHEHIT_ROUTER_PORT": "9000"})["server"]["port"] == 9000
     assert layer(RAW, {"CACHEHIT_ROUTER_PORT": "9000"}, {"server.port": 9100})["server"]["port"] == 9100
@@ -20,18 +20,18 @@ def test_a_flag_beats_the_environment_which_beats_the_file():
     assert RAW["server"]["port"] == 8000  # the file's tables are not changed in place
 
 
-def test_an_empty_variable_counts_as_unset():
+def test_an_empty_variable_counts_as_unset() -> None:
     assert "api_keys" not in layer(RAW, {"CACHEHIT_ROUTER_API_KEYS": ""})["server"]
     assert layer(RAW, {"CACHEHIT_ROUTER_API_KEYS": " a, b ,"})["server"]["api_keys"] == ["a", "b"]
 
 
-def test_the_backend_key_fills_only_tables_without_their_own():
+def test_the_backend_key_fills_only_tables_without_their_own() -> None:
     raw = {"backends": [{"name": "d0", "url": "http://d0"}, {"name": "d1", "url": "http://d1", "api_key": "own"}]}
     out = layer(raw, {"CACHEHIT_ROUTER_BACKEND_API_KEY": "shared"})
     assert [b.get("api_key") for b in out["backends"]] == ["shared", "own"]
 
 
-def test_bad_values_are_named_by_their_variable_all_at_once():
+def test_bad_values_are_named_by_their_variable_all_at_once() -> None:
     with pytest.raises(ConfigError) as e:
         layer(RAW, {"CACHEHIT_ROUTER_PORT": "eighty", "CACHEHIT_ROUTER_API_KEYS": " , "})
     assert len(e.value.problems) == 2

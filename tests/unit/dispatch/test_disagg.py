@@ -9,7 +9,7 @@ from router.dispatch.disagg import PrefillProtocolError, parse_prefill_response,
 from router.engine.errors import BROKEN, CONNECT, ENGINE_ERROR, FIRST_TOKEN_TIMEOUT, STATUS, UpstreamError
 
 
-def test_prefill_response_parsing():
+def test_prefill_response_parsing() -> None:
     params = parse_prefill_response(
         {"kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e"}, "usage": {"prompt_tokens": 526}}
     )
@@ -34,5 +34,5 @@ def test_prefill_response_parsing():
         (UpstreamError("d", BROKEN, "reset"), False),
     ],
 )
-def test_recompute_after_failed_decode(error, recompute):
+def test_recompute_after_failed_decode(error, recompute) -> None:
     assert recompute_after_failed_decode(error) is recompute

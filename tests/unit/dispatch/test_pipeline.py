@@ -32,7 +32,7 @@ class FixedPlanner:
 
     name = "probe"
 
-    def __init__(self, direct: bool = False):
+    def __init__(self, direct: bool = False) -> None:
         self.direct = direct
         self.routed: list[str] = []
 
@@ -59,7 +59,7 @@ class FixedPlanner:
 
 
 class Harness:
-    def __init__(self, up: FakeUpstream, backends: dict[str, str], planner: FixedPlanner, routing: dict):
+    def __init__(self, up: FakeUpstream, backends: dict[str, str], planner: FixedPlanner, routing: dict) -> None:
         config = parse_config(
             {
                 "backends": [
@@ -115,7 +115,7 @@ def harness(
     )
 
 
-async def test_a_probe_hit_answers_from_the_acceptor():
+async def test_a_probe_hit_answers_from_the_acceptor() -> None:
     h = harness({"d0": [rejection(3, 0)], "d1": [answer(PROMPT_IDS, [("Hello", 1), (" world", 2)], cached=3)]})
     rec = await h.serve()
     assert h.text == "Hello world"
@@ -129,7 +129,7 @@ async def test_a_probe_hit_answers_from_the_acceptor():
     assert h.in_flight == {"d0": 0, "d1": 0}
 
 
-async def test_all_reject_the_prompt_is_computed_on_the_engine_holding_most_of_it():
+async def test_all_reject_the_prompt_is_computed_on_the_engine_holding_most_of_it() -> None:
     h = harness({"d0": [rejection(300, 0)], "d1": [rejection(300, 120), answer(PROMPT_IDS, [("Hi", 1)], cached=120)]})
     rec = await h.serve()
     assert h.text == "Hi"
@@ -143,7 +143,7 @@ async def test_all_reject_the_prompt_is_computed_on_the_engine_holding_most_of_i
     assert h.in_flight == {"d0": 0, "d1": 0}
 
 
-async def test_all_reject_prefill_then_decode_when_the_fallback_plans_a_split():
+async def test_all_reject_prefill_then_decode_when_the_fallback_plans_a_split() -> None:
     kv = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [1, 2]}
     h = harness(
         {
@@ -167,7 +167,7 @@ async def test_all_reject_prefill_then_decode_when_the_fallback_plans_a_split():
     assert h.in_flight == {"d0": 0, "p0": 0}
 
 
-async def test_a_failed_prefill_computes_the_prompt_on_the_decoder():
+async def test_a_failed_prefill_computes_the_prompt_on_the_decoder() -> None:
     h = harness(
         {
             "d0": [rejection(300, 0), answer(PROMPT_IDS, [("Hi", 1)])],
@@ -184,7 +184,7 @@ async def test_a_failed_prefill_computes_the_prompt_on_the_decoder():
     assert h.metric("cachehit_router_upstream_errors_total", backend="p0", kind="connect") == 1
 
 
-async def test_an_error_before_the_first_byte_retries_on_another_engine():
+async def test_an_error_before_the_first_byte_retries_on_another_engine() -> None:
     for failure in (
         [UpstreamError("d0", CONNECT, "connection refused")],
         [[UpstreamError("d0", FIRST_TOKEN_TIMEOUT, "no data from the engine in time")]],
@@ -198,7 +198,7 @@ async def test_an_error_before_the_first_byte_retries_on_another_engine():
         assert h.in_flight == {"d0": 0, "d1": 0}
 
 
-async def test_retries_stop_at_max_retries_with_the_last_failure():
+async def test_retries_stop_at_max_retries_with_the_last_failure() -> None:
     down = UpstreamError("d0", CONNECT, "connection refused")
     h = harness({"d0": [down, down, down]}, backends={"d0": "decode"}, planner=FixedPlanner(direct=True), max_retries=1)
     # The planner keeps nothing out here: only d0 exists, so every attempt goes there.
@@ -211,7 +211,7 @@ async def test_retries_stop_at_max_retries_with_the_last_failure():
     assert h.metric("cachehit_router_retries_total", backend="d0") == 1
 
 
-async def test_a_broken_decode_resumes_elsewhere_and_the_client_sees_one_answer():
+async def test_a_broken_decode_resumes_elsewhere_and_the_client_sees_one_answer() -> None:
     h = harness(
         {
             "d0": [

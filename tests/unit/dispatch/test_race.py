@@ -12,7 +12,7 @@ from support.fake_upstream import HANG, FakeUpstream, Pause, rejection, token
 from support.polling import eventually
 
 
-async def test_the_first_acceptor_wins_and_the_others_are_stopped():
+async def test_the_first_acceptor_wins_and_the_others_are_stopped() -> None:
     up = FakeUpstream(
         {
             "fast": [[token("Hi", [7]), token("!", [8], finish="stop")]],
@@ -36,7 +36,7 @@ async def test_the_first_acceptor_wins_and_the_others_are_stopped():
     assert all(s.aborted for s in others)
 
 
-async def test_two_acceptors_in_one_wake_up_one_wins_the_other_is_closed():
+async def test_two_acceptors_in_one_wake_up_one_wins_the_other_is_closed() -> None:
     up = FakeUpstream({"a": [[token("x", [1])]], "b": [[token("y", [2])]]})
     result = await run_race(("a", "b"), up.opener(), 5.0)
     loser = next(o for o in result.outcomes if o is not result.winner)
@@ -47,7 +47,7 @@ async def test_two_acceptors_in_one_wake_up_one_wins_the_other_is_closed():
     assert [s.closed for s in up.streams if s.backend == result.winner.backend] == [False]
 
 
-async def test_all_reject_every_verdict_is_reported():
+async def test_all_reject_every_verdict_is_reported() -> None:
     up = FakeUpstream({"d0": [rejection(100, 0)], "d1": [rejection(100, 64)], "d2": [rejection(100, 20)]})
     result = await run_race(("d0", "d1", "d2"), up.opener(), 5.0)
     assert result.winner is None
@@ -62,7 +62,7 @@ async def test_all_reject_every_verdict_is_reported():
     assert all(s.finished and not s.aborted for s in up.streams)
 
 
-async def test_an_upstream_error_in_one_probe_does_not_lose_the_race_for_the_others():
+async def test_an_upstream_error_in_one_probe_does_not_lose_the_race_for_the_others() -> None:
     up = FakeUpstream(
         {
             "refused": [UpstreamError("refused", CONNECT, "connection refused")],
@@ -83,7 +83,7 @@ async def test_an_upstream_error_in_one_probe_does_not_lose_the_race_for_the_oth
     assert broken_stream.aborted
 
 
-async def test_silent_engines_expire_at_the_deadline():
+async def test_silent_engines_expire_at_the_deadline() -> None:
     up = FakeUpstream({"d0": [rejection(100, 0)], "d1": [[HANG]]})
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -94,7 +94,7 @@ async def test_silent_engines_expire_at_the_deadline():
     assert next(s for s in up.streams if s.backend == "d1").aborted
 
 
-async def test_a_rejection_reporting_the_prompt_length_extends_the_deadline():
+async def test_a_rejection_reporting_the_prompt_length_extends_the_deadline() -> None:
     # 0.05 s floor + 1,000 prompt tokens * 0.2 ms: an acceptor answering at 0.15 s wins.
     up = FakeUpstream({"d0": [rejection(1000, 0)], "d1": [[Pause(0.15), token("Hi", [7])]]})
     result = await run_race(("d0", "d1"), up.opener(), 0.05, deadline_per_prompt_token_s=0.0002)
@@ -107,7 +107,7 @@ async def test_a_rejection_reporting_the_prompt_length_extends_the_deadline():
     assert {o.backend: o.verdict for o in result.outcomes} == {"d0": Verdict.REJECTED, "d1": Verdict.EXPIRED}
 
 
-async def test_cancelling_the_race_closes_every_stream():
+async def test_cancelling_the_race_closes_every_stream() -> None:
     up = FakeUpstream({"d0": [[HANG]], "d1": [[HANG]]})
     race = asyncio.ensure_future(run_race(("d0", "d1"), up.opener(), 5.0))
     await eventually(lambda: len(up.streams) == 2, 5, "both probe streams open")

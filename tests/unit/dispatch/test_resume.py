@@ -6,7 +6,7 @@ from router.dispatch.resume import FAILURE, PREEMPTED, REJECTED, resume_reason
 from router.engine.errors import UpstreamError
 
 
-def test_resume_reasons():
+def test_resume_reasons() -> None:
     err = UpstreamError("b", "broken", "x")
     assert resume_reason("stop", 5, None, 5) is None
     assert resume_reason("cache_threshold", 5, None, 5) == PREEMPTED

@@ -5,7 +5,7 @@ from __future__ import annotations
 from router.engine.scrape import parse_load_metrics
 
 
-def test_parse_load_metrics_sums_label_sets():
+def test_parse_load_metrics_sums_label_sets() -> None:
     text = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 3.0

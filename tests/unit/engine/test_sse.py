@@ -28,7 +28,7 @@ def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-def test_vllm_shaped_stream():
+def test_vllm_shaped_stream() -> None:
     stream = (
         format_event({"id": "cmpl-1", "choices": [{"text": "a"}]})
         + KEEPALIVE_EVENT
@@ -43,27 +43,27 @@ def test_vllm_shaped_stream():
     assert out[2] == b"[DONE]"
 
 
-def test_format_event_is_one_data_line():
+def test_format_event_is_one_data_line() -> None:
     ev = format_event({"text": "line1\nline2\r\n"})
     assert ev.startswith(b"data: ")
     assert ev.endswith(b"\n\n")
     assert ev.count(b"\n") == 2
 
 
-def test_crlf_and_cr_line_ends():
+def test_crlf_and_cr_line_ends() -> None:
     for sep in (b"\r\n", b"\r", b"\n"):
         data = b"data: one" + sep + sep + b"data: two" + sep + b"data: three" + sep + sep
         assert decode_all([data]) == [b"one", b"two\nthree"]
 
 
-def test_cr_then_lf_split_across_feeds_is_one_line_end():
+def test_cr_then_lf_split_across_feeds_is_one_line_end() -> None:
     d = SSEDecoder()
     assert d.feed(b"data: x\r") == []
     assert d.feed(b"\n\r") == [b"x"]
     assert d.feed(b"\ndata: y\r\n\r\n") == [b"y"]
 
 
-def test_field_forms():
+def test_field_forms() -> None:
     data = (
         b"data:nospace\n\n"  # no space after the colon
         b"data:  two spaces\n\n"  # only one space is removed
@@ -77,7 +77,7 @@ def test_field_forms():
     assert decode_all([data]) == [b"nospace", b" two spaces", b"", b"", b"x", b"y"]
 
 
-def test_flush_returns_unterminated_event_and_line():
+def test_flush_returns_unterminated_event_and_line() -> None:
     d = SSEDecoder()
     assert d.feed(b"data: a\n\ndata: b\n") == [b"a"]
     assert d.flush() == [b"b"]
@@ -87,7 +87,7 @@ def test_flush_returns_unterminated_event_and_line():
     assert d2.flush() == []
 
 
-def test_empty_feeds_and_memoryview():
+def test_empty_feeds_and_memoryview() -> None:
     d = SSEDecoder()
     assert d.feed(b"") == []
     assert d.feed(memoryview(b"data: m\n")) == []
@@ -95,7 +95,7 @@ def test_empty_feeds_and_memoryview():
     assert d.feed(memoryview(b"data: n\n\n")) == [b"n"]
 
 
-def test_unbounded_line_is_an_error():
+def test_unbounded_line_is_an_error() -> None:
     d = SSEDecoder(max_line_bytes=16)
     with pytest.raises(SSEError):
         d.feed(b"data: " + b"x" * 32)
@@ -138,7 +138,7 @@ def streams(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams(), st.lists(st.integers(0, 2000), max_size=20))
-def test_any_split_yields_the_same_payloads(stream, cuts):
+def test_any_split_yields_the_same_payloads(stream, cuts) -> None:
     data, payloads = stream
     whole = decode_all([data])
     # Multi-line events come back joined with \n at the split point.
@@ -148,7 +148,7 @@ def test_any_split_yields_the_same_payloads(stream, cuts):
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
-def test_byte_by_byte_equals_whole(stream):
+def test_byte_by_byte_equals_whole(stream) -> None:
     data, payloads = stream
     whole = decode_all([data])
     assert decode_all([data[i : i + 1] for i in range(len(data))]) == whole
@@ -159,13 +159,13 @@ def test_byte_by_byte_equals_whole(stream):
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=300), st.lists(st.integers(0, 300), max_size=10))
-def test_arbitrary_bytes_never_crash_and_split_invariant(data, cuts):
+def test_arbitrary_bytes_never_crash_and_split_invariant(data, cuts) -> None:
     assert decode_all(split_at(data, cuts)) == decode_all([data])
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(payload_st, max_size=6))
-def test_format_then_decode_roundtrip(payloads):
+def test_format_then_decode_roundtrip(payloads) -> None:
     objs = [orjson.loads(p) for p in payloads if p != b"[DONE]"]
     data = b"".join(format_event(o) for o in objs) + DONE_EVENT
     out = decode_all([data])
@@ -173,7 +173,7 @@ def test_format_then_decode_roundtrip(payloads):
     assert out[-1] == b"[DONE]"
 
 
-def test_whole_event_reads_with_odd_content():
+def test_whole_event_reads_with_odd_content() -> None:
     # Reads that end on an event boundary take the fast path; odd events inside still follow
     # the general rules.
     d = SSEDecoder()

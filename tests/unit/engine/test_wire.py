@@ -33,7 +33,7 @@ from support.vllm_serving import (
 from support.wire_captures import stream_chunks
 
 
-def test_is_rejection_chunk():
+def test_is_rejection_chunk() -> None:
     g = Gen(PROMPT, steps_for(2))
     role, first = chat_stream(g)[:2]
     usage = chat_stream(g)[-1]
@@ -75,7 +75,7 @@ def test_is_rejection_chunk():
     assert is_rejection_chunk({"choices": ["junk"]}) is None
 
 
-def test_real_capture_verdicts():
+def test_real_capture_verdicts() -> None:
     chat = stream_chunks("chat_stream_usage_token_ids")
     assert [is_rejection_chunk(c) for c in chat] == [None, False, False, False, False, None]
     cmpl = stream_chunks("disagg_decode_leg_stream")
@@ -83,7 +83,7 @@ def test_real_capture_verdicts():
     assert is_rejection_chunk(cmpl[-1]) is None
 
 
-def test_usage_reads_every_field_the_router_uses():
+def test_usage_reads_every_field_the_router_uses() -> None:
     u = message_usage(
         {
             "choices": [],
@@ -106,13 +106,13 @@ def test_usage_reads_every_field_the_router_uses():
 
 
 @pytest.mark.parametrize("usage", [None, "x", [1], 5])
-def test_no_usage_object_reads_as_nothing(usage):
+def test_no_usage_object_reads_as_nothing(usage) -> None:
     assert parse_usage(usage) is NO_USAGE
     assert message_usage({"usage": usage}) is NO_USAGE
     assert message_usage({}) is NO_USAGE
 
 
-def test_usage_fields_that_are_not_counts_read_as_absent():
+def test_usage_fields_that_are_not_counts_read_as_absent() -> None:
     u = parse_usage(
         {
             "prompt_tokens": "526",
@@ -128,7 +128,7 @@ def test_usage_fields_that_are_not_counts_read_as_absent():
     assert parse_usage({"prompt_tokens_details": {"cached_tokens": 0}}).cached_tokens == 0
 
 
-def test_generated_tokens_counts_ids_else_one_per_text_choice():
+def test_generated_tokens_counts_ids_else_one_per_text_choice() -> None:
     assert generated_tokens({"choices": [{"token_ids": [1, 2, 3], "text": "abc"}]}) == 3
     assert generated_tokens({"choices": [{"token_ids": None, "text": "abc"}]}) == 1
     assert generated_tokens({"choices": [{"delta": {"content": "a"}}]}) == 1
@@ -136,7 +136,7 @@ def test_generated_tokens_counts_ids_else_one_per_text_choice():
     assert generated_tokens({"choices": [], "usage": {"prompt_tokens": 3}}) == 0
 
 
-def test_one_token_probe_races_the_first_prompt_for_one_token():
+def test_one_token_probe_races_the_first_prompt_for_one_token() -> None:
     body = {
         "model": "m",
         "prompt": ["first", "second"],
@@ -157,13 +157,13 @@ def test_one_token_probe_races_the_first_prompt_for_one_token():
     assert leg["stream"] is True
 
 
-def test_unary_leg_sets_threshold_zero_explicitly():
+def test_unary_leg_sets_threshold_zero_explicitly() -> None:
     body = {"model": "m", "prompt": "x", "stream": True}
     assert unary_leg_body(body) == {"model": "m", "prompt": "x", "stream": False, THRESHOLD_KEY: 0.0}
     assert body == {"model": "m", "prompt": "x", "stream": True}
 
 
-def test_streamed_leg_sets_threshold_both_ways_and_keeps_client_xargs():
+def test_streamed_leg_sets_threshold_both_ways_and_keeps_client_xargs() -> None:
     body = {"model": "m", "prompt": "hi", "stream": False, "vllm_xargs": {"foo": 1}}
     out = streamed_leg_body(body, 0.5)
     assert out["cache_hit_threshold"] == 0.5
@@ -174,7 +174,7 @@ def test_streamed_leg_sets_threshold_both_ways_and_keeps_client_xargs():
     assert body == {"model": "m", "prompt": "hi", "stream": False, "vllm_xargs": {"foo": 1}}
 
 
-def test_prefill_leg_matches_the_nixl_protocol():
+def test_prefill_leg_matches_the_nixl_protocol() -> None:
     body = {
         "model": "m",
         "messages": [],
@@ -195,14 +195,14 @@ def test_prefill_leg_matches_the_nixl_protocol():
     assert "max_completion_tokens" not in prefill_leg_body({"prompt": "x"})
 
 
-def test_decode_leg_carries_the_producers_params_verbatim():
+def test_decode_leg_carries_the_producers_params_verbatim() -> None:
     kv = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_host": "h", "remote_port": 5601}
     out = decode_leg_body({"prompt": "x"}, kv, 0.1)
     assert out["kv_transfer_params"] is kv
     assert out["cache_hit_threshold"] == 0.1
 
 
-def test_completion_resume_body():
+def test_completion_resume_body() -> None:
     body = {"model": "m", "prompt": "hello", "max_tokens": 10, "min_tokens": 4, "echo": False, "temperature": 0}
     out = resume_leg_body(body, "completions", [1, 2, 3], [7, 8, 9], 10)
     assert out["prompt"] == [1, 2, 3, 7, 8, 9]
@@ -213,7 +213,7 @@ def test_completion_resume_body():
     assert out["model"] == "m"
 
 
-def test_chat_resume_body_keeps_only_sampling_fields():
+def test_chat_resume_body_keeps_only_sampling_fields() -> None:
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "x"}],

@@ -14,7 +14,7 @@ def _registry(clock):
     return BackendRegistry([BackendConfig("d0", "http://d0")], HealthConfig(), clock=clock)
 
 
-def test_leg_tickets_queue_tokens_until_the_first_token_then_count_a_decoding_sequence():
+def test_leg_tickets_queue_tokens_until_the_first_token_then_count_a_decoding_sequence() -> None:
     now = [100.0]
     r = _registry(lambda: now[0])
     r.record_scrape("d0", {}, None)
@@ -40,7 +40,7 @@ def test_leg_tickets_queue_tokens_until_the_first_token_then_count_a_decoding_se
     assert r.learn_first_token(b, 300) is None  # no first token: no sample
 
 
-def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic():
+def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic() -> None:
     r = _registry(lambda: 0.0)
     r.learner.mean_prompt_tokens = 2000
     r.open_leg("d0", 500)
@@ -52,7 +52,7 @@ def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic():
     assert view.decoding == 5.0
 
 
-def test_a_scrape_is_a_moment_of_the_past():
+def test_a_scrape_is_a_moment_of_the_past() -> None:
     """A scrape that caught this router's own burst counts none of it as other replicas'
     traffic once the burst is gone, and other replicas' waiting prompts drain at the
     engine's measured speed after the scrape."""
@@ -77,7 +77,7 @@ def test_a_scrape_is_a_moment_of_the_past():
     assert r.snapshot().get("d0").decoding == 1.0
 
 
-def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it():
+def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it() -> None:
     r = _registry(lambda: 0.0)
     r.add(BackendConfig("late", "http://late", prefill_tokens_per_s=2000.0))
     assert r.learner.speed("late").per_token_s == 1.0 / 2000.0  # not the fleet-wide prior
@@ -88,7 +88,7 @@ def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_re
 
 
 class Clock:
-    def __init__(self):
+    def __init__(self) -> None:
         self.t = 1000.0
 
     def __call__(self):
@@ -103,7 +103,7 @@ def registry(clock, threshold=3, cooldown=5.0):
     return r
 
 
-def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open():
+def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open() -> None:
     clock = Clock()
     r = registry(clock)
     assert r.snapshot().get("a").available
@@ -132,7 +132,7 @@ def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open
     assert r.ready()
 
 
-def test_success_resets_the_failure_count():
+def test_success_resets_the_failure_count() -> None:
     r = registry(Clock())
     r.record_failure("a", "x")
     r.record_failure("a", "x")
@@ -141,7 +141,7 @@ def test_success_resets_the_failure_count():
     assert r.states["a"].breaker == BreakerState.CLOSED
 
 
-def test_scrape_failure_marks_unhealthy_until_it_answers():
+def test_scrape_failure_marks_unhealthy_until_it_answers() -> None:
     r = registry(Clock(), threshold=100)
     r.record_scrape_failure("a", "refused")
     assert not r.snapshot().get("a").available
@@ -151,7 +151,7 @@ def test_scrape_failure_marks_unhealthy_until_it_answers():
     assert v.waiting == 3.0
 
 
-def test_inflight_counts_and_load():
+def test_inflight_counts_and_load() -> None:
     r = registry(Clock())
     r.acquire("a")
     r.acquire("a")
@@ -162,7 +162,7 @@ def test_inflight_counts_and_load():
     assert r.snapshot().get("a").load == 5.0
 
 
-def test_models_come_from_config_or_discovery():
+def test_models_come_from_config_or_discovery() -> None:
     r = BackendRegistry(
         [BackendConfig("a", "http://a"), BackendConfig("b", "http://b", models=("m2",))], HealthConfig()
     )
@@ -171,7 +171,7 @@ def test_models_come_from_config_or_discovery():
     assert r.models() == ["m1", "m2"]
 
 
-def test_ambiguous_check_failures_need_the_threshold_definitive_ones_do_not():
+def test_ambiguous_check_failures_need_the_threshold_definitive_ones_do_not() -> None:
     r = registry(Clock(), threshold=3)
     r.record_scrape_failure("a", "timeout", definitive=False)
     r.record_scrape_failure("a", "timeout", definitive=False)
@@ -187,7 +187,7 @@ def test_ambiguous_check_failures_need_the_threshold_definitive_ones_do_not():
     assert not r.states["a"].healthy
 
 
-def test_panic_routing_when_no_decoder_is_available():
+def test_panic_routing_when_no_decoder_is_available() -> None:
     r = registry(Clock(), threshold=1)
     r.record_scrape_failure("a", "refused")
     snap = r.snapshot()

@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from aiohttp import http_exceptions, web
 
 from router.observability.clientlog import ServerLogger, escape, is_client_event
 
 
-def test_printable_text_is_kept_as_is():
+def test_printable_text_is_kept_as_is() -> None:
     assert escape("cmpl-kunde-été-42") == "cmpl-kunde-été-42"
 
 
-def test_control_and_invisible_characters_are_escaped():
+def test_control_and_invisible_characters_are_escaped() -> None:
     assert escape("a\r\nb\x00c\x7fd\x1b[31m\u202ee\u0085") == "a\\x0d\\x0ab\\x00c\\x7fd\\x1b[31m\\u202ee\\x85"
 
 
-def test_a_backslash_cannot_forge_an_escape():
+def test_a_backslash_cannot_forge_an_escape() -> None:
     assert escape("a\\x00") == "a\\\\x00"
     assert escape("a\\x00") != escape("a\x00")
 
 
-def test_long_text_is_cut():
+def test_long_text_is_cut() -> None:
     assert escape("x" * 1000, limit=10) == "x" * 10 + "..."
 
 
-def test_client_events_and_router_bugs():
+def test_client_events_and_router_bugs() -> None:
     assert is_client_event(http_exceptions.BadHttpMessage("bad"))
     assert is_client_event(web.RequestPayloadError("bad gzip"))
     assert is_client_event(ConnectionResetError())
@@ -34,7 +35,7 @@ def test_client_events_and_router_bugs():
     assert not is_client_event(None)
 
 
-def test_server_logger_logs_client_events_on_one_info_line(caplog):
+def test_server_logger_logs_client_events_on_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
     logger = ServerLogger(logging.getLogger("test.server"))
     with caplog.at_level(logging.INFO, logger="test.server"):
         logger.exception(

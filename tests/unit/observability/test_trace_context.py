@@ -24,7 +24,7 @@ def _request(**headers: str):
     return make_mocked_request("POST", "/v1/completions", headers=headers)
 
 
-def test_client_request_id_is_checked():
+def test_client_request_id_is_checked() -> None:
     assert client_request_id(_request()) is None
     assert client_request_id(_request(**{"X-Request-Id": "abc-123"})) == "abc-123"
     for bad in ("", "has space", "x" * (MAX_REQUEST_ID_CHARS + 1), "caf\u00e9"):
@@ -33,7 +33,7 @@ def test_client_request_id_is_checked():
         assert (e.value.status, e.value.param) == (400, "X-Request-Id")
 
 
-def test_the_answered_id_is_the_header_else_the_answer_id_when_it_can_be_a_header():
+def test_the_answered_id_is_the_header_else_the_answer_id_when_it_can_be_a_header() -> None:
     assert answer_request_id("client", "cmpl-1") == "client"
     assert answer_request_id(None, "cmpl-1") == "cmpl-1"
     fresh = answer_request_id(None, "cmpl-with space")
@@ -41,7 +41,7 @@ def test_the_answered_id_is_the_header_else_the_answer_id_when_it_can_be_a_heade
     assert len(fresh) == 32
 
 
-def test_only_a_valid_traceparent_is_passed_on_with_its_tracestate():
+def test_only_a_valid_traceparent_is_passed_on_with_its_tracestate() -> None:
     assert trace_headers(_request(traceparent=TRACEPARENT, tracestate="k=v")) == {
         "traceparent": TRACEPARENT,
         "tracestate": "k=v",
@@ -51,7 +51,7 @@ def test_only_a_valid_traceparent_is_passed_on_with_its_tracestate():
         assert trace_headers(_request(traceparent=bad, tracestate="k=v")) == {}
 
 
-def test_upstream_headers_are_set_for_one_request_and_reset_after():
+def test_upstream_headers_are_set_for_one_request_and_reset_after() -> None:
     assert upstream_headers() == {}
     token = push_upstream_headers({"traceparent": TRACEPARENT})
     assert upstream_headers() == {"traceparent": TRACEPARENT}

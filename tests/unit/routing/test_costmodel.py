@@ -11,7 +11,7 @@ from router.routing.planning import RouteQuery, predicted_ttft
 from support.snapshots import SPEED, Q, R, snap, view
 
 
-def test_a_cpu_tier_hit_costs_more_than_a_gpu_hit_and_less_than_a_recompute():
+def test_a_cpu_tier_hit_costs_more_than_a_gpu_hit_and_less_than_a_recompute() -> None:
     # Both engines hold 800 of the 1,000 tokens; "tiered" loads them from host memory at
     # 5 us per token (a twentieth of recomputing them), "gpu" has them in its prefix cache.
     tiered = view("tiered", speed=replace(SPEED, held_per_token_s=5e-6))
@@ -30,7 +30,7 @@ def test_a_cpu_tier_hit_costs_more_than_a_gpu_hit_and_less_than_a_recompute():
     assert ttft(slow, 0, 0, 200, 800) == ttft(SPEED, 0, 0, 1000)
 
 
-def test_ttft_is_queue_plus_lacking_at_the_engine_speed():
+def test_ttft_is_queue_plus_lacking_at_the_engine_speed() -> None:
     s = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)
     assert ttft(s, 1000, 0, 500) == 0.01 + 1e-4 * 1500
     assert ttft(s, 0, 20, 0) == 0.01 + 0.02
@@ -40,7 +40,7 @@ def test_ttft_is_queue_plus_lacking_at_the_engine_speed():
     assert ttft(EngineSpeed(-1.0, -1.0, -1.0), 1000, 10, 0) > 0
 
 
-def test_prefill_decode_overlaps_the_producer_with_the_consumer_queue():
+def test_prefill_decode_overlaps_the_producer_with_the_consumer_queue() -> None:
     fast = EngineSpeed(0.01, 1e-4, 0.0)
     transfer = TransferSpeed(0.005, 1e-5)
     # Idle consumer: prefill + transfer.

@@ -14,7 +14,7 @@ from router.routing.planning import RouteQuery
 from support.snapshots import SPEED, Q, R, snap, view
 
 
-def test_fallback_splits_when_prefill_decode_is_predicted_faster():
+def test_fallback_splits_when_prefill_decode_is_predicted_faster() -> None:
     # d0 is busy (2,000 queued), d1 busier: the producer prefills in parallel with d1's queue.
     s = snap(
         view("d0", queued=2000),
@@ -31,7 +31,7 @@ def test_fallback_splits_when_prefill_decode_is_predicted_faster():
     assert fb.predicted_ttft_s == split
 
 
-def test_fallback_computes_on_an_idle_decoder_rather_than_split():
+def test_fallback_computes_on_an_idle_decoder_rather_than_split() -> None:
     # Idle decoder: computing the prompt there beats prefill + transfer (same speed).
     s = snap(view("d0"), view("p0", decodes=False, prefills=True))
     fb = plan_fallback(Q, s, R, prompt_tokens=1000)
@@ -41,7 +41,7 @@ def test_fallback_computes_on_an_idle_decoder_rather_than_split():
     assert plan_fallback(Q, s, R, prompt_tokens=1000).prefill is None
 
 
-def test_split_always_takes_the_fastest_pair_over_an_idle_decoder():
+def test_split_always_takes_the_fastest_pair_over_an_idle_decoder() -> None:
     always = replace(R, split="always")
     s = snap(
         view("d0"),
@@ -57,26 +57,26 @@ def test_split_always_takes_the_fastest_pair_over_an_idle_decoder():
     assert plan_fallback(RouteQuery("m", "hi", prompt_tokens=10), s, always, 10).prefill is None
 
 
-def test_fallback_floor_and_missing_producers():
+def test_fallback_floor_and_missing_producers() -> None:
     s = snap(view("d0", queued=50_000), view("p0", decodes=False, prefills=True))
     short = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens - 1)
     assert (short.prefill, short.decode, short.decode_threshold, short.route) == (None, "d0", 0.0, "direct")
     assert plan_fallback(Q, snap(view("d0", queued=50_000)), R, prompt_tokens=10_000).prefill is None
 
 
-def test_fallback_never_pairs_a_backend_with_itself():
+def test_fallback_never_pairs_a_backend_with_itself() -> None:
     s = snap(view("both", prefills=True, queued=50_000))
     assert plan_fallback(Q, s, R, prompt_tokens=10_000).prefill is None
 
 
-def test_fallback_excludes_failed_backends():
+def test_fallback_excludes_failed_backends() -> None:
     s = snap(view("d0"), view("d1", queued=5000), view("p0", decodes=False, prefills=True))
     fb = plan_fallback(Q, s, R, prompt_tokens=10_000, exclude=frozenset({"d0", "p0"}))
     assert (fb.decode, fb.prefill) == ("d1", None)
     assert plan_fallback(Q, s, R, 10, exclude=frozenset({"d0", "d1"})) is None
 
 
-def test_fallback_decoder_weighs_the_partial_hit_against_the_queue():
+def test_fallback_decoder_weighs_the_partial_hit_against_the_queue() -> None:
     d = (view("d0"), view("d1", queued=300), view("d2", queued=3000))
     assert plan_fallback(Q, snap(*d), R, 2000).decode == "d0"
     # d1 lacks 2,000 - 1,200 = 800 tokens behind 300 queued: 1,100 < d0's 2,000.
@@ -92,7 +92,7 @@ def test_fallback_decoder_weighs_the_partial_hit_against_the_queue():
     st.lists(st.integers(0, 20_000), max_size=2),
     st.integers(1, 8000),
 )
-def test_fallback_is_the_least_predicted_time_of_every_option(decoders, producers, prompt):
+def test_fallback_is_the_least_predicted_time_of_every_option(decoders, producers, prompt) -> None:
     d = [view(f"d{i}", queued=q) for i, (q, _) in enumerate(decoders)]
     p = [view(f"p{i}", decodes=False, prefills=True, queued=q) for i, q in enumerate(producers)]
     hits = {f"d{i}": min(h, prompt) for i, (_, h) in enumerate(decoders) if h}

@@ -8,7 +8,7 @@ from router.routing.policies import LeastLoadedStrategy, PrefixTreeStrategy, Pro
 from support.snapshots import SPEED, Q, R, snap, view
 
 
-def test_race_value_is_what_the_outcome_saved_over_the_cold_choice():
+def test_race_value_is_what_the_outcome_saved_over_the_cold_choice() -> None:
     s = snap(view("d0", queued=500), view("d1", queued=600))
     plan = ProbeStrategy(R).plan(Q, s)
     assert plan.cold == "d0"
@@ -25,18 +25,18 @@ def test_race_value_is_what_the_outcome_saved_over_the_cold_choice():
     assert abs(stale - (SPEED.ttft(1500, 0) - SPEED.ttft(600, 0)) / 0.1) < 1e-9
 
 
-def test_no_decoder_gives_an_empty_plan():
+def test_no_decoder_gives_an_empty_plan() -> None:
     s = snap(view("p", decodes=False, prefills=True))
     for strategy in (ProbeStrategy(R), RoundRobinStrategy(R), LeastLoadedStrategy(R), PrefixTreeStrategy(R)):
         assert strategy.plan(Q, s).empty
 
 
-def test_ties_spread_with_the_salt():
+def test_ties_spread_with_the_salt() -> None:
     views = [view("a"), view("b"), view("c")]
     assert {fastest(views, lambda b: 100, salt)[0].name for salt in range(3)} == {"a", "b", "c"}
 
 
-def test_prompt_length_estimate_when_no_engine_reported_it():
+def test_prompt_length_estimate_when_no_engine_reported_it() -> None:
     from router.routing.planning import RouteQuery
     from router.routing.snapshot import ClusterSnapshot
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from router.routing.prefix_memory import PrefixMemory
 
 
-def test_prefix_memory_is_bounded():
+def test_prefix_memory_is_bounded() -> None:
     mem = PrefixMemory(chunk_chars=4, max_entries=10)
     for i in range(50):
         mem.insert(mem.chunk_hashes(f"{i:04d}" * 3), f"b{i % 3}")

@@ -9,7 +9,7 @@ from router.routing.policies import ProbeStrategy
 from support.snapshots import Q, R, snap, view
 
 
-def test_a_drained_backend_is_never_planned_even_as_panic_routing():
+def test_a_drained_backend_is_never_planned_even_as_panic_routing() -> None:
     drained = replace(view("d0"), available=False, drained=True)
     # Panic routing: with no decoder available, every decoder of the model is tried...
     assert [b.name for b in snap(view("d0", available=False), view("d1", available=False)).decoders("m")] == [

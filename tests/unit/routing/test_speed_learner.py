@@ -16,7 +16,7 @@ def _engine(rng: random.Random, a: float, b: float, c: float, noise: float):
     return w, d, a + b * w + c * d + rng.gauss(0, noise)
 
 
-def test_online_fit_recovers_an_engine_speed_far_from_its_prior():
+def test_online_fit_recovers_an_engine_speed_far_from_its_prior() -> None:
     rng = random.Random(7)
     fit = OnlineLinear((0.02, 1e-4, 1e-4), (0.3, 1e-3, 1e-3))
     # A slow engine: 40 ms per step, 800 us per token (1,250 tokens/s), 2 ms per sequence.
@@ -29,7 +29,7 @@ def test_online_fit_recovers_an_engine_speed_far_from_its_prior():
     assert abs(a - 0.04) < 0.02
 
 
-def test_online_fit_shrugs_off_outliers_and_follows_a_real_change():
+def test_online_fit_shrugs_off_outliers_and_follows_a_real_change() -> None:
     rng = random.Random(3)
     fit = OnlineLinear((0.02, 1e-4, 1e-4), (0.3, 1e-3, 1e-3))
     for i in range(400):
@@ -45,7 +45,7 @@ def test_online_fit_shrugs_off_outliers_and_follows_a_real_change():
     assert abs(fit.theta[1] - 4e-4) / 4e-4 < 0.1
 
 
-def test_learner_starts_at_the_prior_and_learns_each_engine_apart():
+def test_learner_starts_at_the_prior_and_learns_each_engine_apart() -> None:
     routing = RoutingConfig(prior_prefill_tokens_per_s=5000, prior_kv_transfer_tokens_per_s=50_000)
     learner = SpeedLearner(speed_prior(routing))
     assert learner.speed("d0").per_token_s == 1 / 5000
@@ -64,7 +64,7 @@ def test_learner_starts_at_the_prior_and_learns_each_engine_apart():
     assert abs(learner.transfer().per_token_s - 4e-6) < 1e-6
 
 
-def test_learner_measures_characters_per_token_and_what_races_are_worth():
+def test_learner_measures_characters_per_token_and_what_races_are_worth() -> None:
     learner = SpeedLearner(SpeedPrior())
     assert learner.race_saving_share == 0.5  # optimistic until measured
     for _ in range(200):
@@ -79,7 +79,7 @@ def test_learner_measures_characters_per_token_and_what_races_are_worth():
     assert learner.race_saving_share <= 0.01 + 0.05
 
 
-def test_the_race_priors_weigh_as_one_observation():
+def test_the_race_priors_weigh_as_one_observation() -> None:
     """Five races that saved nothing outweigh the optimistic prior at once (a guess is worth
     one sample), so a router whose memory is right stops racing within a few requests."""
     learner = SpeedLearner(SpeedPrior())
@@ -89,7 +89,7 @@ def test_the_race_priors_weigh_as_one_observation():
     assert learner.race_wait_s == pytest.approx((0.005 + 5 * 0.02) / 6)
 
 
-def test_one_surprising_first_token_cannot_make_an_engine_look_idle():
+def test_one_surprising_first_token_cannot_make_an_engine_look_idle() -> None:
     """An engine's own fit stays within a few times the fleet's per-token cost: a first
     token far sooner than the queue ahead implied (a scheduler that interleaves prefills)
     must not make the engine look free whatever its queue, or a load-aware policy sends it
@@ -105,7 +105,7 @@ def test_one_surprising_first_token_cannot_make_an_engine_look_idle():
     assert learner.speed("d1").ttft(10_000, 2) > 5.0
 
 
-def test_races_are_judged_apart_for_prompts_the_memory_places_and_prompts_it_does_not():
+def test_races_are_judged_apart_for_prompts_the_memory_places_and_prompts_it_does_not() -> None:
     """With one router the memory knows where prompts went and races save nothing; behind
     other replicas the prompts this router never saw are found only by racing. The two
     are measured apart, so the one does not talk the router out of the other."""

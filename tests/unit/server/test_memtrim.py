@@ -7,7 +7,7 @@ from router.server.memtrim import IdleTrimmer, malloc_trim
 from support.polling import eventually
 
 
-async def test_trims_once_after_a_burst_and_never_while_busy():
+async def test_trims_once_after_a_burst_and_never_while_busy() -> None:
     calls: list[int] = []
     t = IdleTrimmer(trim=lambda pad: calls.append(pad) or 1, idle_s=0.02)
     t.idle()  # nothing ran yet: nothing to give back
@@ -22,7 +22,7 @@ async def test_trims_once_after_a_burst_and_never_while_busy():
     assert calls == [0]
 
 
-def test_glibc_malloc_trim_is_found_and_runs():
+def test_glibc_malloc_trim_is_found_and_runs() -> None:
     trim = malloc_trim()
     assert trim is not None  # the router's platform (Debian, glibc)
     assert trim(0) in (0, 1)

@@ -12,7 +12,7 @@ from router.routing.policies import LeastLoadedStrategy
 from support.snapshots import Q, R, snap, view
 
 
-def test_least_loaded_counts_tokens_not_requests():
+def test_least_loaded_counts_tokens_not_requests() -> None:
     # "a": two short prompts queued (200 tokens); "b": one long one (4,000): b looks less
     # loaded by request count, but a delivers the first token sooner.
     s = snap(view("a", inflight=2, queued=200), view("b", inflight=1, queued=4000))
@@ -26,7 +26,7 @@ def test_least_loaded_counts_tokens_not_requests():
 
 
 @given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 64)), min_size=1, max_size=6), st.integers(0, 1000))
-def test_least_loaded_always_picks_a_least_predicted_time(loads, salt):
+def test_least_loaded_always_picks_a_least_predicted_time(loads, salt) -> None:
     views = [view(f"b{i}", queued=q, decoding=d) for i, (q, d) in enumerate(loads)]
     q = RouteQuery("m", "x", salt=salt, prompt_tokens=500)
     chosen = LeastLoadedStrategy(R).plan(q, snap(*views))

@@ -8,7 +8,7 @@ from router.routing.policies import PrefixTreeStrategy
 from support.snapshots import R, snap, view
 
 
-def test_prefix_tree_routes_shared_prefixes_to_the_same_backend():
+def test_prefix_tree_routes_shared_prefixes_to_the_same_backend() -> None:
     s = snap(view("a"), view("b"))
     pt = PrefixTreeStrategy(R)
     system = "You are a helpful assistant. " * 40
@@ -22,7 +22,7 @@ def test_prefix_tree_routes_shared_prefixes_to_the_same_backend():
         assert pt.plan(q, s2).direct == first
 
 
-def test_prefix_tree_leaves_the_holder_when_its_queue_costs_more_than_the_hit_saves():
+def test_prefix_tree_leaves_the_holder_when_its_queue_costs_more_than_the_hit_saves() -> None:
     pt = PrefixTreeStrategy(R)
     q = RouteQuery("m", "x" * 4000, prompt_tokens=1000)
     pt.on_routed(q, "a")

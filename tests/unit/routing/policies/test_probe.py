@@ -15,7 +15,7 @@ from router.routing.snapshot import ClusterSnapshot
 from support.snapshots import SPEED, Q, R, snap, view
 
 
-def test_probe_targets_every_available_decoder_for_the_model():
+def test_probe_targets_every_available_decoder_for_the_model() -> None:
     s = snap(
         view("d0"),
         view("d1"),
@@ -34,7 +34,7 @@ def test_probe_targets_every_available_decoder_for_the_model():
     assert ProbeStrategy(R).plan(Q, s, frozenset({"d0"})).probes == ("d1",)
 
 
-def test_probe_skips_long_queues_but_never_everything():
+def test_probe_skips_long_queues_but_never_everything() -> None:
     routing = replace(R, max_probe_waiting=4)
     s = snap(view("busy", waiting=10), view("idle", waiting=1))
     assert ProbeStrategy(routing).plan(Q, s).probes == ("idle",)
@@ -42,7 +42,7 @@ def test_probe_skips_long_queues_but_never_everything():
     assert set(ProbeStrategy(routing).plan(Q, s).probes) == {"busy", "busier"}
 
 
-def test_probe_skips_an_engine_that_even_as_an_acceptor_is_slower_than_computing_elsewhere():
+def test_probe_skips_an_engine_that_even_as_an_acceptor_is_slower_than_computing_elsewhere() -> None:
     # d0 has 3,000 tokens queued: as an acceptor it would prefill 500 + 3,000 = 3,500 tokens,
     # while d1 computes the whole prompt (1,000) now. Waiting for d0 can only cost time.
     # (So even if the memory says d0 holds the prompt: 3,000 + 0 > 1,000.)
@@ -53,7 +53,7 @@ def test_probe_skips_an_engine_that_even_as_an_acceptor_is_slower_than_computing
     assert ProbeStrategy(R).plan(Q, s).probes == ("d0", "d1")
 
 
-def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_race():
+def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_race() -> None:
     # 10 tokens: a hit saves at most 1 ms, the verdicts cost 2 ms.
     short = RouteQuery("m", "hi there", prompt_tokens=10)
     plan = ProbeStrategy(R).plan(short, snap(view("d0", queued=50), view("d1")))
@@ -72,7 +72,7 @@ def test_probe_goes_straight_to_the_cold_choice_when_no_hit_could_pay_for_the_ra
     assert always.plan(Q, snap(view("d0"), view("d1"), race_wait_s=0.5)).probes == ("d0", "d1")
 
 
-def test_probe_races_only_where_races_have_been_paying_off_but_keeps_exploring():
+def test_probe_races_only_where_races_have_been_paying_off_but_keeps_exploring() -> None:
     s_paying = snap(view("d0"), view("d1"), race_wait_s=0.01, race_saving_share=0.5)
     s_idle = snap(view("d0"), view("d1"), race_wait_s=0.01, race_saving_share=0.05)
     # 1,000 tokens: 0.1 s of prefill. Races saving half of it (0.05 s) beat a 0.01 s wait;
@@ -88,7 +88,7 @@ def test_probe_races_only_where_races_have_been_paying_off_but_keeps_exploring()
     assert ProbeStrategy(R).plan(long_q, s_idle).probes == ("d0", "d1")
 
 
-def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
+def test_probe_strategy_expects_hits_where_it_sent_a_prefix() -> None:
     s = ProbeStrategy(R)
     leader = RouteQuery(model="m", text="system prompt " * 40 + "question one")
     s.on_routed(leader, "d1")
@@ -107,7 +107,7 @@ def test_probe_strategy_expects_hits_where_it_sent_a_prefix():
     assert RoundRobinStrategy(R).expected_hits(follower, 1000) == {}
 
 
-def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor():
+def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor() -> None:
     routing = replace(R, max_probes=2)
     strategy = ProbeStrategy(routing)
     decoders = (view("d0", queued=300), view("d1", queued=100), view("d2", queued=450), view("d3"))
@@ -124,7 +124,7 @@ def test_max_probes_ranks_by_the_predicted_time_as_an_acceptor():
     assert ProbeStrategy(replace(R, max_probes=4)).plan(Q, snap(*decoders)).probes == ("d0", "d1", "d2", "d3")
 
 
-def test_probe_races_prompts_its_memory_does_not_place_where_those_races_pay():
+def test_probe_races_prompts_its_memory_does_not_place_where_those_races_pay() -> None:
     # Races over placed prompts saved nothing, races over unplaced ones (other replicas'
     # traffic) half the prefill: a prompt the memory knows goes straight to its holder,
     # one it does not know is raced.

@@ -6,7 +6,7 @@ from router.routing.policies import RoundRobinStrategy
 from support.snapshots import SPEED, Q, R, snap, view
 
 
-def test_round_robin_cycles_and_still_reports_the_model_prediction():
+def test_round_robin_cycles_and_still_reports_the_model_prediction() -> None:
     s = snap(view("a"), view("b", queued=500), view("c"))
     rr = RoundRobinStrategy(R)
     plans = [rr.plan(Q, s) for _ in range(6)]
