@@ -22,7 +22,6 @@ from collections import deque
 import pytest
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
-from support.sim_http import MakeEngine
 
 pytestmark = pytest.mark.real_engine
 
@@ -245,7 +244,7 @@ def assert_finished_normally(engine: EngineLoop, request_id: str, max_tokens: in
 # --------------------------------------------------------------------------- tests
 
 
-def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine: MakeEngine, make_request) -> None:
+def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine, make_request) -> None:
     engine = make_engine()  # arrival check on by default
     free_before = engine.pool.get_num_free_blocks()
     cold = make_request("cold", prompt(100, 64), threshold=0.5)
@@ -268,7 +267,7 @@ def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine: MakeEng
     assert any("cold" in s.finished_req_ids for s in engine.schedules)
 
 
-def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_engine: MakeEngine, make_request) -> None:
+def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_engine, make_request) -> None:
     engine = make_engine(cache_hit_arrival_check=False)
     free_before = engine.pool.get_num_free_blocks()
     # The rejected request is first in the queue: it must not hold up the one behind it.
@@ -293,7 +292,7 @@ def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_en
     assert engine.pool.get_num_free_blocks() == free_before
 
 
-def test_threshold_zero_or_absent_is_scheduled_normally(make_engine: MakeEngine, make_request) -> None:
+def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_request) -> None:
     engine = make_engine()  # global default 0
     engine.add(make_request("zero", prompt(100, 64), threshold=0.0), make_request("absent", prompt(300, 64)))
     engine.run_until_idle()
@@ -302,7 +301,7 @@ def test_threshold_zero_or_absent_is_scheduled_normally(make_engine: MakeEngine,
         assert_finished_normally(engine, rid, max_tokens=2)
 
 
-def test_global_default_applies_unless_the_request_sets_its_own(make_engine: MakeEngine, make_request) -> None:
+def test_global_default_applies_unless_the_request_sets_its_own(make_engine, make_request) -> None:
     engine = make_engine(global_cache_hit_threshold=0.5)
     engine.add(make_request("absent", prompt(100, 64)), make_request("own-zero", prompt(300, 64), threshold=0.0))
     engine.run_until_idle()
@@ -311,7 +310,7 @@ def test_global_default_applies_unless_the_request_sets_its_own(make_engine: Mak
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_prefix_cache_hit_decides(make_engine: MakeEngine, make_request, arrival_check) -> None:
+def test_prefix_cache_hit_decides(make_engine, make_request, arrival_check) -> None:
     engine = make_engine(cache_hit_arrival_check=arrival_check)
     shared = prompt(100, 4 * BLOCK)  # 64 tokens, four full blocks
 
@@ -334,7 +333,7 @@ def test_prefix_cache_hit_decides(make_engine: MakeEngine, make_request, arrival
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_prefill_leg_is_never_rejected(make_engine: MakeEngine, make_request, arrival_check) -> None:
+def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check) -> None:
     # Built without a KV connector: vLLM's scheduler only hands kv_transfer_params to a
     # connector, so here they matter to nothing but the plugin's rule (is_prefill_leg), which
     # is what this checks through the real add_request/schedule paths. The NIXL exchange
@@ -360,7 +359,7 @@ def test_prefill_leg_is_never_rejected(make_engine: MakeEngine, make_request, ar
     )
 
 
-def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engine: MakeEngine, make_request) -> None:
+def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engine, make_request) -> None:
     # 8 blocks, one of which vLLM keeps as the null block: 7 x 16 = 112 token slots for two
     # running requests that each need 3 blocks to start and grow one token per step.
     engine = make_engine(num_blocks=8, max_num_seqs=2)
