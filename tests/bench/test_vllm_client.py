@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 
 from bench.experiments import vllm_client
+from support.requirements import real_engine_required
 
 
 def test_vllm_bench_serve_through_the_router_and_direct(tmp_path, capsys):
     if importlib.util.find_spec("vllm") is None:
         # CI installs vLLM (CACHEHIT_REQUIRE_REAL_ENGINE=1): there a missing one is a failure.
-        if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE", "").strip().lower() not in ("", "0", "false", "no"):
+        if real_engine_required():
             pytest.fail("CACHEHIT_REQUIRE_REAL_ENGINE is set but vLLM is not installed", pytrace=False)
         pytest.skip("vLLM is not installed (run `engine-launcher install-deps --cpu`)")
     out = tmp_path / "run"

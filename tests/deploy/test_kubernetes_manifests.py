@@ -86,7 +86,7 @@ def find(kind: str, name: str) -> dict:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_every_object_is_valid_for_the_kubernetes_api(version):
+def test_every_object_is_valid_for_the_kubernetes_api(version) -> None:
     docs = documents()
     kinds = {d["kind"] for d in docs}
     assert {
@@ -110,7 +110,7 @@ def test_every_object_is_valid_for_the_kubernetes_api(version):
             assert d["metadata"]["namespace"] == NAMESPACE, d["metadata"]["name"]
 
 
-def test_the_validator_catches_a_wrong_manifest():
+def test_the_validator_catches_a_wrong_manifest() -> None:
     # The schemas are really applied: a misspelt field and a wrong type both fail.
     bad = find("Deployment", "cachehit-router")
     bad = {**bad, "spec": {**bad["spec"], "replica": 3}}
@@ -126,7 +126,7 @@ def router_toml() -> dict:
     return tomllib.loads(find("ConfigMap", "cachehit-router")["data"]["router.toml"])
 
 
-def test_the_configmap_is_a_valid_router_configuration_with_the_secret_in_the_environment():
+def test_the_configmap_is_a_valid_router_configuration_with_the_secret_in_the_environment() -> None:
     deploy = find("Deployment", "cachehit-router")
     secret = find("Secret", "cachehit-router")["stringData"]
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
@@ -150,7 +150,7 @@ def test_the_configmap_is_a_valid_router_configuration_with_the_secret_in_the_en
     assert deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > cfg.server.drain_timeout_s + 5
 
 
-def test_router_replicas_probes_service_and_budget_line_up():
+def test_router_replicas_probes_service_and_budget_line_up() -> None:
     deploy = find("Deployment", "cachehit-router")
     labels = deploy["spec"]["template"]["metadata"]["labels"]
     assert deploy["spec"]["replicas"] >= 2
@@ -172,7 +172,7 @@ def test_router_replicas_probes_service_and_budget_line_up():
 
 
 @pytest.mark.parametrize(("role", "kv_role"), [("decode", "kv_consumer"), ("prefill", "kv_producer")])
-def test_engines_are_found_through_their_headless_services(role, kv_role):
+def test_engines_are_found_through_their_headless_services(role, kv_role) -> None:
     table = next(d for d in router_toml()["discovery"] if d["role"] == role)
     service_name, namespace, *rest = table["name"].split(".")
     assert namespace == NAMESPACE

@@ -11,9 +11,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from launcher_testutil import LauncherProcess
 
 from engine_launcher.cli import main
+from support.launcher_process import LauncherProcess
 from support.ports import free_port
 from support.processes import children_of, group_gone, pid_gone
 
@@ -27,7 +27,7 @@ def write(tmp_path: Path, text: str) -> str:
     return str(p)
 
 
-def test_dry_run_prints_exact_commands_for_router_toml(capsys):
+def test_dry_run_prints_exact_commands_for_router_toml(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["--config", str(REPO / "router.toml"), "--dry-run", "--host-type", "cpu"])
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
@@ -49,7 +49,7 @@ def test_dry_run_prints_exact_commands_for_router_toml(capsys):
     ]
 
 
-def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
+def test_up_subcommand_and_gpu_flavour(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write(
         tmp_path,
         """
@@ -90,7 +90,7 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
     assert "on a GPU host" in out
 
 
-def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
+def test_dry_run_shows_the_cpu_tier_connector(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write(
         tmp_path,
         """
@@ -126,7 +126,7 @@ def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
     assert f"--kv-transfer-config '{kv}'" in out
 
 
-def test_dry_run_mentions_picked_ports(tmp_path, capsys):
+def test_dry_run_mentions_picked_ports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write(
         tmp_path,
         """
@@ -156,14 +156,14 @@ def test_dry_run_mentions_picked_ports(tmp_path, capsys):
         ('[[backends]]\nname = "b"\nurl = "http://h:1"\n', "engines"),
     ],
 )
-def test_bad_config_exits_2_and_names_the_key(tmp_path, capsys, body, key):
+def test_bad_config_exits_2_and_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], body, key) -> None:
     cfg = write(tmp_path, body)
     assert main(["--config", cfg, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"engine-launcher: configuration error: {key}")
 
 
-def test_missing_config_file_exits_2(tmp_path, capsys):
+def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--config", str(tmp_path / "nope.toml")]) == 2
     assert "cannot read configuration file" in capsys.readouterr().err
 
@@ -175,7 +175,7 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
         ("install-deps", "usage: engine-launcher install-deps"),
     ],
 )
-def test_sim_and_install_deps_subcommands_are_forwarded(capsys, sub, usage):
+def test_sim_and_install_deps_subcommands_are_forwarded(capsys: pytest.CaptureFixture[str], sub, usage) -> None:
     # Their own parsers answer --help: the launcher passed the rest of argv through.
     with pytest.raises(SystemExit) as exit_:
         main([sub, "--help"])
@@ -183,13 +183,13 @@ def test_sim_and_install_deps_subcommands_are_forwarded(capsys, sub, usage):
     assert capsys.readouterr().out.startswith(usage)
 
 
-def test_tiny_model_subcommand_is_forwarded(capsys):
+def test_tiny_model_subcommand_is_forwarded(capsys: pytest.CaptureFixture[str]) -> None:
     # tiny_model.main's own usage check answers: the launcher forwarded argv unchanged.
     assert main(["tiny-model", "--bad"]) == 2
     assert "usage: python -m engine_launcher.tiny_model DIR" in capsys.readouterr().err
 
 
-def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
+def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     ports = [free_port() for _ in range(3)]
     cfg = write(
         tmp_path,
@@ -244,7 +244,7 @@ def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
         lp.kill()
 
 
-def test_launcher_exits_1_with_log_tail_when_an_engine_cannot_start(tmp_path):
+def test_launcher_exits_1_with_log_tail_when_an_engine_cannot_start(tmp_path: Path) -> None:
     cfg = write(
         tmp_path,
         f"""

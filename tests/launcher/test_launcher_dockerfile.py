@@ -37,7 +37,7 @@ def final_stage() -> list[tuple[str, str]]:
     return ins[last_from:]
 
 
-def test_final_stage_is_slim_python_and_runs_as_non_root():
+def test_final_stage_is_slim_python_and_runs_as_non_root() -> None:
     stage = final_stage()
     assert stage[0] == ("FROM", "python:3.11-slim")
     users = [a for w, a in stage if w == "USER"]
@@ -48,7 +48,7 @@ def test_final_stage_is_slim_python_and_runs_as_non_root():
     assert any(w == "RUN" and f"--uid {user}" in a for w, a in stage)
 
 
-def test_entrypoint_cmd_expose_and_healthcheck():
+def test_entrypoint_cmd_expose_and_healthcheck() -> None:
     stage = dict((w, a) for w, a in final_stage() if w in ("ENTRYPOINT", "CMD", "EXPOSE"))
     assert json.loads(stage["ENTRYPOINT"]) == ["router"]
     cmd = json.loads(stage["CMD"])
@@ -66,7 +66,7 @@ def test_entrypoint_cmd_expose_and_healthcheck():
     assert "ROUTER_HEALTH_URL=http://127.0.0.1:8000/health" in env
 
 
-def test_project_installed_without_engine_extras():
+def test_project_installed_without_engine_extras() -> None:
     runs = " ".join(a for w, a in instructions() if w == "RUN")
     assert "pip wheel" in runs
     assert "pip install" in runs
@@ -74,7 +74,7 @@ def test_project_installed_without_engine_extras():
         assert extra not in runs
 
 
-def test_dockerignore_keeps_what_the_dockerfile_copies():
+def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
     patterns = [p for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
 
     def included(path: str) -> bool:
@@ -106,13 +106,15 @@ def _hadolint(path: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_hadolint_finds_nothing_in_the_dockerfile(tmp_path):
+def test_hadolint_finds_nothing_in_the_dockerfile(tmp_path: Path) -> None:
     # The linter is live: a Dockerfile with known faults is flagged...
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN apt-get install curl\nRUN cd /app\n")
     flagged = _hadolint(bad)
     assert flagged.returncode != 0
-    assert "DL3007" in flagged.stdout and "DL3008" in flagged.stdout, flagged.stdout
+    assert "DL3007" in flagged.stdout, flagged.stdout
+    assert "DL3008" in flagged.stdout, flagged.stdout
     # ...and ours has no finding at any level.
     r = _hadolint(REPO / "Dockerfile")
-    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not r.stdout.strip(), r.stdout + r.stderr

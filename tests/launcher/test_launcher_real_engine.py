@@ -1,7 +1,7 @@
 """One real vLLM engine (CPU build) started by `engine-launcher --config`, on the tiny model.
 
-Skipped only when vLLM is not installed and CACHEHIT_REQUIRE_REAL_ENGINE is unset; with
-CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI) a missing vLLM fails. An installed vLLM that does not
+Skipped when vLLM is not installed, unless support.requirements.real_engine_required()
+(CI): then a missing vLLM fails. An installed vLLM that does not
 start always fails, with the engine's log tail in the message.
 """
 
@@ -15,12 +15,14 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
+from pathlib import Path
 
 import pytest
-from launcher_testutil import LauncherProcess
 
+from support.launcher_process import LauncherProcess
 from support.ports import free_port
 from support.processes import children_of, group_gone, pid_gone
+from support.requirements import missing_dependency
 
 # Engine start-up may take minutes on a loaded 2-core machine (START_GUARD_S below).
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -34,14 +36,11 @@ def require_vllm() -> None:
     missing = [m for m in ("vllm", "nixl") if importlib.util.find_spec(m) is None]
     if not missing:
         return
-    msg = f"{', '.join(missing)} not installed; run `engine-launcher install-deps --cpu`"
-    if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE") == "1":
-        pytest.fail(msg + " (CACHEHIT_REQUIRE_REAL_ENGINE=1)")
-    pytest.skip(msg)
+    missing_dependency(f"{', '.join(missing)} not installed; run `engine-launcher install-deps --cpu`")
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(request, tmp_path_factory) -> str:
+def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     # Built once and cached across runs (the builder skips a finished build); in a
     # subprocess so this test process does not import torch and transformers. With pytest's
     # cache plugin off (-p no:cacheprovider) it is built in this run's temp dir instead.
@@ -53,7 +52,7 @@ def tiny_model_dir(request, tmp_path_factory) -> str:
     return str(path)
 
 
-def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path, tiny_model_dir):
+def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path: Path, tiny_model_dir) -> None:
     require_vllm()
     port = free_port()
     cfg = tmp_path / "router.toml"

@@ -71,7 +71,7 @@ async def wait_gone(pids: list[int]) -> None:
     )
 
 
-async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_leftovers):
+async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path: Path, kill_leftovers: list[int]) -> None:
     engines = [
         EngineConfig(name="decode-a", kind="sim", role="consumer", model="sim-m"),
         EngineConfig(name="decode-b", kind="sim", role="consumer", model="sim-m"),
@@ -117,7 +117,7 @@ async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path, kill_l
     assert all(pid_gone(p) and group_gone(p) for p in pids)
 
 
-async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_python):
+async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path: Path, fake_python) -> None:
     engines = [EngineConfig(name=f"e{i}", kind="sim") for i in range(2)] + [
         EngineConfig(name="v", kind="vllm", model="/m")
     ]
@@ -130,14 +130,14 @@ async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path, fake_pytho
     # Held: nobody else can bind a picked port before the engine is spawned.
     import socket
 
-    with socket.socket() as s, pytest.raises(OSError):
+    with socket.socket() as s, pytest.raises(OSError, match="Address already in use"):
         s.bind(("127.0.0.1", ports["e0"].http))
     await sup.stop()  # releases the reservations
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports["e0"].http))
 
 
-async def test_side_channel_host_that_is_not_local_still_gets_a_port(tmp_path):
+async def test_side_channel_host_that_is_not_local_still_gets_a_port(tmp_path: Path) -> None:
     # 192.0.2.0/24 (TEST-NET-1) is never an address of this machine.
     engines = [EngineConfig(name="v", kind="vllm", model="/m", port=9100, nixl_side_channel_host="192.0.2.10")]
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False)
@@ -147,7 +147,7 @@ async def test_side_channel_host_that_is_not_local_still_gets_a_port(tmp_path):
     assert int(cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == sup.ports["v"].nixl > 0
 
 
-async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path, fake_python):
+async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path: Path, fake_python) -> None:
     engines = [
         EngineConfig(name="ok", kind="sim", env=(("FAKE_MODE", "serve"),)),
         EngineConfig(name="bad", kind="sim", env=(("FAKE_MODE", "exit"),)),
@@ -163,7 +163,7 @@ async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path, f
     assert all(s.state == "stopped" and s.pid is None for s in sup.status())
 
 
-async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill_leftovers):
+async def test_startup_timeout_kills_the_hung_engine(tmp_path: Path, fake_python, kill_leftovers: list[int]) -> None:
     engines = [EngineConfig(name="hung", kind="sim", env=(("FAKE_MODE", "hang"),))]
     events = Events()
     # 3 s: long enough for the fake engine's interpreter to start and log on a loaded machine.
@@ -175,12 +175,14 @@ async def test_startup_timeout_kills_the_hung_engine(tmp_path, fake_python, kill
     with pytest.raises(EngineStartError, match=r"did not answer GET /health within 3 s"):
         await start
     assert ev.detail == "attempt 1"
-    assert "fake engine hang" in Path(tmp_path / "logs" / "hung.log").read_text()
+    assert "fake engine hang" in await asyncio.to_thread((tmp_path / "logs" / "hung.log").read_text)
     assert pid_gone(pid)
     assert group_gone(pid)
 
 
-async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_python, kill_leftovers):
+async def test_stop_escalates_to_sigkill_for_the_whole_group(
+    tmp_path: Path, fake_python, kill_leftovers: list[int]
+) -> None:
     pid_file = tmp_path / "pids"
     engines = [
         EngineConfig(name="stubborn", kind="sim", env=(("FAKE_MODE", "stubborn"), ("FAKE_PID_FILE", str(pid_file))))
@@ -198,7 +200,7 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path, fake_pyth
     assert group_gone(leader)
 
 
-async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers):
+async def test_gives_up_after_max_restarts(tmp_path: Path, fake_python, kill_leftovers: list[int]) -> None:
     engines = [EngineConfig(name="flaky", kind="sim", env=(("FAKE_MODE", "serve"),))]
     events = Events()
     sup = Supervisor(
@@ -239,7 +241,7 @@ async def test_gives_up_after_max_restarts(tmp_path, fake_python, kill_leftovers
     ]
 
 
-async def test_host_type_can_be_forced_either_way(tmp_path):
+async def test_host_type_can_be_forced_either_way(tmp_path: Path) -> None:
     from engine_launcher.host import HostInfo
 
     engines = [
@@ -255,7 +257,9 @@ async def test_host_type_can_be_forced_either_way(tmp_path):
     assert all("CUDA_VISIBLE_DEVICES" not in c.env for c in sup.plan())
 
 
-async def test_restarts_that_never_get_healthy_count_and_back_off(tmp_path, fake_python, kill_leftovers):
+async def test_restarts_that_never_get_healthy_count_and_back_off(
+    tmp_path: Path, fake_python, kill_leftovers: list[int]
+) -> None:
     engines = [
         EngineConfig(
             name="once", kind="sim", env=(("FAKE_MODE", "serve-once"), ("FAKE_MARKER", str(tmp_path / "started")))

@@ -31,17 +31,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # the `support` package
-sys.path.insert(0, str(HERE))
 
-from real_engine_util import (
+from router.engine.wire import PREFILL_REQUEST_PARAMS
+from support.ports import free_port_below_ephemeral_range
+from support.real_engine import (
     EngineProcess,
     engine_command,
     parse_sse,
     request,
 )
-
-from router.engine.wire import PREFILL_REQUEST_PARAMS
-from support.ports import free_port_below_ephemeral_range
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"
 
@@ -327,7 +325,7 @@ def run_disagg(producer: str, consumer: str) -> None:
     )
     rec = capture(producer, "disagg_prefill_leg", "POST", "/v1/completions", body)
     write("disagg_prefill_leg", rec)
-    status, data = request(producer, "POST", "/v1/completions", body)  # fresh, un-normalized
+    _, data = request(producer, "POST", "/v1/completions", body)  # fresh, un-normalized
     kv = json.loads(data)["kv_transfer_params"]
     decode = comp(
         prompt=DISAGG_PROMPT, max_tokens=4, stream=True, return_token_ids=True, kv_transfer_params=kv, **USAGE

@@ -24,27 +24,23 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from real_engine_util import (
+from router.engine.wire import PREFILL_REQUEST_PARAMS
+from support.ports import free_port_below_ephemeral_range
+from support.real_engine import (
     EngineProcess,
     EngineStartError,
     engine_command,
     post_json,
-    real_engine_required,
     vllm_missing_reason,
 )
-
-from router.engine.wire import PREFILL_REQUEST_PARAMS
-from support.ports import free_port_below_ephemeral_range
+from support.requirements import missing_dependency
 
 NIXL_WARMUP_ATTEMPTS = 3
 STARTUP_TIMEOUT_S = float(os.environ.get("CACHEHIT_ENGINE_STARTUP_TIMEOUT", "420"))
@@ -81,10 +77,8 @@ ENGINE_SPECS = {
 }
 
 
-def _unavailable(reason: str):
-    if real_engine_required():
-        pytest.fail(f"CACHEHIT_REQUIRE_REAL_ENGINE is set but {reason}", pytrace=False)
-    pytest.skip(reason)
+def _unavailable(reason: str) -> NoReturn:
+    missing_dependency(reason)
 
 
 @pytest.fixture(scope="session")

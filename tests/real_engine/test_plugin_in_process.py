@@ -18,7 +18,7 @@ def plugin(vllm_plugin):
     return vllm_plugin
 
 
-def test_finish_reason_exists_and_survives_msgspec(plugin):
+def test_finish_reason_exists_and_survives_msgspec(plugin) -> None:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.request import RequestStatus
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -36,7 +36,7 @@ def test_finish_reason_exists_and_survives_msgspec(plugin):
     assert decoded.outputs[0].finish_reason is reason
 
 
-def test_request_models_carry_and_validate_the_threshold(plugin):
+def test_request_models_carry_and_validate_the_threshold(plugin) -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.exceptions import VLLMValidationError
@@ -55,7 +55,7 @@ def test_request_models_carry_and_validate_the_threshold(plugin):
     assert info.value.parameter == "cache_hit_threshold"
 
 
-def test_zero_token_rejection_is_made_visible_and_mark_removed(plugin):
+def test_zero_token_rejection_is_made_visible_and_mark_removed(plugin) -> None:
     from vllm.outputs import CompletionOutput, RequestOutput
 
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK, fix_request_output
@@ -89,7 +89,7 @@ class _ListHandler(logging.Handler):
         self.records.append(record)
 
 
-def test_unsupported_vllm_version_refuses_to_start(plugin, monkeypatch):
+def test_unsupported_vllm_version_refuses_to_start(plugin, monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm
 
     from engine_launcher.vllm_plugin import scheduler, version
@@ -115,7 +115,7 @@ def test_unsupported_vllm_version_refuses_to_start(plugin, monkeypatch):
     assert any("0.32.x" in r.getMessage() and r.levelno == logging.ERROR for r in handler.records)
 
 
-def test_nixl_progress_delay_parsing():
+def test_nixl_progress_delay_parsing() -> None:
     from engine_launcher.vllm_plugin.nixl_progress import ENV, configured_delay_us
 
     assert configured_delay_us({}) is None
@@ -126,7 +126,7 @@ def test_nixl_progress_delay_parsing():
             configured_delay_us({ENV: bad})
 
 
-def test_nixl_agent_gets_the_progress_delay(plugin, monkeypatch):
+def test_nixl_agent_gets_the_progress_delay(plugin, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real NIXL agent created the way vLLM's NIXL worker creates it (vllm.distributed.
     nixl_utils' NixlWrapper and nixl_agent_config with num_threads) gets the poll delay, and
     only agents with a progress thread do."""

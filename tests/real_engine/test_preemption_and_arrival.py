@@ -14,10 +14,10 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from real_engine_util import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range
+from support.real_engine import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -126,7 +126,7 @@ def two_full_blocks(url: str, tag: str) -> str:
 MAX_MODEL_LEN = 224  # the preemption engine's (conftest.py)
 
 
-def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemption_engine):
+def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemption_engine) -> None:
     """8 KV blocks of 32 tokens, two running at a time, four long requests sharing a prefix
     of two full blocks: the running ones outgrow the cache, vLLM preempts one (its blocks are
     freed and soon evicted), and when it is re-admitted its hit rate is 64 / (prompt +
@@ -186,7 +186,11 @@ def _grown(url: str, name: str, before: float, target: float, timeout_s: float =
 
 def _rejections(url: str) -> dict[str, float]:
     m = scrape_metrics(url)
-    return {stage: m.value("cachehit_threshold_rejections_total", stage=stage) for stage in ("arrival", "admission")}
+    # A stage that has rejected nothing yet has no sample: it counts 0.
+    return {
+        stage: m.sample_or_zero("cachehit_threshold_rejections_total", stage=stage)
+        for stage in ("arrival", "admission")
+    }
 
 
 def _counted_rejections(url: str, before: dict[str, float], timeout_s: float = 30.0) -> dict[str, float]:
@@ -201,7 +205,7 @@ def _counted_rejections(url: str, before: dict[str, float], timeout_s: float = 3
         time.sleep(0.1)
 
 
-def test_admission_check_when_arrival_check_is_off(preemption_engine):
+def test_admission_check_when_arrival_check_is_off(preemption_engine) -> None:
     """The same rejection, decided by the scheduler at admission (arrival check off)."""
     url = preemption_engine.base_url
     before = _rejections(url)
@@ -276,13 +280,13 @@ def measure_rejection_under_load(url: str, long_tokens: int, label: str) -> dict
     return {"latency_ms": latency_ms, "still_running": still_running}
 
 
-def test_arrival_check_rejects_at_once_while_running_set_is_full(threshold_engine):
+def test_arrival_check_rejects_at_once_while_running_set_is_full(threshold_engine) -> None:
     result = measure_rejection_under_load(threshold_engine.base_url, 400, "on")
     # The structural fact: the engine did not wait for a running slot to free up.
     assert all(result["still_running"]), result
 
 
-def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine):
+def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine) -> None:
     # 2 x (~20 + 60) tokens = 6 blocks: they fit the 7 usable blocks without preemption.
     before = _rejections(preemption_engine.base_url)
     result = measure_rejection_under_load(preemption_engine.base_url, 60, "off")
@@ -297,7 +301,7 @@ def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine):
 # ------------------------------------------------------------------------- NIXL decode leg
 
 
-def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine, preemption_engine):
+def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine, preemption_engine) -> None:
     """A cold prompt prefilled on one engine (the prefill leg is never rejected) and decoded
     on the other with T = 0.9: the decode engine (arrival check on) counts the KV it will pull
     over NIXL as hits, so the leg is accepted although its local cache is cold."""
@@ -336,7 +340,7 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
     assert external >= out["usage"]["prompt_tokens"] - 32, external
 
 
-def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_engine, spare_engine):
+def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_engine, spare_engine) -> None:
     """vLLM's default kv_load_failure_policy "fail", which the simulator copies and the router
     recovers from (it computes the prompt on the decoder instead): a decode leg whose
     producer cannot be reached is a 500 "Internal server error", or that error event and

@@ -3,12 +3,12 @@
 Uses the session's two engines (see conftest.py): "threshold" (NIXL kv_both) serves as the
 prefill (producer) backend, "preemption" (NIXL kv_both, 8 KV blocks) as the only decode
 (consumer) backend. Shows, with real engines:
-(b) a cold request is rejected by the probe, prefilled on the producer and decoded on the
-    consumer, whose own metrics count the prompt as external (NIXL) hits;
-(c) preemption on the tiny consumer hands requests back with cache_threshold and their
-    tokens; the router resumes them and every client gets its full max_tokens;
-(d) a simulated engine answers the same requests with the same JSON keys, SSE framing,
-    finish reasons and metric names.
+- a cold request is rejected by the probe, prefilled on the producer and decoded on the
+  consumer, whose own metrics count the prompt as external (NIXL) hits;
+- preemption on the tiny consumer hands requests back with cache_threshold and their
+  tokens; the router resumes them and every client gets its full max_tokens;
+- a simulated engine answers the same requests with the same JSON keys, SSE framing,
+  finish reasons and metric names.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from real_engine_util import scrape_metrics
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.server.app import ROUTER_KEY, build_app
+from support.metrics import registry_metrics
+from support.real_engine import scrape_metrics
 from support.sse import read_sse
 
 # Engine start-up (the session fixture) is charged to the first test: allow for a slow machine.
@@ -59,7 +60,7 @@ def cold_prompt(tag: str, words: int) -> str:
 
 
 class RealCluster:
-    def __init__(self, producer_url: str, consumer_url: str, routing: dict):
+    def __init__(self, producer_url: str, consumer_url: str, routing: dict) -> None:
         self.config = parse_config(
             {
                 "server": {"port": 0},
@@ -91,13 +92,13 @@ class RealCluster:
         await self.runner.cleanup()
 
     def metric(self, name: str, **labels) -> float:
-        """Summed over the label sets that include `labels` (e.g. any `model`)."""
-        return sum(
-            s.value
-            for fam in self.app[ROUTER_KEY].metrics.registry.collect()
-            for s in fam.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        """Summed over the label sets that include `labels` (e.g. any `model`); fails when
+        there is no such sample (support/metrics.py)."""
+        return registry_metrics(self.app[ROUTER_KEY].metrics.registry).value(name, **labels)
+
+    def metric_or_zero(self, name: str, **labels) -> float:
+        """`metric`, but 0.0 for a declared metric with no sample with these labels."""
+        return registry_metrics(self.app[ROUTER_KEY].metrics.registry).sample_or_zero(name, **labels)
 
     async def complete(self, body: dict) -> tuple[int, dict]:
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
@@ -108,7 +109,9 @@ class RealCluster:
             return r.status, (await read_sse(r) if r.status == 200 else [])
 
 
-async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshold_engine, preemption_engine, caplog):
+async def test_cold_request_is_prefilled_on_the_producer_and_decoded_on_the_consumer(
+    threshold_engine, preemption_engine, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     async with RealCluster(threshold_engine.base_url, preemption_engine.base_url, {"cache_hit_threshold": 0.5}) as c:
         # A first request through the router. Should its KV transfer fail (vLLM's
@@ -121,7 +124,7 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
         )
         assert status == 200, (out, preemption_engine.log_tail())
         assert out["usage"]["completion_tokens"] == 8
-        if c.metric("cachehit_router_requests_total", route="pd", status="200") != 1:
+        if c.metric_or_zero("cachehit_router_requests_total", route="pd", status="200") != 1:
             assert c.metric("cachehit_router_requests_total", route="direct", status="200") == 1
             assert "did not start" in caplog.text, caplog.text[-3000:]
             failed = (
@@ -133,10 +136,10 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
             )
 
         before = scrape_metrics(preemption_engine.base_url)
-        pd_before = c.metric("cachehit_router_requests_total", route="pd", status="200")
-        rejections_before = c.metric("cachehit_router_probe_rejections_total", backend="consumer") + c.metric(
-            "cachehit_router_probe_deadline_expiries_total", backend="consumer"
-        )
+        pd_before = c.metric_or_zero("cachehit_router_requests_total", route="pd", status="200")
+        rejections_before = c.metric_or_zero(
+            "cachehit_router_probe_rejections_total", backend="consumer"
+        ) + c.metric_or_zero("cachehit_router_probe_deadline_expiries_total", backend="consumer")
         # ~75 tokens: the consumer's context is 224 tokens (conftest.py).
         status, out = await c.complete(
             {"model": MODEL, "prompt": cold_prompt("nixl", 30), "max_tokens": 8, "temperature": 0}
@@ -150,8 +153,8 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
         # The consumer said no: a rejection, or silence past the probe deadline (a loaded
         # machine), which the race counts as one.
         assert (
-            c.metric("cachehit_router_probe_rejections_total", backend="consumer")
-            + c.metric("cachehit_router_probe_deadline_expiries_total", backend="consumer")
+            c.metric_or_zero("cachehit_router_probe_rejections_total", backend="consumer")
+            + c.metric_or_zero("cachehit_router_probe_deadline_expiries_total", backend="consumer")
             - rejections_before
         ) == 1, caplog.text[-3000:]
     after = scrape_metrics(preemption_engine.base_url)
@@ -162,7 +165,7 @@ async def test_b_cold_request_prefilled_on_producer_decoded_on_consumer(threshol
     assert external >= prompt_tokens - 32, (external, prompt_tokens)
 
 
-async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engine, preemption_engine):
+async def test_preempted_requests_are_resumed_into_full_answers(threshold_engine, preemption_engine) -> None:
     before = scrape_metrics(preemption_engine.base_url)
     # Prompt (~50 tokens) + 150 fits the consumer's 224-token context; two at once do not fit
     # its 8 blocks of 32 tokens, so it preempts.
@@ -198,7 +201,7 @@ async def test_c_preempted_requests_are_resumed_into_full_answers(threshold_engi
             finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
             assert finishes[-1] == "length"
             assert "cache_threshold" not in finishes
-        resumed = c.metric("cachehit_router_resumes_total", reason="preempted")
+        resumed = c.metric_or_zero("cachehit_router_resumes_total", reason="preempted")
     after = scrape_metrics(preemption_engine.base_url)
     preemptions = after.value("vllm:num_preemptions_total") - before.value("vllm:num_preemptions_total")
     print(f"\n[real engine] preemptions on the consumer: {preemptions:.0f}, router resumes: {resumed:.0f}")
@@ -261,7 +264,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, path: str, body: d
         return r.status, raw
 
 
-async def test_d_simulator_matches_the_real_engine_where_the_router_looks(threshold_engine):
+async def test_the_simulator_matches_the_real_engine_where_the_router_looks(threshold_engine) -> None:
     sim = await start_sim_engine(
         SimEngineConfig(model=MODEL, speed=100.0, block_size=32, global_cache_hit_threshold=0.5), port=0
     )

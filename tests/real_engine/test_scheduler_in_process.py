@@ -32,7 +32,7 @@ SCHEDULERS = ("ThresholdScheduler", "ThresholdAsyncScheduler")
 
 
 @pytest.fixture(params=SCHEDULERS)
-def scheduler_cls(request, vllm_plugin):
+def scheduler_cls(request: pytest.FixtureRequest, vllm_plugin):
     module = importlib.import_module("engine_launcher.vllm_plugin.scheduler")
     return getattr(module, request.param)
 
@@ -145,7 +145,7 @@ class EngineLoop:
         manager = scheduler.kv_cache_manager
         real_allocate = manager.allocate_slots
 
-        def allocate_slots(request, *args, **kwargs):
+        def allocate_slots(request: pytest.FixtureRequest, *args, **kwargs):
             blocks = real_allocate(request, *args, **kwargs)
             self.allocations.append((request.request_id, blocks is not None))
             return blocks
@@ -199,7 +199,8 @@ class EngineLoop:
         """The request's one finishing output (asserts there is exactly one, and it is last)."""
         outs = self.outputs.get(request_id, [])
         finishing = [o for o in outs if o.finish_reason is not None]
-        assert len(finishing) == 1 and finishing[0] is outs[-1], outs
+        assert len(finishing) == 1, outs
+        assert finishing[0] is outs[-1], outs
         return finishing[0]
 
     def streamed_tokens(self, request_id: str) -> list[int]:
@@ -216,7 +217,7 @@ def prompt(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def assert_rejected(engine: EngineLoop, request_id: str, *, stage: str, hit: int, total: int, threshold: float):
+def assert_rejected(engine: EngineLoop, request_id: str, *, stage: str, hit: int, total: int, threshold: float) -> None:
     from vllm.v1.engine import FinishReason
 
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK
@@ -231,7 +232,7 @@ def assert_rejected(engine: EngineLoop, request_id: str, *, stage: str, hit: int
     assert request_id not in engine.scheduler.requests  # finished and freed
 
 
-def assert_finished_normally(engine: EngineLoop, request_id: str, max_tokens: int):
+def assert_finished_normally(engine: EngineLoop, request_id: str, max_tokens: int) -> None:
     from vllm.v1.engine import FinishReason
 
     out = engine.finished(request_id)
@@ -243,7 +244,7 @@ def assert_finished_normally(engine: EngineLoop, request_id: str, max_tokens: in
 # --------------------------------------------------------------------------- tests
 
 
-def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine, make_request):
+def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine, make_request) -> None:
     engine = make_engine()  # arrival check on by default
     free_before = engine.pool.get_num_free_blocks()
     cold = make_request("cold", prompt(100, 64), threshold=0.5)
@@ -266,7 +267,7 @@ def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine, make_re
     assert any("cold" in s.finished_req_ids for s in engine.schedules)
 
 
-def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_engine, make_request):
+def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_engine, make_request) -> None:
     engine = make_engine(cache_hit_arrival_check=False)
     free_before = engine.pool.get_num_free_blocks()
     # The rejected request is first in the queue: it must not hold up the one behind it.
@@ -291,7 +292,7 @@ def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_en
     assert engine.pool.get_num_free_blocks() == free_before
 
 
-def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_request):
+def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_request) -> None:
     engine = make_engine()  # global default 0
     engine.add(make_request("zero", prompt(100, 64), threshold=0.0), make_request("absent", prompt(300, 64)))
     engine.run_until_idle()
@@ -300,7 +301,7 @@ def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_reques
         assert_finished_normally(engine, rid, max_tokens=2)
 
 
-def test_global_default_applies_unless_the_request_sets_its_own(make_engine, make_request):
+def test_global_default_applies_unless_the_request_sets_its_own(make_engine, make_request) -> None:
     engine = make_engine(global_cache_hit_threshold=0.5)
     engine.add(make_request("absent", prompt(100, 64)), make_request("own-zero", prompt(300, 64), threshold=0.0))
     engine.run_until_idle()
@@ -309,7 +310,7 @@ def test_global_default_applies_unless_the_request_sets_its_own(make_engine, mak
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_prefix_cache_hit_decides(make_engine, make_request, arrival_check):
+def test_prefix_cache_hit_decides(make_engine, make_request, arrival_check) -> None:
     engine = make_engine(cache_hit_arrival_check=arrival_check)
     shared = prompt(100, 4 * BLOCK)  # 64 tokens, four full blocks
 
@@ -332,7 +333,7 @@ def test_prefix_cache_hit_decides(make_engine, make_request, arrival_check):
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check):
+def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check) -> None:
     # Built without a KV connector: vLLM's scheduler only hands kv_transfer_params to a
     # connector, so here they matter to nothing but the plugin's rule (is_prefill_leg), which
     # is what this checks through the real add_request/schedule paths. The NIXL exchange
@@ -358,7 +359,7 @@ def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check)
     )
 
 
-def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engine, make_request):
+def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engine, make_request) -> None:
     # 8 blocks, one of which vLLM keeps as the null block: 7 x 16 = 112 token slots for two
     # running requests that each need 3 blocks to start and grow one token per step.
     engine = make_engine(num_blocks=8, max_num_seqs=2)

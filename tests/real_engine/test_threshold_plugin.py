@@ -12,9 +12,9 @@ import time
 import uuid
 
 import pytest
-from real_engine_util import post_json, post_sse, scrape_metrics
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
+from support.real_engine import post_json, post_sse, scrape_metrics
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -77,7 +77,7 @@ def assert_rejected_body(body: dict, *, chat_api: bool = False) -> None:
     assert body["kv_transfer_params"] is None  # the plugin's internal mark never leaks
 
 
-def test_cold_rejected_then_served_then_accepted(threshold_engine):
+def test_cold_rejected_then_served_then_accepted(threshold_engine) -> None:
     url = threshold_engine.base_url
     prompt = cold_prompt()
 
@@ -99,7 +99,7 @@ def test_cold_rejected_then_served_then_accepted(threshold_engine):
     assert len(body["choices"][0]["token_ids"]) == 4
 
 
-def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
+def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine) -> None:
     """The plugin puts the hit it measured into the rejection's usage, so a router can send
     the fallback to the engine holding the most of the prompt (block size 32)."""
     url = threshold_engine.base_url
@@ -114,7 +114,9 @@ def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
     assert status == 200
     assert_rejected_body(body)
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached > 0 and cached % 32 == 0 and cached <= head_tokens, (cached, head_tokens)
+    assert cached > 0, (cached, head_tokens)
+    assert cached % 32 == 0, (cached, head_tokens)
+    assert cached <= head_tokens, (cached, head_tokens)
     assert cached >= (cached_blocks - 1) * 32, (cached, head_tokens)
     # Streamed: the usage chunk carries the same figure.
     status, events = post_sse(
@@ -127,7 +129,7 @@ def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine):
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
 
 
-def test_global_threshold_and_per_request_override(threshold_engine):
+def test_global_threshold_and_per_request_override(threshold_engine) -> None:
     url = threshold_engine.base_url
     prompt = cold_prompt()
     # No per-request value: the engine-wide 0.5 applies.
@@ -163,7 +165,7 @@ def test_global_threshold_and_per_request_override(threshold_engine):
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
-def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fields, param, stream):
+def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fields, param, stream) -> None:
     body = completion("hello", **fields) if path == "/v1/completions" else chat("hello", **fields)
     body["stream"] = stream
     status, answer = post_json(threshold_engine.base_url, path, body)
@@ -176,7 +178,7 @@ def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fi
     assert f"(parameter={param}" in error["message"]
 
 
-def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_engine):
+def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_engine) -> None:
     status, events = post_sse(
         threshold_engine.base_url,
         "/v1/completions",
@@ -197,7 +199,7 @@ def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_e
     assert finish["id"] == usage["id"]
 
 
-def test_streaming_rejection_without_usage(threshold_engine):
+def test_streaming_rejection_without_usage(threshold_engine) -> None:
     status, events = post_sse(
         threshold_engine.base_url,
         "/v1/completions",
@@ -212,7 +214,7 @@ def test_streaming_rejection_without_usage(threshold_engine):
     assert done == "[DONE]"
 
 
-def test_streaming_rejection_chat_role_chunk_then_finish(threshold_engine):
+def test_streaming_rejection_chat_role_chunk_then_finish(threshold_engine) -> None:
     status, events = post_sse(
         threshold_engine.base_url,
         "/v1/chat/completions",
@@ -232,7 +234,7 @@ def test_streaming_rejection_chat_role_chunk_then_finish(threshold_engine):
     assert done == "[DONE]"
 
 
-def test_chat_non_streaming_rejection_and_acceptance(threshold_engine):
+def test_chat_non_streaming_rejection_and_acceptance(threshold_engine) -> None:
     url = threshold_engine.base_url
     content = cold_prompt()
     status, body = post_json(url, "/v1/chat/completions", chat(content, cache_hit_threshold=0.5))
@@ -245,7 +247,7 @@ def test_chat_non_streaming_rejection_and_acceptance(threshold_engine):
     assert body["choices"][0]["finish_reason"] == "length"
 
 
-def test_prefill_leg_is_never_rejected(threshold_engine):
+def test_prefill_leg_is_never_rejected(threshold_engine) -> None:
     """A NIXL prefill leg (do_remote_decode) on a cold prompt, with a threshold above any
     possible hit rate and the engine-wide 0.5: served, and returns kv_transfer_params."""
     body = completion(
@@ -264,7 +266,7 @@ def test_prefill_leg_is_never_rejected(threshold_engine):
     assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"]
 
 
-def test_rejections_are_counted_in_metrics(threshold_engine):
+def test_rejections_are_counted_in_metrics(threshold_engine) -> None:
     url = threshold_engine.base_url
     before = scrape_metrics(url)
     _status, body = post_json(url, "/v1/completions", completion(cold_prompt(), cache_hit_threshold=0.5))
@@ -273,14 +275,15 @@ def test_rejections_are_counted_in_metrics(threshold_engine):
     deadline = time.monotonic() + 15
     while True:
         after = scrape_metrics(url)
-        success = after.value("vllm:request_success_total", finished_reason="cache_threshold") - before.value(
+        # No request has finished that way before the first rejection: no sample yet reads 0.
+        success = after.sample_or_zero(
             "vllm:request_success_total", finished_reason="cache_threshold"
-        )
+        ) - before.sample_or_zero("vllm:request_success_total", finished_reason="cache_threshold")
         if success >= 1 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert success >= 1
-    arrival = after.value("cachehit_threshold_rejections_total", stage="arrival") - before.value(
+    arrival = after.value("cachehit_threshold_rejections_total", stage="arrival") - before.sample_or_zero(
         "cachehit_threshold_rejections_total", stage="arrival"
     )
     assert arrival == 1  # this engine checks at arrival; a cold prompt is rejected there

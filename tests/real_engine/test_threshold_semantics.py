@@ -18,19 +18,19 @@ from engine_launcher.vllm_plugin.threshold import (
 
 
 @pytest.mark.parametrize(("value", "expected"), [(None, None), (0, 0.0), (1, 1.0), (0.5, 0.5), (0.0, 0.0), (1.0, 1.0)])
-def test_valid_thresholds(value, expected):
+def test_valid_thresholds(value, expected) -> None:
     assert validate_threshold(value) == expected
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "0.5", True, False, math.nan, math.inf, [0.5], {"x": 1}])
-def test_invalid_thresholds_name_the_field(value):
+def test_invalid_thresholds_name_the_field(value) -> None:
     with pytest.raises(ThresholdError) as info:
         validate_threshold(value, "vllm_xargs.cache_hit_threshold")
     assert info.value.param == "vllm_xargs.cache_hit_threshold"
     assert "between 0 and 1" in str(info.value)
 
 
-def test_top_level_wins_but_both_must_be_valid():
+def test_top_level_wins_but_both_must_be_valid() -> None:
     assert request_threshold(0.9, {"cache_hit_threshold": 0.1}) == 0.9
     assert request_threshold(None, {"cache_hit_threshold": 0.1}) == 0.1
     assert request_threshold(None, {"other": 3}) is None
@@ -40,7 +40,7 @@ def test_top_level_wins_but_both_must_be_valid():
     assert info.value.param == "vllm_xargs.cache_hit_threshold"
 
 
-def test_engine_config_from_additional_config():
+def test_engine_config_from_additional_config() -> None:
     assert PluginConfig.from_additional_config({}) == PluginConfig(0.0, True)
     assert PluginConfig.from_additional_config(None) == PluginConfig(0.0, True)
     cfg = PluginConfig.from_additional_config(
@@ -53,7 +53,7 @@ def test_engine_config_from_additional_config():
         PluginConfig.from_additional_config({"cache_hit_arrival_check": "no"})
 
 
-def test_request_value_overrides_global_default():
+def test_request_value_overrides_global_default() -> None:
     cfg = PluginConfig(global_threshold=0.5)
     assert effective_threshold(None, cfg) == 0.5
     assert effective_threshold({"cache_hit_threshold": 0.0}, cfg) == 0.0
@@ -62,7 +62,7 @@ def test_request_value_overrides_global_default():
     assert effective_threshold({"cache_hit_threshold": "x"}, cfg) == 0.5
 
 
-def test_hit_rate_rule():
+def test_hit_rate_rule() -> None:
     assert below_threshold(0, 100, 0.5)
     assert below_threshold(49, 100, 0.5)
     assert not below_threshold(50, 100, 0.5)
@@ -71,7 +71,7 @@ def test_hit_rate_rule():
     assert not below_threshold(0, 0, 0.9)  # nothing to compute
 
 
-def test_prefill_legs_are_recognised():
+def test_prefill_legs_are_recognised() -> None:
     assert is_prefill_leg({"do_remote_decode": True, "do_remote_prefill": False})
     assert not is_prefill_leg({"do_remote_prefill": True})
     assert not is_prefill_leg(None)

@@ -1,29 +1,25 @@
 """Fixtures of the reliability suite (engines that fail, stall and refuse).
 
 - `make_cluster`: a router in this test's event loop in front of in-process simulated
-  engines (tests/router/cluster_util.py), for white-box checks (engine running counts).
-- `procs`: engines and routers as real subprocesses (relutil.SimProc / RouterProc), each
+  engines (support/cluster.py), for white-box checks (engine running counts).
+- `procs`: engines and routers as real subprocesses (support/subprocess_cluster.py: SimProc, RouterProc), each
   stopped by its own process group at the end of the test, whatever happened.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parent
-for p in (_HERE, _HERE.parent / "router"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from cluster_util import make_cluster  # noqa: F401 - a fixture, used by name
-from relutil import RouterProc, SimProc
+# A fixture is found by the name a test asks for: imported under its own name (an explicit
+# re-export, which the linter keeps).
+from support.cluster import make_cluster as make_cluster
+from support.subprocess_cluster import RouterProc, SimProc
 
 
 class Procs:
-    def __init__(self, tmp_path: Path):
+    def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.all: list = []
 
@@ -45,7 +41,7 @@ class Procs:
 
 
 @pytest.fixture
-def procs(tmp_path):
+def procs(tmp_path: Path):
     p = Procs(tmp_path)
     try:
         yield p

@@ -12,10 +12,9 @@ import orjson
 
 N_BURST = 300
 
-from relutil import MODEL, set_faults, sim_backends
-
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, set_faults, sim_backends
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: bytes | dict, stream: bool = False):
@@ -25,7 +24,7 @@ async def _post(s: aiohttp.ClientSession, url: str, body: bytes | dict, stream: 
         return r.status, r.headers, raw
 
 
-async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_slots(procs):
+async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_slots(procs) -> None:
     engines = {"d0": procs.sim("--speed", "5")}
     router = procs.router(
         {
@@ -73,7 +72,7 @@ async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_
         assert [st for st, _, _ in results] == [200] * 5
 
 
-async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs):
+async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs) -> None:
     """A burst far past capacity, each request carrying a large body: the router reads a
     body only once it holds a slot, so at most max_concurrent_requests bodies are in
     memory, and a refused request's connection is closed instead of drained."""
@@ -102,7 +101,7 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs):
         peak = rss_before
         results: list = []
 
-        async def burst():
+        async def burst() -> None:
             results.extend(
                 await asyncio.gather(*(_post(s, router.url, big) for _ in range(N_BURST)), return_exceptions=True)
             )

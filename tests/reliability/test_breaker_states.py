@@ -8,7 +8,7 @@ from router.names import BreakerState
 
 
 class Clock:
-    def __init__(self):
+    def __init__(self) -> None:
         self.t = 100.0
 
     def __call__(self):
@@ -26,13 +26,13 @@ def _registry(clock, threshold=2, cooldown=5.0):
     return r
 
 
-def _open(r):
+def _open(r) -> None:
     r.record_failure("a", "500")
     r.record_failure("a", "500")
     assert r.states["a"].breaker == BreakerState.OPEN
 
 
-def test_a_good_health_check_does_not_close_an_open_breaker():
+def test_a_good_health_check_does_not_close_an_open_breaker() -> None:
     clock = Clock()
     r = _registry(clock)
     _open(r)
@@ -42,7 +42,7 @@ def test_a_good_health_check_does_not_close_an_open_breaker():
     assert [b.name for b in r.snapshot().decoders(None)] == ["b"]  # not even probed
 
 
-def test_health_check_failures_do_not_open_the_breaker():
+def test_health_check_failures_do_not_open_the_breaker() -> None:
     r = _registry(Clock(), threshold=2)
     for _ in range(5):
         r.record_scrape_failure("a", "timeout", definitive=False)
@@ -52,7 +52,7 @@ def test_health_check_failures_do_not_open_the_breaker():
     assert r.snapshot().get("a").available
 
 
-def test_a_trial_without_verdict_frees_the_slot():
+def test_a_trial_without_verdict_frees_the_slot() -> None:
     clock = Clock()
     r = _registry(clock)
     _open(r)
@@ -68,7 +68,7 @@ def test_a_trial_without_verdict_frees_the_slot():
     assert r.states["a"].breaker == BreakerState.CLOSED
 
 
-def test_a_silent_trial_expires_after_the_cooldown():
+def test_a_silent_trial_expires_after_the_cooldown() -> None:
     clock = Clock()
     r = _registry(clock)
     _open(r)
@@ -80,7 +80,7 @@ def test_a_silent_trial_expires_after_the_cooldown():
     assert r.snapshot().get("a").available
 
 
-def test_a_failed_trial_reopens_for_a_full_cooldown():
+def test_a_failed_trial_reopens_for_a_full_cooldown() -> None:
     clock = Clock()
     r = _registry(clock)
     _open(r)
@@ -96,7 +96,7 @@ def test_a_failed_trial_reopens_for_a_full_cooldown():
     assert r.snapshot().get("a").available
 
 
-def test_an_unhealthy_open_backend_gets_no_trial():
+def test_an_unhealthy_open_backend_gets_no_trial() -> None:
     clock = Clock()
     r = _registry(clock)
     _open(r)

@@ -16,10 +16,10 @@ import random
 import aiohttp
 import orjson
 import pytest
-from relutil import MODEL, sim_backends
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, sim_backends
 
 STORM_REQUESTS = 1500
 STORM_CONCURRENCY = 48
@@ -81,7 +81,7 @@ async def _engines_idle(s: aiohttp.ClientSession, engines) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_early_hang_ups_leak_no_inflight_count(procs):
+async def test_early_hang_ups_leak_no_inflight_count(procs) -> None:
     engines = {f"d{i}": procs.sim("--speed", "2") for i in range(4)}
     router = procs.router(
         {

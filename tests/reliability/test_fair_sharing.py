@@ -10,16 +10,16 @@ import asyncio
 
 import aiohttp
 import pytest
-from relutil import MODEL, sim_backends
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, sim_backends
 
 FLOOD_KEY, QUIET_KEY, METERED_KEY = "sk-flood-0123", "sk-quiet-4567", "sk-metered-89ab"
 
 
 @pytest.fixture
-def router(procs, monkeypatch):
+def router(procs, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CACHEHIT_TEST_FLOOD_KEY", FLOOD_KEY)
     monkeypatch.setenv("CACHEHIT_TEST_QUIET_KEY", QUIET_KEY)
     engine = procs.sim("--speed", "5")
@@ -53,7 +53,7 @@ async def _post(
 
 
 @pytest.mark.timeout(180)
-async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
+async def test_a_tenant_at_its_limits_does_not_hold_back_another(router) -> None:
     async with aiohttp.ClientSession() as s:
         flood = [asyncio.create_task(_post(s, router.url, FLOOD_KEY)) for _ in range(30)]
 
@@ -75,7 +75,8 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
         assert [q[0] for q in quiet] == [200] * 4, quiet
         flood_out = await asyncio.gather(*flood)
         statuses = sorted(f[0] for f in flood_out)
-        assert set(statuses) == {200, 429} and statuses.count(200) >= 8, statuses
+        assert set(statuses) == {200, 429}, statuses
+        assert statuses.count(200) >= 8, statuses
         rejected = [f for f in flood_out if f[0] == 429]
         assert all(int(f[1]["Retry-After"]) >= 1 and "'flood'" in f[2] for f in rejected)
 
@@ -84,7 +85,7 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
         assert ms.value("cachehit_router_tenant_rejections_total", tenant="flood", reason="tenant_queue") == len(
             rejected
         )
-        assert ms.value("cachehit_router_tenant_rejections_total", tenant="quiet", reason="tenant_queue") == 0
+        assert ms.sample_or_zero("cachehit_router_tenant_rejections_total", tenant="quiet", reason="tenant_queue") == 0
         for t in ("flood", "quiet", "metered"):
             assert ms.value("cachehit_router_tenant_inflight", tenant=t) == 0
         async with s.get(router.url + "/metrics") as r:
@@ -93,20 +94,24 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router):
 
 
 @pytest.mark.timeout(120)
-async def test_per_key_rate_limit_and_priority_rules(router):
+async def test_per_key_rate_limit_and_priority_rules(router) -> None:
     async with aiohttp.ClientSession() as s:
         assert (await _post(s, router.url, METERED_KEY, max_tokens=2))[0] == 200
         status, headers, body = await _post(s, router.url, METERED_KEY, max_tokens=2)
-        assert status == 429 and 1 <= int(headers["Retry-After"]) <= 20, (status, body)
+        assert status == 429, (status, body)
+        assert 1 <= int(headers["Retry-After"]) <= 20, (status, body)
         assert "'metered'" in body
         assert "0.05 requests per second" in body
         assert (await _post(s, router.url, QUIET_KEY, max_tokens=2))[0] == 200  # others unaffected
 
         # A priority above what the key allows is refused; a malformed one is a 400.
         status, _, body = await _post(s, router.url, FLOOD_KEY, headers={"X-Request-Priority": "1"})
-        assert status == 403 and "X-Request-Priority" in body and "at most 0" in body, body
+        assert status == 403, body
+        assert "X-Request-Priority" in body, body
+        assert "at most 0" in body, body
         status, _, body = await _post(s, router.url, QUIET_KEY, headers={"X-Request-Priority": "soon"})
-        assert status == 400 and "X-Request-Priority" in body, body
+        assert status == 400, body
+        assert "X-Request-Priority" in body, body
         assert (await _post(s, router.url, FLOOD_KEY, max_tokens=2, headers={"X-Request-Priority": "-3"}))[0] == 200
         assert (await _post(s, router.url, "sk-nobody", max_tokens=2))[0] == 401
 

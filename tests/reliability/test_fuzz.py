@@ -12,6 +12,7 @@ An answer >= 500 is only acceptable when it names an upstream engine's failure.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -21,16 +22,17 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relutil import MODEL, RouterProc, SimProc, sim_backends
 
 from support.metrics import parse_metrics
+from support.polling import eventually_blocking
+from support.subprocess_cluster import MODEL, RouterProc, SimProc, sim_backends
 
 READ_TIMEOUT_S = 1.5
 EXCHANGE_BOUND_S = 15.0  # any single exchange taking longer is a hang
 
 
 @pytest.fixture(scope="module")
-def fuzz_router(tmp_path_factory):
+def fuzz_router(tmp_path_factory: pytest.TempPathFactory):
     """One engine and one router for the whole module (the fuzzing must not break them:
     every test ends by checking the router still serves)."""
     tmp = tmp_path_factory.mktemp("fuzz")
@@ -79,7 +81,8 @@ def _check_answer(status: int, headers: dict, raw: bytes, what) -> None:
             orjson.loads(raw)
         return
     err = orjson.loads(raw)["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status, (what, err)
+    assert set(err) == {"message", "type", "param", "code"}, (what, err)
+    assert err["code"] == status, (what, err)
     if status >= 500:
         assert "pstream" in err["message"] or "engine" in err["message"], (what, err)
 
@@ -92,10 +95,16 @@ def _alive(port: int) -> None:
     assert _request(port, "GET", "/health", None)[0] == 200
 
 
+def _requests_recorded(port: int) -> float:
+    status, _, raw = _request(port, "GET", "/metrics", None)
+    assert status == 200
+    return parse_metrics(raw.decode()).sample_or_zero("cachehit_router_requests_total")
+
+
 def _no_500s(port: int) -> None:
     status, _, raw = _request(port, "GET", "/metrics", None)
     assert status == 200
-    assert parse_metrics(raw.decode()).value("cachehit_router_requests_total", status="500") == 0
+    assert parse_metrics(raw.decode()).sample_or_zero("cachehit_router_requests_total", status="500") == 0
 
 
 # --- JSON bodies ----------------------------------------------------------------------------
@@ -362,13 +371,11 @@ def test_header_and_encoding_combinations_never_get_a_500(
     s = socket.create_connection(("127.0.0.1", fuzz_router.port), timeout=EXCHANGE_BOUND_S)
     got = b""
     try:
-        try:
-            # All at once, as a client that does not wait for 100 Continue: the router may
-            # refuse before reading the body and close, so the send can fail; its answer
-            # is still there to read.
+        # All at once, as a client that does not wait for 100 Continue: the router may
+        # refuse before reading the body and close, so the send can fail; its answer is
+        # still there to read.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode() + payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
         while True:
             try:
                 chunk = s.recv(65536)
@@ -406,7 +413,7 @@ def test_header_and_encoding_combinations_never_get_a_500(
     assert fuzz_router.proc.poll() is None
 
 
-def test_after_fuzzing_the_router_still_serves(fuzz_router):
+def test_after_fuzzing_the_router_still_serves(fuzz_router) -> None:
     # Runs on its own router too: odd inputs first, then a normal request.
     for raw in (b"{", b"\xff" * 100, orjson.dumps({"prompt": [2**40]}), orjson.dumps({"max_tokens": -5})):
         status, headers, out = _request(fuzz_router.port, "POST", "/v1/completions", raw)
@@ -427,7 +434,7 @@ def _raw_exchange(port: int, head: bytes, parts: list[tuple[bytes, float]], clos
         for data, pause in parts:
             if data:
                 s.sendall(data)
-            time.sleep(pause)
+            time.sleep(pause)  # a slow client pausing between bytes: the behaviour under test
         if close_after:
             s.shutdown(socket.SHUT_WR)
         out = b""
@@ -476,16 +483,21 @@ def test_truncated_bodies_then_close_never_crash_the_router(fuzz_router, sent, m
     assert fuzz_router.proc.poll() is None
 
 
-def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router):
+def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "cut", "max_tokens": 2})
-    for cut in (0, 1, len(body) // 2, len(body) - 1):
+    cuts = (0, 1, len(body) // 2, len(body) - 1)
+    before = _requests_recorded(fuzz_router.port)
+    for cut in cuts:
         _raw_exchange(fuzz_router.port, _head(len(body)), [(body[:cut], 0.0)], close_after=True)
-    time.sleep(0.3)  # lets the router finish with the cut requests, so a 500 among them would be counted
+    # Every request is recorded when the router is done with it: a 500 among them is counted then.
+    eventually_blocking(
+        lambda: _requests_recorded(fuzz_router.port) >= before + len(cuts), 10, "the cut requests recorded"
+    )
     _alive(fuzz_router.port)
     _no_500s(fuzz_router.port)
 
 
-def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router):
+def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2})
     t0 = time.monotonic()
     out = _raw_exchange(fuzz_router.port, _head(len(body)), [(body[:5], 0.0)], close_after=False)
@@ -498,7 +510,7 @@ def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router):
     _alive(fuzz_router.port)
 
 
-def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router):
+def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "slow but steady", "max_tokens": 2})
     step = max(1, len(body) // 5)
     parts = [(body[i : i + step], 0.15) for i in range(0, len(body), step)]
@@ -511,7 +523,7 @@ def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router):
     assert out.startswith(b"HTTP/1.1 200"), out[:300]
 
 
-def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router):
+def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router) -> None:
     """Connections that send half a header block or half a body and then stall: the
     router keeps serving everyone else meanwhile."""
     stalled = []

@@ -21,9 +21,9 @@ import time
 
 import orjson
 import pytest
-from relutil import MODEL, RouterProc, SimProc, sim_backends
 
 from support.polling import eventually_blocking
+from support.subprocess_cluster import MODEL, RouterProc, SimProc, sim_backends
 
 KEY = "client-key-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -31,7 +31,7 @@ MAX_BODY = 256 * 1024
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
+def router(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("hostile")
     sim = SimProc(["--speed", "50"], log_path=tmp / "sim.log")
     r = RouterProc({"server": {"api_keys": [KEY], "max_body_bytes": MAX_BODY, "body_timeout_s": 5.0}}, tmp)
@@ -89,7 +89,7 @@ def _body(chat: bool, stream: bool, where: str, depth: int) -> bytes:
 @pytest.mark.parametrize("where", ["top", "vllm_xargs", "messages"])
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_deeply_nested_bodies_get_400(router, depth, where, chat, stream):
+def test_deeply_nested_bodies_get_400(router, depth, where, chat, stream) -> None:
     if where == "messages" and not chat:
         where = "top"
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -98,7 +98,7 @@ def test_deeply_nested_bodies_get_400(router, depth, where, chat, stream):
     assert "nested" in err["message"] or "depth limit" in err["message"], err
 
 
-def test_moderately_nested_bodies_are_served(router):
+def test_moderately_nested_bodies_are_served(router) -> None:
     # 100 levels in an extra field the engine ignores: within the bound, served.
     status, _, raw = _post(router.port, "/v1/completions", _body(False, False, "top", 100))
     assert status == 200, raw[:300]
@@ -108,7 +108,7 @@ def test_moderately_nested_bodies_are_served(router):
     "rid", ["a\r\nX-Injected: 1", "a\nb", "a\x00b", "a\x7fb", "\x1b[31mred", "a\u202eb", "a\u0085b"]
 )
 @pytest.mark.parametrize("stream", [False, True])
-def test_request_ids_with_control_characters_are_served_with_a_sendable_header(router, rid, stream):
+def test_request_ids_with_control_characters_are_served_with_a_sendable_header(router, rid, stream) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream, "request_id": rid})
     status, headers, raw = _post(router.port, "/v1/completions", body)
     assert status == 200, raw[:300]
@@ -124,7 +124,7 @@ def test_request_ids_with_control_characters_are_served_with_a_sendable_header(r
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_printable_unicode_request_id_is_kept(router, stream):
+def test_a_printable_unicode_request_id_is_kept(router, stream) -> None:
     body = orjson.dumps(
         {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream, "request_id": "kunde-\u00e9t\u00e9-42"}
     )
@@ -134,7 +134,7 @@ def test_a_printable_unicode_request_id_is_kept(router, stream):
     assert first["id"] == "cmpl-kunde-\u00e9t\u00e9-42"
 
 
-def test_a_body_that_is_not_in_its_content_encoding_gets_400(router):
+def test_a_body_that_is_not_in_its_content_encoding_gets_400(router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3})
     for encoding in ("gzip", "deflate"):
         status, _, raw = _post(router.port, "/v1/completions", body, {"Content-Encoding": encoding})
@@ -168,7 +168,7 @@ def _read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
 
 
 @pytest.mark.parametrize("case", ["no key", "too large"])
-def test_expect_100_continue_is_not_answered_before_auth_and_size(router, case):
+def test_expect_100_continue_is_not_answered_before_auth_and_size(router, case) -> None:
     extra = "" if case == "no key" else f"Authorization: Bearer {KEY}\r\n"
     length = 3 * 1024 * 1024 if case == "no key" else 50 * 1024 * 1024
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
@@ -180,7 +180,7 @@ def test_expect_100_continue_is_not_answered_before_auth_and_size(router, case):
     assert out.startswith(f"HTTP/1.1 {status} ".encode()), out[:300]
 
 
-def test_expect_100_continue_invites_an_acceptable_body(router):
+def test_expect_100_continue_invites_an_acceptable_body(router) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3})
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
         sock.sendall(_head("/v1/completions", len(body), f"Authorization: Bearer {KEY}\r\nConnection: close\r\n"))
@@ -200,7 +200,7 @@ MALFORMED = [
 ]
 
 
-def test_client_events_are_one_escaped_info_line_without_traceback(router):
+def test_client_events_are_one_escaped_info_line_without_traceback(router) -> None:
     # Malformed HTTP messages, some with control bytes that must not reach the log raw.
     for msg in MALFORMED:
         with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
@@ -237,7 +237,7 @@ def test_client_events_are_one_escaped_info_line_without_traceback(router):
     assert not raw_controls, raw_controls
 
 
-def test_an_unknown_expectation_gets_417(router):
+def test_an_unknown_expectation_gets_417(router) -> None:
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
         sock.sendall(
             _head("/v1/completions", 10, f"Authorization: Bearer {KEY}\r\n").replace(b"100-continue", b"200-ok")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import aiohttp
 import orjson
 import pytest
-from relutil import MODEL, sim_backends
+
+from support.subprocess_cluster import MODEL, sim_backends
 
 ANNOUNCE = ("router: serving", "  try:")  # printed to stdout for a human, not logged
 
@@ -27,7 +28,7 @@ def _log_lines(router) -> list[str]:
     return [ln for ln in router.log_path.read_text().splitlines() if ln and not ln.startswith(ANNOUNCE)]
 
 
-async def test_every_log_line_is_one_json_object(procs):
+async def test_every_log_line_is_one_json_object(procs) -> None:
     eng = procs.sim()
     router = procs.router({"backends": sim_backends({"e": eng})})
     await _two_requests(router.url)
@@ -53,7 +54,7 @@ async def test_every_log_line_is_one_json_object(procs):
 
 
 @pytest.mark.parametrize("fmt", ["text"])
-async def test_text_logs_for_humans(procs, fmt):
+async def test_text_logs_for_humans(procs, fmt) -> None:
     eng = procs.sim()
     router = procs.router({"server": {"log_format": fmt}, "backends": sim_backends({"e": eng})})
     await _two_requests(router.url)

@@ -11,12 +11,13 @@ import asyncio
 import os
 import signal
 import socket
+from pathlib import Path
 
 import aiohttp
 import orjson
-from relutil import MODEL
 
 from support.polling import eventually
+from support.subprocess_cluster import MODEL
 
 ADMIN = "admin-key"
 
@@ -58,7 +59,7 @@ async def _read_rest(r: aiohttp.ClientResponse, first: bytes) -> list:
     return out
 
 
-def _router_config(tmp_path, drain_s: float, speed: float) -> dict:
+def _router_config(tmp_path: Path, drain_s: float, speed: float) -> dict:
     return {
         "server": {"drain_timeout_s": drain_s, "admin_api_key": ADMIN},
         "launcher": {"log_dir": str(tmp_path / "engine-logs"), "startup_timeout_s": 60.0},
@@ -73,7 +74,7 @@ async def _engine_ports(s: aiohttp.ClientSession, url: str) -> list[int]:
         return [int(b["url"].rsplit(":", 1)[1]) for b in orjson.loads(await r.read())]
 
 
-async def test_sigterm_lets_a_stream_finish_within_the_drain_and_stops_the_engines(procs, tmp_path):
+async def test_sigterm_lets_a_stream_finish_within_the_drain_and_stops_the_engines(procs, tmp_path: Path) -> None:
     # speed 0.3: ~40 ms per token, so 60 tokens take a couple of seconds, well inside 20 s.
     router = procs.router(_router_config(tmp_path, drain_s=20.0, speed=0.3), extra_args=[])
     async with aiohttp.ClientSession() as s:
@@ -84,7 +85,8 @@ async def test_sigterm_lets_a_stream_finish_within_the_drain_and_stops_the_engin
         await eventually(lambda: _refuses(router.port), 5, "listening socket closed")
         async with asyncio.timeout(30):
             events = await _read_rest(r, first)
-        assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+        assert events[-1] == "[DONE]", events[-3:]
+        assert not any("error" in e for e in events[:-1]), events[-3:]
         assert events[-2]["usage"]["completion_tokens"] == 60
         r.release()
     rc = await asyncio.to_thread(router.proc.wait, 30)
@@ -93,7 +95,7 @@ async def test_sigterm_lets_a_stream_finish_within_the_drain_and_stops_the_engin
     assert "draining 1 request" in router.log_path.read_text()
 
 
-async def test_sigterm_cancels_a_stream_that_outlasts_the_drain_cleanly(procs, tmp_path):
+async def test_sigterm_cancels_a_stream_that_outlasts_the_drain_cleanly(procs, tmp_path: Path) -> None:
     # speed 0.02: a token every ~0.3 s; 400 tokens would take minutes, the drain is 1.5 s.
     router = procs.router(_router_config(tmp_path, drain_s=1.5, speed=0.02), extra_args=[])
     async with aiohttp.ClientSession() as s:
@@ -140,7 +142,7 @@ async def _keep_alive_client(url: str, i: int, outcomes: list, stop_sending: asy
                 return
 
 
-async def test_sigterm_answers_503_on_open_keep_alive_connections(procs, tmp_path):
+async def test_sigterm_answers_503_on_open_keep_alive_connections(procs, tmp_path: Path) -> None:
     """Requests that clients send on their open keep-alive connections during the drain
     get 503 (then Connection: close), never a reset; the streams in flight complete."""
     engine = procs.sim("--speed", "1")

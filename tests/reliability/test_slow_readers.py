@@ -15,10 +15,10 @@ import socket
 import aiohttp
 import orjson
 import pytest
-from relutil import MODEL, sim_backends
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.subprocess_cluster import MODEL, sim_backends
 
 MAX_TOKENS = 30_000
 ENGINE_ARGS = ("--speed", "100", "--max-model-len", "40000")
@@ -79,7 +79,7 @@ async def _gauges(s: aiohttp.ClientSession, router_url: str, engine_url: str) ->
 
 
 @pytest.mark.timeout(120)
-async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs):
+async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs) -> None:
     engine = procs.sim(*ENGINE_ARGS)
     router = procs.router({"timeouts": {"idle_s": 1.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)
@@ -106,7 +106,7 @@ async def _released(s, router_url, engine_url):
 
 
 @pytest.mark.timeout(120)
-async def test_a_client_that_pauses_gets_the_whole_answer(procs):
+async def test_a_client_that_pauses_gets_the_whole_answer(procs) -> None:
     engine = procs.sim(*ENGINE_ARGS)
     router = procs.router({"timeouts": {"idle_s": 60.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)

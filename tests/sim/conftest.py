@@ -1,5 +1,5 @@
 """Fixtures for the simulator tests: engines started in-process on free ports and closed
-at teardown, and an HTTP session (helpers: sim_testutil.py)."""
+at teardown, and an HTTP session (helpers: support/sim_http.py)."""
 
 from __future__ import annotations
 

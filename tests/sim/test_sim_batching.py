@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
-from sim_testutil import post
 
 from engine_launcher.sim import TimingModel
 from support.polling import eventually
+from support.sim_http import MakeEngine, post
 
 
 def test_step_time_formula() -> None:
@@ -19,7 +20,9 @@ def test_step_time_formula() -> None:
     assert t.step_seconds(10, 3) == pytest.approx(0.026)
 
 
-async def test_model_time_of_one_request_follows_the_timing_model(make_engine, http) -> None:
+async def test_model_time_of_one_request_follows_the_timing_model(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     t = TimingModel(step_overhead_s=0.005, prefill_token_s=0.0001, decode_seq_s=0.0002)
     for speed in (100.0, 1000.0):
         eng = await make_engine(timing=t, speed=speed)
@@ -30,14 +33,16 @@ async def test_model_time_of_one_request_follows_the_timing_model(make_engine, h
         assert eng.engine.stats.busy_model_seconds * speed == pytest.approx(expected)
 
 
-async def test_long_prompt_is_prefilled_in_chunks(make_engine, http) -> None:
+async def test_long_prompt_is_prefilled_in_chunks(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(max_num_batched_tokens=64)
     _, body = await post(http, eng.url + "/v1/completions", {"prompt": list(range(2, 302)), "max_tokens": 1})
     assert body["usage"]["completion_tokens"] == 1
     assert eng.engine.stats.step_count == 5  # ceil(300 / 64) steps before the first token
 
 
-async def test_concurrent_requests_decode_in_the_same_steps(make_engine, http) -> None:
+async def test_concurrent_requests_decode_in_the_same_steps(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(speed=1.0)  # 6 ms steps: all eight arrive within a step or two
     n, tokens = 8, 40
     results = await asyncio.gather(
@@ -48,7 +53,7 @@ async def test_concurrent_requests_decode_in_the_same_steps(make_engine, http) -
     assert eng.engine.stats.step_count < 2 * tokens
 
 
-async def test_max_num_seqs_bounds_the_running_set(make_engine, http) -> None:
+async def test_max_num_seqs_bounds_the_running_set(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(max_num_seqs=3, speed=100.0)
     seen: list[int] = []
     tasks = [
@@ -68,7 +73,7 @@ async def test_max_num_seqs_bounds_the_running_set(make_engine, http) -> None:
     assert all(t.result()[1]["usage"]["completion_tokens"] == 60 for t in tasks)
 
 
-async def test_token_budget_limits_prefill_per_step(make_engine, http) -> None:
+async def test_token_budget_limits_prefill_per_step(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(max_num_batched_tokens=100, speed=10.0)
     # Two 80-token prompts cannot both be prefilled in one 100-token step.
     await asyncio.gather(
@@ -77,7 +82,9 @@ async def test_token_budget_limits_prefill_per_step(make_engine, http) -> None:
     assert eng.engine.stats.step_count >= 2
 
 
-async def test_engine_keeps_many_streams_with_one_loop_task(make_engine, http) -> None:
+async def test_engine_keeps_many_streams_with_one_loop_task(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(speed=1.0)  # real time, so the streams overlap
     before = len(asyncio.all_tasks())
     tasks = [
@@ -93,7 +100,9 @@ async def test_engine_keeps_many_streams_with_one_loop_task(make_engine, http) -
     assert all(r[1][-1] == "[DONE]" for r in results)
 
 
-async def test_a_cache_smaller_than_max_model_len_caps_requests(make_engine, http) -> None:
+async def test_a_cache_smaller_than_max_model_len_caps_requests(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     # 9 usable blocks of 16 = 144 tokens: a request never outgrows the cache alone.
     eng = await make_engine(max_model_len=1024, block_size=16, num_gpu_blocks=10)
     status, body = await post(

@@ -9,9 +9,10 @@ import aiohttp
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.sim_http import MakeEngine
 
 
-async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
+async def test_stream_disconnect_aborts_the_request(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(speed=20.0)
     resp = await http.post(
         eng.url + "/v1/completions",
@@ -28,7 +29,7 @@ async def test_stream_disconnect_aborts_the_request(make_engine, http) -> None:
     assert (await scrape_metrics(http, eng.url)).value("vllm:request_success_total", finished_reason="abort") == 1
 
 
-async def test_non_streaming_disconnect_aborts_the_request(make_engine) -> None:
+async def test_non_streaming_disconnect_aborts_the_request(make_engine: MakeEngine) -> None:
     eng = await make_engine(speed=20.0)
     async with aiohttp.ClientSession() as s:
         task = asyncio.create_task(
@@ -42,7 +43,7 @@ async def test_non_streaming_disconnect_aborts_the_request(make_engine) -> None:
     assert eng.engine.kv.usage == 0.0
 
 
-async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine) -> None:
+async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine: MakeEngine) -> None:
     eng = await make_engine(max_num_seqs=1, speed=20.0)
     async with aiohttp.ClientSession() as s:
         first = asyncio.create_task(
@@ -57,7 +58,7 @@ async def test_disconnect_while_waiting_removes_it_from_the_queue(make_engine) -
     await eventually(lambda: eng.engine.num_running == 0)
 
 
-async def test_closing_an_engine_ends_open_streams(make_engine, http) -> None:
+async def test_closing_an_engine_ends_open_streams(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await start_sim_engine(SimEngineConfig(speed=1.0, max_model_len=2048, num_gpu_blocks=1024))
     resp = await http.post(
         eng.url + "/v1/completions", json={"prompt": [7] * 10, "max_tokens": 2000, "ignore_eos": True, "stream": True}

@@ -8,14 +8,16 @@ from dataclasses import replace
 
 import aiohttp
 import pytest
-from sim_testutil import post
 
 from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
 from support.polling import eventually
+from support.sim_http import MakeEngine, post
 from support.sse import parse_sse
 
 
-async def test_error_rate_one_fails_every_request_with_a_500(make_engine, http) -> None:
+async def test_error_rate_one_fails_every_request_with_a_500(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(faults=FaultConfig(error_rate=1.0))
     for stream in (False, True):
         status, body = await post(http, eng.url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": stream})
@@ -31,13 +33,15 @@ async def test_error_rate_one_fails_every_request_with_a_500(make_engine, http) 
     assert eng.engine.stats.step_count == 0
 
 
-async def test_partial_error_rate_fails_some(make_engine, http) -> None:
+async def test_partial_error_rate_fails_some(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(faults=FaultConfig(error_rate=0.5), seed=3)
     statuses = [(await post(http, eng.url + "/v1/completions", {"prompt": "x", "max_tokens": 1}))[0] for _ in range(40)]
     assert set(statuses) == {200, 500}
 
 
-async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine, http) -> None:
+async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(faults=FaultConfig(stall_after_tokens=3, stall_seconds=1.0))
     async with http.post(
         eng.url + "/v1/completions",
@@ -56,7 +60,9 @@ async def test_stream_stalls_after_n_tokens_while_the_engine_goes_on(make_engine
     assert rest[-1] == "[DONE]"
 
 
-async def test_exit_fault_drops_connections_and_stops_serving(make_engine, http) -> None:
+async def test_exit_fault_drops_connections_and_stops_serving(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(faults=FaultConfig(exit_after_tokens=10), speed=100.0)
     with pytest.raises(aiohttp.ClientError):
         async with http.post(
@@ -70,14 +76,14 @@ async def test_exit_fault_drops_connections_and_stops_serving(make_engine, http)
             await r.read()
 
 
-async def test_faults_admin_route_is_off_by_default(make_engine, http) -> None:
+async def test_faults_admin_route_is_off_by_default(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     async with http.post(eng.url + "/_sim/faults", json={"error_rate": 1.0}) as r:
         assert r.status == 404
     assert eng.engine.config.faults.error_rate == 0.0
 
 
-async def test_faults_change_at_runtime_with_admin(make_engine, http) -> None:
+async def test_faults_change_at_runtime_with_admin(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(enable_admin=True)
     url = eng.url + "/_sim/faults"
     async with http.post(url, json={"error_rate": 1.0}) as r:
@@ -94,7 +100,7 @@ async def test_faults_change_at_runtime_with_admin(make_engine, http) -> None:
         assert (await r.json())["error_rate"] == 0.0
 
 
-async def test_reset_prefix_cache(make_engine, http) -> None:
+async def test_reset_prefix_cache(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(speed=20.0)
     url = eng.url + "/v1/completions"
     prompt = list(range(100, 164))
@@ -111,7 +117,7 @@ async def test_reset_prefix_cache(make_engine, http) -> None:
     await task
 
 
-async def test_engines_built_from_one_config_do_not_share_faults(http) -> None:
+async def test_engines_built_from_one_config_do_not_share_faults(http: aiohttp.ClientSession) -> None:
     base = SimEngineConfig(speed=1000.0, max_model_len=2048, num_gpu_blocks=1024)
     a = await start_sim_engine(replace(base, role="producer"))
     b = await start_sim_engine(replace(base, role="consumer"))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
-from sim_testutil import post
 
 from engine_launcher.sim import tokenizer as tok
+from support.sim_http import MakeEngine, post
 
 PROMPT = "the first river of the world was known to all people"
 
@@ -35,7 +36,7 @@ COMPLETION_CHOICE_KEYS = {
 }
 
 
-async def test_completion_non_streaming_shape(make_engine, http) -> None:
+async def test_completion_non_streaming_shape(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     status, body = await post(
         http,
@@ -63,14 +64,16 @@ async def test_completion_non_streaming_shape(make_engine, http) -> None:
     assert body["kv_transfer_params"] is None
 
 
-async def test_token_ids_absent_unless_asked(make_engine, http) -> None:
+async def test_token_ids_absent_unless_asked(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     _, body = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
     assert body["choices"][0]["token_ids"] is None
     assert body["choices"][0]["prompt_token_ids"] is None
 
 
-async def test_same_request_gives_the_same_output_and_seed_changes_it(make_engine, http) -> None:
+async def test_same_request_gives_the_same_output_and_seed_changes_it(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/completions"
     a = (await post(http, url, {"prompt": PROMPT, "max_tokens": 12}))[1]["choices"][0]["text"]
@@ -79,7 +82,9 @@ async def test_same_request_gives_the_same_output_and_seed_changes_it(make_engin
     assert a == b != c["choices"][0]["text"]
 
 
-async def test_second_identical_prompt_reports_cached_tokens(make_engine, http) -> None:
+async def test_second_identical_prompt_reports_cached_tokens(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(block_size=4)
     url = eng.url + "/v1/completions"
     ids = list(range(300, 322))  # 22 token ids
@@ -89,7 +94,7 @@ async def test_second_identical_prompt_reports_cached_tokens(make_engine, http) 
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 20
 
 
-async def test_completion_stream_shape(make_engine, http) -> None:
+async def test_completion_stream_shape(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     status, events = await post(
         http,
@@ -125,7 +130,9 @@ async def test_completion_stream_shape(make_engine, http) -> None:
     assert len({c["id"] for c in events[:-1]}) == 1
 
 
-async def test_stream_without_usage_puts_fingerprint_on_the_last_chunk(make_engine, http) -> None:
+async def test_stream_without_usage_puts_fingerprint_on_the_last_chunk(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine()
     _, events = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True})
     chunks = events[:-1]
@@ -134,7 +141,7 @@ async def test_stream_without_usage_puts_fingerprint_on_the_last_chunk(make_engi
     assert all(c["choices"][0]["token_ids"] is None for c in chunks)
 
 
-async def test_continuous_usage_stats(make_engine, http) -> None:
+async def test_continuous_usage_stats(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     _, events = await post(
         http,
@@ -151,7 +158,7 @@ async def test_continuous_usage_stats(make_engine, http) -> None:
     assert counts[-1] == 4
 
 
-async def test_chat_non_streaming_shape(make_engine, http) -> None:
+async def test_chat_non_streaming_shape(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     msgs = [{"role": "user", "content": "hello there"}]
     status, body = await post(
@@ -170,7 +177,7 @@ async def test_chat_non_streaming_shape(make_engine, http) -> None:
         assert key in body
 
 
-async def test_chat_stream_starts_with_a_role_chunk(make_engine, http) -> None:
+async def test_chat_stream_starts_with_a_role_chunk(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     _, events = await post(
         http,
@@ -196,7 +203,7 @@ async def test_chat_stream_starts_with_a_role_chunk(make_engine, http) -> None:
     assert usage["choices"] == []
 
 
-async def test_prompt_as_token_ids_and_batched_forms(make_engine, http) -> None:
+async def test_prompt_as_token_ids_and_batched_forms(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/completions"
     ids = tok.encode(PROMPT)
@@ -206,7 +213,7 @@ async def test_prompt_as_token_ids_and_batched_forms(make_engine, http) -> None:
         assert body["choices"][0]["prompt_token_ids"] == ids
 
 
-async def test_stop_string_ends_and_trims_the_output(make_engine, http) -> None:
+async def test_stop_string_ends_and_trims_the_output(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/completions"
     _, full = await post(http, url, {"prompt": PROMPT, "max_tokens": 30})
@@ -227,7 +234,7 @@ async def test_stop_string_ends_and_trims_the_output(make_engine, http) -> None:
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[: cut + 1]
 
 
-async def test_eos_min_tokens_and_ignore_eos(make_engine, http) -> None:
+async def test_eos_min_tokens_and_ignore_eos(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(eos_probability=1.0)  # EOS whenever it is allowed
     url = eng.url + "/v1/completions"
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 10, "return_token_ids": True})
@@ -245,7 +252,7 @@ async def test_eos_min_tokens_and_ignore_eos(make_engine, http) -> None:
     assert body["usage"]["completion_tokens"] == 10
 
 
-async def test_completion_logprobs(make_engine, http) -> None:
+async def test_completion_logprobs(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     _, body = await post(http, eng.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "logprobs": 2})
     lp = body["choices"][0]["logprobs"]
@@ -253,12 +260,12 @@ async def test_completion_logprobs(make_engine, http) -> None:
     assert "".join(lp["tokens"]) == body["choices"][0]["text"]
     assert lp["text_offset"][0] == 0
     assert lp["text_offset"][1] == len(lp["tokens"][0])
-    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+    for token, top in zip(lp["tokens"], lp["top_logprobs"], strict=False):
         assert token in top
         assert len(top) == 2
 
 
-async def test_chat_logprobs(make_engine, http) -> None:
+async def test_chat_logprobs(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     _, body = await post(
         http,
@@ -270,7 +277,7 @@ async def test_chat_logprobs(make_engine, http) -> None:
     assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode()) for c in content)
 
 
-async def test_models_health_version_metrics(make_engine, http) -> None:
+async def test_models_health_version_metrics(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(model="m1", max_model_len=1024)
     async with http.get(eng.url + "/v1/models") as r:
         models = await r.json()
@@ -324,7 +331,9 @@ BAD = [
 
 
 @pytest.mark.parametrize(("body", "param"), BAD)
-async def test_bad_input_is_a_400_in_vllm_error_shape(make_engine, http, body, param) -> None:
+async def test_bad_input_is_a_400_in_vllm_error_shape(
+    make_engine: MakeEngine, http: aiohttp.ClientSession, body, param
+) -> None:
     eng = await make_engine(max_model_len=2048)
     status, err = await post(http, eng.url + "/v1/completions", body)
     assert status == 400
@@ -337,7 +346,7 @@ async def test_bad_input_is_a_400_in_vllm_error_shape(make_engine, http, body, p
     assert eng.engine.num_waiting == 0
 
 
-async def test_bad_chat_input(make_engine, http) -> None:
+async def test_bad_chat_input(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/chat/completions"
     for body in (
@@ -347,10 +356,11 @@ async def test_bad_chat_input(make_engine, http) -> None:
         {"messages": "hi"},
     ):
         status, err = await post(http, url, body)
-        assert status == 400 and err["error"]["code"] == 400, body
+        assert status == 400, body
+        assert err["error"]["code"] == 400, body
 
 
-async def test_invalid_json_is_a_400(make_engine, http) -> None:
+async def test_invalid_json_is_a_400(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     async with http.post(
         eng.url + "/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
@@ -359,7 +369,7 @@ async def test_invalid_json_is_a_400(make_engine, http) -> None:
         assert (await r.json())["error"]["code"] == 400
 
 
-async def test_unknown_model_is_a_404(make_engine, http) -> None:
+async def test_unknown_model_is_a_404(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     status, err = await post(http, eng.url + "/v1/completions", {"model": "nope", "prompt": "x"})
     assert status == 404
@@ -371,7 +381,7 @@ async def test_unknown_model_is_a_404(make_engine, http) -> None:
     }
 
 
-async def test_prompt_longer_than_max_model_len_is_a_400(make_engine, http) -> None:
+async def test_prompt_longer_than_max_model_len_is_a_400(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(max_model_len=64)
     status, err = await post(http, eng.url + "/v1/completions", {"prompt": list(range(2, 70))})
     assert status == 400
@@ -379,7 +389,7 @@ async def test_prompt_longer_than_max_model_len_is_a_400(make_engine, http) -> N
     assert "maximum context length is 64 tokens" in err["error"]["message"]
 
 
-async def test_max_tokens_is_clamped_to_the_context(make_engine, http) -> None:
+async def test_max_tokens_is_clamped_to_the_context(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(max_model_len=64)
     status, body = await post(http, eng.url + "/v1/completions", {"prompt": list(range(2, 62)), "max_tokens": 20})
     assert status == 200

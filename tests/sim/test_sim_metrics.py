@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from sim_testutil import post
+import aiohttp
 
 from support.metrics import scrape_metrics
+from support.sim_http import MakeEngine, post
 
 
-async def test_prefix_cache_counters_count_tokens(make_engine, http) -> None:
+async def test_prefix_cache_counters_count_tokens(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(block_size=16)
     prompt = list(range(100, 164))  # 64 tokens
     for _ in range(2):
@@ -28,7 +29,7 @@ async def test_prefix_cache_counters_count_tokens(make_engine, http) -> None:
     assert (await scrape_metrics(http, eng.url)).value("vllm:request_queue_time_seconds_count") == 2
 
 
-async def test_cache_config_info_and_labels(make_engine, http) -> None:
+async def test_cache_config_info_and_labels(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(block_size=32, num_gpu_blocks=100, model="m")
     assert (await scrape_metrics(http, eng.url)).value(
         "vllm:cache_config_info", block_size="32", num_gpu_blocks="100", enable_prefix_caching="True", engine="0"
@@ -36,7 +37,9 @@ async def test_cache_config_info_and_labels(make_engine, http) -> None:
     assert (await scrape_metrics(http, eng.url)).value("vllm:num_requests_running", model_name="m", engine="0") == 0
 
 
-async def test_engines_in_one_process_have_separate_registries(make_engine, http) -> None:
+async def test_engines_in_one_process_have_separate_registries(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     a = await make_engine()
     b = await make_engine()
     await post(http, a.url + "/v1/completions", {"prompt": "the world", "max_tokens": 3})

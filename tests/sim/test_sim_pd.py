@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import uuid
 
-from sim_testutil import post
+import aiohttp
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.sim_http import MakeEngine, post
 
 PROMPT = list(range(200, 300))
 
 
-async def prefill(http, producer, prompt=PROMPT) -> dict:
+async def prefill(http: aiohttp.ClientSession, producer, prompt=PROMPT) -> dict:
     status, body = await post(
         http,
         producer.url + "/v1/completions",
@@ -25,7 +26,7 @@ async def prefill(http, producer, prompt=PROMPT) -> dict:
     return body["kv_transfer_params"]
 
 
-async def decode(http, consumer, kv: dict, max_tokens: int = 10, **extra) -> dict:
+async def decode(http: aiohttp.ClientSession, consumer, kv: dict, max_tokens: int = 10, **extra) -> dict:
     status, body = await post(
         http,
         consumer.url + "/v1/completions",
@@ -36,7 +37,9 @@ async def decode(http, consumer, kv: dict, max_tokens: int = 10, **extra) -> dic
     return body
 
 
-async def test_prefill_leg_returns_vllm_shaped_params_and_holds_a_lease(make_engine, http) -> None:
+async def test_prefill_leg_returns_vllm_shaped_params_and_holds_a_lease(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     producer = await make_engine(role="producer", block_size=16)
     kv = await prefill(http, producer)
     assert kv["do_remote_prefill"] is True
@@ -56,7 +59,9 @@ async def test_prefill_leg_returns_vllm_shaped_params_and_holds_a_lease(make_eng
     assert producer.engine.num_running == 0
 
 
-async def test_decode_leg_pulls_counts_external_hits_and_ends_the_lease(make_engine, http) -> None:
+async def test_decode_leg_pulls_counts_external_hits_and_ends_the_lease(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     producer = await make_engine(role="producer")
     consumer = await make_engine(role="consumer")
     kv = await prefill(http, producer)
@@ -73,7 +78,9 @@ async def test_decode_leg_pulls_counts_external_hits_and_ends_the_lease(make_eng
     assert consumer.engine.stats.step_count == 10
 
 
-async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(make_engine, http) -> None:
+async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     producer = await make_engine(role="producer", kv_lease_duration=0.05)
     consumer = await make_engine(role="consumer")
     kv = await prefill(http, producer)
@@ -105,7 +112,9 @@ async def test_expired_lease_fails_the_decode_leg_as_vllm_does_by_default(make_e
     )
 
 
-async def test_expired_lease_with_the_recompute_policy_computes_the_prompt(make_engine, http) -> None:
+async def test_expired_lease_with_the_recompute_policy_computes_the_prompt(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     producer = await make_engine(role="producer", kv_lease_duration=0.05)
     consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
     kv = await prefill(http, producer)
@@ -116,7 +125,9 @@ async def test_expired_lease_with_the_recompute_policy_computes_the_prompt(make_
     assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
 
 
-async def test_pull_from_a_producer_that_is_gone_falls_back(make_engine, http) -> None:
+async def test_pull_from_a_producer_that_is_gone_falls_back(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     producer = await make_engine(role="producer")
     consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
     kv = await prefill(http, producer)
@@ -125,7 +136,7 @@ async def test_pull_from_a_producer_that_is_gone_falls_back(make_engine, http) -
     assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 1
 
 
-async def test_pull_of_an_unknown_request_falls_back(make_engine, http) -> None:
+async def test_pull_of_an_unknown_request_falls_back(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     producer = await make_engine(role="producer")
     consumer = await make_engine(role="consumer", kv_load_failure_policy="recompute")
     kv = await prefill(http, producer)
@@ -138,7 +149,7 @@ async def test_pull_of_an_unknown_request_falls_back(make_engine, http) -> None:
     assert (await scrape_metrics(http, consumer.url)).value("vllm:nixl_num_failed_transfers_total") == 2
 
 
-async def test_side_channel_errors(make_engine, http) -> None:
+async def test_side_channel_errors(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     producer = await make_engine(role="producer")
     async with http.post(producer.url + "/_sim/kv/pull", data=b"nope") as r:
         assert r.status == 400
@@ -149,7 +160,9 @@ async def test_side_channel_errors(make_engine, http) -> None:
         assert (await r.json())["error"]["code"] == 404
 
 
-async def test_consumer_only_engine_serves_ordinary_requests(make_engine, http) -> None:
+async def test_consumer_only_engine_serves_ordinary_requests(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     consumer = await make_engine(role="consumer")
     status, body = await post(http, consumer.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     assert status == 200
@@ -165,7 +178,9 @@ async def test_consumer_only_engine_serves_ordinary_requests(make_engine, http) 
     assert not consumer.engine.leases
 
 
-async def test_both_role_does_prefill_and_decode_and_streams_the_decode(make_engine, http) -> None:
+async def test_both_role_does_prefill_and_decode_and_streams_the_decode(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     a = await make_engine(role="both")
     b = await make_engine(role="both")
     kv = await prefill(http, a)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 
-from sim_testutil import post
+import aiohttp
 
 from engine_launcher.sim import tokenizer as tok
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.sim_http import MakeEngine, post
 
 
-async def test_tiny_cache_forces_preemption_and_everything_still_completes(make_engine, http) -> None:
+async def test_tiny_cache_forces_preemption_and_everything_still_completes(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(block_size=4, num_gpu_blocks=1 + 16, max_model_len=64, speed=100.0)
     results = await asyncio.gather(
         *(
@@ -34,7 +37,9 @@ async def test_tiny_cache_forces_preemption_and_everything_still_completes(make_
     assert eng.engine.kv.usage == 0.0
 
 
-async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(make_engine, http) -> None:
+async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     # Real-time steps (6 ms): the third request arrives a few steps after the first two,
     # long before they fill the cache, however slow the test client is.
     eng = await make_engine(block_size=4, num_gpu_blocks=1 + 12, max_model_len=64, speed=1.0)
@@ -71,7 +76,9 @@ async def test_preempted_request_rejected_on_readmission_keeps_its_tokens(make_e
     assert (await scrape_metrics(http, eng.url)).value("cachehit_threshold_rejections_total", stage="readmission") == 1
 
 
-async def test_preempted_stream_ends_with_cache_threshold_after_its_tokens(make_engine, http) -> None:
+async def test_preempted_stream_ends_with_cache_threshold_after_its_tokens(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     # Real-time steps (6 ms): the third request arrives a few steps after the first two,
     # long before they fill the cache, however slow the test client is.
     eng = await make_engine(block_size=4, num_gpu_blocks=1 + 12, max_model_len=64, speed=1.0)

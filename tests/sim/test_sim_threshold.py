@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
-from sim_testutil import post
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
+from support.sim_http import MakeEngine, post
 from support.sse import parse_sse
 
 PROMPT = list(range(400, 464))  # 64 token ids = 4 blocks of 16
 
 
-async def warm(http, url: str, prompt: list[int]) -> None:
+async def warm(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> None:
     status, _ = await post(http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
     assert status == 200
 
 
-async def test_cold_request_below_threshold_is_rejected_without_tokens(make_engine, http) -> None:
+async def test_cold_request_below_threshold_is_rejected_without_tokens(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine()
     status, body = await post(
         http,
@@ -38,12 +41,14 @@ async def test_cold_request_below_threshold_is_rejected_without_tokens(make_engi
     assert eng.engine.kv.usage == 0.0
 
 
-async def test_warm_request_is_accepted_and_hit_rate_counts_whole_blocks(make_engine, http) -> None:
+async def test_warm_request_is_accepted_and_hit_rate_counts_whole_blocks(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine()
     url = eng.url
     await warm(http, url, PROMPT)
     # (64 - 1) // 16 = 3 blocks = 48 of 64 tokens: 0.75.
-    status, body = await post(
+    _, body = await post(
         http, url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "cache_hit_threshold": 0.75}
     )
     assert body["choices"][0]["finish_reason"] == "length"
@@ -55,7 +60,9 @@ async def test_warm_request_is_accepted_and_hit_rate_counts_whole_blocks(make_en
 
 
 @pytest.mark.parametrize("arrival_check", [True, False])
-async def test_a_rejection_reports_the_partial_hit_as_cached_tokens(make_engine, http, arrival_check) -> None:
+async def test_a_rejection_reports_the_partial_hit_as_cached_tokens(
+    make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check
+) -> None:
     # What a router needs to send the fallback to the engine holding the most of the prompt.
     eng = await make_engine(arrival_check=arrival_check)
     await warm(http, eng.url, PROMPT)  # its 4 blocks are cached
@@ -80,7 +87,7 @@ async def test_a_rejection_reports_the_partial_hit_as_cached_tokens(make_engine,
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
 
 
-async def test_top_level_wins_over_vllm_xargs(make_engine, http) -> None:
+async def test_top_level_wins_over_vllm_xargs(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/completions"
     _, body = await post(
@@ -93,7 +100,9 @@ async def test_top_level_wins_over_vllm_xargs(make_engine, http) -> None:
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
 
 
-async def test_global_threshold_applies_when_the_request_has_none(make_engine, http) -> None:
+async def test_global_threshold_applies_when_the_request_has_none(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine(global_cache_hit_threshold=0.5)
     url = eng.url + "/v1/completions"
     _, body = await post(http, url, {"prompt": PROMPT, "max_tokens": 2})
@@ -102,7 +111,7 @@ async def test_global_threshold_applies_when_the_request_has_none(make_engine, h
     assert body["choices"][0]["finish_reason"] == "length"
 
 
-async def test_prefill_legs_are_never_rejected(make_engine, http) -> None:
+async def test_prefill_legs_are_never_rejected(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine(role="producer", global_cache_hit_threshold=1.0)
     _, body = await post(
         http,
@@ -118,7 +127,7 @@ async def test_prefill_legs_are_never_rejected(make_engine, http) -> None:
     assert body["kv_transfer_params"]["do_remote_prefill"] is True
 
 
-async def test_completion_stream_rejection_framing(make_engine, http) -> None:
+async def test_completion_stream_rejection_framing(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     _, events = await post(
         http,
@@ -143,7 +152,7 @@ async def test_completion_stream_rejection_framing(make_engine, http) -> None:
     assert usage["usage"]["completion_tokens"] == 0
 
 
-async def test_chat_stream_rejection_framing(make_engine, http) -> None:
+async def test_chat_stream_rejection_framing(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     _, events = await post(
         http,
@@ -164,7 +173,7 @@ async def test_chat_stream_rejection_framing(make_engine, http) -> None:
     assert done == "[DONE]"
 
 
-async def _run_with_full_running_set(make_engine, http, arrival_check: bool):
+async def _run_with_full_running_set(make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check: bool):
     """One long generation fills the running set (max_num_seqs=1); then a cold request
     with a threshold arrives. Returns (rejection body, long request's tokens at that time,
     the long request's max_tokens, engine)."""
@@ -189,7 +198,9 @@ async def _run_with_full_running_set(make_engine, http, arrival_check: bool):
     return body, generated_then, long_tokens, eng
 
 
-async def test_arrival_check_rejects_at_once_under_a_full_running_set(make_engine, http) -> None:
+async def test_arrival_check_rejects_at_once_under_a_full_running_set(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     body, generated_then, long_tokens, eng = await _run_with_full_running_set(make_engine, http, True)
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
     # Rejected while the running request was still generating: it did not queue.
@@ -199,7 +210,9 @@ async def test_arrival_check_rejects_at_once_under_a_full_running_set(make_engin
     assert (await scrape_metrics(http, eng.url)).value("cachehit_threshold_rejections_total", stage="arrival") == 1
 
 
-async def test_without_arrival_check_the_rejection_waits_in_the_queue(make_engine, http) -> None:
+async def test_without_arrival_check_the_rejection_waits_in_the_queue(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     body, generated_then, long_tokens, eng = await _run_with_full_running_set(make_engine, http, False)
     assert body["choices"][0]["finish_reason"] == "cache_threshold"
     # The scheduler only looked at it once the running request had finished.
@@ -208,7 +221,9 @@ async def test_without_arrival_check_the_rejection_waits_in_the_queue(make_engin
     assert eng.engine.stats.admission_rejections == 1
 
 
-async def test_admission_is_the_final_word_after_the_arrival_check(make_engine, http) -> None:
+async def test_admission_is_the_final_word_after_the_arrival_check(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     """Warm at arrival, evicted while queued: admission rejects it."""
     # Real-time steps: the warm prompt is still cached when it arrives (the long request
     # evicts the second of its blocks only after ~80 tokens, ~0.5 s).
@@ -228,7 +243,9 @@ async def test_admission_is_the_final_word_after_the_arrival_check(make_engine, 
     assert (await scrape_metrics(http, eng.url)).value("cachehit_threshold_rejections_total", stage="admission") == 1
 
 
-async def test_invalid_thresholds_are_worded_as_the_plugin_does(make_engine, http) -> None:
+async def test_invalid_thresholds_are_worded_as_the_plugin_does(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/completions"
     _, err = await post(http, url, {"prompt": "x", "cache_hit_threshold": 1.5})

@@ -11,9 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
+from support.sim_http import MakeEngine
 from support.sse import parse_sse
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_wire"
@@ -70,7 +72,7 @@ def real_answer(fx: dict[str, Any]) -> Any:
 
 
 @pytest.fixture
-async def tiny(make_engine):
+async def tiny(make_engine: MakeEngine):
     # As the captured engine: served name "tiny", 2048 tokens of context, block size 32,
     # and no --enable-prompt-tokens-details (so usage.prompt_tokens_details is null).
     return await make_engine(
@@ -78,7 +80,7 @@ async def tiny(make_engine):
     )
 
 
-async def replay(http, eng, request: dict[str, Any]) -> tuple[int, Any]:
+async def replay(http: aiohttp.ClientSession, eng, request: dict[str, Any]) -> tuple[int, Any]:
     url = eng.url + request["path"]
     if request["method"] == "GET":
         async with http.get(url) as r:
@@ -98,7 +100,7 @@ def test_the_captures_are_there() -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if n not in SPECIAL])
-async def test_replayed_capture_has_the_same_wire_shape(name: str, tiny, http) -> None:
+async def test_replayed_capture_has_the_same_wire_shape(name: str, tiny, http: aiohttp.ClientSession) -> None:
     fx = load(name)
     status, answer = await replay(http, tiny, fx["request"])
     assert status == fx["status"], answer
@@ -113,7 +115,7 @@ async def test_replayed_capture_has_the_same_wire_shape(name: str, tiny, http) -
         assert shape(answer) == shape(real)
 
 
-async def test_decode_leg_stream_matches_the_capture(make_engine, http) -> None:
+async def test_decode_leg_stream_matches_the_capture(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     fx = load("disagg_decode_leg_stream.json")
     producer = await make_engine(
         model="tiny", max_model_len=2048, block_size=32, role="producer", enable_prompt_tokens_details=False
@@ -178,7 +180,7 @@ def _families(text: str) -> dict[str, tuple[str, frozenset[str]]]:
     return {k: (t, frozenset(ls)) for k, (t, ls) in out.items()}
 
 
-async def test_metrics_use_vllm_names_types_and_labels(tiny, http) -> None:
+async def test_metrics_use_vllm_names_types_and_labels(tiny, http: aiohttp.ClientSession) -> None:
     real = load("metrics.json")["families"]
     async with http.get(tiny.url + "/metrics") as r:
         sim = _families(await r.text())

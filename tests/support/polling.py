@@ -1,6 +1,6 @@
 """Waiting for a condition instead of sleeping for a guessed time.
 
-The timeout is a liveness bound for a loaded machine, never a speed check.
+The bound (`within`, seconds) is a liveness bound for a loaded machine, never a speed check.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ def _describe(what: str | None, condition: Callable) -> str:
 
 
 async def eventually(
-    condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None, interval: float = 0.02
+    condition: Callable[[], Any], within: float = 10.0, what: str | None = None, interval: float = 0.02
 ) -> Any:
     """Call `condition` (sync, or async returning an awaitable) until it returns something
     truthy, and return that. An AssertionError it raises counts as "not yet". After
-    `timeout` seconds fails with `what`, the last value or assertion message."""
+    `within` seconds fails with `what`, the last value or assertion message."""
     loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
+    end = loop.time() + within
     while True:
         last_error = None
         try:
@@ -36,15 +36,15 @@ async def eventually(
             return last
         if loop.time() >= end:
             detail = f"last assertion: {last_error}" if last_error is not None else f"last value: {last!r}"
-            raise AssertionError(f"{_describe(what, condition)}: not reached within {timeout} s ({detail})")
+            raise AssertionError(f"{_describe(what, condition)}: not reached within {within} s ({detail})")
         await asyncio.sleep(interval)
 
 
 def eventually_blocking(
-    condition: Callable[[], Any], timeout: float = 10.0, what: str | None = None, interval: float = 0.05
+    condition: Callable[[], Any], within: float = 10.0, what: str | None = None, interval: float = 0.05
 ) -> Any:
     """`eventually` for tests without an event loop (it blocks the calling thread)."""
-    end = time.monotonic() + timeout
+    end = time.monotonic() + within
     while True:
         last_error = None
         try:
@@ -55,5 +55,5 @@ def eventually_blocking(
             return last
         if time.monotonic() >= end:
             detail = f"last assertion: {last_error}" if last_error is not None else f"last value: {last!r}"
-            raise AssertionError(f"{_describe(what, condition)}: not reached within {timeout} s ({detail})")
+            raise AssertionError(f"{_describe(what, condition)}: not reached within {within} s ({detail})")
         time.sleep(interval)

@@ -29,7 +29,8 @@ def parse_sse(raw: bytes | str) -> list[Any]:
         block = block.strip(b"\n")
         if not block or block.startswith(b":"):
             continue
-        assert block.startswith(b"data: ") and b"\n" not in block, f"unexpected SSE block {block[:300]!r}"
+        assert block.startswith(b"data: "), f"unexpected SSE block {block[:300]!r}"
+        assert b"\n" not in block, f"unexpected SSE block {block[:300]!r}"
         events.append(decode_payload(block[len(b"data: ") :]))
     return events
 

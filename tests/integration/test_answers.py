@@ -1,0 +1,93 @@
+"""Non-streaming answers assembled from streams equal the engine's own non-streaming JSON."""
+
+import orjson
+import pytest
+
+from support.cluster import MODEL, MakeCluster, long_prompt
+
+VOLATILE = ("id", "created")
+
+
+def _strip(obj: dict) -> dict:
+    return {k: v for k, v in obj.items() if k not in VOLATILE}
+
+
+async def _direct(c, path: str, body: dict) -> dict:
+    eng = c.engines["d0"]
+    async with c.session.post(eng.url + "/reset_prefix_cache") as r:
+        assert r.status == 200
+    async with c.session.post(
+        eng.url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    ) as r:
+        assert r.status == 200
+        out = orjson.loads(await r.read())
+    async with c.session.post(eng.url + "/reset_prefix_cache") as r:
+        assert r.status == 200
+    return out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"return_token_ids": True},
+        {"logprobs": 2},
+        {"stop": [" the"], "max_tokens": 40},
+    ],
+)
+async def test_completion_matches_engine_field_by_field(make_cluster: MakeCluster, extra) -> None:
+    c = await make_cluster(decoders=1)
+    body = {"model": MODEL, "prompt": long_prompt("parity", 50), "max_tokens": 10, **extra}
+    engine_answer = await _direct(c, "/v1/completions", body)
+    status, routed = await c.complete(body)
+    assert status == 200, routed
+    assert _strip(routed) == _strip(engine_answer)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"return_token_ids": True},
+        {"logprobs": True, "top_logprobs": 2},
+        {"max_completion_tokens": 7},
+    ],
+)
+async def test_chat_matches_engine_field_by_field(make_cluster: MakeCluster, extra) -> None:
+    c = await make_cluster(decoders=1)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": long_prompt("chat", 40)}],
+        "max_tokens": 9,
+        **extra,
+    }
+    engine_answer = await _direct(c, "/v1/chat/completions", body)
+    status, routed = await c.complete(body, "/v1/chat/completions")
+    assert status == 200, routed
+    assert _strip(routed) == _strip(engine_answer)
+
+
+@pytest.mark.parametrize(
+    ("path", "prompt"),
+    [
+        ("/v1/completions", {"prompt": long_prompt("sparity", 50)}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("cparity", 50)}]}),
+    ],
+)
+async def test_streaming_matches_engine_stream_modulo_ids(make_cluster: MakeCluster, path, prompt) -> None:
+    c = await make_cluster(decoders=1)
+    body = {"model": MODEL, **prompt, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
+    eng = c.engines["d0"]
+    async with c.session.post(eng.url + path, json=body) as r:
+        raw = await r.read()
+    direct = [l[6:] for l in raw.split(b"\n") if l.startswith(b"data: ")]
+    await c.session.post(eng.url + "/reset_prefix_cache")
+    status, events = await c.stream(body, path)
+    assert status == 200
+    direct_events = ["[DONE]" if p == b"[DONE]" else orjson.loads(p) for p in direct]
+    assert len(events) == len(direct_events)
+    for got, want in zip(events, direct_events, strict=False):
+        if want == "[DONE]":
+            assert got == "[DONE]"
+        else:
+            assert _strip(got) == _strip(want)

@@ -1,0 +1,136 @@
+"""Engines that break the protocol mid-answer: the router resumes or ends cleanly, never 500.
+
+The misbehaving engine here is a few lines of aiohttp speaking vLLM's stream shapes (with
+the simulator's tokenizer, so token ids agree with the real simulated engine beside it);
+neither vLLM nor the simulator produces these faults on purpose.
+"""
+
+import asyncio
+
+import orjson
+import pytest
+from aiohttp import web
+
+from engine_launcher.sim import tokenizer as tok
+from router.config.parse import parse_config
+from router.server.app import build_app
+from support.cluster import MODEL, MakeCluster, long_prompt
+
+
+def _chunk(text_ids: list[int], prompt_ids=None, finish=None) -> bytes:
+    choice = {
+        "index": 0,
+        "text": "".join(tok.token_text(i) for i in text_ids),
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+        "token_ids": text_ids,
+    }
+    if prompt_ids is not None:
+        choice["prompt_token_ids"] = prompt_ids
+    return (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "cmpl-bad",
+                "object": "text_completion",
+                "created": 1,
+                "model": MODEL,
+                "choices": [choice],
+                "usage": None,
+            }
+        )
+        + b"\n\n"
+    )
+
+
+async def _bad_engine(mode: str):
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt_ids = tok.encode(body["prompt"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        words = [tok.encode(" the")[0], tok.encode(" of")[0], tok.encode(" and")[0]]
+        await resp.write(_chunk(words[:1], prompt_ids))
+        await resp.write(_chunk(words[1:2]))
+        if mode == "malformed":
+            await resp.write(b'data: {"choices": "not a list", "id": 3}\n\n')
+            await asyncio.sleep(5)  # the router must not wait for more
+        else:  # finished, then the connection dies before usage and [DONE]
+            await resp.write(_chunk(words[2:3], finish="length"))
+        request.transport.close()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", lambda r: web.Response())
+    app.router.add_get("/metrics", lambda r: web.Response(text=""))
+    app.router.add_get("/v1/models", lambda r: web.json_response({"object": "list", "data": [{"id": MODEL}]}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+async def _router(backends: list[dict], routing: dict | None = None):
+    cfg = parse_config(
+        {"server": {"port": 0}, "backends": backends, "routing": routing or {}, "health": {"scrape_interval_s": 30}}
+    )
+    runner = web.AppRunner(build_app(cfg, start_engines=False), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_cluster: MakeCluster, stream) -> None:
+    healthy = await make_cluster(decoders=1)  # d0: a real simulated engine
+    bad_runner, bad_url = await _bad_engine("malformed")
+    # Probe race on every request: the bad engine accepts at once (it streams text), d0
+    # rejects the cold prompt.
+    router, url = await _router(
+        [{"name": "bad", "url": bad_url}, {"name": "d0", "url": healthy.engines["d0"].url}], {"race": "always"}
+    )
+    try:
+        body = {"model": MODEL, "prompt": long_prompt("mal", 40), "max_tokens": 12, "stream": stream}
+        async with healthy.session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            raw = await r.read()
+        if stream:
+            events = [l[6:] for l in raw.split(b"\n") if l.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]"
+            chunks = [orjson.loads(e) for e in events[:-1]]
+            assert not any("error" in c for c in chunks)
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        else:
+            out = orjson.loads(raw)
+            text = out["choices"][0]["text"]
+            assert out["usage"]["completion_tokens"] == 12, out
+        # Two tokens came from the bad engine, ten from the resume on d0.
+        assert text.startswith(" the of")
+        assert len(text.split()) == 12
+    finally:
+        await router.cleanup()
+        await bad_runner.cleanup()
+
+
+async def test_answer_finished_before_the_connection_broke_is_not_resumed(make_cluster: MakeCluster) -> None:
+    healthy = await make_cluster(decoders=1)
+    bad_runner, bad_url = await _bad_engine("finish-then-break")
+    router, url = await _router([{"name": "bad", "url": bad_url}], {"strategy": "round_robin"})
+    try:
+        body = {"model": MODEL, "prompt": long_prompt("fin", 40), "max_tokens": 3, "stream": True}
+        async with healthy.session.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            raw = await r.read()
+        events = [l[6:] for l in raw.split(b"\n") if l.startswith(b"data: ")]
+        assert events[-1] == b"[DONE]"
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks)
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " the of and"
+    finally:
+        await router.cleanup()
+        await bad_runner.cleanup()

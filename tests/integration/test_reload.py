@@ -1,0 +1,150 @@
+"""Reloading the configuration while serving (what SIGHUP runs): backends and routing keys
+change without dropping a request; keys bound at start are named in a warning; a file that
+does not validate changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+
+from engine_launcher.sim import SimEngineConfig, start_sim_engine
+from router.config.parse import parse_config
+from router.routing import policies
+from router.server.reload import changed_keys, reload, split_changes
+from router.server.settings import parse_checked
+from support.cluster import MODEL, MakeCluster, long_prompt
+from support.polling import eventually
+
+
+def raw_of(c, backends: list[dict], **tables) -> dict:
+    """The running cluster's configuration as a file would say it, with other backends."""
+    cfg = c.state.config
+    return {
+        "server": {"port": 0, "admin_api_key": cfg.server.admin_api_key, **tables.pop("server", {})},
+        "routing": {"min_pd_prompt_tokens": 64, **tables.pop("routing", {})},
+        "timeouts": dataclasses.asdict(cfg.timeouts),
+        "health": dataclasses.asdict(cfg.health),
+        "backends": backends,
+        **tables,
+    }
+
+
+def configured(c) -> list[dict]:
+    return [{"name": n, "url": e.url, "role": "decode"} for n, e in c.engines.items()]
+
+
+def test_live_and_fixed_keys_are_told_apart() -> None:
+    base = {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
+    old = parse_config(base)
+    new = parse_config(
+        {
+            **base,
+            "server": {"port": 9, "api_keys": ["k"]},
+            "routing": {"cache_hit_threshold": 0.7},
+            "timeouts": {"idle_s": 3},
+        }
+    )
+    assert changed_keys(old, new) == [
+        "server.port",
+        "server.api_keys",
+        "routing.cache_hit_threshold",
+        "timeouts.idle_s",
+    ]
+    assert split_changes(old, new) == (
+        ["server.api_keys", "routing.cache_hit_threshold"],
+        ["server.port", "timeouts.idle_s"],
+    )
+
+
+async def test_reload_swaps_backends_without_dropping_a_stream(
+    make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = await make_cluster(decoders=2, sim={"speed": 2.0})
+    extra = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
+    try:
+        # d1 keeps streaming while a reload removes it from the file.
+        state = c.state
+        state.registry.set_draining("d0", True)
+        stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("hup", 40), "max_tokens": 40}))
+        await eventually(lambda: c.engines["d1"].engine.num_running > 0, what="the stream on d1")
+        state.registry.set_draining("d0", False)
+
+        backends = [b for b in configured(c) if b["name"] == "d0"] + [
+            {"name": "e0", "url": extra.url, "role": "decode", "models": [MODEL], "prefill_tokens_per_s": 3000.0}
+        ]
+        raw = raw_of(
+            c,
+            backends,
+            routing={"cache_hit_threshold": 0.8, "prior_prefill_tokens_per_s": 5000.0},
+            server={"port": 1234},
+        )
+        with caplog.at_level(logging.WARNING, logger="cachehit_router.reload"):
+            fixed = await reload(state, lambda: parse_checked(raw))
+        assert fixed == ["server.port"]
+        assert "restart it to apply them: server.port" in caplog.text
+        assert state.config.server.port == 0  # not applied
+        assert policies.settings(state.config.routing).cache_hit_threshold == 0.8
+        assert state.dispatcher.strategy.config.cache_hit_threshold == 0.8
+        assert state.registry.states["e0"].healthy  # checked when added
+        # The cost model starts from the new priors: the fleet's, and the added engine's own.
+        assert state.registry.learner.prior.per_token_s == 1.0 / 5000.0
+        assert state.registry.learner.speed("e0").per_token_s == 1.0 / 3000.0
+        assert state.registry.states["d1"].draining
+        assert state.fleet.removing("d1")
+
+        status, events = await stream
+        assert status == 200
+        assert events[-1] == "[DONE]"
+        assert not any("error" in e for e in events[:-1])
+        assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 40
+        await eventually(lambda: "d1" not in state.registry.states, what="d1's removal")
+        assert set(state.registry.states) == {"d0", "e0"}
+        for i in range(4):
+            status, out = await c.complete({"model": MODEL, "prompt": f"after the reload {i}", "max_tokens": 2})
+            assert status == 200, out
+    finally:
+        await extra.close()
+
+
+async def test_reload_changes_strategy_and_keeps_the_prefix_memory(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(decoders=2, routing={"strategy": "prefix_tree"})
+    state = c.state
+    before = state.dispatcher.strategy
+    assert (await c.complete({"model": MODEL, "prompt": long_prompt("mem", 100), "max_tokens": 2}))[0] == 200
+    # Same strategy, another key: the memory of where prompts went carries over.
+    await reload(
+        state, lambda: parse_config(raw_of(c, configured(c), routing={"strategy": "prefix_tree", "max_retries": 1}))
+    )
+    assert state.dispatcher.strategy is not before
+    assert state.dispatcher.strategy.memory is before.memory
+    # Another strategy: requests from now on are planned by it.
+    await reload(state, lambda: parse_config(raw_of(c, configured(c), routing={"strategy": "probe"})))
+    assert state.dispatcher.strategy.name == "probe"
+    hits = c.routes()["probe_hit"]
+    assert (await c.complete({"model": MODEL, "prompt": long_prompt("mem", 100), "max_tokens": 2}))[0] == 200
+    assert c.routes()["probe_hit"] == hits + 1  # a probe race found the engine holding it
+
+
+async def test_reload_rotates_client_keys(make_cluster: MakeCluster) -> None:
+    c = await make_cluster(decoders=1, server={"api_keys": ["sk-old"]})
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    ok = await c.post("/v1/completions", body, headers={"Authorization": "Bearer sk-old"})
+    assert ok.status == 200
+    await reload(c.state, lambda: parse_config(raw_of(c, configured(c), server={"api_keys": ["sk-new"]})))
+    old = await c.post("/v1/completions", body, headers={"Authorization": "Bearer sk-old"})
+    new = await c.post("/v1/completions", body, headers={"Authorization": "Bearer sk-new"})
+    assert (old.status, new.status) == (401, 200)
+
+
+async def test_a_bad_file_changes_nothing(make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture) -> None:
+    c = await make_cluster(decoders=2)
+    raw = raw_of(c, configured(c)[:1], routing={"cache_hit_threshold": 7})
+    before = c.state.config
+    with caplog.at_level(logging.ERROR, logger="cachehit_router.reload"):
+        assert await reload(c.state, lambda: parse_checked(raw)) == []
+    assert "routing.cache_hit_threshold: expected a number in [0, 1]" in caplog.text
+    assert c.state.config is before
+    assert set(c.state.registry.states) == {"d0", "d1"}

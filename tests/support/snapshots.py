@@ -1,0 +1,66 @@
+"""Plain routing inputs for the pure planners: backend views and cluster snapshots at one
+known engine speed, so each expected choice can be worked out by hand from the cost model
+(router/routing/costmodel.py)."""
+
+from __future__ import annotations
+
+from router.config.schema import RoutingConfig
+from router.routing.costmodel import EngineSpeed, TransferSpeed
+from router.routing.planning import RouteQuery
+from router.routing.snapshot import BackendView, ClusterSnapshot
+
+# 10 ms per step, 100 us per prompt token (10k tokens/s), 1 ms per decoding sequence.
+SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)
+
+
+def view(
+    name,
+    *,
+    decodes=True,
+    prefills=False,
+    available=True,
+    inflight=0,
+    running=0.0,
+    waiting=0.0,
+    kv=0.0,
+    models=("m",),
+    queued=0.0,
+    decoding=0.0,
+    speed=SPEED,
+):
+    return BackendView(
+        name=name,
+        url=f"http://{name}",
+        decodes=decodes,
+        prefills=prefills,
+        models=models,
+        available=available,
+        inflight=inflight,
+        running=running,
+        waiting=waiting,
+        kv_usage=kv,
+        queued_tokens=queued,
+        decoding=decoding,
+        speed=speed,
+    )
+
+
+TRANSFER = TransferSpeed(0.005, 1e-5)
+
+
+def snap(*views, transfer=TRANSFER, race_wait_s=0.002, race_saving_share=0.5):
+    # Races measured alike for prompts the memory places and prompts it does not.
+    return ClusterSnapshot(
+        tuple(views),
+        transfer=transfer,
+        chars_per_token=4.0,
+        race_wait_s=race_wait_s,
+        race_saving_share=race_saving_share,
+        race_saving_share_unplaced=race_saving_share,
+    )
+
+
+Q = RouteQuery(model="m", text="hello world " * 100, prompt_tokens=1000)
+
+
+R = RoutingConfig()

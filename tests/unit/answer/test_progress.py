@@ -1,0 +1,108 @@
+"""The answer so far across legs (router/answer/progress.py): token ids, text, how the
+current leg ended, and whether the answer can be resumed."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
+from router.answer.progress import Answer
+from router.answer.shaper import ResponseShaper
+from router.engine.wire import CACHE_THRESHOLD, MalformedChunk
+from support.shaping import PROMPT, make_spec, split_legs, steps_for
+from support.vllm_serving import (
+    Gen,
+    chat_stream,
+)
+
+
+def test_lead_state_after_a_preempted_leg() -> None:
+    spec = make_spec(ENDPOINT_COMPLETIONS)
+    g = Gen(PROMPT, steps_for(3, finish="stop"))
+    legs = split_legs(ENDPOINT_COMPLETIONS, g, [2], [False, False], [None, None])
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    for c in legs[0][1]:
+        sh.shape(c)
+    assert (
+        sh.answer.finish_reason,
+        sh.answer.leg_tokens,
+        list(sh.answer.generated_token_ids),
+        sh.answer.prompt_token_ids,
+    ) == (CACHE_THRESHOLD, 2, [1000, 1001], PROMPT)
+    sh.begin_leg(is_resume=True)
+    assert (sh.answer.finish_reason, sh.answer.leg_tokens) == (None, 0)
+    for c in legs[1][1]:
+        sh.shape(c)
+    assert (sh.answer.finish_reason, sh.answer.leg_tokens, len(sh.answer.generated_token_ids)) == ("stop", 1, 3)
+    assert sh.answer.prompt_token_ids == PROMPT  # not the resume leg's prompt
+
+
+def test_hidden_token_ids_make_the_answer_unresumable() -> None:
+    spec = make_spec(ENDPOINT_CHAT)
+    sh = ResponseShaper(spec)
+    sh.begin_leg(is_resume=False)
+    sh.shape(chat_stream(Gen(PROMPT, []))[0])
+    assert sh.answer.token_ids_complete
+    # vLLM with a reasoning parser and include_reasoning false: token_ids null in the chunks.
+    sh.shape(
+        {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "tiny",
+            "choices": [
+                {"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None, "token_ids": None}
+            ],
+        }
+    )
+    assert not sh.answer.token_ids_complete
+    sh2 = ResponseShaper(spec)
+    sh2.begin_leg(is_resume=False)
+    for c in chat_stream(Gen(PROMPT, steps_for(2))):
+        sh2.shape(c)
+    assert sh2.answer.token_ids_complete
+    assert sh2.answer.leg_tokens == 2
+
+
+def test_tokens_and_text_accumulate_across_legs_and_leg_state_resets() -> None:
+    a = Answer([1, 2])
+    a.begin_leg()
+    a.add_token_ids([7, 8])
+    a.add_text("ab")
+    a.note_finish("cache_threshold", None)
+    assert (a.leg_tokens, a.finish_reason, a.first_token_seen, a.legs) == (2, "cache_threshold", True, 1)
+    a.begin_leg()
+    assert (a.leg_tokens, a.finish_reason, a.stop_reason, a.legs) == (0, None, None, 2)
+    a.add_token_ids([9])
+    a.add_text("c")
+    assert list(a.generated_token_ids) == [7, 8, 9]
+    assert a.generated_text == "abc"
+    assert a.prompt_token_ids == [1, 2]
+    assert a.token_ids_complete
+
+
+def test_text_kept_in_blocks_reads_whole() -> None:
+    a = Answer(None)
+    for i in range(1000):
+        a.add_text(str(i % 10))
+    assert a.generated_text == "".join(str(i % 10) for i in range(1000))
+
+
+def test_engine_count_beyond_the_ids_marks_them_incomplete() -> None:
+    a = Answer(None)
+    a.begin_leg()
+    a.add_token_ids([1, 2])
+    a.note_engine_count(2)
+    assert a.token_ids_complete
+    assert a.leg_tokens == 2
+    a.note_engine_count(None)
+    assert a.token_ids_complete
+    a.note_engine_count(5)
+    assert not a.token_ids_complete
+    assert a.leg_tokens == 5
+
+
+def test_a_token_id_beyond_64_bits_is_a_protocol_error() -> None:
+    with pytest.raises(MalformedChunk):
+        Answer(None).add_token_ids([2**64])

@@ -1,0 +1,24 @@
+"""The engine metrics the router scrapes (router/engine/scrape.py)."""
+
+from __future__ import annotations
+
+from router.engine.scrape import parse_load_metrics
+
+
+def test_parse_load_metrics_sums_label_sets() -> None:
+    text = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 99.0
+"""
+    assert parse_load_metrics(text) == {
+        "vllm:num_requests_running": 5.0,
+        "vllm:num_requests_waiting": 7.0,
+        "vllm:kv_cache_usage_perc": 0.25,
+    }

@@ -1,0 +1,198 @@
+"""Backend registry (router/fleet/registry.py): circuit breaker, health, in-flight counts,
+scraped load, leg tickets' token-level load, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config.schema import BackendConfig, HealthConfig
+from router.fleet.registry import BackendRegistry
+from router.names import BreakerState
+
+
+def _registry(clock):
+    return BackendRegistry([BackendConfig("d0", "http://d0")], HealthConfig(), clock=clock)
+
+
+def test_leg_tickets_queue_tokens_until_the_first_token_then_count_a_decoding_sequence() -> None:
+    now = [100.0]
+    r = _registry(lambda: now[0])
+    r.record_scrape("d0", {}, None)
+    a = r.open_leg("d0", 1000)
+    b = r.open_leg("d0", 300)
+    view = r.snapshot().get("d0")
+    assert (view.queued_tokens, view.decoding, view.inflight) == (1300, 0, 2)
+    assert (b.queued_ahead, b.decoding) == (1000, 0)  # what was ahead of b when it was sent
+    now[0] = 100.25
+    r.first_token(a)
+    r.first_token(a)  # repeated: no double count
+    view = r.snapshot().get("d0")
+    assert (view.queued_tokens, view.decoding) == (300, 1)
+    r.close_leg(a)
+    r.close_leg(a)
+    r.close_leg(b)  # closed before its first token (cancelled): its tokens leave the queue
+    r.first_token(b)  # too late: ignored
+    view = r.snapshot().get("d0")
+    assert (view.queued_tokens, view.decoding, view.inflight) == (0, 0, 0)
+    # a's sample: 0 ahead + 800 lacking (200 cached), 0.25 s.
+    assert r.learn_first_token(a, 800) == 0.25
+    assert r.learner.speed("d0").samples == 1
+    assert r.learn_first_token(b, 300) is None  # no first token: no sample
+
+
+def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic() -> None:
+    r = _registry(lambda: 0.0)
+    r.learner.mean_prompt_tokens = 2000
+    r.open_leg("d0", 500)
+    r.record_scrape("d0", {"vllm:num_requests_waiting": 3.0, "vllm:num_requests_running": 5.0}, None)
+    view = r.snapshot().get("d0")
+    # Our one leg explains one waiting request; two more at the mean prompt length; the
+    # five running are other replicas' too (our only leg is the waiting one).
+    assert view.queued_tokens == 500 + 2 * 2000
+    assert view.decoding == 5.0
+
+
+def test_a_scrape_is_a_moment_of_the_past() -> None:
+    """A scrape that caught this router's own burst counts none of it as other replicas'
+    traffic once the burst is gone, and other replicas' waiting prompts drain at the
+    engine's measured speed after the scrape."""
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    r.learner.mean_prompt_tokens = 1000
+    tickets = [r.open_leg("d0", 1000) for _ in range(4)]
+    r.record_scrape("d0", {"vllm:num_requests_waiting": 4.0, "vllm:num_requests_running": 0.0}, None)
+    for t in tickets:
+        r.first_token(t)
+        r.close_leg(t)
+    view = r.snapshot().get("d0")
+    assert (view.queued_tokens, view.decoding) == (0.0, 0.0)
+    # Two prompts of another replica waiting at the scrape: 2,000 tokens, drained at the
+    # prior's 10,000 tokens/s.
+    r.record_scrape("d0", {"vllm:num_requests_waiting": 2.0, "vllm:num_requests_running": 1.0}, None)
+    assert r.snapshot().get("d0").queued_tokens == 2000.0
+    now[0] = 0.1
+    assert r.snapshot().get("d0").queued_tokens == pytest.approx(1000.0)
+    now[0] = 0.5
+    assert r.snapshot().get("d0").queued_tokens == 0.0
+    assert r.snapshot().get("d0").decoding == 1.0
+
+
+def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it() -> None:
+    r = _registry(lambda: 0.0)
+    r.add(BackendConfig("late", "http://late", prefill_tokens_per_s=2000.0))
+    assert r.learner.speed("late").per_token_s == 1.0 / 2000.0  # not the fleet-wide prior
+    r.set_draining("late", True)
+    r.remove("late")
+    r.add(BackendConfig("late", "http://elsewhere"))  # another machine under the same name
+    assert r.learner.speed("late").per_token_s == r.learner.prior.per_token_s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def registry(clock, threshold=3, cooldown=5.0):
+    cfgs = [BackendConfig("a", "http://a"), BackendConfig("p", "http://p", role="prefill")]
+    r = BackendRegistry(cfgs, HealthConfig(failure_threshold=threshold, cooldown_s=cooldown), clock=clock)
+    for n in ("a", "p"):
+        r.record_scrape(n, {}, None)
+    return r
+
+
+def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open() -> None:
+    clock = Clock()
+    r = registry(clock)
+    assert r.snapshot().get("a").available
+    r.record_failure("a", "x")
+    r.record_failure("a", "x")
+    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert r.snapshot().get("a").available
+    r.record_failure("a", "x")
+    assert r.states["a"].breaker == BreakerState.OPEN
+    assert not r.snapshot().get("a").available
+    assert not r.ready()  # the only decoder is open
+    clock.t += 5.0
+    assert r.snapshot().get("a").available  # cool-down over: one trial allowed
+    r.acquire("a")
+    assert r.states["a"].breaker == BreakerState.HALF_OPEN
+    assert not r.snapshot().get("a").available
+    r.release("a")
+    r.record_failure("a", "still broken")
+    assert r.states["a"].breaker == BreakerState.OPEN
+    clock.t += 5.0
+    r.acquire("a")
+    r.release("a")
+    r.record_success("a")
+    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert r.snapshot().get("a").available
+    assert r.ready()
+
+
+def test_success_resets_the_failure_count() -> None:
+    r = registry(Clock())
+    r.record_failure("a", "x")
+    r.record_failure("a", "x")
+    r.record_success("a")
+    r.record_failure("a", "x")
+    assert r.states["a"].breaker == BreakerState.CLOSED
+
+
+def test_scrape_failure_marks_unhealthy_until_it_answers() -> None:
+    r = registry(Clock(), threshold=100)
+    r.record_scrape_failure("a", "refused")
+    assert not r.snapshot().get("a").available
+    r.record_scrape("a", {"vllm:num_requests_waiting": 3.0}, None)
+    v = r.snapshot().get("a")
+    assert v.available
+    assert v.waiting == 3.0
+
+
+def test_inflight_counts_and_load() -> None:
+    r = registry(Clock())
+    r.acquire("a")
+    r.acquire("a")
+    assert r.snapshot().get("a").inflight == 2
+    assert r.snapshot().get("a").load == 2
+    r.release("a")
+    r.record_scrape("a", {"vllm:num_requests_running": 4.0, "vllm:num_requests_waiting": 1.0}, None)
+    assert r.snapshot().get("a").load == 5.0
+
+
+def test_models_come_from_config_or_discovery() -> None:
+    r = BackendRegistry(
+        [BackendConfig("a", "http://a"), BackendConfig("b", "http://b", models=("m2",))], HealthConfig()
+    )
+    r.record_scrape("a", {}, ("m1",))
+    r.record_scrape("b", {}, ("ignored",))
+    assert r.models() == ["m1", "m2"]
+
+
+def test_ambiguous_check_failures_need_the_threshold_definitive_ones_do_not() -> None:
+    r = registry(Clock(), threshold=3)
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    assert r.states["a"].healthy
+    r.record_scrape("a", {}, None)  # an answer resets the count
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    assert r.states["a"].healthy
+    r.record_scrape_failure("a", "timeout", definitive=False)
+    assert not r.states["a"].healthy
+    r.record_scrape("a", {}, None)
+    r.record_scrape_failure("a", "refused", definitive=True)
+    assert not r.states["a"].healthy
+
+
+def test_panic_routing_when_no_decoder_is_available() -> None:
+    r = registry(Clock(), threshold=1)
+    r.record_scrape_failure("a", "refused")
+    snap = r.snapshot()
+    assert not snap.get("a").available
+    assert [b.name for b in snap.decoders(None)] == ["a"]  # nothing available: try them all
+    assert snap.prefillers(None)[0].name == "p"  # prefill backends never panic: the fallback goes direct
+    r.record_scrape_failure("p", "refused")
+    assert r.snapshot().prefillers(None) == []

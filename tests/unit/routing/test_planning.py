@@ -1,0 +1,49 @@
+"""What every strategy shares (router/routing/planning.py): the query's prompt length, the
+value of a race, ties spread by the salt, no plan without a decoder."""
+
+from __future__ import annotations
+
+from router.routing.planning import fastest, race_value
+from router.routing.policies.least_loaded import LeastLoadedStrategy
+from router.routing.policies.prefix_tree import PrefixTreeStrategy
+from router.routing.policies.probe import ProbeStrategy
+from router.routing.policies.round_robin import RoundRobinStrategy
+from support.snapshots import SPEED, Q, R, snap, view
+
+
+def test_race_value_is_what_the_outcome_saved_over_the_cold_choice() -> None:
+    s = snap(view("d0", queued=500), view("d1", queued=600))
+    plan = ProbeStrategy(R).plan(Q, s)
+    assert plan.cold == "d0"
+    assert plan.probes == ("d0", "d1")
+    share = lambda winner, chosen, reported: race_value(plan, s, 1000, {}, winner, chosen, reported)
+    assert share("d0", None, {}) == 0.0  # the cold choice itself accepted
+    # d1 accepted: as an acceptor (600 + 500 tokens) vs d0 computing it all (500 + 1,000).
+    assert abs(share("d1", None, {}) - (SPEED.ttft(1500, 0) - SPEED.ttft(1100, 0)) / 0.1) < 1e-9
+    # Nobody accepted; the fallback's choice is predicted 0.03 s sooner than the cold choice.
+    assert abs(share(None, SPEED.ttft(1500, 0) - 0.03, {"d0": 0.0}) - 0.3) < 1e-9
+    # The memory thought d0 held the prompt; its rejection says it holds nothing: judged
+    # by the truth, the race saved what going to d0 would have cost.
+    stale = race_value(plan, s, 1000, {"d0": 1000.0}, None, SPEED.ttft(600, 0), {"d0": 0.0})
+    assert abs(stale - (SPEED.ttft(1500, 0) - SPEED.ttft(600, 0)) / 0.1) < 1e-9
+
+
+def test_no_decoder_gives_an_empty_plan() -> None:
+    s = snap(view("p", decodes=False, prefills=True))
+    for strategy in (ProbeStrategy(R), RoundRobinStrategy(R), LeastLoadedStrategy(R), PrefixTreeStrategy(R)):
+        assert strategy.plan(Q, s).empty
+
+
+def test_ties_spread_with_the_salt() -> None:
+    views = [view("a"), view("b"), view("c")]
+    assert {fastest(views, lambda b: 100, salt)[0].name for salt in range(3)} == {"a", "b", "c"}
+
+
+def test_prompt_length_estimate_when_no_engine_reported_it() -> None:
+    from router.routing.planning import RouteQuery
+    from router.routing.snapshot import ClusterSnapshot
+
+    # Exact for token ids; else from the learned characters per token (4 until measured).
+    assert RouteQuery("m", "5,6,7,", prompt_tokens=3).tokens(ClusterSnapshot(())) == 3
+    assert RouteQuery("m", "x" * 4000).tokens(ClusterSnapshot(())) == 1000
+    assert RouteQuery("m", "y" * 400).tokens(ClusterSnapshot((), chars_per_token=5.0)) == 80

@@ -1,0 +1,117 @@
+"""What the router learns online (router/routing/speed_learner.py): engine speeds fitted
+from first tokens, characters per token, and what races are worth."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.config.schema import RoutingConfig
+from router.routing.speed_learner import OnlineLinear, SpeedLearner, SpeedPrior, speed_prior
+
+
+def _engine(rng: random.Random, a: float, b: float, c: float, noise: float):
+    w, d = rng.uniform(0, 8000), rng.uniform(0, 64)
+    return w, d, a + b * w + c * d + rng.gauss(0, noise)
+
+
+def test_online_fit_recovers_an_engine_speed_far_from_its_prior() -> None:
+    rng = random.Random(7)
+    fit = OnlineLinear((0.02, 1e-4, 1e-4), (0.3, 1e-3, 1e-3))
+    # A slow engine: 40 ms per step, 800 us per token (1,250 tokens/s), 2 ms per sequence.
+    for _ in range(300):
+        w, d, y = _engine(rng, 0.04, 8e-4, 2e-3, 0.01)
+        fit.observe((1.0, w, d), y)
+    a, b, c = fit.theta
+    assert abs(b - 8e-4) / 8e-4 < 0.05
+    assert abs(c - 2e-3) < 5e-4
+    assert abs(a - 0.04) < 0.02
+
+
+def test_online_fit_shrugs_off_outliers_and_follows_a_real_change() -> None:
+    rng = random.Random(3)
+    fit = OnlineLinear((0.02, 1e-4, 1e-4), (0.3, 1e-3, 1e-3))
+    for i in range(400):
+        w, d, y = _engine(rng, 0.01, 1e-4, 1e-3, 0.002)
+        if i % 25 == 24:
+            y += 30.0  # a stall: 30 s to the first token
+        fit.observe((1.0, w, d), y)
+    assert abs(fit.theta[1] - 1e-4) / 1e-4 < 0.15
+    # The engine becomes 4x slower (a noisy neighbour): the fit follows within a few hundred samples.
+    for _ in range(400):
+        w, d, y = _engine(rng, 0.01, 4e-4, 1e-3, 0.002)
+        fit.observe((1.0, w, d), y)
+    assert abs(fit.theta[1] - 4e-4) / 4e-4 < 0.1
+
+
+def test_learner_starts_at_the_prior_and_learns_each_engine_apart() -> None:
+    routing = RoutingConfig(prior_prefill_tokens_per_s=5000, prior_kv_transfer_tokens_per_s=50_000)
+    learner = SpeedLearner(speed_prior(routing))
+    assert learner.speed("d0").per_token_s == 1 / 5000
+    assert learner.speed("d0").samples == 0
+    assert learner.transfer().per_token_s == 1 / 50_000
+    rng = random.Random(1)
+    for _ in range(200):
+        w, d, y = _engine(rng, 0.01, 5e-5, 1e-3, 0.001)
+        learner.observe_first_token("fast", w, d, y)
+        w, d, y = _engine(rng, 0.01, 5e-4, 1e-3, 0.001)
+        learner.observe_first_token("slow", w, d, y)
+        n = rng.uniform(100, 5000)
+        learner.observe_transfer(n, 0.002 + 4e-6 * n)
+    assert learner.speed("fast").per_token_s < learner.speed("slow").per_token_s / 5
+    assert learner.speed("fast").samples == 200
+    assert abs(learner.transfer().per_token_s - 4e-6) < 1e-6
+
+
+def test_learner_measures_characters_per_token_and_what_races_are_worth() -> None:
+    learner = SpeedLearner(SpeedPrior())
+    assert learner.race_saving_share == 0.5  # optimistic until measured
+    for _ in range(200):
+        learner.observe_prompt(6000, 1000)
+        learner.observe_race(0.02, 0.3)
+        learner.observe_race(0.0, None)  # a race won at once: no wait measured
+    assert abs(learner.chars_per_token - 6.0) < 0.05
+    assert abs(learner.mean_prompt_tokens - 1000) < 5
+    assert abs(learner.race_wait_s - 0.3) < 0.01
+    assert abs(learner.race_saving_share - 0.01) < 0.005
+    learner.observe_race(7.0, None)  # a share is at most the whole prompt
+    assert learner.race_saving_share <= 0.01 + 0.05
+
+
+def test_the_race_priors_weigh_as_one_observation() -> None:
+    """Five races that saved nothing outweigh the optimistic prior at once (a guess is worth
+    one sample), so a router whose memory is right stops racing within a few requests."""
+    learner = SpeedLearner(SpeedPrior())
+    for _ in range(5):
+        learner.observe_race(0.0, 0.02)
+    assert learner.race_saving_share == pytest.approx(0.5 / 6)
+    assert learner.race_wait_s == pytest.approx((0.005 + 5 * 0.02) / 6)
+
+
+def test_one_surprising_first_token_cannot_make_an_engine_look_idle() -> None:
+    """An engine's own fit stays within a few times the fleet's per-token cost: a first
+    token far sooner than the queue ahead implied (a scheduler that interleaves prefills)
+    must not make the engine look free whatever its queue, or a load-aware policy sends it
+    everything."""
+    learner = SpeedLearner(SpeedPrior())
+    rng = random.Random(9)
+    for i in range(40):  # a loaded fleet: 3 ms per token, first tokens scattered -50%..+80%
+        n = rng.uniform(30, 2000) + rng.uniform(0, 3000)
+        learner.observe_first_token(f"d{i % 4}", n, rng.randint(0, 8), (0.02 + 3e-3 * n) * rng.uniform(0.5, 1.8))
+    fleet = learner.speed("d1").per_token_s
+    learner.observe_first_token("d1", 10_000, 2, 0.07)  # 10,000 tokens ahead, answered in 70 ms
+    assert learner.speed("d1").per_token_s >= fleet / 4 * 0.99
+    assert learner.speed("d1").ttft(10_000, 2) > 5.0
+
+
+def test_races_are_judged_apart_for_prompts_the_memory_places_and_prompts_it_does_not() -> None:
+    """With one router the memory knows where prompts went and races save nothing; behind
+    other replicas the prompts this router never saw are found only by racing. The two
+    are measured apart, so the one does not talk the router out of the other."""
+    learner = SpeedLearner(SpeedPrior())
+    for _ in range(30):
+        learner.observe_race(0.0, None, placed=True)
+        learner.observe_race(0.6, None, placed=False)
+    assert learner.race_saving_share < 0.05
+    assert learner.race_saving_share_unplaced > 0.5

@@ -1,0 +1,28 @@
+"""The router gives freed heap back once idle (router/server/memtrim.py): once per burst,
+never while busy."""
+
+from __future__ import annotations
+
+from router.server.memtrim import IdleTrimmer, malloc_trim
+from support.polling import eventually
+
+
+async def test_trims_once_after_a_burst_and_never_while_busy() -> None:
+    calls: list[int] = []
+    t = IdleTrimmer(trim=lambda pad: calls.append(pad) or 1, idle_s=0.02)
+    t.idle()  # nothing ran yet: nothing to give back
+    t.busy()
+    t.idle()
+    t.busy()  # a request before the idle time passed: no trim under load
+    assert t._timer is None
+    t.idle()
+    await eventually(lambda: calls == [0], 5.0, "one trim after the idle time", interval=0.005)
+    t.idle()  # no request since: no second trim
+    assert t._timer is None
+    assert calls == [0]
+
+
+def test_glibc_malloc_trim_is_found_and_runs() -> None:
+    trim = malloc_trim()
+    assert trim is not None  # the router's platform (Debian, glibc)
+    assert trim(0) in (0, 1)
