@@ -49,6 +49,17 @@ def test_defaults_are_safe() -> None:
         ({"backends": [{"name": "d0", "url": "http://h:99999"}]}, "backends[0].url", "valid port"),
         ({"backends": [{"name": "d0", "url": "http://h", "role": "x"}]}, "backends[0].role", "expected one of"),
         ({"backends": [{"url": "http://h"}]}, "backends[0].name", "required"),
+        (
+            {"backends": [{"name": "d0", "url": "http://h", "kv_events_endpoint": "http://h:5557"}]},
+            "backends[0].kv_events_endpoint",
+            "tcp://host:port",
+        ),
+        (
+            {"backends": [{"name": "d0", "url": "http://h", "kv_events_replay_endpoint": "tcp://h:5558"}]},
+            "backends[0].kv_events_replay_endpoint",
+            "needs kv_events_endpoint",
+        ),
+        ({**MIN_BACKEND, "kv_events": {"stale_after_s": 0}}, "kv_events.stale_after_s", "positive"),
         ({"backends": [{"name": "p", "url": "http://h", "role": "prefill"}]}, "backends", "at least one backend"),
         ({"backends": []}, "backends", "at least one backend"),
         ({"backends": [{"name": "a", "url": "http://h"}, {"name": "a", "url": "http://i"}]}, "backends", "duplicate"),
@@ -127,7 +138,7 @@ def test_every_problem_is_reported_at_once() -> None:
 
 
 def test_every_policy_module_is_registered_under_the_name_config_accepts() -> None:
-    assert set(policies.POLICIES) == {"least_loaded", "prefix_tree", "probe", "round_robin"}
+    assert set(policies.POLICIES) == {"kv_events", "least_loaded", "prefix_tree", "probe", "round_robin"}
     assert all(name == cls.name for name, cls in policies.POLICIES.items())
     for name in policies.POLICIES:
         cfg = parse_checked({**MIN_BACKEND, "routing": {"strategy": name}})
