@@ -4,13 +4,14 @@ modes on real simulated engines and the real router; the table and its regret ar
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from bench.cli import main
 
 
-def test_suite_quick_tiny_table_and_regret(tmp_path):
+def test_suite_quick_tiny_table_and_regret(tmp_path: Path) -> None:
     rc = main(
         [
             "suite",
@@ -60,7 +61,7 @@ def test_suite_quick_tiny_table_and_regret(tmp_path):
     assert (tmp_path / "hetero" / "probe" / "requests.jsonl").exists()
 
 
-def test_suite_rejects_unknown_workloads_and_modes(tmp_path):
+def test_suite_rejects_unknown_workloads_and_modes(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown workload nope"):
         main(["suite", "--out", str(tmp_path), "--workloads", "nope"])
     with pytest.raises(SystemExit, match="unknown mode"):

@@ -6,13 +6,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 
 from bench.experiments import vllm_client
 
 
-def test_vllm_bench_serve_through_the_router_and_direct(tmp_path, capsys):
+def test_vllm_bench_serve_through_the_router_and_direct(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if importlib.util.find_spec("vllm") is None:
         # CI installs vLLM (CACHEHIT_REQUIRE_REAL_ENGINE=1): there a missing one is a failure.
         if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE", "").strip().lower() not in ("", "0", "false", "no"):
