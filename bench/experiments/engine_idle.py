@@ -94,6 +94,7 @@ def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict[str,
     from engine_launcher.host import HostInfo
     from engine_launcher.ports import EnginePorts
     from router.config.schema import EngineConfig
+    from router.names import EngineRole
 
     cores = sorted(os.sched_getaffinity(0))
     ports = free_ports(4)
@@ -104,7 +105,7 @@ def run_setting(setting: str, a: argparse.Namespace, log_dir: Path) -> dict[str,
             e = EngineConfig(
                 name=role,
                 kind="vllm",
-                role=role,
+                role=EngineRole(role),
                 port=ports[2 * i],
                 model=a.model,
                 served_model_name="tiny",

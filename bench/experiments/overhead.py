@@ -26,6 +26,7 @@ once, so every request has K - 1 losers to cancel): latency and CPU per request.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -37,19 +38,19 @@ from typing import Any
 
 from bench.harness.cluster import RouterOptions, router_command, router_toml
 from bench.harness.load_clients import SMALL, measure_latency, run_wrk
-from bench.harness.procs import PY, ProcessSet, RSSSampler, cpu_list, free_ports, pinned, wait_http
+from bench.harness.procs import PY, Proc, ProcessSet, RSSSampler, cpu_list, free_ports, pinned, wait_http
 from bench.harness.stats import median, rnd
 from bench.reports.render import bar_plot, console, markdown_table, table
 
 
 class Target:
-    def __init__(self, name: str, port: int, proc=None):
+    def __init__(self, name: str, port: int, proc: Proc | None = None):
         self.name, self.port, self.proc = name, port, proc
         self.samples: list[dict[str, Any]] = []
 
 
 async def start_targets(
-    procs: ProcessSet, backend_urls: list[str], names: list[str], proxy_cores, work: Path
+    procs: ProcessSet, backend_urls: list[str], names: list[str], proxy_cores: list[int] | None, work: Path
 ) -> list[Target]:
     targets = []
     up = backend_urls[0]
@@ -80,6 +81,8 @@ async def start_targets(
             await wait_http(f"http://127.0.0.1:{port}/ready", proc, 30)
         elif name.startswith("vllm_router"):
             exe = shutil.which("vllm-router", path=str(Path(PY).parent)) or shutil.which("vllm-router")
+            if exe is None:  # main drops only the default vllm_router_rr when it is missing
+                raise SystemExit(f"overhead target {name!r} needs vllm-router, which is not installed")
             policy = "cache_aware" if name.endswith("cache_aware") else "round_robin"
             prom = free_ports(1)[0]
             proc = procs.start(
@@ -110,7 +113,7 @@ async def start_targets(
     return targets
 
 
-def cpu_of(t: Target):
+def cpu_of(t: Target) -> RSSSampler | None:
     return RSSSampler(t.proc.pid) if t.proc is not None else None
 
 
@@ -127,7 +130,9 @@ def backend_counts(port: int) -> tuple[int, int]:
     return (int(c.group(1)) if c else 0), (int(r.group(1)) if r else 0)
 
 
-def measure_target(t: Target, a, cores_other, tmp: Path, backend_port: int | None = None) -> dict[str, Any]:
+def measure_target(
+    t: Target, a: argparse.Namespace, cores_other: list[int] | None, tmp: Path, backend_port: int | None = None
+) -> dict[str, Any]:
     s: dict[str, Any] = {}
     lat = measure_latency(t.port, "/v1/completions", SMALL, a.latency_requests)
     s.update({"lat_p50_us": lat["p50_us"], "lat_p99_us": lat["p99_us"], "lat_errors": lat["errors"]})
@@ -186,7 +191,7 @@ def summarize_target(t: Target, direct: dict[str, Any] | None) -> dict[str, Any]
     return out
 
 
-def main(a) -> int:
+def main(a: argparse.Namespace) -> int:
     if a.quick:
         a.reps, a.duration, a.latency_requests = 1, 2.0, 200
     if not shutil.which("wrk"):
@@ -247,7 +252,7 @@ def main(a) -> int:
         burls = [f"http://127.0.0.1:{p}" for p in bports]
         asyncio.run(_wait_all(burls, backend))
         targets = asyncio.run(start_targets(procs, burls, names, proxy_cores, tmp))
-        if pin:
+        if other_cores is not None:  # set exactly when pinning
             os.sched_setaffinity(0, other_cores)
         try:
             for rep in range(a.reps):
@@ -267,14 +272,15 @@ def main(a) -> int:
             result["targets"] = rows
             result["samples"] = {t.name: t.samples for t in targets}
             # Probe race cost as K grows.
-            probe_rows = []
+            probe_rows: list[dict[str, Any]] = []
             for k in ks:
                 name = f"router_probe_k{k}"
                 [t] = asyncio.run(start_targets(procs, burls, [name], proxy_cores, tmp))
+                assert t.proc is not None  # a router target always runs its own process
                 samples = []
                 for _ in range(a.reps):
                     lat = measure_latency(t.port, "/v1/completions", SMALL, a.latency_requests)
-                    sampler = cpu_of(t)
+                    sampler = RSSSampler(t.proc.pid)
                     w = run_wrk(t.port, SMALL, min(16, a.connections), max(2.0, a.duration / 2), other_cores, tmp)
                     cpu = sampler.cpu_s() - sampler.cpu0
                     samples.append(
@@ -286,7 +292,7 @@ def main(a) -> int:
                             "errors": lat["errors"] + w["non2xx"] + w["socket_errors"],
                         }
                     )
-                row = {"k": k}
+                row: dict[str, Any] = {"k": k}
                 for key in ("lat_p50_us", "lat_p99_us", "rps", "cpu_us_per_req"):
                     row[key] = rnd(median([s[key] for s in samples if s.get(key) is not None]), 1)
                 row["errors"] = sum(s["errors"] for s in samples)
@@ -366,5 +372,5 @@ def main(a) -> int:
     return 0
 
 
-async def _wait_all(urls, proc) -> None:
+async def _wait_all(urls: list[str], proc: Proc) -> None:
     await asyncio.gather(*(wait_http(u + "/health", proc, 30) for u in urls))

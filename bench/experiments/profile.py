@@ -8,6 +8,7 @@ inclusive time (anywhere on the stack). Writes profile.json and the raw collapse
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -21,7 +22,7 @@ from typing import Any
 
 from bench.harness.cluster import RouterOptions, router_command, router_toml
 from bench.harness.load_clients import SMALL, run_wrk
-from bench.harness.procs import PY, ProcessSet, cpu_list, free_ports, pinned, wait_http
+from bench.harness.procs import PY, Proc, ProcessSet, cpu_list, free_ports, pinned, wait_http
 from bench.reports.render import console, markdown_table, table
 
 
@@ -65,11 +66,11 @@ def _short(frame: str) -> str:
     return f"{name} ({loc})" if loc else name
 
 
-def main(a) -> int:
-    if not shutil.which("py-spy", path=str(Path(PY).parent)) and not shutil.which("py-spy"):
+def main(a: argparse.Namespace) -> int:
+    spy = shutil.which("py-spy", path=str(Path(PY).parent)) or shutil.which("py-spy")
+    if not spy:
         console.print("[red]py-spy is not installed (pip install py-spy)[/red]")
         return 2
-    spy = shutil.which("py-spy", path=str(Path(PY).parent)) or shutil.which("py-spy")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cores = cpu_list()
@@ -152,5 +153,5 @@ def main(a) -> int:
     return 0
 
 
-async def _wait(urls, proc) -> None:
+async def _wait(urls: list[str], proc: Proc) -> None:
     await asyncio.gather(*(wait_http(u + "/health", proc, 30) for u in urls))

@@ -116,6 +116,7 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
                 "oracle: the multi-turn oracle depends on the engines' answers; "
                 "it is reported with every run of a mode instead"
             )
+        assert reqs is not None  # the oracle is computed from reqs
         summary = {
             **{k: None for k in SUMMARY_KEYS},
             **base,
@@ -168,7 +169,7 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
             cluster.direct()
         else:
             raise SystemExit(f"unknown mode {spec.mode!r} (one of {', '.join(ALL_MODES)})")
-        if router_cores is not None:
+        if other_cores is not None:  # _pinning gives both or neither
             # The load generator shares the engines' core(s); the router has its own.
             os.sched_setaffinity(0, other_cores)
         async with aiohttp.ClientSession() as s:
@@ -190,6 +191,7 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
         if sessions is not None:
             results, prompts, wall = await run_sessions(urls or cluster.url, sessions)
         else:
+            assert reqs is not None  # built whenever there are no sessions
             results, wall = await run_open_loop(urls or cluster.url, reqs)
             prompts = None
         if restart is not None:
@@ -206,6 +208,7 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
     eng = counters_delta(eng_before, eng_after)
     if sessions is not None:
         # Multi-turn oracle: every prompt and its answer, in send order.
+        assert prompts is not None  # run_sessions returns them
         seqs = []
         for p, r in zip(prompts, results, strict=False):
             ids = simtok.encode(p)
@@ -224,6 +227,7 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
     if cluster.router_kind == "ours":
         for log_file in sorted((spec.out / "logs").glob("router*.log")):
             logs.update(parse_router_log(log_file))
+    assert oracle is not None  # from reqs before the run, or from the sessions just above
     summary = summarize(
         spec, base, results, wall, eng, decoders, prefillers, rm_before, rm_after, logs, oracle, router_cpu, router_rss
     )

@@ -65,7 +65,7 @@ def summarize(
     out_tokens = sum(r.output_tokens for r in ok)
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     itl = [x for r in ok for x in r.itl_ms]
-    e2e = [r.e2e_ms for r in ok]
+    e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
     good = [r for r in ok if r.ttft_ms is not None and r.ttft_ms <= spec.slo_ttft_ms]
     s: dict[str, Any] = dict(base)
     s.update(

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -29,7 +30,7 @@ from bench.reports.render import console, line_plot, markdown_table, table
 from bench.workloads.spec import WorkloadSpec
 
 
-def main(a) -> int:
+def main(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ks = [int(k) for k in a.ks.split(",") if k]
@@ -37,7 +38,7 @@ def main(a) -> int:
     streams = a.streams
     if a.quick:
         ks, n_req, streams = [k for k in ks if k <= 8] or ks, min(n_req, 150), min(streams, 300)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for k in ks:
         for strategy in ("probe", "round_robin"):
             w = WorkloadSpec(
@@ -106,7 +107,7 @@ def main(a) -> int:
         "Router CPU as K grows",
         logx=True,
     )
-    res = {"k_rows": rows}
+    res: dict[str, Any] = {"k_rows": rows}
     console.print(f"[bold]scaling[/bold] {streams} open streams")
     res["streams"] = asyncio.run(open_streams(out / "streams", streams))
     scols = [
@@ -137,6 +138,7 @@ async def open_streams(out: Path, n: int) -> dict[str, Any]:
         sim = SimOptions(speed=0.05, max_num_seqs=1024, num_gpu_blocks=8192, max_num_batched_tokens=16384)
         await cluster.start_engines(4, 0, sim, engines_per_process=4)
         await cluster.start_router(RouterOptions(strategy="round_robin", log_level="warning"), out)
+        assert cluster.router is not None  # start_router just set it
         sampler = RSSSampler(cluster.router.pid, interval_s=0.05)
         await asyncio.sleep(1.0)
         idle = sampler.rss()
@@ -184,6 +186,6 @@ async def open_streams(out: Path, n: int) -> dict[str, Any]:
         "rss_peak_mb": rnd(peak / 2**20, 1),
         "kb_per_stream": rnd((peak - idle) / 1024 / n, 1),
         "router_cpu_s": rnd(cpu, 2),
-        "ttft_p50_ms": rnd(percentile([r.ttft_ms for r in ok], 50)),
+        "ttft_p50_ms": rnd(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 50)),
         "wall_s": rnd(wall, 2),
     }

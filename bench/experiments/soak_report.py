@@ -134,7 +134,7 @@ def print_table(summary: dict[str, Any], out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    def f(v, unit="", nd=3):
+    def f(v: object, unit: str = "", nd: int = 3) -> str:
         return "-" if v is None else (f"{v:.{nd}f}{unit}" if isinstance(v, float) else f"{v}{unit}")
 
     t = Table(

@@ -147,7 +147,7 @@ def plot_compare(dirs: Sequence[Path], rows: list[dict[str, Any]], out: Path) ->
     plt.close(fig)
 
     # Hit ratio per mode with the oracle as a line.
-    hr = [(r["label"], r.get("hit_ratio")) for r in rows if r.get("hit_ratio") is not None]
+    hr: list[tuple[str, float]] = [(r["label"], r["hit_ratio"]) for r in rows if r.get("hit_ratio") is not None]
     if hr:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.bar([h[0] for h in hr], [h[1] for h in hr], color="tab:blue")

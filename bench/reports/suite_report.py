@@ -77,7 +77,8 @@ def model_accuracy(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def route_shares(routes: dict[str, Any] | None) -> dict[str, Any]:
     """Shares of the routes the answered requests took (None when no route is known)."""
-    total = sum((routes or {}).values())
+    routes = routes or {}
+    total = sum(routes.values())
     return {f"share_{r}": (routes.get(r, 0) / total if total else None) for r in ROUTES}
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,7 @@ TINY = [
 ]
 
 
-def test_contract_command_line_parses():
+def test_contract_command_line_parses() -> None:
     a = build_parser().parse_args(
         [
             "replay",
@@ -81,7 +82,7 @@ def test_contract_command_line_parses():
         build_parser().parse_args(cmd.split())
 
 
-def test_generated_router_config_is_valid():
+def test_generated_router_config_is_valid() -> None:
     text = router_toml(
         8000,
         ["http://127.0.0.1:1", "http://127.0.0.1:2"],
@@ -94,14 +95,14 @@ def test_generated_router_config_is_valid():
     assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
 
 
-def test_histogram_quantile():
+def test_histogram_quantile() -> None:
     b = [(0.01, 0.0), (0.1, 50.0), (1.0, 100.0), (float("inf"), 100.0)]
     assert histogram_quantile(b, 0.5) == pytest.approx(0.1)
     assert histogram_quantile(b, 0.25) == pytest.approx(0.055)
     assert histogram_quantile([(float("inf"), 0.0)], 0.5) is None
 
 
-def test_tiny_replay_probe_and_oracle(tmp_path):
+def test_tiny_replay_probe_and_oracle(tmp_path: Path) -> None:
     a = build_parser().parse_args(["replay", *TINY, "--out", str(tmp_path)])
     dirs = []
     for mode in ("oracle", "probe", "round_robin"):
@@ -137,7 +138,7 @@ def test_tiny_replay_probe_and_oracle(tmp_path):
     assert (tmp_path / "compare.md").exists()
 
 
-def test_instant_backend_answers_in_vllm_shapes(tmp_path):
+def test_instant_backend_answers_in_vllm_shapes(tmp_path: Path) -> None:
     port = free_ports(1)[0]
     with ProcessSet(tmp_path) as procs:
         p = procs.start(

@@ -4,6 +4,8 @@ scale, and the recovery figure on hand-made rows."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,15 +41,15 @@ TINY = [
 ]
 
 
-def test_requests_rotate_over_replicas():
+def test_requests_rotate_over_replicas() -> None:
     nxt = _rotation(["a", "b", "c"])
     assert [nxt() for _ in range(7)] == ["a", "b", "c", "a", "b", "c", "a"]
     one = _rotation("u")
     assert [one(), one()] == ["u", "u"]
 
 
-def test_recovery_windows():
-    def row(t, cached, route="probe_hit"):
+def test_recovery_windows() -> None:
+    def row(t: float, cached: int, route: str = "probe_hit") -> dict[str, Any]:
         return {"start_s": t, "status": 200, "expected_prompt_tokens": 100, "cached_tokens": cached, "route": route}
 
     rows = [row(i * 0.1, 80) for i in range(10)]
@@ -59,7 +61,7 @@ def test_recovery_windows():
     assert r["after"] == [0.3, 0.9, 0.0]
 
 
-def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path):
+def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path: Path) -> None:
     a = build_parser().parse_args(
         ["replay", *TINY, "--routers", "2", "--restart-engine-at", "1.0", "--out", str(tmp_path)]
     )
@@ -79,11 +81,11 @@ def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path):
     assert (tmp_path / "probe" / "logs" / "sim-consumer-0-restarted.log").exists()
 
 
-def _summary(hit, p50, p99, **kw):
+def _summary(hit: float, p50: float, p99: float, **kw: Any) -> dict[str, Any]:
     return {"hit_ratio": hit, "ttft_p50_ms": p50, "ttft_p99_ms": p99, "requests": 40, "errors": 0, **kw}
 
 
-def test_fleet_table_compares_each_mode_with_its_own_single_router(tmp_path):
+def test_fleet_table_compares_each_mode_with_its_own_single_router(tmp_path: Path) -> None:
     summaries = {
         ("prefix-groups", "probe", 1): _summary(0.80, 100, 400),
         ("prefix-groups", "probe", 4): _summary(0.78, 110, 420),  # -2.5 %: within 3 %
@@ -110,7 +112,7 @@ def test_fleet_table_compares_each_mode_with_its_own_single_router(tmp_path):
     assert (tmp_path / "fleet.json").exists()
 
 
-def test_recovery_counts_requests_until_the_hit_ratio_is_back():
+def test_recovery_counts_requests_until_the_hit_ratio_is_back() -> None:
     assert recovered_after({"before_100": 0.8, "window": 25, "after": [0.1, 0.5, 0.79, 0.8]}) == 75
     assert recovered_after({"before_100": 0.8, "window": 25, "after": [0.1, None, 0.2]}) is None
     assert recovered_after({"before_100": None, "window": 25, "after": [0.9]}) is None
@@ -131,7 +133,7 @@ def test_recovery_counts_requests_until_the_hit_ratio_is_back():
     assert ended[0]["within_100"] is None
 
 
-def test_smg_replicas(tmp_path):
+def test_smg_replicas(tmp_path: Path) -> None:
     # sglang-router comes with the bench extra, which the test command installs.
     a = build_parser().parse_args(["replay", *TINY, "--routers", "2", "--out", str(tmp_path)])
     s = asyncio.run(run_replay(run_spec_from_args(a, "smg_cache_aware", tmp_path / "smg")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from engine_launcher.sim.config import TimingModel
 T = TimingModel()
 
 
-def test_request_work_is_the_timing_model_per_request():
+def test_request_work_is_the_timing_model_per_request() -> None:
     sim = SimOptions(speed=2.0, max_num_batched_tokens=100)
     # 250 prompt tokens: 3 prefill chunks of <= 100 tokens, each step paying the overhead once.
     want = (T.prefill_token_s * 250 + T.decode_seq_s * 10 + T.step_overhead_s * 3) / 2.0
@@ -27,7 +28,7 @@ def test_request_work_is_the_timing_model_per_request():
     assert capacity.request_work_s(512, 0, scaled) == pytest.approx(0.0008 * 512 + T.step_overhead_s)
 
 
-def test_offered_load_is_work_per_second_per_engine():
+def test_offered_load_is_work_per_second_per_engine() -> None:
     sim = SimOptions(speed=1.0, max_num_batched_tokens=8192)
     prompts, hits, outs = [1000, 3000], [0, 2000], [50, 50]
     load = capacity.offered_load(prompts, hits, outs, span_s=2.0, sim=sim, engines=4, prefill=1)
@@ -46,21 +47,24 @@ def test_offered_load_is_work_per_second_per_engine():
         capacity.offered_load([], [], [], 1.0, sim, 4)
 
 
-def _suite_args(tmp_path: Path, *extra: str):
+def _suite_args(tmp_path: Path, *extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["suite", "--out", str(tmp_path), *extra])
 
 
 @pytest.mark.parametrize("name", ["low-reuse", "hetero", "overload"])
-def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
+def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path: Path, name: str) -> None:
     trace = tmp_path / "t.jsonl"
     from bench.workloads import trace_gen as tg
 
     tg.write(trace, tg.generate(tg.TraceParams(duration_s=200.0)))
     wd = suite.BY_NAME[name]
+    assert wd.target is not None  # each of these aims at a utilisation
     a = _suite_args(tmp_path, "--requests", "60", "--trace", str(trace))
     ns = suite.replay_args(a, wd, tmp_path / name)
     before = suite.workload_load(ns)
     load = suite.set_rate(ns, wd)
+    assert before is not None  # an open-loop workload has a rate to set
+    assert load is not None
     assert load["utilisation"] == pytest.approx(wd.target, rel=1e-6)
     assert load["requests"] == 60
     assert load["engines"] == 4
@@ -73,14 +77,17 @@ def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path, name):
         _suite_args(tmp_path, "--requests", "60", "--trace", str(trace), "--engines", "8"), wd, tmp_path / name
     )
     load8 = suite.set_rate(ns8, wd)
+    assert load8 is not None
     assert load8["offered_rps"] == pytest.approx(2 * load["offered_rps"], rel=1e-6)
 
 
-def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path):
+def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path: Path) -> None:
     a = _suite_args(tmp_path, "--requests", "200")
     near = suite.set_rate(suite.replay_args(a, suite.BY_NAME["low-reuse"], tmp_path), suite.BY_NAME["low-reuse"])
     ns = suite.replay_args(a, suite.BY_NAME["bursty"], tmp_path)
     bursty = suite.set_rate(ns, suite.BY_NAME["bursty"])
+    assert near is not None  # both open-loop: a rate is set
+    assert bursty is not None
     assert (ns.burst_on_s, ns.burst_off_s) == suite.BY_NAME["bursty"].bursts
     assert bursty["time_scale"] == pytest.approx(near["time_scale"])
     # Same requests and mean rate (the last burst may end early: within one on/off period).
@@ -89,7 +96,7 @@ def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path):
     assert bursty["work_s"] == pytest.approx(near["work_s"])
 
 
-def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says_otherwise(tmp_path):
+def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says_otherwise(tmp_path: Path) -> None:
     from bench.experiments.options import run_spec_from_args
 
     wd = suite.BY_NAME["cpu-tier"]
@@ -105,12 +112,12 @@ def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says
     assert (ns.num_gpu_blocks, ns.cpu_offload_x) == (0, 0.0)
 
 
-def test_closed_loop_multiturn_has_no_utilisation(tmp_path):
+def test_closed_loop_multiturn_has_no_utilisation(tmp_path: Path) -> None:
     ns = suite.replay_args(_suite_args(tmp_path), suite.BY_NAME["multiturn"], tmp_path)
     assert suite.set_rate(ns, suite.BY_NAME["multiturn"]) is None
 
 
-def test_default_trace_is_generated_inside_the_repository(tmp_path):
+def test_default_trace_is_generated_inside_the_repository(tmp_path: Path) -> None:
     from bench.experiments.options import workload_from_args
 
     a = build_parser().parse_args(["replay", "--out", str(tmp_path)])

@@ -4,6 +4,8 @@ route shares, and the predicted TTFT carried into requests.jsonl."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,11 +15,11 @@ from bench.reports.suite_report import add_regret, model_accuracy, route_shares,
 from bench.workloads import generators as wl
 
 
-def _row(workload, mode, p50, p99):
+def _row(workload: str, mode: str, p50: float | None, p99: float | None) -> dict[str, Any]:
     return {"workload": workload, "mode": mode, "ttft_p50_ms": p50, "ttft_p99_ms": p99}
 
 
-def test_regret_divides_by_the_best_other_mode_of_the_same_workload():
+def test_regret_divides_by_the_best_other_mode_of_the_same_workload() -> None:
     rows = [
         _row("a", "probe", 40.0, 900.0),
         _row("a", "round_robin", 100.0, 600.0),
@@ -48,8 +50,8 @@ def test_regret_divides_by_the_best_other_mode_of_the_same_workload():
             assert len(below) == 1
 
 
-def test_model_accuracy_medians_of_absolute_signed_and_relative_error():
-    rows = [
+def test_model_accuracy_medians_of_absolute_signed_and_relative_error() -> None:
+    rows: list[dict[str, Any]] = [
         {"predicted_ttft_ms": 110.0, "router_ttft_ms": 100.0},  # +10, 0.1
         {"predicted_ttft_ms": 150.0, "router_ttft_ms": 200.0},  # -50, 0.25
         {"predicted_ttft_ms": 45.0, "router_ttft_ms": 50.0},  # -5, 0.1
@@ -67,7 +69,7 @@ def test_model_accuracy_medians_of_absolute_signed_and_relative_error():
     assert none == {"pred_requests": 0, "pred_abs_err_p50_ms": None, "pred_bias_p50_ms": None, "pred_rel_err_p50": None}
 
 
-def test_route_shares_and_rows():
+def test_route_shares_and_rows() -> None:
     assert route_shares({"probe_hit": 6, "pd": 3, "direct": 1}) == {
         "share_probe_hit": 0.6,
         "share_pd": 0.3,
@@ -94,7 +96,7 @@ def test_route_shares_and_rows():
     assert oracle["pred_requests"] == 0
 
 
-def test_table_shows_a_dash_without_predictions(tmp_path):
+def test_table_shows_a_dash_without_predictions(tmp_path: Path) -> None:
     rows = add_regret(
         [
             {**_row("w", "round_robin", 10.0, 20.0), "requests": 5, "errors": 0, **model_accuracy([])},
@@ -112,7 +114,7 @@ def test_table_shows_a_dash_without_predictions(tmp_path):
     assert json.loads((tmp_path / "suite.json").read_text())["rows"][0]["regret_p50"] == 1.0
 
 
-def test_predicted_ttft_is_carried_from_the_router_log_into_requests_jsonl(tmp_path):
+def test_predicted_ttft_is_carried_from_the_router_log_into_requests_jsonl(tmp_path: Path) -> None:
     log = tmp_path / "router.log"
     lines = [
         {
@@ -138,7 +140,7 @@ def test_predicted_ttft_is_carried_from_the_router_log_into_requests_jsonl(tmp_p
     assert model_accuracy(rows)["pred_abs_err_p50_ms"] == 1.5
 
 
-def test_on_off_arrivals_keep_the_mean_rate_in_bursts():
+def test_on_off_arrivals_keep_the_mean_rate_in_bursts() -> None:
     t = wl.on_off_arrivals(4000, 10.0, on_s=2.0, off_s=6.0, seed=1)
     assert t == sorted(t)
     assert t == wl.on_off_arrivals(4000, 10.0, 2.0, 6.0, seed=1)
@@ -149,7 +151,7 @@ def test_on_off_arrivals_keep_the_mean_rate_in_bursts():
         wl.on_off_arrivals(3, 0.0, 1.0, 1.0)
 
 
-def test_heterogeneous_prompts_span_their_range_with_little_reuse():
+def test_heterogeneous_prompts_span_their_range_with_little_reuse() -> None:
     reqs = wl.heterogeneous_requests(n=300, min_tokens=32, max_tokens=8000, output_tokens=16, rate=5.0, seed=2)
     lengths = [r.prompt_tokens for r in reqs]
     assert min(lengths) >= 32

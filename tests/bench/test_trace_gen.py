@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import replace
+from pathlib import Path
 
 from bench.workloads import generators as wl
 from bench.workloads import trace_gen as tg
@@ -14,12 +15,12 @@ from engine_launcher.sim import tokenizer as simtok
 P = tg.TraceParams(seed=3, duration_s=300.0)
 
 
-def test_same_seed_same_trace_other_seed_other_trace():
+def test_same_seed_same_trace_other_seed_other_trace() -> None:
     assert tg.generate(P) == tg.generate(P)
     assert tg.generate(replace(P, seed=4)) != tg.generate(P)
 
 
-def test_records_are_mooncake_format_in_time_order_within_the_duration():
+def test_records_are_mooncake_format_in_time_order_within_the_duration() -> None:
     recs = tg.generate(P)
     assert len(recs) > 300
     assert [r["timestamp"] for r in recs] == sorted(r["timestamp"] for r in recs)
@@ -31,7 +32,7 @@ def test_records_are_mooncake_format_in_time_order_within_the_duration():
         assert P.output_tokens[0] <= r["output_length"] <= P.output_tokens[1]
 
 
-def test_next_turn_extends_the_previous_prompt_and_answer_after_a_think_time():
+def test_next_turn_extends_the_previous_prompt_and_answer_after_a_think_time() -> None:
     convs = tg.conversations(P)
     multi = [c for c in convs if len(c) > 1]
     single = [c for c in convs if len(c) == 1]
@@ -57,7 +58,7 @@ def test_next_turn_extends_the_previous_prompt_and_answer_after_a_think_time():
             assert P.think_s[0] - 0.002 <= think <= P.think_s[1] + 0.002
 
 
-def test_ids_are_shared_only_within_a_conversation_or_a_shared_prefix():
+def test_ids_are_shared_only_within_a_conversation_or_a_shared_prefix() -> None:
     convs = tg.conversations(P)
     owners: dict[int, set[int]] = {}
     for i, c in enumerate(convs):
@@ -73,13 +74,13 @@ def test_ids_are_shared_only_within_a_conversation_or_a_shared_prefix():
         assert ids[:k] == [h for h in ids if h in shared]  # shared ids only lead a prompt
 
 
-def test_head_has_little_reuse_the_whole_trace_more():
+def test_head_has_little_reuse_the_whole_trace_more() -> None:
     recs = tg.generate(tg.TraceParams())
     head, whole = tg.describe(recs, 400), tg.describe(recs)
     assert head["block_hit_ratio"] < 0.35 < whole["block_hit_ratio"]
 
 
-def test_cached_trace_is_written_once_and_replays(tmp_path):
+def test_cached_trace_is_written_once_and_replays(tmp_path: Path) -> None:
     path = tg.cached_trace(P, tmp_path)
     assert path.parent == tmp_path
     assert path.exists()

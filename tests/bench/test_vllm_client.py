@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,7 @@ from bench.experiments import vllm_client
 from support.requirements import real_engine_required
 
 
-def test_vllm_bench_serve_through_the_router_and_direct(tmp_path, capsys):
+def test_vllm_bench_serve_through_the_router_and_direct(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if importlib.util.find_spec("vllm") is None:
         # CI installs vLLM (CACHEHIT_REQUIRE_REAL_ENGINE=1): there a missing one is a failure.
         if real_engine_required():

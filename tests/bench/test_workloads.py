@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
+from typing import Any
 
 from bench.workloads import generators as wl
 from engine_launcher.sim import tokenizer as simtok
 
 
-def _trace(tmp_path, records):
+def _trace(tmp_path: Path, records: list[dict[str, Any]]) -> Path:
     p = tmp_path / "t.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in records))
     return p
@@ -23,7 +25,7 @@ RECORDS = [
 ]
 
 
-def test_words_text_is_deterministic_and_exact():
+def test_words_text_is_deterministic_and_exact() -> None:
     a = wl.words_text(50, "k", 1)
     assert a == wl.words_text(50, "k", 1)
     assert a != wl.words_text(50, "k", 2)
@@ -31,7 +33,7 @@ def test_words_text_is_deterministic_and_exact():
     assert len(simtok.encode(a + wl.words_text(13, "x"))) == 63
 
 
-def test_mooncake_synthesis_exact_counts_and_shared_prefixes(tmp_path):
+def test_mooncake_synthesis_exact_counts_and_shared_prefixes(tmp_path: Path) -> None:
     recs = wl.load_trace(_trace(tmp_path, RECORDS))
     reqs = wl.mooncake_requests(recs, block_tokens=32, time_scale=0.5)
     assert [r.prompt_tokens for r in reqs] == [64, 81, 44, 32]
@@ -50,7 +52,7 @@ def test_mooncake_synthesis_exact_counts_and_shared_prefixes(tmp_path):
     assert [r.max_tokens for r in capped] == [3, 2, 3, 1]
 
 
-def test_prefix_groups_and_sessions_deterministic():
+def test_prefix_groups_and_sessions_deterministic() -> None:
     a = wl.prefix_group_requests(groups=3, per_group=4, system_tokens=40, question_tokens=8, rate=10, seed=3)
     b = wl.prefix_group_requests(groups=3, per_group=4, system_tokens=40, question_tokens=8, rate=10, seed=3)
     assert [r.prompt for r in a] == [r.prompt for r in b]
@@ -58,7 +60,7 @@ def test_prefix_groups_and_sessions_deterministic():
     assert all(wl.token_count(r.prompt) == 48 == r.prompt_tokens for r in a)
     assert sorted({r.tag for r in a}) == ["g0", "g1", "g2"]
     assert all(x.arrival_s <= y.arrival_s for x, y in itertools.pairwise(a))
-    by_group = {}
+    by_group: dict[str, set[str]] = {}
     for r in a:
         by_group.setdefault(r.tag, set()).add(r.prompt[:200])
     assert all(len(v) == 1 for v in by_group.values())  # a group shares its system prompt
@@ -67,7 +69,7 @@ def test_prefix_groups_and_sessions_deterministic():
     assert [s.messages for s in s1] == [s.messages for s in s2]
 
 
-def test_poisson_arrivals():
+def test_poisson_arrivals() -> None:
     t = wl.poisson_arrivals(2000, 50.0, seed=1)
     assert t[0] == 0.0
     assert t == sorted(t)
@@ -75,7 +77,7 @@ def test_poisson_arrivals():
     assert wl.poisson_arrivals(3, 0) == [0.0, 0.0, 0.0]
 
 
-def test_oracle_counts_whole_blocks_and_leaves_the_last_token():
+def test_oracle_counts_whole_blocks_and_leaves_the_last_token() -> None:
     bs = 4
     a = list(range(10))  # 2 full blocks + 2 tokens
     b = [*range(10), 99, 98]  # shares a's 2 full blocks and more
@@ -90,7 +92,7 @@ def test_oracle_counts_whole_blocks_and_leaves_the_last_token():
     assert per2 == [0, 8]
 
 
-def test_oracle_for_trace_requests(tmp_path):
+def test_oracle_for_trace_requests(tmp_path: Path) -> None:
     reqs = wl.mooncake_requests(wl.load_trace(_trace(tmp_path, RECORDS)), block_tokens=32)
     o = wl.oracle_for_requests(reqs, 16)
     # Request 1 hits both blocks of request 0 (64 tokens); request 3 hits 16 of its 32
