@@ -6,8 +6,6 @@ streams do not depend on it."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 import time
 
 import orjson
@@ -23,6 +21,7 @@ from router.server.state import RouterState
 from support.kv_publisher import KvPublisher, cleared, removed, stored
 from support.polling import eventually
 from support.ports import free_port
+from support.requirements import require_module
 
 BS = 4
 PROMPT = list(range(1000, 1024))  # 6 blocks
@@ -211,11 +210,7 @@ async def test_without_a_replay_socket_a_gap_clears_the_engine_and_a_late_stream
 async def test_vllms_own_publisher_is_followed_replay_included(router_with):
     """vLLM's ZmqEventPublisher (PUB and replay ROUTER) as the engine: what it published
     before the router subscribed comes through its replay socket, the rest live."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE") == "1":
-            pytest.fail("vLLM is not installed (CACHEHIT_REQUIRE_REAL_ENGINE=1)")
-        pytest.skip("vLLM is not installed")
-    from vllm.distributed import kv_events as v
+    v = require_module("vllm.distributed.kv_events")
 
     port, replay_port = free_port(), free_port()
     publisher = v.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}")

@@ -3,8 +3,6 @@ ZeroMQ sockets as a router reads vLLM's: a SUB for the live stream, a DEALER for
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import socket
 import subprocess
 import sys
@@ -17,7 +15,6 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from sim_testutil import post
 
 from engine_launcher.sim import SimEngineHandle
 from engine_launcher.sim import kv_events as sim_kv_events
@@ -35,6 +32,8 @@ from engine_launcher.sim.kv_events import (
     wire_hash,
 )
 from support.polling import eventually
+from support.requirements import require_module
+from support.sim_http import post
 
 BS = 16
 END_SEQ = b"\xff" * 8
@@ -118,13 +117,18 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 @pytest.fixture
 async def sim(make_engine, zctx, http):
+    subscribers: list[Subscriber] = []
+
     async def start(**kw: Any) -> Subscriber:
         kw.setdefault("kv_events_config", events_config())
         sub = Subscriber(zctx, await make_engine(**kw))
+        subscribers.append(sub)
         await sub.ready(http)
         return sub
 
-    return start
+    yield start
+    for sub in subscribers:  # closed before the test's references go: no socket is leaked
+        sub.sock.close(linger=0)
 
 
 async def complete(http, url: str, prompt: list[int], max_tokens: int = 1, **kw: Any) -> dict:
@@ -324,11 +328,7 @@ def test_config_defaults_and_errors_name_the_key() -> None:
 
 
 def need_vllm() -> None:
-    if importlib.util.find_spec("vllm") is None:
-        # CI installs vLLM (CACHEHIT_REQUIRE_REAL_ENGINE=1): there a missing one is a failure.
-        if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail("CACHEHIT_REQUIRE_REAL_ENGINE is set but vLLM is not installed", pytrace=False)
-        pytest.skip("vLLM is not installed (run `engine-launcher install-deps --cpu`)")
+    require_module("vllm")
 
 
 def test_batches_encode_byte_for_byte_as_vllms() -> None:

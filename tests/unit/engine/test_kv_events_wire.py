@@ -7,9 +7,6 @@ CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI, where vLLM is installed).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import msgspec
 import pytest
 
@@ -23,18 +20,12 @@ from router.engine.kv_events_wire import (
     parse_replay_reply,
     replay_request,
 )
+from support.requirements import require_module
 
 
 @pytest.fixture(scope="module")
 def vllm_events():
-    if importlib.util.find_spec("vllm") is None:
-        msg = "vLLM is not installed"
-        if os.environ.get("CACHEHIT_REQUIRE_REAL_ENGINE") == "1":
-            pytest.fail(msg + " (CACHEHIT_REQUIRE_REAL_ENGINE=1)")
-        pytest.skip(msg)
-    from vllm.distributed import kv_events
-
-    return kv_events
+    return require_module("vllm.distributed.kv_events")
 
 
 def encode(batch) -> bytes:
