@@ -16,17 +16,10 @@ A step, as in vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/scheduler.py)
 3. the step "runs" for `timing.step_seconds(prefill tokens, decoding sequences) / speed`;
 4. every request whose computed tokens reach its length samples one token.
 
-Timing model (defaults and their sources: config.py): step time = step_overhead_s +
-prefill_token_s x tokens prefilled in the step + decode_seq_s x sequences decoding in it.
-All durations are divided by `speed`. KV connectors (NIXL pulls and leases, the CPU tier),
-whose loads run beside the steps: kv_transfer.py.
-
-Cache-hit threshold (vLLM RFC 24256, docs/ARCHITECTURE.md): hit rate = (local prefix hit
-tokens + tokens the KV connector would pull) / (prompt tokens + tokens already generated);
-below the request's threshold the request finishes at once with `cache_threshold`, keeping
-any tokens generated before a preemption. Prefill legs are never rejected. With
-`arrival_check` the same rate is also computed when the request arrives (read-only lookup)
-and a request below it is rejected without queueing; admission stays the final word.
+Timing model (config.py): step time = step_overhead_s + prefill_token_s x tokens prefilled +
+decode_seq_s x sequences decoding, divided by `speed`. KV connectors (NIXL, CPU tier):
+kv_transfer.py. The cache-hit threshold (its definition: docs/ARCHITECTURE.md) is checked
+before any block is allocated, and with `arrival_check` also at arrival (read-only).
 """
 
 from __future__ import annotations

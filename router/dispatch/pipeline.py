@@ -38,6 +38,7 @@ from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
 from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
 from router.engine.wire import (
+    CACHE_THRESHOLD,
     CHAT_PATH,
     COMPLETIONS_PATH,
     MalformedChunk,
@@ -109,7 +110,7 @@ class Dispatcher:
         while True:
             outcome = await self._pump(ctx, leg, shaper, emit)
             error = self._leg_ended(ctx, leg, outcome)
-            if error is not None and answer.finish_reason not in (None, "cache_threshold"):
+            if error is not None and answer.finish_reason not in (None, CACHE_THRESHOLD):
                 # The engine finished the answer, then the connection broke before [DONE]:
                 # nothing is missing, and a resume would generate past the real end.
                 error = None

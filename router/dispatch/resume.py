@@ -13,6 +13,7 @@ not a resume but a retry of the same continuation at threshold 0.
 from __future__ import annotations
 
 from router.engine.errors import UpstreamError
+from router.engine.wire import CACHE_THRESHOLD
 
 PREEMPTED = "preempted"  # cache_threshold after tokens
 FAILURE = "failure"  # broken stream after the first token
@@ -30,6 +31,6 @@ def resume_reason(
         # Before the answer's first token a failure is a retry elsewhere, handled by the
         # caller like any pre-first-token failure; after it, the answer is resumed.
         return FAILURE if answer_tokens > 0 else None
-    if finish_reason == "cache_threshold":
+    if finish_reason == CACHE_THRESHOLD:
         return PREEMPTED if leg_tokens > 0 else REJECTED
     return None

@@ -24,7 +24,7 @@ from typing import Any
 
 from router.engine.client import UpstreamClient
 from router.engine.errors import UpstreamError
-from router.engine.wire import capability_check_body
+from router.engine.wire import capability_check_body, is_rejection_chunk
 
 log = logging.getLogger("cachehit_router.capability")
 
@@ -41,14 +41,9 @@ def check_body(model: str | None) -> dict[str, Any]:
 
 
 def verdict(answer: dict[str, Any]) -> bool | None:
-    """True: rejected as the plugin does; False: generated (stock vLLM); None: unclear."""
-    choices = answer.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return None
-    reason = choices[0].get("finish_reason")
-    if reason == "cache_threshold":
-        return True
-    return False if isinstance(reason, str) else None
+    """True: rejected as the plugin does; False: generated (stock vLLM); None: unclear. The
+    answer's one choice is read as a race reads a leg's first chunk (router/engine/wire.py)."""
+    return is_rejection_chunk(answer)
 
 
 async def threshold_capable(
