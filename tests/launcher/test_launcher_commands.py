@@ -10,7 +10,7 @@ import pytest
 from engine_launcher.commands import ASYNC_SCHEDULER_CLS, SYNC_SCHEDULER_CLS, build_commands
 from engine_launcher.host import HostInfo
 from engine_launcher.placement import assign_cpu_cores
-from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports, url_for
+from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports
 from router.config.parse import load_config
 from router.config.schema import ConfigError, EngineConfig
 
@@ -333,51 +333,6 @@ def test_sim_engines_with_different_options_do_not_share():
     argv = list(cmds[3].argv)
     assert argv[argv.index("--model") + 1] == "served"
     assert "--kv-events-config" not in cmds[4].argv
-
-
-def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():
-    engines = [
-        vllm_engine("v", "producer", port=8000),
-        EngineConfig(name="s", kind="sim", port=0),
-        vllm_engine("w", "consumer", nixl_side_channel_port=5700),
-    ]
-    assert ports_to_pick(engines) == [
-        ("v", "nixl", "127.0.0.1"),
-        # Event sockets bind every interface: their free ports are picked on the wildcard.
-        ("v", "kv_events", "0.0.0.0"),
-        ("v", "kv_events_replay", "0.0.0.0"),
-        ("s", "http", "127.0.0.1"),
-        ("s", "kv_events", "0.0.0.0"),
-        ("s", "kv_events_replay", "0.0.0.0"),
-        ("w", "http", "127.0.0.1"),
-        ("w", "kv_events", "0.0.0.0"),
-        ("w", "kv_events_replay", "0.0.0.0"),
-    ]
-    ports = resolve_ports(engines, picked_for(engines, 41000))
-    assert ports == {
-        "v": EnginePorts(8000, 41000, 41001, 41002),
-        "s": EnginePorts(41003, None, 41004, 41005),
-        "w": EnginePorts(41006, 5700, 41007, 41008),
-    }
-    clash = [
-        vllm_engine("v", "producer", port=8000, nixl_side_channel_port=5600),
-        vllm_engine("w", "consumer", port=8001, nixl_side_channel_port=8000),
-    ]
-    with pytest.raises(ConfigError, match=r"engines\[1\]\.nixl_side_channel_port: port 8000"):
-        build_commands(clash, resolve_ports(clash, picked_for(clash)), CPU_HOST, log_dir="l")
-
-
-def test_unresolved_port_is_refused():
-    engines = [EngineConfig(name="s", kind="sim")]
-    with pytest.raises(ValueError, match="not resolved"):
-        build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
-
-
-def test_url_for_wildcards_and_ipv6():
-    assert url_for("0.0.0.0", 1) == "http://127.0.0.1:1"
-    assert url_for("::", 2) == "http://[::1]:2"
-    assert url_for("::1", 3) == "http://[::1]:3"
-    assert url_for("localhost", 4) == "http://localhost:4"
 
 
 def test_default_python_is_the_running_interpreter():

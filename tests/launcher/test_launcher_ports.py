@@ -1,6 +1,6 @@
-"""KV-event streams of launched engines: the ports (picked, held, checked for clashes), the
-`--kv-events-config` each engine gets, and a started simulator publishing where the
-supervisor says it does."""
+"""Engine ports (which are picked, resolving, clashes, URLs) and the KV-event streams of
+launched engines: their ports, the `--kv-events-config` each engine gets, and a started
+simulator publishing where the supervisor says it does."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from engine_launcher.commands import build_commands
 from engine_launcher.host import HostInfo
-from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports
+from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports, url_for
 from engine_launcher.supervisor import Supervisor
 from router.config.schema import ConfigError, EngineConfig, LauncherConfig
 
@@ -32,8 +32,58 @@ def vllm(name: str, **kw) -> EngineConfig:
     return EngineConfig(name=name, kind="vllm", role="both", model="/models/tiny", **kw)
 
 
+def picked_for(engines: list[EngineConfig], base: int = 40000) -> dict[tuple[str, str], int]:
+    """Distinct made-up picks for every port the engines leave at 0."""
+    return {(name, which): base + i for i, (name, which, _) in enumerate(ports_to_pick(engines))}
+
+
 def flag_values(argv: tuple[str, ...]) -> list[dict]:
     return [json.loads(argv[i + 1]) for i, a in enumerate(argv) if a == "--kv-events-config"]
+
+
+def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():
+    engines = [
+        vllm("v", port=8000),
+        EngineConfig(name="s", kind="sim", port=0),
+        vllm("w", nixl_side_channel_port=5700),
+    ]
+    assert ports_to_pick(engines) == [
+        ("v", "nixl", "127.0.0.1"),
+        # Event sockets bind every interface: their free ports are picked on the wildcard.
+        ("v", "kv_events", "0.0.0.0"),
+        ("v", "kv_events_replay", "0.0.0.0"),
+        ("s", "http", "127.0.0.1"),
+        ("s", "kv_events", "0.0.0.0"),
+        ("s", "kv_events_replay", "0.0.0.0"),
+        ("w", "http", "127.0.0.1"),
+        ("w", "kv_events", "0.0.0.0"),
+        ("w", "kv_events_replay", "0.0.0.0"),
+    ]
+    ports = resolve_ports(engines, picked_for(engines, 41000))
+    assert ports == {
+        "v": EnginePorts(8000, 41000, 41001, 41002),
+        "s": EnginePorts(41003, None, 41004, 41005),
+        "w": EnginePorts(41006, 5700, 41007, 41008),
+    }
+    clash = [
+        vllm("v", port=8000, nixl_side_channel_port=5600),
+        vllm("w", port=8001, nixl_side_channel_port=8000),
+    ]
+    with pytest.raises(ConfigError, match=r"engines\[1\]\.nixl_side_channel_port: port 8000"):
+        build_commands(clash, resolve_ports(clash, picked_for(clash)), CPU_HOST, log_dir="l")
+
+
+def test_unresolved_port_is_refused():
+    engines = [EngineConfig(name="s", kind="sim")]
+    with pytest.raises(ValueError, match="not resolved"):
+        build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
+
+
+def test_url_for_wildcards_and_ipv6():
+    assert url_for("0.0.0.0", 1) == "http://127.0.0.1:1"
+    assert url_for("::", 2) == "http://[::1]:2"
+    assert url_for("::1", 3) == "http://[::1]:3"
+    assert url_for("localhost", 4) == "http://localhost:4"
 
 
 def test_configured_ports_are_bound_on_the_wildcard_and_reached_at_the_engine_host():
