@@ -102,6 +102,7 @@ def dry_run(cfg: Config, host_has_gpu: bool | None, out: Callable[[str], None] =
     Plain print, not rich: the output is meant to be copied into a shell or a document, and
     rich would wrap long lines and read `[...]` in JSON as markup.
     """
+    from .ports import ports_to_pick
     from .supervisor import Supervisor
 
     sup = Supervisor(cfg.engines, cfg.launcher, host_has_gpu=host_has_gpu)
@@ -114,12 +115,14 @@ def dry_run(cfg: Config, host_has_gpu: bool | None, out: Callable[[str], None] =
     flavour = f"GPU host ({host.gpu_count} GPU)" if host.has_gpu else f"CPU host ({len(host.cpu_ids)} CPUs)"
     n = sum(len(c.engines) for c in cmds)
     out(f"# engine-launcher --dry-run: {len(cmds)} process(es) for {n} engine(s) on a {flavour}")
-    picked = [e.name for e in cfg.engines if e.port == 0 or (e.kind == "vllm" and e.nixl_side_channel_port == 0)]
+    picked = list(dict.fromkeys(name for name, _, _ in ports_to_pick(cfg.engines)))
     if picked:
         out(f"# free ports were picked now for {', '.join(picked)}; a real start picks again")
     for c in cmds:
         out("")
         out(f"# {c.name} ({c.kind}): " + ", ".join(f"{e} at {c.urls[e]}" for e in c.engines))
+        for e, (stream, replay) in c.kv_events.items():
+            out(f"# kv events of {e}: {stream}, replay {replay}")
         out(f"# log: {c.log_file}")
         out(c.shell_line())
     return 0

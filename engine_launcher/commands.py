@@ -23,11 +23,16 @@ Engine kinds:
   The plugin's threshold scheduler is selected with ``--scheduler-cls``: the synchronous class
   on CPU hosts (vLLM forces async scheduling off on CPU), the async class on GPU hosts unless
   the user turns async scheduling off with ``--no-async-scheduling``.
+- Every engine with ``kv_events`` (the default) publishes its KV cache events:
+  ``--kv-events-config`` binding ``tcp://*:<kv_events_port>`` and a replay socket on
+  ``tcp://*:<kv_events_replay_port>`` (vLLM binds only wildcard endpoints; it would connect
+  to any other address). ``EngineCommand.kv_events`` says where the router connects.
 - ``sim``: ``python -m engine_launcher.sim --port P [--port P2 ...] --model M --role R``.
   Sim engines whose options are all identical share one process (one ``--port`` each): the
   simulator keeps separate state per port, and one Python process per simulated engine would
   cost ~40 MB each for nothing. The price: a crash of that process takes down the group, and
-  the supervisor restarts the group as one unit.
+  the supervisor restarts the group as one unit. Such a process gets one ``--kv-events-config``
+  per ``--port``, in the same order (each engine's event ports are picked apart).
 
 ``extra_args`` come last so a user can override any flag the launcher chose (argparse keeps
 the last occurrence); launcher defaults that the user sets in ``extra_args`` are left out so
@@ -40,7 +45,7 @@ import json
 import shlex
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from router.config.schema import ConfigError, EngineConfig
@@ -88,6 +93,9 @@ class EngineCommand:
     # CPUs to pin the process to right after it starts (sim engines with cpu_cores; vLLM
     # pins its own worker threads through VLLM_CPU_OMP_THREADS_BIND).
     cpu_affinity: tuple[int, ...] = ()
+    # engine name -> (stream, replay) endpoints the router connects to, for engines that
+    # publish KV events through the launcher's --kv-events-config.
+    kv_events: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def health_urls(self) -> dict[str, str]:
         return {n: f"{u}/health" for n, u in self.urls.items()}
@@ -152,6 +160,27 @@ def kv_transfer_config(role: str, host: HostInfo, kv_offload_gib: float = 0.0) -
     )
 
 
+def kv_events_config(ports: EnginePorts) -> str:
+    """vLLM's `--kv-events-config` for an engine's event ports: both sockets bound on the
+    wildcard (vLLM connects, rather than binds, to any other host), the default topic."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{ports.kv_events}",
+            "replay_endpoint": f"tcp://*:{ports.kv_events_replay}",
+            "topic": "",
+        },
+        separators=(",", ":"),
+    )
+
+
+def _kv_events(engine: EngineConfig, ports: EnginePorts) -> dict[str, tuple[str, str]]:
+    if ports.kv_events is None or ports.kv_events_replay is None:
+        return {}
+    return {engine.name: engine.kv_event_endpoints(ports.kv_events, ports.kv_events_replay)}
+
+
 def vllm_command(
     engine: EngineConfig,
     ports: EnginePorts,
@@ -187,6 +216,8 @@ def vllm_command(
         "--scheduler-cls",
         scheduler_cls(extra, host),
     ]
+    if ports.kv_events is not None:
+        argv += ["--kv-events-config", kv_events_config(ports)]
     env = {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": engine.nixl_side_channel_host,
@@ -217,6 +248,7 @@ def vllm_command(
         env=env,
         log_file=str(Path(log_dir) / f"{engine.name}.log"),
         urls={engine.name: url_for(engine.host, ports.http)},
+        kv_events=_kv_events(engine, ports),
     )
 
 
@@ -226,7 +258,17 @@ SimGroupKey = tuple[object, ...]
 
 def _sim_group_key(e: EngineConfig) -> SimGroupKey:
     # Everything that ends up in the process's argv or environment except the port.
-    return (e.host, e.model, e.served_model_name, e.role, e.extra_args, e.env, e.cpu_cores, e.kv_offload_gib)
+    return (
+        e.host,
+        e.model,
+        e.served_model_name,
+        e.role,
+        e.extra_args,
+        e.env,
+        e.cpu_cores,
+        e.kv_offload_gib,
+        e.kv_events,  # the simulator takes one events config for all or one per --port
+    )
 
 
 def sim_cpu_offload_tokens(gib: float) -> int:
@@ -251,6 +293,11 @@ def sim_command(
         argv += ["--model", first.served_model_name or first.model]
     if first.kv_offload_gib > 0 and not _has_flag(first.extra_args, "--cpu-offload-tokens"):
         argv += ["--cpu-offload-tokens", str(sim_cpu_offload_tokens(first.kv_offload_gib))]
+    events: dict[str, tuple[str, str]] = {}
+    for e in group:
+        if ports[e.name].kv_events is not None:
+            argv += ["--kv-events-config", kv_events_config(ports[e.name])]
+            events.update(_kv_events(e, ports[e.name]))
     argv += list(first.extra_args)
     env = {"PYTHONUNBUFFERED": "1"}
     env.update(dict(first.env))
@@ -263,6 +310,7 @@ def sim_command(
         log_file=str(Path(log_dir) / f"{first.name}.log"),
         urls={e.name: url_for(e.host, ports[e.name].http) for e in group},
         cpu_affinity=tuple(first.cpu_cores),
+        kv_events=events,
     )
 
 
@@ -327,6 +375,7 @@ __all__ = [
     "EngineCommand",
     "build_commands",
     "group_sim_engines",
+    "kv_events_config",
     "kv_transfer_config",
     "scheduler_cls",
     "sim_command",

@@ -1,6 +1,11 @@
 """Engine ports: which ones the config leaves to pick, picking and holding free ones, the
 resolved set per engine, clash checks, and the base URL an engine is reached at.
 
+Ports per engine: HTTP; the NIXL side channel (vllm); the KV-event stream and its replay
+socket (every engine with `kv_events`, unless its extra_args bring their own
+`--kv-events-config`). The event sockets bind every interface (vLLM binds only wildcard
+endpoints), so their free ports are picked on the wildcard address.
+
 Everything but `PortReservation` is a pure function of the config.
 """
 
@@ -12,13 +17,26 @@ from dataclasses import dataclass
 
 from router.config.schema import ConfigError, EngineConfig
 
+KV_EVENTS_FLAG = "--kv-events-config"
+WILDCARD = "0.0.0.0"
+
 
 @dataclass(frozen=True)
 class EnginePorts:
-    """Resolved ports of one engine: HTTP, and the NIXL side channel (vllm only)."""
+    """Resolved ports of one engine: HTTP, the NIXL side channel (vllm only), the KV-event
+    stream and its replay socket (None: the launcher sets up no event stream)."""
 
     http: int
     nixl: int | None = None
+    kv_events: int | None = None
+    kv_events_replay: int | None = None
+
+
+def publishes_kv_events(engine: EngineConfig) -> bool:
+    """Whether the launcher gives this engine an event stream (a user's own flag wins)."""
+    return engine.kv_events and not any(
+        a == KV_EVENTS_FLAG or a.startswith(KV_EVENTS_FLAG + "=") for a in engine.extra_args
+    )
 
 
 def url_for(host: str, port: int) -> str:
@@ -42,6 +60,9 @@ def check_ports(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePorts
         pairs: list[tuple[str, int | None]] = [(f"engines[{i}].port", p.http)]
         if e.kind == "vllm":
             pairs.append((f"engines[{i}].nixl_side_channel_port", p.nixl))
+        if publishes_kv_events(e):
+            pairs.append((f"engines[{i}].kv_events_port", p.kv_events))
+            pairs.append((f"engines[{i}].kv_events_replay_port", p.kv_events_replay))
         for key, port in pairs:
             if port is None or port <= 0:
                 raise ValueError(f"{key}: port not resolved for engine {e.name!r}")
@@ -51,28 +72,37 @@ def check_ports(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePorts
 
 
 def ports_to_pick(engines: Sequence[EngineConfig]) -> list[tuple[str, str, str]]:
-    """(engine name, "http" | "nixl", bind host) for every port the config leaves at 0."""
+    """(engine name, "http" | "nixl" | "kv_events" | "kv_events_replay", bind host) for every
+    port the config leaves at 0."""
     out = []
     for e in engines:
         if e.port == 0:
             out.append((e.name, "http", e.host))
         if e.kind == "vllm" and e.nixl_side_channel_port == 0:
             out.append((e.name, "nixl", e.nixl_side_channel_host))
+        if publishes_kv_events(e):
+            if e.kv_events_port == 0:
+                out.append((e.name, "kv_events", WILDCARD))
+            if e.kv_events_replay_port == 0:
+                out.append((e.name, "kv_events_replay", WILDCARD))
     return out
 
 
 def resolve_ports(
     engines: Sequence[EngineConfig], picked: Mapping[tuple[str, str], int] | None = None
 ) -> dict[str, EnginePorts]:
-    """Configured ports, with the zeros filled from `picked[(name, "http"|"nixl")]`."""
+    """Configured ports, with the zeros filled from `picked[(name, which)]` (ports_to_pick)."""
     picked = picked or {}
     out = {}
     for e in engines:
         http = e.port or picked.get((e.name, "http"), 0)
-        nixl = None
+        nixl = events = replay = None
         if e.kind == "vllm":
             nixl = e.nixl_side_channel_port or picked.get((e.name, "nixl"), 0)
-        out[e.name] = EnginePorts(http=http, nixl=nixl)
+        if publishes_kv_events(e):
+            events = e.kv_events_port or picked.get((e.name, "kv_events"), 0)
+            replay = e.kv_events_replay_port or picked.get((e.name, "kv_events_replay"), 0)
+        out[e.name] = EnginePorts(http=http, nixl=nixl, kv_events=events, kv_events_replay=replay)
     return out
 
 
@@ -115,4 +145,12 @@ class PortReservation:
         self._socks.clear()
 
 
-__all__ = ["EnginePorts", "PortReservation", "check_ports", "ports_to_pick", "resolve_ports", "url_for"]
+__all__ = [
+    "EnginePorts",
+    "PortReservation",
+    "check_ports",
+    "ports_to_pick",
+    "publishes_kv_events",
+    "resolve_ports",
+    "url_for",
+]

@@ -7,6 +7,7 @@ API:
 
     sup = Supervisor(config.engines, config.launcher, host_has_gpu=None)
     urls = await sup.start(progress=None)   # {engine name: base URL}, every engine healthy
+    sup.kv_event_endpoints()                # {engine name: (stream, replay) ZMQ endpoints}
     sup.status()                            # [UnitStatus], one per process, for display
     await sup.wait()                        # until stop() or every process gave up
     await sup.stop()                        # SIGTERM each process group, then SIGKILL
@@ -16,8 +17,9 @@ API:
 
 - `host_has_gpu`: None detects (commands.detect_host); True/False forces the command
   flavour (e.g. to print GPU command lines on a CPU machine).
-- Ports: engines with port 0 (and vllm engines with nixl_side_channel_port 0) get free ports
-  picked at `plan()`/`start()`. Each picked port stays bound by the supervisor (a socket that
+- Ports: engines with port 0 (vllm engines with nixl_side_channel_port 0, engines with
+  kv_events and kv_events_port or kv_events_replay_port 0) get free ports picked at
+  `plan()`/`start()`. Each picked port stays bound by the supervisor (a socket that
   never listens) until just before its engine is spawned, so two engines of this launcher
   never pick the same port and other programs cannot take it meanwhile. A restarted engine
   keeps its ports, so its URL never changes.
@@ -159,6 +161,11 @@ class Supervisor:
     def urls(self) -> dict[str, str]:
         """Engine name -> base URL (after plan()/start())."""
         return {n: u for unit in self._units for n, u in unit.cmd.urls.items()}
+
+    def kv_event_endpoints(self) -> dict[str, tuple[str, str]]:
+        """Engine name -> (stream, replay) endpoints the router connects to, for the engines
+        publishing KV events (after plan()/start(); restarts keep them)."""
+        return {n: ep for unit in self._units for n, ep in unit.cmd.kv_events.items()}
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from .config import (
     SimEngineConfig,
     TimingModel,
 )
-from .kv_events import parse_kv_events_config
+from .kv_events import KVEventsConfig, parse_kv_events_config
 from .server import SimServer
 
 log = logging.getLogger("engine_launcher.sim")
@@ -127,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--fault-stall-seconds", type=float, default=0.0)
     a(
         "--kv-events-config",
+        action="append",
         help="vLLM's KV cache event stream, as a JSON object of KVEventsConfig keys, e.g. "
-        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off)',
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off). '
+        "Once: every engine of the process, ports offset by its index; once per --port: "
+        "each engine its own, as given",
     )
     a("--enable-admin", action="store_true", help="enable POST /_sim/faults")
     a("--log-level", default="info")
@@ -172,10 +175,28 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
             stall_seconds=args.fault_stall_seconds,
         ),
         enable_admin=args.enable_admin,
-        kv_events_config=parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None,
+        kv_events_config=parse_kv_events_config(args.kv_events_config[0]) if args.kv_events_config else None,
     )
     cfg.validate()
     return cfg
+
+
+def kv_events_configs(args: argparse.Namespace) -> list[KVEventsConfig | None]:
+    """Each engine's event stream: one config for all, offset per engine as vLLM offsets
+    DP ranks, or one per --port (a launcher picking unrelated free ports gives these)."""
+    texts: list[str] = args.kv_events_config or []
+    count = len(args.port)
+    if not texts:
+        return [None] * count
+    configs = [parse_kv_events_config(t) for t in texts]
+    if len(configs) == 1:
+        return [configs[0].for_rank(i) for i in range(count)]
+    if len(configs) != count:
+        raise ValueError(
+            f"--kv-events-config: given {len(configs)} times for {count} --port(s); "
+            "give it once (ports offset per engine) or once per --port"
+        )
+    return list(configs)
 
 
 async def serve(configs: list[SimEngineConfig], host: str, ports: list[int]) -> None:
@@ -203,13 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         base = config_from_args(args)
+        events = kv_events_configs(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configs = [copy.deepcopy(base) for _ in args.port]
-    for i, cfg in enumerate(configs):  # each engine's event ports, offset as vLLM's DP ranks
-        if cfg.kv_events_config is not None:
-            cfg.kv_events_config = cfg.kv_events_config.for_rank(i)
+    for cfg, kv in zip(configs, events, strict=True):
+        cfg.kv_events_config = kv
     runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop

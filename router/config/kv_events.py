@@ -1,5 +1,5 @@
-"""The KV-event keys: `[kv_events]`, and the stream endpoints of `[[backends]]` and
-`[[discovery]]` tables (docs/CONFIG.md). The endpoints come only from the operator's
+"""The KV-event keys: `[kv_events]`, the stream endpoints of `[[backends]]` and
+`[[discovery]]` tables, and the event ports of `[[engines]]` (docs/CONFIG.md). The endpoints come only from the operator's
 configuration (or the admin API), never from a client request."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.config.checks import Problems, build_table, check_port, check_positive
-from router.config.schema import BackendConfig, ConfigError, DiscoveryConfig, KvEventsConfig
+from router.config.schema import BackendConfig, ConfigError, DiscoveryConfig, EngineConfig, KvEventsConfig
 
 
 def check_zmq_endpoint(key: str, value: str) -> None:
@@ -34,6 +34,16 @@ def check_discovery_kv_events(p: Problems, key: str, d: DiscoveryConfig) -> None
     p.check(check_port, f"{key}.kv_events_replay_port", d.kv_events_replay_port, allow_zero=True)
     if d.kv_events_replay_port and not d.kv_events_port:
         p.add(f"{key}.kv_events_replay_port: needs kv_events_port (the stream it replays)")
+
+
+def check_engine_kv_events(p: Problems, key: str, e: EngineConfig) -> None:
+    p.check(check_port, f"{key}.kv_events_port", e.kv_events_port, allow_zero=True)
+    p.check(check_port, f"{key}.kv_events_replay_port", e.kv_events_replay_port, allow_zero=True)
+    for port_key in ("kv_events_port", "kv_events_replay_port"):
+        if not e.kv_events and getattr(e, port_key):
+            p.add(f"{key}.{port_key}: set while kv_events = false (the engine publishes no events)")
+    if e.kv_events_port and e.kv_events_port == e.kv_events_replay_port:
+        p.add(f"{key}.kv_events_replay_port: the same port as kv_events_port ({e.kv_events_port})")
 
 
 def parse_kv_events(p: Problems, raw: Any) -> KvEventsConfig | None:

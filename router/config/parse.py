@@ -34,7 +34,7 @@ from router.config.checks import (
     string_table,
 )
 from router.config.discovery import parse_discovery
-from router.config.kv_events import check_backend_kv_events, parse_kv_events
+from router.config.kv_events import check_backend_kv_events, check_engine_kv_events, parse_kv_events
 from router.config.schema import (
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -209,6 +209,7 @@ def parse_engines(p: Problems, raw: Any) -> list[EngineConfig]:
         p.check(check_port, f"{key}.port", e.port, allow_zero=True)
         p.check(check_port, f"{key}.nixl_side_channel_port", e.nixl_side_channel_port, allow_zero=True)
         p.check(check_positive, f"{key}.kv_offload_gib", e.kv_offload_gib, allow_zero=True)
+        check_engine_kv_events(p, key, e)
         try:
             ipaddress.ip_address(e.host)
         except ValueError:

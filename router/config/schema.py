@@ -170,11 +170,25 @@ class EngineConfig:
     # CPU tier of the KV cache (GiB of host memory per engine; 0: none): vLLM's
     # OffloadingConnector next to NIXL, or the simulator's CPU tier (docs/LAUNCHER.md).
     kv_offload_gib: float = 0.0
+    # Its KV-event stream (vLLM --kv-events-config): published by the engine and followed by
+    # the router; ports 0: free ones picked at start (docs/LAUNCHER.md).
+    kv_events: bool = True
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
 
     @property
     def backend_role(self) -> Role:
         """An engine's role in the launcher maps to the router-side backend role."""
         return EngineRole(self.role).backend_role
+
+    def kv_event_endpoints(self, port: int, replay_port: int) -> tuple[str, str]:
+        """Where the router connects to the stream and replay sockets on these ports: the
+        engine's host (the engine binds every interface, vLLM binds only wildcards), through
+        loopback for a wildcard host. A replay port 0 gives no replay endpoint."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        if ":" in host:
+            host = f"[{host}]"
+        return f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}" if replay_port else ""
 
 
 @dataclass(frozen=True)
@@ -265,10 +279,17 @@ class Config:
     discovery: tuple[DiscoveryConfig, ...] = ()  # router/config/discovery.py
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)  # router/config/kv_events.py
 
-    def all_backends(self, engine_urls: dict[str, str] | None = None) -> tuple[BackendConfig, ...]:
+    def all_backends(
+        self,
+        engine_urls: dict[str, str] | None = None,
+        kv_event_endpoints: dict[str, tuple[str, str]] | None = None,
+    ) -> tuple[BackendConfig, ...]:
         """Backends declared directly plus registered engines.
 
-        engine_urls maps an engine name to its actual URL once the launcher picked a port.
+        engine_urls maps an engine name to its actual URL once the launcher picked a port;
+        kv_event_endpoints an engine name to its (stream, replay) endpoints once it started
+        them. Without the latter (engines started elsewhere) the configured
+        kv_events_port/kv_events_replay_port are followed, when set.
         """
         out = list(self.backends)
         for e in self.engines:
@@ -276,7 +297,21 @@ class Config:
                 continue
             url = (engine_urls or {}).get(e.name) or f"http://{e.host}:{e.port}"
             models = (e.served_model_name or e.model,) if (e.served_model_name or e.model) else ()
-            out.append(BackendConfig(name=e.name, url=url, role=e.backend_role, models=models))
+            events, replay = "", ""
+            if kv_event_endpoints is not None:
+                events, replay = kv_event_endpoints.get(e.name, ("", ""))
+            elif e.kv_events and e.kv_events_port:
+                events, replay = e.kv_event_endpoints(e.kv_events_port, e.kv_events_replay_port)
+            out.append(
+                BackendConfig(
+                    name=e.name,
+                    url=url,
+                    role=e.backend_role,
+                    models=models,
+                    kv_events_endpoint=events,
+                    kv_events_replay_endpoint=replay,
+                )
+            )
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:

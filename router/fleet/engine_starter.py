@@ -23,6 +23,11 @@ class EngineStarter(Protocol):
         """Start every engine; their base URLs by name once all are healthy."""
         ...
 
+    def kv_event_endpoints(self) -> dict[str, tuple[str, str]]:
+        """Engine name -> (stream, replay) endpoints of the KV-event streams the started
+        engines publish, as the router connects to them; engines without one are absent."""
+        ...
+
     async def stop(self) -> None: ...
 
 

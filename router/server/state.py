@@ -95,12 +95,15 @@ class RouterState:
     async def start(self) -> None:
         cfg = self.config
         engine_urls: dict[str, str] = {}
+        # None: engines started elsewhere (--no-engines), followed at their configured ports.
+        engine_events: dict[str, tuple[str, str]] | None = None
         if cfg.engines and self.start_engines:
             self.supervisor = engine_starter(cfg.engines, cfg.launcher)
             log.info("starting %d engine(s) from [[engines]]", len(cfg.engines))
             engine_urls = await self.supervisor.start(progress=_log_progress)
+            engine_events = self.supervisor.kv_event_endpoints()
         self.registry = BackendRegistry(
-            cfg.all_backends(engine_urls), cfg.health, learner=SpeedLearner(speed_prior(cfg.routing))
+            cfg.all_backends(engine_urls, engine_events), cfg.health, learner=SpeedLearner(speed_prior(cfg.routing))
         )
         learner = self.registry.learner
         self.kv_events = KvEvents(KvIndex(cfg.kv_events.max_blocks_per_engine), self.registry, cfg.kv_events)

@@ -66,6 +66,18 @@ def test_defaults_are_safe() -> None:
         ({"engines": [{"name": "e", "kind": "gpu"}]}, "engines[0].kind", "expected one of"),
         ({"engines": [{"name": "e", "kind": "vllm", "role": "consumer"}]}, "engines[0].model", "required"),
         ({"engines": [{"name": "e", "kind": "sim", "host": "example.com"}]}, "engines[0].host", "IP address"),
+        ({"engines": [{"name": "e", "kind": "sim", "kv_events_port": 70000}]}, "engines[0].kv_events_port", "port"),
+        ({"engines": [{"name": "e", "kind": "sim", "kv_events": "yes"}]}, "engines[0].kv_events", "boolean"),
+        (
+            {"engines": [{"name": "e", "kind": "sim", "kv_events": False, "kv_events_replay_port": 5558}]},
+            "engines[0].kv_events_replay_port",
+            "kv_events = false",
+        ),
+        (
+            {"engines": [{"name": "e", "kind": "sim", "kv_events_port": 5557, "kv_events_replay_port": 5557}]},
+            "engines[0].kv_events_replay_port",
+            "same port",
+        ),
         ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
         ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
         ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
@@ -195,6 +207,43 @@ def test_engines_become_backends_with_mapped_roles() -> None:
     assert b["c"].url == "http://127.0.0.1:9999"
     assert b["p"].url == "http://127.0.0.1:9001"
     assert b["p"].models == ("m",)
+
+
+def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_ports():
+    cfg = parse_config(
+        {
+            "engines": [
+                {"name": "a", "kind": "sim", "port": 9001, "kv_events_port": 5557, "kv_events_replay_port": 5558},
+                {"name": "b", "kind": "sim", "port": 9002, "host": "0.0.0.0", "kv_events_port": 5559},
+                {"name": "c", "kind": "sim", "port": 9003},  # ports left to the launcher
+                {"name": "d", "kind": "sim", "port": 9004, "host": "::1", "kv_events_port": 5560},
+                {"name": "e", "kind": "sim", "port": 9005, "kv_events": False},
+            ]
+        }
+    )
+    assert cfg.engines[0].kv_events is True
+
+    def endpoints(backends) -> dict[str, tuple[str, str]]:
+        return {x.name: (x.kv_events_endpoint, x.kv_events_replay_endpoint) for x in backends}
+
+    # Engines started elsewhere (router --no-engines): the configured ports, reached at the
+    # engine's host (loopback for a wildcard).
+    assert endpoints(cfg.all_backends()) == {
+        "a": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+        "b": ("tcp://127.0.0.1:5559", ""),
+        "c": ("", ""),
+        "d": ("tcp://[::1]:5560", ""),
+        "e": ("", ""),
+    }
+    # Engines the launcher started: what it reports, and nothing for the others.
+    started = {"c": ("tcp://127.0.0.1:41000", "tcp://127.0.0.1:41001")}
+    assert endpoints(cfg.all_backends({}, started)) == {
+        "a": ("", ""),
+        "b": ("", ""),
+        "c": ("tcp://127.0.0.1:41000", "tcp://127.0.0.1:41001"),
+        "d": ("", ""),
+        "e": ("", ""),
+    }
 
 
 def _run_cli(*args):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -27,29 +28,64 @@ def write(tmp_path: Path, text: str) -> str:
     return str(p)
 
 
-def test_dry_run_prints_exact_commands_for_router_toml(capsys: pytest.CaptureFixture[str]) -> None:
+EVENT_PORT = re.compile(r"(tcp://(?:\*|127\.0\.0\.1)):(\d+)")
+
+
+def picked_event_ports(lines: list[str]) -> tuple[list[str], list[int]]:
+    """The lines with each picked KV-event port replaced by its order of first appearance
+    ("tcp://*:<0>"), and the ports in that order."""
+    order: list[int] = []
+
+    def name(m: re.Match[str]) -> str:
+        port = int(m.group(2))
+        if port not in order:
+            order.append(port)
+        return f"{m.group(1)}:<{order.index(port)}>"
+
+    return [EVENT_PORT.sub(name, line) for line in lines], order
+
+
+def events_flag(i: int) -> str:
+    """The --kv-events-config of the engine whose stream is picked port <i>, replay <i+1>."""
+    return (
+        '--kv-events-config \'{"enable_kv_cache_events":true,"publisher":"zmq",'
+        f'"endpoint":"tcp://*:<{i}>","replay_endpoint":"tcp://*:<{i + 1}>","topic":""}}\''
+    )
+
+
+def test_dry_run_prints_exact_commands_for_router_toml(capsys):
     rc = main(["--config", str(REPO / "router.toml"), "--dry-run", "--host-type", "cpu"])
     assert rc == 0
-    out = capsys.readouterr().out.splitlines()
+    out, ports = picked_event_ports(capsys.readouterr().out.splitlines())
     py = sys.executable
     assert out == [
         "# engine-launcher --dry-run: 2 process(es) for 5 engine(s) on a CPU host "
         f"({len(os.sched_getaffinity(0))} CPUs)",
+        "# free ports were picked now for decode-0, decode-1, decode-2, decode-3, prefill-0; a real start picks again",
         "",
         "# decode-0 (sim): decode-0 at http://127.0.0.1:8101, decode-1 at http://127.0.0.1:8102, "
         "decode-2 at http://127.0.0.1:8103, decode-3 at http://127.0.0.1:8104",
+        "# kv events of decode-0: tcp://127.0.0.1:<0>, replay tcp://127.0.0.1:<1>",
+        "# kv events of decode-1: tcp://127.0.0.1:<2>, replay tcp://127.0.0.1:<3>",
+        "# kv events of decode-2: tcp://127.0.0.1:<4>, replay tcp://127.0.0.1:<5>",
+        "# kv events of decode-3: tcp://127.0.0.1:<6>, replay tcp://127.0.0.1:<7>",
         "# log: engine-logs/decode-0.log",
         f"PYTHONUNBUFFERED=1 {py} -m engine_launcher.sim --port 8101 --port 8102 --port 8103 "
-        "--port 8104 --host 127.0.0.1 --role consumer --model sim-llama-8b",
+        "--port 8104 --host 127.0.0.1 --role consumer --model sim-llama-8b "
+        + " ".join(events_flag(i) for i in (0, 2, 4, 6)),
         "",
         "# prefill-0 (sim): prefill-0 at http://127.0.0.1:8105",
+        "# kv events of prefill-0: tcp://127.0.0.1:<8>, replay tcp://127.0.0.1:<9>",
         "# log: engine-logs/prefill-0.log",
         f"PYTHONUNBUFFERED=1 {py} -m engine_launcher.sim --port 8105 --host 127.0.0.1 "
-        "--role producer --model sim-llama-8b",
+        f"--role producer --model sim-llama-8b {events_flag(8)}",
     ]
+    # Ten distinct picked ports, none of them an engine's HTTP port.
+    assert len(ports) == 10
+    assert not set(ports) & set(range(8101, 8106))
 
 
-def test_up_subcommand_and_gpu_flavour(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
     cfg = write(
         tmp_path,
         """
@@ -70,6 +106,8 @@ def test_up_subcommand_and_gpu_flavour(tmp_path: Path, capsys: pytest.CaptureFix
         port = 8201
         nixl_side_channel_port = 5601
         gpu_ids = [1]
+        kv_events_port = 5701
+        kv_events_replay_port = 5702
         extra_args = ["--max-model-len", "8192"]
         """,
     )
@@ -84,13 +122,16 @@ def test_up_subcommand_and_gpu_flavour(tmp_path: Path, capsys: pytest.CaptureFix
         "vllm.entrypoints.openai.api_server --model /models/llama --served-model-name "
         "/models/llama --host 127.0.0.1 --port 8201 --enable-prefix-caching --enable-prompt-tokens-details "
         f"--kv-transfer-config '{kv}' --scheduler-cls "
-        "engine_launcher.vllm_plugin.scheduler.ThresholdAsyncScheduler --max-model-len 8192"
+        "engine_launcher.vllm_plugin.scheduler.ThresholdAsyncScheduler --kv-events-config "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5701",'
+        '"replay_endpoint":"tcp://*:5702","topic":""}\' --max-model-len 8192'
     ) in out.splitlines()
+    assert "# kv events of decode: tcp://127.0.0.1:5701, replay tcp://127.0.0.1:5702" in out
     assert "# log: /var/log/engines/prefill.log" in out
     assert "on a GPU host" in out
 
 
-def test_dry_run_shows_the_cpu_tier_connector(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
     cfg = write(
         tmp_path,
         """
@@ -126,7 +167,7 @@ def test_dry_run_shows_the_cpu_tier_connector(tmp_path: Path, capsys: pytest.Cap
     assert f"--kv-transfer-config '{kv}'" in out
 
 
-def test_dry_run_mentions_picked_ports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dry_run_mentions_picked_ports(tmp_path, capsys):
     cfg = write(
         tmp_path,
         """
@@ -156,14 +197,14 @@ def test_dry_run_mentions_picked_ports(tmp_path: Path, capsys: pytest.CaptureFix
         ('[[backends]]\nname = "b"\nurl = "http://h:1"\n', "engines"),
     ],
 )
-def test_bad_config_exits_2_and_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str], body, key) -> None:
+def test_bad_config_exits_2_and_names_the_key(tmp_path, capsys, body, key):
     cfg = write(tmp_path, body)
     assert main(["--config", cfg, "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"engine-launcher: configuration error: {key}")
 
 
-def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_config_file_exits_2(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "nope.toml")]) == 2
     assert "cannot read configuration file" in capsys.readouterr().err
 
@@ -175,7 +216,7 @@ def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
         ("install-deps", "usage: engine-launcher install-deps"),
     ],
 )
-def test_sim_and_install_deps_subcommands_are_forwarded(capsys: pytest.CaptureFixture[str], sub, usage) -> None:
+def test_sim_and_install_deps_subcommands_are_forwarded(capsys, sub, usage):
     # Their own parsers answer --help: the launcher passed the rest of argv through.
     with pytest.raises(SystemExit) as exit_:
         main([sub, "--help"])
@@ -183,13 +224,13 @@ def test_sim_and_install_deps_subcommands_are_forwarded(capsys: pytest.CaptureFi
     assert capsys.readouterr().out.startswith(usage)
 
 
-def test_tiny_model_subcommand_is_forwarded(capsys: pytest.CaptureFixture[str]) -> None:
+def test_tiny_model_subcommand_is_forwarded(capsys):
     # tiny_model.main's own usage check answers: the launcher forwarded argv unchanged.
     assert main(["tiny-model", "--bad"]) == 2
     assert "usage: python -m engine_launcher.tiny_model DIR" in capsys.readouterr().err
 
 
-def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
     ports = [free_port() for _ in range(3)]
     cfg = write(
         tmp_path,
@@ -244,7 +285,7 @@ def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path: Path) 
         lp.kill()
 
 
-def test_launcher_exits_1_with_log_tail_when_an_engine_cannot_start(tmp_path: Path) -> None:
+def test_launcher_exits_1_with_log_tail_when_an_engine_cannot_start(tmp_path):
     cfg = write(
         tmp_path,
         f"""

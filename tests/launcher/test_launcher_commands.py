@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from engine_launcher.commands import ASYNC_SCHEDULER_CLS, SYNC_SCHEDULER_CLS, build_commands
 from engine_launcher.host import HostInfo
 from engine_launcher.placement import assign_cpu_cores
-from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports, url_for
+from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports
 from router.config.parse import load_config
 from router.config.schema import ConfigError, EngineConfig
 
@@ -31,15 +30,38 @@ def kv_config(role: str, device: str) -> str:
     )
 
 
+def eports(http: int, nixl: int | None = None) -> EnginePorts:
+    """An engine's ports; its KV-event ports follow from the HTTP port (clear of the others)."""
+    return EnginePorts(http, nixl, 20000 + http, 30000 + http)
+
+
+def events_config(port: int, replay: int) -> str:
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": "",
+        },
+        separators=(",", ":"),
+    )
+
+
+def picked_for(engines: list[EngineConfig], base: int = 40000) -> dict[tuple[str, str], int]:
+    """Distinct made-up picks for every port the engines leave at 0."""
+    return {(name, which): base + i for i, (name, which, _) in enumerate(ports_to_pick(engines))}
+
+
 def one(engine: EngineConfig, host: HostInfo, http: int = 9000, nixl: int = 5600):
-    (cmd,) = build_commands([engine], {engine.name: EnginePorts(http, nixl)}, host, log_dir="logs", python=PY)
+    (cmd,) = build_commands([engine], {engine.name: eports(http, nixl)}, host, log_dir="logs", python=PY)
     return cmd
 
 
 @pytest.mark.parametrize(
     ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
-def test_vllm_cpu_host_exact_argv_and_env(role, kv_role) -> None:
+def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
     cmd = one(vllm_engine("e0", role), CPU_HOST)
     assert list(cmd.argv) == [
         *VLLM_HEAD,
@@ -57,6 +79,8 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role) -> None:
         kv_config(kv_role, "cpu"),
         "--scheduler-cls",
         SYNC_SCHEDULER_CLS,
+        "--kv-events-config",
+        events_config(29000, 39000),
         "--dtype",
         "float32",
         "--block-size",
@@ -78,13 +102,14 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role) -> None:
     assert cmd.engines == ("e0",)
     assert cmd.log_file == "logs/e0.log"
     assert dict(cmd.urls) == {"e0": "http://127.0.0.1:9000"}
+    assert dict(cmd.kv_events) == {"e0": ("tcp://127.0.0.1:29000", "tcp://127.0.0.1:39000")}
     assert cmd.health_urls() == {"e0": "http://127.0.0.1:9000/health"}
 
 
 @pytest.mark.parametrize(
     ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
-def test_vllm_gpu_host_exact_argv_and_env(role, kv_role) -> None:
+def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
     e = vllm_engine(
         "g0", role, served_model_name="llama", gpu_ids=(2, 3), nixl_side_channel_host="10.0.0.5", host="0.0.0.0"
     )
@@ -105,6 +130,8 @@ def test_vllm_gpu_host_exact_argv_and_env(role, kv_role) -> None:
         kv_config(kv_role, "cuda"),
         "--scheduler-cls",
         ASYNC_SCHEDULER_CLS,
+        "--kv-events-config",
+        events_config(28200, 38200),
     ]
     assert dict(cmd.env) == {
         "PYTHONUNBUFFERED": "1",
@@ -115,12 +142,13 @@ def test_vllm_gpu_host_exact_argv_and_env(role, kv_role) -> None:
     }
     # A wildcard listener is reached through loopback.
     assert dict(cmd.urls) == {"g0": "http://127.0.0.1:8200"}
+    assert dict(cmd.kv_events) == {"g0": ("tcp://127.0.0.1:28200", "tcp://127.0.0.1:38200")}
 
 
 @pytest.mark.parametrize(
     ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
-def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role) -> None:
+def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role):
     cmd = one(vllm_engine("g0", role, kv_offload_gib=64.5), GPU_HOST)
     argv = list(cmd.argv)
     # Exactly this JSON: a MultiConnector, NIXL first, then the CPU tier in bytes (GiB * 2^30,
@@ -138,14 +166,14 @@ def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role)
     assert plain[plain.index("--kv-transfer-config") + 1] == kv_config(kv_role, "cuda")
 
 
-def test_kv_offload_gib_on_a_cpu_host_is_a_configuration_error() -> None:
+def test_kv_offload_gib_on_a_cpu_host_is_a_configuration_error():
     # vLLM 0.32's CPU build refuses the OffloadingConnector at start; say so before starting.
     e = vllm_engine("e0", "both", kv_offload_gib=1.0)
     with pytest.raises(ConfigError, match=r"engines\[0\]\.kv_offload_gib: .*needs a CUDA or XPU GPU"):
         one(e, CPU_HOST)
 
 
-def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens() -> None:
+def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens():
     e = EngineConfig(name="s0", kind="sim", role="both", kv_offload_gib=2.0)
     cmd = one(e, CPU_HOST)
     argv = list(cmd.argv)
@@ -153,27 +181,25 @@ def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens() -> None:
     assert argv[argv.index("--cpu-offload-tokens") + 1] == "16384"
     # Sim engines with different tiers are different processes.
     engines = [e, EngineConfig(name="s1", kind="sim", role="both")]
-    cmds = build_commands(
-        engines, {"s0": EnginePorts(9000), "s1": EnginePorts(9001)}, CPU_HOST, log_dir="logs", python=PY
-    )
+    cmds = build_commands(engines, {"s0": eports(9000), "s1": eports(9001)}, CPU_HOST, log_dir="logs", python=PY)
     assert [c.engines for c in cmds] == [("s0",), ("s1",)]
 
 
-def test_kv_offload_gib_must_not_be_negative(tmp_path: Path) -> None:
+def test_kv_offload_gib_must_not_be_negative(tmp_path):
     path = tmp_path / "router.toml"
     path.write_text('[[engines]]\nname = "a"\nkind = "sim"\nkv_offload_gib = -1\n')
     with pytest.raises(ConfigError, match=r"engines\[0\]\.kv_offload_gib: expected a non-negative"):
         load_config(path)
 
 
-def test_gpu_host_without_async_scheduling_uses_sync_scheduler() -> None:
+def test_gpu_host_without_async_scheduling_uses_sync_scheduler():
     cmd = one(vllm_engine("g0", "consumer", extra_args=("--no-async-scheduling",)), GPU_HOST)
     i = cmd.argv.index("--scheduler-cls")
     assert cmd.argv[i + 1] == SYNC_SCHEDULER_CLS
     assert cmd.argv[-1] == "--no-async-scheduling"
 
 
-def test_extra_args_come_last_and_replace_launcher_defaults() -> None:
+def test_extra_args_come_last_and_replace_launcher_defaults():
     extra = ("--dtype", "bfloat16", "--block-size=64", "--max-model-len", "1024", "--scheduler-cls", "my.Sched")
     cmd = one(vllm_engine("e0", "consumer", extra_args=extra), CPU_HOST)
     argv = list(cmd.argv)
@@ -188,7 +214,7 @@ def test_extra_args_come_last_and_replace_launcher_defaults() -> None:
     assert argv[argv.index("my.Sched") - 1] == "--scheduler-cls"
 
 
-def test_user_env_overrides_launcher_env() -> None:
+def test_user_env_overrides_launcher_env():
     e = vllm_engine(
         "e0", "producer", env=(("UCX_TLS", "rc,tcp"), ("VLLM_CPU_KVCACHE_SPACE", "4"), ("HF_HOME", "/cache"))
     )
@@ -198,7 +224,7 @@ def test_user_env_overrides_launcher_env() -> None:
     assert env["HF_HOME"] == "/cache"
 
 
-def test_cpu_engines_get_disjoint_cores() -> None:
+def test_cpu_engines_get_disjoint_cores():
     engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer"), vllm_engine("c", "consumer", cpu_cores=(7,))]
     host = HostInfo(gpu_count=0, cpu_ids=(0, 1, 2, 3, 4, 5, 6, 7))
     cores = assign_cpu_cores(engines, host)
@@ -208,17 +234,17 @@ def test_cpu_engines_get_disjoint_cores() -> None:
     assert assign_cpu_cores(many, CPU_HOST) == {"e0": (0,), "e1": (1,), "e2": (0,)}
 
 
-def test_two_cpu_engines_bind_one_core_each_in_their_commands() -> None:
+def test_two_cpu_engines_bind_one_core_each_in_their_commands():
     engines = [vllm_engine("p", "producer"), vllm_engine("c", "consumer")]
-    ports = {"p": EnginePorts(9001, 5601), "c": EnginePorts(9002, 5602)}
+    ports = {"p": eports(9001, 5601), "c": eports(9002, 5602)}
     p, c = build_commands(engines, ports, CPU_HOST, log_dir="l", python=PY)
     assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert c.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
 
-def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error() -> None:
+def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error():
     engines = [vllm_engine(f"e{i}", "consumer") for i in range(2)] + [vllm_engine("x", "producer", gpu_ids=(0,))]
-    ports = {e.name: EnginePorts(9000 + i, 5600 + i) for i, e in enumerate(engines)}
+    ports = {e.name: eports(9000 + i, 5600 + i) for i, e in enumerate(engines)}
     cmds = build_commands(engines, ports, HostInfo(gpu_count=3), log_dir="l", python=PY)
     assert [c.env.get("CUDA_VISIBLE_DEVICES") for c in cmds] == ["1", "2", "0"]
     with pytest.raises(ConfigError, match=r"engines\[1\]\.gpu_ids"):
@@ -227,9 +253,12 @@ def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error() -> None
     assert "CUDA_VISIBLE_DEVICES" not in one(vllm_engine("solo", "both"), GPU_HOST).env
 
 
-def test_identical_sim_engines_share_one_process() -> None:
+def test_identical_sim_engines_share_one_process():
     cfg = load_config("router.toml")
-    ports = resolve_ports(cfg.engines)
+    picked = {(f"decode-{i}", "kv_events"): 7000 + 2 * i for i in range(4)}
+    picked |= {(f"decode-{i}", "kv_events_replay"): 7001 + 2 * i for i in range(4)}
+    picked |= {("prefill-0", "kv_events"): 7100, ("prefill-0", "kv_events_replay"): 7101}
+    ports = resolve_ports(cfg.engines, picked)
     cmds = build_commands(cfg.engines, ports, CPU_HOST, log_dir="engine-logs", python=PY)
     assert [c.engines for c in cmds] == [("decode-0", "decode-1", "decode-2", "decode-3"), ("prefill-0",)]
     decode, prefill = cmds
@@ -251,6 +280,15 @@ def test_identical_sim_engines_share_one_process() -> None:
         "consumer",
         "--model",
         "sim-llama-8b",
+        # One stream per engine, in --port order.
+        "--kv-events-config",
+        events_config(7000, 7001),
+        "--kv-events-config",
+        events_config(7002, 7003),
+        "--kv-events-config",
+        events_config(7004, 7005),
+        "--kv-events-config",
+        events_config(7006, 7007),
     ]
     assert list(prefill.argv) == [
         PY,
@@ -264,14 +302,19 @@ def test_identical_sim_engines_share_one_process() -> None:
         "producer",
         "--model",
         "sim-llama-8b",
+        "--kv-events-config",
+        events_config(7100, 7101),
     ]
     assert dict(decode.env) == {"PYTHONUNBUFFERED": "1"}
     assert decode.name == "decode-0"
     assert decode.log_file == "engine-logs/decode-0.log"
     assert dict(decode.urls) == {f"decode-{i}": f"http://127.0.0.1:{8101 + i}" for i in range(4)}
+    assert dict(decode.kv_events) == {
+        f"decode-{i}": (f"tcp://127.0.0.1:{7000 + 2 * i}", f"tcp://127.0.0.1:{7001 + 2 * i}") for i in range(4)
+    }
 
 
-def test_sim_engines_with_different_options_do_not_share() -> None:
+def test_sim_engines_with_different_options_do_not_share():
     engines = [
         EngineConfig(name="a", kind="sim", role="both", port=1, model="m"),
         EngineConfig(name="b", kind="sim", role="both", port=2, model="m", extra_args=("--speedup", "2")),
@@ -279,65 +322,35 @@ def test_sim_engines_with_different_options_do_not_share() -> None:
         EngineConfig(name="d", kind="sim", role="both", port=4, model="m", env=(("X", "1"),)),
         EngineConfig(name="e", kind="sim", role="both", port=5, model="m", cpu_cores=(1,), served_model_name="served"),
     ]
-    cmds = build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l", python=PY)
-    assert [c.engines for c in cmds] == [("a", "c"), ("b",), ("d",), ("e",)]
+    engines.append(EngineConfig(name="f", kind="sim", role="both", port=6, model="m", kv_events=False))
+    cmds = build_commands(engines, resolve_ports(engines, picked_for(engines)), CPU_HOST, log_dir="l", python=PY)
+    # An engine without events cannot share a process with engines that publish.
+    assert [c.engines for c in cmds] == [("a", "c"), ("b",), ("d",), ("e",), ("f",)]
     assert cmds[1].argv[-2:] == ("--speedup", "2")
     assert cmds[2].env["X"] == "1"
     assert cmds[3].cpu_affinity == (1,)
     # The simulator serves one name: served_model_name when given.
-    assert list(cmds[3].argv[-2:]) == ["--model", "served"]
+    argv = list(cmds[3].argv)
+    assert argv[argv.index("--model") + 1] == "served"
+    assert "--kv-events-config" not in cmds[4].argv
 
 
-def test_port_assignment_fills_only_zeros_and_clashes_name_the_key() -> None:
-    engines = [
-        vllm_engine("v", "producer", port=8000),
-        EngineConfig(name="s", kind="sim", port=0),
-        vllm_engine("w", "consumer", nixl_side_channel_port=5700),
-    ]
-    assert ports_to_pick(engines) == [
-        ("v", "nixl", "127.0.0.1"),
-        ("s", "http", "127.0.0.1"),
-        ("w", "http", "127.0.0.1"),
-    ]
-    ports = resolve_ports(engines, {("v", "nixl"): 41000, ("s", "http"): 41001, ("w", "http"): 41002})
-    assert ports == {"v": EnginePorts(8000, 41000), "s": EnginePorts(41001, None), "w": EnginePorts(41002, 5700)}
-    clash = [
-        vllm_engine("v", "producer", port=8000, nixl_side_channel_port=5600),
-        vllm_engine("w", "consumer", port=8001, nixl_side_channel_port=8000),
-    ]
-    with pytest.raises(ConfigError, match=r"engines\[1\]\.nixl_side_channel_port: port 8000"):
-        build_commands(clash, resolve_ports(clash), CPU_HOST, log_dir="l")
-
-
-def test_unresolved_port_is_refused() -> None:
-    engines = [EngineConfig(name="s", kind="sim")]
-    with pytest.raises(ValueError, match="not resolved"):
-        build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
-
-
-def test_url_for_wildcards_and_ipv6() -> None:
-    assert url_for("0.0.0.0", 1) == "http://127.0.0.1:1"
-    assert url_for("::", 2) == "http://[::1]:2"
-    assert url_for("::1", 3) == "http://[::1]:3"
-    assert url_for("localhost", 4) == "http://localhost:4"
-
-
-def test_default_python_is_the_running_interpreter() -> None:
-    cmd = build_commands([vllm_engine("e", "both")], {"e": EnginePorts(1, 2)}, CPU_HOST, log_dir="l")[0]
+def test_default_python_is_the_running_interpreter():
+    cmd = build_commands([vllm_engine("e", "both")], {"e": eports(1, 2)}, CPU_HOST, log_dir="l")[0]
     assert cmd.argv[0] == sys.executable
 
 
-def test_shell_line_quotes_json_and_puts_env_first() -> None:
+def test_shell_line_quotes_json_and_puts_env_first():
     line = one(vllm_engine("e0", "producer"), CPU_HOST).shell_line()
     assert line.startswith("CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 PYTHONUNBUFFERED=1 UCX_TLS=tcp,self ")
     assert '\'{"kv_connector":"NixlConnector"' in line
 
 
-def test_gpus_stay_inside_the_launchers_own_visible_devices() -> None:
+def test_gpus_stay_inside_the_launchers_own_visible_devices():
     from engine_launcher.host import visible_gpus
 
     engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer")]
-    ports = {"a": EnginePorts(1, 2), "b": EnginePorts(3, 4)}
+    ports = {"a": eports(1, 2), "b": eports(3, 4)}
     host = HostInfo(gpu_count=2, cpu_ids=(0,), gpu_ids=(5, 7))
     cmds = build_commands(engines, ports, host, log_dir="l", python=PY)
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in cmds] == ["5", "7"]

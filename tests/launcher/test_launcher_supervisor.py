@@ -251,10 +251,12 @@ async def test_host_type_can_be_forced_either_way(tmp_path: Path) -> None:
     # GPU command lines printed on a machine without GPUs: one GPU per engine is assumed.
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=True, host=HostInfo(gpu_count=0, cpu_ids=(0, 1)))
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in sup.plan()] == ["0", "1"]
+    sup.release_ports()  # planned, never started: the picked ports are let go, as --dry-run does
     # The CPU build forced on a GPU machine.
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, host=HostInfo(gpu_count=8, cpu_ids=(0, 1, 2, 3)))
     assert [c.env["VLLM_CPU_OMP_THREADS_BIND"] for c in sup.plan()] == ["0,1", "2,3"]
     assert all("CUDA_VISIBLE_DEVICES" not in c.env for c in sup.plan())
+    sup.release_ports()
 
 
 async def test_restarts_that_never_get_healthy_count_and_back_off(

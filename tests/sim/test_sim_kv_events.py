@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from engine_launcher.sim import SimEngineHandle
 from engine_launcher.sim import kv_events as sim_kv_events
-from engine_launcher.sim.cli import build_parser, config_from_args
+from engine_launcher.sim.cli import build_parser, config_from_args, kv_events_configs
 from engine_launcher.sim.kv_cache import hash_blocks
 from engine_launcher.sim.kv_events import (
     AllBlocksCleared,
@@ -325,6 +325,26 @@ def test_config_defaults_and_errors_name_the_key() -> None:
     assert offset_endpoint_port("tcp://*:0", 2) == "tcp://*:0"
     assert offset_endpoint_port("inproc://kv", 1) == "inproc://kv_dp1"
     assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+
+
+def test_one_events_config_per_port_is_taken_as_given() -> None:
+    def configs(*argv: str) -> list:
+        return kv_events_configs(build_parser().parse_args(["--port", "0", "--port", "0", *argv]))
+
+    a = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:7001", "replay_endpoint": "tcp://*:7002"}'
+    b = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:7101", "replay_endpoint": "tcp://*:7102"}'
+    got = configs("--kv-events-config", a, "--kv-events-config", b)
+    assert [(c.endpoint, c.replay_endpoint) for c in got] == [
+        ("tcp://*:7001", "tcp://*:7002"),
+        ("tcp://*:7101", "tcp://*:7102"),
+    ]
+    # Once: offset per engine, as before.
+    once = configs("--kv-events-config", a)
+    assert [c.endpoint for c in once] == ["tcp://*:7001", "tcp://*:7002"]
+    assert configs() == [None, None]
+    three = build_parser().parse_args(["--port", "0", "--kv-events-config", a, "--kv-events-config", b])
+    with pytest.raises(ValueError, match=r"--kv-events-config: given 2 times for 1 --port"):
+        kv_events_configs(three)
 
 
 def need_vllm() -> None:

@@ -27,8 +27,9 @@ class LauncherProcess:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line.rstrip("\n"))
+        with self.proc.stdout:  # closed once the launcher's output ends: no pipe is leaked
+            for line in self.proc.stdout:
+                self._q.put(line.rstrip("\n"))
         self._q.put(None)
 
     def wait_for_line(self, needle: str, timeout: float) -> str:

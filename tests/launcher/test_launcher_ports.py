@@ -1,0 +1,199 @@
+"""Engine ports (which are picked, resolving, clashes, URLs) and the KV-event streams of
+launched engines: their ports, the `--kv-events-config` each engine gets, and a started
+simulator publishing where the supervisor says it does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from engine_launcher.commands import build_commands
+from engine_launcher.host import HostInfo
+from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports, url_for
+from engine_launcher.supervisor import Supervisor
+from router.config.schema import ConfigError, EngineConfig, LauncherConfig
+
+CPU_HOST = HostInfo(gpu_count=0, cpu_ids=(0, 1))
+# The replay protocol's end marker: seq -1 (vLLM's, docs/SIMULATOR.md).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# Hang guard for a reply (not a timing assertion: the answer takes milliseconds).
+REPLY_TIMEOUT_S = 30
+
+
+def sim(name: str, **kw) -> EngineConfig:
+    return EngineConfig(name=name, kind="sim", role="both", model="m", **kw)
+
+
+def vllm(name: str, **kw) -> EngineConfig:
+    return EngineConfig(name=name, kind="vllm", role="both", model="/models/tiny", **kw)
+
+
+def picked_for(engines: list[EngineConfig], base: int = 40000) -> dict[tuple[str, str], int]:
+    """Distinct made-up picks for every port the engines leave at 0."""
+    return {(name, which): base + i for i, (name, which, _) in enumerate(ports_to_pick(engines))}
+
+
+def flag_values(argv: tuple[str, ...]) -> list[dict]:
+    return [json.loads(argv[i + 1]) for i, a in enumerate(argv) if a == "--kv-events-config"]
+
+
+def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():
+    engines = [
+        vllm("v", port=8000),
+        EngineConfig(name="s", kind="sim", port=0),
+        vllm("w", nixl_side_channel_port=5700),
+    ]
+    assert ports_to_pick(engines) == [
+        ("v", "nixl", "127.0.0.1"),
+        # Event sockets bind every interface: their free ports are picked on the wildcard.
+        ("v", "kv_events", "0.0.0.0"),
+        ("v", "kv_events_replay", "0.0.0.0"),
+        ("s", "http", "127.0.0.1"),
+        ("s", "kv_events", "0.0.0.0"),
+        ("s", "kv_events_replay", "0.0.0.0"),
+        ("w", "http", "127.0.0.1"),
+        ("w", "kv_events", "0.0.0.0"),
+        ("w", "kv_events_replay", "0.0.0.0"),
+    ]
+    ports = resolve_ports(engines, picked_for(engines, 41000))
+    assert ports == {
+        "v": EnginePorts(8000, 41000, 41001, 41002),
+        "s": EnginePorts(41003, None, 41004, 41005),
+        "w": EnginePorts(41006, 5700, 41007, 41008),
+    }
+    clash = [
+        vllm("v", port=8000, nixl_side_channel_port=5600),
+        vllm("w", port=8001, nixl_side_channel_port=8000),
+    ]
+    with pytest.raises(ConfigError, match=r"engines\[1\]\.nixl_side_channel_port: port 8000"):
+        build_commands(clash, resolve_ports(clash, picked_for(clash)), CPU_HOST, log_dir="l")
+
+
+def test_unresolved_port_is_refused():
+    engines = [EngineConfig(name="s", kind="sim")]
+    with pytest.raises(ValueError, match="not resolved"):
+        build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
+
+
+def test_url_for_wildcards_and_ipv6():
+    assert url_for("0.0.0.0", 1) == "http://127.0.0.1:1"
+    assert url_for("::", 2) == "http://[::1]:2"
+    assert url_for("::1", 3) == "http://[::1]:3"
+    assert url_for("localhost", 4) == "http://localhost:4"
+
+
+def test_configured_ports_are_bound_on_the_wildcard_and_reached_at_the_engine_host():
+    engines = [
+        vllm("v", port=8000, nixl_side_channel_port=5600, kv_events_port=5557, kv_events_replay_port=5558),
+        sim("s", port=8001, host="0.0.0.0", kv_events_port=5559, kv_events_replay_port=5560),
+    ]
+    assert ports_to_pick(engines) == []
+    ports = resolve_ports(engines)
+    assert ports["v"] == EnginePorts(8000, 5600, 5557, 5558)
+    v, s = build_commands(engines, ports, CPU_HOST, log_dir="l")
+    # vLLM binds only wildcard endpoints (it connects to any other): both sockets on tcp://*.
+    assert flag_values(v.argv) == [
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+            "topic": "",
+        }
+    ]
+    assert flag_values(s.argv)[0]["endpoint"] == "tcp://*:5559"
+    assert dict(v.kv_events) == {"v": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")}
+    # A wildcard engine host is reached through loopback, as its HTTP port is.
+    assert dict(s.kv_events) == {"s": ("tcp://127.0.0.1:5559", "tcp://127.0.0.1:5560")}
+
+
+@pytest.mark.parametrize(
+    ("engines", "message"),
+    [
+        (
+            [sim("a", port=9000, kv_events_port=9000, kv_events_replay_port=9001)],
+            r"engines\[0\]\.kv_events_port: port 9000",
+        ),
+        (
+            [
+                sim("a", port=9000, kv_events_port=9001, kv_events_replay_port=9002),
+                sim("b", port=9003, kv_events_port=9004, kv_events_replay_port=9001),
+            ],
+            r"engines\[1\]\.kv_events_replay_port: port 9001 is already used by engines\[0\]\.kv_events_port",
+        ),
+        (
+            [vllm("v", port=9000, nixl_side_channel_port=9002, kv_events_port=9001, kv_events_replay_port=9002)],
+            r"engines\[0\]\.kv_events_replay_port: port 9002 is already used by engines\[0\]\.nixl_side_channel_port",
+        ),
+    ],
+)
+def test_event_ports_clashing_with_any_other_port_name_the_key(engines, message):
+    with pytest.raises(ConfigError, match=message):
+        build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
+
+
+def test_no_events_when_turned_off_or_brought_by_the_users_own_flag():
+    own = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000"}'
+    engines = [
+        sim("off", port=9000, kv_events=False),
+        vllm("own", port=9001, nixl_side_channel_port=9002, extra_args=("--kv-events-config", own)),
+    ]
+    # Nothing to pick, check or report: the user's stream is theirs.
+    assert ports_to_pick(engines) == []
+    ports = resolve_ports(engines)
+    assert ports["off"] == EnginePorts(9000)
+    off, mine = build_commands(engines, ports, CPU_HOST, log_dir="l")
+    assert "--kv-events-config" not in off.argv
+    assert flag_values(mine.argv) == [json.loads(own)]
+    assert dict(off.kv_events) == dict(mine.kv_events) == {}
+
+
+def test_plan_picks_distinct_free_event_ports_and_holds_them(tmp_path):
+    engines = [sim(f"s{i}") for i in range(3)] + [vllm("v", kv_events_replay_port=0)]
+    sup = Supervisor(engines, LauncherConfig(log_dir=str(tmp_path)), host_has_gpu=False)
+    try:
+        cmds = sup.plan()
+        ports = sup.ports
+        picked = [p for e in ports.values() for p in (e.http, e.nixl, e.kv_events, e.kv_events_replay) if p]
+        assert len(picked) == len(set(picked)) == 3 * 3 + 4
+        # Held until the engine is spawned: nobody else binds them meanwhile.
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        try:
+            with pytest.raises(zmq.ZMQError, match="in use"):
+                pub.bind(f"tcp://*:{ports['s1'].kv_events}")
+        finally:
+            pub.close(linger=0)
+        # The three identical simulators share a process, one stream each in --port order.
+        sims = next(c for c in cmds if c.kind == "sim")
+        assert [f["endpoint"] for f in flag_values(sims.argv)] == [
+            f"tcp://*:{ports[f's{i}'].kv_events}" for i in range(3)
+        ]
+        assert sup.kv_event_endpoints() == {
+            n: (f"tcp://127.0.0.1:{p.kv_events}", f"tcp://127.0.0.1:{p.kv_events_replay}") for n, p in ports.items()
+        }
+    finally:
+        sup.release_ports()
+
+
+async def test_a_started_simulator_publishes_where_the_supervisor_says(tmp_path: Path):
+    engines = [sim("a"), sim("b")]
+    ctx = zmq.asyncio.Context()
+    async with Supervisor(engines, LauncherConfig(log_dir=str(tmp_path), startup_timeout_s=60.0)) as sup:
+        endpoints = sup.kv_event_endpoints()
+        assert set(endpoints) == {"a", "b"}
+        try:
+            for _, replay in endpoints.values():
+                # A replay request from the start: nothing published yet, only the end marker.
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(replay)
+                await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+                assert await dealer.poll(REPLY_TIMEOUT_S * 1000), f"no replay answer from {replay}"
+                assert await dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
+                dealer.close()
+        finally:
+            ctx.destroy(linger=0)
