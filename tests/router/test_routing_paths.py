@@ -253,6 +253,21 @@ async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend
     assert await c.engine_metric("d1", "vllm:request_success_total") == 4
 
 
+async def test_direct_strategy_forwards_return_token_ids_to_the_engine(make_cluster):
+    # Admission takes return_token_ids out of the body (streamed legs always ask for ids);
+    # a forwarded non-streaming answer is the engine's own, so its leg must ask for them.
+    c = await make_cluster(decoders=1, prefillers=0, routing={"strategy": "round_robin"})
+    prompt = [11, 12, 13, 14, 15]
+    status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 2, "return_token_ids": True})
+    assert status == 200, out
+    assert c.routes()["direct"] == 1
+    assert out["choices"][0]["prompt_token_ids"] == prompt
+    assert len(out["choices"][0]["token_ids"]) == 2
+    status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert status == 200, out
+    assert out["choices"][0].get("prompt_token_ids") is None
+
+
 async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(make_cluster):
     # A (2,000-token head) goes to one engine, C (another 2,000 tokens) to the other; B
     # shares A's head and arrives while both are computing, so every engine rejects B. The
@@ -268,7 +283,7 @@ async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(
     await eventually(lambda: sum(c.engine_running().values()) >= 2, what="C's leg on the other engine", interval=0.002)
     status, b = await c.complete({"model": MODEL, "prompt": head + " " + long_prompt("b", 10), "max_tokens": 2})
     (status_a, a), (status_c, _) = await leader, await other
-    assert status == 200 and status_a == 200 and status_c == 200, (a, b)
+    assert (status, status_a, status_c) == (200, 200, 200), (a, b)
     assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 2000, b["usage"]
     assert c.routes()["pd"] == 0
@@ -300,7 +315,8 @@ async def test_max_probes_asks_the_prompt_holder_and_the_next_soonest(make_clust
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 288  # whole blocks
         after = await c.engine_metrics("vllm:request_success_total")
         asked = {n for n in after if after[n] > before[n]}
-        assert len(asked) == 2 and holder in asked, asked  # two probes, the holder among them
+        assert len(asked) == 2, asked  # two probes, the holder among them
+        assert holder in asked, asked
     assert c.routes()["probe_hit"] == 3
     assert refused_or_dropped() == 2 + 3  # each warm request: the holder wins, the other does not
 

@@ -97,3 +97,10 @@ def test_unary_leg_sets_threshold_zero_explicitly():
     body = {"model": "m", "prompt": "x", "stream": True}
     assert unary_leg_body(body) == {"model": "m", "prompt": "x", "stream": False, THRESHOLD_KEY: 0.0}
     assert body == {"model": "m", "prompt": "x", "stream": True}
+
+
+def test_unary_leg_asks_for_token_ids_when_the_client_did():
+    body = {"model": "m", "prompt": "x"}
+    leg = unary_leg_body(body, return_token_ids=True)
+    assert leg == {"model": "m", "prompt": "x", "stream": False, THRESHOLD_KEY: 0.0, "return_token_ids": True}
+    assert "return_token_ids" not in body
