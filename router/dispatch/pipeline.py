@@ -260,7 +260,8 @@ class Dispatcher:
         for attempt in range(self.routing.max_retries + 1):
             if attempt and last_error is not None:
                 ctx.record_retry(last_error.backend)
-            plan = self.strategy.plan(ctx.query, self.registry.snapshot(), frozenset(ctx.tried))
+            # The index's figures too (kv_events reads them for a forwarded request as well).
+            plan = await self.placer.plan(ctx, self.registry.snapshot())
             if plan.direct is None:
                 break
             name = plan.direct

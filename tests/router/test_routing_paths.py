@@ -11,6 +11,7 @@ import logging
 import pytest
 from cluster_util import MODEL, PD_PREFERRED, long_prompt
 
+from support.kv_publisher import KvPublisher, stored
 from support.polling import eventually
 
 
@@ -266,6 +267,37 @@ async def test_direct_strategy_forwards_return_token_ids_to_the_engine(make_clus
     status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 2})
     assert status == 200, out
     assert out["choices"][0].get("prompt_token_ids") is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_kv_events_routes_by_the_index_whether_the_client_streams_or_not(make_cluster, caplog, stream):
+    # d1's stream says it holds the prompt's 6 blocks (of 4 tokens; published before the
+    # router subscribes: its replay brings them); d0 has no stream. A non-streaming client
+    # is forwarded whole (Dispatcher.serve_unary): it is planned on the index all the same.
+    caplog.set_level(logging.INFO, logger="cachehit_router")
+    prompt = list(range(500, 526))
+    hashes = [f"b{i}".encode() for i in range(6)]
+    pub = KvPublisher()
+    try:
+        pub.publish(stored(hashes, prompt[:24]))
+        c = await make_cluster(
+            decoders=2,
+            routing={"strategy": "kv_events"},
+            per_backend={"d1": {"kv_events_endpoint": pub.endpoint, "kv_events_replay_endpoint": pub.replay_endpoint}},
+        )
+        index = c.state.kv_events.index
+        await eventually(lambda: index.match(prompt).get("d1", (0, 0))[0] == 24, what="d1's blocks indexed")
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        for _ in range(2):
+            caplog.clear()
+            status, out = await (c.stream(body) if stream else c.complete(body))
+            assert status == 200, out
+            (rec,) = [r.request for r in caplog.records if r.name == "cachehit_router.requests"]
+            assert rec["indexed_hits"] == {"d1": 24}, rec
+            assert rec["race_reason"] == "not_racing", rec
+            assert rec["winner"] == "d1", rec
+    finally:
+        pub.close()
 
 
 async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(make_cluster):
