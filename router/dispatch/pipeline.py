@@ -256,12 +256,13 @@ class Dispatcher:
     async def serve_unary(self, spec: RequestSpec, rec: RequestRecord) -> bytes:
         """The engine's own non-streaming answer, forwarded byte for byte."""
         loop = asyncio.get_running_loop()
-        ctx = self._context(spec, rec, unary_leg_body(spec.body))
+        ctx = self._context(spec, rec, unary_leg_body(spec.body, return_token_ids=spec.return_token_ids))
         last_error: UpstreamError | None = None
         for attempt in range(self.routing.max_retries + 1):
             if attempt and last_error is not None:
                 ctx.record_retry(last_error.backend)
-            plan = self.strategy.plan(ctx.query, self.registry.snapshot(), frozenset(ctx.tried))
+            # The index's figures too (kv_events reads them for a forwarded request as well).
+            plan = await self.placer.plan(ctx, self.registry.snapshot())
             if plan.direct is None:
                 break
             name = plan.direct

@@ -83,6 +83,15 @@ class LegPlacer:
         # Only for a policy that reads the KV-event index.
         self.prompt_index = prompt_index if strategy.reads_index else None
 
+    async def plan(self, ctx: RequestContext, snap: ClusterSnapshot) -> Plan:
+        """The strategy's plan for `ctx` in `snap`, the KV-event index's figures put on its
+        query first (a policy that reads the index), recorded on the request's record."""
+        if self.prompt_index is not None:
+            ctx.query = await self.prompt_index.annotate(ctx.query, ctx.path == CHAT_PATH, ctx.body, snap, ctx.deadline)
+        plan = self.strategy.plan(ctx.query, snap, frozenset(ctx.tried))
+        ctx.record_plan(plan)
+        return plan
+
     # --- an accepted leg, retries included ---------------------------------------------
     async def acquire(self, ctx: RequestContext) -> Leg:
         last_error: UpstreamError | None = None
@@ -91,12 +100,8 @@ class LegPlacer:
             if attempt:
                 ctx.record_retry(last_error.backend if last_error else "unknown")
             snap = self.registry.snapshot()
-            if self.prompt_index is not None:
-                query = ctx.query = await self.prompt_index.annotate(
-                    query, ctx.path == CHAT_PATH, ctx.body, snap, ctx.deadline
-                )
-            plan = self.strategy.plan(query, snap, frozenset(ctx.tried))
-            ctx.record_plan(plan)
+            plan = await self.plan(ctx, snap)
+            query = ctx.query
             if plan.empty:
                 break
             if plan.probes:

@@ -18,7 +18,7 @@ from typing import Any
 
 from router.engine.errors import UpstreamError
 from router.engine.tokenize import PromptTokenizer, tokenize_body
-from router.routing.kv_index import KvIndex
+from router.routing.kv_index import KvHit, KvIndex
 from router.routing.planning import RouteQuery
 from router.routing.snapshot import ClusterSnapshot
 
@@ -60,6 +60,16 @@ class PromptIndex:
         self.failures += 1
         return None
 
+    def _usable(self, hit: KvHit, n: int, name: str) -> int:
+        """What of `hit` engine `name` uses for a prompt of `n` tokens: vLLM looks a prompt up
+        over its first n - 1 tokens (the last one is computed for its logits) and in whole
+        blocks, so a prompt of exactly k blocks has its last block computed again."""
+        cap = max(n - 1, 0)
+        block = self.index.block_size(name)
+        if block > 0:
+            cap -= cap % block
+        return min(hit.gpu_tokens + hit.cpu_tokens, cap)
+
     async def annotate(
         self, query: RouteQuery, chat: bool, body: dict[str, Any], snap: ClusterSnapshot, deadline: float | None
     ) -> RouteQuery:
@@ -71,10 +81,5 @@ class PromptIndex:
         if ids is None:
             return query
         found = self.index.match_request(ids, query.model) or {}
-        # Full blocks only, and vLLM computes at least the prompt's last token itself.
-        cap = max(len(ids) - 1, 0)
-        indexed = {
-            name: float(min(found[name].gpu_tokens + found[name].cpu_tokens, cap)) if name in found else 0.0
-            for name in fresh
-        }
+        indexed = {name: float(self._usable(found[name], len(ids), name)) if name in found else 0.0 for name in fresh}
         return replace(query, token_ids=ids, prompt_tokens=len(ids), indexed=indexed)

@@ -44,10 +44,15 @@ def streamed_leg_body(body: dict[str, Any], threshold: float) -> dict[str, Any]:
     return out
 
 
-def unary_leg_body(body: dict[str, Any]) -> dict[str, Any]:
+def unary_leg_body(body: dict[str, Any], *, return_token_ids: bool = False) -> dict[str, Any]:
     """A non-streaming client's body forwarded as is to one engine; explicit T = 0, so an
-    engine-wide default threshold does not reject a routed request."""
-    return {**body, "stream": False, THRESHOLD_KEY: 0.0}
+    engine-wide default threshold does not reject a routed request. `return_token_ids`:
+    the client's, which admission took out of `body` (the engine's answer is forwarded
+    whole, so only the engine can add the ids)."""
+    out = {**body, "stream": False, THRESHOLD_KEY: 0.0}
+    if return_token_ids:
+        out["return_token_ids"] = True
+    return out
 
 
 def whole_request_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:

@@ -41,8 +41,8 @@ calls fresh (`BackendView.kv_events_fresh`). The calls themselves:
 - `stats(backend)`, `block_size(backend)`: the index's size and completeness per backend.
 `hits` counts the longest leading run of the prompt's blocks the engine holds on GPU, then
 the run after it held in the CPU tier (what vLLM's connector would load). The counts are of
-full blocks; vLLM recomputes at least a prompt's last token, so a policy comparing with a
-prompt's length may cap the hit at `prompt_tokens - 1`.
+full blocks; vLLM looks a prompt up over all but its last token, in whole blocks, so what
+an engine uses is capped at `prompt_tokens - 1` rounded down to a block (prompt_index.py).
 """
 
 from __future__ import annotations

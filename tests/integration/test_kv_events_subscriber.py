@@ -103,6 +103,17 @@ async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(rout
     query = await state.prompt_index.annotate(route_query(spec), False, spec.body, state.registry.snapshot(), None)
     assert query.indexed == {"e0": 8.0}
     assert query.prompt_tokens == len(PROMPT)
+    # All 6 blocks: vLLM looks the 24 tokens up over the first 23, in whole blocks, so it
+    # computes the last block again: 20 are of use.
+    pub.publish(stored(H[1:], PROMPT[4:], H[0]))
+    await eventually(lambda: hits(state) == {"e0": KvHit(24, 0)}, what="the whole prompt on GPU")
+    query = await state.prompt_index.annotate(route_query(spec), False, spec.body, state.registry.snapshot(), None)
+    assert query.indexed == {"e0": 20.0}
+    one_more = parse_request("completions", orjson.dumps({"model": "m", "prompt": [*PROMPT, 7]}))
+    query = await state.prompt_index.annotate(
+        route_query(one_more), False, one_more.body, state.registry.snapshot(), None
+    )
+    assert query.indexed == {"e0": 24.0}
     pub.publish(cleared())
     await eventually(lambda: hits(state) == {"e0": KvHit(0, 0)}, what="cleared")
     text = state.metrics.exposition().decode()

@@ -11,6 +11,7 @@ import logging
 import pytest
 
 from support.cluster import MODEL, PD_PREFERRED, MakeCluster, long_prompt
+from support.kv_publisher import KvPublisher, stored
 from support.polling import eventually
 
 
@@ -251,6 +252,52 @@ async def test_direct_strategy_forwards_non_streaming_and_retries_a_dead_backend
     assert c.router_metric("cachehit_router_upstream_errors_total", backend="d0", kind="connect") >= 1
     assert c.routes()["direct"] == 4
     assert await c.engine_metric("d1", "vllm:request_success_total") == 4
+
+
+async def test_direct_strategy_forwards_return_token_ids_to_the_engine(make_cluster):
+    # Admission takes return_token_ids out of the body (streamed legs always ask for ids);
+    # a forwarded non-streaming answer is the engine's own, so its leg must ask for them.
+    c = await make_cluster(decoders=1, prefillers=0, routing={"strategy": "round_robin"})
+    prompt = [11, 12, 13, 14, 15]
+    status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 2, "return_token_ids": True})
+    assert status == 200, out
+    assert c.routes()["direct"] == 1
+    assert out["choices"][0]["prompt_token_ids"] == prompt
+    assert len(out["choices"][0]["token_ids"]) == 2
+    status, out = await c.complete({"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert status == 200, out
+    assert out["choices"][0].get("prompt_token_ids") is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_kv_events_routes_by_the_index_whether_the_client_streams_or_not(make_cluster, caplog, stream):
+    # d1's stream says it holds the prompt's 6 blocks (of 4 tokens; published before the
+    # router subscribes: its replay brings them); d0 has no stream. A non-streaming client
+    # is forwarded whole (Dispatcher.serve_unary): it is planned on the index all the same.
+    caplog.set_level(logging.INFO, logger="cachehit_router")
+    prompt = list(range(500, 526))
+    hashes = [f"b{i}".encode() for i in range(6)]
+    pub = KvPublisher()
+    try:
+        pub.publish(stored(hashes, prompt[:24]))
+        c = await make_cluster(
+            decoders=2,
+            routing={"strategy": "kv_events"},
+            per_backend={"d1": {"kv_events_endpoint": pub.endpoint, "kv_events_replay_endpoint": pub.replay_endpoint}},
+        )
+        index = c.state.kv_events.index
+        await eventually(lambda: index.match(prompt).get("d1", (0, 0))[0] == 24, what="d1's blocks indexed")
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        for _ in range(2):
+            caplog.clear()
+            status, out = await (c.stream(body) if stream else c.complete(body))
+            assert status == 200, out
+            (rec,) = [r.request for r in caplog.records if r.name == "cachehit_router.requests"]
+            assert rec["indexed_hits"] == {"d1": 24}, rec
+            assert rec["race_reason"] == "not_racing", rec
+            assert rec["winner"] == "d1", rec
+    finally:
+        pub.close()
 
 
 async def test_a_follower_of_a_cold_prompt_joins_its_leader_when_that_is_sooner(make_cluster: MakeCluster) -> None:

@@ -15,6 +15,9 @@
   Starting both together costs one start-up (~30-150 s on this machine) instead of two.
   Once healthy, one NIXL prefill/decode exchange each way does the handshakes (see
   EngineSet._warm_nixl).
+- `kv_events_engine`: one engine publishing its KV-cache events (ZMQ PUB and replay
+  sockets), for test_kv_events_real.py alone (module scope: stopped when that file ends,
+  which runs, by name, before any test starts the two shared engines).
 - CACHEHIT_ENGINE_LOG_DIR=dir keeps the engines' logs there instead of in a temp dir.
 - CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI): an engine that cannot start fails the tests;
   otherwise they are skipped with the reason.
@@ -242,6 +245,64 @@ def real_engines(tiny_model, engine_workdir):
         yield engines
     finally:
         engines.stop_all()
+
+
+@pytest.fixture(scope="module")
+def kv_events_engine(tiny_model, engine_workdir):
+    """An engine with KV-cache events on: `extra["kv_events_endpoint"]` and
+    `extra["kv_events_replay_endpoint"]` are where a router on this host subscribes.
+    VLLM_SERVER_DEV_MODE=1 serves vLLM's POST /reset_prefix_cache."""
+
+    def spawn(attempt: int) -> EngineProcess:
+        port, pub, replay = (free_port_below_ephemeral_range() for _ in range(3))
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{pub}",
+            "replay_endpoint": f"tcp://*:{replay}",
+        }
+        argv, env = engine_command(
+            tiny_model,
+            name="kv-events",
+            port=port,
+            nixl_port=free_port_below_ephemeral_range(),
+            cpu_cores=(0,),
+            extra_args=(
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "2",
+                "--kv-events-config",
+                json.dumps(events),
+            ),
+            env={**ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"},
+            log_dir=engine_workdir,
+        )
+        name = "kv-events.log" if attempt == 0 else f"kv-events.retry{attempt}.log"
+        engine = EngineProcess(argv, env, port, engine_workdir / name)
+        engine.extra.update(
+            kv_events_endpoint=f"tcp://127.0.0.1:{pub}", kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}"
+        )
+        return engine.start()
+
+    engine = spawn(0)
+    try:
+        try:
+            try:
+                took = engine.wait_healthy(STARTUP_TIMEOUT_S)
+            except EngineStartError as exc:
+                # A port picked free can be taken before vLLM binds it: retry that once.
+                if "Address already in use" not in str(exc):
+                    raise
+                engine.stop()
+                engine = spawn(1)
+                took = engine.wait_healthy(STARTUP_TIMEOUT_S)
+        except (EngineStartError, OSError) as exc:
+            _unavailable(f"the KV-events vLLM engine did not start: {exc}")
+        print(f"\n[real engine] kv-events: healthy after {took:.1f} s ({engine.base_url}, log {engine.log_path})")
+        yield engine
+    finally:
+        engine.stop()
 
 
 @pytest.fixture

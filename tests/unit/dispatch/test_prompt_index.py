@@ -1,6 +1,6 @@
 """A request's prompt matched against the KV-event index (router/dispatch/prompt_index.py):
 token ids from the query or an engine's /tokenize, figures only for engines whose index is
-fresh, the prompt's last token left to the engine, nothing when tokenizing fails."""
+fresh, the blocks vLLM computes anyway left out, nothing when tokenizing fails."""
 
 from __future__ import annotations
 
@@ -61,11 +61,13 @@ async def test_fresh_engines_get_the_index_figures_stale_ones_stay_unknown() -> 
     assert q.indexed == {"a": 8.0, "b": 0.0}
 
 
-async def test_the_whole_prompt_held_still_leaves_its_last_token_to_compute() -> None:
+async def test_the_whole_prompt_held_still_leaves_its_last_block_to_compute() -> None:
+    # vLLM looks a prompt up over all but its last token, in whole blocks: of 12 tokens in
+    # blocks of 4, at most 8 come from the cache even when all three blocks are held.
     snap = ClusterSnapshot((view("a"),))
     pi = prompt_index(index_holding("a", 3), _Tokenizer())
     q = await pi.annotate(RouteQuery("m", "text", token_ids=IDS), False, {}, snap, None)
-    assert q.indexed == {"a": float(len(IDS) - 1)}
+    assert q.indexed == {"a": 8.0}
 
 
 async def test_a_text_prompt_is_tokenized_by_an_engine_serving_the_model() -> None:

@@ -234,3 +234,10 @@ def test_chat_resume_body_keeps_only_sampling_fields() -> None:
         "max_tokens": 3,
     }
     assert "max_tokens" not in resume_leg_body({"prompt": "x"}, "completions", [1], [2], None)
+
+
+def test_unary_leg_asks_for_token_ids_when_the_client_did() -> None:
+    body = {"model": "m", "prompt": "x"}
+    leg = unary_leg_body(body, return_token_ids=True)
+    assert leg == {"model": "m", "prompt": "x", "stream": False, THRESHOLD_KEY: 0.0, "return_token_ids": True}
+    assert "return_token_ids" not in body

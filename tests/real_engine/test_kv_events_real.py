@@ -1,0 +1,228 @@
+"""The router's KV-event index against a real vLLM engine (CPU build, tiny random model,
+threshold plugin): what the index says an engine holds of a prompt is what that engine
+then reports as the prompt's cached tokens.
+
+One engine (conftest.py `kv_events_engine`) publishes its KV-cache events over ZMQ with a
+replay socket; an in-process router follows them. vLLM publishes from its scheduler, in
+the engine-core process: a batch per engine step that stored or removed blocks, queued to
+a publisher thread, so a batch can reach the router just after the answer of the request
+whose step made it. The tests poll for the index to show a request's blocks.
+
+Comparing the index with vLLM: the index holds full blocks (32 tokens here), so a prompt
+of n tokens matches at most floor(n / 32) * 32 tokens; vLLM reports
+`usage.prompt_tokens_details.cached_tokens`, its prefix-cache hit, looked up over the
+first n - 1 tokens only (the last one is always computed, for its logits) and in whole
+blocks: floor((n - 1) / 32) * 32 at most. So an index hit `h` predicts
+`min(h, floor((n - 1) / 32) * 32)` cached tokens; a prompt whose length is a multiple of
+32 has its last block computed again although the index (rightly) holds it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from router.config.parse import parse_config
+from router.engine.tokenize import tokenize_body
+from router.routing.kv_index import KvHit
+from router.server.app import ROUTER_KEY, build_app
+from router.server.state import RouterState
+from support.polling import eventually
+from support.real_engine import post_json
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
+
+MODEL = "tiny"
+NAME = "engine"
+BLOCK = 32  # the launcher's --block-size on CPU (engine_launcher/commands.py)
+# Batches arrive within milliseconds; the bound is for two loaded cores.
+EVENTS_WITHIN_S = 60.0
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """n token ids below the tiny model's vocabulary (2000), distinct per seed."""
+    return [100 + (seed * 131 + 7 * i) % 1800 for i in range(n)]
+
+
+def full_blocks(n: int) -> int:
+    return n // BLOCK * BLOCK
+
+
+def vllm_cached(hit: int, n: int) -> int:
+    """The cached tokens vLLM reports for a prompt of n tokens whose first `hit` the index
+    holds (see the module's docstring)."""
+    return min(hit, (n - 1) // BLOCK * BLOCK)
+
+
+class Router:
+    """An in-process router whose one backend is the engine, with its event endpoints."""
+
+    def __init__(self, engine, strategy: str):
+        self.engine = engine
+        self.config = parse_config(
+            {
+                "server": {"port": 0},
+                "routing": {"strategy": strategy},
+                "timeouts": {"first_token_s": 120, "idle_s": 120, "total_s": 300},
+                "health": {"scrape_interval_s": 2.0, "check_interval_s": 4.0},
+                # Two busy cores can delay a batch by seconds: not a stale stream here.
+                "kv_events": {"stale_after_s": 60.0},
+                "backends": [
+                    {
+                        "name": NAME,
+                        "url": engine.base_url,
+                        "role": "decode",
+                        "kv_events_endpoint": engine.extra["kv_events_endpoint"],
+                        "kv_events_replay_endpoint": engine.extra["kv_events_replay_endpoint"],
+                    }
+                ],
+            }
+        )
+
+    async def __aenter__(self) -> Router:
+        self.app = build_app(self.config, start_engines=False)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        await eventually(self.fresh, timeout=EVENTS_WITHIN_S, what="the snapshot calls the engine's index fresh")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+        await self.runner.cleanup()
+
+    @property
+    def state(self) -> RouterState:
+        return self.app[ROUTER_KEY]
+
+    def fresh(self) -> bool:
+        snap = self.state.registry.snapshot()
+        return bool(snap.get(NAME) and snap.get(NAME).kv_events_fresh)
+
+    def hit(self, token_ids: list[int]) -> KvHit:
+        return self.state.kv_events.index.match(token_ids).get(NAME, KvHit(0, 0))
+
+    async def shows(self, token_ids: list[int], tokens: int) -> KvHit:
+        """Until the index holds `tokens` of the prompt on GPU (its batch may trail the answer)."""
+        return await eventually(
+            lambda: (h := self.hit(token_ids)).gpu_tokens == tokens and h,
+            timeout=EVENTS_WITHIN_S,
+            what=f"the index holding {tokens} of a {len(token_ids)}-token prompt (holds {self.hit(token_ids)})",
+        )
+
+    async def post(self, path: str, body: dict) -> dict:
+        payload = {"model": MODEL, "max_tokens": 1, "temperature": 0, "return_token_ids": True, **body}
+        async with self.session.post(self.url + path, json=payload) as r:
+            out = orjson.loads(await r.read())
+            assert r.status == 200, (r.status, out, self.engine.log_tail())
+        return out
+
+    async def router_token_ids(self, chat: bool, body: dict) -> list[int]:
+        """The prompt's token ids as the router's prompt index gets them (/tokenize)."""
+        tb = tokenize_body(chat, {"model": MODEL, **body}, MODEL)
+        assert tb is not None
+        got = await self.state.prompt_index.tokenizer.token_ids(NAME, self.engine.base_url, tb)
+        return list(got)
+
+
+def prompt_ids(out: dict) -> list[int]:
+    """The engine's own token ids of the prompt (`return_token_ids`)."""
+    # Chat answers carry them at the top, completions per choice.
+    return out.get("prompt_token_ids") or out["choices"][0]["prompt_token_ids"]
+
+
+def cached(out: dict) -> int:
+    return (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def records(caplog) -> list[dict]:
+    return [r.request for r in caplog.records if r.name == "cachehit_router.requests" and hasattr(r, "request")]
+
+
+async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplog):
+    caplog.set_level(logging.INFO, logger="cachehit_router")
+    async with Router(kv_events_engine, "kv_events") as r:
+        # Prompts: 2 blocks and a part; exactly 3 blocks (its last block vLLM computes
+        # again); a chat request (the /tokenize path with the chat template).
+        a = ids(1, 2 * BLOCK + 16)
+        b = ids(2, 3 * BLOCK)
+        chat = {"messages": [{"role": "user", "content": " ".join(["lantern meadow copper"] * 20)}]}
+        sent: list[tuple[str, dict, list[int]]] = []
+        for path, body, chat_path in (
+            ("/v1/completions", {"prompt": a}, False),
+            ("/v1/completions", {"prompt": b}, False),
+            ("/v1/chat/completions", chat, True),
+        ):
+            out = await r.post(path, body)
+            engine_ids = prompt_ids(out)
+            router_ids = body["prompt"] if not chat_path else await r.router_token_ids(True, body)
+            assert engine_ids == router_ids, (path, engine_ids, router_ids)
+            assert out["usage"]["prompt_tokens"] == len(engine_ids)
+            sent.append((path, body, engine_ids))
+
+        for path, body, prompt in sent:
+            n = len(prompt)
+            hit = await r.shows(prompt, full_blocks(n))
+            assert hit.cpu_tokens == 0
+            caplog.clear()
+            again = await r.post(path, body)
+            # The router planned the repeat on what the index said, and the engine agrees.
+            (rec,) = records(caplog)
+            assert rec["winner"] == NAME, rec
+            assert rec["race_reason"] == "not_racing", rec
+            assert cached(again) == vllm_cached(hit.gpu_tokens, n), (path, n, hit, again["usage"])
+            assert rec["indexed_hits"] == {NAME: cached(again)}, (path, n, rec)
+            print(f"\n[kv events] {path} {n} tokens: index {hit.gpu_tokens}, engine cached {cached(again)}")
+
+        # A prompt sharing the first two blocks of `a`: the index finds them before it is sent.
+        c = a[: 2 * BLOCK] + ids(3, 40)
+        assert r.hit(c) == KvHit(2 * BLOCK, 0)
+        caplog.clear()
+        out = await r.post("/v1/completions", {"prompt": c})
+        (rec,) = records(caplog)
+        assert rec["indexed_hits"] == {NAME: 2 * BLOCK} == {NAME: cached(out)}, (rec, out["usage"])
+        await r.shows(c, full_blocks(len(c)))
+
+        # Reset the engine's prefix cache: its AllBlocksCleared empties the router's view.
+        # vLLM queues the event and publishes it with its next step's batch (an idle engine
+        # takes no step), so one more request carries it.
+        status, answer = post_json(kv_events_engine.base_url, "/reset_prefix_cache", None)
+        assert status == 200, answer
+        assert answer == {"success": True}, answer
+        d = ids(4, 2 * BLOCK + 5)
+        caplog.clear()
+        await r.post("/v1/completions", {"prompt": d})
+        await r.shows(d, full_blocks(len(d)))
+        stats = r.state.kv_events.index.stats(NAME)
+        assert stats.blocks == stats.gpu_blocks == len(d) // BLOCK, stats
+        for prompt in (a, b, c):
+            assert r.hit(prompt) == KvHit(0, 0)
+        out = await r.post("/v1/completions", {"prompt": a})
+        assert cached(out) == 0, out["usage"]
+
+
+async def test_probe_skips_the_race_when_the_index_knows(kv_events_engine, caplog):
+    caplog.set_level(logging.INFO, logger="cachehit_router")
+    # A new router: its index is rebuilt from the engine's replay socket.
+    async with Router(kv_events_engine, "probe") as r:
+        e = ids(5, 3 * BLOCK + 10)
+        out = await r.post("/v1/completions", {"prompt": e})
+        await r.shows(e, full_blocks(len(e)))
+        caplog.clear()
+        again = await r.post("/v1/completions", {"prompt": e})
+        (rec,) = records(caplog)
+        assert rec["race_reason"] == "index_knows", rec
+        assert rec["probes"] == 0, rec
+        assert rec["winner"] == NAME, rec
+        assert rec["indexed_hits"] == {NAME: cached(again)} == {NAME: vllm_cached(full_blocks(len(e)), len(e))}, (
+            rec,
+            again["usage"],
+        )
+        assert out["usage"]["prompt_tokens"] == len(e)
