@@ -92,6 +92,8 @@ class DnsServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stderr is not None:  # read only when it failed to start: closed here
+            self.proc.stderr.close()
 
 
 @pytest.fixture
