@@ -6,11 +6,11 @@ field goes to the engine untouched: the engine validates sampling parameters and
 answer is passed through.
 
 Stripped from the body (the router owns them):
-- `kv_transfer_params`, `ec_transfer_params`: only a producer's answer is ever forwarded,
-  and only to a configured consumer; a client must not steer KV/encoder-cache transfers.
-- `cache_hit_threshold` (top level and inside `vllm_xargs`): the router sets the threshold
-  of each leg itself. A client's value is dropped silently rather than rejected, so clients
-  written for llm-d (which send it) keep working.
+- `kv_transfer_params`, `ec_transfer_params`, `cache_hit_threshold`, at the top level and
+  inside `vllm_xargs`, as on every route (router/admission/engine_body.py): only a
+  producer's answer is ever forwarded, and only to a configured consumer; the router sets
+  the threshold of each leg itself. A client's values are dropped silently rather than
+  rejected, so clients written for llm-d (which send the threshold) keep working.
 - `return_token_ids`, `stream`, `stream_options`: every upstream leg is streamed with token
   ids and usage, whatever the client asked; what the client asked is kept in the spec.
 - `request_id`: vLLM names its answer `cmpl-<request_id>` / `chatcmpl-<request_id>`, so
@@ -59,6 +59,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
+from router.admission.engine_body import ENGINE_OWNED, strip_router_fields
 from router.errors import RouterError
 
 ENDPOINT_COMPLETIONS = "completions"
@@ -83,7 +84,8 @@ MAX_JSON_DEPTH = 128
 # from the OS, as uuid4().hex looks, without a getrandom() call per request.
 _ID_RANDOM = random.Random(os.urandom(32))
 
-_INTERNAL = ("kv_transfer_params", "ec_transfer_params", "cache_hit_threshold", "request_id")
+# The router's fields on every route (ENGINE_OWNED), and the id generation legs are named by.
+_INTERNAL = (*ENGINE_OWNED, "request_id")
 _STRIPPED_TOP_LEVEL = (*_INTERNAL, "return_token_ids", "stream", "stream_options")
 
 
@@ -297,15 +299,8 @@ def parse_request(
     whole = (n is not None and n > 1) or _opt_bool(body, "use_beam_search") or prompt_logprobs is not None
 
     xargs = body.get("vllm_xargs")
-    if xargs is not None:
-        if not isinstance(xargs, dict):
-            raise _bad(f"`vllm_xargs` must be an object or null, got {_kind(xargs)}.", "vllm_xargs")
-        if "cache_hit_threshold" in xargs:
-            rest = {k: v for k, v in xargs.items() if k != "cache_hit_threshold"}
-            if rest:
-                body["vllm_xargs"] = rest
-            else:
-                del body["vllm_xargs"]
+    if xargs is not None and not isinstance(xargs, dict):
+        raise _bad(f"`vllm_xargs` must be an object or null, got {_kind(xargs)}.", "vllm_xargs")
 
     if endpoint == ENDPOINT_COMPLETIONS:
         whole = whole or _opt_bool(body, "echo") or (is_batch(body.get("prompt")) and len(body["prompt"]) > 1)
@@ -332,6 +327,7 @@ def parse_request(
     else:
         request_id = f"{ID_PREFIX[endpoint]}{_ID_RANDOM.getrandbits(128):032x}"
 
+    strip_router_fields(body)  # top level and inside vllm_xargs (router/admission/engine_body.py)
     for key in _INTERNAL if whole else _STRIPPED_TOP_LEVEL:
         body.pop(key, None)
 

@@ -3,8 +3,11 @@
 Everything but the generation routes (which race, fall back and resume: dispatch.py) is
 answered by one engine: embeddings, pooling, classify, score and rerank, tokenize and
 detokenize, the Responses API, audio transcription and translation, `/version`. The
-router keeps its guarantees on them: authentication, the concurrency limit and body
-limits, only healthy backends (the least loaded that serves the body's `model`), and
+router keeps its guarantees on them: the same admission as a generation for every route,
+GET included (the key, the tenant's rate, a concurrency slot), body limits, a JSON body
+with the router's fields removed and its `priority` checked against the key's rule
+(router/admission/engine_body.py; sent as the client's bytes when nothing was removed),
+only healthy backends (the least loaded that serves the body's `model`), and
 retries on another backend for failures before the answer's first byte (no connection,
 an HTTP 5xx, silence: router/server/relay.py). The engine's answer is streamed back as it comes: status, body and
 content type unchanged (an SSE stream of `/v1/responses` included), so a client sees
@@ -39,7 +42,9 @@ from aiohttp import web
 
 from router import errors
 from router.admission.body import FORM_BOUNDARY, check_length, read_body, read_form_prefix
+from router.admission.engine_body import engine_json
 from router.admission.spec import ID_PREFIX, RequestSpec
+from router.admission.tenants import Tenant
 from router.engine.wire import whole_request_body
 from router.observability.record import RequestRecord
 from router.observability.trace_context import client_request_id
@@ -90,7 +95,7 @@ class Forwarder:
 
     # --- handlers ----------------------------------------------------------------------
     async def handle_json(self, request: web.Request) -> web.StreamResponse:
-        async def serve(rec: RequestRecord) -> web.StreamResponse:
+        async def serve(rec: RequestRecord, tenant: Tenant) -> web.StreamResponse:
             raw = await read_body(request, self.state.config.server)
             try:
                 body = orjson.loads(raw)
@@ -103,12 +108,13 @@ class Forwarder:
                 raise errors.bad_request("`model` must be a string.", "model")
             rec.model = model
             rec.stream = body.get("stream") is True
-            return await self.relay.forward(request, rec, self._check_model(model), raw, "application/json")
+            sent = engine_json(raw, body, tenant)  # the router's fields stripped, priority checked
+            return await self.relay.forward(request, rec, self._check_model(model), sent, "application/json")
 
-        return await self._run(request, serve, need_slot=True)
+        return await self._run(request, serve)
 
     async def handle_upload(self, request: web.Request) -> web.StreamResponse:
-        async def serve(rec: RequestRecord) -> web.StreamResponse:
+        async def serve(rec: RequestRecord, tenant: Tenant) -> web.StreamResponse:
             limit = self.state.config.server.max_upload_bytes
             if request.content_length is not None and request.content_length > limit:
                 raise errors.payload_too_large(limit)
@@ -122,20 +128,21 @@ class Forwarder:
                 request, rec, self._check_model(model), prefix, ctype, rest=request.content, limit=limit
             )
 
-        return await self._run(request, serve, need_slot=True)
+        return await self._run(request, serve)
 
     async def handle_get(self, request: web.Request) -> web.StreamResponse:
-        async def serve(rec: RequestRecord) -> web.StreamResponse:
+        async def serve(rec: RequestRecord, tenant: Tenant) -> web.StreamResponse:
             return await self.relay.forward(request, rec, None, None, None)
 
-        return await self._run(request, serve, need_slot=False)
+        return await self._run(request, serve)
 
     async def handle_stored_response(self, request: web.Request) -> web.StreamResponse:
-        async def serve(rec: RequestRecord) -> web.StreamResponse:
+        async def serve(rec: RequestRecord, tenant: Tenant) -> web.StreamResponse:
+            # vLLM reads no body on these routes (the response's id is in the path).
             body = await read_body(request, self.state.config.server) if request.method == "POST" else None
             return await self.relay.forward(request, rec, None, body, "application/json" if body else None, find=True)
 
-        return await self._run(request, serve, need_slot=True)
+        return await self._run(request, serve)
 
     async def forward_generation(
         self, request: web.Request, spec: RequestSpec, rec: RequestRecord, answer_id: str
@@ -162,8 +169,10 @@ class Forwarder:
 
     # --- the frame shared by every route ---------------------------------------------------
     async def _run(
-        self, request: web.Request, serve: Callable[[RequestRecord], Awaitable[web.StreamResponse]], need_slot: bool
+        self, request: web.Request, serve: Callable[[RequestRecord, Tenant], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        """Every forwarded route, GET included, is admitted as a generation is: the key, the
+        tenant's rate, a concurrency slot (queued fairly)."""
         state = self.state
         t0 = time.monotonic()
         rec = RequestRecord(request_id="", endpoint=request.path, model=None, stream=False)
@@ -173,12 +182,10 @@ class Forwarder:
             rec.tenant = tenant.name
             header_id = client_request_id(request)
             rec.request_id = header_id or ""
-            if need_slot:
-                if request.path not in MULTIPART_ROUTES:  # uploads have their own limit
-                    check_length(request, state.config.server)
-                async with state.limiter.slot(tenant, priority):
-                    return await serve(rec)
-            return await serve(rec)
+            if request.path not in MULTIPART_ROUTES:  # uploads have their own limit
+                check_length(request, state.config.server)
+            async with state.limiter.slot(tenant, priority):
+                return await serve(rec, tenant)
         except errors.RouterError as e:
             resp = state.refused(rec, e)
             if not request.content.is_eof():

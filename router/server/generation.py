@@ -22,6 +22,7 @@ from aiohttp import web
 
 from router import errors
 from router.admission.body import check_length, read_body
+from router.admission.engine_body import check_priority
 from router.admission.spec import parse_request
 from router.answer.shaper import ResponseShaper
 from router.observability.clientlog import escape
@@ -71,6 +72,7 @@ class GenerationHandler:
                 spec = parse_request(
                     endpoint, raw, default_model=served[0] if len(served) == 1 else None, header_request_id=header_id
                 )
+                check_priority(spec.body, tenant)  # the key's rule on vLLM's `priority` field
                 answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
                 if spec.model is not None and served and spec.model not in served:
