@@ -169,7 +169,13 @@ def test_internal_fields_are_stripped() -> None:
         return_token_ids=True,
         stream=True,
         stream_options={"include_usage": True},
-        vllm_xargs={"cache_hit_threshold": 0.3, "other": 1, "list": [1, "a"]},
+        vllm_xargs={
+            "cache_hit_threshold": 0.3,
+            "kv_transfer_params": "x",
+            "ec_transfer_params": "y",
+            "other": 1,
+            "list": [1, "a"],
+        },
     )
     assert s.body == {**CHAT, "vllm_xargs": {"other": 1, "list": [1, "a"]}}
     assert s.return_token_ids is True
