@@ -5,8 +5,8 @@ Retry-After at once; memory stays bounded whatever arrives."""
 from __future__ import annotations
 
 import asyncio
-import io
 import collections
+import io
 
 import aiohttp
 import orjson
