@@ -11,6 +11,9 @@ import time
 from collections import OrderedDict
 
 
+_RECENT_PROMPTS = 16
+
+
 class PrefixMemory:
     """Which backend was sent which prompt prefixes: an approximate radix tree.
 
@@ -28,13 +31,22 @@ class PrefixMemory:
         self.max_entries = max_entries
         self._owners: dict[int, dict[str, float]] = {}  # chunk hash -> backend -> when sent
         self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
+        # The last few prompts' hashes: one request asks about its prompt several times
+        # (plan, fallback, feedback), and hashing a long prompt is most of each answer's cost.
+        self._recent: OrderedDict[str, list[int]] = OrderedDict()
 
     def chunk_hashes(self, text: str) -> list[int]:
+        found = self._recent.get(text)
+        if found is not None:
+            return found
         c = self.chunk_chars
         out, h = [], 0
         for i in range(0, len(text) - c + 1, c):
             h = hash((h, text[i : i + c]))
             out.append(h)
+        self._recent[text] = out
+        if len(self._recent) > _RECENT_PROMPTS:
+            self._recent.popitem(last=False)
         return out
 
     def match(self, hashes: list[int]) -> tuple[int, set[str]]:
