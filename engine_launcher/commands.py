@@ -23,10 +23,12 @@ Engine kinds:
   The plugin's threshold scheduler is selected with ``--scheduler-cls``: the synchronous class
   on CPU hosts (vLLM forces async scheduling off on CPU), the async class on GPU hosts unless
   the user turns async scheduling off with ``--no-async-scheduling``.
-- Every engine with ``kv_events`` (the default) publishes its KV cache events:
-  ``--kv-events-config`` binding ``tcp://*:<kv_events_port>`` and a replay socket on
-  ``tcp://*:<kv_events_replay_port>`` (vLLM binds only wildcard endpoints; it would connect
-  to any other address). ``EngineCommand.kv_events`` says where the router connects.
+- Every engine with ``kv_events`` (the default) publishes its KV cache events through a
+  ``--kv-events-config`` with a stream and a replay socket, both bound by the engine (vLLM
+  binds ipc and wildcard tcp endpoints; it connects to any other address). A loopback host
+  gets ``ipc://{ipc_dir}/<name>.events`` and ``.replay`` (event_dir.py: a 0o700 directory),
+  any other host ``tcp://*:<kv_events_port>`` and ``tcp://*:<kv_events_replay_port>``, which
+  listen on every interface. ``EngineCommand.kv_events`` says where the router connects.
 - ``sim``: ``python -m engine_launcher.sim --port P [--port P2 ...] --model M --role R``.
   Sim engines whose options are all identical share one process (one ``--port`` each): the
   simulator keeps separate state per port, and one Python process per simulated engine would
@@ -48,8 +50,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.config.event_sockets import default_ipc_dir, has_flag
 from router.config.schema import ConfigError, EngineConfig
 
+from .event_dir import event_endpoints, events_args, kv_events_config
 from .host import HostInfo
 from .placement import assign_cpu_cores, assign_gpus, engine_key
 from .ports import EnginePorts, check_ports, url_for
@@ -108,7 +112,7 @@ class EngineCommand:
 
 
 def _has_flag(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+    return has_flag(tuple(args), flag)
 
 
 def _cpu_list(cpus: Iterable[int]) -> str:
@@ -160,27 +164,6 @@ def kv_transfer_config(role: str, host: HostInfo, kv_offload_gib: float = 0.0) -
     )
 
 
-def kv_events_config(ports: EnginePorts) -> str:
-    """vLLM's `--kv-events-config` for an engine's event ports: both sockets bound on the
-    wildcard (vLLM connects, rather than binds, to any other host), the default topic."""
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{ports.kv_events}",
-            "replay_endpoint": f"tcp://*:{ports.kv_events_replay}",
-            "topic": "",
-        },
-        separators=(",", ":"),
-    )
-
-
-def _kv_events(engine: EngineConfig, ports: EnginePorts) -> dict[str, tuple[str, str]]:
-    if ports.kv_events is None or ports.kv_events_replay is None:
-        return {}
-    return {engine.name: engine.kv_event_endpoints(ports.kv_events, ports.kv_events_replay)}
-
-
 def vllm_command(
     engine: EngineConfig,
     ports: EnginePorts,
@@ -190,8 +173,10 @@ def vllm_command(
     cpu_cores: tuple[int, ...] = (),
     gpu_ids: tuple[int, ...] = (),
     python: str = sys.executable,
+    ipc_dir: str | None = None,
 ) -> EngineCommand:
-    """The command of one kind=vllm engine. cpu_cores/gpu_ids: see assign_cpu_cores/assign_gpus."""
+    """The command of one kind=vllm engine. cpu_cores/gpu_ids: see assign_cpu_cores/assign_gpus;
+    ipc_dir: the event sockets' directory of a loopback engine (default {log_dir}/kv-events)."""
     if ports.nixl is None:
         raise ValueError(f"engine {engine.name!r}: a vllm engine needs a NIXL side-channel port")
     extra = list(engine.extra_args)
@@ -216,8 +201,8 @@ def vllm_command(
         "--scheduler-cls",
         scheduler_cls(extra, host),
     ]
-    if ports.kv_events is not None:
-        argv += ["--kv-events-config", kv_events_config(ports)]
+    events_argv, events = events_args([engine], {engine.name: ports}, ipc_dir or default_ipc_dir(log_dir))
+    argv += events_argv
     env = {
         "PYTHONUNBUFFERED": "1",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": engine.nixl_side_channel_host,
@@ -248,7 +233,7 @@ def vllm_command(
         env=env,
         log_file=str(Path(log_dir) / f"{engine.name}.log"),
         urls={engine.name: url_for(engine.host, ports.http)},
-        kv_events=_kv_events(engine, ports),
+        kv_events=events,
     )
 
 
@@ -280,7 +265,12 @@ def sim_cpu_offload_tokens(gib: float) -> int:
 
 
 def sim_command(
-    group: Sequence[EngineConfig], ports: Mapping[str, EnginePorts], *, log_dir: str, python: str = sys.executable
+    group: Sequence[EngineConfig],
+    ports: Mapping[str, EnginePorts],
+    *,
+    log_dir: str,
+    python: str = sys.executable,
+    ipc_dir: str | None = None,
 ) -> EngineCommand:
     """One simulator process serving every engine of `group` (identical options), one port each."""
     first = group[0]
@@ -293,11 +283,8 @@ def sim_command(
         argv += ["--model", first.served_model_name or first.model]
     if first.kv_offload_gib > 0 and not _has_flag(first.extra_args, "--cpu-offload-tokens"):
         argv += ["--cpu-offload-tokens", str(sim_cpu_offload_tokens(first.kv_offload_gib))]
-    events: dict[str, tuple[str, str]] = {}
-    for e in group:
-        if ports[e.name].kv_events is not None:
-            argv += ["--kv-events-config", kv_events_config(ports[e.name])]
-            events.update(_kv_events(e, ports[e.name]))
+    events_argv, events = events_args(group, ports, ipc_dir or default_ipc_dir(log_dir))
+    argv += events_argv
     argv += list(first.extra_args)
     env = {"PYTHONUNBUFFERED": "1"}
     env.update(dict(first.env))
@@ -330,11 +317,13 @@ def build_commands(
     *,
     log_dir: str,
     python: str = sys.executable,
+    ipc_dir: str | None = None,
 ) -> list[EngineCommand]:
     """Every process to start for `engines`: vllm engines one each, sim engines grouped.
 
     Order: config order of each process's first engine. Raises ConfigError (naming the key)
-    on port clashes or an impossible GPU assignment.
+    on port clashes or an impossible GPU assignment. ipc_dir: the event sockets' directory
+    of loopback engines (default {log_dir}/kv-events; the supervisor's EventDir plans it).
     """
     check_ports(engines, ports)
     cpu = assign_cpu_cores(engines, host) if not host.has_gpu else {}
@@ -360,10 +349,11 @@ def build_commands(
                     cpu_cores=cpu.get(e.name, ()),
                     gpu_ids=gpu.get(e.name, ()),
                     python=python,
+                    ipc_dir=ipc_dir,
                 )
             )
         elif e.name in sim_groups:
-            out.append(sim_command(sim_groups[e.name], ports, log_dir=log_dir, python=python))
+            out.append(sim_command(sim_groups[e.name], ports, log_dir=log_dir, python=python, ipc_dir=ipc_dir))
         elif e.kind != "sim":
             raise ConfigError(f"{engine_key(engines, e.name)}.kind: unknown engine kind {e.kind!r}")
     return out
@@ -374,6 +364,7 @@ __all__ = [
     "SYNC_SCHEDULER_CLS",
     "EngineCommand",
     "build_commands",
+    "event_endpoints",
     "group_sim_engines",
     "kv_events_config",
     "kv_transfer_config",

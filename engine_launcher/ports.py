@@ -2,8 +2,9 @@
 resolved set per engine, clash checks, and the base URL an engine is reached at.
 
 Ports per engine: HTTP; the NIXL side channel (vllm); the KV-event stream and its replay
-socket (every engine with `kv_events`, unless its extra_args bring their own
-`--kv-events-config`). The event sockets bind every interface (vLLM binds only wildcard
+socket (every engine with `kv_events` on a non-loopback host, unless its extra_args bring
+their own `--kv-events-config`; a loopback engine publishes on ipc:// sockets instead,
+event_dir.py). The event sockets bind every interface (vLLM binds only wildcard tcp
 endpoints), so their free ports are picked on the wildcard address.
 
 Everything but `PortReservation` is a pure function of the config.
@@ -17,14 +18,13 @@ from dataclasses import dataclass
 
 from router.config.schema import ConfigError, EngineConfig
 
-KV_EVENTS_FLAG = "--kv-events-config"
 WILDCARD = "0.0.0.0"
 
 
 @dataclass(frozen=True)
 class EnginePorts:
     """Resolved ports of one engine: HTTP, the NIXL side channel (vllm only), the KV-event
-    stream and its replay socket (None: the launcher sets up no event stream)."""
+    stream and its replay socket (None: no tcp event stream, see EngineConfig.kv_events_over_tcp)."""
 
     http: int
     nixl: int | None = None
@@ -34,9 +34,7 @@ class EnginePorts:
 
 def publishes_kv_events(engine: EngineConfig) -> bool:
     """Whether the launcher gives this engine an event stream (a user's own flag wins)."""
-    return engine.kv_events and not any(
-        a == KV_EVENTS_FLAG or a.startswith(KV_EVENTS_FLAG + "=") for a in engine.extra_args
-    )
+    return engine.launcher_kv_events
 
 
 def url_for(host: str, port: int) -> str:
@@ -60,7 +58,7 @@ def check_ports(engines: Sequence[EngineConfig], ports: Mapping[str, EnginePorts
         pairs: list[tuple[str, int | None]] = [(f"engines[{i}].port", p.http)]
         if e.kind == "vllm":
             pairs.append((f"engines[{i}].nixl_side_channel_port", p.nixl))
-        if publishes_kv_events(e):
+        if e.kv_events_over_tcp:
             pairs.append((f"engines[{i}].kv_events_port", p.kv_events))
             pairs.append((f"engines[{i}].kv_events_replay_port", p.kv_events_replay))
         for key, port in pairs:
@@ -80,7 +78,7 @@ def ports_to_pick(engines: Sequence[EngineConfig]) -> list[tuple[str, str, str]]
             out.append((e.name, "http", e.host))
         if e.kind == "vllm" and e.nixl_side_channel_port == 0:
             out.append((e.name, "nixl", e.nixl_side_channel_host))
-        if publishes_kv_events(e):
+        if e.kv_events_over_tcp:
             if e.kv_events_port == 0:
                 out.append((e.name, "kv_events", WILDCARD))
             if e.kv_events_replay_port == 0:
@@ -99,7 +97,7 @@ def resolve_ports(
         nixl = events = replay = None
         if e.kind == "vllm":
             nixl = e.nixl_side_channel_port or picked.get((e.name, "nixl"), 0)
-        if publishes_kv_events(e):
+        if e.kv_events_over_tcp:
             events = e.kv_events_port or picked.get((e.name, "kv_events"), 0)
             replay = e.kv_events_replay_port or picked.get((e.name, "kv_events_replay"), 0)
         out[e.name] = EnginePorts(http=http, nixl=nixl, kv_events=events, kv_events_replay=replay)

@@ -23,6 +23,9 @@ API:
   never listens) until just before its engine is spawned, so two engines of this launcher
   never pick the same port and other programs cannot take it meanwhile. A restarted engine
   keeps its ports, so its URL never changes.
+- KV events: engines on a loopback host publish on ipc:// sockets in a 0o700 directory
+  (event_dir.py: `{log_dir}/kv-events`, or a mkdtemp one when the paths would be too long
+  for AF_UNIX), made at start(); stop() removes the socket files and the emptied directory.
 - Processes: one per `EngineCommand` (a group of identical sim engines is one process). Each
   starts in its own session/process group (so stop() and restarts reach vLLM's engine-core
   and worker children too), with stdout+stderr appended to `{log_dir}/{name}.log` (other
@@ -70,6 +73,7 @@ from .engine_status import (
     ProgressEvent,
     UnitStatus,
 )
+from .event_dir import EventDir
 from .host import HostInfo, detect_host
 from .ports import EnginePorts, PortReservation, ports_to_pick, resolve_ports
 from .process_group import child_setup, kill_group_leftovers, terminate_group
@@ -122,6 +126,7 @@ class Supervisor:
         self.stable_after_s = stable_after_s
         self._roles = {e.name: e.role for e in self.engines}
         self._reservation = PortReservation()
+        self._event_dir = EventDir(self.launcher.log_dir)
         self._units: list[_Unit] = []
         self._progress: ProgressCallback | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -142,9 +147,13 @@ class Supervisor:
                 for name, which, host in ports_to_pick(self.engines):
                     self._reservation.pick(name, which, host)
                 ports = resolve_ports(self.engines, self._reservation.picked)
-                cmds = build_commands(self.engines, ports, self.host, log_dir=self.launcher.log_dir, python=self.python)
+                ipc_dir = self._event_dir.plan(self.engines)
+                cmds = build_commands(
+                    self.engines, ports, self.host, log_dir=self.launcher.log_dir, python=self.python, ipc_dir=ipc_dir
+                )
             except BaseException:
                 self._reservation.release_all()
+                self._event_dir.discard()
                 raise
             self._units = [_Unit(cmd=c, role=self._roles[c.engines[0]]) for c in cmds]
         return [u.cmd for u in self._units]
@@ -152,6 +161,8 @@ class Supervisor:
     def release_ports(self) -> None:
         """Stop holding the picked ports (after a plan() that will not be started)."""
         self._reservation.release_all()
+        if not self._started:
+            self._event_dir.discard()
 
     @property
     def ports(self) -> dict[str, EnginePorts]:
@@ -178,6 +189,7 @@ class Supervisor:
         self.plan()
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
         try:
+            self._event_dir.create()
             for unit in self._units:
                 prepare_logs(unit.cmd)
                 await self._spawn(unit)
@@ -209,6 +221,8 @@ class Supervisor:
             if unit.state != STOPPED:
                 self._set(unit, STOPPED)
         self._reservation.release_all()
+        # A killed engine leaves its ipc socket files behind.
+        self._event_dir.cleanup(self.kv_event_endpoints().values())
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -265,8 +279,10 @@ class Supervisor:
         cmd = unit.cmd
         self._set(unit, STARTING, f"attempt {unit.attempt}")
         with open_log(cmd, unit.attempt) as log:
-            # The engine binds these ports next; stop holding them.
+            # The engine binds these ports next; stop holding them. Sockets a killed
+            # predecessor left are removed (ZeroMQ would replace them anyway).
             self._reservation.release(cmd.engines)
+            self._event_dir.remove_sockets(cmd.kv_events.values())
             unit.proc = await asyncio.create_subprocess_exec(
                 *cmd.argv,
                 stdin=asyncio.subprocess.DEVNULL,

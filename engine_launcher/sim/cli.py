@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="vLLM's KV cache event stream, as a JSON object of KVEventsConfig keys, e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off). '
-        "Once: every engine of the process, ports offset by its index; once per --port: "
+        "Once: every engine of the process, ports offset by its index (an ipc:// path "
+        "gets a _dp<index> suffix); once per --port: "
         "each engine its own, as given",
     )
     a("--enable-admin", action="store_true", help="enable POST /_sim/faults")

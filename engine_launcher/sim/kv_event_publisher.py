@@ -16,8 +16,10 @@ simulator's event loop. The loop hands it encoded batches through an inproc PUSH
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 import threading
 from collections import deque
 
@@ -126,6 +128,12 @@ class ZmqEventPublisher:
         for s in (self._pub, self._replay, self._pull):
             if s is not None:
                 s.close(linger=0)
+        # ZeroMQ unlinks a bound ipc socket's file only once its I/O thread gets to it,
+        # which a process about to exit may never let happen.
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if endpoint is not None and endpoint.startswith("ipc://") and is_bind_endpoint(endpoint):
+                with contextlib.suppress(OSError):
+                    os.unlink(endpoint[len("ipc://") :])
 
     # --- the publisher thread ----------------------------------------------------------
 

@@ -18,7 +18,8 @@ OffloadingConnector's events):
 What differs: a reset's AllBlocksCleared is published at once (vLLM waits for its next
 step); a block computed twice at once (a duplicate) is not announced, where vLLM announces
 both copies; several engines in one process are separate engines: each publishes with
-data_parallel_rank 0, on the configured ports offset by its index as vLLM offsets DP ranks.
+data_parallel_rank 0, on the configured ports offset by its index as vLLM offsets DP ranks
+(an ipc:// path gets a "_dp<index>" suffix, where vLLM refuses ipc for ranks above 0).
 """
 
 from __future__ import annotations
@@ -122,10 +123,12 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
 
 
 def offset_endpoint_port(endpoint: str | None, rank: int) -> str | None:
-    """tcp: port + rank (port 0 stays 0); inproc: a "_dp<rank>" suffix; rank 0: unchanged."""
+    """tcp: port + rank (port 0 stays 0); inproc and ipc: a "_dp<rank>" suffix; rank 0:
+    unchanged. (vLLM 0.32 refuses an ipc endpoint for a rank above 0; the simulator gives
+    each engine of a process its own socket file instead.)"""
     if not endpoint or rank == 0:
         return endpoint
-    if endpoint.startswith("inproc://"):
+    if endpoint.startswith(("inproc://", "ipc://")):
         return f"{endpoint}_dp{rank}"
     if endpoint.startswith("tcp://"):
         base, _, port = endpoint.rpartition(":")

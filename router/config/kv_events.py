@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.config.checks import Problems, build_table, check_port, check_positive
+from router.config.event_sockets import is_loopback_host, vllm_data_parallel_flag
 from router.config.schema import BackendConfig, ConfigError, DiscoveryConfig, EngineConfig, KvEventsConfig
 
 
@@ -44,6 +45,23 @@ def check_engine_kv_events(p: Problems, key: str, e: EngineConfig) -> None:
             p.add(f"{key}.{port_key}: set while kv_events = false (the engine publishes no events)")
     if e.kv_events_port and e.kv_events_port == e.kv_events_replay_port:
         p.add(f"{key}.kv_events_replay_port: the same port as kv_events_port ({e.kv_events_port})")
+    if e.kv_events and is_loopback_host(e.host):
+        for port_key in ("kv_events_port", "kv_events_replay_port"):
+            if getattr(e, port_key):
+                p.add(
+                    f"{key}.{port_key}: host {e.host!r} is loopback, so the engine publishes its KV "
+                    f"events on ipc:// sockets in the launcher's log_dir, not on a TCP port (a tcp "
+                    f"stream would listen on every interface); remove the key, or set a "
+                    f"non-loopback host"
+                )
+    if e.kind == "vllm" and e.kv_events_over_ipc:
+        flag = vllm_data_parallel_flag(e.extra_args)
+        if flag is not None:
+            p.add(
+                f"{key}.extra_args: {flag} gives data-parallel ranks other than 0, and vLLM 0.32 "
+                f"cannot give those ranks their own ipc:// KV-event sockets (host {e.host!r} is "
+                f"loopback); set kv_events = false, or pass your own --kv-events-config"
+            )
 
 
 def parse_kv_events(p: Problems, raw: Any) -> KvEventsConfig | None:

@@ -12,7 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.config.event_sockets import default_ipc_dir, has_flag, ipc_endpoints, ipc_fits, is_loopback_host
 from router.names import EngineRole, Mode, Role
+
+KV_EVENTS_FLAG = "--kv-events-config"
 
 
 class ConfigError(ValueError):
@@ -171,7 +174,8 @@ class EngineConfig:
     # OffloadingConnector next to NIXL, or the simulator's CPU tier (docs/LAUNCHER.md).
     kv_offload_gib: float = 0.0
     # Its KV-event stream (vLLM --kv-events-config): published by the engine and followed by
-    # the router; ports 0: free ones picked at start (docs/LAUNCHER.md).
+    # the router. A loopback host publishes on ipc:// sockets in {log_dir}/kv-events; the
+    # ports (0: free ones picked at start) are for any other host (docs/LAUNCHER.md).
     kv_events: bool = True
     kv_events_port: int = 0
     kv_events_replay_port: int = 0
@@ -181,10 +185,25 @@ class EngineConfig:
         """An engine's role in the launcher maps to the router-side backend role."""
         return EngineRole(self.role).backend_role
 
+    @property
+    def launcher_kv_events(self) -> bool:
+        """Whether the launcher sets up this engine's event stream (a user's own flag wins)."""
+        return self.kv_events and not has_flag(self.extra_args, KV_EVENTS_FLAG)
+
+    @property
+    def kv_events_over_ipc(self) -> bool:
+        """The launcher's stream of a loopback engine: ipc:// sockets, no TCP port."""
+        return self.launcher_kv_events and is_loopback_host(self.host)
+
+    @property
+    def kv_events_over_tcp(self) -> bool:
+        return self.launcher_kv_events and not is_loopback_host(self.host)
+
     def kv_event_endpoints(self, port: int, replay_port: int) -> tuple[str, str]:
-        """Where the router connects to the stream and replay sockets on these ports: the
-        engine's host (the engine binds every interface, vLLM binds only wildcards), through
-        loopback for a wildcard host. A replay port 0 gives no replay endpoint."""
+        """Where the router connects to the tcp stream and replay sockets on these ports (an
+        engine on a non-loopback host): the engine's host (the engine binds every interface,
+        vLLM binds only wildcards), through loopback for a wildcard host. A replay port 0
+        gives no replay endpoint."""
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         if ":" in host:
             host = f"[{host}]"
@@ -288,8 +307,9 @@ class Config:
 
         engine_urls maps an engine name to its actual URL once the launcher picked a port;
         kv_event_endpoints an engine name to its (stream, replay) endpoints once it started
-        them. Without the latter (engines started elsewhere) the configured
-        kv_events_port/kv_events_replay_port are followed, when set.
+        them. Without the latter (engines started elsewhere): a loopback engine's ipc://
+        sockets under launcher.log_dir (when they fit an AF_UNIX path), another engine's
+        configured kv_events_port/kv_events_replay_port, when set.
         """
         out = list(self.backends)
         for e in self.engines:
@@ -300,6 +320,10 @@ class Config:
             events, replay = "", ""
             if kv_event_endpoints is not None:
                 events, replay = kv_event_endpoints.get(e.name, ("", ""))
+            elif e.kv_events_over_ipc:
+                pair = ipc_endpoints(default_ipc_dir(self.launcher.log_dir), e.name)
+                if all(ipc_fits(ep) for ep in pair):
+                    events, replay = pair
             elif e.kv_events and e.kv_events_port:
                 events, replay = e.kv_event_endpoints(e.kv_events_port, e.kv_events_replay_port)
             out.append(

@@ -1,5 +1,6 @@
 """router.toml validation: good files load, bad ones name the key and what was expected."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,9 +75,26 @@ def test_defaults_are_safe() -> None:
             "kv_events = false",
         ),
         (
-            {"engines": [{"name": "e", "kind": "sim", "kv_events_port": 5557, "kv_events_replay_port": 5557}]},
+            {
+                "engines": [
+                    {
+                        "name": "e",
+                        "kind": "sim",
+                        "host": "0.0.0.0",
+                        "kv_events_port": 5557,
+                        "kv_events_replay_port": 5557,
+                    }
+                ]
+            },
             "engines[0].kv_events_replay_port",
             "same port",
+        ),
+        # A loopback engine publishes on ipc sockets: event ports would listen everywhere.
+        ({"engines": [{"name": "e", "kind": "sim", "kv_events_port": 5557}]}, "engines[0].kv_events_port", "loopback"),
+        (
+            {"engines": [{"name": "e", "kind": "sim", "host": "::1", "kv_events_replay_port": 5558}]},
+            "engines[0].kv_events_replay_port",
+            "ipc://",
         ),
         ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
         ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
@@ -209,16 +227,26 @@ def test_engines_become_backends_with_mapped_roles() -> None:
     assert b["p"].models == ("m",)
 
 
-def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_ports():
+def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_ports(tmp_path):
+    log_dir = str(tmp_path / "logs")
     cfg = parse_config(
         {
+            "launcher": {"log_dir": log_dir},
             "engines": [
-                {"name": "a", "kind": "sim", "port": 9001, "kv_events_port": 5557, "kv_events_replay_port": 5558},
+                {
+                    "name": "a",
+                    "kind": "sim",
+                    "port": 9001,
+                    "host": "10.0.0.5",
+                    "kv_events_port": 5557,
+                    "kv_events_replay_port": 5558,
+                },
                 {"name": "b", "kind": "sim", "port": 9002, "host": "0.0.0.0", "kv_events_port": 5559},
-                {"name": "c", "kind": "sim", "port": 9003},  # ports left to the launcher
-                {"name": "d", "kind": "sim", "port": 9004, "host": "::1", "kv_events_port": 5560},
+                {"name": "c", "kind": "sim", "port": 9003},  # loopback: ipc sockets
+                {"name": "d", "kind": "sim", "port": 9004, "host": "::1"},
                 {"name": "e", "kind": "sim", "port": 9005, "kv_events": False},
-            ]
+                {"name": "f", "kind": "sim", "port": 9006, "host": "0.0.0.0"},  # ports left to the launcher
+            ],
         }
     )
     assert cfg.engines[0].kv_events is True
@@ -226,14 +254,17 @@ def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_por
     def endpoints(backends) -> dict[str, tuple[str, str]]:
         return {x.name: (x.kv_events_endpoint, x.kv_events_replay_endpoint) for x in backends}
 
-    # Engines started elsewhere (router --no-engines): the configured ports, reached at the
-    # engine's host (loopback for a wildcard).
+    # Engines started elsewhere (router --no-engines): a loopback engine's ipc sockets under
+    # the launcher's log_dir (the launcher's own deterministic paths), another engine's
+    # configured ports, reached at its host (loopback for a wildcard).
+    d = os.path.join(log_dir, "kv-events")
     assert endpoints(cfg.all_backends()) == {
-        "a": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),
+        "a": ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558"),
         "b": ("tcp://127.0.0.1:5559", ""),
-        "c": ("", ""),
-        "d": ("tcp://[::1]:5560", ""),
+        "c": (f"ipc://{d}/c.events", f"ipc://{d}/c.replay"),
+        "d": (f"ipc://{d}/d.events", f"ipc://{d}/d.replay"),
         "e": ("", ""),
+        "f": ("", ""),
     }
     # Engines the launcher started: what it reports, and nothing for the others.
     started = {"c": ("tcp://127.0.0.1:41000", "tcp://127.0.0.1:41001")}
@@ -243,7 +274,14 @@ def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_por
         "c": ("tcp://127.0.0.1:41000", "tcp://127.0.0.1:41001"),
         "d": ("", ""),
         "e": ("", ""),
+        "f": ("", ""),
     }
+    # Paths past the AF_UNIX limit: the launcher moves them to a temp directory the router
+    # cannot derive, so it follows no stream.
+    long = parse_config(
+        {"launcher": {"log_dir": str(tmp_path / ("x" * 100))}, "engines": [{"name": "c", "kind": "sim"}]}
+    )
+    assert endpoints(long.all_backends()) == {"c": ("", "")}
 
 
 def _run_cli(*args):

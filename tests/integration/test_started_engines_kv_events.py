@@ -1,9 +1,15 @@
 """Engines the router starts from `[[engines]]` (the real launcher, simulated engines)
-publish KV events, and the router follows each at the endpoints the launcher picked."""
+publish KV events, and the router follows each at the endpoints the launcher picked: for
+engines on a loopback host, ipc sockets in a private directory, no TCP port."""
 
 from __future__ import annotations
 
+import os
+import stat
+from urllib.parse import urlsplit
+
 import aiohttp
+import psutil
 
 from router.config.parse import parse_config
 from router.server.state import RouterState
@@ -12,6 +18,18 @@ from support.polling import eventually
 MODEL = "sim-model"
 # Liveness bound for a loaded machine (engines start, a stream answers), not a speed check.
 WAIT_S = 60.0
+
+
+def mode(path: str) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def exists(path: str) -> bool:
+    return os.path.lexists(path)
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
 
 
 async def test_started_engines_are_followed_at_the_endpoints_the_launcher_picked(tmp_path):
@@ -35,7 +53,11 @@ async def test_started_engines_are_followed_at_the_endpoints_the_launcher_picked
         for name, (stream, replay) in endpoints.items():
             c = state.registry.states[name].config
             assert (c.kv_events_endpoint, c.kv_events_replay_endpoint) == (stream, replay)
-            assert stream.startswith("tcp://127.0.0.1:")
+        # Loopback engines: ipc sockets of their own in the launcher's private directory.
+        d = str(tmp_path / "logs" / "kv-events")
+        assert endpoints == {n: (f"ipc://{d}/{n}.events", f"ipc://{d}/{n}.replay") for n in ("a", "b")}
+        assert mode(d) == 0o700
+        paths = [ep.removeprefix("ipc://") for pair in endpoints.values() for ep in pair]
         assert state.registry.states["quiet"].config.kv_events_endpoint == ""
         assert set(state.kv_events.streams) == {"a", "b"}
         # Each stream's replay socket answered: the router is connected to the engine itself.
@@ -50,5 +72,14 @@ async def test_started_engines_are_followed_at_the_endpoints_the_launcher_picked
         index = state.kv_events.index
         await eventually(lambda: index.stats("b").blocks > 0, WAIT_S, "b's blocks indexed")
         assert index.stats("a").blocks == 0
+
+        # Nothing listens on TCP but the engines' HTTP ports: no event stream on any interface.
+        http = {urlsplit(state.registry.states[n].config.url).port for n in ("a", "b", "quiet")}
+        pids = {u.pid for u in state.supervisor.status()}
+        assert None not in pids
+        assert set().union(*(listening_tcp_ports(p) for p in pids if p is not None)) == http
     finally:
         await state.stop()
+    # Stopped: no socket file and no directory left.
+    assert not any(map(exists, paths))
+    assert not exists(d)

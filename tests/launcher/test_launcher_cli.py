@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import textwrap
@@ -28,61 +27,47 @@ def write(tmp_path: Path, text: str) -> str:
     return str(p)
 
 
-EVENT_PORT = re.compile(r"(tcp://(?:\*|127\.0\.0\.1)):(\d+)")
-
-
-def picked_event_ports(lines: list[str]) -> tuple[list[str], list[int]]:
-    """The lines with each picked KV-event port replaced by its order of first appearance
-    ("tcp://*:<0>"), and the ports in that order."""
-    order: list[int] = []
-
-    def name(m: re.Match[str]) -> str:
-        port = int(m.group(2))
-        if port not in order:
-            order.append(port)
-        return f"{m.group(1)}:<{order.index(port)}>"
-
-    return [EVENT_PORT.sub(name, line) for line in lines], order
-
-
-def events_flag(i: int) -> str:
-    """The --kv-events-config of the engine whose stream is picked port <i>, replay <i+1>."""
+def events_flag(name: str) -> str:
+    """The --kv-events-config of a loopback engine: ipc sockets in {log_dir}/kv-events."""
+    stream, replay = ipc_pair(name)
     return (
         '--kv-events-config \'{"enable_kv_cache_events":true,"publisher":"zmq",'
-        f'"endpoint":"tcp://*:<{i}>","replay_endpoint":"tcp://*:<{i + 1}>","topic":""}}\''
+        f'"endpoint":"{stream}","replay_endpoint":"{replay}","topic":""}}\''
     )
+
+
+def ipc_pair(name: str) -> tuple[str, str]:
+    d = os.path.join(os.path.abspath("engine-logs"), "kv-events")
+    return f"ipc://{d}/{name}.events", f"ipc://{d}/{name}.replay"
 
 
 def test_dry_run_prints_exact_commands_for_router_toml(capsys):
     rc = main(["--config", str(REPO / "router.toml"), "--dry-run", "--host-type", "cpu"])
     assert rc == 0
-    out, ports = picked_event_ports(capsys.readouterr().out.splitlines())
+    out = capsys.readouterr().out.splitlines()
     py = sys.executable
+    decodes = [f"decode-{i}" for i in range(4)]
     assert out == [
         "# engine-launcher --dry-run: 2 process(es) for 5 engine(s) on a CPU host "
         f"({len(os.sched_getaffinity(0))} CPUs)",
-        "# free ports were picked now for decode-0, decode-1, decode-2, decode-3, prefill-0; a real start picks again",
+        # Loopback engines publish on ipc sockets: no port to pick.
         "",
         "# decode-0 (sim): decode-0 at http://127.0.0.1:8101, decode-1 at http://127.0.0.1:8102, "
         "decode-2 at http://127.0.0.1:8103, decode-3 at http://127.0.0.1:8104",
-        "# kv events of decode-0: tcp://127.0.0.1:<0>, replay tcp://127.0.0.1:<1>",
-        "# kv events of decode-1: tcp://127.0.0.1:<2>, replay tcp://127.0.0.1:<3>",
-        "# kv events of decode-2: tcp://127.0.0.1:<4>, replay tcp://127.0.0.1:<5>",
-        "# kv events of decode-3: tcp://127.0.0.1:<6>, replay tcp://127.0.0.1:<7>",
+        *(f"# kv events of {n}: {ipc_pair(n)[0]}, replay {ipc_pair(n)[1]}" for n in decodes),
         "# log: engine-logs/decode-0.log",
         f"PYTHONUNBUFFERED=1 {py} -m engine_launcher.sim --port 8101 --port 8102 --port 8103 "
         "--port 8104 --host 127.0.0.1 --role consumer --model sim-llama-8b "
-        + " ".join(events_flag(i) for i in (0, 2, 4, 6)),
+        + " ".join(events_flag(n) for n in decodes),
         "",
         "# prefill-0 (sim): prefill-0 at http://127.0.0.1:8105",
-        "# kv events of prefill-0: tcp://127.0.0.1:<8>, replay tcp://127.0.0.1:<9>",
+        f"# kv events of prefill-0: {ipc_pair('prefill-0')[0]}, replay {ipc_pair('prefill-0')[1]}",
         "# log: engine-logs/prefill-0.log",
         f"PYTHONUNBUFFERED=1 {py} -m engine_launcher.sim --port 8105 --host 127.0.0.1 "
-        f"--role producer --model sim-llama-8b {events_flag(8)}",
+        f"--role producer --model sim-llama-8b {events_flag('prefill-0')}",
     ]
-    # Ten distinct picked ports, none of them an engine's HTTP port.
-    assert len(ports) == 10
-    assert not set(ports) & set(range(8101, 8106))
+    # A dry run makes no socket directory.
+    assert not os.path.exists(os.path.dirname(ipc_pair("prefill-0")[0].removeprefix("ipc://")))
 
 
 def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
@@ -106,6 +91,7 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
         port = 8201
         nixl_side_channel_port = 5601
         gpu_ids = [1]
+        host = "10.0.0.7"
         kv_events_port = 5701
         kv_events_replay_port = 5702
         extra_args = ["--max-model-len", "8192"]
@@ -120,13 +106,14 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
         f"CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 CUDA_VISIBLE_DEVICES=1 PYTHONUNBUFFERED=1 "
         f"VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 VLLM_NIXL_SIDE_CHANNEL_PORT=5601 {sys.executable} -m "
         "vllm.entrypoints.openai.api_server --model /models/llama --served-model-name "
-        "/models/llama --host 127.0.0.1 --port 8201 --enable-prefix-caching --enable-prompt-tokens-details "
+        "/models/llama --host 10.0.0.7 --port 8201 --enable-prefix-caching --enable-prompt-tokens-details "
         f"--kv-transfer-config '{kv}' --scheduler-cls "
         "engine_launcher.vllm_plugin.scheduler.ThresholdAsyncScheduler --kv-events-config "
         '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5701",'
         '"replay_endpoint":"tcp://*:5702","topic":""}\' --max-model-len 8192'
     ) in out.splitlines()
-    assert "# kv events of decode: tcp://127.0.0.1:5701, replay tcp://127.0.0.1:5702" in out
+    # A non-loopback host keeps tcp (bound on every interface, reached at the host).
+    assert "# kv events of decode: tcp://10.0.0.7:5701, replay tcp://10.0.0.7:5702" in out
     assert "# log: /var/log/engines/prefill.log" in out
     assert "on a GPU host" in out
 

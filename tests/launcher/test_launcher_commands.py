@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -48,6 +49,26 @@ def events_config(port: int, replay: int) -> str:
     )
 
 
+def ipc_pair(log_dir: str, name: str) -> tuple[str, str]:
+    """A loopback engine's (stream, replay) sockets: {log_dir}/kv-events, made absolute."""
+    d = os.path.join(os.path.abspath(log_dir), "kv-events")
+    return f"ipc://{d}/{name}.events", f"ipc://{d}/{name}.replay"
+
+
+def ipc_config(log_dir: str, name: str) -> str:
+    stream, replay = ipc_pair(log_dir, name)
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": stream,
+            "replay_endpoint": replay,
+            "topic": "",
+        },
+        separators=(",", ":"),
+    )
+
+
 def picked_for(engines: list[EngineConfig], base: int = 40000) -> dict[tuple[str, str], int]:
     """Distinct made-up picks for every port the engines leave at 0."""
     return {(name, which): base + i for i, (name, which, _) in enumerate(ports_to_pick(engines))}
@@ -80,7 +101,8 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
         "--scheduler-cls",
         SYNC_SCHEDULER_CLS,
         "--kv-events-config",
-        events_config(29000, 39000),
+        # A loopback engine: ipc sockets, whatever event ports it was given.
+        ipc_config("logs", "e0"),
         "--dtype",
         "float32",
         "--block-size",
@@ -102,7 +124,7 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
     assert cmd.engines == ("e0",)
     assert cmd.log_file == "logs/e0.log"
     assert dict(cmd.urls) == {"e0": "http://127.0.0.1:9000"}
-    assert dict(cmd.kv_events) == {"e0": ("tcp://127.0.0.1:29000", "tcp://127.0.0.1:39000")}
+    assert dict(cmd.kv_events) == {"e0": ipc_pair("logs", "e0")}
     assert cmd.health_urls() == {"e0": "http://127.0.0.1:9000/health"}
 
 
@@ -255,10 +277,9 @@ def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error():
 
 def test_identical_sim_engines_share_one_process():
     cfg = load_config("router.toml")
-    picked = {(f"decode-{i}", "kv_events"): 7000 + 2 * i for i in range(4)}
-    picked |= {(f"decode-{i}", "kv_events_replay"): 7001 + 2 * i for i in range(4)}
-    picked |= {("prefill-0", "kv_events"): 7100, ("prefill-0", "kv_events_replay"): 7101}
-    ports = resolve_ports(cfg.engines, picked)
+    # Loopback engines: no event port to pick.
+    assert ports_to_pick(cfg.engines) == []
+    ports = resolve_ports(cfg.engines)
     cmds = build_commands(cfg.engines, ports, CPU_HOST, log_dir="engine-logs", python=PY)
     assert [c.engines for c in cmds] == [("decode-0", "decode-1", "decode-2", "decode-3"), ("prefill-0",)]
     decode, prefill = cmds
@@ -280,15 +301,15 @@ def test_identical_sim_engines_share_one_process():
         "consumer",
         "--model",
         "sim-llama-8b",
-        # One stream per engine, in --port order.
+        # One stream per engine, in --port order: loopback engines, ipc sockets of their own.
         "--kv-events-config",
-        events_config(7000, 7001),
+        ipc_config("engine-logs", "decode-0"),
         "--kv-events-config",
-        events_config(7002, 7003),
+        ipc_config("engine-logs", "decode-1"),
         "--kv-events-config",
-        events_config(7004, 7005),
+        ipc_config("engine-logs", "decode-2"),
         "--kv-events-config",
-        events_config(7006, 7007),
+        ipc_config("engine-logs", "decode-3"),
     ]
     assert list(prefill.argv) == [
         PY,
@@ -303,15 +324,13 @@ def test_identical_sim_engines_share_one_process():
         "--model",
         "sim-llama-8b",
         "--kv-events-config",
-        events_config(7100, 7101),
+        ipc_config("engine-logs", "prefill-0"),
     ]
     assert dict(decode.env) == {"PYTHONUNBUFFERED": "1"}
     assert decode.name == "decode-0"
     assert decode.log_file == "engine-logs/decode-0.log"
     assert dict(decode.urls) == {f"decode-{i}": f"http://127.0.0.1:{8101 + i}" for i in range(4)}
-    assert dict(decode.kv_events) == {
-        f"decode-{i}": (f"tcp://127.0.0.1:{7000 + 2 * i}", f"tcp://127.0.0.1:{7001 + 2 * i}") for i in range(4)
-    }
+    assert dict(decode.kv_events) == {f"decode-{i}": ipc_pair("engine-logs", f"decode-{i}") for i in range(4)}
 
 
 def test_sim_engines_with_different_options_do_not_share():

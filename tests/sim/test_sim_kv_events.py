@@ -509,3 +509,37 @@ def test_the_command_line_offsets_each_engines_ports() -> None:
         proc.kill()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+def test_one_ipc_config_gives_each_engine_of_a_process_its_own_socket_files(tmp_path: Path) -> None:
+    """The launcher's loopback engines publish on ipc sockets; given once for several
+    engines, each engine binds the paths suffixed with its index (vLLM refuses ipc for
+    ranks above 0, where the simulator still must not share a socket file)."""
+    assert offset_endpoint_port("ipc:///run/kv.events", 1) == "ipc:///run/kv.events_dp1"
+    assert offset_endpoint_port("ipc:///run/kv.events", 0) == "ipc:///run/kv.events"
+    pub, replay = tmp_path / "kv.events", tmp_path / "kv.replay"
+    config = f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{pub}", "replay_endpoint": "ipc://{replay}"}}'
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine_launcher.sim", "--port", "0", "--port", "0", "--kv-events-config", config],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    ctx = zmq.Context()
+    sockets = [pub, replay, tmp_path / "kv.events_dp1", tmp_path / "kv.replay_dp1"]
+    try:
+        assert proc.stdout is not None
+        for _ in range(2):
+            assert "sim engine listening" in proc.stdout.readline()
+        # Bound (ipc is a bind endpoint, as in vLLM): the four socket files exist.
+        assert all(p.is_socket() for p in sockets)
+        for path in (replay, tmp_path / "kv.replay_dp1"):
+            assert sync_replay(ctx, f"ipc://{path}", 0) == [[b"", b"", END_SEQ, b""]]
+    finally:
+        ctx.destroy(linger=0)
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    # A clean stop closes the sockets, and ZeroMQ removes their files.
+    assert not any(p.exists() for p in sockets)
