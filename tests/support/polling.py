@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _describe(what: str | None, condition: Callable) -> str:
-    return what or getattr(condition, "__name__", repr(condition))
+def _describe(what: str | None, condition: Callable[[], Any]) -> str:
+    return what or str(getattr(condition, "__name__", repr(condition)))
 
 
 async def eventually(

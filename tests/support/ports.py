@@ -19,11 +19,12 @@ def free_port(host: str = "127.0.0.1", *, udp: bool = False) -> int:
     if not udp:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-            return s.getsockname()[1]
+            port: int = s.getsockname()[1]
+            return port
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
             u.bind((host, 0))
-            port = u.getsockname()[1]
+            port = int(u.getsockname()[1])
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
                 try:
                     t.bind((host, port))
