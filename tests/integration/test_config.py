@@ -3,6 +3,7 @@
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,8 +20,8 @@ MIN_BACKEND = {"backends": [{"name": "d0", "url": "http://127.0.0.1:9001"}]}
 def test_repository_router_toml_is_valid() -> None:
     cfg = load_config(ROOT / "router.toml")
     backends = cfg.all_backends()
-    assert [b.role for b in backends].count("decode") == 4
-    assert [b.role for b in backends].count("prefill") == 1
+    assert [b.role for b in backends].count(Role.DECODE) == 4
+    assert [b.role for b in backends].count(Role.PREFILL) == 1
     assert all(b.url.startswith("http://127.0.0.1:") for b in backends)
 
 
@@ -98,7 +99,7 @@ def test_defaults_are_safe() -> None:
         ),
     ],
 )
-def test_bad_configs_name_the_key(raw, key, expected) -> None:
+def test_bad_configs_name_the_key(raw: dict[str, Any], key: str, expected: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse_checked(raw)
     msg = str(e.value)
@@ -197,7 +198,7 @@ def test_engines_become_backends_with_mapped_roles() -> None:
     assert b["p"].models == ("m",)
 
 
-def _run_cli(*args):
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
     )

@@ -25,6 +25,7 @@ from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.server.app import ROUTER_KEY, build_app
 from support.metrics import registry_metrics
+from support.ports import site_port
 from support.real_engine import scrape_metrics
 from support.sse import read_sse
 
@@ -83,7 +84,7 @@ class RealCluster:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.url = f"http://127.0.0.1:{site_port(site)}"
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
         return self
 

@@ -29,6 +29,7 @@ from router.config.parse import parse_config
 from router.fleet.capability import CHECK_PROMPT_PREFIX
 from router.server.app import build_app
 from support.cluster import MakeCluster
+from support.ports import site_port
 from support.requirements import missing_dependency
 from support.subprocess_cluster import MODEL, sim_backends
 
@@ -43,7 +44,7 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return runner, site_port(site)
 
 
 class Capture:

@@ -15,10 +15,13 @@ from aiohttp import web
 from engine_launcher.sim import FaultConfig, SimEngineConfig, SimEngineHandle, start_sim_engine
 from engine_launcher.sim.tokenizer import WORDS
 from router.config.parse import parse_config
+from router.dispatch.pipeline import Dispatcher
+from router.fleet.registry import BackendRegistry
 from router.server.app import ROUTER_KEY, build_app
 from router.server.state import RouterState
 from support.metrics import registry_metrics, scrape_metrics
 from support.polling import eventually
+from support.ports import site_port
 from support.sse import read_sse
 
 if TYPE_CHECKING:
@@ -44,6 +47,14 @@ class Cluster:
     @property
     def state(self) -> RouterState:
         return self.app[ROUTER_KEY]
+
+    @property
+    def registry(self) -> BackendRegistry:
+        return registry_of(self.state)
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return dispatcher_of(self.state)
 
     async def post(self, path: str, body: dict[str, Any], **kw: Any) -> aiohttp.ClientResponse:
         return await self.session.post(
@@ -91,9 +102,7 @@ class Cluster:
     async def wait_capability_checked(self, within: float = 15.0) -> None:
         """Until the router knows whether each decode engine runs the threshold, then note
         the engines' counters: tests count from there."""
-        registry = self.state.registry
-        assert registry is not None  # set once the app has started
-        states = registry.states
+        states = self.registry.states
         # An engine that fails requests on purpose (fault injection) cannot answer the check.
         failing = {n for n, e in self.engines.items() if e.config.faults.error_rate > 0}
         await eventually(
@@ -118,9 +127,7 @@ class Cluster:
         """Until the router has seen every backend answer a health check. Its first check at
         start may time out on a loaded machine (the backend then stays unused until the next
         scrape), and a test that counts where requests went must start from the full set."""
-        registry = self.state.registry
-        assert registry is not None  # set once the app has started
-        states = registry.states
+        states = self.registry.states
 
         def all_healthy() -> bool:
             unhealthy = {n: s.last_error for n, s in states.items() if not s.healthy}
@@ -146,6 +153,18 @@ class Cluster:
             if not any(counts.values()) or loop.time() >= end:
                 return counts
             await asyncio.sleep(0.02)
+
+
+def registry_of(state: RouterState) -> BackendRegistry:
+    """The backend registry of a started router (RouterState.start sets it)."""
+    assert state.registry is not None, "the router has not started"
+    return state.registry
+
+
+def dispatcher_of(state: RouterState) -> Dispatcher:
+    """The dispatcher of a started router (RouterState.start sets it)."""
+    assert state.dispatcher is not None, "the router has not started"
+    return state.dispatcher
 
 
 # What the `make_cluster` fixture gives a test: `await make_cluster(decoders=2, ...)`.
@@ -209,8 +228,7 @@ async def make_cluster() -> AsyncIterator[MakeCluster]:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        assert isinstance(site._server, asyncio.Server)
-        port = site._server.sockets[0].getsockname()[1]
+        port = site_port(site)
         c = Cluster(f"http://127.0.0.1:{port}", engines, aiohttp.ClientSession(), app, runner, roles)
         clusters.append(c)
         await c.wait_all_healthy()
@@ -231,4 +249,13 @@ def long_prompt(tag: str, words: int = 400) -> str:
     return " ".join(WORDS[(start + i * 31) % len(WORDS)] for i in range(words))
 
 
-__all__ = ["MODEL", "PD_PREFERRED", "Cluster", "FaultConfig", "MakeCluster", "long_prompt"]
+__all__ = [
+    "MODEL",
+    "PD_PREFERRED",
+    "Cluster",
+    "FaultConfig",
+    "MakeCluster",
+    "dispatcher_of",
+    "long_prompt",
+    "registry_of",
+]

@@ -4,7 +4,6 @@ and how many requests an engine finished (ports and polling: the support package
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -15,6 +14,7 @@ from router.config.parse import parse_config
 from router.server.app import ROUTER_KEY, build_app
 from router.server.state import RouterState
 from support.metrics import scrape_metrics
+from support.ports import site_port
 
 ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 
@@ -32,5 +32,4 @@ async def start_router(raw: dict[str, Any], runners: list[web.AppRunner]) -> tup
     runners.append(runner)
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    assert isinstance(site._server, asyncio.Server)
-    return app[ROUTER_KEY], f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return app[ROUTER_KEY], f"http://127.0.0.1:{site_port(site)}"
