@@ -132,6 +132,12 @@ class RouterProc:
         return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """The router's process (set by start())."""
+        assert self.proc is not None, "the router was not started"
+        return self.proc
+
+    @property
     def log_path(self) -> Path:
         return self.workdir / "router.log"
 
