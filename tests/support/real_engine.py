@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,7 +222,7 @@ def scrape_metrics_patiently(base_url: str, within_s: float = 90.0) -> Metrics:
                 raise
 
 
-def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0) -> Iterator[Any]:
+def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0) -> Generator[Any, None, None]:
     """Yield SSE payloads as they arrive (JSON decoded; `[DONE]` as the string).
 
     Closing the generator closes the connection, which makes vLLM abort the request.
