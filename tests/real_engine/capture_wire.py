@@ -38,9 +38,9 @@ from support.ports import free_port_below_ephemeral_range
 from support.real_engine import (
     EngineProcess,
     engine_command,
-    parse_sse,
     request,
 )
+from support.sse import parse_sse
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"
 
@@ -53,11 +53,11 @@ MESSAGES = [{"role": "user", "content": "Hello, which river is quiet in the morn
 GREEDY = {"temperature": 0, "max_tokens": 4}
 
 
-def comp(**kw):
+def comp(**kw: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": PROMPT, **GREEDY, **kw}
 
 
-def chat(**kw):
+def chat(**kw: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": MESSAGES, **GREEDY, **kw}
 
 
