@@ -17,13 +17,15 @@ instead when CI requires every test to run (CACHEHIT_REQUIRE_REAL_ENGINE).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from support.processes import signal_group
 
 
 @pytest.fixture
-def kill_leftovers():
+def kill_leftovers() -> Iterator[list[int]]:
     """Process groups a test registers are SIGKILLed at teardown if still alive (by pgid)."""
     groups: list[int] = []
     yield groups

@@ -48,7 +48,7 @@ class SSEDecoder:
         self._skip_lf = False  # last feed ended in \r: a \n starting the next belongs to it
         self._max_line = max_line_bytes
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         out: list[bytes] = []
         if not data:
             return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import kubernetes_validate
@@ -72,21 +73,21 @@ SERVICE_MONITOR_SCHEMA = {
 }
 
 
-def documents() -> list[dict]:
+def documents() -> list[dict[str, Any]]:
     docs = []
     for f in sorted(DEPLOY.glob("*.yaml")):
         docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
     return docs
 
 
-def find(kind: str, name: str) -> dict:
+def find(kind: str, name: str) -> dict[str, Any]:
     matches = [d for d in documents() if d["kind"] == kind and d["metadata"]["name"] == name]
     assert len(matches) == 1, f"{kind}/{name}: {len(matches)} objects"
     return matches[0]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_every_object_is_valid_for_the_kubernetes_api(version) -> None:
+def test_every_object_is_valid_for_the_kubernetes_api(version: str) -> None:
     docs = documents()
     kinds = {d["kind"] for d in docs}
     assert {
@@ -122,7 +123,7 @@ def test_the_validator_catches_a_wrong_manifest() -> None:
         kubernetes_validate.validate(svc, VERSIONS[0], strict=True)
 
 
-def router_toml() -> dict:
+def router_toml() -> dict[str, Any]:
     return tomllib.loads(find("ConfigMap", "cachehit-router")["data"]["router.toml"])
 
 
@@ -172,7 +173,7 @@ def test_router_replicas_probes_service_and_budget_line_up() -> None:
 
 
 @pytest.mark.parametrize(("role", "kv_role"), [("decode", "kv_consumer"), ("prefill", "kv_producer")])
-def test_engines_are_found_through_their_headless_services(role, kv_role) -> None:
+def test_engines_are_found_through_their_headless_services(role: str, kv_role: str) -> None:
     table = next(d for d in router_toml()["discovery"] if d["role"] == role)
     service_name, namespace, *rest = table["name"].split(".")
     assert namespace == NAMESPACE

@@ -9,21 +9,23 @@ configured backend names.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 
-from support.cluster import MODEL, MakeCluster, long_prompt
+from support.cluster import MODEL, Cluster, MakeCluster, long_prompt
 from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
 
 
-async def admin(c, path: str, headers=ADMIN) -> tuple[int, dict]:
+async def admin(c: Cluster, path: str, headers: dict[str, str] = ADMIN) -> tuple[int, dict[str, Any]]:
     async with c.session.post(c.url + path, headers=headers) as r:
-        return r.status, orjson.loads(await r.read())
+        answer: dict[str, Any] = orjson.loads(await r.read())
+        return r.status, answer
 
 
-async def requests_seen(c) -> dict[str, float]:
+async def requests_seen(c: Cluster) -> dict[str, float]:
     # Every request an engine finished, rejections included: probes count too.
     return await c.engine_metrics("vllm:request_success_total")
 
@@ -106,7 +108,7 @@ async def test_drain_needs_the_admin_key_and_a_configured_name(make_cluster: Mak
     assert status == 404
     assert body["error"]["param"] == "name"
     assert "configured: d0" in body["error"]["message"]
-    assert c.state.registry.states["d0"].draining is False
+    assert c.registry.states["d0"].draining is False
     plain = await make_cluster(decoders=1)  # no admin key: no admin routes
     status, _ = await admin(plain, "/admin/backends/d0/drain", {"Authorization": "Bearer "})
     assert status == 404

@@ -1,18 +1,20 @@
 """Non-streaming answers assembled from streams equal the engine's own non-streaming JSON."""
 
+from typing import Any
+
 import orjson
 import pytest
 
-from support.cluster import MODEL, MakeCluster, long_prompt
+from support.cluster import MODEL, Cluster, MakeCluster, long_prompt
 
 VOLATILE = ("id", "created")
 
 
-def _strip(obj: dict) -> dict:
+def _strip(obj: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in VOLATILE}
 
 
-async def _direct(c, path: str, body: dict) -> dict:
+async def _direct(c: Cluster, path: str, body: dict[str, Any]) -> dict[str, Any]:
     eng = c.engines["d0"]
     async with c.session.post(eng.url + "/reset_prefix_cache") as r:
         assert r.status == 200
@@ -20,7 +22,7 @@ async def _direct(c, path: str, body: dict) -> dict:
         eng.url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
     ) as r:
         assert r.status == 200
-        out = orjson.loads(await r.read())
+        out: dict[str, Any] = orjson.loads(await r.read())
     async with c.session.post(eng.url + "/reset_prefix_cache") as r:
         assert r.status == 200
     return out
@@ -35,7 +37,7 @@ async def _direct(c, path: str, body: dict) -> dict:
         {"stop": [" the"], "max_tokens": 40},
     ],
 )
-async def test_completion_matches_engine_field_by_field(make_cluster: MakeCluster, extra) -> None:
+async def test_completion_matches_engine_field_by_field(make_cluster: MakeCluster, extra: dict[str, Any]) -> None:
     c = await make_cluster(decoders=1)
     body = {"model": MODEL, "prompt": long_prompt("parity", 50), "max_tokens": 10, **extra}
     engine_answer = await _direct(c, "/v1/completions", body)
@@ -53,7 +55,7 @@ async def test_completion_matches_engine_field_by_field(make_cluster: MakeCluste
         {"max_completion_tokens": 7},
     ],
 )
-async def test_chat_matches_engine_field_by_field(make_cluster: MakeCluster, extra) -> None:
+async def test_chat_matches_engine_field_by_field(make_cluster: MakeCluster, extra: dict[str, Any]) -> None:
     c = await make_cluster(decoders=1)
     body = {
         "model": MODEL,
@@ -74,7 +76,9 @@ async def test_chat_matches_engine_field_by_field(make_cluster: MakeCluster, ext
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_prompt("cparity", 50)}]}),
     ],
 )
-async def test_streaming_matches_engine_stream_modulo_ids(make_cluster: MakeCluster, path, prompt) -> None:
+async def test_streaming_matches_engine_stream_modulo_ids(
+    make_cluster: MakeCluster, path: str, prompt: dict[str, Any]
+) -> None:
     c = await make_cluster(decoders=1)
     body = {"model": MODEL, **prompt, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
     eng = c.engines["d0"]
@@ -84,7 +88,7 @@ async def test_streaming_matches_engine_stream_modulo_ids(make_cluster: MakeClus
     await c.session.post(eng.url + "/reset_prefix_cache")
     status, events = await c.stream(body, path)
     assert status == 200
-    direct_events = ["[DONE]" if p == b"[DONE]" else orjson.loads(p) for p in direct]
+    direct_events: list[Any] = ["[DONE]" if p == b"[DONE]" else orjson.loads(p) for p in direct]
     assert len(events) == len(direct_events)
     for got, want in zip(events, direct_events, strict=False):
         if want == "[DONE]":

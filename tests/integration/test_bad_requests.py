@@ -1,6 +1,7 @@
 """Bad input gets an OpenAI-style error with the right status; internals cannot be injected."""
 
 import asyncio
+from typing import Any
 
 import orjson
 import pytest
@@ -8,9 +9,10 @@ from aiohttp import web
 
 from support.cluster import MODEL, MakeCluster, long_prompt
 from support.polling import eventually
+from support.ports import site_port
 
 
-def _is_error(body: dict, status: int) -> None:
+def _is_error(body: dict[str, Any], status: int) -> None:
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str)
@@ -33,7 +35,7 @@ def _is_error(body: dict, status: int) -> None:
         (b"\xff\xfe", None),
     ],
 )
-async def test_malformed_completions_get_400(make_cluster: MakeCluster, raw, param) -> None:
+async def test_malformed_completions_get_400(make_cluster: MakeCluster, raw: bytes, param: str | None) -> None:
     c = await make_cluster(decoders=1)
     async with c.session.post(c.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
         assert r.status == 400
@@ -52,14 +54,16 @@ async def test_malformed_completions_get_400(make_cluster: MakeCluster, raw, par
         ({"presence_penalty": 9}, None),
     ],
 )
-async def test_engine_side_validation_errors_pass_through(make_cluster: MakeCluster, extra, param) -> None:
+async def test_engine_side_validation_errors_pass_through(
+    make_cluster: MakeCluster, extra: dict[str, Any], param: str | None
+) -> None:
     """Fields the router does not validate itself: the engine's 400 reaches the client as is."""
     c = await make_cluster(decoders=2)
     status, body = await c.complete({"model": MODEL, "prompt": "x", **extra})
     assert status == 400
     _is_error(body, 400)
     assert body["error"]["param"] == param
-    assert all(s.breaker == "closed" and s.healthy for s in c.state.registry.states.values())
+    assert all(s.breaker == "closed" and s.healthy for s in c.registry.states.values())
 
 
 async def test_unknown_model_404_unknown_route_404_wrong_method_405(make_cluster: MakeCluster) -> None:
@@ -101,9 +105,9 @@ async def test_api_keys(make_cluster: MakeCluster) -> None:
 
 async def test_client_kv_transfer_params_never_reach_an_engine_or_a_foreign_host(make_cluster: MakeCluster) -> None:
     """A client naming its own host in kv_transfer_params must not make anything contact it."""
-    hits = []
+    hits: list[str] = []
 
-    async def trap(request: pytest.FixtureRequest):
+    async def trap(request: web.Request) -> web.Response:
         hits.append(request.path)
         return web.json_response({})
 
@@ -113,7 +117,7 @@ async def test_client_kv_transfer_params_never_reach_an_engine_or_a_foreign_host
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    trap_port = site._server.sockets[0].getsockname()[1]
+    trap_port = site_port(site)
     try:
         c = await make_cluster(decoders=2, prefillers=1)
         evil = {

@@ -10,17 +10,17 @@ from dataclasses import replace
 import pytest
 
 from engine_launcher.sim import start_sim_engine
-from support.cluster import MODEL, MakeCluster, long_prompt
+from support.cluster import MODEL, Cluster, MakeCluster, long_prompt
 from support.polling import eventually
 
 GAUGE = "cachehit_router_backend_threshold_capable"
 
 
-async def _checked(c, within: float = 10.0) -> dict[str, float]:
+async def _checked(c: Cluster, within: float = 10.0) -> dict[str, float]:
     def checked() -> dict[str, float]:
         values = {n: c.router_metric(GAUGE, backend=n) for n in c.engines}
         assert all(v != -1 for v in values.values()), values
-        assert all(s.threshold_capable is not None for s in c.state.registry.states.values()), values
+        assert all(s.threshold_capable is not None for s in c.registry.states.values()), values
         return values
 
     return await eventually(checked, within, "the capability check of every engine")

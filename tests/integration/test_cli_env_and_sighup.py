@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -26,7 +27,7 @@ from support.processes import start_group
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args, env=None):
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "router.cli", *args],
         capture_output=True,
@@ -115,7 +116,7 @@ async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(
     try:
         async with aiohttp.ClientSession() as s:
 
-            async def names():
+            async def names() -> set[str] | bool:
                 try:
                     async with s.get(url + "/admin/backends", headers=admin) as r:
                         return r.status == 200 and {
@@ -152,5 +153,5 @@ async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(
     assert any(m.startswith("reload applied: backends") for m in messages), messages
 
 
-async def _eq(fn, expected):
+async def _eq(fn: Callable[[], Awaitable[object]], expected: object) -> bool:
     return await fn() == expected

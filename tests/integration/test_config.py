@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,8 +21,8 @@ MIN_BACKEND = {"backends": [{"name": "d0", "url": "http://127.0.0.1:9001"}]}
 def test_repository_router_toml_is_valid() -> None:
     cfg = load_config(ROOT / "router.toml")
     backends = cfg.all_backends()
-    assert [b.role for b in backends].count("decode") == 4
-    assert [b.role for b in backends].count("prefill") == 1
+    assert [b.role for b in backends].count(Role.DECODE) == 4
+    assert [b.role for b in backends].count(Role.PREFILL) == 1
     assert all(b.url.startswith("http://127.0.0.1:") for b in backends)
 
 
@@ -128,7 +129,7 @@ def test_defaults_are_safe() -> None:
         ),
     ],
 )
-def test_bad_configs_name_the_key(raw, key, expected) -> None:
+def test_bad_configs_name_the_key(raw: dict[str, Any], key: str, expected: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse_checked(raw)
     msg = str(e.value)

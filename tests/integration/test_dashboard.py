@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,7 +49,7 @@ _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
 
 
-def queries(dash: dict) -> list[str]:
+def queries(dash: dict[str, Any]) -> list[str]:
     out = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     for v in dash.get("templating", {}).get("list", []):
         q = v.get("query")
@@ -87,7 +88,9 @@ def vllm_samples() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for fam in fams.values():
         for s in fam["samples"]:
-            name = re.match(r"[^{ ]+", s).group(0)
+            match = re.match(r"[^{ ]+", s)
+            assert match is not None  # a sample line starts with its name
+            name = match.group(0)
             out.setdefault(name, set()).update(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="', s))
     return out
 
@@ -108,7 +111,7 @@ async def test_every_dashboard_query_names_an_exported_metric(make_cluster: Make
     assert status == 404
     async with c.session.get(c.url + "/metrics") as r:
         text = await r.text()
-    router: dict[str, set[str]] = {}
+    router: dict[str, set[str] | None] = {}  # None: declared, no sample yet
     for fam in text_string_to_metric_families(text):
         # Declared families count even before their first sample (a labelled counter
         # nothing has incremented yet): their labels are then unknown, not checked.
@@ -130,8 +133,9 @@ async def test_every_dashboard_query_names_an_exported_metric(make_cluster: Make
             assert n in exported, f"{n} (in {q!r}) is exported neither by the router nor by vLLM"
             used.add(n)
         for n, labels in selector_labels(q).items():
-            if exported[n] is not None:
-                assert labels <= exported[n], f"{n} has no label {labels - exported[n]} (in {q!r})"
+            known = exported[n]
+            if known is not None:
+                assert labels <= known, f"{n} has no label {labels - known} (in {q!r})"
     assert any(n.startswith("vllm:") for n in used)
     assert any(n.startswith("cachehit_router_") for n in used)
     # Panel ids unique, every panel has a query.

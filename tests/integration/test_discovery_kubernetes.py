@@ -9,6 +9,7 @@ engines behind the pod IPs are real (simulators on loopback addresses).
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -16,12 +17,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from engine_launcher.sim import SimEngineConfig, start_sim_engine
+from engine_launcher.sim import SimEngineConfig, SimEngineHandle, start_sim_engine
 from router.fleet.kubernetes import ready_pods
-from support.cluster import MODEL
+from support.cluster import MODEL, registry_of
 from support.fleet import ADDRS, finished, start_router
 from support.polling import eventually
-from support.ports import free_port_on
+from support.ports import free_port_on, site_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubernetes"
 POD_LIST = json.loads((FIXTURES / "pods_inference_app_vllm_role_decode.json").read_text())
@@ -42,6 +43,8 @@ class FakeApiServer:
         self.present = {p["metadata"]["name"] for p in POD_LIST["items"]}
         self.forbidden = False
         self.requests = 0
+        self.url = ""  # set once it serves
+        self.token_file: Path | None = None
 
     async def pods(self, request: web.Request) -> web.Response:
         self.requests += 1
@@ -76,8 +79,13 @@ class FakeApiServer:
         return web.Response(content_type="application/json", body=orjson.dumps({**POD_LIST, "items": items}))
 
 
+# What `kube` gives: the API server, the engines' port, the engines by address, the
+# routers' runners (cleaned up at the end) and an HTTP session.
+Kube = tuple[FakeApiServer, int, dict[str, SimEngineHandle], list[web.AppRunner], aiohttp.ClientSession]
+
+
 @pytest.fixture
-async def kube(tmp_path: Path):
+async def kube(tmp_path: Path) -> AsyncIterator[Kube]:
     token_file = tmp_path / "token"
     token_file.write_text("token-1\n")
     api = FakeApiServer("token-1")
@@ -87,7 +95,7 @@ async def kube(tmp_path: Path):
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    api.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    api.url = f"http://127.0.0.1:{site_port(site)}"
     api.token_file = token_file
     port = free_port_on(ADDRS)
     # Every pod IP has an engine that answers, the pods that are not ready too: only the
@@ -96,7 +104,7 @@ async def kube(tmp_path: Path):
         a: await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), host=a, port=port)
         for a in ADDRS
     }
-    runners = []
+    runners: list[web.AppRunner] = []
     session = aiohttp.ClientSession()
     yield api, port, engines, runners, session
     await session.close()
@@ -107,7 +115,7 @@ async def kube(tmp_path: Path):
     await runner.cleanup()
 
 
-async def test_ready_pods_join_and_leave(kube) -> None:
+async def test_ready_pods_join_and_leave(kube: Kube) -> None:
     api, port, engines, runners, session = kube
     state, url = await start_router(
         {
@@ -130,7 +138,7 @@ async def test_ready_pods_join_and_leave(kube) -> None:
     )
     source = f"discovery:kubernetes:{SELECTOR}"
     names = {f"{READY[0]}@127.0.0.2:{port}", f"{READY[1]}@127.0.0.3:{port}"}
-    assert set(state.registry.states) == names  # found before serving
+    assert set(registry_of(state).states) == names  # found before serving
     for i in range(6):
         async with session.post(
             url + "/v1/completions", json={"model": MODEL, "prompt": f"pod {i}", "max_tokens": 2}
@@ -142,21 +150,22 @@ async def test_ready_pods_join_and_leave(kube) -> None:
     # A pod goes away (scale-down): drained and removed.
     api.present.discard(READY[1])
     await eventually(
-        lambda: set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}, within=15, what="the pod's removal"
+        lambda: set(registry_of(state).states) == {f"{READY[0]}@127.0.0.2:{port}"}, within=15, what="the pod's removal"
     )
 
     # The API refuses (RBAC): nothing changes.
     api.forbidden = True
-    failures = state.discovery.failures.get(source, 0)
-    await eventually(
-        lambda: state.discovery.failures.get(source, 0) >= failures + 2, within=15, what="refused look-ups"
-    )
-    assert set(state.registry.states) == {f"{READY[0]}@127.0.0.2:{port}"}
+    discovery = state.discovery
+    assert discovery is not None  # [[discovery]] configured
+    failures = discovery.failures.get(source, 0)
+    await eventually(lambda: discovery.failures.get(source, 0) >= failures + 2, within=15, what="refused look-ups")
+    assert set(registry_of(state).states) == {f"{READY[0]}@127.0.0.2:{port}"}
     api.forbidden = False
 
     # The token rotates: the file is re-read every round.
     api.token = "token-2"
+    assert api.token_file is not None
     api.token_file.write_text("token-2\n")
     api.present.add(READY[1])
-    await eventually(lambda: set(state.registry.states) == names, within=15, what="the pod's return")
+    await eventually(lambda: set(registry_of(state).states) == names, within=15, what="the pod's return")
     assert api.requests > 0

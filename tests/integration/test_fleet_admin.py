@@ -9,24 +9,30 @@ http(s) base URL.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
-from support.cluster import MODEL, MakeCluster, long_prompt
+from router.routing.planning import Plan, RouteQuery
+from router.routing.snapshot import ClusterSnapshot
+from support.cluster import MODEL, Cluster, MakeCluster, dispatcher_of, long_prompt, registry_of
 from support.polling import eventually
 
 ADMIN = {"Authorization": "Bearer sk-admin"}
 
 
-async def call(c, method: str, path: str, body=None, headers=ADMIN) -> tuple[int, object]:
+async def call(
+    c: Cluster, method: str, path: str, body: bytes | dict[str, Any] | None = None, headers: dict[str, str] = ADMIN
+) -> tuple[int, Any]:
     data = None if body is None else (body if isinstance(body, bytes) else orjson.dumps(body))
     async with c.session.request(method, c.url + path, data=data, headers=headers) as r:
         return r.status, orjson.loads(await r.read())
 
 
-async def served(url: str, session) -> float:
+async def served(url: str, session: aiohttp.ClientSession) -> float:
     async with session.get(url + "/metrics") as r:
         text = await r.text()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
@@ -76,7 +82,7 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         assert not any("error" in e for e in events[:-1])
         assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 60
 
-        await eventually(lambda: "late" not in c.state.registry.states, what="the removal")
+        await eventually(lambda: "late" not in c.registry.states, what="the removal")
         status, listed = await call(c, "GET", "/admin/backends")
         assert [b["name"] for b in listed] == ["d0"]
         # Its gauges are gone with it.
@@ -88,6 +94,7 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
         ):
             assert c.state.metrics.registry.get_sample_value(gauge, {"backend": "late"}) is None, gauge
         # Its model entries no longer merge into the router's /v1/models.
+        assert c.state.monitor is not None
         assert "late" not in c.state.monitor.model_cards
         before = await served(extra.url, c.session)
         for i in range(3):
@@ -114,7 +121,7 @@ async def test_added_backend_that_does_not_answer_gets_no_requests(make_cluster:
 async def test_admin_add_validates_the_operators_input(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"admin_api_key": "sk-admin"})
     d0 = c.engines["d0"].url
-    bad = [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"name": "x", "url": "ftp://10.0.0.1:21"}, "url"),
         ({"name": "x", "url": "http://"}, "url"),
         ({"name": "x", "url": "http://10.0.0.1:8000/?next=evil"}, "url"),
@@ -148,7 +155,7 @@ async def test_admin_add_validates_the_operators_input(make_cluster: MakeCluster
     status, out = await call(c, "DELETE", "/admin/backends/nope")
     assert status == 404
     assert out["error"]["param"] == "name"
-    assert set(c.state.registry.states) == {"d0"}
+    assert set(c.registry.states) == {"d0"}
 
 
 async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster: MakeCluster) -> None:
@@ -157,33 +164,37 @@ async def test_admin_fleet_routes_do_not_exist_without_an_admin_key(make_cluster
     assert status == 404, out
     status, out = await call(c, "DELETE", "/admin/backends/d0")
     assert status == 404, out
-    assert set(c.state.registry.states) == {"d0"}
+    assert set(c.registry.states) == {"d0"}
 
 
 @pytest.mark.parametrize(
     ("strategy", "stream"), [("round_robin", False), ("probe", False), ("probe", True), ("round_robin", "whole")]
 )
-async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster: MakeCluster, strategy, stream) -> None:
+async def test_a_backend_removed_between_plan_and_send_fails_over(
+    make_cluster: MakeCluster, strategy: str, stream: bool | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A drain that ends right after a request was planned (the plan names a backend that is
     gone by the time its leg opens): the leg fails like a dead engine and goes elsewhere."""
     c = await make_cluster(decoders=2, routing={"strategy": strategy})
     state = c.state
-    strategy_obj = state.dispatcher.strategy
+    strategy_obj = dispatcher_of(state).strategy
     planned = strategy_obj.plan
-    removed = []
+    removed: list[str] = []
 
-    def plan_then_lose_its_engine(query, snap, exclude=frozenset()):
+    def plan_then_lose_its_engine(
+        query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()
+    ) -> Plan:
         # The first plan names an engine (the direct choice or the first probe, whichever the
         # strategy made); that engine's drain ends and it is forgotten before the leg opens.
         plan = planned(query, snap, exclude)
         if not removed:
             name = plan.direct or plan.probes[0]
-            state.registry.set_draining(name, True)
-            state.registry.remove(name)  # idle: forgotten at once
+            registry_of(state).set_draining(name, True)
+            registry_of(state).remove(name)  # idle: forgotten at once
             removed.append(name)
         return plan
 
-    strategy_obj.plan = plan_then_lose_its_engine
+    monkeypatch.setattr(strategy_obj, "plan", plan_then_lose_its_engine)
     body = {"model": MODEL, "prompt": "planned before the removal", "max_tokens": 3}
     if stream == "whole":  # n > 1: answered whole by one engine, through the forwarder
         status, out = await c.complete({**body, "n": 2, "temperature": 1.0})
@@ -197,4 +208,4 @@ async def test_a_backend_removed_between_plan_and_send_fails_over(make_cluster: 
         status, out = await c.complete(body)
         assert status == 200, out
     assert removed
-    assert removed[0] not in state.registry.states
+    assert removed[0] not in registry_of(state).states

@@ -7,20 +7,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
+from multidict import CIMultiDict
 
-from support.cluster import MODEL, FaultConfig, MakeCluster
+from support.cluster import MODEL, Cluster, FaultConfig, MakeCluster
 from support.polling import eventually
 
 
-async def _post(c, path, body, headers=None):
+async def _post(
+    c: Cluster, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any, CIMultiDict[str]]:
     async with await c.post(path, body, headers=headers or {}) as r:
         return r.status, orjson.loads(await r.read()), r.headers.copy()
 
 
-async def _direct(c, name, path, body):
+async def _direct(c: Cluster, name: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     async with c.session.post(c.engines[name].url + path, json=body) as r:
         return r.status, await r.json()
 
@@ -121,14 +126,14 @@ async def test_least_loaded_engine_and_retry_on_a_failing_one(make_cluster: Make
 
     # Least loaded: with d1 busy (requests in flight), a forwarded request goes to d0.
     c2 = await make_cluster(decoders=2)
-    c2.state.registry.states["d1"].inflight += 5
+    c2.registry.states["d1"].inflight += 5
     try:
         async with c2.session.post(
             c2.url + "/tokenize", json={"model": MODEL, "prompt": "a"}, headers={"X-Request-Id": "which-one"}
         ) as r:
             assert r.status == 200
     finally:
-        c2.state.registry.states["d1"].inflight -= 5
+        c2.registry.states["d1"].inflight -= 5
     assert c2.router_metric("cachehit_router_requests_total", route="forward", status="200") == 1
 
 
@@ -176,7 +181,7 @@ async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster: Mak
     chunk = b"\x01" * (256 * 1024)
     released = asyncio.Event()
 
-    async def audio():
+    async def audio() -> AsyncIterator[bytes]:
         for _ in range(4):
             yield chunk
         released.set()
@@ -206,7 +211,7 @@ async def test_audio_upload_is_streamed_to_the_engine_not_held(make_cluster: Mak
 async def test_upload_past_max_upload_bytes_is_413(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=1, server={"max_upload_bytes": 100_000})
 
-    async def audio():
+    async def audio() -> AsyncIterator[bytes]:
         for _ in range(10):
             yield b"\x00" * 50_000
 

@@ -4,15 +4,17 @@ exactly as the engine answers them directly, streamed or not."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
-from support.cluster import MODEL, FaultConfig, MakeCluster, long_prompt
+from support.cluster import MODEL, Cluster, FaultConfig, MakeCluster, long_prompt
 
 CHAT = "/v1/chat/completions"
 
 
-def _same_answer(routed: dict, direct: dict) -> None:
+def _same_answer(routed: dict[str, Any], direct: dict[str, Any]) -> None:
     """Equal but for the answer's id and creation time."""
     for a in (routed, direct):
         a.pop("id"), a.pop("created")
@@ -20,10 +22,11 @@ def _same_answer(routed: dict, direct: dict) -> None:
     assert routed == direct
 
 
-async def _direct(c, path: str, body: dict) -> dict:
+async def _direct(c: Cluster, path: str, body: dict[str, Any]) -> dict[str, Any]:
     async with c.session.post(c.engines["d0"].url + path, json=body) as r:
         assert r.status == 200, await r.text()
-        return await r.json()
+        answer: dict[str, Any] = await r.json()
+        return answer
 
 
 @pytest.mark.parametrize(
@@ -50,13 +53,14 @@ async def _direct(c, path: str, body: dict) -> dict:
         (CHAT, {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "max_tokens": 2}),
     ],
 )
-async def test_answered_as_the_engine_answers(make_cluster: MakeCluster, path, body) -> None:
+async def test_answered_as_the_engine_answers(make_cluster: MakeCluster, path: str, body: dict[str, Any]) -> None:
     c = await make_cluster(decoders=2)
     body = {"model": MODEL, "seed": 11, **body}
     status, routed = await c.complete(body, path)
     assert status == 200, routed
     _same_answer(routed, await _direct(c, path, body))
-    prompts = body.get("prompt") if isinstance(body.get("prompt"), list) else [None]
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) else [None]
     n = body.get("n", 1)
     assert [ch["index"] for ch in routed["choices"]] == list(range(len(prompts) * n))
     assert c.routes()["direct"] == 1

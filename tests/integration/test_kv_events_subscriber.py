@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 import pytest
@@ -15,9 +17,11 @@ from router.admission.spec import parse_request
 from router.config.parse import parse_config
 from router.config.schema import BackendConfig
 from router.dispatch.pipeline import route_query
+from router.fleet.kv_events import KvEvents
 from router.fleet.membership import ADMIN
 from router.routing.kv_index import KvHit
 from router.server.state import RouterState
+from support.cluster import registry_of
 from support.kv_publisher import KvPublisher, cleared, removed, stored
 from support.polling import eventually
 from support.ports import free_port
@@ -28,11 +32,11 @@ PROMPT = list(range(1000, 1024))  # 6 blocks
 H = [f"blk{i}".encode() for i in range(6)]
 
 
-def block(i: int, parent_known: bool = True) -> dict:
+def block(i: int, parent_known: bool = True) -> dict[str, Any]:
     return stored([H[i]], PROMPT[i * BS : (i + 1) * BS], H[i - 1] if i and parent_known else None)
 
 
-def backend(name: str, pub: KvPublisher) -> dict:
+def backend(name: str, pub: KvPublisher) -> dict[str, Any]:
     return {
         "name": name,
         "url": "http://127.0.0.1:9",  # nothing listens: the stream is all these tests need
@@ -41,8 +45,17 @@ def backend(name: str, pub: KvPublisher) -> dict:
     }
 
 
+def kv_events_of(state: RouterState) -> KvEvents:
+    assert state.kv_events is not None  # started with a backend that has a KV-event endpoint
+    return state.kv_events
+
+
+# `await router_with(n, **publisher_kwargs)`: a started router following n new publishers.
+RouterWith = Callable[..., Awaitable[RouterState]]
+
+
 @pytest.fixture
-async def publishers():
+async def publishers() -> AsyncIterator[list[KvPublisher]]:
     pubs: list[KvPublisher] = []
     yield pubs
     for p in pubs:
@@ -50,10 +63,10 @@ async def publishers():
 
 
 @pytest.fixture
-async def router_with(publishers):
+async def router_with(publishers: list[KvPublisher]) -> AsyncIterator[RouterWith]:
     states: list[RouterState] = []
 
-    async def start(n: int = 1, **pub_kwargs) -> RouterState:
+    async def start(n: int = 1, **pub_kwargs: Any) -> RouterState:
         pubs = [KvPublisher(**pub_kwargs) for _ in range(n)]
         publishers.extend(pubs)
         backends = [backend(f"e{i}", p) for i, p in enumerate(pubs)] or [{"name": "plain", "url": "http://127.0.0.1:9"}]
@@ -70,7 +83,7 @@ async def router_with(publishers):
 
 async def joined(state: RouterState, name: str, pub: KvPublisher) -> None:
     """Until the SUB socket receives live batches (ZMQ drops what is sent before it joined)."""
-    stream = state.kv_events.streams[name]
+    stream = kv_events_of(state).streams[name]
 
     def live() -> bool:
         if stream.last_live is None:
@@ -82,10 +95,12 @@ async def joined(state: RouterState, name: str, pub: KvPublisher) -> None:
 
 
 def hits(state: RouterState) -> dict[str, KvHit]:
-    return state.kv_events.index.match(PROMPT)
+    return kv_events_of(state).index.match(PROMPT)
 
 
-async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(router_with, publishers):
+async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
     state = await router_with()
     pub = publishers[0]
     await joined(state, "e0", pub)
@@ -93,14 +108,14 @@ async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(rout
     await eventually(lambda: hits(state) == {"e0": KvHit(16, 0)}, what="stored blocks indexed")
     pub.publish(stored(H[:2], PROMPT[:8], medium="CPU"), removed(H[1:2]))
     await eventually(lambda: hits(state) == {"e0": KvHit(4, 4)}, what="a GPU removal and a CPU copy")
-    view = state.registry.snapshot().get("e0")
+    view = registry_of(state).snapshot().get("e0")
     assert view is not None
     assert view.kv_events_fresh
     # What a planner gets for a request whose prompt came as token ids: both tiers' tokens
     # for the engines whose index is fresh.
     spec = parse_request("completions", orjson.dumps({"model": "m", "prompt": PROMPT}))
     assert state.prompt_index is not None
-    query = await state.prompt_index.annotate(route_query(spec), False, spec.body, state.registry.snapshot(), None)
+    query = await state.prompt_index.annotate(route_query(spec), False, spec.body, registry_of(state).snapshot(), None)
     assert query.indexed == {"e0": 8.0}
     assert query.prompt_tokens == len(PROMPT)
     # All 6 blocks: vLLM looks the 24 tokens up over the first 23, in whole blocks, so it
@@ -121,11 +136,13 @@ async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(rout
     assert 'cachehit_router_kv_events_fresh{backend="e0"} 1.0' in text
 
 
-async def test_a_dropped_batch_is_replayed_before_the_next_one(router_with, publishers):
+async def test_a_dropped_batch_is_replayed_before_the_next_one(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
     state = await router_with()
     pub = publishers[0]
     await joined(state, "e0", pub)
-    stream = state.kv_events.streams["e0"]
+    stream = kv_events_of(state).streams["e0"]
     pub.publish(block(0))
     missing = pub.publish(block(1), drop=True)
     pub.publish(block(2))
@@ -135,11 +152,13 @@ async def test_a_dropped_batch_is_replayed_before_the_next_one(router_with, publ
     assert stream.lost == 0
 
 
-async def test_a_restarted_publisher_clears_and_rebuilds(router_with, publishers):
+async def test_a_restarted_publisher_clears_and_rebuilds(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
     state = await router_with()
     pub = publishers[0]
     await joined(state, "e0", pub)
-    stream = state.kv_events.streams["e0"]
+    stream = kv_events_of(state).streams["e0"]
     pub.publish(block(0), block(1), block(2))
     await eventually(lambda: hits(state) == {"e0": KvHit(12, 0)}, what="before the restart")
     pub.restart()
@@ -147,16 +166,19 @@ async def test_a_restarted_publisher_clears_and_rebuilds(router_with, publishers
     pub.publish(block(1))
     await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="rebuilt after the restart")
     assert (stream.restarts, stream.gaps) == (1, 0)
-    assert state.kv_events.index.stats("e0").blocks == 2
+    assert kv_events_of(state).index.stats("e0").blocks == 2
     assert pub.replay_requests[-1] == 0
 
 
-async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_replay(router_with, publishers):
+async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_replay(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
     state = await router_with()
+    assert state.monitor is not None
     await state.monitor.stop()  # its checks (nothing listens) are driven by hand below
-    pub, registry = publishers[0], state.registry
+    pub, registry = publishers[0], registry_of(state)
     await joined(state, "e0", pub)
-    stream = state.kv_events.streams["e0"]
+    stream = kv_events_of(state).streams["e0"]
     pub.publish(block(0), block(1))
     await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="indexed")
     registry.record_scrape("e0", {}, None)
@@ -169,17 +191,21 @@ async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_r
     await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)} and stream.synced, what="rebuilt")
 
 
-async def test_a_payload_that_does_not_decode_is_counted_and_the_stream_goes_on(router_with, publishers):
+async def test_a_payload_that_does_not_decode_is_counted_and_the_stream_goes_on(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
     state = await router_with()
     pub = publishers[0]
     await joined(state, "e0", pub)
     pub.send_raw(b"\xc1not msgpack")
     pub.publish(block(0))
     await eventually(lambda: hits(state) == {"e0": KvHit(4, 0)}, what="the next batch indexed")
-    assert state.kv_events.streams["e0"].decode_errors == 1
+    assert kv_events_of(state).streams["e0"].decode_errors == 1
 
 
-async def test_a_backend_added_at_run_time_is_followed_and_a_removed_one_forgotten(router_with, publishers):
+async def test_a_backend_added_at_run_time_is_followed_and_a_removed_one_forgotten(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
     state = await router_with()
     late = KvPublisher()
     publishers.append(late)
@@ -190,35 +216,39 @@ async def test_a_backend_added_at_run_time_is_followed_and_a_removed_one_forgott
         kv_events_endpoint=late.endpoint,
         kv_events_replay_endpoint=late.replay_endpoint,
     )
+    assert state.fleet is not None
     await state.fleet.add(config, ADMIN)
     await eventually(lambda: hits(state).get("late") == KvHit(8, 0), what="the added backend's blocks")
     await joined(state, "late", late)
     late.publish(block(2))
     await eventually(lambda: hits(state).get("late") == KvHit(12, 0), what="its live batches")
+    assert state.fleet is not None
     await state.fleet.remove("late")
-    assert "late" not in state.kv_events.streams
+    assert "late" not in kv_events_of(state).streams
     assert "late" not in hits(state)
     assert 'backend="late"' not in state.metrics.exposition().decode()
 
 
-async def test_without_a_replay_socket_a_gap_clears_the_engine_and_a_late_stream_is_not_fresh(router_with, publishers):
+async def test_without_a_replay_socket_a_gap_clears_the_engine_and_a_late_stream_is_not_fresh(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
     state = await router_with(replay=False)
     pub = publishers[0]
     await joined(state, "e0", pub)
-    stream = state.kv_events.streams["e0"]
+    stream = kv_events_of(state).streams["e0"]
     pub.publish(block(0))
     await eventually(lambda: hits(state) == {"e0": KvHit(4, 0)}, what="indexed")
     pub.publish(block(1), drop=True)
     pub.publish(block(2))  # its parent was in the lost batch: an orphan
     await eventually(lambda: stream.lost == 1, what="the gap seen")
     assert hits(state) == {"e0": KvHit(0, 0)}
-    assert state.kv_events.index.stats("e0").orphans == 1
-    assert state.registry.snapshot().backends[0].kv_events_fresh
+    assert kv_events_of(state).index.stats("e0").orphans == 1
+    assert registry_of(state).snapshot().backends[0].kv_events_fresh
     pub.publish(block(0), ts=time.time() - 300)  # published long ago: the stream is behind
-    await eventually(lambda: not state.registry.snapshot().backends[0].kv_events_fresh, what="not fresh")
+    await eventually(lambda: not registry_of(state).snapshot().backends[0].kv_events_fresh, what="not fresh")
 
 
-async def test_vllms_own_publisher_is_followed_replay_included(router_with):
+async def test_vllms_own_publisher_is_followed_replay_included(router_with: RouterWith) -> None:
     """vLLM's ZmqEventPublisher (PUB and replay ROUTER) as the engine: what it published
     before the router subscribed comes through its replay socket, the rest live."""
     v = require_module("vllm.distributed.kv_events")
@@ -227,10 +257,10 @@ async def test_vllms_own_publisher_is_followed_replay_included(router_with):
     publisher = v.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}")
     try:
 
-        def publish(*events) -> None:
+        def publish(*events: Any) -> None:
             publisher.publish(v.KVEventBatch(ts=time.time(), events=list(events)))
 
-        def vllm_block(i: int):
+        def vllm_block(i: int) -> Any:  # a vllm.distributed.kv_events.BlockStored
             return v.BlockStored(
                 block_hashes=[H[i]], parent_block_hash=H[i - 1] if i else None,
                 token_ids=PROMPT[i * BS : (i + 1) * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None,
@@ -244,9 +274,10 @@ async def test_vllms_own_publisher_is_followed_replay_included(router_with):
             kv_events_endpoint=f"tcp://127.0.0.1:{port}",
             kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
         )
+        assert state.fleet is not None
         await state.fleet.add(config, ADMIN)
         await eventually(lambda: hits(state).get("vllm") == KvHit(8, 0), what="replayed from vLLM's buffer")
-        stream = state.kv_events.streams["vllm"]
+        stream = kv_events_of(state).streams["vllm"]
         live = stream.batches
 
         def joined_live() -> bool:
@@ -257,7 +288,7 @@ async def test_vllms_own_publisher_is_followed_replay_included(router_with):
         assert stream.batches > live
         publish(vllm_block(2), v.BlockRemoved(block_hashes=[H[0]], medium="GPU"))
         await eventually(lambda: hits(state).get("vllm") == KvHit(0, 0), what="live stores and removals")
-        assert state.kv_events.index.stats("vllm").blocks == 2
+        assert kv_events_of(state).index.stats("vllm").blocks == 2
         assert (stream.decode_errors, stream.lost) == (0, 0)
     finally:
         await asyncio.to_thread(publisher.shutdown)

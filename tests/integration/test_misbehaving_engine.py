@@ -6,6 +6,7 @@ neither vLLM nor the simulator produces these faults on purpose.
 """
 
 import asyncio
+from typing import Any
 
 import orjson
 import pytest
@@ -15,10 +16,11 @@ from engine_launcher.sim import tokenizer as tok
 from router.config.parse import parse_config
 from router.server.app import build_app
 from support.cluster import MODEL, MakeCluster, long_prompt
+from support.ports import site_port
 
 
-def _chunk(text_ids: list[int], prompt_ids=None, finish=None) -> bytes:
-    choice = {
+def _chunk(text_ids: list[int], prompt_ids: list[int] | None = None, finish: str | None = None) -> bytes:
+    choice: dict[str, Any] = {
         "index": 0,
         "text": "".join(tok.token_text(i) for i in text_ids),
         "logprobs": None,
@@ -44,7 +46,7 @@ def _chunk(text_ids: list[int], prompt_ids=None, finish=None) -> bytes:
     )
 
 
-async def _bad_engine(mode: str):
+async def _bad_engine(mode: str) -> tuple[web.AppRunner, str]:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt_ids = tok.encode(body["prompt"])
@@ -58,22 +60,32 @@ async def _bad_engine(mode: str):
             await asyncio.sleep(5)  # the router must not wait for more
         else:  # finished, then the connection dies before usage and [DONE]
             await resp.write(_chunk(words[2:3], finish="length"))
+        assert request.transport is not None  # the connection is open while it answers
         request.transport.close()
         return resp
 
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", lambda r: web.Response())
-    app.router.add_get("/metrics", lambda r: web.Response(text=""))
-    app.router.add_get("/v1/models", lambda r: web.json_response({"object": "list", "data": [{"id": MODEL}]}))
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return runner, f"http://127.0.0.1:{site_port(site)}"
 
 
-async def _router(backends: list[dict], routing: dict | None = None):
+async def _router(backends: list[dict[str, Any]], routing: dict[str, Any] | None = None) -> tuple[web.AppRunner, str]:
     cfg = parse_config(
         {"server": {"port": 0}, "backends": backends, "routing": routing or {}, "health": {"scrape_interval_s": 30}}
     )
@@ -81,11 +93,11 @@ async def _router(backends: list[dict], routing: dict | None = None):
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return runner, f"http://127.0.0.1:{site_port(site)}"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_cluster: MakeCluster, stream) -> None:
+async def test_malformed_chunk_mid_answer_is_resumed_on_another_engine(make_cluster: MakeCluster, stream: bool) -> None:
     healthy = await make_cluster(decoders=1)  # d0: a real simulated engine
     bad_runner, bad_url = await _bad_engine("malformed")
     # Probe race on every request: the bad engine accepts at once (it streams text), d0

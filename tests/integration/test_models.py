@@ -4,11 +4,13 @@ models with its health checks)."""
 
 from __future__ import annotations
 
-from support.cluster import MODEL, MakeCluster
+from typing import Any
+
+from support.cluster import MODEL, Cluster, MakeCluster
 from support.polling import eventually
 
 
-async def _router_models(c) -> dict[str, dict]:
+async def _router_models(c: Cluster) -> dict[str, dict[str, Any]]:
     async with c.session.get(c.url + "/v1/models") as r:
         assert r.status == 200
         body = await r.json()
@@ -36,7 +38,7 @@ async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster
         assert r.status == 200
         assert await r.text() == "Success: LoRA adapter 'sql-lora' added successfully."
 
-    async def listed():
+    async def listed() -> dict[str, dict[str, Any]] | None:
         models = await _router_models(c)
         return models if "sql-lora" in models else None
 
@@ -62,7 +64,7 @@ async def test_lora_adapter_loaded_after_start_is_listed_and_routed(make_cluster
     async with c.session.post(d1 + "/v1/unload_lora_adapter", json={"lora_name": "sql-lora"}) as r:
         assert r.status == 200
 
-    async def gone():
+    async def gone() -> bool:
         return "sql-lora" not in await _router_models(c)
 
     await eventually(gone, what="the unloaded adapter gone from the router's list", interval=0.05)

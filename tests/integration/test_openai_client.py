@@ -9,24 +9,28 @@ import asyncio
 import openai
 import pytest
 
-from support.cluster import MODEL, MakeCluster, long_prompt
+from support.cluster import MODEL, Cluster, MakeCluster, long_prompt
 
 
 @pytest.fixture
-async def cluster(make_cluster: MakeCluster):
+async def cluster(make_cluster: MakeCluster) -> Cluster:
     return await make_cluster(decoders=2)
 
 
-def _async_client(c) -> openai.AsyncOpenAI:
+def _async_client(c: Cluster) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0)
 
 
-async def test_async_completions_chat_and_streams(cluster) -> None:
+async def test_async_completions_chat_and_streams(cluster: Cluster) -> None:
     async with _async_client(cluster) as client:
         out = await client.completions.create(model=MODEL, prompt=long_prompt("sdk", 60), max_tokens=5, logprobs=2)
         (choice,) = out.choices
+        assert out.usage is not None
         assert out.usage.completion_tokens == 5
         assert choice.finish_reason == "length"
+        assert choice.logprobs is not None
+        assert choice.logprobs.tokens is not None
+        assert choice.logprobs.top_logprobs is not None
         assert len(choice.logprobs.tokens) == 5
         assert all(len(t) >= 1 for t in choice.logprobs.top_logprobs)
 
@@ -34,8 +38,12 @@ async def test_async_completions_chat_and_streams(cluster) -> None:
             model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4, logprobs=True, top_logprobs=2
         )
         assert chat.choices[0].message.role == "assistant"
+        assert chat.usage is not None
         assert chat.usage.completion_tokens == 4
-        assert len(chat.choices[0].logprobs.content) == 4
+        chat_logprobs = chat.choices[0].logprobs
+        assert chat_logprobs is not None
+        assert chat_logprobs.content is not None
+        assert len(chat_logprobs.content) == 4
 
         stream = await client.chat.completions.create(
             model=MODEL,
@@ -51,17 +59,21 @@ async def test_async_completions_chat_and_streams(cluster) -> None:
                 text += ch.delta.content or ""
             usage = chunk.usage or usage
         assert len(ids) == 1
+        assert usage is not None
         assert usage.completion_tokens == 6
         # The simulator samples from the prompt alone: the stream's first 4 tokens are the
         # unary answer's.
-        assert len(text) > len(chat.choices[0].message.content)
-        assert text.startswith(chat.choices[0].message.content)
+        content = chat.choices[0].message.content
+        assert content is not None
+        assert len(text) > len(content)
+        assert text.startswith(content)
 
 
-async def test_async_n_batches_and_embeddings(cluster) -> None:
+async def test_async_n_batches_and_embeddings(cluster: Cluster) -> None:
     async with _async_client(cluster) as client:
         out = await client.completions.create(model=MODEL, prompt="one two", n=3, max_tokens=3)
         assert [c.index for c in out.choices] == [0, 1, 2]
+        assert out.usage is not None
         assert out.usage.completion_tokens == 9
         batch = await client.completions.create(model=MODEL, prompt=["one two", "three four"], n=2, max_tokens=2)
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]
@@ -80,7 +92,7 @@ async def test_async_n_batches_and_embeddings(cluster) -> None:
         assert len(emb.data[0].embedding) > 0
 
 
-async def test_request_id_and_errors(cluster) -> None:
+async def test_request_id_and_errors(cluster: Cluster) -> None:
     async with _async_client(cluster) as client:
         raw = await client.completions.with_raw_response.create(
             model=MODEL, prompt="hi", max_tokens=2, extra_headers={"X-Request-Id": "sdk-req-1"}
@@ -90,12 +102,13 @@ async def test_request_id_and_errors(cluster) -> None:
         with pytest.raises(openai.NotFoundError) as e:
             await client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
         assert "no-such-model" in str(e.value)
-        with pytest.raises(openai.BadRequestError) as e:
+        with pytest.raises(openai.BadRequestError) as bad:
             await client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
-        assert e.value.body["param"] == "max_tokens"
+        assert isinstance(bad.value.body, dict)
+        assert bad.value.body["param"] == "max_tokens"
         # The engine's own answer to a request it refuses (the simulator has no tools),
         # as the SDK's exception.
-        with pytest.raises(openai.BadRequestError) as e:
+        with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(
                 model=MODEL,
                 messages=[{"role": "user", "content": "weather?"}],
@@ -110,10 +123,10 @@ async def test_request_id_and_errors(cluster) -> None:
                     }
                 ],
             )
-        assert "tools" in str(e.value)
+        assert "tools" in str(refused.value)
 
 
-async def test_sync_client(cluster) -> None:
+async def test_sync_client(cluster: Cluster) -> None:
     def run() -> tuple[str, int, list[int]]:
         with openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0) as client:
             out = client.completions.create(model=MODEL, prompt="sync call", max_tokens=3)
@@ -123,6 +136,7 @@ async def test_sync_client(cluster) -> None:
                 if ch.choices
             )
             n = client.completions.create(model=MODEL, prompt="sync call", max_tokens=2, n=2)
+            assert out.usage is not None
             return out.choices[0].text + "|" + streamed, out.usage.completion_tokens, [c.index for c in n.choices]
 
     # The router serves on this test's loop: the blocking client runs in a thread.

@@ -7,19 +7,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 
 import pytest
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.routing import policies
+from router.routing.policies.prefix_tree import PrefixTreeStrategy
+from router.routing.policies.probe import ProbeStrategy
 from router.server.reload import changed_keys, reload, split_changes
 from router.server.settings import parse_checked
-from support.cluster import MODEL, MakeCluster, long_prompt
+from support.cluster import MODEL, Cluster, MakeCluster, dispatcher_of, long_prompt, registry_of
 from support.polling import eventually
 
 
-def raw_of(c, backends: list[dict], **tables) -> dict:
+def raw_of(c: Cluster, backends: list[dict[str, Any]], **tables: Any) -> dict[str, Any]:
     """The running cluster's configuration as a file would say it, with other backends."""
     cfg = c.state.config
     return {
@@ -32,7 +35,7 @@ def raw_of(c, backends: list[dict], **tables) -> dict:
     }
 
 
-def configured(c) -> list[dict]:
+def configured(c: Cluster) -> list[dict[str, Any]]:
     return [{"name": n, "url": e.url, "role": "decode"} for n, e in c.engines.items()]
 
 
@@ -67,10 +70,10 @@ async def test_reload_swaps_backends_without_dropping_a_stream(
     try:
         # d1 keeps streaming while a reload removes it from the file.
         state = c.state
-        state.registry.set_draining("d0", True)
+        registry_of(state).set_draining("d0", True)
         stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("hup", 40), "max_tokens": 40}))
         await eventually(lambda: c.engines["d1"].engine.num_running > 0, what="the stream on d1")
-        state.registry.set_draining("d0", False)
+        registry_of(state).set_draining("d0", False)
 
         backends = [b for b in configured(c) if b["name"] == "d0"] + [
             {"name": "e0", "url": extra.url, "role": "decode", "models": [MODEL], "prefill_tokens_per_s": 3000.0}
@@ -87,12 +90,15 @@ async def test_reload_swaps_backends_without_dropping_a_stream(
         assert "restart it to apply them: server.port" in caplog.text
         assert state.config.server.port == 0  # not applied
         assert policies.settings(state.config.routing).cache_hit_threshold == 0.8
-        assert state.dispatcher.strategy.config.cache_hit_threshold == 0.8
-        assert state.registry.states["e0"].healthy  # checked when added
+        strategy = dispatcher_of(state).strategy
+        assert isinstance(strategy, ProbeStrategy)
+        assert strategy.config.cache_hit_threshold == 0.8
+        assert registry_of(state).states["e0"].healthy  # checked when added
         # The cost model starts from the new priors: the fleet's, and the added engine's own.
-        assert state.registry.learner.prior.per_token_s == 1.0 / 5000.0
-        assert state.registry.learner.speed("e0").per_token_s == 1.0 / 3000.0
-        assert state.registry.states["d1"].draining
+        assert registry_of(state).learner.prior.per_token_s == 1.0 / 5000.0
+        assert registry_of(state).learner.speed("e0").per_token_s == 1.0 / 3000.0
+        assert registry_of(state).states["d1"].draining
+        assert state.fleet is not None
         assert state.fleet.removing("d1")
 
         status, events = await stream
@@ -100,8 +106,8 @@ async def test_reload_swaps_backends_without_dropping_a_stream(
         assert events[-1] == "[DONE]"
         assert not any("error" in e for e in events[:-1])
         assert sum(1 for e in events[:-1] if e.get("choices") and e["choices"][0].get("text")) == 40
-        await eventually(lambda: "d1" not in state.registry.states, what="d1's removal")
-        assert set(state.registry.states) == {"d0", "e0"}
+        await eventually(lambda: "d1" not in registry_of(state).states, what="d1's removal")
+        assert set(registry_of(state).states) == {"d0", "e0"}
         for i in range(4):
             status, out = await c.complete({"model": MODEL, "prompt": f"after the reload {i}", "max_tokens": 2})
             assert status == 200, out
@@ -112,17 +118,20 @@ async def test_reload_swaps_backends_without_dropping_a_stream(
 async def test_reload_changes_strategy_and_keeps_the_prefix_memory(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, routing={"strategy": "prefix_tree"})
     state = c.state
-    before = state.dispatcher.strategy
+    before = dispatcher_of(state).strategy
+    assert isinstance(before, PrefixTreeStrategy)
     assert (await c.complete({"model": MODEL, "prompt": long_prompt("mem", 100), "max_tokens": 2}))[0] == 200
     # Same strategy, another key: the memory of where prompts went carries over.
     await reload(
         state, lambda: parse_config(raw_of(c, configured(c), routing={"strategy": "prefix_tree", "max_retries": 1}))
     )
-    assert state.dispatcher.strategy is not before
-    assert state.dispatcher.strategy.memory is before.memory
+    after = dispatcher_of(state).strategy
+    assert after is not before
+    assert isinstance(after, PrefixTreeStrategy)
+    assert after.memory is before.memory
     # Another strategy: requests from now on are planned by it.
     await reload(state, lambda: parse_config(raw_of(c, configured(c), routing={"strategy": "probe"})))
-    assert state.dispatcher.strategy.name == "probe"
+    assert dispatcher_of(state).strategy.name == "probe"
     hits = c.routes()["probe_hit"]
     assert (await c.complete({"model": MODEL, "prompt": long_prompt("mem", 100), "max_tokens": 2}))[0] == 200
     assert c.routes()["probe_hit"] == hits + 1  # a probe race found the engine holding it
@@ -147,4 +156,4 @@ async def test_a_bad_file_changes_nothing(make_cluster: MakeCluster, caplog: pyt
         assert await reload(c.state, lambda: parse_checked(raw)) == []
     assert "routing.cache_hit_threshold: expected a number in [0, 1]" in caplog.text
     assert c.state.config is before
-    assert set(c.state.registry.states) == {"d0", "d1"}
+    assert set(c.registry.states) == {"d0", "d1"}

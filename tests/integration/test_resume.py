@@ -5,10 +5,10 @@ import asyncio
 import pytest
 
 from engine_launcher.sim import FaultConfig
-from support.cluster import MODEL, PD_PREFERRED, MakeCluster, long_prompt
+from support.cluster import MODEL, PD_PREFERRED, Cluster, MakeCluster, long_prompt
 
 
-async def _preempting_cluster(make_cluster: MakeCluster):
+async def _preempting_cluster(make_cluster: MakeCluster) -> Cluster:
     # One decoder with a tiny KV cache: 4 concurrent long generations cannot all fit, so the
     # engine preempts; the guard threshold on the prefill/decode legs makes it hand a
     # preempted request back.
@@ -22,7 +22,7 @@ async def _preempting_cluster(make_cluster: MakeCluster):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_preempted_requests_resume_into_one_full_answer(make_cluster: MakeCluster, stream) -> None:
+async def test_preempted_requests_resume_into_one_full_answer(make_cluster: MakeCluster, stream: bool) -> None:
     c = await _preempting_cluster(make_cluster)
     max_tokens = 150
     bodies = [{"model": MODEL, "prompt": long_prompt(f"pre{i}", 100), "max_tokens": max_tokens} for i in range(4)]
@@ -38,8 +38,8 @@ async def test_preempted_requests_resume_into_one_full_answer(make_cluster: Make
             assert "cache_threshold" not in finishes
             assert len({ch["id"] for ch in chunks}) == 1
     else:
-        results = await asyncio.gather(*(c.complete(b) for b in bodies))
-        for status, out in results:
+        answers = await asyncio.gather(*(c.complete(b) for b in bodies))
+        for status, out in answers:
             assert status == 200, out
             assert out["usage"]["completion_tokens"] == max_tokens, out
             assert out["choices"][0]["finish_reason"] == "length", out
@@ -63,7 +63,7 @@ async def test_resumed_answer_equals_an_uninterrupted_one_in_length_and_prefix(m
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster: MakeCluster, stream) -> None:
+async def test_engine_dying_mid_stream_is_resumed_elsewhere(make_cluster: MakeCluster, stream: bool) -> None:
     c = await make_cluster(
         decoders=2,
         prefillers=0,
@@ -109,7 +109,7 @@ async def test_resume_bound_ends_with_a_clear_error(make_cluster: MakeCluster) -
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chat_answer_resumed_through_completions_reads_as_one_chat_answer(
-    make_cluster: MakeCluster, stream
+    make_cluster: MakeCluster, stream: bool
 ) -> None:
     c = await make_cluster(decoders=2, prefillers=0, per_engine={"d0": {"faults": FaultConfig(exit_after_tokens=25)}})
     msgs = [{"role": "system", "content": long_prompt("chatdies", 150)}, {"role": "user", "content": "go on"}]

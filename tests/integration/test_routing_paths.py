@@ -34,7 +34,7 @@ async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(
     status, second = await c.complete(body)
     assert status == 200
     assert c.routes()["probe_hit"] == 1
-    assert c.state.registry.states[decoder].config.name == decoder
+    assert c.registry.states[decoder].config.name == decoder
     # Same prompt, same deterministic engine: the same answer, now from the cache.
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 300 - 32
@@ -45,7 +45,7 @@ async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(ma
     c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
     # Verdicts measured as slower than any hit could save: no race, and the prompt goes where
     # the fallback's cost model puts it (a split, under these priors), not just to a decoder.
-    c.state.registry.learner.race_wait_s = 1000.0
+    c.registry.learner.race_wait_s = 1000.0
     status, out = await c.complete({"model": MODEL, "prompt": long_prompt("noprobe", 300), "max_tokens": 6})
     assert status == 200, out
     assert out["usage"]["completion_tokens"] == 6
@@ -56,7 +56,7 @@ async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(ma
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster: MakeCluster, stream) -> None:
+async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster: MakeCluster, stream: bool) -> None:
     # The producer's lease ends before the consumer pulls: with vLLM's default
     # kv_load_failure_policy "fail" the consumer answers an internal error (an error event
     # in a stream); the router computes the prompt on that decoder instead of failing.
@@ -204,7 +204,7 @@ async def test_client_disconnect_stops_upstream_work(make_cluster: MakeCluster) 
     resp.close()  # the client goes away mid-stream
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
     await eventually(
-        lambda: all(s.inflight == 0 for s in c.state.registry.states.values()),
+        lambda: all(s.inflight == 0 for s in c.registry.states.values()),
         what="the router's in-flight counts back to 0",
     )
 
@@ -222,7 +222,7 @@ async def test_chat_non_streaming_through_pd(make_cluster: MakeCluster) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "least_loaded", "prefix_tree"])
-async def test_other_strategies_route_directly(make_cluster: MakeCluster, strategy) -> None:
+async def test_other_strategies_route_directly(make_cluster: MakeCluster, strategy: str) -> None:
     c = await make_cluster(decoders=2, prefillers=1, routing={"strategy": strategy})
     for i in range(4):
         status, _ = await c.complete({"model": MODEL, "prompt": long_prompt(f"s{i}", 100), "max_tokens": 2})
@@ -403,7 +403,8 @@ async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_report
     with caplog.at_level(logging.INFO, logger="cachehit_router.requests"):
         status, out = await c.complete({"model": MODEL, "prompt": q, "max_tokens": 2})
     assert status == 200, out
-    lines = [r.request for r in caplog.records if r.name == "cachehit_router.requests"]
+    # The request log's record, passed as `extra`: an attribute of the LogRecord.
+    lines = [r.__dict__["request"] for r in caplog.records if r.name == "cachehit_router.requests"]
     assert lines[-1]["rejected_hits"]["d1"] == 0
     assert lines[-1]["rejected_hits"]["d0"] == 288
     assert lines[-1]["route"] == "direct"

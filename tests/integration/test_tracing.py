@@ -6,6 +6,8 @@ a real OTLP/HTTP receiver (protobuf decoded with opentelemetry-proto)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -15,10 +17,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from router.fleet.capability import CHECK_PROMPT_PREFIX
 from support.cluster import MODEL, PD_PREFERRED, FaultConfig, MakeCluster, long_prompt
+from support.ports import site_port
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -29,7 +33,7 @@ class RecordingFront:
     """A pass-through proxy in front of each engine that records what the router sends."""
 
     def __init__(self) -> None:
-        self.seen: list[dict] = []
+        self.seen: list[dict[str, Any]] = []
         self.runners: list[web.AppRunner] = []
         self.session = aiohttp.ClientSession(auto_decompress=False)
 
@@ -66,7 +70,7 @@ class RecordingFront:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         self.runners.append(runner)
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return f"http://127.0.0.1:{site_port(site)}"
 
     async def close(self) -> None:
         await self.session.close()
@@ -75,13 +79,13 @@ class RecordingFront:
 
 
 @pytest.fixture
-async def front():
+async def front() -> AsyncIterator[RecordingFront]:
     f = RecordingFront()
     yield f
     await f.close()
 
 
-async def test_client_trace_context_reaches_every_engine_leg(make_cluster: MakeCluster, front) -> None:
+async def test_client_trace_context_reaches_every_engine_leg(make_cluster: MakeCluster, front: RecordingFront) -> None:
     c = await make_cluster(decoders=2, front=front, routing={"race": "always"})
     hdrs = {"traceparent": TRACEPARENT, "tracestate": "vendor=abc"}
     async with await c.post("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 3}, headers=hdrs) as r:
@@ -108,14 +112,16 @@ async def test_client_trace_context_reaches_every_engine_leg(make_cluster: MakeC
     assert all("traceparent" not in s["headers"] for s in front.seen)
 
 
-def _by_name(spans):
-    out: dict[str, list] = {}
+def _by_name(spans: Iterable[ReadableSpan]) -> dict[str, list[Any]]:
+    # Read loosely (Any): a finished span's context, parent and attributes are set,
+    # though ReadableSpan types them Optional.
+    out: dict[str, list[Any]] = {}
     for s in spans:
         out.setdefault(s.name, []).append(s)
     return out
 
 
-async def test_one_span_per_request_and_one_per_leg(make_cluster: MakeCluster, front) -> None:
+async def test_one_span_per_request_and_one_per_leg(make_cluster: MakeCluster, front: RecordingFront) -> None:
     exporter = InMemorySpanExporter()
     c = await make_cluster(
         decoders=2,
@@ -213,7 +219,7 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster: MakeCluster) 
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    port = site_port(site)
     try:
         c = await make_cluster(
             decoders=1,
@@ -227,7 +233,9 @@ async def test_spans_reach_a_real_otlp_http_receiver(make_cluster: MakeCluster) 
         status, _ = await c.complete({"model": MODEL, "prompt": "hello", "max_tokens": 2})
         assert status == 200
         # The batch processor exports from its thread; flushing blocks, so off the loop.
-        assert await asyncio.to_thread(c.state.tracing.provider.force_flush, 10_000)
+        tracing = c.state.tracing
+        assert tracing is not None  # [tracing] enabled
+        assert await asyncio.to_thread(tracing.provider.force_flush, 10_000)
         spans = [(rs, s) for m in received for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
         names = {s.name for _, s in spans}
         assert {"POST /v1/completions", "probe_race", "probe"} <= names

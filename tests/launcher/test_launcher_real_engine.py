@@ -52,7 +52,7 @@ def tiny_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     return str(path)
 
 
-def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path: Path, tiny_model_dir) -> None:
+def test_launcher_starts_real_vllm_answers_a_completion_and_stops_clean(tmp_path: Path, tiny_model_dir: str) -> None:
     require_vllm()
     port = free_port()
     cfg = tmp_path / "router.toml"

@@ -10,13 +10,15 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
-from engine_launcher.engine_status import FAILED, HEALTHY, EngineStartError, ProgressEvent
+from engine_launcher.engine_status import FAILED, HEALTHY, EngineStartError, ProgressEvent, UnitStatus
 from engine_launcher.supervisor import Supervisor
 from router.config.schema import EngineConfig, LauncherConfig
+from router.names import EngineRole
 from support.polling import eventually
 from support.processes import group_gone, pid_gone
 
@@ -52,8 +54,15 @@ async def get_status(url: str) -> int:
         return r.status
 
 
-def launcher(tmp_path: Path, **kw) -> LauncherConfig:
-    base = dict(log_dir=str(tmp_path / "logs"), startup_timeout_s=60.0, max_restarts=3, restart_backoff_s=0.05)
+def running_pid(unit: UnitStatus) -> int:
+    assert unit.pid is not None, f"{unit.name} has no process"
+    return unit.pid
+
+
+def launcher(tmp_path: Path, **kw: Any) -> LauncherConfig:
+    base: dict[str, Any] = dict(
+        log_dir=str(tmp_path / "logs"), startup_timeout_s=60.0, max_restarts=3, restart_backoff_s=0.05
+    )
     base.update(kw)
     return LauncherConfig(**base)
 
@@ -73,16 +82,16 @@ async def wait_gone(pids: list[int]) -> None:
 
 async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path: Path, kill_leftovers: list[int]) -> None:
     engines = [
-        EngineConfig(name="decode-a", kind="sim", role="consumer", model="sim-m"),
-        EngineConfig(name="decode-b", kind="sim", role="consumer", model="sim-m"),
-        EngineConfig(name="prefill-a", kind="sim", role="producer", model="sim-m"),
+        EngineConfig(name="decode-a", kind="sim", role=EngineRole.CONSUMER, model="sim-m"),
+        EngineConfig(name="decode-b", kind="sim", role=EngineRole.CONSUMER, model="sim-m"),
+        EngineConfig(name="prefill-a", kind="sim", role=EngineRole.PRODUCER, model="sim-m"),
     ]
     events = Events()
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False)
     try:
         urls = await sup.start(progress=events)
         status = {s.name: s for s in sup.status()}
-        kill_leftovers.extend(s.pid for s in status.values())
+        kill_leftovers.extend(running_pid(s) for s in status.values())
         # Two identical consumers share one process; the producer has its own.
         assert set(status) == {"decode-a", "prefill-a"}
         assert status["decode-a"].engines == ("decode-a", "decode-b")
@@ -96,13 +105,13 @@ async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path: Path, 
         assert (logs / "prefill-a.log").is_file()
         assert os.readlink(logs / "decode-b.log") == "decode-a.log"
 
-        old_pid = status["prefill-a"].pid
+        old_pid = running_pid(status["prefill-a"])
         mark = len(events.seen)
         os.kill(old_pid, signal.SIGKILL)
         await events.next("prefill-a", "restarting", after=mark)
         await events.next("prefill-a", HEALTHY, after=mark)
         restarted = {s.name: s for s in sup.status()}["prefill-a"]
-        kill_leftovers.append(restarted.pid)
+        kill_leftovers.append(running_pid(restarted))
         assert restarted.pid != old_pid
         assert restarted.restarts == 1
         assert restarted.last_exit_code == -signal.SIGKILL
@@ -117,7 +126,7 @@ async def test_sim_engines_start_restart_after_sigkill_and_stop(tmp_path: Path, 
     assert all(pid_gone(p) and group_gone(p) for p in pids)
 
 
-async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path: Path, fake_python) -> None:
+async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path: Path, fake_python: str) -> None:
     engines = [EngineConfig(name=f"e{i}", kind="sim") for i in range(2)] + [
         EngineConfig(name="v", kind="vllm", model="/m")
     ]
@@ -126,7 +135,7 @@ async def test_free_ports_are_distinct_and_held_until_spawn(tmp_path: Path, fake
     ports = sup.ports
     picked = [ports["e0"].http, ports["e1"].http, ports["v"].http, ports["v"].nixl]
     assert len(set(picked)) == 4
-    assert all(p > 0 for p in picked)
+    assert all(p is not None and p > 0 for p in picked)
     # Held: nobody else can bind a picked port before the engine is spawned.
     import socket
 
@@ -144,10 +153,12 @@ async def test_side_channel_host_that_is_not_local_still_gets_a_port(tmp_path: P
     (cmd,) = sup.plan()
     sup.release_ports()
     assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "192.0.2.10"
-    assert int(cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == sup.ports["v"].nixl > 0
+    nixl = sup.ports["v"].nixl
+    assert nixl is not None
+    assert int(cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == nixl > 0
 
 
-async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path: Path, fake_python) -> None:
+async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path: Path, fake_python: str) -> None:
     engines = [
         EngineConfig(name="ok", kind="sim", env=(("FAKE_MODE", "serve"),)),
         EngineConfig(name="bad", kind="sim", env=(("FAKE_MODE", "exit"),)),
@@ -163,14 +174,16 @@ async def test_start_failure_raises_with_log_tail_and_leaves_nothing(tmp_path: P
     assert all(s.state == "stopped" and s.pid is None for s in sup.status())
 
 
-async def test_startup_timeout_kills_the_hung_engine(tmp_path: Path, fake_python, kill_leftovers: list[int]) -> None:
+async def test_startup_timeout_kills_the_hung_engine(
+    tmp_path: Path, fake_python: str, kill_leftovers: list[int]
+) -> None:
     engines = [EngineConfig(name="hung", kind="sim", env=(("FAKE_MODE", "hang"),))]
     events = Events()
     # 3 s: long enough for the fake engine's interpreter to start and log on a loaded machine.
     sup = Supervisor(engines, launcher(tmp_path, startup_timeout_s=3.0), host_has_gpu=False, python=fake_python)
     start = asyncio.create_task(sup.start(progress=events))
     ev = await events.next("hung", "starting")
-    pid = next(s.pid for s in sup.status())
+    pid = next(running_pid(s) for s in sup.status())
     kill_leftovers.append(pid)
     with pytest.raises(EngineStartError, match=r"did not answer GET /health within 3 s"):
         await start
@@ -181,7 +194,7 @@ async def test_startup_timeout_kills_the_hung_engine(tmp_path: Path, fake_python
 
 
 async def test_stop_escalates_to_sigkill_for_the_whole_group(
-    tmp_path: Path, fake_python, kill_leftovers: list[int]
+    tmp_path: Path, fake_python: str, kill_leftovers: list[int]
 ) -> None:
     pid_file = tmp_path / "pids"
     engines = [
@@ -189,7 +202,7 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(
     ]
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=False, python=fake_python, stop_timeout_s=0.5)
     await sup.start()
-    leader = next(s.pid for s in sup.status())
+    leader = next(running_pid(s) for s in sup.status())
     kill_leftovers.append(leader)
     engine_pid, grandchild = map(int, pid_file.read_text().split())
     assert not pid_gone(grandchild)
@@ -200,7 +213,7 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(
     assert group_gone(leader)
 
 
-async def test_gives_up_after_max_restarts(tmp_path: Path, fake_python, kill_leftovers: list[int]) -> None:
+async def test_gives_up_after_max_restarts(tmp_path: Path, fake_python: str, kill_leftovers: list[int]) -> None:
     engines = [EngineConfig(name="flaky", kind="sim", env=(("FAKE_MODE", "serve"),))]
     events = Events()
     sup = Supervisor(
@@ -208,12 +221,12 @@ async def test_gives_up_after_max_restarts(tmp_path: Path, fake_python, kill_lef
     )
     try:
         await sup.start(progress=events)
-        first = next(s.pid for s in sup.status())
+        first = next(running_pid(s) for s in sup.status())
         kill_leftovers.append(first)
         mark = len(events.seen)
         os.kill(first, signal.SIGKILL)
         await events.next("flaky", HEALTHY, after=mark)
-        second = next(s.pid for s in sup.status())
+        second = next(running_pid(s) for s in sup.status())
         kill_leftovers.append(second)
         mark = len(events.seen)
         os.kill(second, signal.SIGKILL)
@@ -246,7 +259,7 @@ async def test_host_type_can_be_forced_either_way(tmp_path: Path) -> None:
 
     engines = [
         EngineConfig(name=n, kind="vllm", role=r, model="/m", port=p, nixl_side_channel_port=p + 100)
-        for n, r, p in (("p", "producer", 9001), ("c", "consumer", 9002))
+        for n, r, p in (("p", EngineRole.PRODUCER, 9001), ("c", EngineRole.CONSUMER, 9002))
     ]
     # GPU command lines printed on a machine without GPUs: one GPU per engine is assumed.
     sup = Supervisor(engines, launcher(tmp_path), host_has_gpu=True, host=HostInfo(gpu_count=0, cpu_ids=(0, 1)))
@@ -260,7 +273,7 @@ async def test_host_type_can_be_forced_either_way(tmp_path: Path) -> None:
 
 
 async def test_restarts_that_never_get_healthy_count_and_back_off(
-    tmp_path: Path, fake_python, kill_leftovers: list[int]
+    tmp_path: Path, fake_python: str, kill_leftovers: list[int]
 ) -> None:
     engines = [
         EngineConfig(
@@ -273,7 +286,7 @@ async def test_restarts_that_never_get_healthy_count_and_back_off(
     )
     try:
         await sup.start(progress=events)
-        first = next(s.pid for s in sup.status())
+        first = next(running_pid(s) for s in sup.status())
         kill_leftovers.append(first)
         mark = len(events.seen)
         os.kill(first, signal.SIGKILL)

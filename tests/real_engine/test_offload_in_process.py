@@ -15,6 +15,10 @@ offload manager's LRU, MultiConnector's choice, the threshold) is vLLM's own cod
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -25,12 +29,18 @@ from real_engine.test_scheduler_in_process import (
     MAX_MODEL_LEN,
     TOKEN,
     EngineLoop,
+    MakeRequest,
     block_hasher,
     make_request,
     prompt,
 )
 from real_engine.test_scheduler_in_process import block_hasher as block_hasher
 from real_engine.test_scheduler_in_process import make_request as make_request
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
 
 pytestmark = pytest.mark.real_engine
 
@@ -43,7 +53,7 @@ PROMPT_LEN = 4 * BLOCK
 class OffloadWorkerLoop(EngineLoop):
     """EngineLoop whose model-runner output also carries the KV connector's worker side."""
 
-    def __init__(self, scheduler, batch_queue_size: int) -> None:
+    def __init__(self, scheduler: Scheduler, batch_queue_size: int) -> None:
         super().__init__(scheduler, batch_queue_size)
         self.stored_jobs = 0
         self.loaded_requests: list[str] = []
@@ -51,17 +61,19 @@ class OffloadWorkerLoop(EngineLoop):
         self.hits_by_source: dict[str, int] = {}
         real_make_stats = scheduler.make_stats
 
-        def make_stats(*args, **kwargs):
+        def make_stats(*args: Any, **kwargs: Any) -> Any:
             stats = real_make_stats(*args, **kwargs)
             if stats is not None and stats.connector_prefix_cache_stats is not None:
                 for source, n in stats.connector_prefix_cache_stats.hits_by_source.items():
                     self.hits_by_source[source.value] = self.hits_by_source.get(source.value, 0) + n
             return stats
 
-        scheduler.make_stats = make_stats  # instance attribute: this scheduler only
+        # An instance attribute: this scheduler only (what monkeypatch.setattr would do).
+        setattr(scheduler, "make_stats", make_stats)  # noqa: B010
 
-    def _model_output(self, scheduler_output):
+    def _model_output(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+            MultiKVConnectorMetadata,
             MultiKVConnectorWorkerMetadata,
         )
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -72,6 +84,7 @@ class OffloadWorkerLoop(EngineLoop):
 
         out = super()._model_output(scheduler_output)
         meta = scheduler_output.kv_connector_metadata
+        assert isinstance(meta, MultiKVConnectorMetadata)  # the CPU tier's MultiConnector
         offload = next(m for m in meta.metadata if isinstance(m, OffloadingConnectorMetadata))
         done = OffloadingWorkerMetadata()
         for job_id in (*offload.store_jobs, *offload.load_jobs):
@@ -88,8 +101,12 @@ class OffloadWorkerLoop(EngineLoop):
         return out
 
 
+# make_tiered(cpu_tier, **additional_config): an OffloadWorkerLoop with the CPU tier, else an EngineLoop.
+MakeTiered = Callable[..., EngineLoop]
+
+
 @pytest.fixture
-def make_tiered(tiny_model, vllm_plugin, monkeypatch: pytest.MonkeyPatch):
+def make_tiered(tiny_model: Path, vllm_plugin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> MakeTiered:
     """make_tiered(cpu_tier: bool, **additional_config): OffloadWorkerLoop with a CPU tier
     (MultiConnector of NIXL and the OffloadingConnector), else EngineLoop (NIXL alone)."""
     from engine_launcher.vllm_plugin.scheduler import ThresholdScheduler
@@ -98,7 +115,7 @@ def make_tiered(tiny_model, vllm_plugin, monkeypatch: pytest.MonkeyPatch):
     # NIXL's scheduler side serves its handshake on this port: never a fixed one.
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port_below_ephemeral_range()))
 
-    def make(cpu_tier: bool, **additional_config) -> OffloadWorkerLoop:
+    def make(cpu_tier: bool, **additional_config: Any) -> EngineLoop:
         import torch
         from vllm.config import (
             CacheConfig,
@@ -151,7 +168,7 @@ def make_tiered(tiny_model, vllm_plugin, monkeypatch: pytest.MonkeyPatch):
     return make
 
 
-def evict_a_from_gpu(engine: OffloadWorkerLoop, make_request, a: list[int]) -> None:
+def evict_a_from_gpu(engine: EngineLoop, make_request: MakeRequest, a: list[int]) -> None:
     for rid, p in (("A", a), ("B", prompt(1000, 7 * BLOCK)), ("C", prompt(2000, 7 * BLOCK))):
         engine.add(make_request(rid, p, threshold=0.0, max_tokens=1))
         engine.run_until_idle()
@@ -162,7 +179,7 @@ def evict_a_from_gpu(engine: OffloadWorkerLoop, make_request, a: list[int]) -> N
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
 def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(
-    make_tiered, make_request, arrival_check
+    make_tiered: MakeTiered, make_request: MakeRequest, arrival_check: bool
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
@@ -180,9 +197,11 @@ def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(
         engine.run_until_idle()
         results[cpu_tier] = engine
     gpu_only, tiered = results[False], results[True]
+    assert isinstance(tiered, OffloadWorkerLoop)
 
     rejected = gpu_only.finished("probe")
-    assert rejected.finish_reason is FinishReason.CACHE_THRESHOLD
+    assert rejected.finish_reason is FinishReason.CACHE_THRESHOLD  # type: ignore[attr-defined]  # a member the plugin adds at run time
+    assert rejected.kv_transfer_params is not None
     mark = rejected.kv_transfer_params[REJECTION_MARK]
     assert mark["hit_tokens"] == 0
     assert mark["stage"] == ("arrival" if arrival_check else "admission")
@@ -206,23 +225,31 @@ def test_an_offloaded_prefix_makes_a_probe_accept_that_gpu_only_rejects(
     assert tiered.hits_by_source == {"host": PROMPT_LEN}
 
 
-def test_arrival_rejection_reports_the_cpu_tier_hit(make_tiered, make_request) -> None:
+def test_arrival_rejection_reports_the_cpu_tier_hit(make_tiered: MakeTiered, make_request: MakeRequest) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.v1.engine import FinishReason
 
     engine = make_tiered(True)  # arrival check on
+    assert isinstance(engine, OffloadWorkerLoop)
+    connector = engine.scheduler.connector
+    assert isinstance(connector, MultiConnector)  # NIXL and the OffloadingConnector
     a = prompt(100, PROMPT_LEN)
     evict_a_from_gpu(engine, make_request, a)
-    stored_before = engine.scheduler.connector.sub_connectors[1].scheduler.manager
+    offloading = connector.sub_connectors[1]
+    assert isinstance(offloading, OffloadingConnector)
+    stored_before = offloading.scheduler.manager
     longer = a + prompt(5000, 2 * BLOCK)  # 64 of 96 tokens offloaded: 0.67
     engine.add(make_request("probe", longer, threshold=0.8, max_tokens=2))
     assert "probe" not in engine.scheduler.requests  # rejected inside add_request
     engine.run_until_idle()
     out = engine.finished("probe")
-    assert out.finish_reason is FinishReason.CACHE_THRESHOLD
+    assert out.finish_reason is FinishReason.CACHE_THRESHOLD  # type: ignore[attr-defined]  # a member the plugin adds at run time
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK
 
+    assert out.kv_transfer_params is not None
     mark = out.kv_transfer_params[REJECTION_MARK]
     assert mark == {"stage": "arrival", "hit_tokens": PROMPT_LEN, "total_tokens": 96, "threshold": 0.8}
     # The arrival lookup loaded nothing and left the offload state alone.
     assert engine.loaded_requests == []
-    assert stored_before is engine.scheduler.connector.sub_connectors[1].scheduler.manager
+    assert stored_before is offloading.scheduler.manager

@@ -6,6 +6,8 @@ These need vLLM importable (~15 s to import), hence the real_engine marker.
 from __future__ import annotations
 
 import logging
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -13,20 +15,20 @@ pytestmark = pytest.mark.real_engine
 
 
 @pytest.fixture(scope="module")
-def plugin(vllm_plugin):
+def plugin(vllm_plugin: ModuleType) -> ModuleType:
     vllm_plugin.register()  # vLLM may call it more than once per process
     return vllm_plugin
 
 
-def test_finish_reason_exists_and_survives_msgspec(plugin) -> None:
+def test_finish_reason_exists_and_survives_msgspec(plugin: ModuleType) -> None:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.request import RequestStatus
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    reason = FinishReason.CACHE_THRESHOLD
+    reason = FinishReason.CACHE_THRESHOLD  # type: ignore[attr-defined]  # a member the plugin adds at run time
     assert str(reason) == "cache_threshold"
     assert list(FinishReason)[-1] is reason
-    status = RequestStatus.FINISHED_CACHE_THRESHOLD
+    status = RequestStatus.FINISHED_CACHE_THRESHOLD  # type: ignore[attr-defined]  # a member the plugin adds at run time
     assert RequestStatus.is_finished(status)
     assert RequestStatus.get_finished_reason(status) is reason
     wire = MsgpackEncoder().encode(
@@ -36,26 +38,28 @@ def test_finish_reason_exists_and_survives_msgspec(plugin) -> None:
     assert decoded.outputs[0].finish_reason is reason
 
 
-def test_request_models_carry_and_validate_the_threshold(plugin) -> None:
+def test_request_models_carry_and_validate_the_threshold(plugin: ModuleType) -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.exceptions import VLLMValidationError
 
-    req = CompletionRequest(
+    # vLLM's request models are pydantic models (mypy, without pydantic's plugin, asks for
+    # every field), and `cache_hit_threshold` is a field the plugin adds at run time.
+    req = CompletionRequest(  # type: ignore[call-arg]
         model="m", prompt="p", cache_hit_threshold=0.7, vllm_xargs={"cache_hit_threshold": 0.2, "keep": 1}
     )
     assert req.to_sampling_params(4, {}).extra_args == {"cache_hit_threshold": 0.7, "keep": 1}
-    req = ChatCompletionRequest(
+    chat_req = ChatCompletionRequest(  # type: ignore[call-arg]
         model="m", messages=[{"role": "user", "content": "x"}], vllm_xargs={"cache_hit_threshold": 0}
     )
-    assert req.to_sampling_params(4, {}).extra_args == {"cache_hit_threshold": 0.0}
-    assert CompletionRequest(model="m", prompt="p").to_sampling_params(4, {}).extra_args is None
+    assert chat_req.to_sampling_params(4, {}).extra_args == {"cache_hit_threshold": 0.0}
+    assert CompletionRequest(model="m", prompt="p").to_sampling_params(4, {}).extra_args is None  # type: ignore[call-arg]
     with pytest.raises(VLLMValidationError) as info:
-        CompletionRequest(model="m", prompt="p", cache_hit_threshold=1.5).to_sampling_params(4, {})
+        CompletionRequest(model="m", prompt="p", cache_hit_threshold=1.5).to_sampling_params(4, {})  # type: ignore[call-arg]
     assert info.value.parameter == "cache_hit_threshold"
 
 
-def test_zero_token_rejection_is_made_visible_and_mark_removed(plugin) -> None:
+def test_zero_token_rejection_is_made_visible_and_mark_removed(plugin: ModuleType) -> None:
     from vllm.outputs import CompletionOutput, RequestOutput
 
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK, fix_request_output
@@ -89,7 +93,7 @@ class _ListHandler(logging.Handler):
         self.records.append(record)
 
 
-def test_unsupported_vllm_version_refuses_to_start(plugin, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsupported_vllm_version_refuses_to_start(plugin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm
 
     from engine_launcher.vllm_plugin import scheduler, version
@@ -126,7 +130,7 @@ def test_nixl_progress_delay_parsing() -> None:
             configured_delay_us({ENV: bad})
 
 
-def test_nixl_agent_gets_the_progress_delay(plugin, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nixl_agent_gets_the_progress_delay(plugin: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real NIXL agent created the way vLLM's NIXL worker creates it (vllm.distributed.
     nixl_utils' NixlWrapper and nixl_agent_config with num_threads) gets the poll delay, and
     only agents with a progress thread do."""
@@ -149,14 +153,14 @@ def test_nixl_agent_gets_the_progress_delay(plugin, monkeypatch: pytest.MonkeyPa
     wrapper_cls = nixl_utils.NixlWrapper  # loaded again, through the plugin's hook
     bindings = api.nixlBind
     assert isinstance(bindings, nixl_progress._BindingsWithDelay)
-    seen = []
+    seen: list[tuple[Any, Any]] = []
     real = bindings._real
 
     class Recorder:
-        def __getattr__(self, name):
+        def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
-        def nixlAgent(self, name, config):
+        def nixlAgent(self, name: str, config: Any) -> Any:
             seen.append((config.useProgThread, config.pthrDelay))
             return real.nixlAgent(name, config)
 

@@ -12,12 +12,21 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.ports import free_port_below_ephemeral_range
-from support.real_engine import iter_sse, parse_sse, post_json, request, scrape_metrics, scrape_metrics_patiently
+from support.real_engine import (
+    EngineProcess,
+    iter_sse,
+    post_json,
+    request,
+    scrape_metrics,
+    scrape_metrics_patiently,
+)
+from support.sse import parse_sse
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -51,7 +60,7 @@ def words(n: int, tag: str | None = None) -> str:
     return f"{tag} " + " ".join(f"{WORDS[i % len(WORDS)]}{i}" for i in range(n))
 
 
-def long_body(prompt: str, max_tokens: int, threshold: float | None = 0.0, **kw) -> dict:
+def long_body(prompt: str, max_tokens: int, threshold: float | None = 0.0, **kw: Any) -> dict[str, Any]:
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -69,7 +78,7 @@ def long_body(prompt: str, max_tokens: int, threshold: float | None = 0.0, **kw)
 # ------------------------------------------------------------------------- preemption
 
 
-def _run_stream(url: str, body: dict) -> dict:
+def _run_stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
     tokens: list[int] = []
     finish = None
     prompt_tokens = None
@@ -91,7 +100,7 @@ def _run_stream(url: str, body: dict) -> dict:
     }
 
 
-def _run_plain(url: str, body: dict) -> dict:
+def _run_plain(url: str, body: dict[str, Any]) -> dict[str, Any]:
     status, answer = post_json(url, "/v1/completions", body, timeout=600)
     assert status == 200, answer
     choice = answer["choices"][0]
@@ -126,7 +135,7 @@ def two_full_blocks(url: str, tag: str) -> str:
 MAX_MODEL_LEN = 224  # the preemption engine's (conftest.py)
 
 
-def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemption_engine) -> None:
+def test_preempted_request_comes_back_with_cache_threshold_and_its_tokens(preemption_engine: EngineProcess) -> None:
     """8 KV blocks of 32 tokens, two running at a time, four long requests sharing a prefix
     of two full blocks: the running ones outgrow the cache, vLLM preempts one (its blocks are
     freed and soon evicted), and when it is re-admitted its hit rate is 64 / (prompt +
@@ -205,7 +214,7 @@ def _counted_rejections(url: str, before: dict[str, float], timeout_s: float = 3
         time.sleep(0.1)
 
 
-def test_admission_check_when_arrival_check_is_off(preemption_engine) -> None:
+def test_admission_check_when_arrival_check_is_off(preemption_engine: EngineProcess) -> None:
     """The same rejection, decided by the scheduler at admission (arrival check off)."""
     url = preemption_engine.base_url
     before = _rejections(url)
@@ -222,7 +231,7 @@ def test_admission_check_when_arrival_check_is_off(preemption_engine) -> None:
 class LongGeneration(threading.Thread):
     """A streamed generation that records when it produced its first token and when it ended."""
 
-    def __init__(self, url: str, body: dict) -> None:
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
         super().__init__(daemon=True)
         self.url, self.body = url, body
         self.first_token = threading.Event()
@@ -251,7 +260,7 @@ class LongGeneration(threading.Thread):
             self.first_token.set()
 
 
-def measure_rejection_under_load(url: str, long_tokens: int, label: str) -> dict:
+def measure_rejection_under_load(url: str, long_tokens: int, label: str) -> dict[str, Any]:
     """Fill the running set (--max-num-seqs 2) with two long generations, then send a cold
     request with T = 0.5 and time its rejection."""
     gens = [LongGeneration(url, long_body(words(5), long_tokens)) for _ in range(2)]
@@ -280,13 +289,13 @@ def measure_rejection_under_load(url: str, long_tokens: int, label: str) -> dict
     return {"latency_ms": latency_ms, "still_running": still_running}
 
 
-def test_arrival_check_rejects_at_once_while_running_set_is_full(threshold_engine) -> None:
+def test_arrival_check_rejects_at_once_while_running_set_is_full(threshold_engine: EngineProcess) -> None:
     result = measure_rejection_under_load(threshold_engine.base_url, 400, "on")
     # The structural fact: the engine did not wait for a running slot to free up.
     assert all(result["still_running"]), result
 
 
-def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine) -> None:
+def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine: EngineProcess) -> None:
     # 2 x (~20 + 60) tokens = 6 blocks: they fit the 7 usable blocks without preemption.
     before = _rejections(preemption_engine.base_url)
     result = measure_rejection_under_load(preemption_engine.base_url, 60, "off")
@@ -301,7 +310,9 @@ def test_rejection_waits_for_a_slot_without_arrival_check(preemption_engine) -> 
 # ------------------------------------------------------------------------- NIXL decode leg
 
 
-def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine, preemption_engine) -> None:
+def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(
+    threshold_engine: EngineProcess, preemption_engine: EngineProcess
+) -> None:
     """A cold prompt prefilled on one engine (the prefill leg is never rejected) and decoded
     on the other with T = 0.9: the decode engine (arrival check on) counts the KV it will pull
     over NIXL as hits, so the leg is accepted although its local cache is cold."""
@@ -340,7 +351,9 @@ def test_decode_leg_counts_nixl_tokens_at_arrival_and_admission(threshold_engine
     assert external >= out["usage"]["prompt_tokens"] - 32, external
 
 
-def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(threshold_engine, spare_engine) -> None:
+def test_failed_kv_load_ends_the_decode_leg_with_an_internal_error(
+    threshold_engine: EngineProcess, spare_engine: EngineProcess
+) -> None:
     """vLLM's default kv_load_failure_policy "fail", which the simulator copies and the router
     recovers from (it computes the prompt on the decoder instead): a decode leg whose
     producer cannot be reached is a 500 "Internal server error", or that error event and

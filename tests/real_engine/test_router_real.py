@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import aiohttp
 import orjson
@@ -25,7 +26,8 @@ from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.server.app import ROUTER_KEY, build_app
 from support.metrics import registry_metrics
-from support.real_engine import scrape_metrics
+from support.ports import site_port
+from support.real_engine import EngineProcess, scrape_metrics
 from support.sse import read_sse
 
 # Engine start-up (the session fixture) is charged to the first test: allow for a slow machine.
@@ -60,7 +62,7 @@ def cold_prompt(tag: str, words: int) -> str:
 
 
 class RealCluster:
-    def __init__(self, producer_url: str, consumer_url: str, routing: dict) -> None:
+    def __init__(self, producer_url: str, consumer_url: str, routing: dict[str, Any]) -> None:
         self.config = parse_config(
             {
                 "server": {"port": 0},
@@ -83,34 +85,34 @@ class RealCluster:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.url = f"http://127.0.0.1:{site_port(site)}"
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.session.close()
         await self.runner.cleanup()
 
-    def metric(self, name: str, **labels) -> float:
+    def metric(self, name: str, **labels: str) -> float:
         """Summed over the label sets that include `labels` (e.g. any `model`); fails when
         there is no such sample (support/metrics.py)."""
         return registry_metrics(self.app[ROUTER_KEY].metrics.registry).value(name, **labels)
 
-    def metric_or_zero(self, name: str, **labels) -> float:
+    def metric_or_zero(self, name: str, **labels: str) -> float:
         """`metric`, but 0.0 for a declared metric with no sample with these labels."""
         return registry_metrics(self.app[ROUTER_KEY].metrics.registry).sample_or_zero(name, **labels)
 
-    async def complete(self, body: dict) -> tuple[int, dict]:
+    async def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
             return r.status, orjson.loads(await r.read())
 
-    async def stream(self, body: dict) -> tuple[int, list]:
+    async def stream(self, body: dict[str, Any]) -> tuple[int, list[Any]]:
         async with self.session.post(self.url + "/v1/completions", json={**body, "stream": True}) as r:
             return r.status, (await read_sse(r) if r.status == 200 else [])
 
 
 async def test_cold_request_is_prefilled_on_the_producer_and_decoded_on_the_consumer(
-    threshold_engine, preemption_engine, caplog: pytest.LogCaptureFixture
+    threshold_engine: EngineProcess, preemption_engine: EngineProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     async with RealCluster(threshold_engine.base_url, preemption_engine.base_url, {"cache_hit_threshold": 0.5}) as c:
@@ -165,7 +167,9 @@ async def test_cold_request_is_prefilled_on_the_producer_and_decoded_on_the_cons
     assert external >= prompt_tokens - 32, (external, prompt_tokens)
 
 
-async def test_preempted_requests_are_resumed_into_full_answers(threshold_engine, preemption_engine) -> None:
+async def test_preempted_requests_are_resumed_into_full_answers(
+    threshold_engine: EngineProcess, preemption_engine: EngineProcess
+) -> None:
     before = scrape_metrics(preemption_engine.base_url)
     # Prompt (~50 tokens) + 150 fits the consumer's 224-token context; two at once do not fit
     # its 8 blocks of 32 tokens, so it preempts.
@@ -209,9 +213,9 @@ async def test_preempted_requests_are_resumed_into_full_answers(threshold_engine
     assert resumed >= 1
 
 
-def _key_paths(obj, prefix="") -> set[str]:
+def _key_paths(obj: Any, prefix: str = "") -> set[str]:
     """Schema paths of a JSON value; `top_logprobs` maps sampled tokens, not field names."""
-    out = set()
+    out: set[str] = set()
     if isinstance(obj, dict):
         for k, v in obj.items():
             out.add(prefix + k)
@@ -255,7 +259,9 @@ PARITY_REQUESTS = [
 ]
 
 
-async def _exchange(session: aiohttp.ClientSession, url: str, path: str, body: dict, stream: bool):
+async def _exchange(
+    session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], stream: bool
+) -> tuple[int, bytes]:
     payload = {"model": MODEL, **body, "stream": stream}
     if stream:
         payload["stream_options"] = {"include_usage": True}
@@ -264,7 +270,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, path: str, body: d
         return r.status, raw
 
 
-async def test_the_simulator_matches_the_real_engine_where_the_router_looks(threshold_engine) -> None:
+async def test_the_simulator_matches_the_real_engine_where_the_router_looks(threshold_engine: EngineProcess) -> None:
     sim = await start_sim_engine(
         SimEngineConfig(model=MODEL, speed=100.0, block_size=32, global_cache_hit_threshold=0.5), port=0
     )

@@ -18,12 +18,29 @@ from __future__ import annotations
 
 import importlib
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 
+if TYPE_CHECKING:  # vLLM is imported by the tests themselves (it takes ~15 s)
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
 pytestmark = pytest.mark.real_engine
+
+# make_engine(num_blocks=..., max_num_seqs=..., **additional_config) -> EngineLoop
+MakeEngine = Callable[..., "EngineLoop"]
+# make_request(request_id, prompt, *, threshold=..., max_tokens=..., kv_transfer_params=...)
+MakeRequest = Callable[..., "Request"]
+BlockHasher = Callable[["Request"], list[Any]]
 
 BLOCK = 16  # tokens per KV block; prefix-cache hits count whole blocks
 TOKEN = 7  # what the stand-in model runner samples (not the tiny model's EOS, 1)
@@ -32,13 +49,14 @@ SCHEDULERS = ("ThresholdScheduler", "ThresholdAsyncScheduler")
 
 
 @pytest.fixture(params=SCHEDULERS)
-def scheduler_cls(request: pytest.FixtureRequest, vllm_plugin):
+def scheduler_cls(request: pytest.FixtureRequest, vllm_plugin: ModuleType) -> type[Scheduler]:
     module = importlib.import_module("engine_launcher.vllm_plugin.scheduler")
-    return getattr(module, request.param)
+    cls: type[Scheduler] = getattr(module, request.param)
+    return cls
 
 
 @pytest.fixture(scope="module")
-def block_hasher(vllm_plugin):
+def block_hasher(vllm_plugin: ModuleType) -> BlockHasher:
     # What EngineCore sets up when prefix caching is on (default hash: sha256).
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -49,10 +67,10 @@ def block_hasher(vllm_plugin):
 
 
 @pytest.fixture
-def make_engine(scheduler_cls, tiny_model):
+def make_engine(scheduler_cls: type[Scheduler], tiny_model: Path) -> MakeEngine:
     """make_engine(num_blocks=..., max_num_seqs=..., **additional_config) -> EngineLoop."""
 
-    def make(num_blocks: int = 64, max_num_seqs: int = 4, **additional_config) -> EngineLoop:
+    def make(num_blocks: int = 64, max_num_seqs: int = 4, **additional_config: Any) -> EngineLoop:
         import torch
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -102,7 +120,7 @@ def make_engine(scheduler_cls, tiny_model):
 
 
 @pytest.fixture
-def make_request(block_hasher):
+def make_request(block_hasher: BlockHasher) -> MakeRequest:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -112,9 +130,9 @@ def make_request(block_hasher):
         *,
         threshold: float | None = None,
         max_tokens: int = 2,
-        kv_transfer_params: dict | None = None,
-    ):
-        extra = {}
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> Request:
+        extra: dict[str, Any] = {}
         if threshold is not None:
             extra["cache_hit_threshold"] = threshold
         if kv_transfer_params is not None:
@@ -134,29 +152,30 @@ def make_request(block_hasher):
 class EngineLoop:
     """EngineCore's stepping around a scheduler, with a stand-in model runner."""
 
-    def __init__(self, scheduler, batch_queue_size: int) -> None:
+    def __init__(self, scheduler: Scheduler, batch_queue_size: int) -> None:
         self.scheduler = scheduler
         self.batch_queue_size = batch_queue_size
         self.pool = scheduler.kv_cache_manager.block_pool
-        self.queue: deque = deque()
-        self.schedules: list = []  # every SchedulerOutput, in order
-        self.outputs: dict[str, list] = {}  # request id -> its EngineCoreOutputs
+        self.queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self.schedules: list[SchedulerOutput] = []  # in order
+        self.outputs: dict[str, list[EngineCoreOutput]] = {}  # by request id
         self.allocations: list[tuple[str, bool]] = []  # (request id, succeeded)
         manager = scheduler.kv_cache_manager
         real_allocate = manager.allocate_slots
 
-        def allocate_slots(request: pytest.FixtureRequest, *args, **kwargs):
+        def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> Any:
             blocks = real_allocate(request, *args, **kwargs)
             self.allocations.append((request.request_id, blocks is not None))
             return blocks
 
-        manager.allocate_slots = allocate_slots  # instance attribute: this scheduler only
+        # An instance attribute: this scheduler only (what monkeypatch.setattr would do).
+        setattr(manager, "allocate_slots", allocate_slots)  # noqa: B010
 
-    def add(self, *requests) -> None:
+    def add(self, *requests: Request) -> None:
         for request in requests:
             self.scheduler.add_request(request)
 
-    def _model_output(self, scheduler_output):
+    def _model_output(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         from vllm.v1.outputs import ModelRunnerOutput
 
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -195,7 +214,7 @@ class EngineLoop:
             self.step()
         raise AssertionError(f"not idle after {max_steps} steps")
 
-    def finished(self, request_id: str):
+    def finished(self, request_id: str) -> EngineCoreOutput:
         """The request's one finishing output (asserts there is exactly one, and it is last)."""
         outs = self.outputs.get(request_id, [])
         finishing = [o for o in outs if o.finish_reason is not None]
@@ -207,7 +226,10 @@ class EngineLoop:
         return [t for o in self.outputs.get(request_id, []) for t in o.new_token_ids]
 
     def first_scheduled_tokens(self, request_id: str) -> int:
-        return next(s.num_scheduled_tokens[request_id] for s in self.schedules if request_id in s.num_scheduled_tokens)
+        scheduled: int = next(
+            s.num_scheduled_tokens[request_id] for s in self.schedules if request_id in s.num_scheduled_tokens
+        )
+        return scheduled
 
     def allocated(self, request_id: str) -> bool:
         return any(rid == request_id and ok for rid, ok in self.allocations)
@@ -223,7 +245,7 @@ def assert_rejected(engine: EngineLoop, request_id: str, *, stage: str, hit: int
     from engine_launcher.vllm_plugin.stream_patch import REJECTION_MARK
 
     out = engine.finished(request_id)
-    assert out.finish_reason is FinishReason.CACHE_THRESHOLD
+    assert out.finish_reason is FinishReason.CACHE_THRESHOLD  # type: ignore[attr-defined]  # a member the plugin adds at run time
     assert str(out.finish_reason) == "cache_threshold"
     assert out.new_token_ids == []
     assert out.kv_transfer_params == {
@@ -244,7 +266,7 @@ def assert_finished_normally(engine: EngineLoop, request_id: str, max_tokens: in
 # --------------------------------------------------------------------------- tests
 
 
-def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine, make_request) -> None:
+def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine: MakeEngine, make_request: MakeRequest) -> None:
     engine = make_engine()  # arrival check on by default
     free_before = engine.pool.get_num_free_blocks()
     cold = make_request("cold", prompt(100, 64), threshold=0.5)
@@ -267,7 +289,9 @@ def test_cold_request_is_rejected_at_arrival_without_blocks(make_engine, make_re
     assert any("cold" in s.finished_req_ids for s in engine.schedules)
 
 
-def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_engine, make_request) -> None:
+def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(
+    make_engine: MakeEngine, make_request: MakeRequest
+) -> None:
     engine = make_engine(cache_hit_arrival_check=False)
     free_before = engine.pool.get_num_free_blocks()
     # The rejected request is first in the queue: it must not hold up the one behind it.
@@ -292,7 +316,7 @@ def test_cold_request_is_rejected_at_admission_when_arrival_check_is_off(make_en
     assert engine.pool.get_num_free_blocks() == free_before
 
 
-def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_request) -> None:
+def test_threshold_zero_or_absent_is_scheduled_normally(make_engine: MakeEngine, make_request: MakeRequest) -> None:
     engine = make_engine()  # global default 0
     engine.add(make_request("zero", prompt(100, 64), threshold=0.0), make_request("absent", prompt(300, 64)))
     engine.run_until_idle()
@@ -301,7 +325,9 @@ def test_threshold_zero_or_absent_is_scheduled_normally(make_engine, make_reques
         assert_finished_normally(engine, rid, max_tokens=2)
 
 
-def test_global_default_applies_unless_the_request_sets_its_own(make_engine, make_request) -> None:
+def test_global_default_applies_unless_the_request_sets_its_own(
+    make_engine: MakeEngine, make_request: MakeRequest
+) -> None:
     engine = make_engine(global_cache_hit_threshold=0.5)
     engine.add(make_request("absent", prompt(100, 64)), make_request("own-zero", prompt(300, 64), threshold=0.0))
     engine.run_until_idle()
@@ -310,7 +336,7 @@ def test_global_default_applies_unless_the_request_sets_its_own(make_engine, mak
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_prefix_cache_hit_decides(make_engine, make_request, arrival_check) -> None:
+def test_prefix_cache_hit_decides(make_engine: MakeEngine, make_request: MakeRequest, arrival_check: bool) -> None:
     engine = make_engine(cache_hit_arrival_check=arrival_check)
     shared = prompt(100, 4 * BLOCK)  # 64 tokens, four full blocks
 
@@ -333,7 +359,7 @@ def test_prefix_cache_hit_decides(make_engine, make_request, arrival_check) -> N
 
 
 @pytest.mark.parametrize("arrival_check", [True, False], ids=["arrival-on", "arrival-off"])
-def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check) -> None:
+def test_prefill_leg_is_never_rejected(make_engine: MakeEngine, make_request: MakeRequest, arrival_check: bool) -> None:
     # Built without a KV connector: vLLM's scheduler only hands kv_transfer_params to a
     # connector, so here they matter to nothing but the plugin's rule (is_prefill_leg), which
     # is what this checks through the real add_request/schedule paths. The NIXL exchange
@@ -346,7 +372,11 @@ def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check)
         kv_transfer_params=PREFILL_REQUEST_PARAMS,
     )
     control = make_request("control", prompt(300, 64), threshold=0.9)
+    assert prefill_leg.kv_transfer_params is not None
     assert prefill_leg.kv_transfer_params["do_remote_decode"] is True
+    from engine_launcher.vllm_plugin.scheduler import ThresholdSchedulerMixin
+
+    assert isinstance(engine.scheduler, ThresholdSchedulerMixin)
     assert engine.scheduler._threshold_for(prefill_leg) == 0.0
     assert engine.scheduler._threshold_for(control) == 0.9
 
@@ -359,7 +389,9 @@ def test_prefill_leg_is_never_rejected(make_engine, make_request, arrival_check)
     )
 
 
-def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engine, make_request) -> None:
+def test_preempted_request_below_threshold_is_rejected_at_readmission(
+    make_engine: MakeEngine, make_request: MakeRequest
+) -> None:
     # 8 blocks, one of which vLLM keeps as the null block: 7 x 16 = 112 token slots for two
     # running requests that each need 3 blocks to start and grow one token per step.
     engine = make_engine(num_blocks=8, max_num_seqs=2)
@@ -381,7 +413,7 @@ def test_preempted_request_below_threshold_is_rejected_at_readmission(make_engin
     # (the victim) when allocate_slots fails, freeing its blocks.
     for _ in range(100):
         engine.step()
-        if any("victim" in s.preempted_req_ids for s in engine.schedules):
+        if any("victim" in (s.preempted_req_ids or set()) for s in engine.schedules):
             break
     else:
         pytest.fail("the victim was never preempted")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import pytest
 
 from router.engine.wire import PREFILL_REQUEST_PARAMS
-from support.real_engine import post_json, post_sse, scrape_metrics
+from support.real_engine import EngineProcess, post_json, post_sse, scrape_metrics
 
 # Engine start-up (~2-3 min here, shared session fixture) is charged to the first test.
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -49,11 +50,11 @@ def cold_prompt(items: int = 60) -> str:
     return f"{tag} " + " ".join(f"{WORDS[i % len(WORDS)]}{i}" for i in range(items))
 
 
-def completion(prompt: str, **kw) -> dict:
+def completion(prompt: str, **kw: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True, **kw}
 
 
-def chat(content: str, **kw) -> dict:
+def chat(content: str, **kw: Any) -> dict[str, Any]:
     return {
         "model": "tiny",
         "messages": [{"role": "user", "content": content}],
@@ -64,7 +65,7 @@ def chat(content: str, **kw) -> dict:
     }
 
 
-def assert_rejected_body(body: dict, *, chat_api: bool = False) -> None:
+def assert_rejected_body(body: dict[str, Any], *, chat_api: bool = False) -> None:
     choice = body["choices"][0]
     assert choice["finish_reason"] == "cache_threshold", body
     assert choice["stop_reason"] is None
@@ -77,7 +78,7 @@ def assert_rejected_body(body: dict, *, chat_api: bool = False) -> None:
     assert body["kv_transfer_params"] is None  # the plugin's internal mark never leaks
 
 
-def test_cold_rejected_then_served_then_accepted(threshold_engine) -> None:
+def test_cold_rejected_then_served_then_accepted(threshold_engine: EngineProcess) -> None:
     url = threshold_engine.base_url
     prompt = cold_prompt()
 
@@ -99,7 +100,7 @@ def test_cold_rejected_then_served_then_accepted(threshold_engine) -> None:
     assert len(body["choices"][0]["token_ids"]) == 4
 
 
-def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine) -> None:
+def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine: EngineProcess) -> None:
     """The plugin puts the hit it measured into the rejection's usage, so a router can send
     the fallback to the engine holding the most of the prompt (block size 32)."""
     url = threshold_engine.base_url
@@ -129,7 +130,7 @@ def test_a_rejection_reports_the_partial_hit_as_cached_tokens(threshold_engine) 
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
 
 
-def test_global_threshold_and_per_request_override(threshold_engine) -> None:
+def test_global_threshold_and_per_request_override(threshold_engine: EngineProcess) -> None:
     url = threshold_engine.base_url
     prompt = cold_prompt()
     # No per-request value: the engine-wide 0.5 applies.
@@ -165,7 +166,9 @@ def test_global_threshold_and_per_request_override(threshold_engine) -> None:
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
-def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fields, param, stream) -> None:
+def test_invalid_threshold_is_400_in_vllm_error_shape(
+    threshold_engine: EngineProcess, path: str, fields: dict[str, Any], param: str, stream: bool
+) -> None:
     body = completion("hello", **fields) if path == "/v1/completions" else chat("hello", **fields)
     body["stream"] = stream
     status, answer = post_json(threshold_engine.base_url, path, body)
@@ -178,7 +181,7 @@ def test_invalid_threshold_is_400_in_vllm_error_shape(threshold_engine, path, fi
     assert f"(parameter={param}" in error["message"]
 
 
-def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_engine) -> None:
+def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_engine: EngineProcess) -> None:
     status, events = post_sse(
         threshold_engine.base_url,
         "/v1/completions",
@@ -199,7 +202,7 @@ def test_streaming_rejection_completions_has_finish_and_usage_chunks(threshold_e
     assert finish["id"] == usage["id"]
 
 
-def test_streaming_rejection_without_usage(threshold_engine) -> None:
+def test_streaming_rejection_without_usage(threshold_engine: EngineProcess) -> None:
     status, events = post_sse(
         threshold_engine.base_url,
         "/v1/completions",
@@ -214,7 +217,7 @@ def test_streaming_rejection_without_usage(threshold_engine) -> None:
     assert done == "[DONE]"
 
 
-def test_streaming_rejection_chat_role_chunk_then_finish(threshold_engine) -> None:
+def test_streaming_rejection_chat_role_chunk_then_finish(threshold_engine: EngineProcess) -> None:
     status, events = post_sse(
         threshold_engine.base_url,
         "/v1/chat/completions",
@@ -234,7 +237,7 @@ def test_streaming_rejection_chat_role_chunk_then_finish(threshold_engine) -> No
     assert done == "[DONE]"
 
 
-def test_chat_non_streaming_rejection_and_acceptance(threshold_engine) -> None:
+def test_chat_non_streaming_rejection_and_acceptance(threshold_engine: EngineProcess) -> None:
     url = threshold_engine.base_url
     content = cold_prompt()
     status, body = post_json(url, "/v1/chat/completions", chat(content, cache_hit_threshold=0.5))
@@ -247,7 +250,7 @@ def test_chat_non_streaming_rejection_and_acceptance(threshold_engine) -> None:
     assert body["choices"][0]["finish_reason"] == "length"
 
 
-def test_prefill_leg_is_never_rejected(threshold_engine) -> None:
+def test_prefill_leg_is_never_rejected(threshold_engine: EngineProcess) -> None:
     """A NIXL prefill leg (do_remote_decode) on a cold prompt, with a threshold above any
     possible hit rate and the engine-wide 0.5: served, and returns kv_transfer_params."""
     body = completion(
@@ -266,7 +269,7 @@ def test_prefill_leg_is_never_rejected(threshold_engine) -> None:
     assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"]
 
 
-def test_rejections_are_counted_in_metrics(threshold_engine) -> None:
+def test_rejections_are_counted_in_metrics(threshold_engine: EngineProcess) -> None:
     url = threshold_engine.base_url
     before = scrape_metrics(url)
     _status, body = post_json(url, "/v1/completions", completion(cold_prompt(), cache_hit_threshold=0.5))

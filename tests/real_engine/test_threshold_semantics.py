@@ -18,12 +18,12 @@ from engine_launcher.vllm_plugin.threshold import (
 
 
 @pytest.mark.parametrize(("value", "expected"), [(None, None), (0, 0.0), (1, 1.0), (0.5, 0.5), (0.0, 0.0), (1.0, 1.0)])
-def test_valid_thresholds(value, expected) -> None:
+def test_valid_thresholds(value: float | None, expected: float | None) -> None:
     assert validate_threshold(value) == expected
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "0.5", True, False, math.nan, math.inf, [0.5], {"x": 1}])
-def test_invalid_thresholds_name_the_field(value) -> None:
+def test_invalid_thresholds_name_the_field(value: object) -> None:
     with pytest.raises(ThresholdError) as info:
         validate_threshold(value, "vllm_xargs.cache_hit_threshold")
     assert info.value.param == "vllm_xargs.cache_hit_threshold"

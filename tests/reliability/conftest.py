@@ -8,7 +8,10 @@
 
 from __future__ import annotations
 
+import ssl
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,17 +24,19 @@ from support.subprocess_cluster import RouterProc, SimProc
 class Procs:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        self.all: list = []
+        self.all: list[SimProc | RouterProc] = []
 
     def sim(self, *args: str, port: int = 0) -> SimProc:
         s = SimProc(list(args), port=port, log_path=self.tmp_path / f"sim{len(self.all)}.log")
         self.all.append(s)
         return s.start()
 
-    def router(self, config: dict, extra_args: list[str] | None = None, ssl_ctx=None) -> RouterProc:
+    def router(
+        self, config: dict[str, Any], extra_args: list[str] | None = None, ssl_ctx: ssl.SSLContext | None = None
+    ) -> RouterProc:
         d = self.tmp_path / f"router{len(self.all)}"
         d.mkdir()
-        r = RouterProc(config, d, **({"extra_args": extra_args} if extra_args is not None else {}))
+        r = RouterProc(config, d) if extra_args is None else RouterProc(config, d, extra_args=extra_args)
         self.all.append(r)
         return r.start(ssl_ctx=ssl_ctx)
 
@@ -41,7 +46,7 @@ class Procs:
 
 
 @pytest.fixture
-def procs(tmp_path: Path):
+def procs(tmp_path: Path) -> Iterator[Procs]:
     p = Procs(tmp_path)
     try:
         yield p

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import io
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
+from multidict import CIMultiDictProxy
 
 N_BURST = 300
 
@@ -17,8 +19,13 @@ from support.metrics import scrape_metrics
 from support.polling import eventually
 from support.subprocess_cluster import MODEL, set_faults, sim_backends
 
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
 
-async def _post(s: aiohttp.ClientSession, url: str, body: bytes | dict, stream: bool = False):
+
+async def _post(
+    s: aiohttp.ClientSession, url: str, body: bytes | dict[str, Any], stream: bool = False
+) -> tuple[int, CIMultiDictProxy[str], bytes]:
     data = body if isinstance(body, bytes) else orjson.dumps({**body, "stream": stream})
     # A file-like body: aiohttp warns (ResourceWarning) that a raw bytes body over 1 MiB is
     # sent in one piece that holds the event loop.
@@ -28,7 +35,7 @@ async def _post(s: aiohttp.ClientSession, url: str, body: bytes | dict, stream: 
         return r.status, r.headers, raw
 
 
-async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_slots(procs) -> None:
+async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_slots(procs: Procs) -> None:
     engines = {"d0": procs.sim("--speed", "5")}
     router = procs.router(
         {
@@ -49,7 +56,7 @@ async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_
             for i in range(20)
         ]
 
-        async def queue_full():
+        async def queue_full() -> bool:
             m = await scrape_metrics(s, router.url)
             return m.value("cachehit_router_queued_requests") == 2
 
@@ -76,7 +83,7 @@ async def test_full_router_answers_429_with_retry_after_and_queued_requests_get_
         assert [st for st, _, _ in results] == [200] * 5
 
 
-async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs) -> None:
+async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs: Procs) -> None:
     """A burst far past capacity, each request carrying a large body: the router reads a
     body only once it holds a slot, so at most max_concurrent_requests bodies are in
     memory, and a refused request's connection is closed instead of drained."""
@@ -103,7 +110,7 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs) -> None
         assert st == 200, raw
         rss_before = router.rss()
         peak = rss_before
-        results: list = []
+        results: list[Any] = []
 
         async def burst() -> None:
             results.extend(
@@ -127,4 +134,4 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs) -> None
         # out (~0.5 MiB with uvloop), whatever the body size; reading every body (as the
         # router did before taking a slot first) costs 1.7 MiB per request here.
         assert peak < rss_before + 64 * 2**20 + N_BURST * 2**20
-        assert router.proc.poll() is None
+        assert router.process.poll() is None

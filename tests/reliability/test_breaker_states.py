@@ -5,17 +5,29 @@ a silent trial expires, an unhealthy backend gets no trial."""
 from router.config.schema import BackendConfig, HealthConfig
 from router.fleet.registry import BackendRegistry
 from router.names import BreakerState
+from router.routing.snapshot import BackendView
 
 
 class Clock:
     def __init__(self) -> None:
         self.t = 100.0
 
-    def __call__(self):
+    def __call__(self) -> float:
         return self.t
 
 
-def _registry(clock, threshold=2, cooldown=5.0):
+def _view(r: BackendRegistry, name: str) -> BackendView:
+    view = r.snapshot().get(name)
+    assert view is not None  # a configured backend
+    return view
+
+
+def _breaker(r: BackendRegistry, name: str) -> BreakerState:
+    # Read through a call: mypy would keep an earlier assert's narrowing of the attribute.
+    return r.states[name].breaker
+
+
+def _registry(clock: Clock, threshold: int = 2, cooldown: float = 5.0) -> BackendRegistry:
     r = BackendRegistry(
         [BackendConfig("a", "http://a"), BackendConfig("b", "http://b")],
         HealthConfig(failure_threshold=threshold, cooldown_s=cooldown),
@@ -26,10 +38,10 @@ def _registry(clock, threshold=2, cooldown=5.0):
     return r
 
 
-def _open(r) -> None:
+def _open(r: BackendRegistry) -> None:
     r.record_failure("a", "500")
     r.record_failure("a", "500")
-    assert r.states["a"].breaker == BreakerState.OPEN
+    assert _breaker(r, "a") == BreakerState.OPEN
 
 
 def test_a_good_health_check_does_not_close_an_open_breaker() -> None:
@@ -37,8 +49,8 @@ def test_a_good_health_check_does_not_close_an_open_breaker() -> None:
     r = _registry(clock)
     _open(r)
     r.record_scrape("a", {}, None)
-    assert r.states["a"].breaker == BreakerState.OPEN
-    assert not r.snapshot().get("a").available
+    assert _breaker(r, "a") == BreakerState.OPEN
+    assert not _view(r, "a").available
     assert [b.name for b in r.snapshot().decoders(None)] == ["b"]  # not even probed
 
 
@@ -46,10 +58,10 @@ def test_health_check_failures_do_not_open_the_breaker() -> None:
     r = _registry(Clock(), threshold=2)
     for _ in range(5):
         r.record_scrape_failure("a", "timeout", definitive=False)
-    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert _breaker(r, "a") == BreakerState.CLOSED
     assert not r.states["a"].healthy
     r.record_scrape("a", {}, None)
-    assert r.snapshot().get("a").available
+    assert _view(r, "a").available
 
 
 def test_a_trial_without_verdict_frees_the_slot() -> None:
@@ -58,14 +70,14 @@ def test_a_trial_without_verdict_frees_the_slot() -> None:
     _open(r)
     clock.t += 5.0
     r.acquire("a")  # the trial (a probe)
-    assert r.states["a"].breaker == BreakerState.HALF_OPEN
-    assert not r.snapshot().get("a").available
+    assert _breaker(r, "a") == BreakerState.HALF_OPEN
+    assert not _view(r, "a").available
     r.release("a")  # rejected or lost the race: no verdict
-    assert r.snapshot().get("a").available
+    assert _view(r, "a").available
     r.acquire("a")
     r.release("a")
     r.record_success("a")
-    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert _breaker(r, "a") == BreakerState.CLOSED
 
 
 def test_a_silent_trial_expires_after_the_cooldown() -> None:
@@ -75,9 +87,9 @@ def test_a_silent_trial_expires_after_the_cooldown() -> None:
     clock.t += 5.0
     r.acquire("a")  # a trial that never ends (stuck stream)
     clock.t += 4.9
-    assert not r.snapshot().get("a").available
+    assert not _view(r, "a").available
     clock.t += 0.2
-    assert r.snapshot().get("a").available
+    assert _view(r, "a").available
 
 
 def test_a_failed_trial_reopens_for_a_full_cooldown() -> None:
@@ -88,12 +100,12 @@ def test_a_failed_trial_reopens_for_a_full_cooldown() -> None:
     r.acquire("a")
     r.release("a")
     r.record_failure("a", "still 500")
-    assert r.states["a"].breaker == BreakerState.OPEN
-    assert not r.snapshot().get("a").available
+    assert _breaker(r, "a") == BreakerState.OPEN
+    assert not _view(r, "a").available
     clock.t += 4.9
-    assert not r.snapshot().get("a").available
+    assert not _view(r, "a").available
     clock.t += 0.2
-    assert r.snapshot().get("a").available
+    assert _view(r, "a").available
 
 
 def test_an_unhealthy_open_backend_gets_no_trial() -> None:
@@ -102,7 +114,7 @@ def test_an_unhealthy_open_backend_gets_no_trial() -> None:
     _open(r)
     r.record_scrape_failure("a", "refused")
     clock.t += 60
-    assert not r.snapshot().get("a").available
+    assert not _view(r, "a").available
     r.record_scrape("a", {}, None)
-    assert r.snapshot().get("a").available
-    assert r.states["a"].breaker == BreakerState.OPEN
+    assert _view(r, "a").available
+    assert _breaker(r, "a") == BreakerState.OPEN

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -19,7 +20,10 @@ import pytest
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
-from support.subprocess_cluster import MODEL, sim_backends
+from support.subprocess_cluster import MODEL, SimProc, sim_backends
+
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
 
 STORM_REQUESTS = 1500
 STORM_CONCURRENCY = 48
@@ -71,8 +75,8 @@ async def early_hang_up_storm(port: int, n: int, concurrency: int, seed: int = 0
     await asyncio.gather(*(one(*p) for p in plan))
 
 
-async def _engines_idle(s: aiohttp.ClientSession, engines) -> dict[str, float]:
-    out = {}
+async def _engines_idle(s: aiohttp.ClientSession, engines: dict[str, SimProc]) -> dict[str, float]:
+    out: dict[str, float] = {}
     for name, e in engines.items():
         ms = await scrape_metrics(s, e.url)
         out[name] = ms.value("vllm:num_requests_running") + ms.value("vllm:num_requests_waiting")
@@ -81,7 +85,7 @@ async def _engines_idle(s: aiohttp.ClientSession, engines) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_early_hang_ups_leak_no_inflight_count(procs) -> None:
+async def test_early_hang_ups_leak_no_inflight_count(procs: Procs) -> None:
     engines = {f"d{i}": procs.sim("--speed", "2") for i in range(4)}
     router = procs.router(
         {
@@ -93,7 +97,7 @@ async def test_early_hang_ups_leak_no_inflight_count(procs) -> None:
     await early_hang_up_storm(router.port, STORM_REQUESTS, STORM_CONCURRENCY)
     async with aiohttp.ClientSession() as s:
 
-        async def settled():
+        async def settled() -> tuple[float, float] | None:
             ms = await scrape_metrics(s, router.url)
             counts = (ms.value("cachehit_router_backend_inflight"), ms.value("cachehit_router_inflight_requests"))
             return counts if counts == (0, 0) else None
@@ -115,6 +119,6 @@ async def test_early_hang_ups_leak_no_inflight_count(procs) -> None:
             assert r.status == 200, await r.text()
 
 
-async def _idle_or_none(s, engines):
+async def _idle_or_none(s: aiohttp.ClientSession, engines: dict[str, SimProc]) -> dict[str, float] | None:
     counts = await _engines_idle(s, engines)
     return counts if not any(counts.values()) else None

@@ -7,19 +7,23 @@ from the environment (`api_key_env`), as an operator would keep them.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
-from support.subprocess_cluster import MODEL, sim_backends
+from support.subprocess_cluster import MODEL, RouterProc, sim_backends
+
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
 
 FLOOD_KEY, QUIET_KEY, METERED_KEY = "sk-flood-0123", "sk-quiet-4567", "sk-metered-89ab"
 
 
 @pytest.fixture
-def router(procs, monkeypatch: pytest.MonkeyPatch):
+def router(procs: Procs, monkeypatch: pytest.MonkeyPatch) -> RouterProc:
     monkeypatch.setenv("CACHEHIT_TEST_FLOOD_KEY", FLOOD_KEY)
     monkeypatch.setenv("CACHEHIT_TEST_QUIET_KEY", QUIET_KEY)
     engine = procs.sim("--speed", "5")
@@ -43,7 +47,7 @@ def router(procs, monkeypatch: pytest.MonkeyPatch):
 
 async def _post(
     s: aiohttp.ClientSession, url: str, key: str, max_tokens: int = 60, headers: dict[str, str] | None = None
-) -> tuple[int, dict, str]:
+) -> tuple[int, dict[str, Any], str]:
     async with s.post(
         url + "/v1/completions",
         headers={"Authorization": f"Bearer {key}", **(headers or {})},
@@ -53,11 +57,11 @@ async def _post(
 
 
 @pytest.mark.timeout(180)
-async def test_a_tenant_at_its_limits_does_not_hold_back_another(router) -> None:
+async def test_a_tenant_at_its_limits_does_not_hold_back_another(router: RouterProc) -> None:
     async with aiohttp.ClientSession() as s:
         flood = [asyncio.create_task(_post(s, router.url, FLOOD_KEY)) for _ in range(30)]
 
-        async def flood_saturated():
+        async def flood_saturated() -> bool:
             ms = await scrape_metrics(s, router.url)
             return (
                 ms.value("cachehit_router_tenant_inflight", tenant="flood") == 2
@@ -94,7 +98,7 @@ async def test_a_tenant_at_its_limits_does_not_hold_back_another(router) -> None
 
 
 @pytest.mark.timeout(120)
-async def test_per_key_rate_limit_and_priority_rules(router) -> None:
+async def test_per_key_rate_limit_and_priority_rules(router: RouterProc) -> None:
     async with aiohttp.ClientSession() as s:
         assert (await _post(s, router.url, METERED_KEY, max_tokens=2))[0] == 200
         status, headers, body = await _post(s, router.url, METERED_KEY, max_tokens=2)

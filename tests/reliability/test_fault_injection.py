@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -31,6 +33,9 @@ from support.subprocess_cluster import (
     unary_request,
 )
 
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
+
 N_STREAMS = 200
 MAX_TOKENS = 48
 REQUEST_BOUND_S = 90.0  # a request still running after this is a hang
@@ -40,7 +45,9 @@ def _prompt(i: int) -> str:
     return f"fault injection request {i} " + " ".join(f"w{(i * 7 + k) % 97}" for k in range(30))
 
 
-def _request(s, url: str, i: int, max_tokens: int, within: float):
+def _request(
+    s: aiohttp.ClientSession, url: str, i: int, max_tokens: int, within: float
+) -> Coroutine[Any, Any, Outcome]:
     """Half streamed completions, a quarter streamed chat, a quarter non-streaming."""
     if i % 4 == 1:
         return stream_request(
@@ -57,7 +64,7 @@ def _request(s, url: str, i: int, max_tokens: int, within: float):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs) -> None:
+async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs: Procs) -> None:
     # speed 0.25: a 48-token stream takes a few seconds, so streams are in flight when d0
     # dies; the simulator's timing model keeps the per-step cost realistic under batching.
     # idle_s 5: under this load a healthy engine's prefill-heavy step (resumed prompts pile
@@ -88,9 +95,9 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs) -> None
         # Kill d0 once it is generating for a good number of streams.
         await eventually(lambda: sim_state(s, engines["d0"].url), 30, "d0 state")
 
-        async def d0_busy():
+        async def d0_busy() -> bool:
             st = await sim_state(s, engines["d0"].url)
-            return st["running"] >= 5 and st["generated"] >= 40
+            return bool(st["running"] >= 5 and st["generated"] >= 40)
 
         await eventually(d0_busy, 60, "d0 running streams")
         engines["d0"].kill(signal.SIGKILL)
@@ -120,20 +127,20 @@ async def test_kill_stall_and_500s_under_200_streams_lose_nothing(procs) -> None
         assert ms.value("cachehit_router_upstream_errors_total", backend="d2", kind="status") >= 1
 
         # Everything drains: router gauges and the surviving engines' queues go to zero.
-        async def drained():
+        async def drained() -> bool:
             m = await scrape_metrics(s, router.url)
             return m.value("cachehit_router_inflight_requests") == 0 and all(
                 m.value("cachehit_router_backend_inflight", backend=n) == 0 for n in engines
             )
 
         await eventually(drained, 15, "router in-flight gauges at zero")
-        for n in ("d1", "d2", "d3"):
+        for name in ("d1", "d2", "d3"):
 
-            async def idle(n=n):
-                st = await sim_state(s, engines[n].url)
-                return st["running"] == 0 and st["waiting"] == 0
+            async def idle(name: str = name) -> bool:
+                st = await sim_state(s, engines[name].url)
+                return bool(st["running"] == 0 and st["waiting"] == 0)
 
-            await eventually(idle, 30, f"{n} running nothing")
+            await eventually(idle, 30, f"{name} running nothing")
         ms = await scrape_metrics(s, router.url)
         assert ms.value("cachehit_router_backend_healthy", backend="d0") == 0
         rss_after = router.rss()

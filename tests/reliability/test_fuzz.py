@@ -17,6 +17,8 @@ import http.client
 import json
 import socket
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import orjson
 import pytest
@@ -32,7 +34,7 @@ EXCHANGE_BOUND_S = 15.0  # any single exchange taking longer is a hang
 
 
 @pytest.fixture(scope="module")
-def fuzz_router(tmp_path_factory: pytest.TempPathFactory):
+def fuzz_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     """One engine and one router for the whole module (the fuzzing must not break them:
     every test ends by checking the router still serves)."""
     tmp = tmp_path_factory.mktemp("fuzz")
@@ -57,8 +59,8 @@ def fuzz_router(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _request(
-    port: int, method: str, path: str, body: bytes | None, headers: dict | None = None
-) -> tuple[int, dict, bytes]:
+    port: int, method: str, path: str, body: bytes | None, headers: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=EXCHANGE_BOUND_S)
     try:
         conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
@@ -68,7 +70,7 @@ def _request(
         conn.close()
 
 
-def _check_answer(status: int, headers: dict, raw: bytes, what) -> None:
+def _check_answer(status: int, headers: dict[str, Any], raw: bytes, what: object) -> None:
     assert status != 500, (what, raw[:500])
     ctype = headers.get("Content-Type", "")
     if status == 200:
@@ -109,7 +111,7 @@ def _no_500s(port: int) -> None:
 
 # --- JSON bodies ----------------------------------------------------------------------------
 
-odd_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
+odd_text = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=40) | st.sampled_from(
     [
         "",
         "\u0000",
@@ -173,7 +175,7 @@ sane = {
 
 
 @st.composite
-def bodies(draw):
+def bodies(draw: st.DrawFn) -> dict[str, Any]:
     """Mostly-valid bodies with a few fields replaced by odd values, so the fuzzing gets
     past the first check and reaches the router's deeper paths (and the engine)."""
     body = {k: draw(v) for k, v in sane.items() if draw(st.booleans())}
@@ -185,13 +187,13 @@ def bodies(draw):
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=bodies(), chat=st.booleans())
-def test_fuzzed_json_bodies_never_get_a_500_or_hang(fuzz_router, body, chat):
+def test_fuzzed_json_bodies_never_get_a_500_or_hang(fuzz_router: RouterProc, body: dict[str, Any], chat: bool) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     # The stdlib encoder: it writes integers of any size (orjson stops at 64 bits).
     raw = json.dumps(body, ensure_ascii=bool(chat)).encode()
     status, headers, out = _request(fuzz_router.port, "POST", path, raw)
     _check_answer(status, headers, out, body)
-    assert fuzz_router.proc.poll() is None
+    assert fuzz_router.process.poll() is None
 
 
 @pytest.mark.slow
@@ -220,16 +222,16 @@ def test_fuzzed_json_bodies_never_get_a_500_or_hang(fuzz_router, body, chat):
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
     ctype=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]),
 )
-def test_fuzzed_raw_bytes_never_get_a_500_or_hang(fuzz_router, raw, path, ctype):
+def test_fuzzed_raw_bytes_never_get_a_500_or_hang(fuzz_router: RouterProc, raw: bytes, path: str, ctype: str) -> None:
     status, headers, out = _request(fuzz_router.port, "POST", path, raw, {"Content-Type": ctype})
     _check_answer(status, headers, out, raw[:100])
-    assert fuzz_router.proc.poll() is None
+    assert fuzz_router.process.poll() is None
 
 
 # --- nesting depth, control characters, headers and encodings ----------------------------
 
 
-def _nested(depth: int, leaf, kinds: list[bool]):
+def _nested(depth: int, leaf: Any, kinds: list[bool]) -> Any:
     """`leaf` inside `depth` levels of arrays and objects (kinds[i]: object at level i)."""
     v = leaf
     for i in range(depth):
@@ -246,7 +248,9 @@ def _nested(depth: int, leaf, kinds: list[bool]):
     chat=st.booleans(),
     stream=st.booleans(),
 )
-def test_deeply_nested_bodies_get_a_clear_answer(fuzz_router, depth, field, kinds, chat, stream):
+def test_deeply_nested_bodies_get_a_clear_answer(
+    fuzz_router: RouterProc, depth: int, field: str, kinds: list[bool], chat: bool, stream: bool
+) -> None:
     body = {
         "model": MODEL,
         "max_tokens": 2,
@@ -263,7 +267,7 @@ def test_deeply_nested_bodies_get_a_clear_answer(fuzz_router, depth, field, kind
     _check_answer(status, headers, out, (field, depth))
     if depth + (1 if field == "vllm_xargs.foo" else 0) > 128:
         assert status == 400, (field, depth, out[:300])
-    assert fuzz_router.proc.poll() is None
+    assert fuzz_router.process.poll() is None
 
 
 control_text = st.lists(
@@ -292,7 +296,9 @@ STRING_FIELDS = [
 @pytest.mark.slow
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(STRING_FIELDS), text=control_text, chat=st.booleans(), stream=st.booleans())
-def test_control_characters_in_any_string_field_never_get_a_500(fuzz_router, field, text, chat, stream):
+def test_control_characters_in_any_string_field_never_get_a_500(
+    fuzz_router: RouterProc, field: str, text: str, chat: bool, stream: bool
+) -> None:
     message = {"role": "user", "content": "ctl"}
     body = {"model": MODEL, "max_tokens": 2, "stream": stream}
     if field.startswith("messages."):
@@ -309,20 +315,21 @@ def test_control_characters_in_any_string_field_never_get_a_500(fuzz_router, fie
     status, headers, out = _request(fuzz_router.port, "POST", path, json.dumps(body).encode())
     _check_answer(status, headers, out, body)
     assert headers.get("X-Request-Id", "").isprintable()  # whatever the body's request_id holds
-    assert fuzz_router.proc.poll() is None
+    assert fuzz_router.process.poll() is None
 
 
 def _encode(body: bytes, how: str) -> bytes:
     import gzip
     import zlib
 
-    return {
+    encoders: dict[str, Callable[[bytes], bytes]] = {
         "gzip": lambda b: gzip.compress(b),
         "deflate": lambda b: zlib.compress(b),
         "plain": lambda b: b,
         "truncated-gzip": lambda b: gzip.compress(b)[:-6],
         "garbage": lambda b: b"\x1f\x8b\x08\x00garbage" + b,
-    }[how](body)
+    }
+    return encoders[how](body)
 
 
 @pytest.mark.slow
@@ -352,8 +359,14 @@ def _encode(body: bytes, how: str) -> bytes:
     stream=st.booleans(),
 )
 def test_header_and_encoding_combinations_never_get_a_500(
-    fuzz_router, encoding, actual, chunked, expect, extra, stream
-):
+    fuzz_router: RouterProc,
+    encoding: str,
+    actual: str,
+    chunked: bool,
+    expect: str | None,
+    extra: dict[str, str],
+    stream: bool,
+) -> None:
     raw = _encode(orjson.dumps({"model": MODEL, "prompt": "enc", "max_tokens": 2, "stream": stream}), actual)
     headers = {"Content-Type": "application/json", **extra}
     if encoding:
@@ -410,10 +423,10 @@ def test_header_and_encoding_combinations_never_get_a_500(
             body, rest = body + rest[:size], rest[size + 2 :]
         out = body
     _check_answer(status, resp_headers, out, (encoding, actual, chunked, expect, extra))
-    assert fuzz_router.proc.poll() is None
+    assert fuzz_router.process.poll() is None
 
 
-def test_after_fuzzing_the_router_still_serves(fuzz_router) -> None:
+def test_after_fuzzing_the_router_still_serves(fuzz_router: RouterProc) -> None:
     # Runs on its own router too: odd inputs first, then a normal request.
     for raw in (b"{", b"\xff" * 100, orjson.dumps({"prompt": [2**40]}), orjson.dumps({"max_tokens": -5})):
         status, headers, out = _request(fuzz_router.port, "POST", "/v1/completions", raw)
@@ -472,7 +485,7 @@ def _head(content_length: int) -> bytes:
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sent=st.integers(0, 60), missing=st.integers(1, 10_000))
-def test_truncated_bodies_then_close_never_crash_the_router(fuzz_router, sent, missing):
+def test_truncated_bodies_then_close_never_crash_the_router(fuzz_router: RouterProc, sent: int, missing: int) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "truncated " * 10, "max_tokens": 2})[:sent]
     t0 = time.monotonic()
     out = _raw_exchange(fuzz_router.port, _head(len(body) + missing), [(body, 0.0)], close_after=True)
@@ -480,10 +493,10 @@ def test_truncated_bodies_then_close_never_crash_the_router(fuzz_router, sent, m
     if out:
         status = int(out.split(b" ", 2)[1])
         assert status in (400, 408), out[:300]
-    assert fuzz_router.proc.poll() is None
+    assert fuzz_router.process.poll() is None
 
 
-def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router) -> None:
+def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router: RouterProc) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "cut", "max_tokens": 2})
     cuts = (0, 1, len(body) // 2, len(body) - 1)
     before = _requests_recorded(fuzz_router.port)
@@ -497,7 +510,7 @@ def test_truncated_bodies_leave_no_500_and_the_router_serves(fuzz_router) -> Non
     _no_500s(fuzz_router.port)
 
 
-def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router) -> None:
+def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router: RouterProc) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "stall", "max_tokens": 2})
     t0 = time.monotonic()
     out = _raw_exchange(fuzz_router.port, _head(len(body)), [(body[:5], 0.0)], close_after=False)
@@ -510,7 +523,7 @@ def test_a_stalled_body_gets_408_and_does_not_hold_its_slot(fuzz_router) -> None
     _alive(fuzz_router.port)
 
 
-def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router) -> None:
+def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router: RouterProc) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "slow but steady", "max_tokens": 2})
     step = max(1, len(body) // 5)
     parts = [(body[i : i + step], 0.15) for i in range(0, len(body), step)]
@@ -523,7 +536,7 @@ def test_a_dribbled_body_within_the_timeout_is_served(fuzz_router) -> None:
     assert out.startswith(b"HTTP/1.1 200"), out[:300]
 
 
-def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router) -> None:
+def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router: RouterProc) -> None:
     """Connections that send half a header block or half a body and then stall: the
     router keeps serving everyone else meanwhile."""
     stalled = []

@@ -11,33 +11,37 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 
 from support.metrics import scrape_metrics
 from support.polling import eventually
-from support.subprocess_cluster import MODEL, set_faults, sim_backends
+from support.subprocess_cluster import MODEL, RouterProc, set_faults, sim_backends
+
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
 
 ADMIN = "admin-secret"
 
 
-async def _get(s: aiohttp.ClientSession, url: str, **kw) -> tuple[int, object]:
+async def _get(s: aiohttp.ClientSession, url: str, **kw: Any) -> tuple[int, Any]:
     async with s.get(url, **kw) as r:
         raw = await r.read()
         return r.status, (orjson.loads(raw) if raw and r.content_type == "application/json" else raw)
 
 
-async def _complete(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 3) -> tuple[int, dict]:
+async def _complete(s: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 3) -> tuple[int, dict[str, Any]]:
     async with s.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}) as r:
         return r.status, orjson.loads(await r.read())
 
 
-async def _healthy(s, router, name) -> float:
+async def _healthy(s: aiohttp.ClientSession, router: RouterProc, name: str) -> float:
     return (await scrape_metrics(s, router.url)).value("cachehit_router_backend_healthy", backend=name)
 
 
-async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_same_port(procs) -> None:
+async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_same_port(procs: Procs) -> None:
     engines = {n: procs.sim("--speed", "5") for n in ("d0", "d1")}
     router = procs.router(
         {
@@ -97,24 +101,25 @@ async def test_stopped_engine_is_skipped_and_comes_back_after_restart_on_the_sam
         assert status == 200, out
 
 
-async def _is_zero(s, router, name) -> bool:
+async def _is_zero(s: aiohttp.ClientSession, router: RouterProc, name: str) -> bool:
     return await _healthy(s, router, name) == 0
 
 
-async def _is_one(s, router, name) -> bool:
+async def _is_one(s: aiohttp.ClientSession, router: RouterProc, name: str) -> bool:
     return await _healthy(s, router, name) == 1
 
 
-async def _ready_status(s, router, want: int) -> bool:
+async def _ready_status(s: aiohttp.ClientSession, router: RouterProc, want: int) -> bool:
     return (await _get(s, router.url + "/ready"))[0] == want
 
 
-async def _engine_generated(s, url: str) -> float:
+async def _engine_generated(s: aiohttp.ClientSession, url: str) -> float:
     async with s.get(url + "/_sim/state") as r:
-        return orjson.loads(await r.read())["generated"]
+        generated: float = orjson.loads(await r.read())["generated"]
+        return generated
 
 
-async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_trial(procs) -> None:
+async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_trial(procs: Procs) -> None:
     engines = {n: procs.sim("--speed", "5") for n in ("d0", "d1")}
     router = procs.router(
         {
@@ -165,7 +170,7 @@ async def test_breaker_opens_on_500s_keeps_the_engine_out_then_closes_after_a_tr
         assert await _healthy(s, router, "d0") == 1
 
 
-async def test_ready_follows_the_breaker_of_the_only_decoder(procs) -> None:
+async def test_ready_follows_the_breaker_of_the_only_decoder(procs: Procs) -> None:
     engines = {"d0": procs.sim("--speed", "5")}
     router = procs.router(
         {

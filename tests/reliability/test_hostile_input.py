@@ -18,6 +18,8 @@ import http.client
 import re
 import socket
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import pytest
@@ -31,7 +33,7 @@ MAX_BODY = 256 * 1024
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory):
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     tmp = tmp_path_factory.mktemp("hostile")
     sim = SimProc(["--speed", "50"], log_path=tmp / "sim.log")
     r = RouterProc({"server": {"api_keys": [KEY], "max_body_bytes": MAX_BODY, "body_timeout_s": 5.0}}, tmp)
@@ -45,7 +47,9 @@ def router(tmp_path_factory: pytest.TempPathFactory):
         sim.stop()
 
 
-def _post(port: int, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, bytes]:
+def _post(
+    port: int, path: str, body: bytes, headers: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
@@ -55,9 +59,9 @@ def _post(port: int, path: str, body: bytes, headers: dict | None = None) -> tup
         conn.close()
 
 
-def _error(status: int, raw: bytes, expected: int) -> dict:
+def _error(status: int, raw: bytes, expected: int) -> dict[str, Any]:
     assert status == expected, raw[:300]
-    err = orjson.loads(raw)["error"]
+    err: dict[str, Any] = orjson.loads(raw)["error"]
     assert err["code"] == expected
     assert isinstance(err["message"], str)
     return err
@@ -89,7 +93,7 @@ def _body(chat: bool, stream: bool, where: str, depth: int) -> bytes:
 @pytest.mark.parametrize("where", ["top", "vllm_xargs", "messages"])
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_deeply_nested_bodies_get_400(router, depth, where, chat, stream) -> None:
+def test_deeply_nested_bodies_get_400(router: RouterProc, depth: int, where: str, chat: bool, stream: bool) -> None:
     if where == "messages" and not chat:
         where = "top"
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -98,7 +102,7 @@ def test_deeply_nested_bodies_get_400(router, depth, where, chat, stream) -> Non
     assert "nested" in err["message"] or "depth limit" in err["message"], err
 
 
-def test_moderately_nested_bodies_are_served(router) -> None:
+def test_moderately_nested_bodies_are_served(router: RouterProc) -> None:
     # 100 levels in an extra field the engine ignores: within the bound, served.
     status, _, raw = _post(router.port, "/v1/completions", _body(False, False, "top", 100))
     assert status == 200, raw[:300]
@@ -108,7 +112,9 @@ def test_moderately_nested_bodies_are_served(router) -> None:
     "rid", ["a\r\nX-Injected: 1", "a\nb", "a\x00b", "a\x7fb", "\x1b[31mred", "a\u202eb", "a\u0085b"]
 )
 @pytest.mark.parametrize("stream", [False, True])
-def test_request_ids_with_control_characters_are_served_with_a_sendable_header(router, rid, stream) -> None:
+def test_request_ids_with_control_characters_are_served_with_a_sendable_header(
+    router: RouterProc, rid: str, stream: bool
+) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream, "request_id": rid})
     status, headers, raw = _post(router.port, "/v1/completions", body)
     assert status == 200, raw[:300]
@@ -124,7 +130,7 @@ def test_request_ids_with_control_characters_are_served_with_a_sendable_header(r
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_printable_unicode_request_id_is_kept(router, stream) -> None:
+def test_a_printable_unicode_request_id_is_kept(router: RouterProc, stream: bool) -> None:
     body = orjson.dumps(
         {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream, "request_id": "kunde-\u00e9t\u00e9-42"}
     )
@@ -134,7 +140,7 @@ def test_a_printable_unicode_request_id_is_kept(router, stream) -> None:
     assert first["id"] == "cmpl-kunde-\u00e9t\u00e9-42"
 
 
-def test_a_body_that_is_not_in_its_content_encoding_gets_400(router) -> None:
+def test_a_body_that_is_not_in_its_content_encoding_gets_400(router: RouterProc) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3})
     for encoding in ("gzip", "deflate"):
         status, _, raw = _post(router.port, "/v1/completions", body, {"Content-Encoding": encoding})
@@ -168,7 +174,7 @@ def _read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
 
 
 @pytest.mark.parametrize("case", ["no key", "too large"])
-def test_expect_100_continue_is_not_answered_before_auth_and_size(router, case) -> None:
+def test_expect_100_continue_is_not_answered_before_auth_and_size(router: RouterProc, case: str) -> None:
     extra = "" if case == "no key" else f"Authorization: Bearer {KEY}\r\n"
     length = 3 * 1024 * 1024 if case == "no key" else 50 * 1024 * 1024
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
@@ -180,7 +186,7 @@ def test_expect_100_continue_is_not_answered_before_auth_and_size(router, case) 
     assert out.startswith(f"HTTP/1.1 {status} ".encode()), out[:300]
 
 
-def test_expect_100_continue_invites_an_acceptable_body(router) -> None:
+def test_expect_100_continue_invites_an_acceptable_body(router: RouterProc) -> None:
     body = orjson.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3})
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
         sock.sendall(_head("/v1/completions", len(body), f"Authorization: Bearer {KEY}\r\nConnection: close\r\n"))
@@ -200,7 +206,7 @@ MALFORMED = [
 ]
 
 
-def test_client_events_are_one_escaped_info_line_without_traceback(router) -> None:
+def test_client_events_are_one_escaped_info_line_without_traceback(router: RouterProc) -> None:
     # Malformed HTTP messages, some with control bytes that must not reach the log raw.
     for msg in MALFORMED:
         with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
@@ -237,7 +243,7 @@ def test_client_events_are_one_escaped_info_line_without_traceback(router) -> No
     assert not raw_controls, raw_controls
 
 
-def test_an_unknown_expectation_gets_417(router) -> None:
+def test_an_unknown_expectation_gets_417(router: RouterProc) -> None:
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
         sock.sendall(
             _head("/v1/completions", 10, f"Authorization: Bearer {KEY}\r\n").replace(b"100-continue", b"200-ok")

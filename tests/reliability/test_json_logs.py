@@ -3,11 +3,16 @@ request line's fields at the top level; text for humans with server.log_format =
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import aiohttp
 import orjson
 import pytest
 
-from support.subprocess_cluster import MODEL, sim_backends
+from support.subprocess_cluster import MODEL, RouterProc, sim_backends
+
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
 
 ANNOUNCE = ("router: serving", "  try:")  # printed to stdout for a human, not logged
 
@@ -24,11 +29,11 @@ async def _two_requests(url: str) -> None:
             assert r.status == 404
 
 
-def _log_lines(router) -> list[str]:
+def _log_lines(router: RouterProc) -> list[str]:
     return [ln for ln in router.log_path.read_text().splitlines() if ln and not ln.startswith(ANNOUNCE)]
 
 
-async def test_every_log_line_is_one_json_object(procs) -> None:
+async def test_every_log_line_is_one_json_object(procs: Procs) -> None:
     eng = procs.sim()
     router = procs.router({"backends": sim_backends({"e": eng})})
     await _two_requests(router.url)
@@ -54,7 +59,7 @@ async def test_every_log_line_is_one_json_object(procs) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["text"])
-async def test_text_logs_for_humans(procs, fmt) -> None:
+async def test_text_logs_for_humans(procs: Procs, fmt: str) -> None:
     eng = procs.sim()
     router = procs.router({"server": {"log_format": fmt}, "backends": sim_backends({"e": eng})})
     await _two_requests(router.url)

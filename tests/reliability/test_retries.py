@@ -12,7 +12,9 @@ from support.cluster import MODEL, FaultConfig, MakeCluster
 
 @pytest.mark.parametrize("strategy", ["round_robin", "probe"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster: MakeCluster, strategy, stream) -> None:
+async def test_500s_before_the_first_token_are_retried_elsewhere(
+    make_cluster: MakeCluster, strategy: str, stream: bool
+) -> None:
     # race "always": every probe-mode request asks d0, whatever the race has been worth.
     c = await make_cluster(
         decoders=2,
@@ -40,7 +42,7 @@ async def test_500s_before_the_first_token_are_retried_elsewhere(make_cluster: M
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster: MakeCluster, stream) -> None:
+async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster: MakeCluster, stream: bool) -> None:
     c = await make_cluster(
         decoders=3,
         routing={"strategy": "round_robin", "max_retries": 1},
@@ -62,7 +64,9 @@ async def test_retries_are_bounded_and_end_with_a_clear_502(make_cluster: MakeCl
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "probe"])
-async def test_a_dead_backend_the_router_still_thinks_healthy_is_retried(make_cluster: MakeCluster, strategy) -> None:
+async def test_a_dead_backend_the_router_still_thinks_healthy_is_retried(
+    make_cluster: MakeCluster, strategy: str
+) -> None:
     # Health checks far apart: the router learns of d0's death from the request itself.
     c = await make_cluster(
         decoders=2, routing={"strategy": strategy}, health={"scrape_interval_s": 60.0, "check_interval_s": 60.0}
@@ -84,4 +88,4 @@ async def test_client_errors_are_not_retried(make_cluster: MakeCluster) -> None:
     assert out["error"]["param"] == "logprobs"
     assert c.router_metric_or_zero("cachehit_router_retries_total") == 0
     assert c.router_metric_or_zero("cachehit_router_upstream_errors_total") <= 1
-    assert all(s.breaker == "closed" for s in c.state.registry.states.values())
+    assert all(s.breaker == "closed" for s in c.registry.states.values())

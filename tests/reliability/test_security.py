@@ -17,20 +17,28 @@ import datetime
 import importlib.util
 import ipaddress
 import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.fleet.capability import CHECK_PROMPT_PREFIX
 from router.server.app import build_app
 from support.cluster import MakeCluster
+from support.ports import site_port
 from support.requirements import missing_dependency
 from support.subprocess_cluster import MODEL, sim_backends
+
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
 
 CLIENT_KEY = "sk-client-1"
 OTHER_CLIENT_KEY = "sk-client-two-longer"
@@ -43,7 +51,7 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return runner, site_port(site)
 
 
 class Capture:
@@ -52,7 +60,7 @@ class Capture:
 
     def __init__(self, engine_url: str) -> None:
         self.engine_url = engine_url
-        self.seen: list[dict] = []
+        self.seen: list[dict[str, Any]] = []
         self.session: aiohttp.ClientSession | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -87,10 +95,21 @@ class Trap:
         return web.json_response({})
 
 
+@dataclass
+class Stack:
+    url: str  # the router's
+    port: int
+    cap: Capture
+    trap: Trap
+    trap_port: int
+    session: aiohttp.ClientSession
+    cap_host: str  # the capture proxy's host:port
+
+
 @pytest.fixture
-async def stack():
+async def stack() -> AsyncIterator[Stack]:
     """sim engine <- capture proxy <- router (in this loop); plus a trap server."""
-    closers = []
+    closers: list[Callable[[], Awaitable[None]]] = []
     eng = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0), port=0)
     closers.append(eng.close)
     cap = Capture(eng.url)
@@ -121,16 +140,15 @@ async def stack():
     closers.append(rrunner.cleanup)
     session = aiohttp.ClientSession()
     closers.append(session.close)
-    ns = type("Stack", (), {})()
-    ns.url, ns.port, ns.cap, ns.trap, ns.trap_port, ns.session = (
-        f"http://127.0.0.1:{rport}",
-        rport,
-        cap,
-        trap,
-        tport,
-        session,
+    ns = Stack(
+        url=f"http://127.0.0.1:{rport}",
+        port=rport,
+        cap=cap,
+        trap=trap,
+        trap_port=tport,
+        session=session,
+        cap_host=f"127.0.0.1:{cport}",
     )
-    ns.cap_host = f"127.0.0.1:{cport}"
     try:
         yield ns
     finally:
@@ -138,11 +156,13 @@ async def stack():
             await close()
 
 
-def _auth(key: str = CLIENT_KEY) -> dict:
+def _auth(key: str = CLIENT_KEY) -> dict[str, Any]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def _post(st, body: dict | bytes, headers: dict | None = None, path: str = "/v1/completions"):
+async def _post(
+    st: Stack, body: dict[str, Any] | bytes, headers: dict[str, Any] | None = None, path: str = "/v1/completions"
+) -> tuple[int, CIMultiDictProxy[str], bytes]:
     data = body if isinstance(body, bytes) else orjson.dumps(body)
     async with st.session.post(
         st.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
@@ -151,8 +171,8 @@ async def _post(st, body: dict | bytes, headers: dict | None = None, path: str =
         return r.status, r.headers, raw
 
 
-def _err(raw: bytes, status: int) -> dict:
-    err = orjson.loads(raw)["error"]
+def _err(raw: bytes, status: int) -> dict[str, Any]:
+    err: dict[str, Any] = orjson.loads(raw)["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == status
     return err
@@ -177,7 +197,7 @@ def _err(raw: bytes, status: int) -> dict:
         "Token sk-client-1",
     ],
 )
-async def test_generation_needs_a_client_key(stack, header) -> None:
+async def test_generation_needs_a_client_key(stack: Stack, header: str | None) -> None:
     headers = {} if header is None else {"Authorization": header}
     status, h, raw = await _post(stack, {"model": MODEL, "prompt": "x", "max_tokens": 1}, headers)
     if len(header or "") > 8190:  # past aiohttp's header line limit: its parser answers 400
@@ -189,7 +209,7 @@ async def test_generation_needs_a_client_key(stack, header) -> None:
     assert stack.cap.seen == [] or all(s["path"] != "/v1/completions" for s in stack.cap.seen)
 
 
-async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack) -> None:
+async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack: Stack) -> None:
     """Raw header bytes that are not UTF-8 (the server decodes them with surrogateescape)."""
     for path, method in (("/v1/completions", b"POST"), ("/v1/models", b"GET"), ("/admin/backends", b"GET")):
         reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
@@ -209,7 +229,7 @@ async def test_non_ascii_authorization_bytes_are_a_401_not_a_crash(stack) -> Non
 
 
 @pytest.mark.parametrize("key", [CLIENT_KEY, OTHER_CLIENT_KEY])
-async def test_each_client_key_works_and_the_scheme_is_case_insensitive(stack, key) -> None:
+async def test_each_client_key_works_and_the_scheme_is_case_insensitive(stack: Stack, key: str) -> None:
     for scheme in ("Bearer", "bearer", "BEARER"):
         status, _, raw = await _post(
             stack, {"model": MODEL, "prompt": "x", "max_tokens": 2}, {"Authorization": f"{scheme} {key}"}
@@ -217,7 +237,7 @@ async def test_each_client_key_works_and_the_scheme_is_case_insensitive(stack, k
         assert status == 200, raw
 
 
-async def test_models_need_a_key_probes_do_not(stack) -> None:
+async def test_models_need_a_key_probes_do_not(stack: Stack) -> None:
     async with stack.session.get(stack.url + "/v1/models") as r:
         assert r.status == 401
     async with stack.session.get(stack.url + "/v1/models", headers=_auth()) as r:
@@ -227,7 +247,7 @@ async def test_models_need_a_key_probes_do_not(stack) -> None:
             assert r.status == 200, path
 
 
-async def test_admin_route_needs_the_admin_key_and_never_shows_secrets(stack) -> None:
+async def test_admin_route_needs_the_admin_key_and_never_shows_secrets(stack: Stack) -> None:
     for headers in ({}, _auth(), _auth(OTHER_CLIENT_KEY), {"Authorization": "Bearer sk-admi"}):
         async with stack.session.get(stack.url + "/admin/backends", headers=headers) as r:
             assert r.status == 401
@@ -251,13 +271,13 @@ async def test_admin_route_is_absent_without_an_admin_key(make_cluster: MakeClus
 # --- body limit ----------------------------------------------------------------------------
 
 
-async def test_body_limit_with_and_without_content_length(stack) -> None:
+async def test_body_limit_with_and_without_content_length(stack: Stack) -> None:
     big = orjson.dumps({"model": MODEL, "prompt": "y" * 100_000, "max_tokens": 1})
     status, _, raw = await _post(stack, big, _auth())
     assert status == 413
     assert "65536" in _err(raw, 413)["message"]
 
-    async def chunked():
+    async def chunked() -> AsyncIterator[bytes]:
         for i in range(0, len(big), 8192):
             yield big[i : i + 8192]
 
@@ -308,7 +328,7 @@ _ALLOWED_UPSTREAM = {
 }
 
 
-async def test_client_headers_and_internal_fields_never_reach_the_engine(stack) -> None:
+async def test_client_headers_and_internal_fields_never_reach_the_engine(stack: Stack) -> None:
     body = {
         "model": MODEL,
         "prompt": "headers",
@@ -327,7 +347,7 @@ async def test_client_headers_and_internal_fields_never_reach_the_engine(stack) 
     for stream in (False, True):
         n_before = len(stack.cap.seen)
 
-        async def chunked(stream: bool = stream):
+        async def chunked(stream: bool = stream) -> AsyncIterator[bytes]:
             yield orjson.dumps({**body, "stream": stream})
 
         # A chunked body (Transfer-Encoding: chunked from the client) on top of the headers.
@@ -367,7 +387,7 @@ async def test_client_headers_and_internal_fields_never_reach_the_engine(stack) 
 # --- no foreign host ----------------------------------------------------------------------
 
 
-async def test_no_request_makes_the_router_contact_a_host_outside_its_configuration(stack) -> None:
+async def test_no_request_makes_the_router_contact_a_host_outside_its_configuration(stack: Stack) -> None:
     trap = f"127.0.0.1:{stack.trap_port}"
     vectors = [
         ({"model": f"http://{trap}/v1", "prompt": "x", "max_tokens": 1}, {}),
@@ -507,7 +527,7 @@ def _self_signed_openssl(tmp_path: Path) -> tuple[str, str]:
     return str(cert_path), str(key_path)
 
 
-async def test_tls_with_a_self_signed_certificate(procs, tmp_path: Path) -> None:
+async def test_tls_with_a_self_signed_certificate(procs: Procs, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     ctx = ssl.create_default_context(cafile=cert)
     engines = {"d0": procs.sim("--speed", "20")}
@@ -532,4 +552,4 @@ async def test_tls_with_a_self_signed_certificate(procs, tmp_path: Path) -> None
                 pass
         with pytest.raises(aiohttp.ClientError):
             await _plain_http_get(s, f"http://127.0.0.1:{router.port}/health")
-    assert router.proc.poll() is None
+    assert router.process.poll() is None

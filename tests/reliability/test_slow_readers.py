@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -19,6 +20,9 @@ import pytest
 from support.metrics import scrape_metrics
 from support.polling import eventually
 from support.subprocess_cluster import MODEL, sim_backends
+
+if TYPE_CHECKING:
+    from reliability.conftest import Procs  # the `procs` fixture's value
 
 MAX_TOKENS = 30_000
 ENGINE_ARGS = ("--speed", "100", "--max-model-len", "40000")
@@ -79,7 +83,7 @@ async def _gauges(s: aiohttp.ClientSession, router_url: str, engine_url: str) ->
 
 
 @pytest.mark.timeout(120)
-async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs) -> None:
+async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs: Procs) -> None:
     engine = procs.sim(*ENGINE_ARGS)
     router = procs.router({"timeouts": {"idle_s": 1.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)
@@ -100,20 +104,20 @@ async def test_a_client_that_reads_nothing_is_dropped_after_idle_s(procs) -> Non
     assert "read nothing of its stream" in router.log_tail(200)
 
 
-async def _released(s, router_url, engine_url):
+async def _released(s: aiohttp.ClientSession, router_url: str, engine_url: str) -> tuple[float, float, float] | None:
     g = await _gauges(s, router_url, engine_url)
     return g if g == (0, 0, 0) else None
 
 
 @pytest.mark.timeout(120)
-async def test_a_client_that_pauses_gets_the_whole_answer(procs) -> None:
+async def test_a_client_that_pauses_gets_the_whole_answer(procs: Procs) -> None:
     engine = procs.sim(*ENGINE_ARGS)
     router = procs.router({"timeouts": {"idle_s": 60.0, "total_s": 300.0}, "backends": sim_backends({"d0": engine})})
     reader, writer = await _stalled_client(router.port)
     try:
         async with aiohttp.ClientSession() as s:
             # The engine finishes generating while the stream is held back, unread.
-            async def generated_but_held():
+            async def generated_but_held() -> tuple[float, float, float] | None:
                 g = await _gauges(s, router.url, engine.url)
                 em = await scrape_metrics(s, engine.url)
                 done = em.value("vllm:generation_tokens_total") >= MAX_TOKENS

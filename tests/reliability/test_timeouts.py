@@ -10,33 +10,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any
 
 import pytest
 
+from engine_launcher.sim.request import SimRequest
 from support.cluster import MODEL, FaultConfig, MakeCluster, long_prompt
 from support.polling import eventually
 
 
-def _assert_error(body: dict, status: int, *needles: str) -> str:
+def _assert_error(body: dict[str, Any], status: int, *needles: str) -> str:
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == status, err
     assert err["type"] == "GatewayTimeoutError", err
     for n in needles:
         assert n in err["message"], err["message"]
-    return err["message"]
+    message: str = err["message"]
+    return message
 
 
-def _stream_error(events: list) -> dict:
+def _stream_error(events: list[Any]) -> dict[str, Any]:
     """A stream that failed after it started: ..., error event, [DONE]."""
     assert events[-1] == "[DONE]", events[-3:]
     assert "error" in events[-2], events[-3:]
     assert not any("error" in e for e in events[:-2] if isinstance(e, dict))
-    return events[-2]
+    error_event: dict[str, Any] = events[-2]
+    return error_event
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_first_token_timeout_is_a_504_and_aborts_the_engine_request(make_cluster: MakeCluster, stream) -> None:
+async def test_first_token_timeout_is_a_504_and_aborts_the_engine_request(
+    make_cluster: MakeCluster, stream: bool
+) -> None:
     # speed 0.002: the prefill step of this prompt takes seconds, so no token comes in time.
     c = await make_cluster(decoders=1, sim={"speed": 0.002}, timeouts={"first_token_s": 1.0})
     body = {"model": MODEL, "prompt": long_prompt("slow-first", 200), "max_tokens": 5}
@@ -52,7 +58,7 @@ async def test_first_token_timeout_is_a_504_and_aborts_the_engine_request(make_c
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_idle_timeout_mid_stream_ends_with_a_precise_error(make_cluster: MakeCluster, stream) -> None:
+async def test_idle_timeout_mid_stream_ends_with_a_precise_error(make_cluster: MakeCluster, stream: bool) -> None:
     # One engine, stalling every stream after 3 tokens: the leg times out between chunks;
     # the resume finds no other engine, so the client learns exactly what happened.
     c = await make_cluster(
@@ -100,7 +106,7 @@ async def test_idle_timeout_resumes_on_a_healthy_engine(make_cluster: MakeCluste
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_total_timeout_is_not_resumed_and_names_the_whole_answer(make_cluster: MakeCluster, stream) -> None:
+async def test_total_timeout_is_not_resumed_and_names_the_whole_answer(make_cluster: MakeCluster, stream: bool) -> None:
     # speed 0.05: ~0.2 s per decode step, so 200 tokens need far more than total_s = 2.
     c = await make_cluster(decoders=2, sim={"speed": 0.05}, timeouts={"total_s": 2.0})
     body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 200}
@@ -158,7 +164,7 @@ async def test_connect_timeout_is_a_504_naming_the_connection(make_cluster: Make
         black.close()
 
 
-async def test_timeouts_count_against_the_backend(make_cluster: MakeCluster) -> None:
+async def test_timeouts_count_against_the_backend(make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """Idle timeouts are backend failures: after failure_threshold of them the breaker
     opens and the engine gets nothing (no probes either) during the cool-down, while the
     answers themselves complete on the other engine."""
@@ -183,13 +189,18 @@ async def test_timeouts_count_against_the_backend(make_cluster: MakeCluster) -> 
         assert status == 200, events[-3:]
         assert events[-2]["usage"]["completion_tokens"] == 6, events[-3:]
     assert c.router_metric("cachehit_router_resumes_total", reason="failure") == 2
-    assert c.state.registry.states["d0"].breaker == "open"
+    assert c.registry.states["d0"].breaker == "open"
     assert c.router_metric("cachehit_router_backend_circuit_state", backend="d0") == 2
     assert c.router_metric("cachehit_router_backend_healthy", backend="d0") == 0
-    seen = []
+    seen: list[str] = []
     eng = c.engines["d0"].engine
     orig = eng.add_request
-    eng.add_request = lambda req: (seen.append(req.request_id), orig(req))[1]
+
+    def recording_add_request(req: SimRequest) -> None:
+        seen.append(req.request_id)
+        orig(req)
+
+    monkeypatch.setattr(eng, "add_request", recording_add_request)
     for _ in range(3):
         status, out = await c.complete({"model": MODEL, "prompt": prompts[2], "max_tokens": 2})
         assert status == 200, out

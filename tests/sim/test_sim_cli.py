@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -78,7 +79,7 @@ def test_bad_values_exit_with_status_2(capsys: pytest.CaptureFixture[str]) -> No
     assert e.value.code == 2
 
 
-def _start(*args: str) -> tuple[subprocess.Popen, list[int]]:
+def _start(*args: str) -> tuple[subprocess.Popen[str], list[int]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine_launcher.sim", *args, "--log-level", "warning"],
         cwd=ROOT,
@@ -86,7 +87,7 @@ def _start(*args: str) -> tuple[subprocess.Popen, list[int]]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    ports = []
+    ports: list[int] = []
     n = args.count("--port")
     assert proc.stdout is not None
     while len(ports) < n:
@@ -97,7 +98,7 @@ def _start(*args: str) -> tuple[subprocess.Popen, list[int]]:
     return proc, ports
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
@@ -106,12 +107,13 @@ def _stop(proc: subprocess.Popen) -> None:
             f.close()
 
 
-def _post(port: int, path: str, body: dict) -> dict:
+def _post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=10) as r:
-        return orjson.loads(r.read())
+        answer: dict[str, Any] = orjson.loads(r.read())
+        return answer
 
 
 def test_two_engines_in_one_process_and_clean_stop() -> None:

@@ -95,7 +95,7 @@ async def test_an_offloaded_prefix_is_a_hit_that_a_gpu_only_engine_lacks(
 
 @pytest.mark.parametrize("arrival_check", [True, False])
 async def test_a_rejection_counts_the_cpu_tier_in_cached_tokens(
-    make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check
+    make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check: bool
 ) -> None:
     eng = await make_engine(**SMALL_GPU, cpu_offload_tokens=1024, arrival_check=arrival_check)
     await evict_a_from_gpu(http, eng.url)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import pytest
 
@@ -332,7 +334,7 @@ BAD = [
 
 @pytest.mark.parametrize(("body", "param"), BAD)
 async def test_bad_input_is_a_400_in_vllm_error_shape(
-    make_engine: MakeEngine, http: aiohttp.ClientSession, body, param
+    make_engine: MakeEngine, http: aiohttp.ClientSession, body: dict[str, Any], param: str | None
 ) -> None:
     eng = await make_engine(max_model_len=2048)
     status, err = await post(http, eng.url + "/v1/completions", body)
@@ -349,6 +351,7 @@ async def test_bad_input_is_a_400_in_vllm_error_shape(
 async def test_bad_chat_input(make_engine: MakeEngine, http: aiohttp.ClientSession) -> None:
     eng = await make_engine()
     url = eng.url + "/v1/chat/completions"
+    body: dict[str, Any]
     for body in (
         {"messages": []},
         {"messages": [{"content": "no role"}]},

@@ -7,10 +7,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 import zmq
@@ -20,6 +21,7 @@ from engine_launcher.sim import SimEngineHandle
 from engine_launcher.sim import kv_events as sim_kv_events
 from engine_launcher.sim.cli import build_parser, config_from_args, kv_events_configs
 from engine_launcher.sim.kv_cache import hash_blocks
+from engine_launcher.sim.kv_event_publisher import ZmqEventPublisher
 from engine_launcher.sim.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -33,7 +35,7 @@ from engine_launcher.sim.kv_events import (
 )
 from support.polling import eventually
 from support.requirements import require_module
-from support.sim_http import post
+from support.sim_http import MakeEngine, post
 
 BS = 16
 END_SEQ = b"\xff" * 8
@@ -67,6 +69,7 @@ class Subscriber:
     def __init__(self, ctx: zmq.asyncio.Context, eng: SimEngineHandle) -> None:
         recorder = eng.engine.kv_events
         assert recorder is not None
+        assert isinstance(recorder.publisher, ZmqEventPublisher)  # events enabled: a ZMQ publisher
         self.publisher = recorder.publisher
         self.sock = ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
@@ -87,7 +90,7 @@ class Subscriber:
         out = [e for _, _, batch in self.received for e in batch.events]
         return [e for e in out if kind is None or isinstance(e, kind)]
 
-    async def ready(self, http) -> None:
+    async def ready(self, http: aiohttp.ClientSession) -> None:
         """Resets until one's AllBlocksCleared arrives: the subscription is then live (a SUB
         misses what is published before it has joined), and the stream is drained."""
 
@@ -100,7 +103,7 @@ class Subscriber:
         await eventually(cleared, what="the subscription is live")
         self.received.clear()
 
-    async def wait_for(self, condition, what: str) -> Any:
+    async def wait_for(self, condition: Callable[[], Any], what: str) -> Any:
         async def check() -> Any:
             await self.drain()
             return condition()
@@ -115,8 +118,14 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
     ctx.destroy(linger=0)
 
 
+# `await sim(**engine_config)`: a started engine with KV events on, its stream subscribed.
+StartSim = Callable[..., Awaitable[Subscriber]]
+
+
 @pytest.fixture
-async def sim(make_engine, zctx, http):
+async def sim(
+    make_engine: MakeEngine, zctx: zmq.asyncio.Context, http: aiohttp.ClientSession
+) -> AsyncIterator[StartSim]:
     subscribers: list[Subscriber] = []
 
     async def start(**kw: Any) -> Subscriber:
@@ -131,17 +140,20 @@ async def sim(make_engine, zctx, http):
         sub.sock.close(linger=0)
 
 
-async def complete(http, url: str, prompt: list[int], max_tokens: int = 1, **kw: Any) -> dict:
+async def complete(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int = 1, **kw: Any
+) -> dict[str, Any]:
     status, body = await post(http, url + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, **kw})
     assert status == 200, body
-    return body
+    answer: dict[str, Any] = body
+    return answer
 
 
 def stored_tokens(events: list[BlockStored]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
-async def test_events_are_off_by_default(make_engine) -> None:
+async def test_events_are_off_by_default(make_engine: MakeEngine) -> None:
     eng = await make_engine()
     assert eng.config.kv_events_config is None
     assert eng.engine.kv_events is None
@@ -149,7 +161,7 @@ async def test_events_are_off_by_default(make_engine) -> None:
     assert eng.engine.kv_events is None
 
 
-async def test_a_prompts_full_blocks_are_stored_with_their_tokens(sim, http) -> None:
+async def test_a_prompts_full_blocks_are_stored_with_their_tokens(sim: StartSim, http: aiohttp.ClientSession) -> None:
     sub = await sim()
     prompt = list(range(100, 140))  # 40 tokens: 2 full blocks and 8 tokens
     await complete(http, sub.url, prompt)
@@ -177,7 +189,7 @@ async def test_a_prompts_full_blocks_are_stored_with_their_tokens(sim, http) -> 
     assert not [e for _, _, b in sub.received[before:] for e in b.events if isinstance(e, BlockStored)]
 
 
-async def test_generated_tokens_fill_blocks_that_are_stored_too(sim, http) -> None:
+async def test_generated_tokens_fill_blocks_that_are_stored_too(sim: StartSim, http: aiohttp.ClientSession) -> None:
     sub = await sim()
     prompt = list(range(300, 324))  # 24 tokens: 1 full block; 20 generated fill the 2nd
     await complete(http, sub.url, prompt, max_tokens=20, ignore_eos=True)
@@ -192,7 +204,7 @@ async def test_generated_tokens_fill_blocks_that_are_stored_too(sim, http) -> No
     assert stored[-1].parent_block_hash == (hashes[0] if len(stored) > 1 else None)
 
 
-async def test_a_lora_adapters_blocks_name_it_and_hash_apart(sim, http) -> None:
+async def test_a_lora_adapters_blocks_name_it_and_hash_apart(sim: StartSim, http: aiohttp.ClientSession) -> None:
     sub = await sim(lora_modules={"base-sql": "/adapters/sql", "chat-fr": "/adapters/fr"})
     prompt = list(range(500, 532))  # 2 full blocks
     await complete(http, sub.url, [*prompt, 1], model="chat-fr")
@@ -213,7 +225,7 @@ async def test_a_lora_adapters_blocks_name_it_and_hash_apart(sim, http) -> None:
     assert base[0].lora_name is None
 
 
-async def test_eviction_publishes_block_removed(sim, http) -> None:
+async def test_eviction_publishes_block_removed(sim: StartSim, http: aiohttp.ClientSession) -> None:
     # 8 usable blocks: B and C after A evict every block of A.
     sub = await sim(num_gpu_blocks=9, max_model_len=128)
     a, b, c = list(range(400, 464)), list(range(1000, 1112)), list(range(2000, 2112))
@@ -227,7 +239,7 @@ async def test_eviction_publishes_block_removed(sim, http) -> None:
     assert {h for e in removed for h in e.block_hashes} <= stored  # only what was announced
 
 
-async def test_reset_publishes_all_blocks_cleared(sim, http) -> None:
+async def test_reset_publishes_all_blocks_cleared(sim: StartSim, http: aiohttp.ClientSession) -> None:
     sub = await sim()
     await complete(http, sub.url, list(range(40)))
     await sub.wait_for(lambda: sub.events(BlockStored), "BlockStored")
@@ -237,7 +249,7 @@ async def test_reset_publishes_all_blocks_cleared(sim, http) -> None:
     assert isinstance(sub.events()[-1], AllBlocksCleared)
 
 
-async def test_the_cpu_tier_publishes_with_medium_cpu(sim, http) -> None:
+async def test_the_cpu_tier_publishes_with_medium_cpu(sim: StartSim, http: aiohttp.ClientSession) -> None:
     sub = await sim(cpu_offload_tokens=64)  # 4 blocks in host memory
     a, b = list(range(400, 464)), list(range(1000, 1064))  # 4 blocks each
     await complete(http, sub.url, [*a, 1])
@@ -255,7 +267,9 @@ async def test_the_cpu_tier_publishes_with_medium_cpu(sim, http) -> None:
     )
 
 
-async def test_replay_returns_the_buffered_batches_then_the_end_marker(sim, http, zctx) -> None:
+async def test_replay_returns_the_buffered_batches_then_the_end_marker(
+    sim: StartSim, http: aiohttp.ClientSession, zctx: zmq.asyncio.Context
+) -> None:
     sub = await sim(kv_events_config=events_config(buffer_steps=4))
     for i in range(6):  # at least 6 batches (each reset is one)
         await complete(http, sub.url, list(range(1000 * i, 1000 * i + 20)))
@@ -269,7 +283,7 @@ async def test_replay_returns_the_buffered_batches_then_the_end_marker(sim, http
 
         async def replay(start: int) -> list[tuple[int, bytes]]:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            out = []
+            out: list[tuple[int, bytes]] = []
             while True:
                 assert await dealer.poll(10_000), "no replay answer"
                 empty, topic, seq, payload = await dealer.recv_multipart()
@@ -315,8 +329,9 @@ def test_config_defaults_and_errors_name_the_key() -> None:
     args = build_parser().parse_args(
         ["--port", "0", "--kv-events-config", '{"enable_kv_cache_events": true, "topic": "kv@a"}']
     )
-    cfg = config_from_args(args).kv_events_config
-    assert cfg is not None
+    parsed = config_from_args(args).kv_events_config
+    assert parsed is not None
+    cfg = parsed
     assert cfg.active
     assert cfg.topic == "kv@a"
     assert config_from_args(build_parser().parse_args(["--port", "0"])).kv_events_config is None
@@ -402,11 +417,12 @@ def test_batches_encode_byte_for_byte_as_vllms() -> None:
     assert ours == theirs
     # And vLLM's own decoder reads ours.
     decoded = msgspec.msgpack.Decoder(v.KVEventBatch).decode(ours)
+    assert isinstance(decoded.events[1], v.BlockStored)
     assert decoded.events[1].lora_name == "chat-fr"
     assert v.ZmqEventPublisher.END_SEQ == END_SEQ
 
 
-def sync_replay(ctx: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
+def sync_replay(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int) -> list[list[bytes]]:
     """One replay request, every frame of the answer up to and with the end marker."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
@@ -508,6 +524,7 @@ def test_the_command_line_offsets_each_engines_ports() -> None:
         ctx.destroy(linger=0)
         proc.kill()
         proc.wait(timeout=10)
+        assert proc.stdout is not None
         proc.stdout.close()
 
 

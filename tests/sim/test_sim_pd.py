@@ -4,9 +4,11 @@ pull over the side channel, and every way a pull can fail."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import aiohttp
 
+from engine_launcher.sim import SimEngineHandle
 from router.engine.wire import PREFILL_REQUEST_PARAMS
 from support.metrics import scrape_metrics
 from support.polling import eventually
@@ -15,7 +17,7 @@ from support.sim_http import MakeEngine, post
 PROMPT = list(range(200, 300))
 
 
-async def prefill(http: aiohttp.ClientSession, producer, prompt=PROMPT) -> dict:
+async def prefill(http: aiohttp.ClientSession, producer: SimEngineHandle, prompt: list[int] = PROMPT) -> dict[str, Any]:
     status, body = await post(
         http,
         producer.url + "/v1/completions",
@@ -23,10 +25,13 @@ async def prefill(http: aiohttp.ClientSession, producer, prompt=PROMPT) -> dict:
     )
     assert status == 200
     assert body["usage"]["completion_tokens"] == 1
-    return body["kv_transfer_params"]
+    params: dict[str, Any] = body["kv_transfer_params"]
+    return params
 
 
-async def decode(http: aiohttp.ClientSession, consumer, kv: dict, max_tokens: int = 10, **extra) -> dict:
+async def decode(
+    http: aiohttp.ClientSession, consumer: SimEngineHandle, kv: dict[str, Any], max_tokens: int = 10, **extra: Any
+) -> dict[str, Any]:
     status, body = await post(
         http,
         consumer.url + "/v1/completions",
@@ -34,7 +39,8 @@ async def decode(http: aiohttp.ClientSession, consumer, kv: dict, max_tokens: in
     )
     assert status == 200
     assert body["usage"]["completion_tokens"] == max_tokens
-    return body
+    answer: dict[str, Any] = body
+    return answer
 
 
 async def test_prefill_leg_returns_vllm_shaped_params_and_holds_a_lease(

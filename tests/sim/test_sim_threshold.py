@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
 
+from engine_launcher.sim import SimEngineHandle
 from support.metrics import scrape_metrics
 from support.polling import eventually
 from support.sim_http import MakeEngine, post
@@ -61,7 +63,7 @@ async def test_warm_request_is_accepted_and_hit_rate_counts_whole_blocks(
 
 @pytest.mark.parametrize("arrival_check", [True, False])
 async def test_a_rejection_reports_the_partial_hit_as_cached_tokens(
-    make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check
+    make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check: bool
 ) -> None:
     # What a router needs to send the fallback to the engine holding the most of the prompt.
     eng = await make_engine(arrival_check=arrival_check)
@@ -173,7 +175,9 @@ async def test_chat_stream_rejection_framing(make_engine: MakeEngine, http: aioh
     assert done == "[DONE]"
 
 
-async def _run_with_full_running_set(make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check: bool):
+async def _run_with_full_running_set(
+    make_engine: MakeEngine, http: aiohttp.ClientSession, arrival_check: bool
+) -> tuple[Any, int, int, SimEngineHandle]:
     """One long generation fills the running set (max_num_seqs=1); then a cold request
     with a threshold arrives. Returns (rejection body, long request's tokens at that time,
     the long request's max_tokens, engine)."""

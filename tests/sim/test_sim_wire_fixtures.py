@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
+from engine_launcher.sim import SimEngineHandle
 from support.sim_http import MakeEngine
 from support.sse import parse_sse
 
@@ -25,7 +26,8 @@ SPECIAL = {"metrics.json", "disagg_consumer_metrics.json", "disagg_decode_leg_st
 
 
 def load(name: str) -> dict[str, Any]:
-    return json.loads((FIXTURES / name).read_text())
+    capture: dict[str, Any] = json.loads((FIXTURES / name).read_text())
+    return capture
 
 
 def shape(x: Any, key: str | None = None) -> Any:
@@ -72,7 +74,7 @@ def real_answer(fx: dict[str, Any]) -> Any:
 
 
 @pytest.fixture
-async def tiny(make_engine: MakeEngine):
+async def tiny(make_engine: MakeEngine) -> SimEngineHandle:
     # As the captured engine: served name "tiny", 2048 tokens of context, block size 32,
     # and no --enable-prompt-tokens-details (so usage.prompt_tokens_details is null).
     return await make_engine(
@@ -80,7 +82,7 @@ async def tiny(make_engine: MakeEngine):
     )
 
 
-async def replay(http: aiohttp.ClientSession, eng, request: dict[str, Any]) -> tuple[int, Any]:
+async def replay(http: aiohttp.ClientSession, eng: SimEngineHandle, request: dict[str, Any]) -> tuple[int, Any]:
     url = eng.url + request["path"]
     if request["method"] == "GET":
         async with http.get(url) as r:
@@ -100,7 +102,9 @@ def test_the_captures_are_there() -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if n not in SPECIAL])
-async def test_replayed_capture_has_the_same_wire_shape(name: str, tiny, http: aiohttp.ClientSession) -> None:
+async def test_replayed_capture_has_the_same_wire_shape(
+    name: str, tiny: SimEngineHandle, http: aiohttp.ClientSession
+) -> None:
     fx = load(name)
     status, answer = await replay(http, tiny, fx["request"])
     assert status == fx["status"], answer
@@ -180,7 +184,7 @@ def _families(text: str) -> dict[str, tuple[str, frozenset[str]]]:
     return {k: (t, frozenset(ls)) for k, (t, ls) in out.items()}
 
 
-async def test_metrics_use_vllm_names_types_and_labels(tiny, http: aiohttp.ClientSession) -> None:
+async def test_metrics_use_vllm_names_types_and_labels(tiny: SimEngineHandle, http: aiohttp.ClientSession) -> None:
     real = load("metrics.json")["families"]
     async with http.get(tiny.url + "/metrics") as r:
         sim = _families(await r.text())

@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
 
-from engine_launcher.sim import FaultConfig, SimEngineConfig, start_sim_engine
+from engine_launcher.sim import FaultConfig, SimEngineConfig, SimEngineHandle, start_sim_engine
 from engine_launcher.sim.tokenizer import WORDS
 from router.config.parse import parse_config
+from router.dispatch.pipeline import Dispatcher
+from router.fleet.registry import BackendRegistry
 from router.server.app import ROUTER_KEY, build_app
+from router.server.state import RouterState
 from support.metrics import registry_metrics, scrape_metrics
 from support.polling import eventually
+from support.ports import site_port
 from support.sse import read_sse
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 MODEL = "sim-model"
 # Fast enough for tests, slow enough that streams are still running when a test looks.
@@ -27,20 +35,28 @@ DEFAULT_SPEED = 50.0
 @dataclass
 class Cluster:
     url: str
-    engines: dict  # name -> SimEngineHandle
+    engines: dict[str, SimEngineHandle]
     session: aiohttp.ClientSession
     app: web.Application
     runner: web.AppRunner
-    roles: dict = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
     # Engine counters (`*_total`) when the cluster became ready: the router's threshold
     # capability check sent each decode engine one request before the test began.
-    baseline: dict = field(default_factory=dict)
+    baseline: dict[tuple[str, str], float] = field(default_factory=dict)
 
     @property
-    def state(self):
+    def state(self) -> RouterState:
         return self.app[ROUTER_KEY]
 
-    async def post(self, path: str, body: dict, **kw) -> aiohttp.ClientResponse:
+    @property
+    def registry(self) -> BackendRegistry:
+        return registry_of(self.state)
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return dispatcher_of(self.state)
+
+    async def post(self, path: str, body: dict[str, Any], **kw: Any) -> aiohttp.ClientResponse:
         return await self.session.post(
             self.url + path,
             data=orjson.dumps(body),
@@ -48,24 +64,24 @@ class Cluster:
             **kw,
         )
 
-    async def complete(self, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
+    async def complete(self, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, dict[str, Any]]:
         async with await self.post(path, body) as r:
             return r.status, orjson.loads(await r.read())
 
-    async def stream(self, body: dict, path: str = "/v1/completions") -> tuple[int, list]:
+    async def stream(self, body: dict[str, Any], path: str = "/v1/completions") -> tuple[int, list[Any]]:
         """Returns (status, events): parsed chunks, with "[DONE]" as a string."""
         async with await self.post(path, {**body, "stream": True}) as r:
             if r.status != 200:
                 return r.status, [orjson.loads(await r.read())]
             return r.status, await read_sse(r)
 
-    def router_metric(self, name: str, **labels) -> float:
+    def router_metric(self, name: str, **labels: str) -> float:
         """A router sample summed over the label sets that include `labels` (so a test
         need not name every label, e.g. `model`); fails when the router has no such metric
         or no sample with these labels (support/metrics.py)."""
         return registry_metrics(self.state.metrics.registry).value(name, **labels)
 
-    def router_metric_or_zero(self, name: str, **labels) -> float:
+    def router_metric_or_zero(self, name: str, **labels: str) -> float:
         """`router_metric`, but 0.0 for a declared metric with no sample with these labels."""
         return registry_metrics(self.state.metrics.registry).sample_or_zero(name, **labels)
 
@@ -86,7 +102,7 @@ class Cluster:
     async def wait_capability_checked(self, within: float = 15.0) -> None:
         """Until the router knows whether each decode engine runs the threshold, then note
         the engines' counters: tests count from there."""
-        states = self.state.registry.states
+        states = self.registry.states
         # An engine that fails requests on purpose (fault injection) cannot answer the check.
         failing = {n for n, e in self.engines.items() if e.config.faults.error_rate > 0}
         await eventually(
@@ -111,7 +127,7 @@ class Cluster:
         """Until the router has seen every backend answer a health check. Its first check at
         start may time out on a loaded machine (the backend then stays unused until the next
         scrape), and a test that counts where requests went must start from the full set."""
-        states = self.state.registry.states
+        states = self.registry.states
 
         def all_healthy() -> bool:
             unhealthy = {n: s.last_error for n, s in states.items() if not s.healthy}
@@ -139,6 +155,18 @@ class Cluster:
             await asyncio.sleep(0.02)
 
 
+def registry_of(state: RouterState) -> BackendRegistry:
+    """The backend registry of a started router (RouterState.start sets it)."""
+    assert state.registry is not None, "the router has not started"
+    return state.registry
+
+
+def dispatcher_of(state: RouterState) -> Dispatcher:
+    """The dispatcher of a started router (RouterState.start sets it)."""
+    assert state.dispatcher is not None, "the router has not started"
+    return state.dispatcher
+
+
 # What the `make_cluster` fixture gives a test: `await make_cluster(decoders=2, ...)`.
 MakeCluster = Callable[..., Awaitable[Cluster]]
 
@@ -153,26 +181,28 @@ PD_PREFERRED = {
 
 
 @pytest.fixture
-async def make_cluster():
+async def make_cluster() -> AsyncIterator[MakeCluster]:
     clusters: list[Cluster] = []
 
     async def make(
         decoders: int = 2,
         prefillers: int = 0,
-        routing: dict | None = None,
-        sim: dict | None = None,
-        per_engine: dict | None = None,
-        timeouts: dict | None = None,
-        server: dict | None = None,
-        health: dict | None = None,
-        per_backend: dict | None = None,
-        tracing: dict | None = None,
-        span_exporter=None,
-        front=None,
+        routing: dict[str, Any] | None = None,
+        sim: dict[str, Any] | None = None,
+        per_engine: dict[str, Any] | None = None,
+        timeouts: dict[str, Any] | None = None,
+        server: dict[str, Any] | None = None,
+        health: dict[str, Any] | None = None,
+        per_backend: dict[str, Any] | None = None,
+        tracing: dict[str, Any] | None = None,
+        span_exporter: SpanExporter | None = None,
+        front: Callable[[str, str], Awaitable[str]] | None = None,
     ) -> Cluster:
         """front: `await front(name, engine_url)` gives the URL the router uses for an
         engine instead of its own (a recording proxy in front of it)."""
-        engines, backends, roles = {}, [], {}
+        engines: dict[str, SimEngineHandle] = {}
+        backends: list[dict[str, Any]] = []
+        roles: dict[str, str] = {}
         base = SimEngineConfig(**{"model": MODEL, "speed": DEFAULT_SPEED, **(sim or {})})
         names = [(f"d{i}", "consumer", "decode") for i in range(decoders)] + [
             (f"p{i}", "producer", "prefill") for i in range(prefillers)
@@ -198,7 +228,7 @@ async def make_cluster():
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = site_port(site)
         c = Cluster(f"http://127.0.0.1:{port}", engines, aiohttp.ClientSession(), app, runner, roles)
         clusters.append(c)
         await c.wait_all_healthy()
@@ -219,4 +249,13 @@ def long_prompt(tag: str, words: int = 400) -> str:
     return " ".join(WORDS[(start + i * 31) % len(WORDS)] for i in range(words))
 
 
-__all__ = ["MODEL", "PD_PREFERRED", "Cluster", "FaultConfig", "MakeCluster", "long_prompt"]
+__all__ = [
+    "MODEL",
+    "PD_PREFERRED",
+    "Cluster",
+    "FaultConfig",
+    "MakeCluster",
+    "dispatcher_of",
+    "long_prompt",
+    "registry_of",
+]

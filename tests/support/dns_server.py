@@ -10,6 +10,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import dns.asyncresolver
@@ -80,6 +81,7 @@ class DnsServer:
         for name, addrs in records.items():
             while await self.resolve(name) != set(addrs):
                 if self.proc.poll() is not None:
+                    assert self.proc.stderr is not None
                     raise RuntimeError(f"dnsmasq exited: {self.proc.stderr.read().decode()}")
                 if loop.time() >= end:
                     raise AssertionError(f"dnsmasq never answered {name} -> {addrs}")
@@ -97,7 +99,7 @@ class DnsServer:
 
 
 @pytest.fixture
-async def dns_server(tmp_path: Path):
+async def dns_server(tmp_path: Path) -> AsyncIterator[DnsServer]:
     binary = _dnsmasq_binary()
     if binary is None:
         message = "dnsmasq is not installed (scripts/test.sh installs it: apt-get install dnsmasq-base)"
@@ -119,6 +121,7 @@ async def _start(binary: str, workdir: Path, attempts: int = 5) -> DnsServer:
         while await server.resolve("nothing.test") is None:  # up and answering (NXDOMAIN)
             if server.proc.poll() is not None or loop.time() >= end:
                 server.close()
+                assert server.proc.stderr is not None
                 error = server.proc.stderr.read().decode()
                 if "Address already in use" in error and attempt + 1 < attempts:
                     break

@@ -10,10 +10,14 @@ script is the engine's [DONE].
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from router.engine.errors import UpstreamError
+
+if TYPE_CHECKING:
+    from router.engine.stream import UpstreamStream
 
 HANG = object()  # the engine says nothing more until the leg is cancelled
 
@@ -24,14 +28,14 @@ class Pause:
 
 
 class FakeStream:
-    def __init__(self, backend: str, script: list, on_close: Callable[[], None] | None) -> None:
+    def __init__(self, backend: str, script: list[Any], on_close: Callable[[], None] | None) -> None:
         self.backend = backend
         self._script = list(script)
         self._on_close = on_close
         self.aborted = False
         self.finished = False
 
-    async def next_chunk(self) -> dict | None:
+    async def next_chunk(self) -> dict[str, Any] | None:
         while True:
             if self.aborted or not self._script:
                 return None
@@ -43,9 +47,10 @@ class FakeStream:
             elif isinstance(item, BaseException):
                 raise item
             else:
-                return item
+                chunk: dict[str, Any] = item
+                return chunk
 
-    async def next_chunks(self) -> list[dict]:
+    async def next_chunks(self) -> list[dict[str, Any]]:
         chunk = await self.next_chunk()
         return [] if chunk is None else [chunk]
 
@@ -71,7 +76,7 @@ class FakeStream:
 class Call:
     backend: str
     path: str
-    body: dict
+    body: dict[str, Any]
 
 
 @dataclass
@@ -79,11 +84,11 @@ class FakeUpstream:
     """Per backend, the scripts of its next legs in order: a list (a streamed leg), a dict
     (a non-streaming answer) or an UpstreamError (the call fails at once)."""
 
-    scripts: dict[str, list] = field(default_factory=dict)
+    scripts: dict[str, list[Any]] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
 
-    def _next(self, backend: str, path: str, body: dict):
+    def _next(self, backend: str, path: str, body: dict[str, Any]) -> Any:
         self.calls.append(Call(backend, path, body))
         script = self.scripts[backend].pop(0)
         if isinstance(script, UpstreamError):
@@ -95,7 +100,7 @@ class FakeUpstream:
         backend: str,
         base_url: str,
         path: str,
-        body: dict,
+        body: dict[str, Any],
         *,
         api_key: str = "",
         total_deadline: float | None = None,
@@ -110,18 +115,22 @@ class FakeUpstream:
         backend: str,
         base_url: str,
         path: str,
-        body: dict,
+        body: dict[str, Any],
         *,
         api_key: str = "",
         total_deadline: float | None = None,
-    ) -> dict:
-        return self._next(backend, path, body)
+    ) -> dict[str, Any]:
+        answer: dict[str, Any] = self._next(backend, path, body)
+        return answer
 
-    def opener(self, path: str = "/v1/completions", body: dict | None = None):
+    def opener(
+        self, path: str = "/v1/completions", body: dict[str, Any] | None = None
+    ) -> Callable[[str], Awaitable[UpstreamStream]]:
         """An `open_probe` for router.dispatch.race.run_race."""
 
-        async def open_probe(name: str) -> FakeStream:
-            return await self.open_stream(name, "", path, body or {})
+        async def open_probe(name: str) -> UpstreamStream:
+            # A FakeStream has the UpstreamStream interface (see the module docstring).
+            return cast("UpstreamStream", await self.open_stream(name, "", path, body or {}))
 
         return open_probe
 
@@ -132,7 +141,7 @@ class FakeUpstream:
 # --- vLLM 0.32 completion stream chunks (return_token_ids, include_usage) ---------------------
 
 
-def token(text: str, ids: list[int], finish: str | None = None, prompt_ids: list[int] | None = None) -> dict:
+def token(text: str, ids: list[int], finish: str | None = None, prompt_ids: list[int] | None = None) -> dict[str, Any]:
     return {
         "id": "cmpl-engine",
         "object": "text_completion",
@@ -152,19 +161,19 @@ def token(text: str, ids: list[int], finish: str | None = None, prompt_ids: list
     }
 
 
-def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
-    u: dict = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
     if cached is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached}
     return {"id": "cmpl-engine", "object": "text_completion", "created": 1, "model": "m", "choices": [], "usage": u}
 
 
-def rejection(prompt: int, cached: int) -> list:
+def rejection(prompt: int, cached: int) -> list[Any]:
     """A threshold rejection: `cache_threshold` with nothing generated, then the usage."""
     return [token("", [], finish="cache_threshold"), usage(prompt, 0, cached)]
 
 
-def answer(prompt_ids: list[int], words: list[tuple[str, int]], cached: int = 0) -> list:
+def answer(prompt_ids: list[int], words: list[tuple[str, int]], cached: int = 0) -> list[Any]:
     """A whole answer: one chunk per (text, token id), the last one finishing with stop."""
     out = []
     for k, (text, tid) in enumerate(words):

@@ -20,7 +20,9 @@ import zmq
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def stored(hashes: list[Any], tokens: list[int], parent: Any = None, block_size: int = 4, medium: str = "GPU") -> dict:
+def stored(
+    hashes: list[Any], tokens: list[int], parent: Any = None, block_size: int = 4, medium: str = "GPU"
+) -> dict[str, Any]:
     return {
         "type": "BlockStored",
         "block_hashes": hashes,
@@ -33,16 +35,16 @@ def stored(hashes: list[Any], tokens: list[int], parent: Any = None, block_size:
     }
 
 
-def removed(hashes: list[Any], medium: str = "GPU") -> dict:
+def removed(hashes: list[Any], medium: str = "GPU") -> dict[str, Any]:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
 
 
-def cleared() -> dict:
+def cleared() -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
 class KvPublisher:
-    def __init__(self, topic: str = "", rank: int = 0, replay: bool = True):
+    def __init__(self, topic: str = "", rank: int = 0, replay: bool = True) -> None:
         self.topic = topic.encode()
         self.rank = rank
         self._ctx = zmq.Context()
@@ -65,7 +67,7 @@ class KvPublisher:
             self._thread = threading.Thread(target=self._serve_replay, daemon=True, name="kv-replay")
             self._thread.start()
 
-    def publish(self, *events: dict, drop: bool = False, ts: float | None = None) -> int:
+    def publish(self, *events: dict[str, Any], drop: bool = False, ts: float | None = None) -> int:
         payload = msgspec.msgpack.encode([time.time() if ts is None else ts, list(events), self.rank])
         with self._lock:
             seq = self.seq

@@ -8,12 +8,26 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, overload
+
+T = TypeVar("T")
 
 
-def _describe(what: str | None, condition: Callable) -> str:
-    return what or getattr(condition, "__name__", repr(condition))
+def _describe(what: str | None, condition: Callable[[], Any]) -> str:
+    return what or str(getattr(condition, "__name__", repr(condition)))
+
+
+@overload
+async def eventually(
+    condition: Callable[[], Awaitable[T]], within: float = 10.0, what: str | None = None, interval: float = 0.02
+) -> T: ...
+
+
+@overload
+async def eventually(
+    condition: Callable[[], T], within: float = 10.0, what: str | None = None, interval: float = 0.02
+) -> T: ...
 
 
 async def eventually(
@@ -41,8 +55,8 @@ async def eventually(
 
 
 def eventually_blocking(
-    condition: Callable[[], Any], within: float = 10.0, what: str | None = None, interval: float = 0.05
-) -> Any:
+    condition: Callable[[], T], within: float = 10.0, what: str | None = None, interval: float = 0.05
+) -> T:
     """`eventually` for tests without an event loop (it blocks the calling thread)."""
     end = time.monotonic() + within
     while True:

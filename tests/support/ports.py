@@ -6,9 +6,14 @@ callers that start a separate process retry on "Address already in use" where it
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 _rng = random.Random()
 
@@ -19,11 +24,12 @@ def free_port(host: str = "127.0.0.1", *, udp: bool = False) -> int:
     if not udp:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
-            return s.getsockname()[1]
+            port: int = s.getsockname()[1]
+            return port
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
             u.bind((host, 0))
-            port = u.getsockname()[1]
+            port = int(u.getsockname()[1])
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
                 try:
                     t.bind((host, port))
@@ -72,3 +78,11 @@ def free_port_below_ephemeral_range(host: str = "127.0.0.1") -> int:
                 continue
             return port
     return free_port(host)
+
+
+def site_port(site: web.TCPSite) -> int:
+    """The port a started aiohttp site listens on (it was started on port 0)."""
+    server = site._server
+    assert isinstance(server, asyncio.Server)  # started: a listening server
+    port: int = server.sockets[0].getsockname()[1]
+    return port

@@ -11,9 +11,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 
-def start_group(argv: list[str], **popen_kw) -> subprocess.Popen:
+def start_group(argv: list[str], **popen_kw: Any) -> subprocess.Popen[Any]:
     """Popen(argv) as the leader of a new session, so its group id is its pid and a stop
     reaches every process it starts."""
     return subprocess.Popen(argv, start_new_session=True, **popen_kw)
@@ -75,7 +76,7 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 5.0, kill_wait: float = 10.0) -> None:
+def stop_group(proc: subprocess.Popen[Any], grace: float = 5.0, kill_wait: float = 10.0) -> None:
     """SIGTERM the group `proc` leads and wait up to `grace` s for all of it to end, then
     SIGKILL what is left; reaps `proc`."""
     pgid = proc.pid

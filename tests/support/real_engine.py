@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,11 +63,12 @@ def engine_command(
     from engine_launcher.host import HostInfo
     from engine_launcher.ports import EnginePorts
     from router.config.schema import EngineConfig
+    from router.names import EngineRole
 
     engine = EngineConfig(
         name=name,
         kind="vllm",
-        role=role,
+        role=EngineRole(role),
         host="127.0.0.1",
         port=port,
         model=str(model_dir),
@@ -105,7 +107,7 @@ class EngineProcess:
     env: dict[str, str]
     port: int
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -189,12 +191,12 @@ def request(
         conn.close()
 
 
-def post_json(base_url: str, path: str, body: Any, **kw) -> tuple[int, Any]:
+def post_json(base_url: str, path: str, body: Any, **kw: Any) -> tuple[int, Any]:
     status, data = request(base_url, "POST", path, body, **kw)
     return status, json.loads(data)
 
 
-def post_sse(base_url: str, path: str, body: Any, **kw) -> tuple[int, list[Any]]:
+def post_sse(base_url: str, path: str, body: Any, **kw: Any) -> tuple[int, list[Any]]:
     status, data = request(base_url, "POST", path, body, **kw)
     if status != 200:
         return status, [json.loads(data)]
@@ -220,7 +222,7 @@ def scrape_metrics_patiently(base_url: str, within_s: float = 90.0) -> Metrics:
                 raise
 
 
-def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0):
+def iter_sse(base_url: str, path: str, body: Any, *, timeout: float = 300.0) -> Generator[Any, None, None]:
     """Yield SSE payloads as they arrive (JSON decoded; `[DONE]` as the string).
 
     Closing the generator closes the connection, which makes vLLM abort the request.

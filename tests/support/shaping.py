@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from typing import Any
 
 import orjson
 
@@ -31,7 +32,7 @@ def make_spec(
     continuous: bool = False,
     model: str = "client-model",
 ) -> RequestSpec:
-    body: dict = {"model": model}
+    body: dict[str, Any] = {"model": model}
     if endpoint == ENDPOINT_CHAT:
         body["messages"] = [{"role": "user", "content": "hi"}]
         if logprobs is not None:
@@ -56,6 +57,7 @@ def make_spec(
 
 def client_view(spec: RequestSpec, g: Gen) -> Gen:
     """The same generation as the engine would describe it for the client's own request."""
+    assert spec.model is not None  # make_spec always names one
     return Gen(
         prompt_token_ids=g.prompt_token_ids,
         steps=g.steps,
@@ -71,10 +73,10 @@ def client_view(spec: RequestSpec, g: Gen) -> Gen:
 
 
 def run_legs(
-    spec: RequestSpec, legs: list[tuple[bool, list[dict]]], *, release: bool = False
-) -> tuple[ResponseShaper, list[dict]]:
+    spec: RequestSpec, legs: list[tuple[bool, list[dict[str, Any]]]], *, release: bool = False
+) -> tuple[ResponseShaper, list[dict[str, Any]]]:
     sh = ResponseShaper(spec)
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for is_resume, chunks in legs:
         sh.begin_leg(is_resume=is_resume)
         for c in chunks:
@@ -111,7 +113,7 @@ def steps_for(n_tokens: int, finish: str = "length", logprobs: bool = False, per
 
 def split_legs(
     endpoint: str, g: Gen, cuts: list[int], finish_on_last: list[bool], cached: list[int | None]
-) -> list[tuple[bool, list[dict]]]:
+) -> list[tuple[bool, list[dict[str, Any]]]]:
     """Upstream legs for generation `g` interrupted after the given numbers of steps:
     every leg but the last ends in cache_threshold (on its last content chunk or in a
     chunk of its own); resume legs are completion streams with prompt + generated ids."""
@@ -151,16 +153,17 @@ def expected_cached(g_steps: list[Step], cuts: list[int], cached: list[int | Non
     bounds = [0, *cuts, len(g_steps)]
     first_reported = None
     for n, (a, b) in enumerate(itertools.pairwise(bounds)):
-        if cached[n] is None:
+        leg_cached = cached[n]
+        if leg_cached is None:
             continue
         if any(s.token_ids for s in g_steps[a:b]):
-            return min(cached[n], len(PROMPT))
+            return min(leg_cached, len(PROMPT))
         if first_reported is None:
-            first_reported = min(cached[n], len(PROMPT))
+            first_reported = min(leg_cached, len(PROMPT))
     return first_reported
 
 
-def chat_chunk(delta: dict, finish: str | None = None, ids: list[int] | None = None) -> dict:
+def chat_chunk(delta: dict[str, Any], finish: str | None = None, ids: list[int] | None = None) -> dict[str, Any]:
     """One chat stream chunk of an engine, as a chat parser's delta (reasoning, tool calls) comes."""
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     if finish is not None:

@@ -15,7 +15,7 @@ from support.sse import parse_sse
 MakeEngine = Callable[..., Awaitable[SimEngineHandle]]
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, Any]:
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
     async with http.post(url, json=body) as r:
         raw = await r.read()
         if body.get("stream") and r.status == 200:

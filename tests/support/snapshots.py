@@ -14,20 +14,20 @@ SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)
 
 
 def view(
-    name,
+    name: str,
     *,
-    decodes=True,
-    prefills=False,
-    available=True,
-    inflight=0,
-    running=0.0,
-    waiting=0.0,
-    kv=0.0,
-    models=("m",),
-    queued=0.0,
-    decoding=0.0,
-    speed=SPEED,
-):
+    decodes: bool = True,
+    prefills: bool = False,
+    available: bool = True,
+    inflight: int = 0,
+    running: float = 0.0,
+    waiting: float = 0.0,
+    kv: float = 0.0,
+    models: tuple[str, ...] = ("m",),
+    queued: float = 0.0,
+    decoding: float = 0.0,
+    speed: EngineSpeed = SPEED,
+) -> BackendView:
     return BackendView(
         name=name,
         url=f"http://{name}",
@@ -48,7 +48,12 @@ def view(
 TRANSFER = TransferSpeed(0.005, 1e-5)
 
 
-def snap(*views, transfer=TRANSFER, race_wait_s=0.002, race_saving_share=0.5):
+def snap(
+    *views: BackendView,
+    transfer: TransferSpeed = TRANSFER,
+    race_wait_s: float = 0.002,
+    race_saving_share: float = 0.5,
+) -> ClusterSnapshot:
     # Races measured alike for prompts the memory places and prompts it does not.
     return ClusterSnapshot(
         tuple(views),

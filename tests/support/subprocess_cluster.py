@@ -44,7 +44,7 @@ class SimProc:
     args: list[str] = field(default_factory=list)
     port: int = 0
     log_path: Path | None = None
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -94,7 +94,7 @@ class SimProc:
                 time.sleep(0.2)
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ssl_ctx: Any = None) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None, ssl_ctx: Any = None) -> None:
     import urllib.request
 
     end = time.monotonic() + timeout
@@ -112,7 +112,7 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, ss
     raise RuntimeError(f"{url} did not answer within {timeout} s ({last!r})")
 
 
-def to_toml(cfg: dict) -> str:
+def to_toml(cfg: dict[str, Any]) -> str:
     return tomli_w.dumps(cfg)
 
 
@@ -120,16 +120,22 @@ def to_toml(cfg: dict) -> str:
 class RouterProc:
     """`router --config X` as a subprocess."""
 
-    config: dict
+    config: dict[str, Any]
     workdir: Path
     extra_args: list[str] = field(default_factory=lambda: ["--no-engines"])
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     port: int = 0
     scheme: str = "http"
 
     @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """The router's process (set by start())."""
+        assert self.proc is not None, "the router was not started"
+        return self.proc
 
     @property
     def log_path(self) -> Path:
@@ -172,7 +178,7 @@ class RouterProc:
         return rss_bytes(self.proc.pid)
 
 
-def sim_backends(engines: dict[str, SimProc]) -> list[dict]:
+def sim_backends(engines: dict[str, SimProc]) -> list[dict[str, Any]]:
     return [{"name": n, "url": e.url, "role": "decode", "models": [MODEL]} for n, e in engines.items()]
 
 
@@ -181,9 +187,10 @@ async def set_faults(session: aiohttp.ClientSession, engine_url: str, **faults: 
         assert r.status == 200, await r.text()
 
 
-async def sim_state(session: aiohttp.ClientSession, engine_url: str) -> dict:
+async def sim_state(session: aiohttp.ClientSession, engine_url: str) -> dict[str, Any]:
     async with session.get(engine_url + "/_sim/state") as r:
-        return orjson.loads(await r.read())
+        state: dict[str, Any] = orjson.loads(await r.read())
+        return state
 
 
 @dataclass
@@ -199,11 +206,11 @@ class Outcome:
 async def stream_request(
     session: aiohttp.ClientSession,
     url: str,
-    body: dict,
+    body: dict[str, Any],
     *,
     within: float,
     path: str = "/v1/completions",
-    headers: dict | None = None,
+    headers: dict[str, Any] | None = None,
 ) -> Outcome:
     """One streamed request, classified. `lost`: a hang past `within` seconds, a stream without
     [DONE], a wrong token count without an error, several ids: anything that is neither a
@@ -225,7 +232,7 @@ async def stream_request(
                     except Exception:
                         return Outcome(r.status, "lost", f"unparseable error body {raw[:200]!r}")
                     return Outcome(r.status, "error", err["message"])
-                events = []
+                events: list[Any] = []  # parsed chunks, then "[DONE]"
                 decoder = SSEDecoder()
                 async for data in r.content.iter_any():
                     for p in decoder.feed(data):
@@ -239,10 +246,10 @@ async def stream_request(
     chunks = events[:-1]
     errs = [c for c in chunks if "error" in c]
     if errs:
-        e = errs[0]["error"]
-        if chunks[-1] is not errs[0] or not isinstance(e.get("message"), str):
+        error = errs[0]["error"]
+        if chunks[-1] is not errs[0] or not isinstance(error.get("message"), str):
             return Outcome(200, "lost", f"malformed error event {errs[0]!r}")
-        return Outcome(e.get("code", 0), "error", e["message"])
+        return Outcome(error.get("code", 0), "error", error["message"])
     ids = {c["id"] for c in chunks}
     usage = chunks[-1].get("usage") if chunks else None
     texts = sum(1 for c in chunks for ch in c.get("choices", []) if ch.get("text"))
@@ -258,7 +265,7 @@ async def stream_request(
 
 
 async def unary_request(
-    session: aiohttp.ClientSession, url: str, body: dict, *, within: float, path: str = "/v1/completions"
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], *, within: float, path: str = "/v1/completions"
 ) -> Outcome:
     """One non-streaming request, classified like `stream_request`."""
     max_tokens = body["max_tokens"]

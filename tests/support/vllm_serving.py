@@ -15,6 +15,7 @@ A generation is a list of `Step`s, one per engine output (one chunk each).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -40,14 +41,14 @@ class Gen:
     return_token_ids: bool = True
     include_usage: bool = True
     logprobs: int | None = None  # completions `logprobs` / chat `top_logprobs`
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.steps)
 
 
-def _completion_logprobs(steps: list[Step], start: int) -> tuple[dict, int]:
+def _completion_logprobs(steps: list[Step], start: int) -> tuple[dict[str, Any], int]:
     offsets, lps, toks, tops = [], [], [], []
     off = start
     for s in steps:
@@ -60,8 +61,8 @@ def _completion_logprobs(steps: list[Step], start: int) -> tuple[dict, int]:
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": toks, "top_logprobs": tops}, off
 
 
-def _usage_stream(g: Gen) -> dict:
-    u = {
+def _usage_stream(g: Gen) -> dict[str, Any]:
+    u: dict[str, Any] = {
         "prompt_tokens": len(g.prompt_token_ids),
         "total_tokens": len(g.prompt_token_ids) + g.completion_tokens,
         "completion_tokens": g.completion_tokens,
@@ -71,8 +72,8 @@ def _usage_stream(g: Gen) -> dict:
     return u
 
 
-def _usage_full(g: Gen) -> dict:
-    u = {
+def _usage_full(g: Gen) -> dict[str, Any]:
+    u: dict[str, Any] = {
         "prompt_tokens": len(g.prompt_token_ids),
         "total_tokens": len(g.prompt_token_ids) + g.completion_tokens,
         "completion_tokens": g.completion_tokens,
@@ -88,7 +89,7 @@ def _usage_full(g: Gen) -> dict:
     return u
 
 
-def _stamp_terminal(g: Gen, s: Step, chunk: dict) -> None:
+def _stamp_terminal(g: Gen, s: Step, chunk: dict[str, Any]) -> None:
     # "Stamp on terminal chunk only when no trailing usage chunk will follow."
     if not g.include_usage and g.system_fingerprint is not None and s.finish_reason is not None:
         chunk["system_fingerprint"] = g.system_fingerprint
@@ -97,7 +98,7 @@ def _stamp_terminal(g: Gen, s: Step, chunk: dict) -> None:
 # --- completions ------------------------------------------------------------------------
 
 
-def completion_stream(g: Gen) -> list[dict]:
+def completion_stream(g: Gen) -> list[dict[str, Any]]:
     out = []
     off = 0
     for k, s in enumerate(g.steps):
@@ -139,7 +140,7 @@ def completion_stream(g: Gen) -> list[dict]:
     return out
 
 
-def completion_full(g: Gen) -> dict:
+def completion_full(g: Gen) -> dict[str, Any]:
     last = g.steps[-1] if g.steps else Step("", [])
     lp = _completion_logprobs(g.steps, 0)[0] if g.logprobs is not None else None
     ids = [t for s in g.steps for t in s.token_ids]
@@ -173,7 +174,7 @@ def completion_full(g: Gen) -> dict:
 # --- chat ---------------------------------------------------------------------------------
 
 
-def _chat_logprobs(steps: list[Step], k: int) -> dict:
+def _chat_logprobs(steps: list[Step], k: int) -> dict[str, Any]:
     content = []
     for s in steps:
         for tok, lp, top in s.logprobs or ():
@@ -192,7 +193,7 @@ def _chat_logprobs(steps: list[Step], k: int) -> dict:
     return {"content": content}
 
 
-def chat_stream(g: Gen) -> list[dict]:
+def chat_stream(g: Gen) -> list[dict[str, Any]]:
     head = {"id": g.request_id, "object": "chat.completion.chunk", "created": g.created, "model": g.model}
     out = [
         {
@@ -220,7 +221,7 @@ def chat_stream(g: Gen) -> list[dict]:
     return out
 
 
-def chat_full(g: Gen) -> dict:
+def chat_full(g: Gen) -> dict[str, Any]:
     last = g.steps[-1] if g.steps else Step("", [])
     ids = [t for s in g.steps for t in s.token_ids]
     return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -11,15 +12,16 @@ from router.engine.sse import DONE_PAYLOAD, SSEDecoder
 WIRE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_wire"
 
 
-def load(name: str) -> dict:
-    return orjson.loads((WIRE / f"{name}.json").read_bytes())
+def load(name: str) -> dict[str, Any]:
+    capture: dict[str, Any] = orjson.loads((WIRE / f"{name}.json").read_bytes())
+    return capture
 
 
 def has(name: str) -> bool:
     return (WIRE / f"{name}.json").exists()
 
 
-def stream_chunks(name: str) -> list[dict]:
+def stream_chunks(name: str) -> list[dict[str, Any]]:
     """The parsed events of a captured stream, decoded from its raw bytes, [DONE] dropped."""
     d = SSEDecoder()
     raw = load(name)["raw"].encode()
@@ -28,15 +30,16 @@ def stream_chunks(name: str) -> list[dict]:
     return [orjson.loads(p) for p in payloads[:-1]]
 
 
-def body(name: str) -> dict:
-    return orjson.loads(load(name)["raw"].encode())
+def body(name: str) -> dict[str, Any]:
+    answer: dict[str, Any] = orjson.loads(load(name)["raw"].encode())
+    return answer
 
 
 def request_body(name: str) -> bytes:
     return orjson.dumps(load(name)["request"]["body"])
 
 
-def normalized(obj):
+def normalized(obj: Any) -> Any:
     """Drop what legitimately differs between two answers: ids and timestamps."""
     if isinstance(obj, list):
         return [normalized(o) for o in obj]

@@ -3,6 +3,8 @@ type, headers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -105,7 +107,7 @@ def test_from_error_object_midstream_event() -> None:
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200), st.integers(100, 599))
-def test_from_upstream_body_never_raises(raw, status) -> None:
+def test_from_upstream_body_never_raises(raw: bytes, status: int) -> None:
     err = errors.from_upstream_body(status, raw)
     assert 400 <= err.status <= 599
     orjson.dumps(err.body())
@@ -119,7 +121,7 @@ def test_from_upstream_body_never_raises(raw, status) -> None:
         max_leaves=10,
     )
 )
-def test_from_error_object_never_raises(value) -> None:
+def test_from_error_object_never_raises(value: Any) -> None:
     err = errors.from_error_object({"error": value})
     if err is not None:
         orjson.dumps(err.body())

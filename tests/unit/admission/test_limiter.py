@@ -16,9 +16,9 @@ from support.polling import eventually
 async def test_queue_then_429_when_full() -> None:
     lim = ConcurrencyLimiter(max_concurrent=2, max_queued=1, queue_timeout_s=5)
     release = asyncio.Event()
-    order = []
+    order: list[int] = []
 
-    async def job(i) -> None:
+    async def job(i: int) -> None:
         async with lim.slot():
             order.append(i)
             await release.wait()
@@ -84,7 +84,9 @@ async def test_cancelled_waiter_does_not_leak_a_slot() -> None:
         assert lim.active == 1
 
 
-async def _holders(lim, n, tenant=None):
+async def _holders(
+    lim: ConcurrencyLimiter, n: int, tenant: Tenant | None = None
+) -> tuple[asyncio.Event, list[asyncio.Task[None]]]:
     """n tasks holding a slot each until the returned event is set."""
     release = asyncio.Event()
     started = 0
@@ -100,7 +102,14 @@ async def _holders(lim, n, tenant=None):
     return release, tasks
 
 
-async def _waiter(lim, order, label, tenant=None, priority=0, hold: asyncio.Event | None = None) -> None:
+async def _waiter(
+    lim: ConcurrencyLimiter,
+    order: list[str],
+    label: str,
+    tenant: Tenant | None = None,
+    priority: int = 0,
+    hold: asyncio.Event | None = None,
+) -> None:
     async with lim.slot(tenant, priority):
         order.append(label)
         if hold is not None:

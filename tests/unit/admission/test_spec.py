@@ -5,6 +5,7 @@ stripping, the spec's fields, and the same answers as vLLM for the checks vLLM m
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import orjson
 import pytest
@@ -38,15 +39,15 @@ CMPL = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def cmpl(**kw) -> RequestSpec:
+def cmpl(**kw: Any) -> RequestSpec:
     return parse_request(ENDPOINT_COMPLETIONS, orjson.dumps({**CMPL, **kw}))
 
 
-def chat(**kw) -> RequestSpec:
+def chat(**kw: Any) -> RequestSpec:
     return parse_request(ENDPOINT_CHAT, orjson.dumps({**CHAT, **kw}))
 
 
-def rejects(endpoint: str, body, param: str | None) -> RouterError:
+def rejects(endpoint: str, body: bytes | dict[str, Any], param: str | None) -> RouterError:
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
     with pytest.raises(RouterError) as ei:
         parse_request(endpoint, raw)
@@ -212,7 +213,7 @@ def test_out_of_range_threshold_is_stripped_not_rejected() -> None:
         b"[" * 5000,
     ],
 )
-def test_malformed_bodies(raw) -> None:
+def test_malformed_bodies(raw: bytes) -> None:
     rejects(ENDPOINT_CHAT, raw, None)
 
 
@@ -268,7 +269,7 @@ def test_malformed_bodies(raw) -> None:
         ({**CMPL, "return_token_ids": "yes"}, "return_token_ids"),
     ],
 )
-def test_completions_rules(body, param) -> None:
+def test_completions_rules(body: dict[str, Any], param: str) -> None:
     rejects(ENDPOINT_COMPLETIONS, body, param)
 
 
@@ -287,7 +288,7 @@ def test_completions_rules(body, param) -> None:
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
-def test_chat_rules(body, param) -> None:
+def test_chat_rules(body: dict[str, Any], param: str) -> None:
     rejects(ENDPOINT_CHAT, body, param)
 
 
@@ -304,7 +305,7 @@ def test_chat_rules(body, param) -> None:
         (ENDPOINT_CHAT, {"prompt_logprobs": 0}),
     ],
 )
-def test_features_only_an_engine_can_compose_are_answered_whole(endpoint, fields) -> None:
+def test_features_only_an_engine_can_compose_are_answered_whole(endpoint: str, fields: dict[str, Any]) -> None:
     base = CMPL if endpoint == ENDPOINT_COMPLETIONS else CHAT
     body = {
         **base,
@@ -348,7 +349,7 @@ def test_unknown_endpoint_is_a_programming_error() -> None:
 
 
 @pytest.mark.parametrize("name", ["error_missing_prompt", "error_out_of_range_max_tokens"])
-def test_same_error_body_as_vllm_for_checks_vllm_makes(name) -> None:
+def test_same_error_body_as_vllm_for_checks_vllm_makes(name: str) -> None:
     req = wire_load(name)["request"]["body"]
     with pytest.raises(RouterError) as ei:
         parse_request(ENDPOINT_COMPLETIONS, orjson.dumps(req))
@@ -364,7 +365,7 @@ def test_same_error_body_as_vllm_for_checks_vllm_makes(name) -> None:
         ("error_invalid_json", ENDPOINT_COMPLETIONS),
     ],
 )
-def test_type_errors_same_status_and_field_as_vllm(name, endpoint) -> None:
+def test_type_errors_same_status_and_field_as_vllm(name: str, endpoint: str) -> None:
     # vLLM reports pydantic's wording and "body.<field>"; the router names the field alone.
     req = wire_load(name)["request"]["body"]
     raw = req.encode() if isinstance(req, str) else orjson.dumps(req)

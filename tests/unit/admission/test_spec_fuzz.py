@@ -3,6 +3,8 @@ carries no internal field."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -79,25 +81,25 @@ def _check_spec_or_400(endpoint: str, raw: bytes) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), field_values)
-def test_fuzz_fields_only_router_errors(endpoint, fields) -> None:
+def test_fuzz_fields_only_router_errors(endpoint: str, fields: dict[str, Any]) -> None:
     _check_spec_or_400(endpoint, orjson.dumps(fields))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), json_values)
-def test_fuzz_any_json_value(endpoint, value) -> None:
+def test_fuzz_any_json_value(endpoint: str, value: Any) -> None:
     _check_spec_or_400(endpoint, orjson.dumps(value))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), st.binary(max_size=200))
-def test_fuzz_random_bytes(endpoint, raw) -> None:
+def test_fuzz_random_bytes(endpoint: str, raw: bytes) -> None:
     _check_spec_or_400(endpoint, raw)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]), field_values, st.data())
-def test_fuzz_mutated_valid_bodies(endpoint, fields, data) -> None:
+def test_fuzz_mutated_valid_bodies(endpoint: str, fields: dict[str, Any], data: st.DataObject) -> None:
     base = dict(CMPL if endpoint == ENDPOINT_COMPLETIONS else CHAT)
     base.update(fields)
     raw = orjson.dumps(base)

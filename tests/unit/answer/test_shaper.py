@@ -7,6 +7,7 @@ transcribes it); the real captures are in test_shaper_captures.py."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import orjson
 from hypothesis import HealthCheck, given, settings
@@ -60,8 +61,12 @@ def test_token_ids_stripped_as_vllm_does_without_return_token_ids() -> None:
     assert out == chat_stream(client_view(spec, g))  # no usage chunk: not asked
 
 
+# A generation cut into legs: (spec, generation, cuts, finish_on_last, cached per leg).
+Scenario = tuple[RequestSpec, Gen, list[int], list[bool], list[int | None]]
+
+
 @st.composite
-def scenarios(draw):
+def scenarios(draw: st.DrawFn) -> Scenario:
     endpoint = draw(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]))
     stream = draw(st.booleans())
     spec = make_spec(
@@ -98,7 +103,7 @@ def scenarios(draw):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
-def test_any_legs_read_as_one_answer(scenario) -> None:
+def test_any_legs_read_as_one_answer(scenario: Scenario) -> None:
     spec, g, cuts, finish_on_last, cached = scenario
     legs = split_legs(spec.endpoint, g, cuts, finish_on_last, cached)
     sh, out = run_legs(spec, legs)
@@ -187,14 +192,14 @@ _json = st.recursive(
 )
 
 
-def _field(key: str, good):
+def _field(key: str, good: Any) -> st.SearchStrategy[tuple[str, Any]]:
     return st.one_of(st.just(good), _json).map(lambda v: (key, v))
 
 
 @st.composite
-def odd_chunks(draw):
+def odd_chunks(draw: st.DrawFn) -> dict[str, Any]:
     g = Gen(PROMPT, steps_for(2, logprobs=True, per_step=2), logprobs=2, cached_tokens=1)
-    base = copy.deepcopy(draw(st.sampled_from(chat_stream(g) + completion_stream(g))))
+    base: dict[str, Any] = copy.deepcopy(draw(st.sampled_from(chat_stream(g) + completion_stream(g))))
     if base["choices"] and draw(st.booleans()):
         c = base["choices"][0]
         key = draw(st.sampled_from([*sorted(c), "delta.content", "delta.tool_calls", "logprobs.tokens"]))
@@ -216,7 +221,9 @@ def odd_chunks(draw):
     st.booleans(),
     st.lists(st.tuples(st.sampled_from([None, False, True]), odd_chunks()), max_size=8),
 )
-def test_odd_upstream_chunks_never_crash_the_shaper(endpoint, stream, script) -> None:
+def test_odd_upstream_chunks_never_crash_the_shaper(
+    endpoint: str, stream: bool, script: list[tuple[bool | None, dict[str, Any]]]
+) -> None:
     spec = make_spec(endpoint, stream=stream, include_usage=stream, return_token_ids=True, logprobs=2)
     sh = ResponseShaper(spec)
     sh.begin_leg(is_resume=False)

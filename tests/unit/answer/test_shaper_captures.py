@@ -4,6 +4,7 @@ one leg, a preempted and resumed chat answer, and the plugin's threshold rejecti
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import orjson
 import pytest
@@ -41,12 +42,12 @@ def _endpoint(name: str) -> str:
     return ENDPOINT_CHAT if "chat" in name else ENDPOINT_COMPLETIONS
 
 
-def _run_one_leg(upstream: list[dict], spec: RequestSpec) -> tuple[ResponseShaper, list[dict]]:
+def _run_one_leg(upstream: list[dict[str, Any]], spec: RequestSpec) -> tuple[ResponseShaper, list[dict[str, Any]]]:
     return run_legs(spec, [(False, upstream)])
 
 
 @pytest.mark.parametrize(("upstream", "client"), WIRE_CASES)
-def test_real_capture_one_leg(upstream, client) -> None:
+def test_real_capture_one_leg(upstream: str, client: str) -> None:
     spec = parse_request(_endpoint(client), request_body(client))
     sh, out = _run_one_leg(stream_chunks(upstream), spec)
     if spec.stream:
@@ -61,7 +62,7 @@ def test_real_capture_one_leg(upstream, client) -> None:
         assert orjson.dumps(normalized(resp)) == orjson.dumps(normalized(body(client)))
 
 
-def _as_resume_leg(chat_chunks: list[dict], prompt: list[int], generated: list[int]) -> list[dict]:
+def _as_resume_leg(chat_chunks: list[dict[str, Any]], prompt: list[int], generated: list[int]) -> list[dict[str, Any]]:
     """Real chat token chunks re-expressed as the /v1/completions stream a resume leg gets
     (same text and ids, completion chunk shape from the real captures)."""
     out = []
@@ -106,7 +107,7 @@ def _as_resume_leg(chat_chunks: list[dict], prompt: list[int], generated: list[i
 
 
 @pytest.mark.parametrize("client", ["chat_stream", "chat_stream_usage_token_ids", "chat", "chat_token_ids"])
-def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client) -> None:
+def test_real_chat_answer_preempted_and_resumed_reads_as_the_real_answer(client: str) -> None:
     # The real stream, cut after two tokens by a preemption (the plugin's finishing chunk:
     # delta content "", token_ids [], cache_threshold; then usage), continued by a resume leg.
     real = stream_chunks("chat_stream_usage_token_ids")
@@ -150,7 +151,7 @@ THRESHOLD_STREAMS = {
 
 
 @pytest.mark.parametrize("stream_name", sorted(THRESHOLD_STREAMS))
-def test_real_threshold_rejection_captures(stream_name) -> None:
+def test_real_threshold_rejection_captures(stream_name: str) -> None:
     """Plugin captures (capture_wire.py --plugin) of a rejected request, streamed exactly as
     the router's probe legs ask (stream, usage, token ids, threshold)."""
     body_name, verdicts = THRESHOLD_STREAMS[stream_name]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_a_discovery_table_alone_is_a_valid_fleet() -> None:
         ),
     ],
 )
-def test_bad_tables_name_the_key(table, expected) -> None:
+def test_bad_tables_name_the_key(table: dict[str, Any], expected: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}], "discovery": [table]})
     assert any(p.startswith(expected) for p in e.value.problems), e.value.problems

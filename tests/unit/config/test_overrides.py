@@ -3,12 +3,14 @@ variables, the backends' shared key, and problems named by their variable."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from router.config.overrides import layer
 from router.config.schema import ConfigError
 
-RAW = {"server": {"host": "0.0.0.0", "port": 8000}, "backends": [{"name": "d0", "url": "http://d0"}]}
+RAW: dict[str, Any] = {"server": {"host": "0.0.0.0", "port": 8000}, "backends": [{"name": "d0", "url": "http://d0"}]}
 
 
 def test_a_flag_beats_the_environment_which_beats_the_file() -> None:

@@ -34,5 +34,5 @@ def test_prefill_response_parsing() -> None:
         (UpstreamError("d", BROKEN, "reset"), False),
     ],
 )
-def test_recompute_after_failed_decode(error, recompute) -> None:
+def test_recompute_after_failed_decode(error: UpstreamError, recompute: bool) -> None:
     assert recompute_after_failed_decode(error) is recompute

@@ -8,6 +8,8 @@ the request's record and metrics."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import orjson
 import pytest
 
@@ -20,9 +22,13 @@ from router.errors import RouterError
 from router.fleet.registry import BackendRegistry
 from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
-from router.routing.planning import Plan
+from router.routing.planning import Plan, RouteQuery
+from router.routing.snapshot import ClusterSnapshot
 from support.fake_upstream import FakeUpstream, answer, rejection, token
 from support.metrics import registry_metrics
+
+if TYPE_CHECKING:
+    from router.engine.client import UpstreamClient
 
 PROMPT_IDS = [11, 12, 13]
 
@@ -37,7 +43,7 @@ class FixedPlanner:
         self.direct = direct
         self.routed: list[str] = []
 
-    def plan(self, query, snap, exclude=frozenset()) -> Plan:
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         names = tuple(b.name for b in snap.decoders(query.model) if b.name not in exclude)
         if not names:
             return Plan()
@@ -52,15 +58,19 @@ class FixedPlanner:
             cold_ttft_s=0.01,
         )
 
-    def on_routed(self, query, backend: str) -> None:
+    def on_routed(self, query: RouteQuery, backend: str) -> None:
         self.routed.append(backend)
 
-    def expected_hits(self, query, prompt_tokens, sent_within_s=None) -> dict[str, float]:
+    def expected_hits(
+        self, query: RouteQuery, prompt_tokens: float | None, sent_within_s: float | None = None
+    ) -> dict[str, float]:
         return {}
 
 
 class Harness:
-    def __init__(self, up: FakeUpstream, backends: dict[str, str], planner: FixedPlanner, routing: dict) -> None:
+    def __init__(
+        self, up: FakeUpstream, backends: dict[str, str], planner: FixedPlanner, routing: dict[str, Any]
+    ) -> None:
         config = parse_config(
             {
                 "backends": [
@@ -76,8 +86,9 @@ class Harness:
         self.metrics = RouterMetrics()
         self.up = up
         self.planner = planner
-        self.dispatcher = Dispatcher(config, self.registry, up, planner)
-        self.emitted: list[dict] = []
+        # FakeUpstream has UpstreamClient's interface (support/fake_upstream.py).
+        self.dispatcher = Dispatcher(config, self.registry, cast("UpstreamClient", up), planner)
+        self.emitted: list[dict[str, Any]] = []
 
     async def serve(self, max_tokens: int = 16) -> RequestRecord:
         spec = parse_request(
@@ -86,7 +97,7 @@ class Harness:
         shaper = ResponseShaper(spec)
         rec = RequestRecord(request_id=spec.request_id, endpoint="completions", model="m", stream=True)
 
-        async def emit(chunks: list[dict]) -> None:
+        async def emit(chunks: list[dict[str, Any]]) -> None:
             self.emitted += chunks
 
         try:
@@ -96,7 +107,7 @@ class Harness:
             self.metrics.record(rec)
         return rec
 
-    def metric(self, name: str, **labels) -> float:
+    def metric(self, name: str, **labels: str) -> float:
         return registry_metrics(self.metrics.registry).value(name, **labels)
 
     @property
@@ -109,7 +120,10 @@ class Harness:
 
 
 def harness(
-    scripts: dict, backends: dict[str, str] | None = None, planner: FixedPlanner | None = None, **routing
+    scripts: dict[str, Any],
+    backends: dict[str, str] | None = None,
+    planner: FixedPlanner | None = None,
+    **routing: Any,
 ) -> Harness:
     return Harness(
         FakeUpstream(scripts), backends or {"d0": "decode", "d1": "decode"}, planner or FixedPlanner(), routing
@@ -199,11 +213,16 @@ async def test_an_error_before_the_first_byte_retries_on_another_engine() -> Non
         assert h.in_flight == {"d0": 0, "d1": 0}
 
 
+class KeepsNothingOut(FixedPlanner):
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        return Plan(direct="d0", predicted_ttft_s=0.01)
+
+
 async def test_retries_stop_at_max_retries_with_the_last_failure() -> None:
     down = UpstreamError("d0", CONNECT, "connection refused")
-    h = harness({"d0": [down, down, down]}, backends={"d0": "decode"}, planner=FixedPlanner(direct=True), max_retries=1)
     # The planner keeps nothing out here: only d0 exists, so every attempt goes there.
-    h.planner.plan = lambda query, snap, exclude=frozenset(): Plan(direct="d0", predicted_ttft_s=0.01)
+    planner = KeepsNothingOut(direct=True)
+    h = harness({"d0": [down, down, down]}, backends={"d0": "decode"}, planner=planner, max_retries=1)
     with pytest.raises(RouterError) as failed:
         await h.serve()
     assert failed.value.status == 502

@@ -8,7 +8,7 @@ from typing import Any
 
 from router.dispatch.prompt_index import PromptIndex
 from router.engine.errors import CONNECT, UpstreamError
-from router.engine.kv_events_wire import BlockStored, EventBatch
+from router.engine.kv_events_wire import BlockHash, BlockStored, EventBatch
 from router.routing.kv_index import KvIndex
 from router.routing.planning import RouteQuery
 from router.routing.snapshot import BackendView, ClusterSnapshot
@@ -26,7 +26,7 @@ def view(name: str, fresh: bool = True) -> BackendView:
 
 def index_holding(engine: str, blocks: int) -> KvIndex:
     idx = KvIndex()
-    hashes = [f"{engine}{i}".encode() for i in range(blocks)]
+    hashes: list[BlockHash] = [f"{engine}{i}".encode() for i in range(blocks)]
     stored = BlockStored(
         block_hashes=hashes, parent_block_hash=None, token_ids=list(IDS[: blocks * BS]), block_size=BS,
         medium="GPU", lora_name=None, extra_keys=None, group_idx=None,

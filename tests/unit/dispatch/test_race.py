@@ -44,6 +44,7 @@ async def test_two_acceptors_in_one_wake_up_one_wins_the_other_is_closed() -> No
     assert loser.stream is None
     assert loser.tokens_seen == 1  # read before it lost: tokens generated for nothing
     assert [s.aborted for s in up.streams if s.backend == loser.backend] == [True]
+    assert result.winner is not None
     assert [s.closed for s in up.streams if s.backend == result.winner.backend] == [False]
 
 
@@ -75,9 +76,12 @@ async def test_an_upstream_error_in_one_probe_does_not_lose_the_race_for_the_oth
     assert result.winner.backend == "ok"
     verdicts = {o.backend: o for o in result.outcomes}
     assert verdicts["refused"].verdict == Verdict.FAILED
-    assert verdicts["refused"].error.kind == CONNECT
+    refused, broken = verdicts["refused"].error, verdicts["broken"].error
+    assert refused is not None
+    assert refused.kind == CONNECT
     assert verdicts["broken"].verdict == Verdict.FAILED
-    assert verdicts["broken"].error.kind == BROKEN
+    assert broken is not None
+    assert broken.kind == BROKEN
     assert result.client_error is None
     broken_stream = next(s for s in up.streams if s.backend == "broken")
     assert broken_stream.aborted

@@ -7,6 +7,9 @@ CACHEHIT_REQUIRE_REAL_ENGINE=1 (CI, where vLLM is installed).
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -24,15 +27,15 @@ from support.requirements import require_module
 
 
 @pytest.fixture(scope="module")
-def vllm_events():
+def vllm_events() -> ModuleType:
     return require_module("vllm.distributed.kv_events")
 
 
-def encode(batch) -> bytes:
+def encode(batch: Any) -> bytes:
     return msgspec.msgpack.Encoder().encode(batch)
 
 
-def test_a_batch_vllm_encodes_decodes_field_by_field(vllm_events):
+def test_a_batch_vllm_encodes_decodes_field_by_field(vllm_events: ModuleType) -> None:
     v = vllm_events
     stored = v.BlockStored(
         block_hashes=[b"\x01" * 32, b"\x02" * 32],
@@ -65,7 +68,7 @@ def test_a_batch_vllm_encodes_decodes_field_by_field(vllm_events):
     assert isinstance(c, AllBlocksCleared)
 
 
-def test_int_hashes_and_the_fields_vllm_leaves_out(vllm_events):
+def test_int_hashes_and_the_fields_vllm_leaves_out(vllm_events: ModuleType) -> None:
     v = vllm_events
     stored = v.BlockStored(
         block_hashes=[2**63 + 5], parent_block_hash=None, token_ids=[1], block_size=1,
@@ -83,7 +86,7 @@ def test_int_hashes_and_the_fields_vllm_leaves_out(vllm_events):
     assert batch.data_parallel_rank is None
 
 
-def test_an_event_of_an_unknown_type_is_skipped_and_the_rest_kept():
+def test_an_event_of_an_unknown_type_is_skipped_and_the_rest_kept() -> None:
     payload = msgspec.msgpack.encode(
         [
             3.0,
@@ -100,24 +103,25 @@ def test_an_event_of_an_unknown_type_is_skipped_and_the_rest_kept():
     assert [type(e) for e in batch.events] == [AllBlocksCleared, BlockRemoved]
 
 
-def test_unknown_fields_and_a_longer_batch_are_accepted():
+def test_unknown_fields_and_a_longer_batch_are_accepted() -> None:
     payload = msgspec.msgpack.encode(
         [3.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "new_field": [1, 2]}], 0, "later"]
     )
     batch, skipped = decode_batch(payload)
     assert skipped == 0
+    assert isinstance(batch.events[0], BlockRemoved)
     assert batch.events[0].block_hashes == [1]
 
 
 @pytest.mark.parametrize(
     "payload", [b"", b"\xc1", msgspec.msgpack.encode({"ts": 1}), msgspec.msgpack.encode(["x", []])]
 )
-def test_a_payload_that_is_no_batch_raises_decode_error(payload):
+def test_a_payload_that_is_no_batch_raises_decode_error(payload: bytes) -> None:
     with pytest.raises(DecodeError):
         decode_batch(payload)
 
 
-def test_replay_request_and_replies_speak_vllms_replay_socket():
+def test_replay_request_and_replies_speak_vllms_replay_socket() -> None:
     assert replay_request(258) == [b"", (258).to_bytes(8, "big")]
     assert parse_replay_reply([b"", b"topic", (9).to_bytes(8, "big"), b"payload"]) == (9, b"payload")
     assert parse_replay_reply([b"", b"", (-1).to_bytes(8, "big", signed=True), b""]) is None

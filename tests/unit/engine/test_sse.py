@@ -114,7 +114,7 @@ sep_st = st.sampled_from([b"\n", b"\r\n", b"\r"])
 
 
 @st.composite
-def streams(draw):
+def streams(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
     """A valid stream (payloads, comments, keep-alives; each event in one line-end style,
     since a lone \r followed by \n would be one CRLF line end) with its payloads."""
     payloads = draw(st.lists(payload_st, max_size=8))
@@ -138,7 +138,7 @@ def streams(draw):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams(), st.lists(st.integers(0, 2000), max_size=20))
-def test_any_split_yields_the_same_payloads(stream, cuts) -> None:
+def test_any_split_yields_the_same_payloads(stream: tuple[bytes, list[bytes]], cuts: list[int]) -> None:
     data, payloads = stream
     whole = decode_all([data])
     # Multi-line events come back joined with \n at the split point.
@@ -148,7 +148,7 @@ def test_any_split_yields_the_same_payloads(stream, cuts) -> None:
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams())
-def test_byte_by_byte_equals_whole(stream) -> None:
+def test_byte_by_byte_equals_whole(stream: tuple[bytes, list[bytes]]) -> None:
     data, payloads = stream
     whole = decode_all([data])
     assert decode_all([data[i : i + 1] for i in range(len(data))]) == whole
@@ -159,13 +159,13 @@ def test_byte_by_byte_equals_whole(stream) -> None:
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=300), st.lists(st.integers(0, 300), max_size=10))
-def test_arbitrary_bytes_never_crash_and_split_invariant(data, cuts) -> None:
+def test_arbitrary_bytes_never_crash_and_split_invariant(data: bytes, cuts: list[int]) -> None:
     assert decode_all(split_at(data, cuts)) == decode_all([data])
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(payload_st, max_size=6))
-def test_format_then_decode_roundtrip(payloads) -> None:
+def test_format_then_decode_roundtrip(payloads: list[bytes]) -> None:
     objs = [orjson.loads(p) for p in payloads if p != b"[DONE]"]
     data = b"".join(format_event(o) for o in objs) + DONE_EVENT
     out = decode_all([data])

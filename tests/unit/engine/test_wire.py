@@ -106,7 +106,7 @@ def test_usage_reads_every_field_the_router_uses() -> None:
 
 
 @pytest.mark.parametrize("usage", [None, "x", [1], 5])
-def test_no_usage_object_reads_as_nothing(usage) -> None:
+def test_no_usage_object_reads_as_nothing(usage: object) -> None:
     assert parse_usage(usage) is NO_USAGE
     assert message_usage({"usage": usage}) is NO_USAGE
     assert message_usage({}) is NO_USAGE

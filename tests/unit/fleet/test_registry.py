@@ -3,14 +3,28 @@ scraped load, leg tickets' token-level load, snapshots."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from router.config.schema import BackendConfig, HealthConfig
 from router.fleet.registry import BackendRegistry
-from router.names import BreakerState
+from router.names import BreakerState, Role
+from router.routing.snapshot import BackendView
 
 
-def _registry(clock):
+def _view(r: BackendRegistry, name: str) -> BackendView:
+    view = r.snapshot().get(name)
+    assert view is not None  # a configured backend
+    return view
+
+
+def _breaker(r: BackendRegistry, name: str) -> BreakerState:
+    # Read through a call: mypy would keep an earlier assert's narrowing of the attribute.
+    return r.states[name].breaker
+
+
+def _registry(clock: Callable[[], float]) -> BackendRegistry:
     return BackendRegistry([BackendConfig("d0", "http://d0")], HealthConfig(), clock=clock)
 
 
@@ -20,19 +34,19 @@ def test_leg_tickets_queue_tokens_until_the_first_token_then_count_a_decoding_se
     r.record_scrape("d0", {}, None)
     a = r.open_leg("d0", 1000)
     b = r.open_leg("d0", 300)
-    view = r.snapshot().get("d0")
+    view = _view(r, "d0")
     assert (view.queued_tokens, view.decoding, view.inflight) == (1300, 0, 2)
     assert (b.queued_ahead, b.decoding) == (1000, 0)  # what was ahead of b when it was sent
     now[0] = 100.25
     r.first_token(a)
     r.first_token(a)  # repeated: no double count
-    view = r.snapshot().get("d0")
+    view = _view(r, "d0")
     assert (view.queued_tokens, view.decoding) == (300, 1)
     r.close_leg(a)
     r.close_leg(a)
     r.close_leg(b)  # closed before its first token (cancelled): its tokens leave the queue
     r.first_token(b)  # too late: ignored
-    view = r.snapshot().get("d0")
+    view = _view(r, "d0")
     assert (view.queued_tokens, view.decoding, view.inflight) == (0, 0, 0)
     # a's sample: 0 ahead + 800 lacking (200 cached), 0.25 s.
     assert r.learn_first_token(a, 800) == 0.25
@@ -45,7 +59,7 @@ def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic() 
     r.learner.mean_prompt_tokens = 2000
     r.open_leg("d0", 500)
     r.record_scrape("d0", {"vllm:num_requests_waiting": 3.0, "vllm:num_requests_running": 5.0}, None)
-    view = r.snapshot().get("d0")
+    view = _view(r, "d0")
     # Our one leg explains one waiting request; two more at the mean prompt length; the
     # five running are other replicas' too (our only leg is the waiting one).
     assert view.queued_tokens == 500 + 2 * 2000
@@ -64,17 +78,17 @@ def test_a_scrape_is_a_moment_of_the_past() -> None:
     for t in tickets:
         r.first_token(t)
         r.close_leg(t)
-    view = r.snapshot().get("d0")
+    view = _view(r, "d0")
     assert (view.queued_tokens, view.decoding) == (0.0, 0.0)
     # Two prompts of another replica waiting at the scrape: 2,000 tokens, drained at the
     # prior's 10,000 tokens/s.
     r.record_scrape("d0", {"vllm:num_requests_waiting": 2.0, "vllm:num_requests_running": 1.0}, None)
-    assert r.snapshot().get("d0").queued_tokens == 2000.0
+    assert _view(r, "d0").queued_tokens == 2000.0
     now[0] = 0.1
-    assert r.snapshot().get("d0").queued_tokens == pytest.approx(1000.0)
+    assert _view(r, "d0").queued_tokens == pytest.approx(1000.0)
     now[0] = 0.5
-    assert r.snapshot().get("d0").queued_tokens == 0.0
-    assert r.snapshot().get("d0").decoding == 1.0
+    assert _view(r, "d0").queued_tokens == 0.0
+    assert _view(r, "d0").decoding == 1.0
 
 
 def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it() -> None:
@@ -91,12 +105,12 @@ class Clock:
     def __init__(self) -> None:
         self.t = 1000.0
 
-    def __call__(self):
+    def __call__(self) -> float:
         return self.t
 
 
-def registry(clock, threshold=3, cooldown=5.0):
-    cfgs = [BackendConfig("a", "http://a"), BackendConfig("p", "http://p", role="prefill")]
+def registry(clock: Clock, threshold: int = 3, cooldown: float = 5.0) -> BackendRegistry:
+    cfgs = [BackendConfig("a", "http://a"), BackendConfig("p", "http://p", role=Role.PREFILL)]
     r = BackendRegistry(cfgs, HealthConfig(failure_threshold=threshold, cooldown_s=cooldown), clock=clock)
     for n in ("a", "p"):
         r.record_scrape(n, {}, None)
@@ -106,29 +120,29 @@ def registry(clock, threshold=3, cooldown=5.0):
 def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open() -> None:
     clock = Clock()
     r = registry(clock)
-    assert r.snapshot().get("a").available
+    assert _view(r, "a").available
     r.record_failure("a", "x")
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == BreakerState.CLOSED
-    assert r.snapshot().get("a").available
+    assert _breaker(r, "a") == BreakerState.CLOSED
+    assert _view(r, "a").available
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == BreakerState.OPEN
-    assert not r.snapshot().get("a").available
+    assert _breaker(r, "a") == BreakerState.OPEN
+    assert not _view(r, "a").available
     assert not r.ready()  # the only decoder is open
     clock.t += 5.0
-    assert r.snapshot().get("a").available  # cool-down over: one trial allowed
+    assert _view(r, "a").available  # cool-down over: one trial allowed
     r.acquire("a")
-    assert r.states["a"].breaker == BreakerState.HALF_OPEN
-    assert not r.snapshot().get("a").available
+    assert _breaker(r, "a") == BreakerState.HALF_OPEN
+    assert not _view(r, "a").available
     r.release("a")
     r.record_failure("a", "still broken")
-    assert r.states["a"].breaker == BreakerState.OPEN
+    assert _breaker(r, "a") == BreakerState.OPEN
     clock.t += 5.0
     r.acquire("a")
     r.release("a")
     r.record_success("a")
-    assert r.states["a"].breaker == BreakerState.CLOSED
-    assert r.snapshot().get("a").available
+    assert _breaker(r, "a") == BreakerState.CLOSED
+    assert _view(r, "a").available
     assert r.ready()
 
 
@@ -138,15 +152,15 @@ def test_success_resets_the_failure_count() -> None:
     r.record_failure("a", "x")
     r.record_success("a")
     r.record_failure("a", "x")
-    assert r.states["a"].breaker == BreakerState.CLOSED
+    assert _breaker(r, "a") == BreakerState.CLOSED
 
 
 def test_scrape_failure_marks_unhealthy_until_it_answers() -> None:
     r = registry(Clock(), threshold=100)
     r.record_scrape_failure("a", "refused")
-    assert not r.snapshot().get("a").available
+    assert not _view(r, "a").available
     r.record_scrape("a", {"vllm:num_requests_waiting": 3.0}, None)
-    v = r.snapshot().get("a")
+    v = _view(r, "a")
     assert v.available
     assert v.waiting == 3.0
 
@@ -155,11 +169,11 @@ def test_inflight_counts_and_load() -> None:
     r = registry(Clock())
     r.acquire("a")
     r.acquire("a")
-    assert r.snapshot().get("a").inflight == 2
-    assert r.snapshot().get("a").load == 2
+    assert _view(r, "a").inflight == 2
+    assert _view(r, "a").load == 2
     r.release("a")
     r.record_scrape("a", {"vllm:num_requests_running": 4.0, "vllm:num_requests_waiting": 1.0}, None)
-    assert r.snapshot().get("a").load == 5.0
+    assert _view(r, "a").load == 5.0
 
 
 def test_models_come_from_config_or_discovery() -> None:
@@ -191,7 +205,9 @@ def test_panic_routing_when_no_decoder_is_available() -> None:
     r = registry(Clock(), threshold=1)
     r.record_scrape_failure("a", "refused")
     snap = r.snapshot()
-    assert not snap.get("a").available
+    a = snap.get("a")
+    assert a is not None
+    assert not a.available
     assert [b.name for b in snap.decoders(None)] == ["a"]  # nothing available: try them all
     assert snap.prefillers(None)[0].name == "p"  # prefill backends never panic: the fallback goes direct
     r.record_scrape_failure("p", "refused")

@@ -4,6 +4,7 @@ sends that its answer and the engines should see."""
 from __future__ import annotations
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from router.errors import RouterError
@@ -20,7 +21,7 @@ from router.observability.trace_context import (
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-def _request(**headers: str):
+def _request(**headers: str) -> web.Request:
     return make_mocked_request("POST", "/v1/completions", headers=headers)
 
 

@@ -6,9 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from router.routing.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
-from router.routing.fallback import plan_fallback
+from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import RouteQuery, predicted_ttft
 from support.snapshots import SPEED, Q, R, snap, view
+
+
+def _planned(plan: FallbackPlan | None) -> FallbackPlan:
+    assert plan is not None  # there is a decoder
+    return plan
 
 
 def test_a_cpu_tier_hit_costs_more_than_a_gpu_hit_and_less_than_a_recompute() -> None:
@@ -22,9 +27,9 @@ def test_a_cpu_tier_hit_costs_more_than_a_gpu_hit_and_less_than_a_recompute() ->
     assert predicted_ttft(gpu, 200, 1000) == ttft(SPEED, 0, 0, 200)
     for salt in range(4):
         q = RouteQuery("m", Q.text, salt=salt, prompt_tokens=1000)
-        assert plan_fallback(q, snap(tiered, gpu, cold), R, 1000, hits=hits).decode == "gpu"
+        assert _planned(plan_fallback(q, snap(tiered, gpu, cold), R, 1000, hits=hits)).decode == "gpu"
         # Without the GPU copy, the CPU copy still beats computing the prompt.
-        assert plan_fallback(q, snap(tiered, cold), R, 1000, hits={"tiered": 800.0}).decode == "tiered"
+        assert _planned(plan_fallback(q, snap(tiered, cold), R, 1000, hits={"tiered": 800.0})).decode == "tiered"
     # A measured load cost above the recompute cost never makes a hit worse than a miss.
     slow = replace(SPEED, held_per_token_s=1.0)
     assert ttft(slow, 0, 0, 200, 800) == ttft(SPEED, 0, 0, 1000)

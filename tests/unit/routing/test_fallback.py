@@ -8,10 +8,16 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.names import Mode
 from router.routing.costmodel import pd_ttft, ttft
-from router.routing.fallback import plan_fallback
+from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import RouteQuery
 from support.snapshots import SPEED, Q, R, snap, view
+
+
+def _planned(plan: FallbackPlan | None) -> FallbackPlan:
+    assert plan is not None  # there is a decoder
+    return plan
 
 
 def test_fallback_splits_when_prefill_decode_is_predicted_faster() -> None:
@@ -23,6 +29,7 @@ def test_fallback_splits_when_prefill_decode_is_predicted_faster() -> None:
         view("p1", decodes=False, prefills=True),
     )
     fb = plan_fallback(Q, s, R, prompt_tokens=1000)
+    assert fb is not None
     direct = SPEED.ttft(3000, 0)
     split = pd_ttft(SPEED, 0, 0, 1000, SPEED, 2000, 0, s.transfer, 1000)
     assert split < direct
@@ -35,56 +42,60 @@ def test_fallback_computes_on_an_idle_decoder_rather_than_split() -> None:
     # Idle decoder: computing the prompt there beats prefill + transfer (same speed).
     s = snap(view("d0"), view("p0", decodes=False, prefills=True))
     fb = plan_fallback(Q, s, R, prompt_tokens=1000)
+    assert fb is not None
     assert (fb.prefill, fb.decode, fb.route, fb.predicted_ttft_s) == (None, "d0", "direct", SPEED.ttft(1000, 0))
     # A producer with a queue never helps an idle decoder.
     s = snap(view("d0", queued=500), view("p0", decodes=False, prefills=True, queued=5000))
-    assert plan_fallback(Q, s, R, prompt_tokens=1000).prefill is None
+    assert _planned(plan_fallback(Q, s, R, prompt_tokens=1000)).prefill is None
 
 
 def test_split_always_takes_the_fastest_pair_over_an_idle_decoder() -> None:
-    always = replace(R, split="always")
+    always = replace(R, split=Mode.ALWAYS)
     s = snap(
         view("d0"),
         view("d1", queued=5000),
         view("p0", decodes=False, prefills=True),
         view("p1", decodes=False, prefills=True, queued=2000),
     )
-    assert plan_fallback(Q, s, R, 1000).prefill is None  # the model: d0 computes it sooner
+    assert _planned(plan_fallback(Q, s, R, 1000)).prefill is None  # the model: d0 computes it sooner
     fb = plan_fallback(Q, s, always, 1000)
+    assert fb is not None
     assert (fb.prefill, fb.decode) == ("p0", "d0")
     assert fb.decode_threshold == always.decode_guard_threshold
     # Below the floor nothing is split.
-    assert plan_fallback(RouteQuery("m", "hi", prompt_tokens=10), s, always, 10).prefill is None
+    assert _planned(plan_fallback(RouteQuery("m", "hi", prompt_tokens=10), s, always, 10)).prefill is None
 
 
 def test_fallback_floor_and_missing_producers() -> None:
     s = snap(view("d0", queued=50_000), view("p0", decodes=False, prefills=True))
     short = plan_fallback(Q, s, R, prompt_tokens=R.min_pd_prompt_tokens - 1)
+    assert short is not None
     assert (short.prefill, short.decode, short.decode_threshold, short.route) == (None, "d0", 0.0, "direct")
-    assert plan_fallback(Q, snap(view("d0", queued=50_000)), R, prompt_tokens=10_000).prefill is None
+    assert _planned(plan_fallback(Q, snap(view("d0", queued=50_000)), R, prompt_tokens=10_000)).prefill is None
 
 
 def test_fallback_never_pairs_a_backend_with_itself() -> None:
     s = snap(view("both", prefills=True, queued=50_000))
-    assert plan_fallback(Q, s, R, prompt_tokens=10_000).prefill is None
+    assert _planned(plan_fallback(Q, s, R, prompt_tokens=10_000)).prefill is None
 
 
 def test_fallback_excludes_failed_backends() -> None:
     s = snap(view("d0"), view("d1", queued=5000), view("p0", decodes=False, prefills=True))
     fb = plan_fallback(Q, s, R, prompt_tokens=10_000, exclude=frozenset({"d0", "p0"}))
+    assert fb is not None
     assert (fb.decode, fb.prefill) == ("d1", None)
     assert plan_fallback(Q, s, R, 10, exclude=frozenset({"d0", "d1"})) is None
 
 
 def test_fallback_decoder_weighs_the_partial_hit_against_the_queue() -> None:
     d = (view("d0"), view("d1", queued=300), view("d2", queued=3000))
-    assert plan_fallback(Q, snap(*d), R, 2000).decode == "d0"
+    assert _planned(plan_fallback(Q, snap(*d), R, 2000)).decode == "d0"
     # d1 lacks 2,000 - 1,200 = 800 tokens behind 300 queued: 1,100 < d0's 2,000.
-    assert plan_fallback(Q, snap(*d), R, 2000, hits={"d1": 1200}).decode == "d1"
+    assert _planned(plan_fallback(Q, snap(*d), R, 2000, hits={"d1": 1200})).decode == "d1"
     # A smaller hit does not pay for the queue: 300 + 1,800 > 2,000.
-    assert plan_fallback(Q, snap(*d), R, 2000, hits={"d1": 200}).decode == "d0"
+    assert _planned(plan_fallback(Q, snap(*d), R, 2000, hits={"d1": 200})).decode == "d0"
     # Unknown length: estimated from the query (its exact token count here).
-    assert plan_fallback(Q, snap(*d), R, None, hits={"d2": 1000}).decode == "d0"
+    assert _planned(plan_fallback(Q, snap(*d), R, None, hits={"d2": 1000})).decode == "d0"
 
 
 @given(
@@ -92,12 +103,16 @@ def test_fallback_decoder_weighs_the_partial_hit_against_the_queue() -> None:
     st.lists(st.integers(0, 20_000), max_size=2),
     st.integers(1, 8000),
 )
-def test_fallback_is_the_least_predicted_time_of_every_option(decoders, producers, prompt) -> None:
+def test_fallback_is_the_least_predicted_time_of_every_option(
+    decoders: list[tuple[int, int]], producers: list[int], prompt: int
+) -> None:
     d = [view(f"d{i}", queued=q) for i, (q, _) in enumerate(decoders)]
     p = [view(f"p{i}", decodes=False, prefills=True, queued=q) for i, q in enumerate(producers)]
     hits = {f"d{i}": min(h, prompt) for i, (_, h) in enumerate(decoders) if h}
     s = snap(*d, *p)
     fb = plan_fallback(Q, s, R, prompt, hits=hits)
+    assert fb is not None
+    assert fb.predicted_ttft_s is not None
     options = [ttft(b.speed, b.queued_tokens, 0, prompt - hits.get(b.name, 0)) for b in d]
     options += [
         pd_ttft(x.speed, x.queued_tokens, 0, prompt, b.speed, b.queued_tokens, 0, s.transfer, prompt)

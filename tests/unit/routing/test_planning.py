@@ -3,6 +3,8 @@ value of a race, ties spread by the salt, no plan without a decoder."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from router.routing.planning import fastest, race_value
 from router.routing.policies.least_loaded import LeastLoadedStrategy
 from router.routing.policies.prefix_tree import PrefixTreeStrategy
@@ -16,7 +18,10 @@ def test_race_value_is_what_the_outcome_saved_over_the_cold_choice() -> None:
     plan = ProbeStrategy(R).plan(Q, s)
     assert plan.cold == "d0"
     assert plan.probes == ("d0", "d1")
-    share = lambda winner, chosen, reported: race_value(plan, s, 1000, {}, winner, chosen, reported)
+
+    def share(winner: str | None, chosen: float | None, reported: Mapping[str, float]) -> float:
+        return race_value(plan, s, 1000, {}, winner, chosen, reported)
+
     assert share("d0", None, {}) == 0.0  # the cold choice itself accepted
     # d1 accepted: as an acceptor (600 + 500 tokens) vs d0 computing it all (500 + 1,000).
     assert abs(share("d1", None, {}) - (SPEED.ttft(1500, 0) - SPEED.ttft(1100, 0)) / 0.1) < 1e-9

@@ -11,7 +11,7 @@ from router.config.schema import RoutingConfig
 from router.routing.speed_learner import OnlineLinear, SpeedLearner, SpeedPrior, speed_prior
 
 
-def _engine(rng: random.Random, a: float, b: float, c: float, noise: float):
+def _engine(rng: random.Random, a: float, b: float, c: float, noise: float) -> tuple[float, float, float]:
     w, d = rng.uniform(0, 8000), rng.uniform(0, 64)
     return w, d, a + b * w + c * d + rng.gauss(0, noise)
 

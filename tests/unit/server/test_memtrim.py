@@ -9,7 +9,12 @@ from support.polling import eventually
 
 async def test_trims_once_after_a_burst_and_never_while_busy() -> None:
     calls: list[int] = []
-    t = IdleTrimmer(trim=lambda pad: calls.append(pad) or 1, idle_s=0.02)
+
+    def trim(pad: int) -> int:
+        calls.append(pad)
+        return 1
+
+    t = IdleTrimmer(trim=trim, idle_s=0.02)
     t.idle()  # nothing ran yet: nothing to give back
     t.busy()
     t.idle()

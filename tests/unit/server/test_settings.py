@@ -3,6 +3,8 @@ policies' problems reported in one run, each naming its key."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from router.config.schema import ConfigError
@@ -25,7 +27,7 @@ def test_a_valid_file_gives_the_policy_its_settings() -> None:
     assert policies.make_strategy(cfg.routing).name == "kv_events"
 
 
-def test_the_environment_layers_over_the_file(tmp_path) -> None:
+def test_the_environment_layers_over_the_file(tmp_path: Path) -> None:
     f = tmp_path / "router.toml"
     f.write_text('[[backends]]\nname = "d0"\nurl = "http://127.0.0.1:9001"\n[routing]\nstrategy = "probe"\n')
     assert load_checked(f, {"CACHEHIT_ROUTER_STRATEGY": "kv_events"}).routing.strategy == "kv_events"

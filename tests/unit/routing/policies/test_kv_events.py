@@ -52,7 +52,7 @@ def snap(*views: BackendView) -> ClusterSnapshot:
     )
 
 
-def test_kv_events_sends_the_prompt_to_the_engine_the_index_says_holds_it():
+def test_kv_events_sends_the_prompt_to_the_engine_the_index_says_holds_it() -> None:
     s = snap(view("d0"), view("d1"), view("d2"))
     plan = KvEventsStrategy(R).plan(replace(Q, indexed={"d0": 0.0, "d1": 1984.0, "d2": 0.0}), s)
     assert plan.direct == "d1"
@@ -61,20 +61,20 @@ def test_kv_events_sends_the_prompt_to_the_engine_the_index_says_holds_it():
     assert not plan.probes
 
 
-def test_kv_events_weighs_the_hit_against_the_holders_queue():
+def test_kv_events_weighs_the_hit_against_the_holders_queue() -> None:
     # d1 holds 1,000 tokens but has 3,000 queued: 0.01 + (3,000 + 1,000) x 1e-4 = 0.41 s,
     # against d0's 0.01 + 2,000 x 1e-4 = 0.21 s for the whole prompt.
     s = snap(view("d0"), view("d1", queued=3000.0))
     assert KvEventsStrategy(R).plan(replace(Q, indexed={"d0": 0.0, "d1": 1000.0}), s).direct == "d0"
 
 
-def test_kv_events_without_the_index_is_cache_blind():
+def test_kv_events_without_the_index_is_cache_blind() -> None:
     s = snap(view("d0", queued=500.0), view("d1"))
     assert KvEventsStrategy(R).plan(Q, s).direct == "d1"  # no index: the least loaded
     assert KvEventsStrategy(R).expected_hits(Q, 2000.0) == {}
 
 
-def test_probe_does_not_race_when_the_index_speaks_for_every_engine():
+def test_probe_does_not_race_when_the_index_speaks_for_every_engine() -> None:
     s = snap(view("d0"), view("d1"))
     plan = ProbeStrategy(R).plan(replace(Q, indexed={"d0": 0.0, "d1": 1984.0}), s)
     assert plan.direct == "d1"
@@ -83,7 +83,7 @@ def test_probe_does_not_race_when_the_index_speaks_for_every_engine():
     assert plan.race_reason == RaceReason.INDEX_KNOWS
 
 
-def test_probe_races_only_the_engines_the_index_cannot_speak_for():
+def test_probe_races_only_the_engines_the_index_cannot_speak_for() -> None:
     # d2's stream is behind (not fresh, so absent from `indexed`): it may hold the prompt.
     s = snap(view("d0"), view("d1"), view("d2", fresh=False))
     plan = ProbeStrategy(R).plan(replace(Q, indexed={"d0": 0.0, "d1": 0.0}), s)
@@ -91,7 +91,7 @@ def test_probe_races_only_the_engines_the_index_cannot_speak_for():
     assert plan.race_reason == RaceReason.RACED
 
 
-def test_probe_asks_no_one_slower_than_a_known_holder():
+def test_probe_asks_no_one_slower_than_a_known_holder() -> None:
     # d1 is known to hold all but 16 tokens (0.0116 s); d2, unknown, could at best hold
     # half as an acceptor at T = 0.5: 0.01 + 1,000 x 1e-4 = 0.11 s. Nothing to ask.
     s = snap(view("d0"), view("d1"), view("d2", fresh=False))
@@ -101,7 +101,7 @@ def test_probe_asks_no_one_slower_than_a_known_holder():
     assert plan.race_reason == RaceReason.INDEX_KNOWS
 
 
-def test_a_stream_that_stopped_costs_no_request_probe_asks_again():
+def test_a_stream_that_stopped_costs_no_request_probe_asks_again() -> None:
     # No engine's index is fresh: the query carries nothing, and probe races as before.
     s = snap(view("d0", fresh=False), view("d1", fresh=False))
     plan = ProbeStrategy(R).plan(Q, s)
@@ -109,7 +109,7 @@ def test_a_stream_that_stopped_costs_no_request_probe_asks_again():
     assert plan.race_reason == RaceReason.RACED
 
 
-def test_race_always_asks_every_engine_whatever_the_index_says():
+def test_race_always_asks_every_engine_whatever_the_index_says() -> None:
     s = snap(view("d0"), view("d1"))
     always = ProbeStrategy(R, ProbeSettings(race=Mode.ALWAYS))
     plan = always.plan(replace(Q, indexed={"d0": 0.0, "d1": 0.0}), s)
@@ -117,7 +117,7 @@ def test_race_always_asks_every_engine_whatever_the_index_says():
     assert plan.race_reason == RaceReason.ALWAYS
 
 
-def test_probe_expects_a_prompt_it_just_sent_where_the_index_has_no_event_yet():
+def test_probe_expects_a_prompt_it_just_sent_where_the_index_has_no_event_yet() -> None:
     probe = ProbeStrategy(R)
     probe.on_routed(Q, "d0")  # d0 may still be computing it: no block stored, no event
     hits = probe.expected_hits(replace(Q, indexed={"d0": 0.0, "d1": 512.0}), 2000.0)

@@ -26,7 +26,7 @@ def test_least_loaded_counts_tokens_not_requests() -> None:
 
 
 @given(st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 64)), min_size=1, max_size=6), st.integers(0, 1000))
-def test_least_loaded_always_picks_a_least_predicted_time(loads, salt) -> None:
+def test_least_loaded_always_picks_a_least_predicted_time(loads: list[tuple[int, int]], salt: int) -> None:
     views = [view(f"b{i}", queued=q, decoding=d) for i, (q, d) in enumerate(loads)]
     q = RouteQuery("m", "x", salt=salt, prompt_tokens=500)
     chosen = LeastLoadedStrategy(R).plan(q, snap(*views))

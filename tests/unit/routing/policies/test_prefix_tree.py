@@ -14,6 +14,7 @@ def test_prefix_tree_routes_shared_prefixes_to_the_same_backend() -> None:
     system = "You are a helpful assistant. " * 40
     q1 = RouteQuery("m", system + "question one", salt=0)
     first = pt.plan(q1, s).direct
+    assert first is not None
     pt.on_routed(q1, first)
     # The holder is somewhat busier: what it holds saves more than its queue costs.
     s2 = snap(*(view(n, queued=100 if n == first else 0) for n in ("a", "b")))
