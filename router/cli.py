@@ -14,8 +14,8 @@ import os
 import signal
 import ssl
 import sys
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -26,6 +26,8 @@ from router.server.settings import load_checked
 
 if TYPE_CHECKING:  # aiohttp is imported when serving, not for --version or check-config
     from aiohttp import web
+
+    from router.server.services import Reloadable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,34 +117,53 @@ async def _tune_gc(_app: web.Application) -> None:
     gc.set_threshold(_GC_GEN0_THRESHOLD, g1, g2)
 
 
-def _reload_on_sighup(load: Callable[[], Config]) -> Callable[[web.Application], Awaitable[None]]:
-    """An on_startup hook (after the router started): SIGHUP re-reads the configuration;
-    reloads run one at a time, in the order the signals came."""
+class _Reloads:
+    """SIGHUP re-reads the configuration (router/server/reload.py); reloads run one at a
+    time, in the order the signals came. The handler is installed before the router starts
+    (starting engines can take minutes, and SIGHUP's default action ends the process): a
+    SIGHUP that comes before the router is up is remembered, and one reload (of the file
+    as it is then) runs as soon as it is."""
 
-    async def install(app: web.Application) -> None:
+    def __init__(self, load: Callable[[], Config]):
+        self.load = load
+        self.state: Reloadable | None = None
+        self.pending = False
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.lock = asyncio.Lock()  # bound to the loop at its first use
+        self.log = logging.getLogger("cachehit_router.reload")
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.add_signal_handler(signal.SIGHUP, self.on_hup)
+
+    def on_hup(self) -> None:
+        if self.state is None:
+            if not self.pending:
+                self.log.info("SIGHUP while the router starts: the configuration is re-read once it is up")
+            self.pending = True
+            return
+        task = asyncio.get_running_loop().create_task(self.one())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def ready(self, app: web.Application) -> None:
+        """An on_startup hook, after the router started: from now on a SIGHUP reloads."""
         from router.server.app import ROUTER_KEY
+
+        self.state = app[ROUTER_KEY]
+        if self.pending:
+            self.pending = False
+            self.log.info("applying the reload asked for while the router started")
+            self.on_hup()
+
+    async def one(self) -> None:
         from router.server.reload import reload
 
-        loop = asyncio.get_running_loop()
-        state = app[ROUTER_KEY]
-        lock = asyncio.Lock()
-        tasks: set[asyncio.Task[Any]] = set()
-
-        async def one() -> None:
-            async with lock:
-                try:
-                    await reload(state, load)
-                except Exception:  # a reload must never take the router down
-                    logging.getLogger("cachehit_router.reload").exception("reload failed")
-
-        def on_hup() -> None:
-            task = loop.create_task(one())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
-
-    return install
+        assert self.state is not None
+        async with self.lock:
+            try:
+                await reload(self.state, self.load)
+            except Exception:  # a reload must never take the router down
+                self.log.exception("reload failed")
 
 
 def serve(
@@ -191,8 +212,9 @@ def serve(
 
     app.on_startup.append(announce)
     app.on_startup.append(_tune_gc)
-    if reload_config is not None:
-        app.on_startup.append(_reload_on_sighup(reload_config))
+    reloads = None if reload_config is None else _Reloads(reload_config)
+    if reloads is not None:
+        app.on_startup.append(reloads.ready)
     runner = web.AppRunner(
         app,
         handle_signals=False,
@@ -202,7 +224,7 @@ def serve(
         shutdown_timeout=config.server.drain_timeout_s,
     )
     try:
-        loop.run_until_complete(_serve_until_signalled(runner, host, port, ssl_ctx))
+        loop.run_until_complete(_serve_until_signalled(runner, host, port, ssl_ctx, reloads))
     except Exception as e:  # startup failures (port taken, engines failed to start): say what
         print(f"router: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -218,8 +240,11 @@ def serve(
 DRAIN_QUIET_S = 0.5
 
 
-async def _serve_until_signalled(runner: web.AppRunner, host: str, port: int, ssl_ctx: ssl.SSLContext | None) -> None:
-    """Serve until SIGTERM or SIGINT, then drain. Unlike web.run_app, which closes the
+async def _serve_until_signalled(
+    runner: web.AppRunner, host: str, port: int, ssl_ctx: ssl.SSLContext | None, reloads: _Reloads | None = None
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain (SIGHUP: `_Reloads`, from before the
+    engines start). Unlike web.run_app, which closes the
     open keep-alive connections before the drain, the connections stay served while the
     drain runs: a request a client sends on one meanwhile gets a 503 (and Connection:
     close) instead of a reset."""
@@ -231,6 +256,8 @@ async def _serve_until_signalled(runner: web.AppRunner, host: str, port: int, ss
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if reloads is not None:
+        reloads.install(loop)
     await runner.setup()  # starts the engines and checks the backends (on_startup)
     try:
         site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)

@@ -5,8 +5,25 @@ Every backend has one owner, the source that put it in the fleet: the configurat
 admin API (`admin`), or a `[[discovery]]` table (`discovery:<index>`). A source states the
 backends it wants (`reconcile`); the fleet adds the new ones and removes the ones that
 went away. Removal never drops a request: the backend is drained first (no new request or
-leg goes there) and forgotten only once nothing is in flight on it. An address that comes
-back while its drain is still running is simply put back in rotation.
+leg goes there) and forgotten only once nothing is in flight on it.
+
+Each name is in one of three states, and every change is a synchronous step between them
+(no await in between, so a cancelled task never leaves a half-made change behind):
+
+- absent: `add` registers it (then health-checks it: it takes requests once one passed);
+- active (registered, owned, in rotation): `remove` drains it and starts its drain task,
+  which makes it removing; a `reconcile` that wants another configuration does the same and
+  records the wanted one as its successor;
+- removing (draining, its drain task waits for its last request): the latest wanted
+  configuration wins. The same configuration as the draining one (`add`, `reconcile`)
+  puts it back in rotation: the drain task is cancelled and forgotten and any successor
+  dropped, in one step. Another one replaces the successor; a `reconcile` that no longer
+  wants the name, or a `remove`, drops it. Once idle, the drain task forgets the name and,
+  in the same step, registers the successor if there is one.
+
+The drain task holds no state of its own: `_removals` (name -> drain task) and
+`_successor` (name -> configuration and source) are changed only by these steps, so a
+successor never outlives its drain and a name is never left waiting for a task that died.
 """
 
 from __future__ import annotations
@@ -51,13 +68,18 @@ class Fleet:
         self._on_added = on_added
         self._on_removed = on_removed
         self.owner: dict[str, str] = dict(initial)  # backend name -> source
-        self._removals: dict[str, asyncio.Task[Any]] = {}
-        self._replacing: dict[str, BackendConfig] = {}  # name -> its config once drained
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._removals: dict[str, asyncio.Task[None]] = {}  # name -> its drain (removing)
+        self._successor: dict[str, tuple[BackendConfig, str]] = {}  # name -> (config, source) once drained
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # --- queries ---------------------------------------------------------------------------
     def removing(self, name: str) -> bool:
         return name in self._removals
+
+    def successor(self, name: str) -> BackendConfig | None:
+        """The configuration that replaces `name` once its drain ends, if any."""
+        pending = self._successor.get(name)
+        return None if pending is None else pending[0]
 
     def owned_by(self, source: str) -> dict[str, BackendConfig]:
         return {
@@ -72,14 +94,11 @@ class Fleet:
     ) -> BackendState:
         """Register `config` and run its first health check (it takes requests once one
         passes), or take `checked`, the result of one that just passed (it is then in
-        rotation at once). A name being removed with the same configuration is put back."""
+        rotation at once). A name being removed with the same configuration is put back
+        (and a replacement waiting for its drain dropped)."""
         name = config.name
-        task = self._removals.get(name)
-        if task is not None and self.registry.states[name].config == config:
-            task.cancel()
-            self._removals.pop(name, None)
-            self.registry.set_draining(name, False)
-            self.owner[name] = source
+        if self.removing(name) and self.registry.states[name].config == config:
+            self._keep(name, source)
             log.info("backend %s: back before its removal finished; in rotation again", name)
             return self.registry.states[name]
         state = self.registry.add(config)  # ValueError for a taken name
@@ -92,52 +111,76 @@ class Fleet:
             await self.monitor.check_one(name, with_health=True)
         return state
 
-    def remove(self, name: str) -> asyncio.Task[Any]:
-        """Drain `name`, then forget it once its last request ended (the returned task)."""
+    def remove(self, name: str) -> asyncio.Task[None]:
+        """Drain `name`, then forget it once its last request ended (the returned task). A
+        replacement waiting for that drain is dropped: the name goes."""
+        self._successor.pop(name, None)
         task = self._removals.get(name)
         if task is not None:
             return task
-        if name not in self.registry.states:
+        state = self.registry.states.get(name)
+        if state is None:
             raise KeyError(name)
         self.registry.set_draining(name, True)
-        task = asyncio.create_task(self._forget_when_idle(name), name=f"remove-{name}")
-        self._removals[name] = task
+        task = self._removals[name] = self._spawn(self._forget_when_idle(name, state), f"remove-{name}")
         return task
 
-    async def _forget_when_idle(self, name: str) -> None:
-        state = self.registry.states[name]
+    def _keep(self, name: str, source: str) -> None:
+        """Stop `name`'s removal: its drain task is cancelled and forgotten here, at once,
+        with the replacement that waited for it (the task itself holds no state)."""
+        self._removals.pop(name).cancel()
+        self._successor.pop(name, None)
+        self.registry.set_draining(name, False)
+        self.owner[name] = source
+
+    async def _forget_when_idle(self, name: str, state: BackendState) -> None:
         # No deadline: every request has its own (timeouts.total_s), and forgetting a
         # backend with requests on it would lose their accounting.
         # inflight is a plain counter that many paths change; polling it costs nothing.
         while state.inflight:  # noqa: ASYNC110
             await asyncio.sleep(_IDLE_POLL_S)
+        # From here on nothing awaits until the name is gone: a cancellation (`_keep`) can
+        # only come while the loop above waits.
         self.registry.remove(name)
         self.monitor.forget(name)
         self.owner.pop(name, None)
-        self._removals.pop(name, None)
+        del self._removals[name]
         self._on_removed(name)
         log.info("backend %s removed (drained, nothing in flight)", name)
+        pending = self._successor.pop(name, None)
+        if pending is not None:
+            await self.add(*pending)
 
     async def reconcile(self, source: str, wanted: Mapping[str, BackendConfig], *, check_first: bool = False) -> None:
         """Make `source`'s backends those of `wanted`. With `check_first`, a new backend
-        joins only once a health check passed (else the next reconcile tries again)."""
-        current = self.owned_by(source)
-        for name, config in current.items():
+        joins only once a health check passed (else the next reconcile tries again).
+
+        A name still draining from an older configuration gets the wanted one as its
+        successor (added once the drain ends), or back in rotation if it is the same."""
+        for name, config in self.owned_by(source).items():
             if wanted.get(name) != config:
                 self.remove(name)  # gone, or changed: a changed one comes back below
+        for name, (config, src) in list(self._successor.items()):
+            if src == source and wanted.get(name) != config:
+                del self._successor[name]  # no longer wanted as it was
         for name, config in wanted.items():
-            if current.get(name) == config:
-                continue
-            owner = self.owner.get(name)
-            if name in self.registry.states and owner != source:
-                log.warning("%s: backend name %r is taken (by %s); skipped", source, name, owner)
+            state = self.registry.states.get(name)
+            taken_by = self.owner.get(name) if name not in self._removals else None
+            pending = self._successor.get(name)
+            if pending is not None and pending[1] != source:
+                taken_by = pending[1]
+            if state is not None and taken_by is not None and taken_by != source:
+                log.warning("%s: backend name %r is taken (by %s); skipped", source, name, taken_by)
                 continue
             if self.removing(name):
-                if self.registry.states[name].config == config:
-                    await self.add(config, source)  # back before its drain ended
-                elif self._replacing.get(name) != config:  # changed: the new one once the old is gone
-                    self._replacing[name] = config
-                    self._spawn(self._replace(name, config, source))
+                assert state is not None
+                if state.config == config:
+                    self._keep(name, source)  # back before its drain ended
+                    log.info("backend %s: back before its removal finished; in rotation again", name)
+                else:  # changed: the new one once the old one is gone
+                    self._successor[name] = (config, source)
+                continue
+            if state is not None:  # unchanged
                 continue
             checked = None
             if check_first:
@@ -150,22 +193,24 @@ class Fleet:
                     continue
             await self.add(config, source, checked)
 
-    async def _replace(self, name: str, config: BackendConfig, source: str) -> None:
-        removal = self._removals.get(name)
-        if removal is not None:
-            await asyncio.shield(removal)
-        if self._replacing.pop(name, None) == config and name not in self.registry.states:
-            await self.add(config, source)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
 
     async def close(self) -> None:
-        for t in [*self._removals.values(), *self._tasks]:
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._removals.values(), *self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._removals.clear()
+        self._successor.clear()
 
 
 def backend_from_admin(raw: Any) -> BackendConfig:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -155,3 +156,50 @@ async def test_sighup_reloads_backends_and_names_fixed_keys_in_a_running_router(
 
 async def _eq(fn: Callable[[], Awaitable[object]], expected: object) -> bool:
     return await fn() == expected
+
+
+async def test_sighup_while_the_engines_start_is_applied_once_the_router_is_up(tmp_path: Path) -> None:
+    """SIGHUP's default action ends a process: the handler is there before the engines
+    start, and a reload asked for meanwhile runs once the router is up."""
+    port = free_port()
+    f = tmp_path / "router.toml"
+    engines = (
+        f'[launcher]\nlog_dir = "{tmp_path / "logs"}"\nstartup_timeout_s = 60\n'
+        f'[[engines]]\nname = "e0"\nkind = "sim"\nrole = "both"\nmodel = "{MODEL}"\n'
+    )
+    f.write_text(engines)
+    proc = start_group(
+        [sys.executable, "-m", "router", "--config", str(f), "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.decode() for line in proc.stderr), daemon=True)
+    reader.start()
+
+    def logged(text: str) -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited ({proc.returncode}): {''.join(lines)}")
+        return any(text in line for line in lines)
+
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await eventually(lambda: logged("starting 1 engine(s)"), 30, "the engines to start")
+        f.write_text('[routing]\nstrategy = "round_robin"\n' + engines)
+        proc.send_signal(signal.SIGHUP)
+        await eventually(lambda: logged("reload applied: routing"), 60, "the reload once the router is up")
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+        proc.stderr.close()
+    assert proc.returncode == 0, "".join(lines)
+    messages = [json.loads(line)["message"] for line in lines if line.startswith("{")]
+    started = next(i for i, m in enumerate(messages) if m.startswith("router ready"))
+    asked = next(i for i, m in enumerate(messages) if m.startswith("SIGHUP while the router starts"))
+    assert asked < started  # it came while the engines started

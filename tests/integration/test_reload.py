@@ -157,3 +157,54 @@ async def test_a_bad_file_changes_nothing(make_cluster: MakeCluster, caplog: pyt
     assert "routing.cache_hit_threshold: expected a number in [0, 1]" in caplog.text
     assert c.state.config is before
     assert set(c.registry.states) == {"d0", "d1"}
+
+
+async def test_a_reload_that_flip_flops_while_a_request_drains_ends_on_the_latest_address(
+    make_cluster: MakeCluster,
+) -> None:
+    """d1 moves from A to B while a stream runs on it (its replacement waits for the
+    drain), the file goes back to A, then to B again: once the stream ends d1 is at B, and
+    later moves keep working."""
+    c = await make_cluster(decoders=2, sim={"speed": 2.0})
+    b = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
+    try:
+        state = c.state
+        a_url = c.engines["d1"].url
+
+        def with_d1(url: str) -> dict[str, Any]:
+            backends = [{**x, "url": url} if x["name"] == "d1" else x for x in configured(c)]
+            return raw_of(c, backends)
+
+        state.registry.set_draining("d0", True)  # the stream must land on d1
+        stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("flip", 40), "max_tokens": 40}))
+        await eventually(lambda: c.engines["d1"].engine.num_running > 0 or stream.done(), what="the stream on d1")
+        assert not stream.done(), stream.result()
+        state.registry.set_draining("d0", False)
+
+        for url in (b.url, a_url, b.url):
+            await reload(state, lambda url=url: parse_config(with_d1(url)))
+            # Between two edits of the file the router goes on serving (its tasks run).
+            async with c.session.get(c.url + "/v1/models") as r:
+                assert r.status == 200
+        assert state.fleet.removing("d1")  # A drains under its stream, B waits for it
+        assert state.fleet.successor("d1").url == b.url
+
+        status, events = await stream
+        assert status == 200
+        assert events[-1] == "[DONE]"
+        assert not any("error" in e for e in events[:-1])
+
+        def d1_at(url: str) -> bool:
+            s = state.registry.states.get("d1")
+            return s is not None and s.config.url == url and s.healthy and not state.fleet.removing("d1")
+
+        await eventually(lambda: d1_at(b.url), what="d1 at B")
+        for url in (a_url, b.url):
+            await reload(state, lambda url=url: parse_config(with_d1(url)))
+            await eventually(lambda url=url: d1_at(url), what=f"d1 at {url}")
+        state.registry.set_draining("d0", True)  # a request served by d1 at B
+        status, out = await c.complete({"model": MODEL, "prompt": "after the flip-flop", "max_tokens": 2})
+        assert status == 200, out
+        state.registry.set_draining("d0", False)
+    finally:
+        await b.close()
