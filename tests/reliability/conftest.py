@@ -4,6 +4,7 @@
   engines (support/cluster.py), for white-box checks (engine running counts).
 - `procs`: engines and routers as real subprocesses (support/subprocess_cluster.py: SimProc, RouterProc), each
   stopped by its own process group at the end of the test, whatever happened.
+- `stack`: the security tests' router, capture proxy and trap server (support/security_stack.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 # A fixture is found by the name a test asks for: imported under its own name (an explicit
 # re-export, which the linter keeps).
 from support.cluster import make_cluster as make_cluster
+from support.security_stack import stack as stack
 from support.subprocess_cluster import RouterProc, SimProc
 
 
