@@ -10,16 +10,7 @@ import orjson
 import pytest
 
 from support.cluster import MakeCluster
-from support.security_stack import (
-    ADMIN_KEY,
-    BACKEND_KEY,
-    CLIENT_KEY,
-    OTHER_CLIENT_KEY,
-    Stack,
-    auth,
-    error_body,
-    post,
-)
+from support.security_stack import ADMIN_KEY, BACKEND_KEY, CLIENT_KEY, OTHER_CLIENT_KEY, Stack, auth, error_body, post
 from support.subprocess_cluster import MODEL
 
 # --- authentication ----------------------------------------------------------------------

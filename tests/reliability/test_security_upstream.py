@@ -15,13 +15,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 
-from support.security_stack import (
-    BACKEND_KEY,
-    CLIENT_KEY,
-    Stack,
-    auth,
-    post,
-)
+from support.security_stack import BACKEND_KEY, CLIENT_KEY, Stack, auth, post
 from support.subprocess_cluster import MODEL
 
 # --- what reaches the engine ---------------------------------------------------------------
