@@ -146,7 +146,7 @@ def records(caplog) -> list[dict]:
     return [r.request for r in caplog.records if r.name == "cachehit_router.requests" and hasattr(r, "request")]
 
 
-async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplog):
+async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     async with Router(kv_events_engine, "kv_events") as r:
         # Prompts: 2 blocks and a part; exactly 3 blocks (its last block vLLM computes
@@ -208,7 +208,7 @@ async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplo
         assert cached(out) == 0, out["usage"]
 
 
-async def test_probe_skips_the_race_when_the_index_knows(kv_events_engine, caplog):
+async def test_probe_skips_the_race_when_the_index_knows(kv_events_engine, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     # A new router: its index is rebuilt from the engine's replay socket.
     async with Router(kv_events_engine, "probe") as r:
