@@ -56,19 +56,19 @@ def test_config_defaults_and_errors_name_the_key() -> None:
 
 
 def test_one_events_config_per_port_is_taken_as_given() -> None:
-    def configs(*argv: str) -> list:
+    def configs(*argv: str) -> list[KVEventsConfig | None]:
         return kv_events_configs(build_parser().parse_args(["--port", "0", "--port", "0", *argv]))
 
     a = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:7001", "replay_endpoint": "tcp://*:7002"}'
     b = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:7101", "replay_endpoint": "tcp://*:7102"}'
     got = configs("--kv-events-config", a, "--kv-events-config", b)
-    assert [(c.endpoint, c.replay_endpoint) for c in got] == [
+    assert [c and (c.endpoint, c.replay_endpoint) for c in got] == [
         ("tcp://*:7001", "tcp://*:7002"),
         ("tcp://*:7101", "tcp://*:7102"),
     ]
     # Once: offset per engine, as before.
     once = configs("--kv-events-config", a)
-    assert [c.endpoint for c in once] == ["tcp://*:7001", "tcp://*:7002"]
+    assert [c and c.endpoint for c in once] == ["tcp://*:7001", "tcp://*:7002"]
     assert configs() == [None, None]
     three = build_parser().parse_args(["--port", "0", "--kv-events-config", a, "--kv-events-config", b])
     with pytest.raises(ValueError, match=r"--kv-events-config: given 2 times for 1 --port"):
@@ -134,12 +134,13 @@ def test_one_ipc_config_gives_each_engine_of_a_process_its_own_socket_files(tmp_
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    stdout = proc.stdout
+    assert stdout is not None  # a pipe
     ctx = zmq.Context()
     sockets = [pub, replay, tmp_path / "kv.events_dp1", tmp_path / "kv.replay_dp1"]
     try:
-        assert proc.stdout is not None
         for _ in range(2):
-            assert "sim engine listening" in proc.stdout.readline()
+            assert "sim engine listening" in stdout.readline()
         # Bound (ipc is a bind endpoint, as in vLLM): the four socket files exist.
         assert all(p.is_socket() for p in sockets)
         for path in (replay, tmp_path / "kv.replay_dp1"):
@@ -148,6 +149,6 @@ def test_one_ipc_config_gives_each_engine_of_a_process_its_own_socket_files(tmp_
         ctx.destroy(linger=0)
         proc.terminate()
         proc.wait(timeout=30)
-        proc.stdout.close()
+        stdout.close()
     # A clean stop closes the sockets, and ZeroMQ removes their files.
     assert not any(p.exists() for p in sockets)
