@@ -3,13 +3,14 @@
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from router.config.parse import load_config, parse_config
-from router.config.schema import ConfigError, RoutingConfig
+from router.config.schema import BackendConfig, ConfigError, RoutingConfig
 from router.names import EngineRole, Mode, Role
 from router.routing import policies
 from router.server.settings import parse_checked
@@ -228,7 +229,7 @@ def test_engines_become_backends_with_mapped_roles() -> None:
     assert b["p"].models == ("m",)
 
 
-def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_ports(tmp_path):
+def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_ports(tmp_path: Path) -> None:
     log_dir = str(tmp_path / "logs")
     cfg = parse_config(
         {
@@ -252,7 +253,7 @@ def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_por
     )
     assert cfg.engines[0].kv_events is True
 
-    def endpoints(backends) -> dict[str, tuple[str, str]]:
+    def endpoints(backends: Iterable[BackendConfig]) -> dict[str, tuple[str, str]]:
         return {x.name: (x.kv_events_endpoint, x.kv_events_replay_endpoint) for x in backends}
 
     # Engines started elsewhere (router --no-engines): a loopback engine's ipc sockets under
@@ -285,7 +286,7 @@ def test_engines_kv_event_endpoints_come_from_the_launcher_or_the_configured_por
     assert endpoints(long.all_backends()) == {"c": ("", "")}
 
 
-def _run_cli(*args):
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
     )

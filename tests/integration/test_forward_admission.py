@@ -8,6 +8,7 @@ no /v1/responses), registered as the router's only backend."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +51,19 @@ class Recorder:
             app.router.add_post(path, record)
         app.router.add_get("/version", version)
         app.router.add_get("/tokenizer_info", version)
-        app.router.add_get("/health", lambda r: web.Response())
-        app.router.add_get("/metrics", lambda r: web.Response(text=""))
-        app.router.add_get("/v1/models", lambda r: web.json_response({"object": "list", "data": [{"id": MODEL}]}))
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response()
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="")
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/models", models)
         return app
 
 
@@ -64,8 +75,12 @@ async def _serve(app: web.Application, **kw: Any) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
 
 
+# The fixture's value: the upstream's recorder, a client session, the router's URL.
+Routed = tuple[Recorder, aiohttp.ClientSession, str]
+
+
 @pytest.fixture
-async def routed():
+async def routed() -> AsyncIterator[Routed]:
     rec = Recorder()
     engine, engine_url = await _serve(rec.app())
     cfg = parse_config(
@@ -96,7 +111,7 @@ def _auth(key: str = KEY) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-HOSTILE = {
+HOSTILE: dict[str, Any] = {
     "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.66.66.66", "remote_port": 5600},
     "ec_transfer_params": {"do_remote_encode": True},
     "cache_hit_threshold": 0.0,
@@ -111,7 +126,9 @@ HOSTILE = {
         ("/v1/embeddings", {"model": MODEL, "input": ["a", "b"]}),
     ],
 )
-async def test_forwarded_bodies_reach_the_engine_without_the_routers_fields(routed, path: str, body: dict) -> None:
+async def test_forwarded_bodies_reach_the_engine_without_the_routers_fields(
+    routed: Routed, path: str, body: dict[str, Any]
+) -> None:
     rec, session, url = routed
     async with session.post(url + path, json={**body, **HOSTILE}, headers=_auth()) as r:
         assert r.status == 200, await r.text()
@@ -122,13 +139,14 @@ async def test_forwarded_bodies_reach_the_engine_without_the_routers_fields(rout
     assert clean == body
 
 
-async def test_a_body_priority_earlier_than_the_key_may_ask_is_refused_before_any_engine(routed) -> None:
+async def test_a_body_priority_earlier_than_the_key_may_ask_is_refused_before_any_engine(routed: Routed) -> None:
     rec, session, url = routed
-    for path, body in [
+    cases: list[tuple[str, dict[str, Any]]] = [
         ("/v1/embeddings", {"model": MODEL, "input": "a"}),
         ("/v1/responses", {"model": MODEL, "input": "a"}),
         ("/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1}),
-    ]:
+    ]
+    for path, body in cases:
         for key, priority in [(KEY, -11), (PLAIN_KEY, -1), (KEY, -100), (KEY, "-100")]:
             async with session.post(url + path, json={**body, "priority": priority}, headers=_auth(key)) as r:
                 err = (await r.json())["error"]
@@ -144,7 +162,7 @@ async def test_a_body_priority_earlier_than_the_key_may_ask_is_refused_before_an
 
 
 @pytest.mark.parametrize("path", ["/version", "/tokenizer_info"])
-async def test_get_routes_are_held_to_the_tenants_rate(routed, path: str) -> None:
+async def test_get_routes_are_held_to_the_tenants_rate(routed: Routed, path: str) -> None:
     _, session, url = routed
     statuses = []
     for _ in range(10):
@@ -161,7 +179,7 @@ async def test_get_routes_are_held_to_the_tenants_rate(routed, path: str) -> Non
         assert r.status == 401
 
 
-async def test_concurrent_get_routes_never_exceed_the_routers_slots(routed) -> None:
+async def test_concurrent_get_routes_never_exceed_the_routers_slots(routed: Routed) -> None:
     rec, session, url = routed
     rec.get_delay_s = 0.05
 

@@ -122,11 +122,11 @@ async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(
     # computes the last block again: 20 are of use.
     pub.publish(stored(H[1:], PROMPT[4:], H[0]))
     await eventually(lambda: hits(state) == {"e0": KvHit(24, 0)}, what="the whole prompt on GPU")
-    query = await state.prompt_index.annotate(route_query(spec), False, spec.body, state.registry.snapshot(), None)
+    query = await state.prompt_index.annotate(route_query(spec), False, spec.body, registry_of(state).snapshot(), None)
     assert query.indexed == {"e0": 20.0}
     one_more = parse_request("completions", orjson.dumps({"model": "m", "prompt": [*PROMPT, 7]}))
     query = await state.prompt_index.annotate(
-        route_query(one_more), False, one_more.body, state.registry.snapshot(), None
+        route_query(one_more), False, one_more.body, registry_of(state).snapshot(), None
     )
     assert query.indexed == {"e0": 24.0}
     pub.publish(cleared())

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 import psutil
 
+from engine_launcher.supervisor import Supervisor
 from router.config.parse import parse_config
 from router.server.state import RouterState
 from support.polling import eventually
@@ -32,7 +34,7 @@ def listening_tcp_ports(pid: int) -> set[int]:
     return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
 
 
-async def test_started_engines_are_followed_at_the_endpoints_the_launcher_picked(tmp_path):
+async def test_started_engines_are_followed_at_the_endpoints_the_launcher_picked(tmp_path: Path) -> None:
     sim = {"kind": "sim", "role": "both", "model": MODEL}
     raw = {
         "launcher": {"log_dir": str(tmp_path / "logs"), "startup_timeout_s": WAIT_S},
@@ -75,6 +77,7 @@ async def test_started_engines_are_followed_at_the_endpoints_the_launcher_picked
 
         # Nothing listens on TCP but the engines' HTTP ports: no event stream on any interface.
         http = {urlsplit(state.registry.states[n].config.url).port for n in ("a", "b", "quiet")}
+        assert isinstance(state.supervisor, Supervisor)  # the launcher, through its entry point
         pids = {u.pid for u in state.supervisor.status()}
         assert None not in pids
         assert set().union(*(listening_tcp_ports(p) for p in pids if p is not None)) == http

@@ -41,7 +41,7 @@ def ipc_pair(name: str) -> tuple[str, str]:
     return f"ipc://{d}/{name}.events", f"ipc://{d}/{name}.replay"
 
 
-def test_dry_run_prints_exact_commands_for_router_toml(capsys):
+def test_dry_run_prints_exact_commands_for_router_toml(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["--config", str(REPO / "router.toml"), "--dry-run", "--host-type", "cpu"])
     assert rc == 0
     out = capsys.readouterr().out.splitlines()
@@ -70,7 +70,7 @@ def test_dry_run_prints_exact_commands_for_router_toml(capsys):
     assert not os.path.exists(os.path.dirname(ipc_pair("prefill-0")[0].removeprefix("ipc://")))
 
 
-def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
+def test_up_subcommand_and_gpu_flavour(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write(
         tmp_path,
         """
@@ -118,7 +118,7 @@ def test_up_subcommand_and_gpu_flavour(tmp_path, capsys):
     assert "on a GPU host" in out
 
 
-def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
+def test_dry_run_shows_the_cpu_tier_connector(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write(
         tmp_path,
         """
@@ -154,7 +154,7 @@ def test_dry_run_shows_the_cpu_tier_connector(tmp_path, capsys):
     assert f"--kv-transfer-config '{kv}'" in out
 
 
-def test_dry_run_mentions_picked_ports(tmp_path, capsys):
+def test_dry_run_mentions_picked_ports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = write(
         tmp_path,
         """
@@ -193,7 +193,7 @@ def test_bad_config_exits_2_and_names_the_key(
     assert err.startswith(f"engine-launcher: configuration error: {key}")
 
 
-def test_missing_config_file_exits_2(tmp_path, capsys):
+def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--config", str(tmp_path / "nope.toml")]) == 2
     assert "cannot read configuration file" in capsys.readouterr().err
 
@@ -215,13 +215,13 @@ def test_sim_and_install_deps_subcommands_are_forwarded(
     assert capsys.readouterr().out.startswith(usage)
 
 
-def test_tiny_model_subcommand_is_forwarded(capsys):
+def test_tiny_model_subcommand_is_forwarded(capsys: pytest.CaptureFixture[str]) -> None:
     # tiny_model.main's own usage check answers: the launcher forwarded argv unchanged.
     assert main(["tiny-model", "--bad"]) == 2
     assert "usage: python -m engine_launcher.tiny_model DIR" in capsys.readouterr().err
 
 
-def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
+def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     ports = [free_port() for _ in range(3)]
     cfg = write(
         tmp_path,
@@ -276,7 +276,7 @@ def test_launcher_runs_sim_engines_and_stops_cleanly_on_sigterm(tmp_path):
         lp.kill()
 
 
-def test_launcher_exits_1_with_log_tail_when_an_engine_cannot_start(tmp_path):
+def test_launcher_exits_1_with_log_tail_when_an_engine_cannot_start(tmp_path: Path) -> None:
     cfg = write(
         tmp_path,
         f"""

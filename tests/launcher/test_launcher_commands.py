@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,7 +191,7 @@ def test_kv_offload_gib_adds_the_offloading_connector_beside_nixl(role: str, kv_
     assert plain[plain.index("--kv-transfer-config") + 1] == kv_config(kv_role, "cuda")
 
 
-def test_kv_offload_gib_on_a_cpu_host_is_a_configuration_error():
+def test_kv_offload_gib_on_a_cpu_host_is_a_configuration_error() -> None:
     # vLLM 0.32's CPU build refuses the OffloadingConnector at start; say so before starting.
     e = vllm_engine("e0", "both", kv_offload_gib=1.0)
     with pytest.raises(ConfigError, match=r"engines\[0\]\.kv_offload_gib: .*needs a CUDA or XPU GPU"):
@@ -209,21 +210,21 @@ def test_kv_offload_gib_gives_sim_engines_a_cpu_tier_in_tokens() -> None:
     assert [c.engines for c in cmds] == [("s0",), ("s1",)]
 
 
-def test_kv_offload_gib_must_not_be_negative(tmp_path):
+def test_kv_offload_gib_must_not_be_negative(tmp_path: Path) -> None:
     path = tmp_path / "router.toml"
     path.write_text('[[engines]]\nname = "a"\nkind = "sim"\nkv_offload_gib = -1\n')
     with pytest.raises(ConfigError, match=r"engines\[0\]\.kv_offload_gib: expected a non-negative"):
         load_config(path)
 
 
-def test_gpu_host_without_async_scheduling_uses_sync_scheduler():
+def test_gpu_host_without_async_scheduling_uses_sync_scheduler() -> None:
     cmd = one(vllm_engine("g0", "consumer", extra_args=("--no-async-scheduling",)), GPU_HOST)
     i = cmd.argv.index("--scheduler-cls")
     assert cmd.argv[i + 1] == SYNC_SCHEDULER_CLS
     assert cmd.argv[-1] == "--no-async-scheduling"
 
 
-def test_extra_args_come_last_and_replace_launcher_defaults():
+def test_extra_args_come_last_and_replace_launcher_defaults() -> None:
     extra = ("--dtype", "bfloat16", "--block-size=64", "--max-model-len", "1024", "--scheduler-cls", "my.Sched")
     cmd = one(vllm_engine("e0", "consumer", extra_args=extra), CPU_HOST)
     argv = list(cmd.argv)
@@ -238,7 +239,7 @@ def test_extra_args_come_last_and_replace_launcher_defaults():
     assert argv[argv.index("my.Sched") - 1] == "--scheduler-cls"
 
 
-def test_user_env_overrides_launcher_env():
+def test_user_env_overrides_launcher_env() -> None:
     e = vllm_engine(
         "e0", "producer", env=(("UCX_TLS", "rc,tcp"), ("VLLM_CPU_KVCACHE_SPACE", "4"), ("HF_HOME", "/cache"))
     )
@@ -248,7 +249,7 @@ def test_user_env_overrides_launcher_env():
     assert env["HF_HOME"] == "/cache"
 
 
-def test_cpu_engines_get_disjoint_cores():
+def test_cpu_engines_get_disjoint_cores() -> None:
     engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer"), vllm_engine("c", "consumer", cpu_cores=(7,))]
     host = HostInfo(gpu_count=0, cpu_ids=(0, 1, 2, 3, 4, 5, 6, 7))
     cores = assign_cpu_cores(engines, host)
@@ -258,7 +259,7 @@ def test_cpu_engines_get_disjoint_cores():
     assert assign_cpu_cores(many, CPU_HOST) == {"e0": (0,), "e1": (1,), "e2": (0,)}
 
 
-def test_two_cpu_engines_bind_one_core_each_in_their_commands():
+def test_two_cpu_engines_bind_one_core_each_in_their_commands() -> None:
     engines = [vllm_engine("p", "producer"), vllm_engine("c", "consumer")]
     ports = {"p": eports(9001, 5601), "c": eports(9002, 5602)}
     p, c = build_commands(engines, ports, CPU_HOST, log_dir="l", python=PY)
@@ -266,7 +267,7 @@ def test_two_cpu_engines_bind_one_core_each_in_their_commands():
     assert c.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
 
-def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error():
+def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error() -> None:
     engines = [vllm_engine(f"e{i}", "consumer") for i in range(2)] + [vllm_engine("x", "producer", gpu_ids=(0,))]
     ports = {e.name: eports(9000 + i, 5600 + i) for i, e in enumerate(engines)}
     cmds = build_commands(engines, ports, HostInfo(gpu_count=3), log_dir="l", python=PY)
@@ -277,7 +278,7 @@ def test_gpus_spread_one_per_engine_and_too_few_gpus_is_a_config_error():
     assert "CUDA_VISIBLE_DEVICES" not in one(vllm_engine("solo", "both"), GPU_HOST).env
 
 
-def test_identical_sim_engines_share_one_process():
+def test_identical_sim_engines_share_one_process() -> None:
     cfg = load_config("router.toml")
     # Loopback engines: no event port to pick.
     assert ports_to_pick(cfg.engines) == []
@@ -335,7 +336,7 @@ def test_identical_sim_engines_share_one_process():
     assert dict(decode.kv_events) == {f"decode-{i}": ipc_pair("engine-logs", f"decode-{i}") for i in range(4)}
 
 
-def test_sim_engines_with_different_options_do_not_share():
+def test_sim_engines_with_different_options_do_not_share() -> None:
     engines = [
         EngineConfig(name="a", kind="sim", role=EngineRole.BOTH, port=1, model="m"),
         EngineConfig(name="b", kind="sim", role=EngineRole.BOTH, port=2, model="m", extra_args=("--speedup", "2")),
@@ -345,7 +346,7 @@ def test_sim_engines_with_different_options_do_not_share():
             name="e", kind="sim", role=EngineRole.BOTH, port=5, model="m", cpu_cores=(1,), served_model_name="served"
         ),
     ]
-    engines.append(EngineConfig(name="f", kind="sim", role="both", port=6, model="m", kv_events=False))
+    engines.append(EngineConfig(name="f", kind="sim", role=EngineRole.BOTH, port=6, model="m", kv_events=False))
     cmds = build_commands(engines, resolve_ports(engines, picked_for(engines)), CPU_HOST, log_dir="l", python=PY)
     # An engine without events cannot share a process with engines that publish.
     assert [c.engines for c in cmds] == [("a", "c"), ("b",), ("d",), ("e",), ("f",)]
@@ -358,18 +359,18 @@ def test_sim_engines_with_different_options_do_not_share():
     assert "--kv-events-config" not in cmds[4].argv
 
 
-def test_default_python_is_the_running_interpreter():
+def test_default_python_is_the_running_interpreter() -> None:
     cmd = build_commands([vllm_engine("e", "both")], {"e": eports(1, 2)}, CPU_HOST, log_dir="l")[0]
     assert cmd.argv[0] == sys.executable
 
 
-def test_shell_line_quotes_json_and_puts_env_first():
+def test_shell_line_quotes_json_and_puts_env_first() -> None:
     line = one(vllm_engine("e0", "producer"), CPU_HOST).shell_line()
     assert line.startswith("CACHEHIT_NIXL_PROGRESS_DELAY_US=10000 PYTHONUNBUFFERED=1 UCX_TLS=tcp,self ")
     assert '\'{"kv_connector":"NixlConnector"' in line
 
 
-def test_gpus_stay_inside_the_launchers_own_visible_devices():
+def test_gpus_stay_inside_the_launchers_own_visible_devices() -> None:
     from engine_launcher.host import visible_gpus
 
     engines = [vllm_engine("a", "producer"), vllm_engine("b", "consumer")]

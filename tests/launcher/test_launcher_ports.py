@@ -9,6 +9,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
@@ -22,6 +23,7 @@ from engine_launcher.ports import EnginePorts, ports_to_pick, resolve_ports, url
 from engine_launcher.supervisor import Supervisor
 from router.config.parse import parse_config
 from router.config.schema import ConfigError, EngineConfig, LauncherConfig
+from router.names import EngineRole
 
 CPU_HOST = HostInfo(gpu_count=0, cpu_ids=(0, 1))
 ANY = "0.0.0.0"
@@ -31,12 +33,12 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLY_TIMEOUT_S = 30
 
 
-def sim(name: str, **kw) -> EngineConfig:
-    return EngineConfig(name=name, kind="sim", role="both", model="m", **kw)
+def sim(name: str, **kw: Any) -> EngineConfig:
+    return EngineConfig(name=name, kind="sim", role=EngineRole.BOTH, model="m", **kw)
 
 
-def vllm(name: str, **kw) -> EngineConfig:
-    return EngineConfig(name=name, kind="vllm", role="both", model="/models/tiny", **kw)
+def vllm(name: str, **kw: Any) -> EngineConfig:
+    return EngineConfig(name=name, kind="vllm", role=EngineRole.BOTH, model="/models/tiny", **kw)
 
 
 def picked_for(engines: list[EngineConfig], base: int = 40000) -> dict[tuple[str, str], int]:
@@ -44,11 +46,11 @@ def picked_for(engines: list[EngineConfig], base: int = 40000) -> dict[tuple[str
     return {(name, which): base + i for i, (name, which, _) in enumerate(ports_to_pick(engines))}
 
 
-def flag_values(argv: tuple[str, ...]) -> list[dict]:
+def flag_values(argv: tuple[str, ...]) -> list[dict[str, Any]]:
     return [json.loads(argv[i + 1]) for i, a in enumerate(argv) if a == "--kv-events-config"]
 
 
-def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():
+def test_port_assignment_fills_only_zeros_and_clashes_name_the_key() -> None:
     engines = [
         vllm("v", port=8000, host="10.0.0.5"),
         EngineConfig(name="s", kind="sim", port=0),
@@ -79,20 +81,20 @@ def test_port_assignment_fills_only_zeros_and_clashes_name_the_key():
         build_commands(clash, resolve_ports(clash, picked_for(clash)), CPU_HOST, log_dir="l")
 
 
-def test_unresolved_port_is_refused():
+def test_unresolved_port_is_refused() -> None:
     engines = [EngineConfig(name="s", kind="sim")]
     with pytest.raises(ValueError, match="not resolved"):
         build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
 
 
-def test_url_for_wildcards_and_ipv6():
+def test_url_for_wildcards_and_ipv6() -> None:
     assert url_for("0.0.0.0", 1) == "http://127.0.0.1:1"
     assert url_for("::", 2) == "http://[::1]:2"
     assert url_for("::1", 3) == "http://[::1]:3"
     assert url_for("localhost", 4) == "http://localhost:4"
 
 
-def test_configured_ports_of_non_loopback_hosts_are_bound_on_the_wildcard_and_reached_at_the_host():
+def test_configured_ports_of_non_loopback_hosts_are_bound_on_the_wildcard_and_reached_at_the_host() -> None:
     engines = [
         vllm(
             "v",
@@ -125,7 +127,7 @@ def test_configured_ports_of_non_loopback_hosts_are_bound_on_the_wildcard_and_re
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
-def test_a_loopback_engine_publishes_on_ipc_sockets_of_its_own(host):
+def test_a_loopback_engine_publishes_on_ipc_sockets_of_its_own(host: str) -> None:
     engines = [vllm("v", host=host, port=8000, nixl_side_channel_port=5600), sim("s", host=host, port=8001)]
     assert ports_to_pick(engines) == []
     v, s = build_commands(engines, resolve_ports(engines), CPU_HOST, log_dir="l")
@@ -155,12 +157,12 @@ def test_a_loopback_engine_publishes_on_ipc_sockets_of_its_own(host):
         ),
     ],
 )
-def test_event_ports_on_a_loopback_host_are_refused_naming_the_key(engine, message):
+def test_event_ports_on_a_loopback_host_are_refused_naming_the_key(engine: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config({"engines": [engine]})
 
 
-def test_no_events_when_turned_off_or_brought_by_the_users_own_flag():
+def test_no_events_when_turned_off_or_brought_by_the_users_own_flag() -> None:
     own = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000"}'
     engines = [
         sim("off", port=9000, kv_events=False),
@@ -176,7 +178,7 @@ def test_no_events_when_turned_off_or_brought_by_the_users_own_flag():
     assert dict(off.kv_events) == dict(mine.kv_events) == {}
 
 
-def test_plan_picks_distinct_free_event_ports_and_holds_them(tmp_path):
+def test_plan_picks_distinct_free_event_ports_and_holds_them(tmp_path: Path) -> None:
     engines = [sim(f"s{i}", host=ANY) for i in range(3)] + [vllm("v", host=ANY), sim("local")]
     sup = Supervisor(engines, LauncherConfig(log_dir=str(tmp_path)), host_has_gpu=False)
     try:
@@ -187,7 +189,7 @@ def test_plan_picks_distinct_free_event_ports_and_holds_them(tmp_path):
         assert len(picked) == len(set(picked)) == 3 * 3 + 4 + 1
         assert ports["local"].kv_events is None
         # Held until the engine is spawned: nobody else binds them meanwhile.
-        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         try:
             with pytest.raises(zmq.ZMQError, match="in use"):
                 pub.bind(f"tcp://*:{ports['s1'].kv_events}")
@@ -213,7 +215,7 @@ def test_plan_picks_distinct_free_event_ports_and_holds_them(tmp_path):
         sup.release_ports()
 
 
-def test_socket_paths_too_long_for_af_unix_move_to_a_private_temp_directory(tmp_path):
+def test_socket_paths_too_long_for_af_unix_move_to_a_private_temp_directory(tmp_path: Path) -> None:
     log_dir = tmp_path / ("x" * 90)
     sup = Supervisor([sim("a"), sim("b")], LauncherConfig(log_dir=str(log_dir)), host_has_gpu=False)
     try:
@@ -242,7 +244,7 @@ def listening_tcp_ports(pid: int) -> set[int]:
     return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
 
 
-async def test_a_started_loopback_simulator_publishes_on_private_ipc_sockets_only(tmp_path: Path):
+async def test_a_started_loopback_simulator_publishes_on_private_ipc_sockets_only(tmp_path: Path) -> None:
     engines = [sim("a"), sim("b")]
     ctx = zmq.asyncio.Context()
     d = tmp_path / "kv-events"

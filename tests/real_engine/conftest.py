@@ -250,7 +250,7 @@ def real_engines(tiny_model: Path, engine_workdir: Path) -> Iterator[EngineSet]:
 
 
 @pytest.fixture(scope="module")
-def kv_events_engine(tiny_model, engine_workdir):
+def kv_events_engine(tiny_model: Path, engine_workdir: Path) -> Iterator[EngineProcess]:
     """An engine with KV-cache events on: `extra["kv_events_endpoint"]` and
     `extra["kv_events_replay_endpoint"]` are where a router on this host subscribes.
     VLLM_SERVER_DEV_MODE=1 serves vLLM's POST /reset_prefix_cache."""

@@ -20,6 +20,7 @@ blocks: floor((n - 1) / 32) * 32 at most. So an index hit `h` predicts
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import aiohttp
 import orjson
@@ -31,8 +32,10 @@ from router.engine.tokenize import tokenize_body
 from router.routing.kv_index import KvHit
 from router.server.app import ROUTER_KEY, build_app
 from router.server.state import RouterState
+from support.cluster import registry_of
 from support.polling import eventually
-from support.real_engine import post_json
+from support.ports import site_port
+from support.real_engine import EngineProcess, post_json
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
@@ -61,7 +64,7 @@ def vllm_cached(hit: int, n: int) -> int:
 class Router:
     """An in-process router whose one backend is the engine, with its event endpoints."""
 
-    def __init__(self, engine, strategy: str):
+    def __init__(self, engine: EngineProcess, strategy: str) -> None:
         self.engine = engine
         self.config = parse_config(
             {
@@ -89,12 +92,12 @@ class Router:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.url = f"http://127.0.0.1:{site_port(site)}"
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
-        await eventually(self.fresh, timeout=EVENTS_WITHIN_S, what="the snapshot calls the engine's index fresh")
+        await eventually(self.fresh, within=EVENTS_WITHIN_S, what="the snapshot calls the engine's index fresh")
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.session.close()
         await self.runner.cleanup()
 
@@ -103,50 +106,68 @@ class Router:
         return self.app[ROUTER_KEY]
 
     def fresh(self) -> bool:
-        snap = self.state.registry.snapshot()
-        return bool(snap.get(NAME) and snap.get(NAME).kv_events_fresh)
+        view = registry_of(self.state).snapshot().get(NAME)
+        return bool(view and view.kv_events_fresh)
 
     def hit(self, token_ids: list[int]) -> KvHit:
+        assert self.state.kv_events is not None  # the backend has event endpoints
         return self.state.kv_events.index.match(token_ids).get(NAME, KvHit(0, 0))
 
     async def shows(self, token_ids: list[int], tokens: int) -> KvHit:
         """Until the index holds `tokens` of the prompt on GPU (its batch may trail the answer)."""
-        return await eventually(
-            lambda: (h := self.hit(token_ids)).gpu_tokens == tokens and h,
-            timeout=EVENTS_WITHIN_S,
+
+        def held() -> KvHit | None:
+            h = self.hit(token_ids)
+            return h if h.gpu_tokens == tokens else None
+
+        got = await eventually(
+            held,
+            within=EVENTS_WITHIN_S,
             what=f"the index holding {tokens} of a {len(token_ids)}-token prompt (holds {self.hit(token_ids)})",
         )
+        assert got is not None  # eventually returns a truthy value
+        return got
 
-    async def post(self, path: str, body: dict) -> dict:
+    async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         payload = {"model": MODEL, "max_tokens": 1, "temperature": 0, "return_token_ids": True, **body}
         async with self.session.post(self.url + path, json=payload) as r:
-            out = orjson.loads(await r.read())
+            out: dict[str, Any] = orjson.loads(await r.read())
             assert r.status == 200, (r.status, out, self.engine.log_tail())
         return out
 
-    async def router_token_ids(self, chat: bool, body: dict) -> list[int]:
+    async def router_token_ids(self, chat: bool, body: dict[str, Any]) -> list[int]:
         """The prompt's token ids as the router's prompt index gets them (/tokenize)."""
         tb = tokenize_body(chat, {"model": MODEL, **body}, MODEL)
         assert tb is not None
+        assert self.state.prompt_index is not None  # the kv_events strategy keeps one
         got = await self.state.prompt_index.tokenizer.token_ids(NAME, self.engine.base_url, tb)
         return list(got)
 
 
-def prompt_ids(out: dict) -> list[int]:
+def prompt_ids(out: dict[str, Any]) -> list[int]:
     """The engine's own token ids of the prompt (`return_token_ids`)."""
     # Chat answers carry them at the top, completions per choice.
-    return out.get("prompt_token_ids") or out["choices"][0]["prompt_token_ids"]
+    ids: list[int] = out.get("prompt_token_ids") or out["choices"][0]["prompt_token_ids"]
+    return ids
 
 
-def cached(out: dict) -> int:
-    return (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+def cached(out: dict[str, Any]) -> int:
+    n: int = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return n
 
 
-def records(caplog) -> list[dict]:
-    return [r.request for r in caplog.records if r.name == "cachehit_router.requests" and hasattr(r, "request")]
+def records(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    # The request log's record carries its fields as the `request` attribute (logging extra).
+    return [
+        r.__dict__["request"]
+        for r in caplog.records
+        if r.name == "cachehit_router.requests" and "request" in r.__dict__
+    ]
 
 
-async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplog):
+async def test_the_index_matches_what_the_engine_reports(
+    kv_events_engine: EngineProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     async with Router(kv_events_engine, "kv_events") as r:
         # Prompts: 2 blocks and a part; exactly 3 blocks (its last block vLLM computes
@@ -154,7 +175,7 @@ async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplo
         a = ids(1, 2 * BLOCK + 16)
         b = ids(2, 3 * BLOCK)
         chat = {"messages": [{"role": "user", "content": " ".join(["lantern meadow copper"] * 20)}]}
-        sent: list[tuple[str, dict, list[int]]] = []
+        sent: list[tuple[str, dict[str, Any], list[int]]] = []
         for path, body, chat_path in (
             ("/v1/completions", {"prompt": a}, False),
             ("/v1/completions", {"prompt": b}, False),
@@ -200,6 +221,7 @@ async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplo
         caplog.clear()
         await r.post("/v1/completions", {"prompt": d})
         await r.shows(d, full_blocks(len(d)))
+        assert r.state.kv_events is not None
         stats = r.state.kv_events.index.stats(NAME)
         assert stats.blocks == stats.gpu_blocks == len(d) // BLOCK, stats
         for prompt in (a, b, c):
@@ -208,7 +230,9 @@ async def test_the_index_matches_what_the_engine_reports(kv_events_engine, caplo
         assert cached(out) == 0, out["usage"]
 
 
-async def test_probe_skips_the_race_when_the_index_knows(kv_events_engine, caplog):
+async def test_probe_skips_the_race_when_the_index_knows(
+    kv_events_engine: EngineProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="cachehit_router")
     # A new router: its index is rebuilt from the engine's replay socket.
     async with Router(kv_events_engine, "probe") as r:

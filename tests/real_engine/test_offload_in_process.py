@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-# The scheduler tests' fixtures, imported under their own names (an explicit re-export, which
-# the linter keeps) so that this module's tests can ask for them.
-from real_engine.test_scheduler_in_process import (
+# The in-process harness's fixtures, imported under their own names (an explicit re-export,
+# which the linter keeps) so that this module's tests can ask for them.
+from support.scheduler_loop import (
     BLOCK,
     MAX_MODEL_LEN,
     TOKEN,
@@ -34,8 +34,8 @@ from real_engine.test_scheduler_in_process import (
     make_request,
     prompt,
 )
-from real_engine.test_scheduler_in_process import block_hasher as block_hasher
-from real_engine.test_scheduler_in_process import make_request as make_request
+from support.scheduler_loop import block_hasher as block_hasher
+from support.scheduler_loop import make_request as make_request
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -4,6 +4,9 @@
   engines (support/cluster.py), for white-box checks (engine running counts).
 - `procs`: engines and routers as real subprocesses (support/subprocess_cluster.py: SimProc, RouterProc), each
   stopped by its own process group at the end of the test, whatever happened.
+- `fuzz_router`: one simulated engine and one router (real processes) per fuzzing module
+  (support/fuzz_http.py).
+- `stack`: the security tests' router, capture proxy and trap server (support/security_stack.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import pytest
 # A fixture is found by the name a test asks for: imported under its own name (an explicit
 # re-export, which the linter keeps).
 from support.cluster import make_cluster as make_cluster
+from support.fuzz_http import fuzz_router as fuzz_router
+from support.security_stack import stack as stack
 from support.subprocess_cluster import RouterProc, SimProc
 
 

@@ -25,6 +25,7 @@ NO_UNIT_TEST = {
     "admission/body.py": "reads an aiohttp request: tests/reliability/test_hostile_input.py",
     "cli.py": "the process entry point: tests/integration/test_cli_env_and_sighup.py",
     "config/checks.py": "through parse_config: tests/integration/test_config.py",
+    "config/event_sockets.py": "loopback engines' ipc paths: tests/launcher/test_launcher_ports.py, test_config.py",
     "config/kv_events.py": "through parse_config: tests/integration/test_config.py",
     "fleet/kv_events.py": "subscribes to real ZMQ publishers: tests/integration/test_kv_events_subscriber.py",
     "observability/kv_metrics.py": "scraped in tests/integration/test_kv_events_subscriber.py",

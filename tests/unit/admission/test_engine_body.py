@@ -4,6 +4,8 @@ nothing was removed, and the body's `priority` held to the key's max_priority.""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
@@ -11,7 +13,7 @@ from router.admission.engine_body import ENGINE_OWNED, check_priority, engine_js
 from router.admission.tenants import Tenant
 from router.errors import RouterError
 
-HOSTILE = {
+HOSTILE: dict[str, Any] = {
     "model": "m",
     "input": "hello",
     "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 5600},
@@ -21,7 +23,7 @@ HOSTILE = {
 }
 
 
-def _send(body: dict, tenant: Tenant | None = None) -> bytes:
+def _send(body: dict[str, Any], tenant: Tenant | None = None) -> bytes:
     raw = orjson.dumps(body)
     return engine_json(raw, orjson.loads(raw), tenant or Tenant("t"))
 
