@@ -175,7 +175,9 @@ async def test_sighup_while_the_engines_start_is_applied_once_the_router_is_up(t
         stderr=subprocess.PIPE,
     )
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(line.decode() for line in proc.stderr), daemon=True)
+    stderr = proc.stderr
+    assert stderr is not None
+    reader = threading.Thread(target=lambda: lines.extend(line.decode() for line in stderr), daemon=True)
     reader.start()
 
     def logged(text: str) -> bool:
@@ -197,7 +199,7 @@ async def test_sighup_while_the_engines_start_is_applied_once_the_router_is_up(t
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         reader.join(timeout=10)
-        proc.stderr.close()
+        stderr.close()
     assert proc.returncode == 0, "".join(lines)
     messages = [json.loads(line)["message"] for line in lines if line.startswith("{")]
     started = next(i for i, m in enumerate(messages) if m.startswith("router ready"))

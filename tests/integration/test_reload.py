@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
+from router.config.schema import Config
 from router.routing import policies
 from router.routing.policies.prefix_tree import PrefixTreeStrategy
 from router.routing.policies.probe import ProbeStrategy
@@ -169,25 +172,33 @@ async def test_a_reload_that_flip_flops_while_a_request_drains_ends_on_the_lates
     b = await start_sim_engine(SimEngineConfig(model=MODEL, speed=50.0, role="consumer"), port=0)
     try:
         state = c.state
+        registry = registry_of(state)
+        fleet = state.fleet
+        assert fleet is not None
         a_url = c.engines["d1"].url
 
         def with_d1(url: str) -> dict[str, Any]:
             backends = [{**x, "url": url} if x["name"] == "d1" else x for x in configured(c)]
             return raw_of(c, backends)
 
-        state.registry.set_draining("d0", True)  # the stream must land on d1
+        registry.set_draining("d0", True)  # the stream must land on d1
         stream = asyncio.create_task(c.stream({"model": MODEL, "prompt": long_prompt("flip", 40), "max_tokens": 40}))
         await eventually(lambda: c.engines["d1"].engine.num_running > 0 or stream.done(), what="the stream on d1")
         assert not stream.done(), stream.result()
-        state.registry.set_draining("d0", False)
+        registry.set_draining("d0", False)
+
+        def file_with_d1_at(url: str) -> Callable[[], Config]:
+            return lambda: parse_config(with_d1(url))
 
         for url in (b.url, a_url, b.url):
-            await reload(state, lambda url=url: parse_config(with_d1(url)))
+            await reload(state, file_with_d1_at(url))
             # Between two edits of the file the router goes on serving (its tasks run).
             async with c.session.get(c.url + "/v1/models") as r:
                 assert r.status == 200
-        assert state.fleet.removing("d1")  # A drains under its stream, B waits for it
-        assert state.fleet.successor("d1").url == b.url
+        assert fleet.removing("d1")  # A drains under its stream, B waits for it
+        waiting = fleet.successor("d1")
+        assert waiting is not None
+        assert waiting.url == b.url
 
         status, events = await stream
         assert status == 200
@@ -195,16 +206,16 @@ async def test_a_reload_that_flip_flops_while_a_request_drains_ends_on_the_lates
         assert not any("error" in e for e in events[:-1])
 
         def d1_at(url: str) -> bool:
-            s = state.registry.states.get("d1")
-            return s is not None and s.config.url == url and s.healthy and not state.fleet.removing("d1")
+            s = registry.states.get("d1")
+            return s is not None and s.config.url == url and s.healthy and not fleet.removing("d1")
 
         await eventually(lambda: d1_at(b.url), what="d1 at B")
         for url in (a_url, b.url):
-            await reload(state, lambda url=url: parse_config(with_d1(url)))
-            await eventually(lambda url=url: d1_at(url), what=f"d1 at {url}")
-        state.registry.set_draining("d0", True)  # a request served by d1 at B
+            await reload(state, file_with_d1_at(url))
+            await eventually(functools.partial(d1_at, url), what=f"d1 at {url}")
+        registry.set_draining("d0", True)  # a request served by d1 at B
         status, out = await c.complete({"model": MODEL, "prompt": "after the flip-flop", "max_tokens": 2})
         assert status == 200, out
-        state.registry.set_draining("d0", False)
+        registry.set_draining("d0", False)
     finally:
         await b.close()

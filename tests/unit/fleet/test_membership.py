@@ -195,7 +195,9 @@ class FleetMachine(RuleBasedStateMachine):
         self.run(asyncio.sleep(0))
 
     @rule(ticket=consumes(tickets), wanted=st.dictionaries(st.sampled_from(NAMES), st.sampled_from(URLS)))
-    def request_ends_then_reload_before_the_drain_sees_it(self, ticket: LegTicket | None, wanted: dict) -> None:
+    def request_ends_then_reload_before_the_drain_sees_it(
+        self, ticket: LegTicket | None, wanted: dict[str, str]
+    ) -> None:
         self._end(ticket)
         self._reconcile(wanted)
 
