@@ -42,7 +42,6 @@ NO_UNIT_TEST = {
     "fleet/health.py": "checks running engines: tests/reliability/test_health.py",
     "fleet/kubernetes.py": "the Kubernetes API: tests/integration/test_discovery_kubernetes.py",
     "fleet/lookup.py": "a protocol, no behaviour of its own",
-    "fleet/membership.py": "tests/integration/test_fleet_admin.py, test_discovery_dns.py",
     "names.py": "enumerations, no behaviour of their own",
     "observability/logs.py": "log output of a running router: tests/reliability/test_json_logs.py",
     "observability/metrics.py": "scraped from a running router in every suite",
