@@ -38,6 +38,7 @@ class RaceReason(StrEnum):
     RACED = "raced"  # engines the index cannot speak for may hold it: asked
     ALWAYS = "always"  # routing.race = "always"
     INDEX_KNOWS = "index_knows"  # the KV-event index speaks for every engine worth asking
+    MEMORY_KNOWS = "memory_knows"  # the router's memory is current and complete: what it placed stands
     NOT_WORTH = "not_worth"  # past races saved less than waiting for verdicts costs
     SHORT_PROMPT = "short_prompt"  # no hit could save more than the wait
     NO_ACCEPTOR = "no_acceptor"  # no engine as an acceptor beats computing the prompt

@@ -41,7 +41,7 @@ from router.fleet.registry import BackendRegistry, BackendState, LegTicket
 from router.names import Route, Verdict
 from router.observability import tracing
 from router.routing.fallback import FallbackPlan, plan_fallback
-from router.routing.planning import Plan, RouteQuery, Strategy, predicted_ttft, race_value
+from router.routing.planning import AsksTheIndexWhenUnsure, Plan, RouteQuery, Strategy, predicted_ttft, race_value
 from router.routing.snapshot import ClusterSnapshot
 
 log = logging.getLogger("cachehit_router.dispatch")
@@ -85,8 +85,12 @@ class LegPlacer:
 
     async def plan(self, ctx: RequestContext, snap: ClusterSnapshot) -> Plan:
         """The strategy's plan for `ctx` in `snap`, the KV-event index's figures put on its
-        query first (a policy that reads the index), recorded on the request's record."""
-        if self.prompt_index is not None:
+        query first (a policy that reads the index, where it says the lookup is worth it),
+        recorded on the request's record."""
+        strategy = self.strategy
+        if self.prompt_index is not None and (
+            not isinstance(strategy, AsksTheIndexWhenUnsure) or strategy.wants_index(ctx.query, snap)
+        ):
             ctx.query = await self.prompt_index.annotate(ctx.query, ctx.path == CHAT_PATH, ctx.body, snap, ctx.deadline)
         plan = self.strategy.plan(ctx.query, snap, frozenset(ctx.tried))
         ctx.record_plan(plan)

@@ -76,7 +76,14 @@ class BackendState:
     # of other replicas (or clients that bypass the router).
     others_waiting: float = 0.0
     others_running: float = 0.0
+    others_seen_at: float = -1e9  # the last scrape that saw a whole request of others' (clock)
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
+
+
+# How long traffic the router did not send keeps an engine marked as shared with others
+# (other replicas, clients that bypass the router): the router's own memory of it is then
+# incomplete.
+OTHERS_SEEN_S = 60.0
 
 
 @dataclass(slots=True)
@@ -141,6 +148,8 @@ class BackendRegistry:
                     speed=learner.speed(c.name),
                     threshold_capable=s.threshold_capable is not False,
                     kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
+                    kv_removed_at=self.kv_index.last_removal(c.name) if self.kv_index is not None else 0.0,
+                    others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
                 )
             )
         return ClusterSnapshot(
@@ -329,6 +338,8 @@ class BackendRegistry:
         others = max(s.running + s.waiting - s.prefilling - s.decoding, 0.0)
         s.others_waiting = min(others, max(s.waiting - s.prefilling, 0.0))
         s.others_running = others - s.others_waiting
+        if others >= 1.0:
+            s.others_seen_at = self.clock()
         s.kv_usage = load.get(KV_USAGE, 0.0)
         if HITS_DEVICE in load:
             self.learner.observe_cache_tiers(

@@ -47,8 +47,9 @@ an engine uses is capped at `prompt_tokens - 1` rounded down to a block (prompt_
 
 from __future__ import annotations
 
+import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from hashlib import blake2b
@@ -146,7 +147,7 @@ def _salted(key: Key, extra: Any) -> Key:
 
 
 class _EngineIndex:
-    __slots__ = ("by_hash", "complete", "cpu", "evicted", "gpu", "orphans", "sizes", "tiers")
+    __slots__ = ("by_hash", "complete", "cpu", "evicted", "gpu", "orphans", "removed_at", "sizes", "tiers")
 
     def __init__(self) -> None:
         self.by_hash: dict[EngineHash, Key] = {}  # insertion order: oldest first
@@ -154,6 +155,7 @@ class _EngineIndex:
         self.gpu = self.cpu = self.orphans = self.evicted = 0
         self.complete = True
         self.sizes: dict[int, int] = {}  # block size -> blocks stored with it
+        self.removed_at = 0.0  # when a block last left this view (clock of the KvIndex)
 
     @property
     def block_size(self) -> int:
@@ -180,8 +182,11 @@ class _EngineIndex:
 
 
 class KvIndex:
-    def __init__(self, max_blocks_per_engine: int = 262_144):
+    def __init__(self, max_blocks_per_engine: int = 262_144, clock: Callable[[], float] = time.monotonic):
         self.max_blocks = max_blocks_per_engine
+        # When blocks leave an engine's view (removed, cleared, capped): a placement the
+        # router made before then may be gone, one made after it still stands.
+        self.clock = clock
         self._engines: dict[Engine, _EngineIndex] = {}
         self.loras: set[str] = set()  # LoRA names engines stored blocks for
 
@@ -194,8 +199,10 @@ class KvIndex:
                 self._stored(eng, ev)
             elif kind == "removed":
                 self._removed(eng, ev)
+                eng.removed_at = self.clock()
             elif kind == "cleared":
                 eng.clear()
+                eng.removed_at = self.clock()
 
     def clear(self, backend: str) -> None:
         """The engine's cache is gone (it restarted, or its stream cannot be trusted): its
@@ -203,6 +210,7 @@ class KvIndex:
         for (name, _), eng in self._engines.items():
             if name == backend:
                 eng.clear()
+                eng.removed_at = self.clock()
 
     def forget(self, backend: str) -> None:
         """The backend left the fleet."""
@@ -261,6 +269,7 @@ class KvIndex:
                 eng.drop(victim)
             eng.evicted += over
             eng.complete = False
+            eng.removed_at = self.clock()
 
     def _removed(self, eng: _EngineIndex, ev: RemovedEvent) -> None:
         if ev.group_idx:
@@ -340,6 +349,10 @@ class KvIndex:
 
     def block_sizes(self) -> set[int]:
         return {s for s in (e.block_size for e in self._engines.values()) if s}
+
+    def last_removal(self, backend: str) -> float:
+        """When a block last left the backend's view, any rank (0.0: never)."""
+        return max((e.removed_at for (n, _), e in self._engines.items() if n == backend), default=0.0)
 
     def block_size(self, backend: str) -> int:
         """The block size `backend`'s engine stores with (0: not learnt yet)."""

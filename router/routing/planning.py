@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from router.config.checks import Problems
 from router.config.schema import RoutingConfig
@@ -123,6 +123,15 @@ class Strategy(Protocol):
         """Prompt tokens each backend is expected to hold (with `sent_within_s`: because
         the router sent it the prompt that recently, so it may still be computing it)."""
         ...
+
+
+@runtime_checkable
+class AsksTheIndexWhenUnsure(Protocol):
+    """A policy that reads the KV-event index only where it could change the plan
+    (router/dispatch/prompt_index.py asks it before matching a prompt: the lookup costs a
+    /tokenize round trip for a text prompt)."""
+
+    def wants_index(self, query: RouteQuery, snap: ClusterSnapshot) -> bool: ...
 
 
 class Policy(Protocol):

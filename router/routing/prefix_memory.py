@@ -81,6 +81,15 @@ class PrefixMemory:
                 if not owners:
                     del self._owners[h]
 
+    def placement(self, text: str) -> tuple[float, dict[str, float]]:
+        """The share of `text`'s chunks whose longest known prefix the router sent, and when
+        it last sent it to each backend holding it (monotonic)."""
+        hashes = self.chunk_hashes(text)
+        if not hashes:
+            return 0.0, {}
+        matched, holders, sent_at = self._match(hashes)
+        return matched / len(hashes), {b: sent_at[b] for b in holders}
+
     def expected_hits(
         self, text: str, prompt_tokens: float, sent_within_s: float | None = None, now: float | None = None
     ) -> dict[str, float]:

@@ -38,6 +38,12 @@ class BackendView:
     # event stream closely: in sync, not behind, not silent while the engine works
     # (router/fleet/kv_events.py). False: no stream, or its entries are not to be trusted now.
     kv_events_fresh: bool = False
+    # When a block last left that index (removed, cleared; monotonic clock, 0.0: never): a
+    # prompt the router placed there after it is still held.
+    kv_removed_at: float = 0.0
+    # The engine served traffic this router did not send within the last minute (other
+    # replicas): what this router remembers sending it is not all it holds.
+    others_seen: bool = False
 
     @property
     def load(self) -> float:

@@ -129,6 +129,9 @@ class ProbeStrategy(RemembersPrefixes):
         unknown = [b for b in decoders if b.name not in known]
         if not unknown:
             return replace(skip, race_reason=RaceReason.INDEX_KNOWS)
+        if auto and query.indexed is None and not self.wants_index(query, snap):
+            # What the index would say, the memory knows (wants_index): so would a race.
+            return replace(skip, race_reason=RaceReason.MEMORY_KNOWS)
         most = 0.0 if best is None else costmodel.hit_saving_s(best.speed, n)
         if auto:
             if most <= snap.race_wait_s:
@@ -167,6 +170,24 @@ class ProbeStrategy(RemembersPrefixes):
             placed=placed,
             race_reason=RaceReason.RACED if auto else RaceReason.ALWAYS,
         )
+
+    def wants_index(self, query: RouteQuery, snap: ClusterSnapshot) -> bool:
+        """Is the index worth its lookup for this prompt? Not when the router's own memory
+        already says what it would: the memory places the prompt on an engine whose index
+        is fresh and that has lost no block since the router sent it there (so it still
+        holds it), and no engine serves traffic this router did not send (so no other
+        engine can hold more than the memory knows). Then the plan is the same either way,
+        and the /tokenize round trip is saved."""
+        if any(b.others_seen for b in snap.backends if b.decodes):
+            return True
+        share, sent_at = self.memory.placement(query.text)
+        if share <= 0.0:
+            return True  # nothing placed: only the engines' events can say (a restart, a new router)
+        for name, sent in sent_at.items():
+            b = snap.get(name)
+            if b is not None and b.available and b.kv_events_fresh and b.kv_removed_at < sent:
+                return False
+        return True
 
     def expected_hits(
         self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None

@@ -185,3 +185,20 @@ def test_match_request_takes_the_model_for_an_adapter_only_once_engines_stored_u
     assert idx.match_request(PROMPT, "m") == {"a": KvHit(8, 0)}
     idx.apply("a", batch(stored([b"l0"], PROMPT[:4], lora="ad")))
     assert idx.match_request(PROMPT, "ad") == {"a": KvHit(4, 0)}
+
+
+def test_the_last_removal_is_when_a_block_left_the_engines_view() -> None:
+    clock = [10.0]
+    idx = KvIndex(clock=lambda: clock[0])
+    hashes = store_prompt(idx, "a", 3)
+    assert idx.last_removal("a") == 0.0  # stores only
+    clock[0] = 20.0
+    idx.apply("a", batch(BlockRemoved(block_hashes=hashes[2:], medium="GPU")))
+    assert idx.last_removal("a") == 20.0
+    clock[0] = 30.0
+    idx.apply("a", batch(AllBlocksCleared()))
+    assert idx.last_removal("a") == 30.0
+    clock[0] = 40.0
+    idx.clear("a")  # a restart, or a stream the router cannot trust
+    assert idx.last_removal("a") == 40.0
+    assert idx.last_removal("unknown") == 0.0

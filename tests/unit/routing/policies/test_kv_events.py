@@ -125,3 +125,35 @@ def test_probe_expects_a_prompt_it_just_sent_where_the_index_has_no_event_yet() 
     assert hits["d1"] == 512.0
     # Without the index the memory alone speaks, as before.
     assert set(probe.expected_hits(Q, 2000.0)) == {"d0"}
+
+
+def _placed(at: float) -> ProbeStrategy:
+    probe = ProbeStrategy(R)
+    probe.memory.insert(probe.memory.chunk_hashes(Q.text), "d1", now=at)
+    return probe
+
+
+def test_probe_skips_the_index_lookup_where_its_memory_already_says_what_it_would() -> None:
+    # The router sent the prompt to d1 at t = 100; d1's stream is fresh and lost nothing
+    # since: d1 still holds it, and with no traffic from elsewhere nobody holds more.
+    fresh = snap(view("d0"), replace(view("d1"), kv_removed_at=50.0))
+    probe = _placed(100.0)
+    assert not probe.wants_index(Q, fresh)
+    # Nor does it race there: the engines cannot say more than the memory does.
+    plan = probe.plan(Q, fresh)
+    assert plan.direct == "d1"
+    assert not plan.probes
+    assert plan.race_reason == RaceReason.MEMORY_KNOWS
+
+
+def test_probe_asks_the_index_where_its_memory_may_be_wrong_or_incomplete() -> None:
+    probe = _placed(100.0)
+    # d1 lost blocks after the router placed the prompt there: evicted, maybe this one.
+    assert probe.wants_index(Q, snap(view("d0"), replace(view("d1"), kv_removed_at=150.0)))
+    # d1's stream is behind: its removals may not have arrived.
+    assert probe.wants_index(Q, snap(view("d0"), view("d1", fresh=False)))
+    # Another router sends d0 traffic: d0 may hold the prompt through it.
+    shared = snap(replace(view("d0"), others_seen=True), replace(view("d1"), kv_removed_at=50.0))
+    assert probe.wants_index(Q, shared)
+    # A prompt the memory places nowhere: only the engines' events can say.
+    assert ProbeStrategy(R).wants_index(Q, snap(view("d0"), view("d1")))
