@@ -16,7 +16,7 @@ from engine_launcher.sim import tokenizer as tok
 from router.config.parse import parse_config
 from router.server.app import build_app
 from support.cluster import MODEL, MakeCluster, long_prompt
-from support.ports import site_port
+from support.ports import serve_on_free_port
 
 
 def _chunk(text_ids: list[int], prompt_ids: list[int] | None = None, finish: str | None = None) -> bytes:
@@ -78,22 +78,14 @@ async def _bad_engine(mode: str) -> tuple[web.AppRunner, str]:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site_port(site)}"
+    return await serve_on_free_port(app)
 
 
 async def _router(backends: list[dict[str, Any]], routing: dict[str, Any] | None = None) -> tuple[web.AppRunner, str]:
     cfg = parse_config(
         {"server": {"port": 0}, "backends": backends, "routing": routing or {}, "health": {"scrape_interval_s": 30}}
     )
-    runner = web.AppRunner(build_app(cfg, start_engines=False), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site_port(site)}"
+    return await serve_on_free_port(build_app(cfg, start_engines=False), cancel_handlers=True)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -25,7 +25,6 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from router.config.parse import parse_config
 from router.engine.tokenize import tokenize_body
@@ -34,7 +33,7 @@ from router.server.app import ROUTER_KEY, build_app
 from router.server.state import RouterState
 from support.cluster import registry_of
 from support.polling import eventually
-from support.ports import site_port
+from support.ports import serve_on_free_port
 from support.real_engine import EngineProcess, post_json
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -88,11 +87,7 @@ class Router:
 
     async def __aenter__(self) -> Router:
         self.app = build_app(self.config, start_engines=False)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site_port(site)}"
+        self.runner, self.url = await serve_on_free_port(self.app, cancel_handlers=True)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
         await eventually(self.fresh, within=EVENTS_WITHIN_S, what="the snapshot calls the engine's index fresh")
         return self

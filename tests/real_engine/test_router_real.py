@@ -20,13 +20,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from engine_launcher.sim import SimEngineConfig, start_sim_engine
 from router.config.parse import parse_config
 from router.server.app import ROUTER_KEY, build_app
 from support.metrics import registry_metrics
-from support.ports import site_port
+from support.ports import serve_on_free_port
 from support.real_engine import EngineProcess, scrape_metrics
 from support.sse import read_sse
 
@@ -81,11 +80,7 @@ class RealCluster:
 
     async def __aenter__(self) -> RealCluster:
         self.app = build_app(self.config, start_engines=False)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site_port(site)}"
+        self.runner, self.url = await serve_on_free_port(self.app, cancel_handlers=True)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
         return self
 

@@ -10,10 +10,8 @@ import asyncio
 import random
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from aiohttp import web
+from aiohttp import web
 
 _rng = random.Random()
 
@@ -86,3 +84,13 @@ def site_port(site: web.TCPSite) -> int:
     assert isinstance(server, asyncio.Server)  # started: a listening server
     port: int = server.sockets[0].getsockname()[1]
     return port
+
+
+async def serve_on_free_port(app: web.Application, *, cancel_handlers: bool = False) -> tuple[web.AppRunner, str]:
+    """`app` listening on a free loopback port: its runner (clean up with `cleanup()`) and
+    base URL. `cancel_handlers`: a client's hang-up cancels its handler, as the router runs."""
+    runner = web.AppRunner(app, handler_cancellation=cancel_handlers)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site_port(site)}"
