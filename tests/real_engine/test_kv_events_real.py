@@ -19,6 +19,7 @@ blocks: floor((n - 1) / 32) * 32 at most. So an index hit `h` predicts
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -232,7 +233,11 @@ async def test_probe_skips_the_race_when_the_index_knows(
     # A new router: its index is rebuilt from the engine's replay socket.
     async with Router(kv_events_engine, "probe") as r:
         e = ids(5, 3 * BLOCK + 10)
-        out = await r.post("/v1/completions", {"prompt": e})
+        # Sent to the engine directly: this router's memory knows nothing of it, only the
+        # engine's events do.
+        body = {"model": MODEL, "prompt": e, "max_tokens": 1, "temperature": 0}
+        status, out = await asyncio.to_thread(post_json, kv_events_engine.base_url, "/v1/completions", body)
+        assert status == 200, out
         await r.shows(e, full_blocks(len(e)))
         caplog.clear()
         again = await r.post("/v1/completions", {"prompt": e})
@@ -245,3 +250,11 @@ async def test_probe_skips_the_race_when_the_index_knows(
             again["usage"],
         )
         assert out["usage"]["prompt_tokens"] == len(e)
+        # Sent again: the router placed it itself a moment ago and the engine lost no block
+        # since, so its memory says what the index would; no lookup, no race.
+        caplog.clear()
+        await r.post("/v1/completions", {"prompt": e})
+        (rec,) = records(caplog)
+        assert rec["race_reason"] == "memory_knows", rec
+        assert rec["probes"] == 0, rec
+        assert rec["winner"] == NAME, rec

@@ -77,6 +77,10 @@ def engine_command(
         cpu_cores=cpu_cores,
         extra_args=tuple(extra_args),
         env=tuple(sorted((env or {}).items())),
+        # These engines are spawned here, not by the launcher's supervisor, which is what
+        # makes the private directory of a loopback engine's event sockets: an engine that
+        # tests KV events passes its own --kv-events-config in extra_args.
+        kv_events=False,
     )
     cmd = vllm_command(
         engine,
