@@ -127,6 +127,8 @@ class BackendRegistry:
         now = self.clock()
         views = []
         learner = self.learner
+        # One pass over the index, not one per backend: a snapshot is taken per request.
+        removed = self.kv_index.last_removals() if self.kv_index is not None else {}
         for s in self.states.values():
             c = s.config
             views.append(
@@ -148,7 +150,7 @@ class BackendRegistry:
                     speed=learner.speed(c.name),
                     threshold_capable=s.threshold_capable is not False,
                     kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
-                    kv_removed_at=self.kv_index.last_removal(c.name) if self.kv_index is not None else 0.0,
+                    kv_removed_at=removed.get(c.name, 0.0),
                     others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
                 )
             )

@@ -352,7 +352,14 @@ class KvIndex:
 
     def last_removal(self, backend: str) -> float:
         """When a block last left the backend's view, any rank (0.0: never)."""
-        return max((e.removed_at for (n, _), e in self._engines.items() if n == backend), default=0.0)
+        return self.last_removals().get(backend, 0.0)
+
+    def last_removals(self) -> dict[str, float]:
+        """`last_removal` of every backend with an index, in one pass (a snapshot's)."""
+        out: dict[str, float] = {}
+        for (name, _), e in self._engines.items():
+            out[name] = max(out.get(name, 0.0), e.removed_at)
+        return out
 
     def block_size(self, backend: str) -> int:
         """The block size `backend`'s engine stores with (0: not learnt yet)."""

@@ -202,3 +202,5 @@ def test_the_last_removal_is_when_a_block_left_the_engines_view() -> None:
     idx.clear("a")  # a restart, or a stream the router cannot trust
     assert idx.last_removal("a") == 40.0
     assert idx.last_removal("unknown") == 0.0
+    store_prompt(idx, "b", 1)  # stores only: known, never lost a block
+    assert idx.last_removals() == {"a": 40.0, "b": 0.0}
