@@ -82,15 +82,15 @@ class LegPlacer:
         self.strategy = strategy
         # Only for a policy that reads the KV-event index.
         self.prompt_index = prompt_index if strategy.reads_index else None
+        # Asked once here, not per request (a runtime protocol check walks its members).
+        self.asks_when_unsure = strategy if isinstance(strategy, AsksTheIndexWhenUnsure) else None
 
     async def plan(self, ctx: RequestContext, snap: ClusterSnapshot) -> Plan:
         """The strategy's plan for `ctx` in `snap`, the KV-event index's figures put on its
         query first (a policy that reads the index, where it says the lookup is worth it),
         recorded on the request's record."""
-        strategy = self.strategy
-        if self.prompt_index is not None and (
-            not isinstance(strategy, AsksTheIndexWhenUnsure) or strategy.wants_index(ctx.query, snap)
-        ):
+        asks = self.asks_when_unsure
+        if self.prompt_index is not None and (asks is None or asks.wants_index(ctx.query, snap)):
             ctx.query = await self.prompt_index.annotate(ctx.query, ctx.path == CHAT_PATH, ctx.body, snap, ctx.deadline)
         plan = self.strategy.plan(ctx.query, snap, frozenset(ctx.tried))
         ctx.record_plan(plan)
