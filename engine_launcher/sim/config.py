@@ -132,6 +132,10 @@ class SimEngineConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     # vLLM's --kv-events-config (kv_events.py): the KV cache event stream; None: off.
     kv_events_config: KVEventsConfig | None = None
+    # vLLM's --data-parallel-size: engine cores behind the one port (data_parallel.py), and
+    # the rank of one of them (set per rank by the server).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -139,6 +143,11 @@ class SimEngineConfig:
         for name in ("max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size must be >= 1 and above the rank, got {self.data_parallel_size} "
+                f"(rank {self.data_parallel_rank})"
+            )
         if self.cpu_offload_tokens < 0:
             raise ValueError(f"cpu_offload_tokens must be >= 0, got {self.cpu_offload_tokens}")
         if self.kv_bytes_per_token < 1:

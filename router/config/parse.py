@@ -33,6 +33,7 @@ from router.config.checks import (
     str_list,
     string_table,
 )
+from router.config.data_parallel import expand_ranks
 from router.config.discovery import parse_discovery
 from router.config.kv_events import check_backend_kv_events, check_engine_kv_events, parse_kv_events
 from router.config.schema import (
@@ -185,7 +186,14 @@ def parse_backends(p: Problems, raw: Any) -> list[BackendConfig]:
         p.check(check_positive, f"{key}.prefill_tokens_per_s", b.prefill_tokens_per_s, allow_zero=True)
         p.check(check_one_of, f"{key}.role", b.role, Role)
         check_backend_kv_events(p, key, b)
-        backends.append(b)
+        if b.data_parallel_size < 1:
+            p.add(f"{key}.data_parallel_size: expected an integer >= 1, got {b.data_parallel_size!r}")
+            continue
+        if not -1 <= b.data_parallel_rank < b.data_parallel_size:
+            p.add(f"{key}.data_parallel_rank: expected a rank below data_parallel_size, got {b.data_parallel_rank!r}")
+            continue
+        # One backend per DP rank: each is its own engine to the router.
+        backends.extend(expand_ranks(b))
     return backends
 
 

@@ -140,6 +140,12 @@ class BackendConfig:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+    # DP ranks behind this one address (vLLM --data-parallel-size): each rank is its own
+    # engine to the router (router/config/data_parallel.py), reached with vLLM's
+    # X-data-parallel-rank header. 1: one engine.
+    data_parallel_size: int = 1
+    # The one rank this backend is (set by the expansion; -1: no rank targeting).
+    data_parallel_rank: int = -1
 
     @property
     def decodes(self) -> bool:

@@ -64,7 +64,8 @@ class HealthMonitor:
         status, text = await self.client.get_text(url + "/metrics", self._timeout_s, key)
         if status != 200:
             raise RuntimeError(f"/metrics answered HTTP {status}")
-        load = parse_load_metrics(text)
+        # A DP rank reads its own engine core's samples (vLLM labels them engine="<rank>").
+        load = parse_load_metrics(text, str(config.data_parallel_rank) if config.data_parallel_rank >= 0 else None)
         cards = await self._model_cards(url, key) if want_cards else None
         return load, cards
 

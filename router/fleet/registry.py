@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.names import BreakerState
@@ -115,10 +116,13 @@ class BackendRegistry:
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
+    # Headers each request to a backend carries (a DP rank's; the upstream client reads it).
+    backend_headers: dict[str, dict[str, str]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         for c in self.configs:
             self.states[c.name] = BackendState(config=c, models=c.models)
+            self._set_headers(c)
             if c.prefill_tokens_per_s > 0:
                 self.learner.engine_per_token_s[c.name] = 1.0 / c.prefill_tokens_per_s
 
@@ -205,9 +209,15 @@ class BackendRegistry:
         if config.name in self.states:
             raise ValueError(f"backend {config.name!r} already exists")
         s = self.states[config.name] = BackendState(config=config, models=config.models)
+        self._set_headers(config)
         if config.prefill_tokens_per_s > 0:
             self.learner.engine_per_token_s[config.name] = 1.0 / config.prefill_tokens_per_s
         return s
+
+    def _set_headers(self, config: BackendConfig) -> None:
+        headers = rank_headers(config)
+        if headers:
+            self.backend_headers[config.name] = headers
 
     def remove(self, name: str) -> None:
         """Forget a drained backend with nothing in flight (see `router/fleet/membership.py`)."""
@@ -217,6 +227,7 @@ class BackendRegistry:
         if not s.draining or s.inflight:
             raise ValueError(f"backend {name!r} must be drained and idle before removal")
         del self.states[name]
+        self.backend_headers.pop(name, None)
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
         self.learner.engine_per_token_s.pop(name, None)

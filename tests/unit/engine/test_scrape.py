@@ -22,3 +22,17 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 99.0
         "vllm:num_requests_waiting": 7.0,
         "vllm:kv_cache_usage_perc": 0.25,
     }
+
+
+def test_parse_load_metrics_of_one_engine_core_reads_only_its_samples() -> None:
+    # A data-parallel server labels each rank's samples engine="<rank>": a rank's backend
+    # reads its own load, not the server's.
+    text = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+"""
+    assert parse_load_metrics(text, "1") == {"vllm:num_requests_running": 2.0, "vllm:num_requests_waiting": 1.0}
+    assert parse_load_metrics(text, "0") == {"vllm:num_requests_running": 3.0, "vllm:num_requests_waiting": 7.0}
