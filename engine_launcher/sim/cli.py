@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--role", choices=ROLES, default=d.role, help="NIXL role (default %(default)s)")
     a("--max-model-len", type=int, default=d.max_model_len)
     a(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start (vLLM's --lora-modules; names only here)",
+    )
+    a("--lora-load-s", type=float, default=d.lora_load_s, help="seconds a runtime adapter load takes (at speed 1)")
+    a(
         "--data-parallel-size",
         "-dp",
         type=int,
@@ -185,6 +193,8 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         enable_admin=args.enable_admin,
         kv_events_config=parse_kv_events_config(args.kv_events_config[0]) if args.kv_events_config else None,
         data_parallel_size=args.data_parallel_size,
+        lora_modules=dict(m.split("=", 1) if "=" in m else (m, m) for m in args.lora_modules),
+        lora_load_s=args.lora_load_s,
     )
     cfg.validate()
     return cfg

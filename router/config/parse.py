@@ -112,7 +112,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
         p.add(f"routing: expected a table, got {raw!r}")
         return None
     own, policy_keys = split_routing_table(raw)
-    routing = build_table(p, RoutingConfig, "routing", own)
+    routing = build_table(p, RoutingConfig, "routing", own, {"lora_adapters": string_table})
     if routing is None:
         return None
     routing = dataclasses.replace(routing, policy_keys=policy_keys)
@@ -123,6 +123,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
     p.check(check_positive, "routing.prior_kv_transfer_tokens_per_s", routing.prior_kv_transfer_tokens_per_s)
     p.check(check_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
     p.check(check_positive, "routing.max_retries", routing.max_retries, allow_zero=True)
+    p.check(check_positive, "routing.max_adapters_per_engine", routing.max_adapters_per_engine)
     return routing
 
 

@@ -82,11 +82,12 @@ class HealthMonitor:
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None
             return
-        models = None
+        models = adapters = None
         if cards is not None and name in self.registry.states:  # not removed while it answered
             self.model_cards[name] = cards
             models = tuple(c["id"] for c in cards)
-        self.registry.record_scrape(name, load, models)
+            adapters = tuple(c["id"] for c in cards if c.get("parent"))  # vLLM: a LoRA adapter's base
+        self.registry.record_scrape(name, load, models, adapters)
         # Unanswered (an engine failing requests): asked again with the next /health check.
         if state.threshold_capable is None and state.config.decodes and with_health:
             model = state.models[0] if state.models else None

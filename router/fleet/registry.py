@@ -48,8 +48,6 @@ from router.routing.speed_learner import SpeedLearner
 
 log = logging.getLogger("cachehit_router.backends")
 
-# The breaker gauge's values.
-
 
 @dataclass
 class BackendState:
@@ -79,6 +77,8 @@ class BackendState:
     others_running: float = 0.0
     others_seen_at: float = -1e9  # the last scrape that saw a whole request of others' (clock)
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
+    # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
+    adapters: tuple[str, ...] = ()
 
 
 # How long traffic the router did not send keeps an engine marked as shared with others
@@ -133,7 +133,9 @@ class BackendRegistry:
         learner = self.learner
         # One pass over the index, not one per backend: a snapshot is taken per request.
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}
+        adapters: set[str] = set()
         for s in self.states.values():
+            adapters.update(s.adapters)
             c = s.config
             views.append(
                 BackendView(
@@ -156,6 +158,7 @@ class BackendRegistry:
                     kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
                     kv_removed_at=removed.get(c.name, 0.0),
                     others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
+                    adapters=s.adapters,
                 )
             )
         return ClusterSnapshot(
@@ -165,6 +168,7 @@ class BackendRegistry:
             learner.race_wait_s,
             learner.race_saving_share,
             learner.race_saving_share_unplaced,
+            frozenset(adapters),
         )
 
     def _queued_tokens(self, s: BackendState, now: float) -> float:
@@ -339,7 +343,13 @@ class BackendRegistry:
             s.half_open_trial_taken = False
 
     # --- scraper feedback ----------------------------------------------------------------
-    def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
+    def record_scrape(
+        self,
+        name: str,
+        load: dict[str, float],
+        models: tuple[str, ...] | None,
+        adapters: tuple[str, ...] | None = None,
+    ) -> None:
         s = self.states.get(name)
         if s is None:  # removed meanwhile
             return
@@ -363,6 +373,8 @@ class BackendRegistry:
             if s.models:
                 log.info("backend %s: now serves %s", name, ", ".join(models))
             s.models = models
+        if adapters is not None:
+            s.adapters = adapters
         if not s.healthy:
             log.info(
                 "backend %s: answers its health checks again%s",

@@ -26,6 +26,7 @@ from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from router.config.schema import Config
 from router.observability import tracing
 from router.server.admin import AdminApi
+from router.server.lora_routes import LoraApi
 from router.server.respond import error_response
 
 if TYPE_CHECKING:
@@ -91,4 +92,5 @@ def build_app(
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)
     AdminApi(state).add_routes(app.router)  # router/server/admin.py
+    LoraApi(state).add_routes(app.router)  # router/server/lora_routes.py (admin key)
     return app

@@ -75,8 +75,15 @@ class GenerationHandler:
                 check_priority(spec.body, tenant)  # the key's rule on vLLM's `priority` field
                 answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
-                if spec.model is not None and served and spec.model not in served:
-                    raise errors.model_not_found(spec.model, served)
+                # A configured LoRA adapter no engine holds is loaded with routing.lora_autoload.
+                model = spec.model
+                if (
+                    model is not None
+                    and served
+                    and model not in served
+                    and (state.adapters is None or not await state.adapters.ensure(model))
+                ):
+                    raise errors.model_not_found(model, served)
                 if spec.whole:  # n > 1, batches, echo, prompt_logprobs: vLLM's own answer
                     return await self.forwarder.forward_generation(request, spec, rec, answer_id)
                 if state.dispatcher.passes_through(spec):
