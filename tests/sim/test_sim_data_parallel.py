@@ -70,3 +70,17 @@ async def test_metrics_carry_each_rank_under_its_engine_label(
         m = parse_metrics(await r.text())
     assert m.value("vllm:request_success_total", engine="1") == 1
     assert m.value("vllm:request_success_total", engine="0") == 0
+
+
+async def test_adapters_are_the_servers_every_rank_serves_them(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
+    eng = await make_engine(model="sim-model", data_parallel_size=2)
+    async with http.post(
+        eng.url + "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/adapters/sql"}
+    ) as r:
+        assert r.status == 200
+    for rank in ("0", "1"):
+        body = {"model": "sql", "prompt": "hello", "max_tokens": 1}
+        async with http.post(eng.url + "/v1/completions", json=body, headers={"X-data-parallel-rank": rank}) as r:
+            assert r.status == 200
