@@ -5,6 +5,7 @@ only where it is held, from the load's answer on and no longer after the unload'
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from support.cluster import MODEL, Cluster, MakeCluster, long_prompt
@@ -98,3 +99,28 @@ async def test_autoload_loads_a_configured_adapter_a_request_names(make_cluster:
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     status, _ = await c.complete({"model": MODEL, "prompt": "hello", "max_tokens": 1})
     assert status == 200
+
+
+async def test_a_random_mix_of_four_adapters_over_four_engines_only_reaches_their_holders(
+    make_cluster: MakeCluster,
+) -> None:
+    held = {"d0": ("sql", "chat"), "d1": ("chat", "code"), "d2": ("code", "legal"), "d3": ("legal", "sql")}
+    for strategy in ("probe", "prefix_tree", "least_loaded", "round_robin"):
+        c = await make_cluster(
+            decoders=4,
+            routing={"strategy": strategy},
+            per_engine={n: {"lora_modules": {a: f"/adapters/{a}" for a in held[n]}} for n in held},
+        )
+        rng = random.Random(strategy)
+        for i in range(24):
+            adapter = rng.choice(("sql", "chat", "code", "legal"))
+            # A few shared prefixes: the memory and the engines' caches pull toward engines
+            # that saw the prompt, under this adapter or another one.
+            prompt = long_prompt(f"group{rng.randrange(3)}", 120) + f" question {i}"
+            status, out = await c.complete({"model": adapter, "prompt": prompt, "max_tokens": 2})
+            assert status == 200, (strategy, adapter, out)
+            assert out["model"] == adapter
+        # An engine without the adapter answers 404: none was asked.
+        assert c.router_metric_or_zero("cachehit_router_upstream_errors_total") == 0
+        served = await c.engine_metrics("vllm:request_success_total")
+        assert sum(served.values()) >= 24
