@@ -18,6 +18,9 @@ CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 HITS_DEVICE = CACHED_BY_SOURCE + ":device"  # GPU prefix-cache hit tokens
 HITS_HOST = CACHED_BY_SOURCE + ":host"  # CPU-tier (OffloadingConnector) hit tokens
 OFFLOAD_LOAD_TIME = "vllm:kv_offload_load_time"
+# Engine cores the server's running-requests gauge names (vLLM labels each DP rank's
+# samples engine="<rank>"): more than one is a data-parallel server.
+ENGINE_CORES = "engine_cores"
 
 
 def parse_load_metrics(text: str, engine: str | None = None) -> dict[str, float]:
@@ -33,6 +36,8 @@ def parse_load_metrics(text: str, engine: str | None = None) -> dict[str, float]
             samples = [s for s in samples if s.labels.get("engine", engine) == engine]
         if family.name in wanted:
             out[family.name] = out.get(family.name, 0.0) + sum(s.value for s in samples if s.name == family.name)
+            if family.name == RUNNING:
+                out[ENGINE_CORES] = float(len({s.labels.get("engine") for s in samples}))
         elif family.name == CACHED_BY_SOURCE:
             for s in samples:
                 source = s.labels.get("source")

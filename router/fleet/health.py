@@ -21,7 +21,7 @@ import orjson
 
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.client import UpstreamClient
-from router.engine.scrape import parse_load_metrics
+from router.engine.scrape import ENGINE_CORES, parse_load_metrics
 from router.fleet import capability
 from router.fleet.registry import BackendRegistry
 
@@ -37,6 +37,7 @@ class HealthMonitor:
         self._rounds = 0
         # Backend -> its /v1/models entries as last read (GET /v1/models merges them).
         self.model_cards: dict[str, list[dict[str, Any]]] = {}
+        self._undeclared_ranks: set[str] = set()  # DP servers not declared, named once
 
     @property
     def _timeout_s(self) -> float:
@@ -66,6 +67,15 @@ class HealthMonitor:
             raise RuntimeError(f"/metrics answered HTTP {status}")
         # A DP rank reads its own engine core's samples (vLLM labels them engine="<rank>").
         load = parse_load_metrics(text, str(config.data_parallel_rank) if config.data_parallel_rank >= 0 else None)
+        cores = int(load.get(ENGINE_CORES, 1))
+        if cores > 1 and config.data_parallel_rank < 0 and config.name not in self._undeclared_ranks:
+            self._undeclared_ranks.add(config.name)
+            log.warning(
+                "backend %s: %d DP ranks behind one address; data_parallel_size = %d routes each",
+                config.name,
+                cores,
+                cores,
+            )
         cards = await self._model_cards(url, key) if want_cards else None
         return load, cards
 
