@@ -46,6 +46,7 @@ def _same_server(registry: BackendRegistry, backend: str) -> list[BackendState]:
 def record_loaded(registry: BackendRegistry, backend: str, name: str) -> None:
     """`backend`'s server holds adapter `name` now."""
     for s in _same_server(registry, backend):
+        s.adapters_changed += 1
         if name not in s.models:
             s.models = (*s.models, name)
         if name not in s.adapters:
@@ -55,6 +56,7 @@ def record_loaded(registry: BackendRegistry, backend: str, name: str) -> None:
 def record_unloaded(registry: BackendRegistry, backend: str, name: str) -> None:
     """`backend`'s server no longer holds adapter `name`: no request for it goes there."""
     for s in _same_server(registry, backend):
+        s.adapters_changed += 1
         s.models = tuple(m for m in s.models if m != name)
         s.adapters = tuple(a for a in s.adapters if a != name)
 
@@ -146,6 +148,8 @@ class AdapterManager:
                 # The router's view first: no new request goes there while it unloads.
                 record_unloaded(self.registry, b, name)
                 await self._call(b, UNLOAD_PATH, {"lora_name": name})
+                if b in self.registry.states:  # a health check that read the list meanwhile is stale
+                    record_unloaded(self.registry, b, name)
                 log.info("LoRA adapter %s unloaded from %s", name, b)
             done.append(b)
         return done

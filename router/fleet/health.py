@@ -84,6 +84,7 @@ class HealthMonitor:
         if state is None:  # removed from the fleet meanwhile
             return
         url, key = state.config.url, state.config.api_key
+        changed = state.adapters_changed  # a load or unload through the router while this reads
         try:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
             load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
@@ -93,7 +94,9 @@ class HealthMonitor:
                 state.threshold_capable = None
             return
         models = adapters = None
-        if cards is not None and name in self.registry.states:  # not removed while it answered
+        # Not removed while it answered, and no adapter loaded or unloaded through the router
+        # since the list was asked for (that list is older than the router's view).
+        if cards is not None and name in self.registry.states and state.adapters_changed == changed:
             self.model_cards[name] = cards
             models = tuple(c["id"] for c in cards)
             adapters = tuple(c["id"] for c in cards if c.get("parent"))  # vLLM: a LoRA adapter's base

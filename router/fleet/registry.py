@@ -79,6 +79,7 @@ class BackendState:
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
     # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
     adapters: tuple[str, ...] = ()
+    adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
 
 
 # How long traffic the router did not send keeps an engine marked as shared with others

@@ -5,8 +5,11 @@ only where it is held, from the load's answer on and no longer after the unload'
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
+
+import pytest
 
 from support.cluster import MODEL, Cluster, MakeCluster, long_prompt
 
@@ -124,3 +127,30 @@ async def test_a_random_mix_of_four_adapters_over_four_engines_only_reaches_thei
         assert c.router_metric_or_zero("cachehit_router_upstream_errors_total") == 0
         served = await c.engine_metrics("vllm:request_success_total")
         assert sum(served.values()) >= 24
+
+
+async def test_a_model_list_read_before_a_load_does_not_undo_it(
+    make_cluster: MakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = await _cluster(make_cluster)
+    monitor = c.state.monitor
+    assert monitor is not None
+    read, release = asyncio.Event(), asyncio.Event()
+    real = monitor._model_cards
+
+    async def slow_list(url: str, key: str) -> list[dict[str, Any]] | None:
+        cards = await real(url, key)  # read before the load: without the adapter
+        read.set()
+        await release.wait()
+        return cards
+
+    monkeypatch.setattr(monitor, "_model_cards", slow_list)
+    check = asyncio.create_task(monitor.check_one("d1", with_health=True))
+    await read.wait()
+    status, _ = await _lora(c, "load", {"lora_name": "sql-lora", "backend": "d1"})
+    assert status == 200
+    release.set()
+    await check
+    assert c.registry.states["d1"].adapters == ("sql-lora",)
+    status, _ = await c.complete({"model": "sql-lora", "prompt": "hello", "max_tokens": 1})
+    assert status == 200
