@@ -142,7 +142,10 @@ class AdapterManager:
         seen: set[str] = set()
         done: list[str] = []
         for b in targets:
-            url = self.registry.states[b].config.url
+            state = self.registry.states.get(b)
+            if state is None:  # removed from the fleet during an earlier call
+                continue
+            url = state.config.url
             if url not in seen:
                 seen.add(url)
                 # The router's view first: no new request goes there while it unloads.
