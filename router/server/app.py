@@ -26,6 +26,7 @@ from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from router.config.schema import Config
 from router.observability import tracing
 from router.server.admin import AdminApi
+from router.server.messages import MESSAGES_PATH
 from router.server.respond import error_response
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def build_app(
         functools.partial(state.generation.handle, endpoint=ENDPOINT_CHAT),
         expect_handler=expect_handler,
     )
+    app.router.add_post(MESSAGES_PATH, state.messages.handle, expect_handler=expect_handler)
     app.router.add_get("/v1/models", state.handle_models)
     state.forwarder.add_routes(app.router)  # vLLM's other routes (router/server/forward.py)
     app.router.add_get("/health", state.handle_health)
