@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import multi
 from . import responses as R
+from . import responses_api as RA
 from .admin_routes import AdminRoutes
 from .api_errors import ApiError, json_error
 from .aux_routes import AuxRoutes
@@ -81,6 +82,7 @@ class SimServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
         ModelRoutes(self.config, self.created).add_to(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -193,6 +195,54 @@ class SimServer:
                 self.engine.abort(rid)
             if transport is not None:
                 self._transports.discard(transport)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API as the chat request it stands for (responses_api.py)."""
+        data = await request.read()
+        try:
+            body = orjson.loads(data)
+            if not isinstance(body, dict):
+                raise ApiError("Request body must be a JSON object.", 400)
+            parsed = parse_request(RA.chat_body(body), self.config, True)
+        except orjson.JSONDecodeError:
+            return error_response(json_error(data.decode("utf-8", errors="replace")))
+        except ApiError as e:
+            return error_response(e)
+        if self.engine.dead:
+            return error_response(ApiError("The engine is dead", 500, "InternalServerError"))
+        answer = RA.ResponseAnswer(body, parsed.model)
+        req = SimRequest(answer.id, parsed.prompt_ids, parsed.sampling, parsed.threshold, parsed.kv_transfer_params)
+        self.engine.add_request(req)
+        try:
+            if not parsed.stream:
+                while not req.finished:
+                    await req.event.wait()
+                    req.event.clear()
+                if req.finish_reason == "error":
+                    return error_response(GENERATION_ERROR)
+                return json_response(answer.response(req, req.output_text, RA.status_of(req)))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            await resp.prepare(request)
+            await resp.write(answer.opening())
+            text = ""
+            while not req.finished:
+                await req.event.wait()
+                req.event.clear()
+                _, delta, _ = req.drain()
+                if delta:
+                    if not text:
+                        await resp.write(answer.text_opening())
+                    text += delta
+                    await resp.write(answer.delta(delta))
+            await resp.write(answer.closing(req, text, RA.status_of(req)))
+            await resp.write_eof()
+            return resp
+        except ConnectionResetError:
+            log.debug("client of %s disconnected", answer.id)
+            return web.Response(status=499)
+        finally:
+            if not req.finished:
+                self.engine.abort(answer.id)
 
     async def _generate_choices(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
         """Batches, n > 1, echo, prompt_logprobs: one engine request per choice (multi.py),

@@ -28,6 +28,7 @@ from router.observability import tracing
 from router.server.admin import AdminApi
 from router.server.messages import MESSAGES_PATH
 from router.server.respond import error_response
+from router.server.responses import RESPONSES_PATH
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -87,6 +88,7 @@ def build_app(
         expect_handler=expect_handler,
     )
     app.router.add_post(MESSAGES_PATH, state.messages.handle, expect_handler=expect_handler)
+    app.router.add_post(RESPONSES_PATH, state.responses.handle, expect_handler=expect_handler)
     app.router.add_get("/v1/models", state.handle_models)
     state.forwarder.add_routes(app.router)  # vLLM's other routes (router/server/forward.py)
     app.router.add_get("/health", state.handle_health)

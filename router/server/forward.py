@@ -69,7 +69,6 @@ JSON_ROUTES = (
     "/v2/rerank",
     "/tokenize",
     "/detokenize",
-    "/v1/responses",
 )
 MULTIPART_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 GET_ROUTES = ("/version", "/tokenizer_info")
@@ -201,6 +200,16 @@ class Forwarder:
             state.request_ended(task)
             rec.duration_s = time.monotonic() - t0
             state.metrics.record(rec)
+
+    async def admitted(
+        self, request: web.Request, serve: Callable[[RequestRecord, Tenant], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """The admission frame of these routes around a route served elsewhere
+        (`/v1/responses`: router/server/responses.py)."""
+        return await self._run(request, serve)
+
+    def check_model(self, model: str | None) -> str | None:
+        return self._check_model(model)
 
     def _check_model(self, model: str | None) -> str | None:
         """The model to route by; 404 in vLLM's words for one no backend serves."""
