@@ -2,7 +2,9 @@
 
 Upstream vLLM 0.32 accepts unknown top-level fields (OpenAIBaseModel has extra="allow") and
 drops them; `vllm_xargs` reaches `SamplingParams.extra_args` unchanged. The seam is
-`to_sampling_params` of CompletionRequest and ChatCompletionRequest: it runs for every
+`to_sampling_params` of CompletionRequest, ChatCompletionRequest and ResponsesRequest (the
+Responses API copies `vllm_xargs` into the sampling parameters too, so without the patch a
+bad value there would pass unchecked and the top-level field would be ignored): it runs for every
 request before the engine sees it and before a stream starts, and a VLLMValidationError
 raised there becomes vLLM's own 400 body
 (`{"error": {"message": "... (parameter=cache_hit_threshold, value=1.5)", "type":
@@ -53,8 +55,12 @@ def _wrap_to_sampling_params(original: ToSamplingParams) -> ToSamplingParams:
 def apply() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    for cls in (CompletionRequest, ChatCompletionRequest):
+    # The Anthropic Messages API needs no patch of its own: vLLM converts its body into a
+    # ChatCompletionRequest, `vllm_xargs` included (its model drops unknown top-level
+    # fields, so there the threshold goes in `vllm_xargs`).
+    for cls in (CompletionRequest, ChatCompletionRequest, ResponsesRequest):
         current = cls.to_sampling_params
         if not getattr(current, _PATCHED_ATTR, False):
             cls.to_sampling_params = _wrap_to_sampling_params(current)  # type: ignore[method-assign]  # the patch

@@ -49,7 +49,8 @@ async def test_whole_and_streamed_answers_have_vllms_anthropic_shape(make_cluste
     c = await make_cluster(decoders=2)
     status, out = await c.complete(_body("shape"), MESSAGES)
     assert status == 200, out
-    assert out["type"] == "message" and out["role"] == "assistant"
+    assert out["type"] == "message"
+    assert out["role"] == "assistant"
     assert out["id"].startswith("chatcmpl-")
     assert out["stop_reason"] == "max_tokens"
     assert out["usage"]["output_tokens"] == 12
@@ -68,7 +69,8 @@ async def test_whole_and_streamed_answers_have_vllms_anthropic_shape(make_cluste
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == 12
     start = events[0][1]["message"]
-    assert start["content"] == [] and start["stop_reason"] is None
+    assert start["content"] == []
+    assert start["stop_reason"] is None
     assert start["usage"]["output_tokens"] == 0
 
 
@@ -94,7 +96,11 @@ async def test_an_engine_dying_mid_answer_is_resumed_into_one_message(make_clust
     # The prompt is cached on d0 first, so the answer starts there and d0 dies mid-answer.
     async with c.session.post(
         c.engines["d0"].url + "/v1/chat/completions",
-        json={"model": MODEL, "messages": [{"role": "system", "content": body["system"]}, *body["messages"]], "max_tokens": 1},
+        json={
+            "model": MODEL,
+            "messages": [{"role": "system", "content": body["system"]}, *body["messages"]],
+            "max_tokens": 1,
+        },
     ) as r:
         assert r.status == 200
     if stream:
@@ -139,7 +145,8 @@ async def test_bad_bodies_get_anthropics_error_shape(make_cluster: MakeCluster) 
     assert "max_tokens" in out["error"]["message"]
     status, out = await c.complete(_body("nomodel", model="no-such-model"), MESSAGES)
     assert status == 404
-    assert out["type"] == "error" and out["error"]["type"] == "NotFoundError"
+    assert out["type"] == "error"
+    assert out["error"]["type"] == "NotFoundError"
 
 
 async def test_the_anthropic_sdk_reads_the_answers(make_cluster: MakeCluster) -> None:

@@ -57,8 +57,10 @@ async def test_the_engine_holding_the_prompt_answers(make_cluster: MakeCluster, 
     before = await c.engine_metric(warm_on, "vllm:request_success_total")
     status, out = await c.complete(body, RESPONSES)
     assert status == 200, out
-    assert out["object"] == "response" and out["id"].startswith("resp_")
-    assert out["status"] == "incomplete" and out["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert out["object"] == "response"
+    assert out["id"].startswith("resp_")
+    assert out["status"] == "incomplete"
+    assert out["incomplete_details"] == {"reason": "max_output_tokens"}
     assert out["usage"]["output_tokens"] == 10
     assert c.routes().get("probe_hit", 0) == 1
     # The probe and the answer both ran there.
@@ -122,7 +124,8 @@ async def test_the_openai_sdk_responses_client(make_cluster: MakeCluster) -> Non
             model=MODEL, instructions=long_prompt("sdk", 60), input="hello", max_output_tokens=6
         )
         assert resp.status == "incomplete"
-        assert resp.usage is not None and resp.usage.output_tokens == 6
+        assert resp.usage is not None
+        assert resp.usage.output_tokens == 6
         stream = await client.responses.create(
             model=MODEL, instructions=long_prompt("sdk", 60), input="hello", max_output_tokens=6, stream=True
         )

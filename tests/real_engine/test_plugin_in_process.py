@@ -98,8 +98,10 @@ def test_unsupported_vllm_version_refuses_to_start(plugin: ModuleType, monkeypat
 
     from engine_launcher.vllm_plugin import scheduler, version
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(version.UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.x only"):
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(
+        version.UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.x and 0\.33\.x only; this is vLLM 0\.34\.0"
+    ):
         scheduler.ThresholdScheduler()
     with pytest.raises(version.UnsupportedVLLMVersion):
         scheduler.ThresholdAsyncScheduler()
