@@ -118,10 +118,15 @@ def test_an_error_event() -> None:
 
 
 def test_whole_message() -> None:
-    chat = {
+    choice: dict[str, Any] = {
+        "message": {"role": "assistant", "content": "hi"},
+        "finish_reason": "stop",
+        "stop_reason": None,
+    }
+    chat: dict[str, Any] = {
         "id": "chatcmpl-1",
         "model": "m",
-        "choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop", "stop_reason": None}],
+        "choices": [choice],
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 2}},
     }
     assert whole_message(chat) == {
@@ -133,7 +138,7 @@ def test_whole_message() -> None:
         "stop_reason": "end_turn",
         "usage": {"input_tokens": 3, "output_tokens": 1, "cache_read_input_tokens": 2},
     }
-    chat["choices"][0].update(message={"role": "assistant", "content": ""}, finish_reason="cache_threshold")
+    choice.update(message={"role": "assistant", "content": ""}, finish_reason="cache_threshold")
     rejected = whole_message(chat)
     assert rejected["content"] == [{"type": "text", "text": ""}]
     assert "stop_reason" not in rejected  # None, dropped as vLLM's exclude_none drops it

@@ -36,10 +36,12 @@ def test_bad_json_is_a_400() -> None:
 def test_router_errors_are_reshaped_and_engine_errors_kept() -> None:
     resp = web.Response(status=429, body=orjson.dumps({"error": {"message": "busy", "type": "TooManyRequests"}}))
     shaped = anthropic_shaped(resp)
+    assert isinstance(shaped, web.Response)
     assert isinstance(shaped.body, bytes)
     assert orjson.loads(shaped.body) == {"type": "error", "error": {"type": "TooManyRequests", "message": "busy"}}
     own = {"type": "error", "error": {"type": "BadRequestError", "message": "no"}}
     kept = anthropic_shaped(web.Response(status=400, body=orjson.dumps(own)))
+    assert isinstance(kept, web.Response)
     assert isinstance(kept.body, bytes)
     assert orjson.loads(kept.body) == own
     ok = web.Response(status=200, body=b"{}")
