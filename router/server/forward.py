@@ -2,7 +2,8 @@
 
 Everything but the generation routes (which race, fall back and resume: dispatch.py) is
 answered by one engine: embeddings, pooling, classify, score and rerank, tokenize and
-detokenize, the Responses API, audio transcription and translation, `/version`. The
+detokenize, audio transcription and translation, `/version` (the Responses API is placed
+like a generation: router/server/responses.py). The
 router keeps its guarantees on them: the same admission as a generation for every route,
 GET included (the key, the tenant's rate, a concurrency slot), body limits, a JSON body
 with the router's fields removed and its `priority` checked against the key's rule
@@ -10,7 +11,7 @@ with the router's fields removed and its `priority` checked against the key's ru
 only healthy backends (the least loaded that serves the body's `model`), and
 retries on another backend for failures before the answer's first byte (no connection,
 an HTTP 5xx, silence: router/server/relay.py). The engine's answer is streamed back as it comes: status, body and
-content type unchanged (an SSE stream of `/v1/responses` included), so a client sees
+content type unchanged, so a client sees
 vLLM's own JSON and errors.
 
 Audio uploads (multipart/form-data) are never buffered whole: the router reads only the
