@@ -190,7 +190,7 @@ def test_llmd_decode_first_rejection_prefill_and_decode(
     threshold_engine: EngineProcess, preemption_engine: EngineProcess
 ) -> None:
     decoder, producer = preemption_engine.base_url, threshold_engine.base_url
-    body = _llmd_chat(_prompt(30))
+    body = _llmd_chat(_prompt(8))  # the decoder is the tiny-KV engine: 224 tokens of context
     # 1. The decoder does not hold the prompt: HTTP 200, first choice cache_threshold.
     status, out = post_json(decoder, "/v1/chat/completions", body, timeout=300)
     assert status == 200, out
