@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from engine_launcher.sim import FaultConfig
-from support.cluster import MODEL, Cluster, MakeCluster, long_prompt
+from support.cluster import MODEL, PD_PREFERRED, Cluster, MakeCluster, long_prompt
 
 MESSAGES = "/v1/messages"
 
@@ -87,6 +87,27 @@ async def test_a_warm_engine_wins_the_race(make_cluster: MakeCluster, stream: bo
         status, out = await c.complete(warm, MESSAGES)
         assert status == 200, out
     assert c.routes().get("probe_hit", 0) >= 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_cold_prompt_is_rejected_then_split_over_prefill_and_decode(
+    make_cluster: MakeCluster, stream: bool
+) -> None:
+    c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
+    body = {**_body("split", max_tokens=8), "system": long_prompt("split", 300)}
+    if stream:
+        status, events = await _events(c, body)
+        assert status == 200, events
+        text = _text_of(events)
+    else:
+        status, out = await c.complete(body, MESSAGES)
+        assert status == 200, out
+        text = out["content"][0]["text"]
+    assert len(text.split()) == 8
+    assert c.routes() == {"probe_hit": 0, "pd": 1, "direct": 0}
+    assert c.router_metric("cachehit_router_probe_rejections_total", backend="d0") == 1
+    ext = await c.engine_metrics("vllm:external_prefix_cache_hits_total")
+    assert max(ext["d0"], ext["d1"]) >= 300 - 16  # the decoder pulled the prompt from p0
 
 
 @pytest.mark.parametrize("stream", [False, True])
