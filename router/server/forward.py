@@ -70,6 +70,7 @@ JSON_ROUTES = (
     "/v2/rerank",
     "/tokenize",
     "/detokenize",
+    "/v1/messages/count_tokens",  # the Anthropic API's token count (its messages: messages.py)
 )
 MULTIPART_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 GET_ROUTES = ("/version", "/tokenizer_info")

@@ -47,7 +47,7 @@ class Recorder:
             return web.json_response({"version": "0.32.0"})
 
         app = web.Application()
-        for path in ("/v1/responses", "/v1/embeddings", "/v1/completions", "/v1/messages"):
+        for path in ("/v1/responses", "/v1/embeddings", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"):
             app.router.add_post(path, record)
         app.router.add_get("/version", version)
         app.router.add_get("/tokenizer_info", version)
@@ -154,6 +154,10 @@ async def test_a_messages_body_only_the_engine_converts_goes_to_its_route_stripp
     async with session.post(url + "/v1/messages", json={**body, **HOSTILE}, headers=_auth()) as r:
         assert r.status == 200, await r.text()
     assert rec.bodies["/v1/messages"] == [{**body, "vllm_xargs": {"k": 2}}]
+    # Its token count is forwarded as vLLM's other routes are.
+    async with session.post(url + "/v1/messages/count_tokens", json={**body, **HOSTILE}, headers=_auth()) as r:
+        assert r.status == 200, await r.text()
+    assert rec.bodies["/v1/messages/count_tokens"] == [{**body, "vllm_xargs": {"k": 2}}]
 
 
 async def test_a_body_priority_earlier_than_the_key_may_ask_is_refused_before_any_engine(routed: Routed) -> None:
