@@ -4,8 +4,9 @@ Everything but the generation routes (which race, fall back and resume: dispatch
 answered by one engine: embeddings, pooling, classify, score and rerank, tokenize and
 detokenize, the Anthropic API's `/v1/messages/count_tokens`, audio transcription and
 translation, `/version` (the Responses API is placed like a generation:
-router/server/responses.py). The router keeps its guarantees on them: the same admission as a generation for every route,
-GET included (the key, the tenant's rate, a concurrency slot), body limits, a JSON body
+router/server/responses.py). The router keeps its guarantees on them: the same admission
+as a generation for every route, GET included (the key, the tenant's rate, a concurrency
+slot), body limits, a JSON body
 with the router's fields removed and its `priority` checked against the key's rule
 (router/admission/engine_body.py; sent as the client's bytes when nothing was removed),
 only healthy backends (the least loaded that serves the body's `model`), and
