@@ -9,6 +9,15 @@ request before the engine sees it and before a stream starts, and a VLLMValidati
 raised there becomes vLLM's own 400 body
 (`{"error": {"message": "... (parameter=cache_hit_threshold, value=1.5)", "type":
 "BadRequestError", "param": "cache_hit_threshold", "code": 400}}`).
+
+The Anthropic Messages API (`/v1/messages`) is served from a ChatCompletionRequest that
+`AnthropicServingMessages.to_chat_completion_request` builds, `vllm_xargs` included, so the
+chat patch above validates and carries the threshold given there. Its request model
+(a plain pydantic BaseModel) drops unknown top-level fields, so for the top-level
+spelling the model is made to keep them, and the conversion is wrapped: a top-level
+threshold is validated (the same 400, in vLLM's Anthropic error shape) and put into the
+chat request's `vllm_xargs`, where it wins over a value already there, as the top-level
+value does on every other route.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .threshold import FIELD, ThresholdError, request_threshold
+from .threshold import FIELD, ThresholdError, request_threshold, validate_threshold
 
 _PATCHED_ATTR = "_cachehit_threshold_patched"
 
@@ -52,15 +61,53 @@ def _wrap_to_sampling_params(original: ToSamplingParams) -> ToSamplingParams:
     return to_sampling_params
 
 
+def _validation_error(exc: ThresholdError) -> Exception:
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError(str(exc), parameter=exc.param, value=exc.value)
+
+
+def _wrap_to_chat_completion_request(original: Callable[..., Any]) -> Any:
+    """`original` is the classmethod's function: (cls, anthropic_request, ...) -> chat request."""
+
+    @functools.wraps(original)
+    def to_chat_completion_request(cls: Any, anthropic_request: Any, *args: Any, **kwargs: Any) -> Any:
+        extra = getattr(anthropic_request, "model_extra", None) or {}
+        try:
+            threshold = validate_threshold(extra.get(FIELD), FIELD)
+        except ThresholdError as exc:
+            raise _validation_error(exc) from None
+        chat_request = original(cls, anthropic_request, *args, **kwargs)
+        if threshold is not None:
+            chat_request.vllm_xargs = {**(chat_request.vllm_xargs or {}), FIELD: threshold}
+        return chat_request
+
+    setattr(to_chat_completion_request, _PATCHED_ATTR, True)
+    return classmethod(to_chat_completion_request)
+
+
+def _apply_anthropic() -> None:
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    if AnthropicMessagesRequest.model_config.get("extra") != "allow":
+        # Keep unknown top-level fields (the threshold among them) in model_extra. The
+        # route's validator is built when vLLM builds its app, after plugins register.
+        AnthropicMessagesRequest.model_config["extra"] = "allow"
+        AnthropicMessagesRequest.model_rebuild(force=True)
+    current = AnthropicServingMessages.__dict__["to_chat_completion_request"]
+    if not getattr(current.__func__, _PATCHED_ATTR, False):
+        wrapped = _wrap_to_chat_completion_request(current.__func__)
+        AnthropicServingMessages.to_chat_completion_request = wrapped  # type: ignore[method-assign]  # the patch
+
+
 def apply() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    # The Anthropic Messages API needs no patch of its own: vLLM converts its body into a
-    # ChatCompletionRequest, `vllm_xargs` included (its model drops unknown top-level
-    # fields, so there the threshold goes in `vllm_xargs`).
     for cls in (CompletionRequest, ChatCompletionRequest, ResponsesRequest):
         current = cls.to_sampling_params
         if not getattr(current, _PATCHED_ATTR, False):
             cls.to_sampling_params = _wrap_to_sampling_params(current)  # type: ignore[method-assign]  # the patch
+    _apply_anthropic()

@@ -98,6 +98,13 @@ SEAMS: tuple[Seam, ...] = (
     *_attrs("vllm/entrypoints/openai/chat_completion/protocol.py", "ChatCompletionRequest", "vllm_xargs", "threshold"),
     *_attrs("vllm/entrypoints/openai/responses/protocol.py", "ResponsesRequest", "vllm_xargs", "threshold"),
     *_attrs("vllm/entrypoints/anthropic/protocol.py", "AnthropicMessagesRequest", "vllm_xargs", "threshold"),
+    _method(
+        "vllm/entrypoints/anthropic/serving.py",
+        "AnthropicServingMessages",
+        "to_chat_completion_request",
+        "anthropic_request",
+        why="carries a top-level threshold into the chat request",
+    ),
     Seam("vllm/exceptions.py", None, "VLLMValidationError", "class", why="400 for a bad threshold"),
     _method("vllm/v1/engine/async_llm.py", "AsyncLLM", "generate", why="keeps a rejected stream's finish"),
     *_attrs(

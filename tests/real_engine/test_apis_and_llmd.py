@@ -229,3 +229,21 @@ def test_llmd_threshold_on_completions_and_its_validation(threshold_engine: Engi
     status, out = post_json(url, "/v1/completions", {**body, "cache_hit_threshold": 1.5}, timeout=300)
     assert status == 400, out
     assert out["error"]["param"] == "cache_hit_threshold"
+
+
+def test_messages_take_the_threshold_at_the_top_level_too(threshold_engine: EngineProcess) -> None:
+    url = threshold_engine.base_url
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": _prompt(30)}]}
+    status, out = post_json(url, "/v1/messages", {**body, "cache_hit_threshold": 1}, timeout=300)
+    assert status == 200, out
+    # cache_threshold has no Anthropic name: no stop_reason, one empty text block.
+    assert "stop_reason" not in out
+    assert out["content"] == [{"type": "text", "text": ""}]
+    assert out["usage"]["output_tokens"] == 0
+    status, out = post_json(url, "/v1/messages", {**body, "cache_hit_threshold": 0}, timeout=300)
+    assert status == 200, out
+    assert out["stop_reason"] == "max_tokens"
+    status, out = post_json(url, "/v1/messages", {**body, "cache_hit_threshold": 1.5}, timeout=300)
+    assert status == 400, out
+    assert out["type"] == "error"
+    assert "cache_hit_threshold" in out["error"]["message"]
