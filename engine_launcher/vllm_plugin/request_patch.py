@@ -23,7 +23,11 @@ value does on every other route.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from .threshold import FIELD, ThresholdError, request_threshold, validate_threshold
@@ -86,19 +90,56 @@ def _wrap_to_chat_completion_request(original: Callable[..., Any]) -> Any:
     return classmethod(to_chat_completion_request)
 
 
+_ANTHROPIC_SERVING = "vllm.entrypoints.anthropic.serving"
+
+
+def _patch_anthropic_serving(module: ModuleType) -> None:
+    serving = module.AnthropicServingMessages
+    current = serving.__dict__["to_chat_completion_request"]
+    if not getattr(current.__func__, _PATCHED_ATTR, False):
+        serving.to_chat_completion_request = _wrap_to_chat_completion_request(current.__func__)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches vLLM's Anthropic serving module when vLLM imports it (the API server, as it
+    builds its app): importing it here would load the OpenAI serving stack into every
+    process the plugin registers in (engine core, workers) for nothing."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != _ANTHROPIC_SERVING:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                # This one module's loader object only (a fresh one per find_spec).
+                setattr(spec.loader, "exec_module", _then_patched(spec.loader.exec_module))  # noqa: B010
+                return spec
+        return None
+
+
+def _then_patched(exec_module: Callable[[ModuleType], None]) -> Callable[[ModuleType], None]:
+    def exec_and_patch(module: ModuleType) -> None:
+        exec_module(module)
+        _patch_anthropic_serving(module)
+
+    return exec_and_patch
+
+
 def _apply_anthropic() -> None:
     from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
     if AnthropicMessagesRequest.model_config.get("extra") != "allow":
         # Keep unknown top-level fields (the threshold among them) in model_extra. The
         # route's validator is built when vLLM builds its app, after plugins register.
         AnthropicMessagesRequest.model_config["extra"] = "allow"
         AnthropicMessagesRequest.model_rebuild(force=True)
-    current = AnthropicServingMessages.__dict__["to_chat_completion_request"]
-    if not getattr(current.__func__, _PATCHED_ATTR, False):
-        wrapped = _wrap_to_chat_completion_request(current.__func__)
-        AnthropicServingMessages.to_chat_completion_request = wrapped  # type: ignore[method-assign]  # the patch
+    loaded = sys.modules.get(_ANTHROPIC_SERVING)
+    if loaded is not None:
+        _patch_anthropic_serving(loaded)
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
 
 
 def apply() -> None:
