@@ -42,6 +42,7 @@ from .kv_side_channel import KvSideChannel
 from .model_routes import ModelRoutes
 from .protocol import ParsedRequest, parse_request
 from .request import SimRequest
+from .responses_route import serve_responses
 
 log = logging.getLogger("engine_launcher.sim")
 
@@ -87,6 +88,7 @@ class SimServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
         ModelRoutes(self.config, self.created).add_to(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -206,6 +208,10 @@ class SimServer:
                 engine.abort(rid)
             if transport is not None:
                 self._transports.discard(transport)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API as the chat request it stands for (responses_route.py)."""
+        return await serve_responses(request, self.config, self.ranks)
 
     async def _generate_choices(
         self, request: web.Request, parsed: ParsedRequest, engine: SimEngine

@@ -39,7 +39,9 @@ from router.routing.speed_learner import SpeedLearner, speed_prior
 from router.server.forward import Forwarder
 from router.server.generation import GenerationHandler
 from router.server.memtrim import IdleTrimmer
+from router.server.messages import MessagesHandler
 from router.server.respond import error_response, json_response
+from router.server.responses import ResponsesHandler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -77,6 +79,8 @@ class RouterState:
         self.adapters: AdapterManager | None = None  # LoRA adapters loaded through the router
         self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
         self.generation = GenerationHandler(self, self.forwarder)  # /v1/completions, /v1/chat/completions
+        self.messages = MessagesHandler(self.generation, self.forwarder)  # /v1/messages, as a chat completion
+        self.responses = ResponsesHandler(self, self.forwarder)  # /v1/responses, placed by a race
         self.keys = KeyRing(config.server.api_keys, config.tenants, config.server.admin_api_key)
         for t in (self.limiter.anonymous, *self.keys.tenants):
             self.metrics.bind_tenant(t)
