@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -34,15 +33,14 @@ from router.config.schema import Config
 from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.dispatch.placement import LegPlacer, client_error
 from router.dispatch.prompt_index import PromptIndex
+from router.dispatch.pump import Emit, EmitRaw, pump, pump_raw
 from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
-from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
+from router.engine.errors import TOTAL_TIMEOUT, UpstreamError
 from router.engine.wire import (
     CACHE_THRESHOLD,
     CHAT_PATH,
     COMPLETIONS_PATH,
-    MalformedChunk,
-    message_usage,
     one_token_probe,
     resume_leg_body,
     unary_leg_body,
@@ -54,9 +52,6 @@ from router.observability.record import RequestRecord
 from router.routing.planning import RouteQuery, Strategy
 
 log = logging.getLogger("cachehit_router.dispatch")
-
-
-Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 
 
 def route_query(spec: RequestSpec) -> RouteQuery:
@@ -102,13 +97,15 @@ class Dispatcher:
         )
 
     # --- the answer ------------------------------------------------------------------------
-    async def serve(self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord) -> None:
+    async def serve(
+        self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord, emit_raw: EmitRaw | None = None
+    ) -> None:
         first = ctx = self._context(spec, rec, spec.body)
         leg = await self.placer.acquire(ctx)
         answer = shaper.answer
         shaper.begin_leg(is_resume=False)
         while True:
-            outcome = await self._pump(ctx, leg, shaper, emit)
+            outcome = await (pump(ctx, leg, shaper, emit) if emit_raw is None else pump_raw(ctx, leg, shaper, emit_raw))
             error = self._leg_ended(ctx, leg, outcome)
             if error is not None and answer.finish_reason not in (None, CACHE_THRESHOLD):
                 # The engine finished the answer, then the connection broke before [DONE]:
@@ -186,44 +183,6 @@ class Dispatcher:
             )
             leg = await self.placer.acquire_after(ctx, error)
             shaper.begin_leg(is_resume=True)
-
-    async def _pump(self, ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit) -> LegOutcome:
-        """The leg's chunks to the client until [DONE] or an upstream failure."""
-        stream = leg.stream
-        loop = asyncio.get_running_loop()
-        prompt_tokens = cached_tokens = None
-        awaiting_first_token = ctx.record.ttft_s is None
-        try:
-            chunks = leg.buffered or await stream.next_chunks()
-            while chunks:
-                # Everything already received goes to the client in one write.
-                batch: list[dict[str, Any]] = []
-                bad: MalformedChunk | None = None
-                for chunk in chunks:
-                    if chunk.get("usage"):
-                        usage = message_usage(chunk)
-                        prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
-                    try:
-                        batch += shaper.shape(chunk)
-                    except MalformedChunk as e:
-                        bad = e
-                        break
-                    if awaiting_first_token and shaper.answer.first_token_seen:
-                        ctx.record_first_token(loop.time())
-                        awaiting_first_token = False
-                if batch:
-                    await emit(batch)
-                if bad is not None:
-                    raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {bad}") from None
-                chunks = await stream.next_chunks()
-        except UpstreamError as e:
-            stream.abort()
-            return LegOutcome(e)
-        except BaseException:
-            stream.abort()
-            raise
-        stream.finish()
-        return LegOutcome(None, prompt_tokens, cached_tokens)
 
     def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome) -> UpstreamError | None:
         """The engine's health and the cost model learn how the leg ended; its error, if any."""

@@ -1,7 +1,8 @@
 """One streamed engine leg: SSE chunks parsed as they arrive, under the leg's deadlines.
 
 `next_chunk()` returns the next parsed chunk (a dict) or None after `[DONE]`;
-`next_chunks()` everything already received; `abort()` drops the connection at once, which
+`next_chunks()` everything already received; `next_payloads()` the same unparsed (the
+caller reads what it needs on the bytes and `parse`s the rest); `abort()` drops the connection at once, which
 is how vLLM (and the simulator) learn that the client went away and abort the request.
 A missed deadline (first chunk, idle between chunks, total), a broken connection, an
 engine's error event or an unreadable chunk is an `UpstreamError` of its kind.
@@ -101,12 +102,38 @@ class UpstreamStream:
                 out.append(chunk)
         return out
 
+    async def next_payloads(self) -> list[bytes]:
+        """Every event's data already received, unparsed (at least one, waiting for it if need
+        be), or [] once the engine sent `[DONE]`."""
+        pending = self._pending
+        while not pending:
+            if self._done:
+                return []
+            await self._read_more()
+        out: list[bytes] = []
+        while pending:
+            payload = pending.popleft()
+            if payload == b"[DONE]":
+                self._done = True
+                pending.clear()
+                break
+            out.append(payload)
+        self.chunks_read += len(out)
+        return out
+
     def _parse_next(self, peek: bool = False) -> dict[str, Any] | None:
         payload = self._pending[0] if peek else self._pending.popleft()
         if payload == b"[DONE]":
             self._done = True
             self._pending.clear()
             return None
+        chunk = self.parse(payload)
+        self.chunks_read += 1
+        return chunk
+
+    def parse(self, payload: bytes) -> dict[str, Any]:
+        """One event's data as a chunk; an engine's error event or an unreadable chunk is an
+        `UpstreamError`."""
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -117,7 +144,6 @@ class UpstreamStream:
             err = chunk["error"]
             msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
             raise UpstreamError(self.backend, ENGINE_ERROR, msg, body=chunk)
-        self.chunks_read += 1
         return chunk
 
     async def _read_more(self) -> None:

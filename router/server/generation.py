@@ -92,7 +92,7 @@ class GenerationHandler:
                         deadline=asyncio.get_running_loop().time() + state.config.timeouts.total_s,
                     )
                     try:
-                        await state.dispatcher.serve(spec, shaper, writer.send, rec)
+                        await state.dispatcher.serve(spec, shaper, writer.send, rec, writer.send_raw)
                         await writer.send(shaper.final_chunks())
                         return await writer.finish()
                     except errors.RouterError as e:

@@ -87,9 +87,12 @@ class SSEWriter:
     async def send(self, chunks: list[dict[str, Any]]) -> None:
         if not chunks:
             return
+        await self.send_raw(format_event(chunks[0]) if len(chunks) == 1 else b"".join(map(format_event, chunks)))
+
+    async def send_raw(self, data: bytes) -> None:
+        """SSE events already encoded, in one transport write."""
         if self.response is None:
             await self._start()
-        data = format_event(chunks[0]) if len(chunks) == 1 else b"".join(format_event(c) for c in chunks)
         # drain=False: aiohttp would wait for a paused socket without a timeout; the wait
         # below has one, and a timer is armed only when there is something to wait for.
         await self.request.writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
