@@ -59,7 +59,7 @@ def vllm_router_exe() -> str | None:
 
 
 def router_cmd(cfg: Path, profile_out: Path | None = None) -> list[str]:
-    prof = ["-m", "cProfile", "-o", str(profile_out)] if profile_out is not None else []
+    prof = ["-m", "bench.harness.profiled", str(profile_out)] if profile_out is not None else []
     return [PY, *prof, "-m", "router", "--config", str(cfg), "--no-engines"]
 
 

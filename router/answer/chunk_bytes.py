@@ -31,17 +31,23 @@ import re
 
 import orjson
 
-_COMPLETION_TEXT = b'"text":"'
-_COMPLETION_REST = b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
-_CHAT_TEXT = b'"delta":{"content":"'
-_CHAT_REST = b'},"logprobs":null,"finish_reason":null,'
-_IDS = b'"token_ids":['
-_END = b"]}]}"
-_HIDDEN_IDS_END = b'"token_ids":null}]}\n\n'
-# Canonical JSON integers that fit 64 bits, comma-separated, at least one.
-_IDS_RE = re.compile(rb"(?:0|[1-9][0-9]{0,17})(?:,(?:0|[1-9][0-9]{0,17}))*")
-# Bytes after which a string's raw bytes may differ from orjson's encoding of its value.
-_NEEDS_DECODING = re.compile(rb"[\x00-\x1f\\]")
+# A canonical JSON integer that fits 64 bits.
+_ID = rb"(?:0|[1-9][0-9]{0,17})"
+# The rest of a token chunk after its header: group 1 the text as JSON string content
+# (escapes allowed, raw control characters not), group 2 the token ids (at least one).
+_TEXT = rb'((?:[^"\\\x00-\x1f]|\\.)*)'
+_IDS = rb"\[(" + _ID + rb"(?:," + _ID + rb")*)\]\}\]\}"
+_COMPLETION = re.compile(
+    rb'"text":"'
+    + _TEXT
+    + rb'","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":'
+    + _IDS,
+    re.DOTALL,
+)
+_CHAT = re.compile(
+    rb'"delta":\{"content":"' + _TEXT + rb'"\},"logprobs":null,"finish_reason":null,"token_ids":' + _IDS, re.DOTALL
+)
+_HIDDEN_IDS_END = b"null}]}\n\n"
 
 
 def header(chunk_id: object, obj: object, created: object, model: object) -> bytes | None:
@@ -69,53 +75,29 @@ def plain_chunks(
     return PlainChunks(up, ours, chat=chat, hide_ids=not want_ids)
 
 
-def _string_end(b: bytes, i: int) -> int:
-    """Index of the `"` closing the JSON string whose content starts at i, or -1."""
-    while True:
-        q = b.find(b'"', i)
-        if q < 0:
-            return -1
-        k = q - 1
-        while b[k] == 0x5C:  # backslashes before it: an odd count escapes it
-            k -= 1
-        if (q - 1 - k) % 2 == 0:
-            return q
-        i = q + 1
-
-
 class PlainChunks:
     """One leg's plain token chunks: recognised, read, and rewritten for the client."""
 
-    __slots__ = ("_client", "_hide_ids", "_rest", "_text_key", "_up", "_up_len")
+    __slots__ = ("_client", "_hide_ids", "_match", "_up", "_up_len")
 
     def __init__(self, upstream_header: bytes, client_header: bytes, *, chat: bool, hide_ids: bool):
         self._up = upstream_header
         self._up_len = len(upstream_header)
         self._client = b"data: " + client_header
-        self._text_key = _CHAT_TEXT if chat else _COMPLETION_TEXT
-        self._rest = _CHAT_REST if chat else _COMPLETION_REST
+        self._match = (_CHAT if chat else _COMPLETION).fullmatch
         self._hide_ids = hide_ids
 
     def relay(self, payload: bytes) -> tuple[bytes, str, list[int]] | None:
         """(the client's SSE event, the chunk's text, its token ids), or None when the chunk
         is not a plain token chunk of this leg (the caller then reads it in full)."""
+        # One regular expression checks and splits the whole chunk: a few C calls a chunk,
+        # where Python-level scanning cost more than orjson's parse and dump together.
+        if not payload.startswith(self._up) or (m := self._match(payload, self._up_len)) is None:
+            return None
+        raw = m.group(1)
+        ids_at = m.start(2) - 1  # the `[`
         n = self._up_len
-        key = self._text_key
-        if not payload.startswith(self._up) or not payload.endswith(_END) or not payload.startswith(key, n):
-            return None
-        start = n + len(key)
-        q = _string_end(payload, start)
-        if q < 0:
-            return None
-        rest = self._rest
-        ids_at = q + 1 + len(rest)
-        if not payload.startswith(rest, q + 1) or not payload.startswith(_IDS, ids_at):
-            return None
-        ids_raw = payload[ids_at + len(_IDS) : -len(_END)]
-        if _IDS_RE.fullmatch(ids_raw) is None:
-            return None
-        raw = payload[start:q]
-        if _NEEDS_DECODING.search(raw) is None:
+        if b"\\" not in raw:
             try:
                 text = raw.decode()
             except UnicodeDecodeError:
@@ -123,12 +105,14 @@ class PlainChunks:
             body = payload[n:ids_at] if self._hide_ids else payload[n:]
         else:
             # Escapes: decoded, and written again as orjson writes them (the full path's output).
+            start, end = m.span(1)
             try:
-                text = orjson.loads(payload[start - 1 : q + 1])
+                text = orjson.loads(payload[start - 1 : end + 1])
             except orjson.JSONDecodeError:
                 return None
-            body = key[:-1] + orjson.dumps(text) + payload[q + 1 : ids_at if self._hide_ids else None]
-        ids = [int(i) for i in ids_raw.split(b",")]
+            body = payload[n : start - 1] + orjson.dumps(text) + payload[end + 1 : ids_at if self._hide_ids else None]
+        ids_raw = m.group(2)
+        ids = [int(ids_raw)] if b"," not in ids_raw else [int(i) for i in ids_raw.split(b",")]
         if self._hide_ids:
             return self._client + body + _HIDDEN_IDS_END, text, ids
         return self._client + body + b"\n\n", text, ids

@@ -93,8 +93,7 @@ class GenerationHandler:
                     )
                     try:
                         await state.dispatcher.serve(spec, shaper, writer.send, rec, writer.send_raw)
-                        await writer.send(shaper.final_chunks())
-                        return await writer.finish()
+                        return await writer.finish(shaper.final_chunks())
                     except errors.RouterError as e:
                         if not writer.started:
                             raise

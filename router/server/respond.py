@@ -40,6 +40,12 @@ class ClientStalled(ConnectionResetError):
     """The client read nothing of its stream for too long; its connection was dropped."""
 
 
+class _EventStreamResponse(web.StreamResponse):
+    # Headers go out in the same write as the first events (aiohttp's own Response does
+    # this; a StreamResponse sends them alone from prepare()): one syscall less a request.
+    _send_headers_immediately = False
+
+
 class SSEWriter:
     def __init__(
         self,
@@ -62,7 +68,7 @@ class SSEWriter:
         return self.response is not None
 
     async def _start(self) -> web.StreamResponse:
-        resp = web.StreamResponse(
+        resp = _EventStreamResponse(
             status=200,
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
@@ -117,10 +123,11 @@ class SSEWriter:
                 f"the client read nothing of its stream for {wait:.3g} s (timeouts.idle_s or total_s)"
             ) from None
 
-    async def finish(self) -> web.StreamResponse:
+    async def finish(self, chunks: list[dict[str, Any]] | None = None) -> web.StreamResponse:
+        """The last `chunks`, [DONE] and the end of the body, in one write."""
         resp = self.response or await self._start()
-        await self._bounded(resp.write(DONE_EVENT))
-        await self._bounded(resp.write_eof())
+        last = b"".join(map(format_event, chunks)) + DONE_EVENT if chunks else DONE_EVENT
+        await self._bounded(resp.write_eof(last))
         return resp
 
     async def fail(self, err: RouterError) -> web.StreamResponse:
