@@ -116,3 +116,24 @@ class PlainChunks:
         if self._hide_ids:
             return self._client + body + _HIDDEN_IDS_END, text, ids
         return self._client + body + b"\n\n", text, ids
+
+
+_FINISH = b'"finish_reason":'
+_COMPLETION_TOKENS = b'"completion_tokens":'
+
+
+def unary_answer_problem(body: bytes, max_tokens: int | None) -> str | None:
+    """What is wrong with an engine's non-streamed answer forwarded on its bytes, or None: no
+    choice finished (a broken engine's empty answer), or more tokens than max_tokens. A byte
+    scan, not a parse: the answer is forwarded as it came (as above, a key cannot occur
+    inside a JSON string)."""
+    i = body.find(_FINISH)
+    while i >= 0 and body.startswith(b"null", i + len(_FINISH)):
+        i = body.find(_FINISH, i + len(_FINISH))
+    if i < 0:
+        return "the answer has no finish_reason"
+    if max_tokens is not None and (j := body.find(_COMPLETION_TOKENS)) >= 0:
+        digits = body[j + len(_COMPLETION_TOKENS) :][:20].split(b",", 1)[0].split(b"}", 1)[0].strip()
+        if digits.isdigit() and int(digits) > max_tokens:
+            return f"the engine sent more tokens ({int(digits)}) than max_tokens ({max_tokens})"
+    return None

@@ -70,7 +70,7 @@ class ResponseShaper:
         top = body.get("top_logprobs")
         self._chat_top_logprobs = (top if type(top) is int else 0) if self._chat and body.get("logprobs") else None
 
-        self.answer = Answer(list(spec.prompt_token_ids) if spec.prompt_token_ids is not None else None)
+        self.answer = Answer(None if spec.prompt_token_ids is None else list(spec.prompt_token_ids), spec.max_tokens)
         self.emitted = False  # anything returned for the client yet
         self._usage = UsageTotals(self.answer, chat=self._chat)
         self._offsets = TextOffsets()

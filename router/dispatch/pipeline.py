@@ -28,6 +28,7 @@ from typing import Any
 
 from router import errors
 from router.admission.spec import RequestSpec
+from router.answer.chunk_bytes import unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.config.schema import Config
 from router.dispatch.context import Leg, LegOutcome, RequestContext
@@ -36,7 +37,7 @@ from router.dispatch.prompt_index import PromptIndex
 from router.dispatch.pump import Emit, EmitRaw, pump, pump_raw
 from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
-from router.engine.errors import TOTAL_TIMEOUT, UpstreamError
+from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
 from router.engine.wire import (
     CACHE_THRESHOLD,
     CHAT_PATH,
@@ -106,6 +107,12 @@ class Dispatcher:
         shaper.begin_leg(is_resume=False)
         while True:
             outcome = await (pump(ctx, leg, shaper, emit) if emit_raw is None else pump_raw(ctx, leg, shaper, emit_raw))
+            if outcome.error is None and answer.finish_reason is None:
+                # [DONE] without a finish: a broken engine (vLLM always ends a leg with a
+                # finish_reason). The leg failed: retried elsewhere before the answer's first
+                # token, resumed after it, and counted against the engine either way.
+                detail = "the stream ended ([DONE]) without a finish_reason"
+                outcome = LegOutcome(UpstreamError(leg.backend, PROTOCOL, detail))
             error = self._leg_ended(ctx, leg, outcome)
             if error is not None and answer.finish_reason not in (None, CACHE_THRESHOLD):
                 # The engine finished the answer, then the connection broke before [DONE]:
@@ -137,6 +144,10 @@ class Dispatcher:
                     f"routing.max_resumes = {self.routing.max_resumes} resumes.",
                 )
             if spec.max_tokens is not None and answer_tokens >= spec.max_tokens:
+                if error is not None and error.kind == PROTOCOL:
+                    # The engine went past the budget (or sent garbage at it): a broken
+                    # answer, not a success; nothing past the budget reached the client.
+                    raise client_error(error, self.timeouts)
                 # Interrupted right at the budget: nothing is missing, end as the engine did.
                 await emit(shaper.release_held())
                 return
@@ -254,6 +265,12 @@ class Dispatcher:
                 if timer is not None:
                     timer.cancel()
                 self.registry.close_leg(ticket)
+            problem = unary_answer_problem(raw, spec.max_tokens)
+            if problem is not None:  # a broken engine's answer is not a success: elsewhere
+                last_error = UpstreamError(name, PROTOCOL, problem)
+                self.placer.note_failure(ctx, last_error)
+                ctx.tried.add(name)
+                continue
             self.registry.record_success(name)
             self.strategy.on_routed(ctx.query, name)
             ctx.record_leg(Route.DIRECT, name)

@@ -78,25 +78,24 @@ async def pump_raw(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: 
             events: list[bytes] = []
             bad: UpstreamError | None = None
             for item in batch:
-                if type(item) is bytes:
-                    event = shape_raw(item)
-                    if event is not None:
-                        events.append(event)
-                        if awaiting_first_token:
-                            ctx.record_first_token(loop.time())
-                            awaiting_first_token = False
-                        continue
-                    try:
-                        item = stream.parse(item)
-                    except UpstreamError as e:
-                        bad = e
-                        break
-                if item.get("usage"):
-                    usage = message_usage(item)
-                    prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
                 try:
+                    if type(item) is bytes:
+                        event = shape_raw(item)
+                        if event is not None:
+                            events.append(event)
+                            if awaiting_first_token:
+                                ctx.record_first_token(loop.time())
+                                awaiting_first_token = False
+                            continue
+                        item = stream.parse(item)
+                    if item.get("usage"):
+                        usage = message_usage(item)
+                        prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
                     events.extend(map(format_event, shaper.shape(item)))
-                except MalformedChunk as e:
+                except UpstreamError as e:
+                    bad = e
+                    break
+                except MalformedChunk as e:  # shape_raw too: tokens past max_tokens
                     bad = UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {e}")
                     break
                 if awaiting_first_token and answer.first_token_seen:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec
-from router.answer.chunk_bytes import PlainChunks, header, plain_chunks
+from router.answer.chunk_bytes import PlainChunks, header, plain_chunks, unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.engine.sse import format_event
 from support.shaping import PROMPT, make_spec, split_legs
@@ -74,7 +74,7 @@ def generations(draw: st.DrawFn) -> tuple[RequestSpec, Legs]:
         continuous=draw(st.booleans()),
     )
     steps = [
-        Step(draw(texts), draw(st.lists(st.integers(0, 2**40), min_size=1, max_size=3)))
+        Step(draw(texts), draw(st.lists(st.integers(0, 2**40), min_size=1, max_size=2)))  # <= 16: the budget
         for _ in range(draw(st.integers(1, 8)))
     ]
     steps[-1].finish_reason = draw(st.sampled_from(["stop", "length"]))
@@ -163,3 +163,14 @@ def test_a_header_of_other_types_is_not_relayed() -> None:
     assert (
         plain_chunks({"id": "a", "object": "x", "created": 5, "model": "m"}, (*client[:3], None), False, False) is None
     )
+
+
+def test_a_forwarded_answer_without_a_finish_or_past_its_budget_is_a_problem() -> None:
+    ok = b'{"choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":{"completion_tokens":16}}'
+    assert unary_answer_problem(ok, 16) is None
+    assert unary_answer_problem(ok, None) is None
+    assert unary_answer_problem(b"data: [DONE]\n\n", 16) == "the answer has no finish_reason"
+    assert unary_answer_problem(ok.replace(b'"length"', b"null"), 16) == "the answer has no finish_reason"
+    assert "max_tokens (8)" in (unary_answer_problem(ok, 8) or "")
+    text_says_it = b'{"choices":[{"text":"\\"finish_reason\\":\\"stop\\"","finish_reason":null}]}'
+    assert unary_answer_problem(text_says_it, 16) == "the answer has no finish_reason"
