@@ -122,7 +122,8 @@ def test_other_spacing_takes_the_full_path_and_reads_the_same() -> None:
 def relay_for(chat: bool = False, hide_ids: bool = True) -> PlainChunks:
     up = header("cmpl-1", "text_completion", 5, "m")
     client = header("cmpl-client", "text_completion", 7, "client-model")
-    assert up is not None and client is not None
+    assert up is not None
+    assert client is not None
     return PlainChunks(up, client, chat=chat, hide_ids=hide_ids)
 
 
