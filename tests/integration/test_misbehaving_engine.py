@@ -151,7 +151,9 @@ async def test_answer_finished_before_the_connection_broke_is_not_resumed(make_c
 
 def _failures(router: web.AppRunner, backend: str) -> int:
     """What the engine's circuit breaker has counted against it."""
-    return router.app[ROUTER_KEY].registry.states[backend].consecutive_failures
+    registry = router.app[ROUTER_KEY].registry
+    assert registry is not None  # the router has started
+    return registry.states[backend].consecutive_failures
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -61,7 +61,7 @@ def same_answer(a: ResponseShaper, b: ResponseShaper) -> None:
     assert a.emitted == b.emitted
 
 
-texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
+texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)
 
 
 @st.composite
