@@ -12,8 +12,8 @@ each stream shape, every target in turn (interleaved) receives the same requests
 
 The figure is the target process's CPU time (user + system, psutil, children included)
 over the requests, per request and per chunk; not wall time, so contention from other
-processes on the machine does not count. `--profile` also runs the round-robin router under
-cProfile for the 256-chunk paced shape and prints where a chunk's time goes.
+processes on the machine does not count. `--profile` also profiles the round-robin router
+(py-spy if installed, else cProfile) on 256-chunk paced streams: where a chunk's time goes.
 """
 
 from __future__ import annotations
@@ -23,9 +23,13 @@ import asyncio
 import json
 import os
 import pstats
+import re
 import shutil
 import signal
+import subprocess
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -181,13 +185,65 @@ def profile_summary(path: Path, chunks: int, top: int = 18) -> list[dict[str, An
     ]
 
 
+def py_spy() -> str | None:
+    """py-spy (`pip install py-spy`), from $PY_SPY, the venv or PATH."""
+    return os.environ.get("PY_SPY") or shutil.which("py-spy", path=str(Path(PY).parent)) or shutil.which("py-spy")
+
+
+_FRAME = re.compile(r"^(.*?) \((?:.*/(?:site-packages|python3\.\d+)/)?(.*?):\d+\)$")
+
+
+def spy_summary(raw: Path, cpu_us_per_chunk: float, top: int = 18) -> list[dict[str, Any]]:
+    """py-spy's collapsed stacks: each function's share of the samples on its own (self) and
+    with what it calls, as microseconds of CPU per chunk."""
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        # per function: the file's path shortened, the line number dropped
+        frames = [_FRAME.sub(r"\1 (\2)", f) for f in stack.split(";")]
+        own[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    return [
+        {
+            "function": f,
+            "self_pct": 100 * n / total,
+            "us_per_chunk": cpu_us_per_chunk * n / total,
+            "cum_us_per_chunk": cpu_us_per_chunk * incl[f] / total,
+        }
+        for f, n in own.most_common(top)
+    ]
+
+
 def run_profile(
     procs: ProcessSet, urls: list[str], cores: list[int] | None, work: Path, a: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    out = work / "router.prof"
-    port, proc = asyncio.run(start_target(procs, "router_round_robin", urls, cores, work, out))
+    """Where a chunk's CPU goes in the round-robin router, 256-chunk paced streams: py-spy
+    (sampling: what the process spends, C code in the caller's line) when installed, else
+    cProfile on the CPU clock (whose own cost per call inflates small, frequent functions)."""
+    spy = py_spy()
+    out = work / ("router.spy" if spy else "router.prof")
+    port, proc = asyncio.run(start_target(procs, "router_round_robin", urls, cores, work, None if spy else out))
     chunks, requests = 256, max(8, a.stream_chunks // 256)
+    recorder = None
+    if spy:
+        cmd = [spy, "record", "-p", str(proc.pid), "-r", "400", "-f", "raw", "-o", str(out), "--nonblocking"]
+        recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached before the load starts
+    sampler = RSSSampler(proc.pid)
     asyncio.run(client_load(port, chunks, SHAPES["paced"], requests, a.stream_concurrency))
+    cpu_us_per_chunk = (sampler.cpu_s() - sampler.cpu0) / (chunks * requests) * 1e6
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(60)
+        procs.stop(proc)
+        return spy_summary(out, cpu_us_per_chunk)
     os.killpg(proc.pid, signal.SIGTERM)  # cProfile writes its file when the router exits
     proc.popen.wait(60)
     procs.stop(proc)
@@ -261,11 +317,13 @@ def run(
         pcols = [
             ("function", "function"),
             ("calls", "calls"),
+            ("self_pct", "self %"),
             ("us_per_chunk", "own us/chunk"),
             ("cum_us_per_chunk", "cumulative us/chunk"),
         ]
-        pnd = {"us_per_chunk": 3, "cum_us_per_chunk": 3, "calls": 0}
-        console.print(table("router_round_robin under cProfile, 256-chunk paced streams", pcols, prof, pnd))
+        pnd = {"us_per_chunk": 3, "cum_us_per_chunk": 3, "calls": 0, "self_pct": 1}
+        how = "py-spy" if py_spy() else "cProfile"
+        console.print(table(f"router_round_robin under {how}, 256-chunk paced streams", pcols, prof, pnd))
         md += "\n" + markdown_table(pcols, prof, pnd) + "\n"
     (Path(a.out) / "stream_cpu.md").write_text(md)
     return result
