@@ -206,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--stream-shapes", default="instant,paced,burst", help="with --streams: how the chunks arrive")
     o.add_argument("--stream-chunks", type=int, default=65536, help="with --streams: chunks per measurement")
     o.add_argument("--stream-concurrency", type=int, default=16, help="with --streams: paced streams at once")
-    o.add_argument("--profile", action="store_true", help="with --streams: cProfile of the router per chunk")
+    o.add_argument(
+        "--profile", action="store_true", help="with --streams: py-spy (else cProfile) of the router per chunk"
+    )
     o.set_defaults(fn=cmd_overhead)
 
     of = sub.add_parser("offload-sweep", help="hit ratio and TTFT against each engine's CPU KV tier")
