@@ -25,10 +25,8 @@ streaming (`shape`, `shape_raw`, `release_held`, `final_chunks`)
   followed upstream by the usage chunk and [DONE] at once: holding it costs no latency.
 
 non-streaming (`accumulate_response`): `shape` returns [] and router/answer/assembly.py builds
-the body from every chunk seen across legs.
-
-For the lead: `answer` (router/answer/progress.py), `emitted` (a chunk went to the client: errors
-must now travel as SSE events).
+the body from every chunk seen across legs. For the lead: `answer` (router/answer/progress.py),
+`emitted` (a chunk went to the client: errors must now travel as SSE events).
 
 Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
 must not use the chunk afterwards. `shape_raw` relays a plain token chunk on its bytes
@@ -83,7 +81,7 @@ class ResponseShaper:
         self._held_has_content = False
         self._pending: list[dict[str, Any]] = []  # content of a discarded held chunk, sent next
         self._role_sent = False
-        self._prompt_ids_sent = False
+        self._prompt_ids_sent = not spec.stream  # a whole answer has them in its body
         self._fingerprint: str | None = None
         self._plain: PlainChunks | None = None  # this leg's chunks relayed on their bytes
         self._plain_tried = False
@@ -105,7 +103,6 @@ class ResponseShaper:
     # --- streaming ----------------------------------------------------------------------------
     def shape(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """One parsed upstream chunk -> the chunks for a streaming client (maybe none).
-
         Raises MalformedChunk (a ValueError) for a chunk it cannot read; the types of the
         fields the answer is built from are checked before any state changes, so a bad
         chunk never half-updates the answer."""
@@ -127,9 +124,9 @@ class ResponseShaper:
             self._fingerprint = fp
         if not self._plain_tried:  # the leg's first chunk: can its token chunks go on their bytes?
             self._plain_tried = True
-            if not (self._accumulate or self.spec.continuous_usage or (self._chat and self._is_resume)):
+            if not self.spec.continuous_usage and (self._accumulate or not (self._chat and self._is_resume)):
                 client = (self._rid, self._object, self._created, self._model)
-                self._plain = plain_chunks(chunk, client, self._chat, self._want_ids)
+                self._plain = plain_chunks(chunk, client, self._chat and not self._is_resume, self._want_ids)
         choices = chunk.get("choices")
         if not choices:
             usage = chunk.get("usage")
@@ -154,8 +151,8 @@ class ResponseShaper:
         return self._shape_chat(chunk, c)
 
     def shape_raw(self, payload: bytes) -> bytes | None:
-        """A plain token chunk's bytes -> the client's SSE event, with the answer updated as
-        `shape` would; None when the chunk must be parsed and given to `shape`."""
+        """A plain token chunk's bytes -> the client's SSE event (b"" for a non-streaming client),
+        with the answer updated as `shape` would; None when it must be parsed and `shape`d."""
         plain, answer = self._plain, self.answer
         # Prompt ids the client asked for ride on the next chunk out: the full path adds them.
         owed_ids = self._want_ids and not self._prompt_ids_sent and answer.prompt_token_ids is not None
@@ -165,6 +162,9 @@ class ResponseShaper:
         answer.add_token_ids(ids)
         if text:
             answer.add_text(text)
+        if self._accumulate:  # a non-streaming client's answer: accumulated only
+            self._assembler.add_plain(text, chat_leg=self._chat and not self._is_resume)
+            return b""
         self.emitted = True
         return event
 

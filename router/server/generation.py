@@ -99,7 +99,7 @@ class GenerationHandler:
                             raise
                         rec.status, rec.error = e.status, e.message
                         return await writer.fail(e)
-                await state.dispatcher.serve(spec, shaper, _discard, rec)
+                await state.dispatcher.serve(spec, shaper, _discard, rec, _discard_raw)
                 return json_response(shaper.accumulate_response(), headers={"X-Request-Id": answer_id})
         except errors.RouterError as e:
             resp = state.refused(rec, e)
@@ -153,3 +153,7 @@ class GenerationHandler:
 
 async def _discard(chunks: list[dict[str, Any]]) -> None:
     return None
+
+
+async def _discard_raw(data: bytes) -> None:
+    return None  # a non-streaming client's answer is accumulated by the shaper

@@ -67,11 +67,13 @@ texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_siz
 @st.composite
 def generations(draw: st.DrawFn) -> tuple[RequestSpec, Legs]:
     endpoint = draw(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]))
+    stream = draw(st.booleans())
     spec = make_spec(
         endpoint,
-        include_usage=draw(st.booleans()),
+        stream=stream,
+        include_usage=stream and draw(st.booleans()),
         return_token_ids=draw(st.booleans()),
-        continuous=draw(st.booleans()),
+        continuous=stream and draw(st.booleans()),
     )
     steps = [
         Step(draw(texts), draw(st.lists(st.integers(0, 2**40), min_size=1, max_size=2)))  # <= 16: the budget
@@ -92,6 +94,8 @@ def test_bytes_path_sends_what_the_full_path_sends(case: tuple[RequestSpec, Legs
     fast, got, _ = byte_path(spec, legs)
     assert got == want
     same_answer(full, fast)
+    if not spec.stream:  # the body a non-streaming client gets
+        assert fast.accumulate_response() == full.accumulate_response()
 
 
 def test_plain_token_chunks_do_go_on_their_bytes() -> None:
@@ -107,6 +111,19 @@ def test_plain_token_chunks_do_go_on_their_bytes() -> None:
         assert got == want
         same_answer(full, fast)
         assert relayed == (8 if endpoint == ENDPOINT_COMPLETIONS else 9)  # chat: the role chunk came first
+
+
+def test_a_non_streaming_answer_is_accumulated_from_the_bytes_too() -> None:
+    spec = make_spec(ENDPOINT_CHAT, stream=False, return_token_ids=True)
+    steps = [Step(f" w{i}", [100 + i]) for i in range(6)]
+    steps[-1].finish_reason = "stop"
+    legs = split_legs(ENDPOINT_CHAT, Gen(PROMPT, steps, cached_tokens=0), [3], [False, False], [0, 0])
+    full, want = full_path(spec, legs)
+    fast, got, relayed = byte_path(spec, legs)
+    assert (got, want) == (b"", b"")
+    assert fast.accumulate_response() == full.accumulate_response()
+    assert not fast.emitted
+    assert relayed == 4  # chat leg: 2 of 3 after the role chunk; resume leg: 2 of 3 after its first
 
 
 def test_other_spacing_takes_the_full_path_and_reads_the_same() -> None:
