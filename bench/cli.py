@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--probe-k", default="2,4,8", help="engine counts for the probe-race cost")
     o.add_argument("--quick", action="store_true")
     o.add_argument("--no-pin", action="store_true")
+    o.add_argument("--streams", default="", help="e.g. 16,256,1024: CPU per streamed request and chunk instead")
+    o.add_argument("--stream-shapes", default="instant,paced,burst", help="with --streams: how the chunks arrive")
+    o.add_argument("--stream-chunks", type=int, default=65536, help="with --streams: chunks per measurement")
+    o.add_argument("--stream-concurrency", type=int, default=16, help="with --streams: paced streams at once")
+    o.add_argument(
+        "--profile", action="store_true", help="with --streams: py-spy (else cProfile) of the router per chunk"
+    )
     o.set_defaults(fn=cmd_overhead)
 
     of = sub.add_parser("offload-sweep", help="hit ratio and TTFT against each engine's CPU KV tier")

@@ -224,7 +224,8 @@ def serve(
         shutdown_timeout=config.server.drain_timeout_s,
     )
     try:
-        loop.run_until_complete(_serve_until_signalled(runner, host, port, ssl_ctx, reloads))
+        serving = _serve_until_signalled(runner, host, port, ssl_ctx, reloads, reuse_port=config.server.reuse_port)
+        loop.run_until_complete(serving)
     except Exception as e:  # startup failures (port taken, engines failed to start): say what
         print(f"router: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -241,7 +242,13 @@ DRAIN_QUIET_S = 0.5
 
 
 async def _serve_until_signalled(
-    runner: web.AppRunner, host: str, port: int, ssl_ctx: ssl.SSLContext | None, reloads: _Reloads | None = None
+    runner: web.AppRunner,
+    host: str,
+    port: int,
+    ssl_ctx: ssl.SSLContext | None,
+    reloads: _Reloads | None = None,
+    *,
+    reuse_port: bool = False,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain (SIGHUP: `_Reloads`, from before the
     engines start). Unlike web.run_app, which closes the
@@ -260,7 +267,9 @@ async def _serve_until_signalled(
         reloads.install(loop)
     await runner.setup()  # starts the engines and checks the backends (on_startup)
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
+        # reuse_port: several router processes bind the same port, and the kernel spreads
+        # new connections over them (docs/ARCHITECTURE.md, "Several router processes").
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_port=reuse_port or None)
         await site.start()
         await stop.wait()
         await site.stop()  # no new connections

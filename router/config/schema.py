@@ -61,6 +61,9 @@ class ServerConfig:
     log_level: str = "info"
     # json: one JSON object per line (log shippers); text: for humans (router/observability/logs.py).
     log_format: str = "json"
+    # SO_REUSEPORT on the listening socket: N router processes on one host share the port
+    # (the kernel spreads connections over them); see docs/ARCHITECTURE.md.
+    reuse_port: bool = False
 
 
 @dataclass(frozen=True)

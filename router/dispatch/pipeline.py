@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 from router import errors
 from router.admission.spec import RequestSpec
+from router.answer.chunk_bytes import unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.config.schema import Config
 from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.dispatch.placement import LegPlacer, client_error
 from router.dispatch.prompt_index import PromptIndex
+from router.dispatch.pump import Emit, EmitRaw, pump, pump_raw
 from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
 from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
@@ -41,8 +42,6 @@ from router.engine.wire import (
     CACHE_THRESHOLD,
     CHAT_PATH,
     COMPLETIONS_PATH,
-    MalformedChunk,
-    message_usage,
     one_token_probe,
     resume_leg_body,
     unary_leg_body,
@@ -55,9 +54,6 @@ from router.observability.record import RequestRecord
 from router.routing.planning import RouteQuery, Strategy
 
 log = logging.getLogger("cachehit_router.dispatch")
-
-
-Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 
 
 def route_query(spec: RequestSpec, adapter: bool = False) -> RouteQuery:
@@ -105,13 +101,21 @@ class Dispatcher:
         )
 
     # --- the answer ------------------------------------------------------------------------
-    async def serve(self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord) -> None:
+    async def serve(
+        self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord, emit_raw: EmitRaw | None = None
+    ) -> None:
         first = ctx = self._context(spec, rec, spec.body)
         leg = await self.placer.acquire(ctx)
         answer = shaper.answer
         shaper.begin_leg(is_resume=False)
         while True:
-            outcome = await self._pump(ctx, leg, shaper, emit)
+            outcome = await (pump(ctx, leg, shaper, emit) if emit_raw is None else pump_raw(ctx, leg, shaper, emit_raw))
+            if outcome.error is None and answer.finish_reason is None:
+                # [DONE] without a finish: a broken engine (vLLM always ends a leg with a
+                # finish_reason). The leg failed: retried elsewhere before the answer's first
+                # token, resumed after it, and counted against the engine either way.
+                detail = "the stream ended ([DONE]) without a finish_reason"
+                outcome = LegOutcome(UpstreamError(leg.backend, PROTOCOL, detail))
             error = self._leg_ended(ctx, leg, outcome)
             if error is not None and answer.finish_reason not in (None, CACHE_THRESHOLD):
                 # The engine finished the answer, then the connection broke before [DONE]:
@@ -143,6 +147,10 @@ class Dispatcher:
                     f"routing.max_resumes = {self.routing.max_resumes} resumes.",
                 )
             if spec.max_tokens is not None and answer_tokens >= spec.max_tokens:
+                if error is not None and error.kind == PROTOCOL:
+                    # The engine went past the budget (or sent garbage at it): a broken
+                    # answer, not a success; nothing past the budget reached the client.
+                    raise client_error(error, self.timeouts)
                 # Interrupted right at the budget: nothing is missing, end as the engine did.
                 await emit(shaper.release_held())
                 return
@@ -190,44 +198,6 @@ class Dispatcher:
             )
             leg = await self.placer.acquire_after(ctx, error)
             shaper.begin_leg(is_resume=True)
-
-    async def _pump(self, ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit) -> LegOutcome:
-        """The leg's chunks to the client until [DONE] or an upstream failure."""
-        stream = leg.stream
-        loop = asyncio.get_running_loop()
-        prompt_tokens = cached_tokens = None
-        awaiting_first_token = ctx.record.ttft_s is None
-        try:
-            chunks = leg.buffered or await stream.next_chunks()
-            while chunks:
-                # Everything already received goes to the client in one write.
-                batch: list[dict[str, Any]] = []
-                bad: MalformedChunk | None = None
-                for chunk in chunks:
-                    if chunk.get("usage"):
-                        usage = message_usage(chunk)
-                        prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
-                    try:
-                        batch += shaper.shape(chunk)
-                    except MalformedChunk as e:
-                        bad = e
-                        break
-                    if awaiting_first_token and shaper.answer.first_token_seen:
-                        ctx.record_first_token(loop.time())
-                        awaiting_first_token = False
-                if batch:
-                    await emit(batch)
-                if bad is not None:
-                    raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {bad}") from None
-                chunks = await stream.next_chunks()
-        except UpstreamError as e:
-            stream.abort()
-            return LegOutcome(e)
-        except BaseException:
-            stream.abort()
-            raise
-        stream.finish()
-        return LegOutcome(None, prompt_tokens, cached_tokens)
 
     def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome) -> UpstreamError | None:
         """The engine's health and the cost model learn how the leg ended; its error, if any."""
@@ -299,6 +269,12 @@ class Dispatcher:
                 if timer is not None:
                     timer.cancel()
                 self.registry.close_leg(ticket)
+            problem = unary_answer_problem(raw, spec.max_tokens)
+            if problem is not None:  # a broken engine's answer is not a success: elsewhere
+                last_error = UpstreamError(name, PROTOCOL, problem)
+                self.placer.note_failure(ctx, last_error)
+                ctx.tried.add(name)
+                continue
             self.registry.record_success(name)
             self.strategy.on_routed(ctx.query, name)
             ctx.record_leg(Route.DIRECT, name)

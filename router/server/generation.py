@@ -136,15 +136,16 @@ class GenerationHandler:
                         framing=api.framing() if api is not None else None,
                     )
                     try:
-                        await state.dispatcher.serve(spec, shaper, writer.send, rec)
-                        await writer.send(shaper.final_chunks())
-                        return await writer.finish()
+                        await state.dispatcher.serve(
+                            spec, shaper, writer.send, rec, writer.send_raw if api is None else None
+                        )
+                        return await writer.finish(shaper.final_chunks())
                     except errors.RouterError as e:
                         if not writer.started:
                             raise
                         rec.status, rec.error = e.status, e.message
                         return await writer.fail(e)
-                await state.dispatcher.serve(spec, shaper, _discard, rec)
+                await state.dispatcher.serve(spec, shaper, _discard, rec, None if api is not None else _discard_raw)
                 whole = shaper.accumulate_response()
                 return json_response(whole if api is None else api.whole(whole), headers={"X-Request-Id": answer_id})
         except errors.RouterError as e:
@@ -199,3 +200,7 @@ class GenerationHandler:
 
 async def _discard(chunks: list[dict[str, Any]]) -> None:
     return None
+
+
+async def _discard_raw(data: bytes) -> None:
+    return None  # a non-streaming client's answer is accumulated by the shaper

@@ -52,6 +52,12 @@ class ClientStalled(ConnectionResetError):
     """The client read nothing of its stream for too long; its connection was dropped."""
 
 
+class _EventStreamResponse(web.StreamResponse):
+    # Headers go out in the same write as the first events (aiohttp's own Response does
+    # this; a StreamResponse sends them alone from prepare()): one syscall less a request.
+    _send_headers_immediately = False
+
+
 class SSEWriter:
     def __init__(
         self,
@@ -76,7 +82,7 @@ class SSEWriter:
         return self.response is not None
 
     async def _start(self) -> web.StreamResponse:
-        resp = web.StreamResponse(
+        resp = _EventStreamResponse(
             status=200,
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
@@ -102,22 +108,16 @@ class SSEWriter:
         if not chunks:
             return
         if self._framing is not None:
-            await self.send_bytes(self._framing.encode(chunks))
+            await self.send_raw(self._framing.encode(chunks))
             return
-        if self.response is None:
-            await self._start()
-        data = format_event(chunks[0]) if len(chunks) == 1 else b"".join(format_event(c) for c in chunks)
-        await self._write(data)
+        await self.send_raw(format_event(chunks[0]) if len(chunks) == 1 else b"".join(map(format_event, chunks)))
 
-    async def send_bytes(self, data: bytes) -> None:
-        """Events already framed."""
+    async def send_raw(self, data: bytes) -> None:
+        """Events already encoded (SSE, or the API's own framing), in one transport write."""
         if not data:
             return
         if self.response is None:
             await self._start()
-        await self._write(data)
-
-    async def _write(self, data: bytes) -> None:
         # drain=False: aiohttp would wait for a paused socket without a timeout; the wait
         # below has one, and a timer is armed only when there is something to wait for.
         await self.request.writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
@@ -142,10 +142,14 @@ class SSEWriter:
                 f"the client read nothing of its stream for {wait:.3g} s (timeouts.idle_s or total_s)"
             ) from None
 
-    async def finish(self) -> web.StreamResponse:
+    async def finish(self, chunks: list[dict[str, Any]] | None = None) -> web.StreamResponse:
+        """The last `chunks`, [DONE] and the end of the body, in one write."""
         resp = self.response or await self._start()
-        await self._bounded(resp.write(DONE_EVENT if self._framing is None else self._framing.trailer()))
-        await self._bounded(resp.write_eof())
+        if self._framing is not None:
+            last = (self._framing.encode(chunks) if chunks else b"") + self._framing.trailer()
+        else:
+            last = b"".join(map(format_event, chunks)) + DONE_EVENT if chunks else DONE_EVENT
+        await self._bounded(resp.write_eof(last))
         return resp
 
     async def fail(self, err: RouterError) -> web.StreamResponse:

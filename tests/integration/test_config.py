@@ -35,6 +35,8 @@ def test_defaults_are_safe() -> None:
     assert 0 < policies.settings(cfg.routing, "probe").cache_hit_threshold <= 1
     assert cfg.timeouts.total_s > 0
     assert cfg.timeouts.idle_s > 0
+    assert cfg.server.reuse_port is False  # one process owns its port unless asked
+    assert parse_config({**MIN_BACKEND, "server": {"reuse_port": True}}).server.reuse_port is True
 
 
 @pytest.mark.parametrize(
@@ -101,6 +103,7 @@ def test_defaults_are_safe() -> None:
         ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
         ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
         ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
+        ({**MIN_BACKEND, "server": {"reuse_port": "yes"}}, "server.reuse_port", "expected"),
         ({**MIN_BACKEND, "tenants": [{"name": "a"}]}, "tenants[0].api_key", "exactly one of"),
         ({**MIN_BACKEND, "tenants": [{"name": "a b", "api_key": "k"}]}, "tenants[0].name", "letters"),
         (
