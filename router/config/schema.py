@@ -53,6 +53,16 @@ class ServerConfig:
     # Longest time to receive a request's body once its headers arrived (slow or stalled
     # clients get 408 instead of holding a concurrency slot).
     body_timeout_s: float = 30.0
+    # Longest time to receive a request's head (request line and headers), from the
+    # connection's start or the first byte after the previous answer; past it the
+    # connection gets 408 and is closed (nginx client_header_timeout, Envoy
+    # request_headers_timeout).
+    header_timeout_s: float = 10.0
+    # Largest request head (request line and headers together); past it: 431 and close.
+    # (aiohttp also holds each line to 8190 bytes and a head to 128 headers.)
+    max_header_bytes: int = 64 * 1024
+    # An idle keep-alive connection is closed after this long (nginx keepalive_timeout 75 s).
+    keepalive_timeout_s: float = 75.0
     # Per stream: bytes the router holds for a client that reads slower than the engine
     # writes before it stops reading the engine (backpressure through the engine's socket).
     stream_buffer_bytes: int = 8 * 1024

@@ -267,6 +267,11 @@ class RouterState:
             self._handlers.add(task)
         return task
 
+    def connection_dropped(self) -> None:
+        """A client connection closed holding memory no request accounted for (a large
+        request head half received): the heap is trimmed once the router is idle."""
+        self._trimmer.freed()
+
     def request_ended(self, task: asyncio.Task[Any] | None) -> None:
         self._client_inflight -= 1
         if not self._client_inflight:
