@@ -174,8 +174,6 @@ def serve(
     start_engines: bool = True,
     reload_config: Callable[[], Config] | None = None,
 ) -> int:
-    from aiohttp import web
-
     from router.observability import logs
     from router.observability.clientlog import ServerLogger
     from router.server.app import ROUTER_KEY, build_app

@@ -3,8 +3,11 @@
 The size limit is checked from the headers before anything is read; `Expect:
 100-continue` is answered only once the request passed authentication and holds a slot, so
 a body that would be refused is never invited; the body must arrive within
-`server.body_timeout_s`. For audio uploads only the form fields before the file part are
-read here (where clients put `model`); the rest streams upstream (router/server/forward.py).
+`server.body_timeout_s`, one deadline for the whole body, counted from when the router
+starts reading it (a client sending a byte every second does not reset it). For audio
+uploads only the form fields before the file part are read here (where clients put
+`model`); the rest streams upstream (router/server/forward.py) through the same
+`BodyReader`, under the same deadline.
 """
 
 from __future__ import annotations
@@ -51,9 +54,33 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
         detail = getattr(e.__cause__, "message", None) or str(e)
         raise errors.RouterError(400, f"The request body could not be read: {detail.strip()}") from None
     except TimeoutError:
-        raise errors.RouterError(
-            408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s."
-        ) from None
+        raise body_timeout(server) from None
+
+
+def body_timeout(server: ServerConfig) -> errors.RouterError:
+    return errors.RouterError(
+        408, f"The request body did not arrive within server.body_timeout_s = {server.body_timeout_s:g} s."
+    )
+
+
+class BodyReader:
+    """A client's body read piece by piece (an upload's form fields, then its file
+    streamed upstream) under one deadline for all of it: `server.body_timeout_s` from the
+    reader's creation. Past it, `readany` raises TimeoutError and `error` is the 408."""
+
+    def __init__(self, request: web.Request, server: ServerConfig):
+        self._content = request.content
+        self._server = server
+        self.deadline = asyncio.get_running_loop().time() + server.body_timeout_s
+        self.error: errors.RouterError | None = None
+
+    async def readany(self) -> bytes:
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await self._content.readany()
+        except TimeoutError:
+            self.error = body_timeout(self._server)
+            raise
 
 
 async def expect_handler(request: web.Request) -> web.Response | None:
@@ -94,21 +121,19 @@ def model_from_form_prefix(prefix: bytes, boundary: bytes) -> tuple[bool, str | 
     return False, None
 
 
-async def read_form_prefix(request: web.Request, boundary: bytes, server: ServerConfig) -> tuple[bytes, str | None]:
-    """The upload's first bytes, up to the `model` field or the file part, and that model."""
+async def read_form_prefix(reader: BodyReader, boundary: bytes) -> tuple[bytes, str | None]:
+    """The upload's first bytes, up to the `model` field or the file part, and that model
+    (within the reader's deadline: a 408 past it)."""
     prefix = b""
-    timeout = server.body_timeout_s
     while len(prefix) < MAX_FORM_PREFIX_BYTES:
         decided, model = model_from_form_prefix(prefix, boundary)
         if decided:
             return prefix, model
         try:
-            async with asyncio.timeout(timeout):
-                data = await request.content.readany()
+            data = await reader.readany()
         except TimeoutError:
-            raise errors.RouterError(
-                408, f"The request body did not arrive within server.body_timeout_s = {timeout:g} s."
-            ) from None
+            assert reader.error is not None
+            raise reader.error from None
         if not data:
             break
         prefix += data

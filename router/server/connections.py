@@ -78,7 +78,7 @@ def head_too_large_answer(limits: HeadLimits) -> bytes:
 class HeadLimitedHandler(RequestHandler):
     """aiohttp's connection handler with the head's time and size limits."""
 
-    __slots__ = ("_limits", "_head_bytes", "_head_timer", "_body")
+    __slots__ = ("_body", "_head_bytes", "_head_timer", "_limits")
 
     _limits: HeadLimits
 

@@ -41,7 +41,7 @@ import orjson
 from aiohttp import web
 
 from router import errors
-from router.admission.body import FORM_BOUNDARY, check_length, read_body, read_form_prefix
+from router.admission.body import FORM_BOUNDARY, BodyReader, check_length, read_body, read_form_prefix
 from router.admission.engine_body import engine_json
 from router.admission.spec import ID_PREFIX, RequestSpec
 from router.admission.tenants import Tenant
@@ -122,10 +122,12 @@ class Forwarder:
             m = FORM_BOUNDARY.search(ctype)
             if not ctype.lower().startswith("multipart/form-data") or m is None:
                 raise errors.bad_request("Expected a multipart/form-data body with a boundary.")
-            prefix, model = await read_form_prefix(request, m.group(1).encode(), self.state.config.server)
+            # One deadline for the whole upload: its form fields and the file streamed on.
+            reader = BodyReader(request, self.state.config.server)
+            prefix, model = await read_form_prefix(reader, m.group(1).encode())
             rec.model = model
             return await self.relay.forward(
-                request, rec, self._check_model(model), prefix, ctype, rest=request.content, limit=limit
+                request, rec, self._check_model(model), prefix, ctype, rest=reader, limit=limit
             )
 
         return await self._run(request, serve)
