@@ -26,6 +26,12 @@ _PART_NAME = re.compile(rb'name="([^"]*)"', re.IGNORECASE)
 FORM_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 
 
+def memory_per_request_bound(server: ServerConfig) -> int:
+    """What one request in flight may cost the router at most, in bytes, with a body of
+    server.max_body_bytes (docs/RELIABILITY.md; measured by `python -m bench limits`)."""
+    return 12 * server.max_body_bytes + 2 * 2**20
+
+
 def check_length(request: web.Request, server: ServerConfig) -> None:
     """413 for a declared Content-Length over server.max_body_bytes."""
     length = request.content_length  # parsed from the headers on every access
@@ -42,12 +48,10 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
             await invite_body(request)
         if request.content.is_eof():
             # The whole body is already buffered (a small body arrives with the
-            # headers): read() cannot wait, so no timer to arm and cancel.
-            return await request.read()
+            # headers): reading cannot wait, so no timer to arm and cancel.
+            return await _read_all(request, server.max_body_bytes)
         async with asyncio.timeout(timeout):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise errors.payload_too_large(server.max_body_bytes) from None
+            return await _read_all(request, server.max_body_bytes)
     except web.RequestPayloadError as e:
         # The body is not what its headers say (a Content-Encoding it is not encoded
         # in, broken chunked framing): the client's error.
@@ -55,6 +59,19 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
         raise errors.RouterError(400, f"The request body could not be read: {detail.strip()}") from None
     except TimeoutError:
         raise body_timeout(server) from None
+
+
+async def _read_all(request: web.Request, limit: int) -> bytes:
+    """The body's bytes, one copy: `request.read()` would also keep them on the request
+    for as long as it lives (the whole answer), beside the parsed body."""
+    chunks: list[bytes] = []
+    size = 0
+    while data := await request.content.readany():
+        size += len(data)
+        if size > limit:  # a chunked body (no Content-Length) past the limit
+            raise errors.payload_too_large(limit)
+        chunks.append(data)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def body_timeout(server: ServerConfig) -> errors.RouterError:

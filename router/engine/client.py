@@ -130,16 +130,18 @@ class UpstreamClient:
         deadline: float | None,
         timeout_kind: str = TOTAL_TIMEOUT,
         trace: dict[str, str] | None = None,
+        encoded: bytes | None = None,
     ) -> aiohttp.ClientResponse:
         """POST and wait for the response headers until `deadline`; a miss is an
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
+        data = orjson.dumps(body) if encoded is None else encoded
         try:
             if deadline is None:  # bounded by the caller's timer (post_raw): skip a no-op Timeout
-                resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
+                resp = await self.session.post(url, data=data, headers=self._headers(api_key, trace))
             else:
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
+                    resp = await self.session.post(url, data=data, headers=self._headers(api_key, trace))
         except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
             raise UpstreamError(
                 backend, CONNECT_TIMEOUT, f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}"
@@ -176,9 +178,11 @@ class UpstreamClient:
         api_key: str = "",
         total_deadline: float | None = None,
         on_close: Callable[[], None] | None = None,
+        encoded: bytes | None = None,
     ) -> UpstreamStream:
         """Open a streamed leg. `on_close` runs once when the leg is finished or aborted
-        (not when opening fails: the caller handles that)."""
+        (not when opening fails: the caller handles that). `encoded`: `body` already
+        serialised (the legs of a race share one copy of a large prompt)."""
         loop = asyncio.get_running_loop()
         if total_deadline is None:
             total_deadline = loop.time() + self.timeouts.total_s
@@ -190,7 +194,7 @@ class UpstreamClient:
             head_deadline, kind = total_deadline, TOTAL_TIMEOUT
         leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
         try:
-            resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace)
+            resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace, encoded)
         except BaseException as e:
             tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
             raise

@@ -72,6 +72,7 @@ class GenerationHandler:
                 spec = parse_request(
                     endpoint, raw, default_model=served[0] if len(served) == 1 else None, header_request_id=header_id
                 )
+                del raw  # the parsed body is what the request keeps: not its bytes too
                 check_priority(spec.body, tenant)  # the key's rule on vLLM's `priority` field
                 answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
