@@ -26,10 +26,33 @@ _PART_NAME = re.compile(rb'name="([^"]*)"', re.IGNORECASE)
 FORM_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 
 
+# What a request in flight costs the router (docs/RELIABILITY.md, "Limits and timeouts";
+# measured by `python -m bench limits`): a fixed part (its record, stream, buffers, timers)
+# and a part proportional to its body: the parsed body (a prompt of token ids is a list of
+# Python ints, ~36 bytes per ~7-byte id), its routing text, the legs' serialised bodies,
+# and the engine's answers that echo the prompt's token ids (parsed as they arrive).
+REQUEST_OVERHEAD_BYTES = 128 * 1024
+BODY_COST_FACTOR = 20
+
+
 def memory_per_request_bound(server: ServerConfig) -> int:
-    """What one request in flight may cost the router at most, in bytes, with a body of
-    server.max_body_bytes (docs/RELIABILITY.md; measured by `python -m bench limits`)."""
-    return 12 * server.max_body_bytes + 2 * 2**20
+    """What one request in flight may cost the router, in bytes, with a body of
+    server.max_body_bytes."""
+    return REQUEST_OVERHEAD_BYTES + BODY_COST_FACTOR * server.max_body_bytes
+
+
+def memory_bound(server: ServerConfig) -> int:
+    """What the requests in flight may cost the router at once, above its idle memory:
+    every slot's fixed part, and the bodies' part within server.max_body_bytes_in_flight."""
+    bodies = min(server.max_body_bytes_in_flight, server.max_concurrent_requests * server.max_body_bytes)
+    return server.max_concurrent_requests * REQUEST_OVERHEAD_BYTES + BODY_COST_FACTOR * bodies
+
+
+def body_reservation(request: web.Request, server: ServerConfig) -> int:
+    """The bytes a request reserves in the body budget (router/admission/body_budget.py):
+    its Content-Length, or server.max_body_bytes for a body without one (chunked)."""
+    length = request.content_length
+    return server.max_body_bytes if length is None else length
 
 
 def check_length(request: web.Request, server: ServerConfig) -> None:

@@ -80,6 +80,11 @@ def parse_server(p: Problems, raw: Any) -> ServerConfig | None:
     p.check(check_port, "server.port", server.port, allow_zero=True)
     p.check(check_positive, "server.max_body_bytes", server.max_body_bytes)
     p.check(check_positive, "server.max_upload_bytes", server.max_upload_bytes)
+    if server.max_body_bytes_in_flight < server.max_body_bytes:
+        p.add(
+            f"server.max_body_bytes_in_flight: expected at least server.max_body_bytes "
+            f"({server.max_body_bytes}), got {server.max_body_bytes_in_flight}"
+        )
     p.check(check_positive, "server.max_concurrent_requests", server.max_concurrent_requests)
     p.check(check_positive, "server.max_queued_requests", server.max_queued_requests, allow_zero=True)
     p.check(check_positive, "server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)

@@ -42,6 +42,11 @@ class ServerConfig:
     # Key for admin routes (/admin/*). Empty: admin routes disabled.
     admin_api_key: str = ""
     max_body_bytes: int = 4 * 1024 * 1024
+    # The bytes of request bodies held at once (Content-Length; max_body_bytes for a body
+    # without one): a request in flight costs up to ~20x its body (docs/RELIABILITY.md),
+    # so this bounds the router's memory whatever the bodies' sizes; past it requests wait
+    # (queue_timeout_s, then 429).
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
     # Audio uploads (multipart, streamed to the engine, never held whole): vLLM's own
     # default limit (VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25).
     max_upload_bytes: int = 25 * 1024 * 1024

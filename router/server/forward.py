@@ -41,7 +41,14 @@ import orjson
 from aiohttp import web
 
 from router import errors
-from router.admission.body import FORM_BOUNDARY, BodyReader, check_length, read_body, read_form_prefix
+from router.admission.body import (
+    FORM_BOUNDARY,
+    BodyReader,
+    body_reservation,
+    check_length,
+    read_body,
+    read_form_prefix,
+)
 from router.admission.engine_body import engine_json
 from router.admission.spec import ID_PREFIX, RequestSpec
 from router.admission.tenants import Tenant
@@ -186,7 +193,9 @@ class Forwarder:
             rec.request_id = header_id or ""
             if request.path not in MULTIPART_ROUTES:  # uploads have their own limit
                 check_length(request, state.config.server)
-            async with state.limiter.slot(tenant, priority):
+            # Uploads stream (never held whole): only bodies read whole count in the budget.
+            held = 0 if request.path in MULTIPART_ROUTES else body_reservation(request, state.config.server)
+            async with state.limiter.slot(tenant, priority), state.body_budget.hold(held):
                 return await serve(rec, tenant)
         except errors.RouterError as e:
             resp = state.refused(rec, e)

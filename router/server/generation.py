@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router import errors
-from router.admission.body import check_length, read_body
+from router.admission.body import body_reservation, check_length, read_body
 from router.admission.engine_body import check_priority
 from router.admission.spec import parse_request
 from router.answer.shaper import ResponseShaper
@@ -65,7 +65,11 @@ class GenerationHandler:
             check_length(request, state.config.server)
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
-            async with state.limiter.slot(tenant, priority):
+            # And within the bytes of bodies in flight (memory per request grows with its body).
+            async with (
+                state.limiter.slot(tenant, priority),
+                state.body_budget.hold(body_reservation(request, state.config.server)),
+            ):
                 header_id = client_request_id(request)
                 raw = await read_body(request, state.config.server)
                 served = state.registry.models()
