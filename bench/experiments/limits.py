@@ -7,9 +7,10 @@ and timeouts").
 server.max_concurrent_requests) filled with a maximal body (just under
 server.max_body_bytes), first prompts of token ids, then text prompts, on slow simulated
 engines (`--speed`: their prefill of such a prompt takes minutes, so every request stays in
-flight). The clients send their request and never read. Printed per kind: RSS idle, the
-peak while every slot is held, the peak per request in flight, and the documented bound
-(`router.admission.body.memory_per_request_bound`).
+flight). The clients send their request and never read. The bodies that fit in
+server.max_body_bytes_in_flight are held at once, the rest wait for their turn. Printed per
+kind: RSS idle, the peak while every slot is taken, the peak per body held, and the
+documented bounds (`router.admission.body.memory_per_request_bound`, `memory_bound`).
 
 `--mode heads`: `--connections` clients each send a request head of `--head-bytes`
 (header lines of 8,000 bytes) and never the blank line. Printed: RSS idle, the peak, how
@@ -35,7 +36,7 @@ import orjson
 import tomli_w
 
 from bench.harness.procs import PY, ProcessSet, RSSSampler, free_ports, wait_http
-from router.admission.body import memory_per_request_bound
+from router.admission.body import memory_bound, memory_per_request_bound
 from router.config.schema import ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,7 +119,14 @@ async def _settled_rss(sampler: RSSSampler, settle_s: float) -> float:
 
 
 async def run_bodies(a: argparse.Namespace, out: Path) -> dict[str, Any]:
-    server = {"max_concurrent_requests": a.slots, "max_queued_requests": a.slots, "max_body_bytes": a.max_body_bytes}
+    server = {
+        "max_concurrent_requests": a.slots,
+        "max_queued_requests": a.slots,
+        "max_body_bytes": a.max_body_bytes,
+        "max_body_bytes_in_flight": a.max_body_bytes_in_flight,
+        "queue_timeout_s": a.timeout_s,  # requests past the body budget wait for their turn
+    }
+    cfg = ServerConfig(**{k: v for k, v in server.items() if k != "queue_timeout_s"})
     results: dict[str, Any] = {}
     with ProcessSet(out / "logs") as ps:
         url, engine_urls = _start_cluster(ps, a, out, server)
@@ -134,6 +142,8 @@ async def run_bodies(a: argparse.Namespace, out: Path) -> dict[str, Any]:
             idle = await _settled_rss(sampler, a.settle_s)
             for kind in ("token_ids", "text"):
                 bodies = [max_body(kind, i, a.max_body_bytes) for i in range(a.slots)]
+                # The requests whose bodies fit in the budget at once reach the engines.
+                admitted = min(a.slots, a.max_body_bytes_in_flight // max(len(b) for b in bodies))
                 sampler.start()
                 t0 = time.monotonic()
                 socks = await asyncio.gather(*(_send_unread(int(url.rsplit(":", 1)[1]), b) for b in bodies))
@@ -145,7 +155,7 @@ async def run_bodies(a: argparse.Namespace, out: Path) -> dict[str, Any]:
                         + [await _gauge(s, u, "vllm:num_requests_waiting") for u in engine_urls]
                     )
                     inflight = await _gauge(s, url, "cachehit_router_inflight_requests")
-                    if at_engines >= a.slots or (time.monotonic() - t0 > 20 and inflight < a.slots):
+                    if at_engines >= admitted or (time.monotonic() - t0 > 20 and inflight < a.slots):
                         break  # every slot held at an engine, or requests failed (the router's log says why)
                     await asyncio.sleep(0.5)
                 await asyncio.sleep(a.hold_s)
@@ -158,21 +168,21 @@ async def run_bodies(a: argparse.Namespace, out: Path) -> dict[str, Any]:
                     await asyncio.sleep(0.2)
                 after = await _settled_rss(sampler, a.settle_s)
                 peak = peak_bytes / MIB
-                per = (peak - idle) / a.slots
+                per = (peak - idle) / max(1, admitted)  # the bodies' part: per body held
                 results[kind] = {
                     "in_flight_at_router": inflight,
+                    "bodies_held": admitted,
                     "at_engines": at_engines,
                     "rss_peak_mib": round(peak, 1),
                     "per_request_mib": round(per, 2),
                     "rss_after_mib": round(after, 1),
                 }
                 idle = min(idle, after)
-    bound = memory_per_request_bound(ServerConfig(max_body_bytes=a.max_body_bytes)) / MIB
     return {
         "config": vars(a),
         "rss_idle_mib": round(idle, 1),
-        "bound_per_request_mib": round(bound, 2),
-        "bound_total_mib": round(idle + a.slots * bound, 1),
+        "bound_per_request_mib": round(memory_per_request_bound(cfg) / MIB, 2),
+        "bound_total_mib": round(idle + memory_bound(cfg) / MIB, 1),
         **results,
     }
 
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("bodies", "heads"), default="bodies")
     p.add_argument("--slots", type=int, default=64, help="server.max_concurrent_requests (bodies)")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    p.add_argument("--max-body-bytes-in-flight", type=int, default=ServerConfig.max_body_bytes_in_flight)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--speed", type=float, default=0.001, help="simulator speed (slow: requests stay in flight)")
     p.add_argument("--hold-s", type=float, default=5.0, help="how long every slot is held once all are in flight")
