@@ -19,7 +19,8 @@ from aiohttp import web
 
 from router.config.parse import parse_config
 from router.engine.client import MAX_ANSWER_BYTES, MAX_CHECK_BYTES
-from router.server.app import ROUTER_KEY, RouterState, build_app
+from router.server.app import ROUTER_KEY, build_app
+from router.server.state import RouterState
 from support.cluster import MODEL
 from support.polling import eventually
 from support.ports import serve_on_free_port
