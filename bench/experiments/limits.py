@@ -15,8 +15,8 @@ documented bounds (`router.admission.body.memory_per_request_bound`, `memory_bou
 `--mode heads`: `--connections` clients each send a request head of `--head-bytes`
 (header lines of 8,000 bytes) and never the blank line. Printed: RSS idle, the peak, how
 long until the router closed each connection (the size bound answers 431 at once, the
-head timeout 408 after server.header_timeout_s), and RSS once they are closed (after the
-idle trim) against idle (target: within 10%).
+head timeout 408 after server.header_timeout_s; a client gives up after 3 x that + 10 s),
+and RSS once they are closed (after the idle trim) against idle (target: within 10%).
 """
 
 from __future__ import annotations
@@ -187,8 +187,9 @@ async def run_bodies(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     }
 
 
-async def _hold_head(port: int, head_bytes: int, t0: float) -> float:
-    """Send a head of `head_bytes` without its end; seconds until the router closed."""
+async def _hold_head(port: int, head_bytes: int, t0: float, wait_s: float) -> float | None:
+    """Send a head of `head_bytes` without its end; seconds until the router closed the
+    connection (None: still open after `wait_s`)."""
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     sock.setblocking(False)
@@ -201,8 +202,11 @@ async def _hold_head(port: int, head_bytes: int, t0: float) -> float:
             piece = line % i
             await loop.sock_sendall(sock, piece)
             sent, i = sent + len(piece), i + 1
-        while await loop.sock_recv(sock, 65536):
-            pass
+        async with asyncio.timeout(wait_s):
+            while await loop.sock_recv(sock, 65536):
+                pass
+    except TimeoutError:
+        return None
     except OSError:  # reset: closed by the router (431 while it was still sending)
         pass
     finally:
@@ -219,13 +223,16 @@ async def run_heads(a: argparse.Namespace, out: Path) -> dict[str, Any]:
         idle = await _settled_rss(sampler, a.settle_s)
         sampler.start()
         t0 = time.monotonic()
-        closed = await asyncio.gather(*(_hold_head(port, a.head_bytes, t0) for _ in range(a.connections)))
+        wait_s = 3 * a.header_timeout_s + 10
+        ended = await asyncio.gather(*(_hold_head(port, a.head_bytes, t0, wait_s) for _ in range(a.connections)))
         _, peak_bytes = await sampler.stop()
-        after = await _settled_rss(sampler, a.settle_s)
+        after = await _settled_rss(sampler, a.settle_s)  # the clients have closed their sockets
+    closed = [t for t in ended if t is not None] or [float("nan")]
     return {
         "config": vars(a),
         "rss_idle_mib": round(idle, 1),
         "rss_peak_mib": round(peak_bytes / MIB, 1),
+        "still_open_after_s": {wait_s: len(ended) - len([t for t in ended if t is not None])},
         "closed_after_s_max": round(max(closed), 2),
         "closed_after_s_median": round(sorted(closed)[len(closed) // 2], 2),
         "rss_after_mib": round(after, 1),
