@@ -116,6 +116,7 @@ class Forwarder:
             rec.model = model
             rec.stream = body.get("stream") is True
             sent = engine_json(raw, body, tenant)  # the router's fields stripped, priority checked
+            del raw, body  # only what is sent is kept while the engine answers
             return await self.relay.forward(request, rec, self._check_model(model), sent, "application/json")
 
         return await self._run(request, serve)
