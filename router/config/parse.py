@@ -33,6 +33,7 @@ from router.config.checks import (
     str_list,
     string_table,
 )
+from router.config.data_parallel import expand_ranks
 from router.config.discovery import parse_discovery
 from router.config.kv_events import check_backend_kv_events, check_engine_kv_events, parse_kv_events
 from router.config.schema import (
@@ -120,7 +121,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
         p.add(f"routing: expected a table, got {raw!r}")
         return None
     own, policy_keys = split_routing_table(raw)
-    routing = build_table(p, RoutingConfig, "routing", own)
+    routing = build_table(p, RoutingConfig, "routing", own, {"lora_adapters": string_table})
     if routing is None:
         return None
     routing = dataclasses.replace(routing, policy_keys=policy_keys)
@@ -131,6 +132,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
     p.check(check_positive, "routing.prior_kv_transfer_tokens_per_s", routing.prior_kv_transfer_tokens_per_s)
     p.check(check_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
     p.check(check_positive, "routing.max_retries", routing.max_retries, allow_zero=True)
+    p.check(check_positive, "routing.max_adapters_per_engine", routing.max_adapters_per_engine)
     return routing
 
 
@@ -194,7 +196,14 @@ def parse_backends(p: Problems, raw: Any) -> list[BackendConfig]:
         p.check(check_positive, f"{key}.prefill_tokens_per_s", b.prefill_tokens_per_s, allow_zero=True)
         p.check(check_one_of, f"{key}.role", b.role, Role)
         check_backend_kv_events(p, key, b)
-        backends.append(b)
+        if b.data_parallel_size < 1:
+            p.add(f"{key}.data_parallel_size: expected an integer >= 1, got {b.data_parallel_size!r}")
+            continue
+        if not -1 <= b.data_parallel_rank < b.data_parallel_size:
+            p.add(f"{key}.data_parallel_rank: expected a rank below data_parallel_size, got {b.data_parallel_rank!r}")
+            continue
+        # One backend per DP rank: each is its own engine to the router.
+        backends.extend(expand_ranks(b))
     return backends
 
 

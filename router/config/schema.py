@@ -104,6 +104,15 @@ class RoutingConfig:
     max_resumes: int = 3
     # Retries on another backend for failures before the first token.
     max_retries: int = 2
+    # LoRA adapters the router may have engines load (router/fleet/adapters.py), name ->
+    # path on the engines' hosts ([routing.lora_adapters]): the only paths ever sent to an
+    # engine's /v1/load_lora_adapter; a client names an adapter, never a path.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    # A request for one of them that no engine holds loads it on the engine the cost model
+    # picks (the engines need VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+    lora_autoload: bool = False
+    # Adapters the router loads on one engine at most (vLLM's --max-cpu-loras bounds its own).
+    max_adapters_per_engine: int = 4
     # The other [routing] keys as (key, value) pairs, sorted: the policies' own.
     policy_keys: tuple[tuple[str, Any], ...] = ()
 
@@ -155,6 +164,12 @@ class BackendConfig:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+    # DP ranks behind this one address (vLLM --data-parallel-size): each rank is its own
+    # engine to the router (router/config/data_parallel.py), reached with vLLM's
+    # X-data-parallel-rank header. 1: one engine.
+    data_parallel_size: int = 1
+    # The one rank this backend is (set by the expansion; -1: no rank targeting).
+    data_parallel_rank: int = -1
 
     @property
     def decodes(self) -> bool:

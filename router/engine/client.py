@@ -87,6 +87,9 @@ class UpstreamClient:
         self._read_bufsize = max(1024, read_buffer_bytes // 2)
         self._rcvbuf = read_buffer_bytes
         self._session: aiohttp.ClientSession | None = None
+        # Headers every request to a backend carries, by backend name: a DP rank's
+        # X-data-parallel-rank (router/config/data_parallel.py; the registry keeps it).
+        self.backend_headers: dict[str, dict[str, str]] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -135,13 +138,17 @@ class UpstreamClient:
         """POST and wait for the response headers until `deadline`; a miss is an
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
+        headers = self._headers(api_key, trace)
+        extra = self.backend_headers.get(backend)
+        if extra:
+            headers.update(extra)
         data = orjson.dumps(body) if encoded is None else encoded
         try:
             if deadline is None:  # bounded by the caller's timer (post_raw): skip a no-op Timeout
-                resp = await self.session.post(url, data=data, headers=self._headers(api_key, trace))
+                resp = await self.session.post(url, data=data, headers=headers)
             else:
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(url, data=data, headers=self._headers(api_key, trace))
+                    resp = await self.session.post(url, data=data, headers=headers)
         except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
             raise UpstreamError(
                 backend, CONNECT_TIMEOUT, f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}"

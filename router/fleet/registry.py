@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.names import BreakerState
@@ -46,8 +47,6 @@ from router.routing.snapshot import BackendView, ClusterSnapshot
 from router.routing.speed_learner import SpeedLearner
 
 log = logging.getLogger("cachehit_router.backends")
-
-# The breaker gauge's values.
 
 
 @dataclass
@@ -78,6 +77,9 @@ class BackendState:
     others_running: float = 0.0
     others_seen_at: float = -1e9  # the last scrape that saw a whole request of others' (clock)
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
+    # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
+    adapters: tuple[str, ...] = ()
+    adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
 
 
 # How long traffic the router did not send keeps an engine marked as shared with others
@@ -115,10 +117,13 @@ class BackendRegistry:
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
+    # Headers each request to a backend carries (a DP rank's; the upstream client reads it).
+    backend_headers: dict[str, dict[str, str]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         for c in self.configs:
             self.states[c.name] = BackendState(config=c, models=c.models)
+            self._set_headers(c)
             if c.prefill_tokens_per_s > 0:
                 self.learner.engine_per_token_s[c.name] = 1.0 / c.prefill_tokens_per_s
 
@@ -129,7 +134,9 @@ class BackendRegistry:
         learner = self.learner
         # One pass over the index, not one per backend: a snapshot is taken per request.
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}
+        adapters: set[str] = set()
         for s in self.states.values():
+            adapters.update(s.adapters)
             c = s.config
             views.append(
                 BackendView(
@@ -152,6 +159,7 @@ class BackendRegistry:
                     kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
                     kv_removed_at=removed.get(c.name, 0.0),
                     others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
+                    adapters=s.adapters,
                 )
             )
         return ClusterSnapshot(
@@ -161,6 +169,7 @@ class BackendRegistry:
             learner.race_wait_s,
             learner.race_saving_share,
             learner.race_saving_share_unplaced,
+            frozenset(adapters),
         )
 
     def _queued_tokens(self, s: BackendState, now: float) -> float:
@@ -205,9 +214,15 @@ class BackendRegistry:
         if config.name in self.states:
             raise ValueError(f"backend {config.name!r} already exists")
         s = self.states[config.name] = BackendState(config=config, models=config.models)
+        self._set_headers(config)
         if config.prefill_tokens_per_s > 0:
             self.learner.engine_per_token_s[config.name] = 1.0 / config.prefill_tokens_per_s
         return s
+
+    def _set_headers(self, config: BackendConfig) -> None:
+        headers = rank_headers(config)
+        if headers:
+            self.backend_headers[config.name] = headers
 
     def remove(self, name: str) -> None:
         """Forget a drained backend with nothing in flight (see `router/fleet/membership.py`)."""
@@ -217,6 +232,7 @@ class BackendRegistry:
         if not s.draining or s.inflight:
             raise ValueError(f"backend {name!r} must be drained and idle before removal")
         del self.states[name]
+        self.backend_headers.pop(name, None)
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
         self.learner.engine_per_token_s.pop(name, None)
@@ -328,7 +344,13 @@ class BackendRegistry:
             s.half_open_trial_taken = False
 
     # --- scraper feedback ----------------------------------------------------------------
-    def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
+    def record_scrape(
+        self,
+        name: str,
+        load: dict[str, float],
+        models: tuple[str, ...] | None,
+        adapters: tuple[str, ...] | None = None,
+    ) -> None:
         s = self.states.get(name)
         if s is None:  # removed meanwhile
             return
@@ -352,6 +374,8 @@ class BackendRegistry:
             if s.models:
                 log.info("backend %s: now serves %s", name, ", ".join(models))
             s.models = models
+        if adapters is not None:
+            s.adapters = adapters
         if not s.healthy:
             log.info(
                 "backend %s: answers its health checks again%s",

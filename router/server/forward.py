@@ -2,15 +2,17 @@
 
 Everything but the generation routes (which race, fall back and resume: dispatch.py) is
 answered by one engine: embeddings, pooling, classify, score and rerank, tokenize and
-detokenize, the Responses API, audio transcription and translation, `/version`. The
-router keeps its guarantees on them: the same admission as a generation for every route,
-GET included (the key, the tenant's rate, a concurrency slot), body limits, a JSON body
+detokenize, the Anthropic API's `/v1/messages/count_tokens`, audio transcription and
+translation, `/version` (the Responses API is placed like a generation:
+router/server/responses.py). The router keeps its guarantees on them: the same admission
+as a generation for every route, GET included (the key, the tenant's rate, a concurrency
+slot), body limits, a JSON body
 with the router's fields removed and its `priority` checked against the key's rule
 (router/admission/engine_body.py; sent as the client's bytes when nothing was removed),
 only healthy backends (the least loaded that serves the body's `model`), and
 retries on another backend for failures before the answer's first byte (no connection,
 an HTTP 5xx, silence: router/server/relay.py). The engine's answer is streamed back as it comes: status, body and
-content type unchanged (an SSE stream of `/v1/responses` included), so a client sees
+content type unchanged, so a client sees
 vLLM's own JSON and errors.
 
 Audio uploads (multipart/form-data) are never buffered whole: the router reads only the
@@ -76,7 +78,7 @@ JSON_ROUTES = (
     "/v2/rerank",
     "/tokenize",
     "/detokenize",
-    "/v1/responses",
+    "/v1/messages/count_tokens",  # the Anthropic API's token count (its messages: messages.py)
 )
 MULTIPART_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 GET_ROUTES = ("/version", "/tokenizer_info")
@@ -213,6 +215,16 @@ class Forwarder:
             state.request_ended(task)
             rec.duration_s = time.monotonic() - t0
             state.metrics.record(rec)
+
+    async def admitted(
+        self, request: web.Request, serve: Callable[[RequestRecord, Tenant], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """The admission frame of these routes around a route served elsewhere
+        (`/v1/responses`: router/server/responses.py)."""
+        return await self._run(request, serve)
+
+    def check_model(self, model: str | None) -> str | None:
+        return self._check_model(model)
 
     def _check_model(self, model: str | None) -> str | None:
         """The model to route by; 404 in vLLM's words for one no backend serves."""

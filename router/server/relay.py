@@ -22,6 +22,7 @@ from aiohttp import web
 
 from router import errors
 from router.admission.body import BodyReader
+from router.config.data_parallel import rank_headers
 from router.engine.errors import MAX_ERROR_BODY
 from router.names import Route
 from router.observability import tracing
@@ -122,7 +123,7 @@ class EngineRelay:
                 continue
             cfg = chosen.config
             leg, trace = tracing.start_leg(tracing.LEG_FORWARD, name, request.path)
-            headers = {**trace, **({"Content-Type": content_type} if content_type else {})}
+            headers = {**trace, **({"Content-Type": content_type} if content_type else {}), **rank_headers(cfg)}
             if cfg.api_key:
                 headers["Authorization"] = f"Bearer {cfg.api_key}"
             if request_id_header and rec.request_id:

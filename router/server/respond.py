@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -36,6 +36,18 @@ def error_response(err: RouterError) -> web.Response:
     )
 
 
+class EventFraming(Protocol):
+    """How a stream's chunks are written for an API other than OpenAI's (vLLM's
+    `data: <json>` events and `data: [DONE]`), e.g. Anthropic's named events
+    (router/answer/messages_answer.py)."""
+
+    def encode(self, chunks: list[dict[str, Any]]) -> bytes: ...
+
+    def trailer(self) -> bytes: ...
+
+    def error(self, err: RouterError) -> bytes: ...
+
+
 class ClientStalled(ConnectionResetError):
     """The client read nothing of its stream for too long; its connection was dropped."""
 
@@ -49,8 +61,10 @@ class SSEWriter:
         buffer_bytes: int = 8 * 1024,
         idle_s: float = 60.0,
         deadline: float | None = None,
+        framing: EventFraming | None = None,
     ):
         self.request = request
+        self._framing = framing
         self.request_id = request_id
         self.response: web.StreamResponse | None = None
         self._buffer_bytes = buffer_bytes
@@ -87,9 +101,23 @@ class SSEWriter:
     async def send(self, chunks: list[dict[str, Any]]) -> None:
         if not chunks:
             return
+        if self._framing is not None:
+            await self.send_bytes(self._framing.encode(chunks))
+            return
         if self.response is None:
             await self._start()
         data = format_event(chunks[0]) if len(chunks) == 1 else b"".join(format_event(c) for c in chunks)
+        await self._write(data)
+
+    async def send_bytes(self, data: bytes) -> None:
+        """Events already framed."""
+        if not data:
+            return
+        if self.response is None:
+            await self._start()
+        await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
         # drain=False: aiohttp would wait for a paused socket without a timeout; the wait
         # below has one, and a timer is armed only when there is something to wait for.
         await self.request.writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
@@ -116,13 +144,14 @@ class SSEWriter:
 
     async def finish(self) -> web.StreamResponse:
         resp = self.response or await self._start()
-        await self._bounded(resp.write(DONE_EVENT))
+        await self._bounded(resp.write(DONE_EVENT if self._framing is None else self._framing.trailer()))
         await self._bounded(resp.write_eof())
         return resp
 
     async def fail(self, err: RouterError) -> web.StreamResponse:
         """Only after the stream started: an error event, then [DONE]."""
         assert self.response is not None
-        await self._bounded(self.response.write(sse_error_event(err) + DONE_EVENT))
+        event = sse_error_event(err) + DONE_EVENT if self._framing is None else self._framing.error(err)
+        await self._bounded(self.response.write(event))
         await self._bounded(self.response.write_eof())
         return self.response

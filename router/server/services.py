@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from router.config.schema import Config
     from router.dispatch.pipeline import Dispatcher
     from router.engine.client import UpstreamClient
+    from router.fleet.adapters import AdapterManager
     from router.fleet.discovery import Discovery
     from router.fleet.membership import Fleet
     from router.fleet.registry import BackendRegistry
@@ -41,6 +42,7 @@ class Admission(Protocol):
     config: Config
     registry: BackendRegistry | None
     dispatcher: Dispatcher | None
+    adapters: AdapterManager | None  # LoRA adapters loaded through the router (autoload)
     limiter: ConcurrencyLimiter
     body_budget: BodyBudget
     metrics: RouterMetrics

@@ -95,6 +95,15 @@ def test_generated_router_config_is_valid() -> None:
     assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
 
 
+def test_generated_router_config_declares_the_decoders_dp_ranks_or_hides_them() -> None:
+    decoders = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    declared = parse_checked(tomllib.loads(router_toml(8000, decoders, [], RouterOptions(), None, 2)))
+    assert [b.name for b in declared.backends] == ["d0-dp0", "d0-dp1", "d1-dp0", "d1-dp1"]
+    hidden = RouterOptions(declare_data_parallel=False)
+    undeclared = parse_checked(tomllib.loads(router_toml(8000, decoders, [], hidden, None, 2)))
+    assert [b.name for b in undeclared.backends] == ["d0", "d1"]
+
+
 def test_histogram_quantile() -> None:
     b = [(0.01, 0.0), (0.1, 50.0), (1.0, 100.0), (float("inf"), 100.0)]
     assert histogram_quantile(b, 0.5) == pytest.approx(0.1)
