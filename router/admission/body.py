@@ -31,8 +31,8 @@ FORM_BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)
 # and a part proportional to its body: the parsed body (a prompt of token ids is a list of
 # Python ints, ~36 bytes per ~7-byte id), its routing text, the legs' serialised bodies,
 # and the engine's answers that echo the prompt's token ids (parsed as they arrive).
-# Measured: up to ~20x its body (a 4 MiB prompt of token ids, 16 held at once: 79 MiB
-# each at the peak); the bound counts 24x.
+# Measured: up to ~20x its body (a 4 MiB prompt of token ids, 16 held at once: 73-79 MiB
+# each at the peak, bench/RESULTS.md "Limits"); the bound counts 24x.
 REQUEST_OVERHEAD_BYTES = 128 * 1024
 BODY_COST_FACTOR = 24
 
