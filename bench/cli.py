@@ -15,6 +15,7 @@ slow-readers     router memory under streams whose clients never read (bench/exp
 fairness         one tenant's TTFT while another floods the router past its limits (bench/experiments/fairness.py)
 engine-idle      idle CPU and NIXL transfer time of real vLLM engines (bench/experiments/engine_idle.py)
 fleet            router replicas N = 1, 2, 4 on several workloads, one table (bench/experiments/fleet.py)
+limits           router memory with every slot holding a maximal body; unfinished request heads (bench/experiments/limits.py)
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ FORWARDED = {
     "slow-readers": "bench.experiments.slow_readers",
     "fairness": "bench.experiments.fairness",
     "engine-idle": "bench.experiments.engine_idle",
+    "limits": "bench.experiments.limits",
 }
 
 
@@ -271,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "engine-idle",
         help="idle CPU and NIXL transfer time of real vLLM engines (bench/experiments/engine_idle.py; its own flags)",
+    )
+    sub.add_parser(
+        "limits",
+        help="router memory with every slot holding a maximal body; unfinished heads (bench/experiments/limits.py; its own flags)",
     )
     return p
 

@@ -174,11 +174,10 @@ def serve(
     start_engines: bool = True,
     reload_config: Callable[[], Config] | None = None,
 ) -> int:
-    from aiohttp import web
-
     from router.observability import logs
     from router.observability.clientlog import ServerLogger
-    from router.server.app import build_app
+    from router.server.app import ROUTER_KEY, build_app
+    from router.server.connections import HeadLimits, LimitedAppRunner
 
     logs.configure(config.server.log_level, config.server.log_format)
     # The logging HOWTO's "Optimization": no caller frame, thread or process lookups for
@@ -215,8 +214,12 @@ def serve(
     reloads = None if reload_config is None else _Reloads(reload_config)
     if reloads is not None:
         app.on_startup.append(reloads.ready)
-    runner = web.AppRunner(
+    runner = LimitedAppRunner(
         app,
+        # Request heads held to server.header_timeout_s and max_header_bytes; idle
+        # keep-alive connections closed after server.keepalive_timeout_s.
+        limits=HeadLimits.of(config.server, on_dropped=app[ROUTER_KEY].connection_dropped),
+        keepalive_timeout=config.server.keepalive_timeout_s,
         handle_signals=False,
         access_log=None,
         handler_cancellation=True,

@@ -81,11 +81,20 @@ def parse_server(p: Problems, raw: Any) -> ServerConfig | None:
     p.check(check_port, "server.port", server.port, allow_zero=True)
     p.check(check_positive, "server.max_body_bytes", server.max_body_bytes)
     p.check(check_positive, "server.max_upload_bytes", server.max_upload_bytes)
+    if server.max_body_bytes_in_flight < server.max_body_bytes:
+        p.add(
+            f"server.max_body_bytes_in_flight: expected at least server.max_body_bytes "
+            f"({server.max_body_bytes}), got {server.max_body_bytes_in_flight}"
+        )
     p.check(check_positive, "server.max_concurrent_requests", server.max_concurrent_requests)
     p.check(check_positive, "server.max_queued_requests", server.max_queued_requests, allow_zero=True)
     p.check(check_positive, "server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
     p.check(check_positive, "server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
     p.check(check_positive, "server.body_timeout_s", server.body_timeout_s)
+    p.check(check_positive, "server.header_timeout_s", server.header_timeout_s)
+    p.check(check_positive, "server.keepalive_timeout_s", server.keepalive_timeout_s)
+    if not 1024 <= server.max_header_bytes <= 16 * 2**20:
+        p.add(f"server.max_header_bytes: expected an integer in [1024, 16777216], got {server.max_header_bytes}")
     if not 4096 <= server.stream_buffer_bytes <= 16 * 2**20:
         p.add(f"server.stream_buffer_bytes: expected an integer in [4096, 16777216], got {server.stream_buffer_bytes}")
     if bool(server.tls_cert) != bool(server.tls_key):

@@ -42,6 +42,11 @@ class ServerConfig:
     # Key for admin routes (/admin/*). Empty: admin routes disabled.
     admin_api_key: str = ""
     max_body_bytes: int = 4 * 1024 * 1024
+    # The bytes of request bodies held at once (Content-Length; max_body_bytes for a body
+    # without one): a request in flight costs up to ~20x its body (docs/RELIABILITY.md),
+    # so this bounds the router's memory whatever the bodies' sizes; past it requests wait
+    # (queue_timeout_s, then 429).
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
     # Audio uploads (multipart, streamed to the engine, never held whole): vLLM's own
     # default limit (VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25).
     max_upload_bytes: int = 25 * 1024 * 1024
@@ -53,6 +58,16 @@ class ServerConfig:
     # Longest time to receive a request's body once its headers arrived (slow or stalled
     # clients get 408 instead of holding a concurrency slot).
     body_timeout_s: float = 30.0
+    # Longest time to receive a request's head (request line and headers), from the
+    # connection's start or the first byte after the previous answer; past it the
+    # connection gets 408 and is closed (nginx client_header_timeout, Envoy
+    # request_headers_timeout).
+    header_timeout_s: float = 10.0
+    # Largest request head (request line and headers together); past it: 431 and close.
+    # (aiohttp also holds each line to 8190 bytes and a head to 128 headers.)
+    max_header_bytes: int = 64 * 1024
+    # An idle keep-alive connection is closed after this long (nginx keepalive_timeout 75 s).
+    keepalive_timeout_s: float = 75.0
     # Per stream: bytes the router holds for a client that reads slower than the engine
     # writes before it stops reading the engine (backpressure through the engine's socket).
     stream_buffer_bytes: int = 8 * 1024

@@ -43,7 +43,14 @@ import orjson
 from aiohttp import web
 
 from router import errors
-from router.admission.body import FORM_BOUNDARY, check_length, read_body, read_form_prefix
+from router.admission.body import (
+    FORM_BOUNDARY,
+    BodyReader,
+    body_reservation,
+    check_length,
+    read_body,
+    read_form_prefix,
+)
 from router.admission.engine_body import engine_json
 from router.admission.spec import ID_PREFIX, RequestSpec
 from router.admission.tenants import Tenant
@@ -111,6 +118,7 @@ class Forwarder:
             rec.model = model
             rec.stream = body.get("stream") is True
             sent = engine_json(raw, body, tenant)  # the router's fields stripped, priority checked
+            del raw, body  # only what is sent is kept while the engine answers
             return await self.relay.forward(request, rec, self._check_model(model), sent, "application/json")
 
         return await self._run(request, serve)
@@ -124,10 +132,12 @@ class Forwarder:
             m = FORM_BOUNDARY.search(ctype)
             if not ctype.lower().startswith("multipart/form-data") or m is None:
                 raise errors.bad_request("Expected a multipart/form-data body with a boundary.")
-            prefix, model = await read_form_prefix(request, m.group(1).encode(), self.state.config.server)
+            # One deadline for the whole upload: its form fields and the file streamed on.
+            reader = BodyReader(request, self.state.config.server)
+            prefix, model = await read_form_prefix(reader, m.group(1).encode())
             rec.model = model
             return await self.relay.forward(
-                request, rec, self._check_model(model), prefix, ctype, rest=request.content, limit=limit
+                request, rec, self._check_model(model), prefix, ctype, rest=reader, limit=limit
             )
 
         return await self._run(request, serve)
@@ -186,7 +196,9 @@ class Forwarder:
             rec.request_id = header_id or ""
             if request.path not in MULTIPART_ROUTES:  # uploads have their own limit
                 check_length(request, state.config.server)
-            async with state.limiter.slot(tenant, priority):
+            # Uploads stream (never held whole): only bodies read whole count in the budget.
+            held = 0 if request.path in MULTIPART_ROUTES else body_reservation(request, state.config.server)
+            async with state.limiter.slot(tenant, priority), state.body_budget.hold(held):
                 return await serve(rec, tenant)
         except errors.RouterError as e:
             resp = state.refused(rec, e)

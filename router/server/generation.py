@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from router import errors
-from router.admission.body import check_length, read_body
+from router.admission.body import body_reservation, check_length, read_body
 from router.admission.engine_body import check_priority
 from router.admission.spec import parse_request
 from router.admission.tenants import Tenant
@@ -94,7 +94,11 @@ class GenerationHandler:
             check_length(request, state.config.server)
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
-            async with state.limiter.slot(tenant, priority):
+            # And within the bytes of bodies in flight (memory per request grows with its body).
+            async with (
+                state.limiter.slot(tenant, priority),
+                state.body_budget.hold(body_reservation(request, state.config.server)),
+            ):
                 header_id = client_request_id(request)
                 raw = await read_body(request, state.config.server)
                 if api is not None:
@@ -106,6 +110,7 @@ class GenerationHandler:
                 spec = parse_request(
                     endpoint, raw, default_model=served[0] if len(served) == 1 else None, header_request_id=header_id
                 )
+                del raw  # the parsed body is what the request keeps: not its bytes too
                 check_priority(spec.body, tenant)  # the key's rule on vLLM's `priority` field
                 answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
     from router import errors
     from router.admission.auth import KeyRing
+    from router.admission.body_budget import BodyBudget
     from router.admission.limiter import ConcurrencyLimiter
     from router.admission.tenants import Tenant
     from router.config.schema import Config
@@ -43,6 +44,7 @@ class Admission(Protocol):
     dispatcher: Dispatcher | None
     adapters: AdapterManager | None  # LoRA adapters loaded through the router (autoload)
     limiter: ConcurrencyLimiter
+    body_budget: BodyBudget
     metrics: RouterMetrics
     draining: bool
     drain_expired: bool

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from router import errors
 from router.admission.auth import KeyRing, request_priority
+from router.admission.body_budget import BodyBudget
 from router.admission.limiter import ConcurrencyLimiter
 from router.admission.tenants import Tenant
 from router.config.schema import Config
@@ -64,6 +65,8 @@ class RouterState:
         self.limiter = ConcurrencyLimiter(
             config.server.max_concurrent_requests, config.server.max_queued_requests, config.server.queue_timeout_s
         )
+        # The bytes of request bodies in flight (router/admission/body_budget.py).
+        self.body_budget = BodyBudget(config.server.max_body_bytes_in_flight, config.server.queue_timeout_s)
         # Read at scrape time: always the current queue length.
         self.metrics.queued.set_function(lambda: self.limiter.queued)
         # Client requests being served, also read at scrape time: a plain int on the
@@ -276,6 +279,11 @@ class RouterState:
         if task is not None:
             self._handlers.add(task)
         return task
+
+    def connection_dropped(self) -> None:
+        """A client connection closed holding memory no request accounted for (a large
+        request head half received): the heap is trimmed once the router is idle."""
+        self._trimmer.freed()
 
     def request_ended(self, task: asyncio.Task[Any] | None) -> None:
         self._client_inflight -= 1

@@ -104,6 +104,14 @@ def test_defaults_are_safe() -> None:
         ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
         ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
         ({**MIN_BACKEND, "server": {"reuse_port": "yes"}}, "server.reuse_port", "expected"),
+        ({**MIN_BACKEND, "server": {"header_timeout_s": 0}}, "server.header_timeout_s", "positive"),
+        (
+            {**MIN_BACKEND, "server": {"max_body_bytes_in_flight": 1000}},
+            "server.max_body_bytes_in_flight",
+            "at least server.max_body_bytes",
+        ),
+        ({**MIN_BACKEND, "server": {"keepalive_timeout_s": -1}}, "server.keepalive_timeout_s", "positive"),
+        ({**MIN_BACKEND, "server": {"max_header_bytes": 100}}, "server.max_header_bytes", "[1024, 16777216]"),
         ({**MIN_BACKEND, "tenants": [{"name": "a"}]}, "tenants[0].api_key", "exactly one of"),
         ({**MIN_BACKEND, "tenants": [{"name": "a b", "api_key": "k"}]}, "tenants[0].name", "letters"),
         (
