@@ -38,7 +38,7 @@ from router.engine.errors import (
 from router.engine.stream import UpstreamStream
 from router.engine.wire import CHAT_PATH, decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
 from router.fleet.registry import BackendRegistry, BackendState, LegTicket
-from router.names import Route, Verdict
+from router.names import Route, RouteReason, Verdict
 from router.observability import tracing
 from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import AsksTheIndexWhenUnsure, Plan, RouteQuery, Strategy, predicted_ttft, race_value
@@ -168,6 +168,7 @@ class LegPlacer:
         assert winner is not None
         self.learn_race_won(ctx.query, race)
         ctx.record_predicted(race.sent, dict(zip(plan.probes, plan.probe_ttft_s, strict=False)).get(winner.backend))
+        ctx.record_placement(RouteReason.PROBE_HIT)
         ctx.record_scratch(race.sent, plan.scratch_ttft_s)
         return self._accepted(ctx, race.result, Route.PROBE_HIT, race.tickets)
 
@@ -262,6 +263,7 @@ class LegPlacer:
             result = await self._single(ctx, fb, None, tickets)
         if result.winner is not None:
             ctx.record_predicted(sent, fb.predicted_ttft_s)
+            ctx.record_placement(fb.reason, fb)
             return FallbackOutcome(self._accepted(ctx, result, fb.route, tickets), failed=tuple(failed))
         self._raise_client_error(result)
         failures = result.by_verdict(Verdict.FAILED)

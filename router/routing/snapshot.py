@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.routing.costmodel import EngineSpeed, TransferSpeed
+from router.routing.costmodel import EngineSpeed, ItlSpeed, TransferSpeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,8 @@ class BackendView:
     # The engine served traffic this router did not send within the last minute (other
     # replicas): what this router remembers sending it is not all it holds.
     others_seen: bool = False
+    # Its measured decode step: the gap between tokens of its decoding sequences (costmodel.py).
+    itl: ItlSpeed = field(default_factory=ItlSpeed)
 
     @property
     def load(self) -> float:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.names import Mode
+from router.names import SplitMode
 from router.routing.costmodel import pd_ttft, ttft
 from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import RouteQuery
@@ -50,7 +50,7 @@ def test_fallback_computes_on_an_idle_decoder_rather_than_split() -> None:
 
 
 def test_split_always_takes_the_fastest_pair_over_an_idle_decoder() -> None:
-    always = replace(R, split=Mode.ALWAYS)
+    always = replace(R, split=SplitMode.ALWAYS)
     s = snap(
         view("d0"),
         view("d1", queued=5000),
@@ -122,3 +122,22 @@ def test_fallback_is_the_least_predicted_time_of_every_option(
     ]
     assert abs(fb.predicted_ttft_s - min(options)) < 1e-12
     assert (fb.prefill is not None) == (fb.predicted_ttft_s < min(options[: len(d)]))
+
+
+def test_split_auto_keeps_prefills_off_a_decoder_whose_sequences_it_would_stall() -> None:
+    # d0 decodes 10 sequences at 11 ms a step: a 1,000-token prefill (100 ms) there pushes
+    # each past the 100 ms ITL SLO; the split is a little later but stalls nobody.
+    s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True))
+    fb = _planned(plan_fallback(Q, s, R, 1000))
+    assert (fb.prefill, fb.decode, fb.reason, fb.lost) == ("p0", "d0", "goodput_split", 0)
+    assert fb.alternative.startswith("direct d0 ")
+    assert fb.predicted_itl_s is not None
+    # Idle decoders: nothing to stall, so the sooner first token decides (direct).
+    idle = _planned(plan_fallback(Q, snap(view("d0"), view("p0", decodes=False, prefills=True)), R, 1000))
+    assert (idle.prefill, idle.reason) == (None, "goodput_direct")
+
+
+def test_split_never_computes_on_a_decoder() -> None:
+    s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True))
+    fb = _planned(plan_fallback(Q, s, replace(R, split=SplitMode.NEVER), 1000))
+    assert (fb.prefill, fb.reason, fb.lost) == (None, "split_never", 10)
