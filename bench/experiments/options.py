@@ -9,7 +9,16 @@ from typing import Any
 
 from bench.experiments.runspec import RunSpec, default_sim
 from bench.harness.cluster import RouterOptions, peer_executable
-from bench.harness.modes import ALL_MODES, EXTERNAL_MODES, ORACLE, PROBE, ROUTER_MODES, SMG_MODES, SUITE_MODES
+from bench.harness.modes import (
+    ALL_MODES,
+    EXTERNAL_MODES,
+    ORACLE,
+    PROBE,
+    ROUTER_MODES,
+    SMG_MODES,
+    SPLIT_MODES,
+    SUITE_MODES,
+)
 from bench.workloads.spec import WorkloadSpec
 from bench.workloads.trace_gen import cached_trace
 
@@ -100,7 +109,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         default=-1,
         help="routing.min_pd_prompt_tokens (default: 256 tokens, length-scaled)",
     )
-    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput (also the router's)")
+    g.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=100.0,
+        help="ITL SLO for goodput: no gap between tokens longer (also the router's)",
+    )
     g.add_argument(
         "--engines-per-process",
         type=int,
@@ -158,6 +173,13 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         min_pd_prompt_tokens=min_pd,
         max_probes=a.max_probes,
     )
+    # The router optimises the goodput the bench measures: the same SLOs, the engines' chunk.
+    ropts.extra_routing = {
+        "slo_ttft_ms": float(a.slo_ttft_ms),
+        "slo_itl_ms": float(getattr(a, "slo_itl_ms", 100.0)),
+        "prefill_chunk_tokens": int(sim.max_num_batched_tokens),
+        **({"split": SPLIT_MODES[mode]} if mode in SPLIT_MODES else {}),
+    }
     for k, v in router_over.items():
         setattr(ropts, k, v)
     return RunSpec(
@@ -169,6 +191,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         sim=sim,
         router=ropts,
         slo_ttft_ms=a.slo_ttft_ms,
+        slo_itl_ms=getattr(a, "slo_itl_ms", 100.0),
         pin=a.pin,
         engines_per_process=getattr(a, "engines_per_process", 1),
         routers=getattr(a, "routers", 1),
@@ -214,7 +237,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
         default="probe",
-        help=f"{' | '.join((*ROUTER_MODES, ORACLE, *EXTERNAL_MODES, *SMG_MODES))}, a comma list, or 'all' "
+        help=f"{' | '.join((*ROUTER_MODES, *SPLIT_MODES, ORACLE, *EXTERNAL_MODES, *SMG_MODES))}, a comma list, or 'all' "
         "(each into OUT/<mode>)",
     )
     p.add_argument(

@@ -15,8 +15,15 @@ Each candidate placement is predicted with the one cost model (router/routing/co
   it) or one more sequence (on the consumer) no longer are.
 
 The candidate that loses the fewest requests (the new one counts one if it misses either
-SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. Nothing
-here does I/O: plain views in, a choice out.
+SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. One
+exception, because the count is of this moment only: a placement that misses the new
+request's own SLO is taken only when none meets it. Its loss is certain and it is not
+the only one: its prefill lengthens the queue (a producer's, typically) that every later
+request placed there waits in, so trading it for running sequences makes the next request
+face the same trade on a longer queue, until every split misses (measured: the producer's
+queue grew to 25 s). The running sequences a stall would push are the uncertain part: one
+that already saw a stall is past the SLO whatever happens now. Nothing here does I/O:
+plain views in, a choice out.
 """
 
 from __future__ import annotations
@@ -48,11 +55,14 @@ class Placement:
     stalled: float  # running sequences it pushes past the ITL SLO
     lacking: float = 0.0  # what the computing engine prefills
 
+    def misses(self, slo: Slo) -> bool:
+        """The request itself is predicted past its TTFT or ITL SLO."""
+        return self.ttft_s > slo.ttft_s or self.itl_s > slo.itl_s
+
     def lost(self, slo: Slo) -> float:
         """Requests this placement is predicted to lose: itself if it misses either SLO,
         plus the running sequences it pushes past the ITL SLO."""
-        own = 0.0 if self.ttft_s <= slo.ttft_s and self.itl_s <= slo.itl_s else 1.0
-        return own + self.stalled
+        return float(self.misses(slo)) + self.stalled
 
     @property
     def reason(self) -> str:
@@ -96,6 +106,7 @@ def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: f
 
 
 def best(candidates: Sequence[Placement], slo: Slo) -> Placement:
-    """The placement that loses the fewest requests; ties: the least predicted TTFT (then
+    """The placement that loses the fewest requests among those meeting the request's own
+    SLOs (all of them if none does: module docstring); ties: the least predicted TTFT (then
     the first, so callers order candidates by preference)."""
-    return min(candidates, key=lambda p: (p.lost(slo), p.ttft_s))
+    return min(candidates, key=lambda p: (p.misses(slo), p.lost(slo), p.ttft_s))
