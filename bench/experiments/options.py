@@ -81,6 +81,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         help="with --burst-off-s: arrivals in bursts of this long at the same mean rate",
     )
     g.add_argument("--burst-off-s", type=float, default=0.0, help="silence between bursts")
+    g.add_argument(
+        "--arrival-cv",
+        type=float,
+        default=0.0,
+        help="> 1: arrivals re-timed as a gamma process with this coefficient of variation, same mean rate",
+    )
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -153,6 +159,7 @@ def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
         min_prompt_tokens=a.min_prompt_tokens,
         max_prompt_tokens=a.max_prompt_tokens,
         burst_on_s=a.burst_on_s,
+        arrival_cv=getattr(a, "arrival_cv", 0.0),
         burst_off_s=a.burst_off_s,
     )
 
