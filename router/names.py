@@ -109,4 +109,5 @@ class RouteReason(StrEnum):
     GOODPUT_SPLIT = "goodput_split"  # prefill/decode: loses the fewest requests
     SPLIT_ALWAYS = "split_always"  # routing.split = "always"
     SPLIT_NEVER = "split_never"  # routing.split = "never"
-    NO_PRODUCER = "no_producer"  # no prefill engine, or the prompt under min_pd_prompt_tokens
+    NO_PRODUCER = "no_producer"  # no prefill engine to split with
+    BELOW_SPLIT_FLOOR = "below_split_floor"  # what the decoders lack is under min_pd_prompt_tokens

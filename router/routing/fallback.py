@@ -91,7 +91,13 @@ def plan_fallback(
                 )
                 splits.append(goodput.split(p, c, n, s, slo))
     if not splits:
-        reason = RouteReason.SPLIT_NEVER if routing.split == SplitMode.NEVER else RouteReason.NO_PRODUCER
+        reason = (
+            RouteReason.SPLIT_NEVER
+            if routing.split == SplitMode.NEVER
+            else RouteReason.NO_PRODUCER
+            if not producers
+            else RouteReason.BELOW_SPLIT_FLOOR
+        )
         return _plan(goodput.best(directs, slo), routing, slo, reason, None)
     best_split = min(splits, key=lambda p: p.ttft_s)  # stable: the producer finishing sooner first
     if routing.split == SplitMode.ALWAYS:

@@ -141,3 +141,12 @@ def test_split_never_computes_on_a_decoder() -> None:
     s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True))
     fb = _planned(plan_fallback(Q, s, replace(R, split=SplitMode.NEVER), 1000))
     assert (fb.prefill, fb.reason, fb.lost) == (None, "split_never", 10)
+
+
+def test_each_direct_placement_says_why_no_split_was_weighed() -> None:
+    prod = view("p0", decodes=False, prefills=True)
+    assert _planned(plan_fallback(Q, snap(view("d0")), R, 1000)).reason == "no_producer"
+    short = _planned(plan_fallback(Q, snap(view("d0"), prod), R, R.min_pd_prompt_tokens - 1))
+    assert short.reason == "below_split_floor"
+    always = _planned(plan_fallback(Q, snap(view("d0"), prod), replace(R, split=SplitMode.ALWAYS), 1000))
+    assert (always.reason, always.prefill) == ("split_always", "p0")
