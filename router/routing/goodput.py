@@ -15,14 +15,16 @@ Each candidate placement is predicted with the one cost model (router/routing/co
   it) or one more sequence (on the consumer) no longer are.
 
 The candidate that loses the fewest requests (the new one counts one if it misses either
-SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. One
-exception, because the count is of this moment only: a placement that misses the new
-request's own SLO is taken only when none meets it. Its loss is certain and it is not
-the only one: its prefill lengthens the queue (a producer's, typically) that every later
-request placed there waits in, so trading it for running sequences makes the next request
-face the same trade on a longer queue, until every split misses (measured: the producer's
-queue grew to 25 s). The running sequences a stall would push are the uncertain part: one
-that already saw a stall is past the SLO whatever happens now. Nothing here does I/O:
+SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. The
+count is of this moment only, so a placement that misses the new request's own SLO never
+wins over one that meets it, and when none meets it the least predicted TTFT decides.
+Such a request is lost for certain, and it is not the only loss: its prefill lengthens
+the queue (a producer's, typically) every later request placed there waits in. Traded
+for running sequences, it makes the next request face the same trade on a longer queue
+until every split misses (measured: a producer's queue grew to 35 s); placed where it is
+least late, its work goes where the queue is shortest. The running sequences a stall
+would push are the uncertain part: one that already saw a stall is past the SLO anyway.
+Nothing here does I/O:
 plain views in, a choice out.
 """
 
@@ -106,7 +108,7 @@ def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: f
 
 
 def best(candidates: Sequence[Placement], slo: Slo) -> Placement:
-    """The placement that loses the fewest requests among those meeting the request's own
-    SLOs (all of them if none does: module docstring); ties: the least predicted TTFT (then
-    the first, so callers order candidates by preference)."""
-    return min(candidates, key=lambda p: (p.misses(slo), p.lost(slo), p.ttft_s))
+    """Among the placements meeting the request's own SLOs, the one losing the fewest
+    running sequences; if none meets them, the least predicted TTFT (module docstring).
+    Ties: the least predicted TTFT, then the first (callers order by preference)."""
+    return min(candidates, key=lambda p: (p.misses(slo), 0.0 if p.misses(slo) else p.stalled, p.ttft_s))

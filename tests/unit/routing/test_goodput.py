@@ -47,8 +47,9 @@ def test_the_split_stalls_nobody_and_wins_while_its_ttft_meets_the_slo() -> None
     late = replace(split, ttft_s=3.0)
     assert late.lost(SLO) == 1 < on_d.lost(SLO)
     assert goodput.best([on_d, late], SLO) is on_d
-    # When no placement meets the request's SLOs, the fewest lost decides.
-    assert goodput.best([replace(on_d, ttft_s=2.5), late], SLO) is late
+    # When no placement meets the request's SLOs, it goes where it is least late.
+    assert goodput.best([replace(on_d, ttft_s=2.5), late], SLO).ttft_s == 2.5
+    assert goodput.best([replace(on_d, ttft_s=3.5), late], SLO) is late
 
 
 def test_ties_go_to_the_least_predicted_ttft() -> None:
