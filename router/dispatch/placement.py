@@ -279,9 +279,18 @@ class LegPlacer:
             body, tokens = decode_leg_body(ctx.body, kv_params, fb.decode_threshold), 0
         else:
             body, tokens = streamed_leg_body(ctx.body, fb.decode_threshold), fb.prefill_tokens
-        result = await run_race(
-            (fb.decode,), self._opener(ctx.path, body, ctx.deadline, tokens, tickets), self.timeouts.first_token_s + 1.0
-        )
+        # Its place in the engine's load is taken before this task yields: requests planned
+        # in the same loop iteration must see it, or they all pick the same engine.
+        held = self.registry.open_leg(fb.decode, tokens) if fb.decode in self.registry.states else None
+        try:
+            result = await run_race(
+                (fb.decode,),
+                self._opener(ctx.path, body, ctx.deadline, tokens, tickets, held),
+                self.timeouts.first_token_s + 1.0,
+            )
+        finally:
+            if held is not None and tickets.get(fb.decode) is not held:
+                self.registry.close_leg(held)  # its leg was never opened
         self._record_race(ctx, result, probing=False)
         return result
 
@@ -329,14 +338,22 @@ class LegPlacer:
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _opener(
-        self, path: str, body: dict[str, Any], deadline: float, tokens: int, tickets: dict[str, LegTicket]
+        self,
+        path: str,
+        body: dict[str, Any],
+        deadline: float,
+        tokens: int,
+        tickets: dict[str, LegTicket],
+        held: LegTicket | None = None,
     ) -> Callable[[str], Awaitable[UpstreamStream]]:
         """Opens one streamed leg per backend; each holds a LegTicket (its place in the
-        engine's load) until the stream closes, kept in `tickets` by backend."""
+        engine's load) until the stream closes, kept in `tickets` by backend (`held`: the
+        ticket already taken for its backend)."""
 
         async def open_leg(name: str) -> UpstreamStream:
             cfg = self._state(name).config
-            ticket = tickets[name] = self.registry.open_leg(name, tokens)
+            own = held if held is not None and held.backend == name and not held.closed else None
+            ticket = tickets[name] = own or self.registry.open_leg(name, tokens)
             try:
                 return await self.client.open_stream(
                     name,
