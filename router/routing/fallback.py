@@ -102,7 +102,7 @@ def plan_fallback(
     best_split = min(splits, key=lambda p: p.ttft_s)  # stable: the producer finishing sooner first
     if routing.split == SplitMode.ALWAYS:
         return _plan(best_split, routing, slo, RouteReason.SPLIT_ALWAYS, goodput.best(directs, slo))
-    chosen = goodput.best([*directs, *splits], slo)
+    chosen = goodput.best([*directs, *(p for p in splits if goodput.worth_splitting(p, slo))], slo)
     if chosen.prefill is None:
         return _plan(chosen, routing, slo, RouteReason.GOODPUT_DIRECT, goodput.best(splits, slo))
     return _plan(chosen, routing, slo, RouteReason.GOODPUT_SPLIT, goodput.best(directs, slo))

@@ -150,3 +150,12 @@ def test_each_direct_placement_says_why_no_split_was_weighed() -> None:
     assert short.reason == "below_split_floor"
     always = _planned(plan_fallback(Q, snap(view("d0"), prod), replace(R, split=SplitMode.ALWAYS), 1000))
     assert (always.reason, always.prefill) == ("split_always", "p0")
+
+
+def test_split_auto_never_queues_a_split_past_the_ttft_slo() -> None:
+    # The producer's queue (30,000 tokens: 3 s) puts the split past the 2 s SLO: the prompt
+    # is computed on the decoder even though its sequences are stalled.
+    s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True, queued=30_000))
+    fb = _planned(plan_fallback(Q, s, R, 1000))
+    assert (fb.prefill, fb.reason, fb.lost) == (None, "goodput_direct", 10)
+    assert "split p0>d0" in fb.alternative
