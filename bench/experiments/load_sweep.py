@@ -135,7 +135,7 @@ def load_sweep(a: argparse.Namespace) -> int:
         out / "goodput_vs_load.png",
         {n: [(r["rate"], r["goodput_rps"] or 0.0) for r in trows if r["series"] == n] for n in by},
         "offered load (requests/s)",
-        f"goodput (requests/s, TTFT <= {a.slo_ttft_ms:g} ms and ITL <= {a.slo_itl_ms:g} ms)",
+        f"goodput (req/s, TTFT<={a.slo_ttft_ms:g}ms, ITL<={a.slo_itl_ms:g}ms)",
         "Goodput against offered load",
     )
     if not a.skip_rejection:
