@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument(
         "--series",
         default=LOAD_SWEEP_SERIES,
-        help="comma list of series",
+        help="comma list of series, or 'goodput': probe with split auto/always/never and the baselines",
     )
     ls.add_argument("--requests", type=int, default=0, help="requests per point (default: by workload)")
     ls.add_argument("--out", required=True)

@@ -86,7 +86,28 @@ class EngineKind(StrEnum):
 
 
 class Mode(StrEnum):
-    """`routing.race` and `routing.split`: decided by the cost model, or every time."""
+    """`routing.race`: decided by the cost model, or every time."""
 
     AUTO = "auto"
     ALWAYS = "always"
+
+
+class SplitMode(StrEnum):
+    """`routing.split`: decided by the cost model (goodput), every time, or never."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
+class RouteReason(StrEnum):
+    """Why a request was placed where it was (its log line's `route_reason`)."""
+
+    PROBE_HIT = "probe_hit"  # an engine accepted the probe: it holds the prompt
+    DIRECT = "direct"  # the strategy's own choice, no fallback weighed
+    GOODPUT_DIRECT = "goodput_direct"  # computed on a decoder: loses the fewest requests
+    GOODPUT_SPLIT = "goodput_split"  # prefill/decode: loses the fewest requests
+    SPLIT_ALWAYS = "split_always"  # routing.split = "always"
+    SPLIT_NEVER = "split_never"  # routing.split = "never"
+    NO_PRODUCER = "no_producer"  # no prefill engine to split with
+    BELOW_SPLIT_FLOOR = "below_split_floor"  # what the decoders lack is under min_pd_prompt_tokens

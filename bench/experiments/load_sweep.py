@@ -17,7 +17,7 @@ import orjson
 from bench.experiments.options import run_spec_from_args
 from bench.experiments.replay import run_replay
 from bench.harness.cluster import Cluster, SimOptions
-from bench.harness.modes import BASELINES, PROBE
+from bench.harness.modes import BASELINES, PROBE, SPLIT_MODES
 from bench.harness.procs import ProcessSet
 from bench.harness.stats import percentile, rnd
 from bench.reports.render import compare, console, line_plot, markdown_table, table
@@ -29,9 +29,12 @@ SERIES: dict[str, tuple[str, bool, float]] = {
     "probe-no-deadline": (PROBE, True, 600000.0),
     "probe-no-arrival-check-no-deadline": (PROBE, False, 600000.0),
     **{mode: (mode, True, 250.0) for mode in sorted(BASELINES)},
+    **{mode: (mode, True, 250.0) for mode in SPLIT_MODES},
 }
 DEFAULT_SERIES = "probe,probe-no-arrival-check,probe-no-deadline,least_loaded,prefix_tree"
 QUICK_SERIES = "probe,probe-no-arrival-check,least_loaded"
+# DistServe's figure: goodput against rate for probe with each split setting and the baselines.
+GOODPUT_SERIES = ",".join((PROBE, *SPLIT_MODES, *sorted(BASELINES)))
 
 
 def load_sweep(a: argparse.Namespace) -> int:
@@ -43,7 +46,7 @@ def load_sweep(a: argparse.Namespace) -> int:
     if a.quick and a.series == DEFAULT_SERIES:
         a.series = QUICK_SERIES
     rates = [float(r) for r in a.rates.split(",") if r]
-    series = [s for s in a.series.split(",") if s]
+    series = [s for s in (GOODPUT_SERIES if a.series == "goodput" else a.series).split(",") if s]
     for s in series:
         if s not in SERIES:
             raise SystemExit(f"unknown series {s!r}: one of {', '.join(SERIES)}")
@@ -94,6 +97,8 @@ def load_sweep(a: argparse.Namespace) -> int:
                     "ttft_p99_ms": s["ttft_p99_ms"],
                     "goodput_rps": s.get("goodput_rps"),
                     "goodput_fraction": s.get("goodput_fraction"),
+                    "itl_p99_ms": s.get("itl_p99_ms"),
+                    "producer_utilisation": s.get("producer_utilisation"),
                     "throughput_rps": s.get("throughput_rps"),
                     "hit_ratio": s.get("hit_ratio"),
                     "pd_share": (s.get("routes") or {}).get("pd", 0) / max(1, s["requests"]),
@@ -110,7 +115,9 @@ def load_sweep(a: argparse.Namespace) -> int:
         ("throughput_rps", "done/s"),
         ("ttft_p50_ms", "TTFT p50 ms"),
         ("ttft_p99_ms", "TTFT p99 ms"),
-        ("goodput_rps", f"goodput/s (TTFT<={a.slo_ttft_ms:g}ms)"),
+        ("goodput_rps", f"goodput/s (TTFT<={a.slo_ttft_ms:g}ms, ITL<={a.slo_itl_ms:g}ms)"),
+        ("itl_p99_ms", "ITL p99 ms"),
+        ("producer_utilisation", "producer util"),
         ("goodput_fraction", "SLO ok"),
         ("hit_ratio", "hit ratio"),
         ("pd_share", "P/D share"),
@@ -120,7 +127,7 @@ def load_sweep(a: argparse.Namespace) -> int:
         ("ttft_pd_p50_ms", "TTFT of P/D p50 ms"),
         ("errors", "err"),
     ]
-    nd = {"goodput_fraction": 3, "hit_ratio": 3, "pd_share": 3}
+    nd = {"goodput_fraction": 3, "hit_ratio": 3, "pd_share": 3, "producer_utilisation": 3}
     console.print(table("Load sweep: latency, goodput and time to fallback", cols, trows, nd))
     (out / "load_sweep.md").write_text(markdown_table(cols, trows, nd) + "\n")
     (out / "load_sweep.json").write_text(json.dumps(trows, indent=2))
@@ -128,7 +135,7 @@ def load_sweep(a: argparse.Namespace) -> int:
         out / "goodput_vs_load.png",
         {n: [(r["rate"], r["goodput_rps"] or 0.0) for r in trows if r["series"] == n] for n in by},
         "offered load (requests/s)",
-        f"goodput (requests/s with TTFT <= {a.slo_ttft_ms:g} ms)",
+        f"goodput (req/s, TTFT<={a.slo_ttft_ms:g}ms, ITL<={a.slo_itl_ms:g}ms)",
         "Goodput against offered load",
     )
     if not a.skip_rejection:

@@ -9,7 +9,16 @@ from typing import Any
 
 from bench.experiments.runspec import RunSpec, default_sim
 from bench.harness.cluster import RouterOptions, peer_executable
-from bench.harness.modes import ALL_MODES, EXTERNAL_MODES, ORACLE, PROBE, ROUTER_MODES, SMG_MODES, SUITE_MODES
+from bench.harness.modes import (
+    ALL_MODES,
+    EXTERNAL_MODES,
+    ORACLE,
+    PROBE,
+    ROUTER_MODES,
+    SMG_MODES,
+    SPLIT_MODES,
+    SUITE_MODES,
+)
 from bench.workloads.spec import WorkloadSpec
 from bench.workloads.trace_gen import cached_trace
 
@@ -72,6 +81,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         help="with --burst-off-s: arrivals in bursts of this long at the same mean rate",
     )
     g.add_argument("--burst-off-s", type=float, default=0.0, help="silence between bursts")
+    g.add_argument(
+        "--arrival-cv",
+        type=float,
+        default=0.0,
+        help="> 1: arrivals re-timed as a gamma process with this coefficient of variation, same mean rate",
+    )
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +127,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         default=-1,
         help="routing.min_pd_prompt_tokens (default: 256 tokens, length-scaled)",
     )
-    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="TTFT SLO for goodput (also the router's)")
+    g.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=100.0,
+        help="ITL SLO for goodput: no gap between tokens longer (also the router's)",
+    )
     g.add_argument(
         "--engines-per-process",
         type=int,
@@ -150,6 +171,7 @@ def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
         min_prompt_tokens=a.min_prompt_tokens,
         max_prompt_tokens=a.max_prompt_tokens,
         burst_on_s=a.burst_on_s,
+        arrival_cv=getattr(a, "arrival_cv", 0.0),
         burst_off_s=a.burst_off_s,
     )
 
@@ -172,6 +194,13 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         max_probes=a.max_probes,
         declare_data_parallel=not getattr(a, "undeclared_data_parallel", False),
     )
+    # The router optimises the goodput the bench measures: the same SLOs, the engines' chunk.
+    ropts.extra_routing = {
+        "slo_ttft_ms": float(a.slo_ttft_ms),
+        "slo_itl_ms": float(getattr(a, "slo_itl_ms", 100.0)),
+        "prefill_chunk_tokens": int(sim.max_num_batched_tokens),
+        **({"split": SPLIT_MODES[mode]} if mode in SPLIT_MODES else {}),
+    }
     for k, v in router_over.items():
         setattr(ropts, k, v)
     return RunSpec(
@@ -183,6 +212,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         sim=sim,
         router=ropts,
         slo_ttft_ms=a.slo_ttft_ms,
+        slo_itl_ms=getattr(a, "slo_itl_ms", 100.0),
         pin=a.pin,
         engines_per_process=getattr(a, "engines_per_process", 1),
         routers=getattr(a, "routers", 1),
@@ -228,7 +258,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
         default="probe",
-        help=f"{' | '.join((*ROUTER_MODES, ORACLE, *EXTERNAL_MODES, *SMG_MODES))}, a comma list, or 'all' "
+        help=f"{' | '.join((*ROUTER_MODES, *SPLIT_MODES, ORACLE, *EXTERNAL_MODES, *SMG_MODES))}, a comma list, or 'all' "
         "(each into OUT/<mode>)",
     )
     p.add_argument(

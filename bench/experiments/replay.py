@@ -36,7 +36,7 @@ from bench.experiments.replay_summary import summarize
 from bench.experiments.runspec import RunSpec
 from bench.harness.cluster import Cluster, RouterOptions, counters_delta, engine_counters
 from bench.harness.loadgen import run_open_loop, run_sessions
-from bench.harness.modes import ALL_MODES, EXTERNAL_MODES, ORACLE, ROUTER_MODES, SMG_MODES
+from bench.harness.modes import ALL_MODES, EXTERNAL_MODES, ORACLE, OUR_MODES, SMG_MODES, strategy_of
 from bench.harness.procs import ProcessSet, RSSSampler, cpu_list
 from bench.harness.replicas import Samplers, recovery, restart_engine_at, scrape_all, start_replicas
 from bench.reports.rundir import load_requests, parse_router_log, write_outputs
@@ -143,14 +143,14 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
     try:
         await cluster.start_engines(
             spec.engines,
-            spec.prefill if spec.mode in ROUTER_MODES else 0,
+            spec.prefill if spec.mode in OUR_MODES else 0,
             spec.sim,
             cores=other_cores,
             engines_per_process=spec.engines_per_process,
         )
         urls: list[str] | None = None
         if spec.routers > 1 or spec.mode in SMG_MODES:
-            strategy = spec.mode if spec.mode in ROUTER_MODES else "probe"
+            strategy = strategy_of(spec.mode) if spec.mode in OUR_MODES else "probe"
             urls = await start_replicas(
                 cluster,
                 spec.mode,
@@ -159,9 +159,11 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
                 spec.out,
                 cores=router_cores,
             )
-        elif spec.mode in ROUTER_MODES:
+        elif spec.mode in OUR_MODES:
             await cluster.start_router(
-                RouterOptions(**{**asdict(spec.router), "strategy": spec.mode}), spec.out, cores=router_cores
+                RouterOptions(**{**asdict(spec.router), "strategy": strategy_of(spec.mode)}),
+                spec.out,
+                cores=router_cores,
             )
         elif spec.mode in EXTERNAL_MODES:
             await cluster.start_vllm_router(EXTERNAL_MODES[spec.mode], cores=router_cores)

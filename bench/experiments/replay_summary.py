@@ -10,6 +10,7 @@ from bench.experiments.runspec import RunSpec
 from bench.harness.cluster import buckets_delta, histogram_buckets, histogram_quantile, metric_sum, sum_buckets
 from bench.harness.loadgen import Result
 from bench.harness.stats import mean, percentile, rnd
+from engine_launcher.sim.config import TimingModel
 
 
 def summarize(
@@ -66,7 +67,9 @@ def summarize(
     ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
     itl = [x for r in ok for x in r.itl_ms]
     e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
-    good = [r for r in ok if r.ttft_ms is not None and r.ttft_ms <= spec.slo_ttft_ms]
+    good_ttft = [r for r in ok if r.ttft_ms is not None and r.ttft_ms <= spec.slo_ttft_ms]
+    # DistServe's goodput: both SLOs; a request's ITL is its longest gap (a stall is seen).
+    good = [r for r in good_ttft if max(r.itl_ms, default=0.0) <= spec.slo_itl_ms]
     s: dict[str, Any] = dict(base)
     s.update(
         {
@@ -93,8 +96,11 @@ def summarize(
             "output_tokens": out_tokens,
             "output_tokens_per_s": rnd(out_tokens / wall if wall else None, 1),
             "slo_ttft_ms": spec.slo_ttft_ms,
+            "slo_itl_ms": spec.slo_itl_ms,
             "goodput_rps": rnd(len(good) / wall if wall else None),
             "goodput_fraction": rnd(len(good) / n if n else None, 4),
+            "goodput_ttft_fraction": rnd(len(good_ttft) / n if n else None, 4),
+            "producer_utilisation": producer_utilisation(spec, eng, prefillers, wall),
             "routes": routes,
             "engine_ttft_p50_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.5),
             "engine_ttft_p90_ms": _q_ms(sum_buckets([eng[u].get("ttft_buckets", []) for u in decoders]), 0.9),
@@ -162,3 +168,18 @@ def summarize(
 def _q_ms(buckets: list[tuple[float, float]], q: float) -> float | None:
     v = histogram_quantile(buckets, q)
     return rnd(v * 1000, 1) if v is not None else None
+
+
+def producer_utilisation(spec: RunSpec, eng: dict[str, Any], prefillers: list[str], wall: float) -> float | None:
+    """Share of the run's wall time the prefill engines spent prefilling: the prompt tokens
+    they computed (not hits) at the simulator's cost per token, over their number."""
+    if not prefillers or wall <= 0:
+        return None
+    per_token = (spec.sim.prefill_token_s or TimingModel().prefill_token_s) / spec.sim.speed
+    computed = sum(
+        eng[u]["vllm:prompt_tokens_total"]
+        - eng[u]["vllm:prefix_cache_hits_total"]
+        - eng[u]["vllm:external_prefix_cache_hits_total"]
+        for u in prefillers
+    )
+    return rnd(max(computed, 0.0) * per_token / wall / len(prefillers), 4)

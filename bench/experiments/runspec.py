@@ -19,6 +19,7 @@ class RunSpec:
     sim: SimOptions = field(default_factory=SimOptions)
     router: RouterOptions = field(default_factory=RouterOptions)
     slo_ttft_ms: float = 1000.0
+    slo_itl_ms: float = 100.0  # a request meets it when none of its gaps between tokens is longer
     pin: bool = False
     quiet: bool = False
     engines_per_process: int = 1

@@ -119,6 +119,15 @@ WORKLOADS: tuple[SuiteWorkload, ...] = (
         target=1.2,
     ),
     SuiteWorkload(
+        "real-arrivals",
+        "load predictions on measured-like traffic: clustered arrivals (gamma gaps, cv 3) and "
+        "answers 4x the trace's (a long tail of decodes) at 85% of capacity",
+        (*TRACE_HEAD, "--arrival-cv", "3", "--output-scale", "4"),
+        ("--limit", "160"),
+        TRACE_SPEED,
+        target=0.85,
+    ),
+    SuiteWorkload(
         "cpu-tier",
         "routers that only know what they sent or what the GPU holds: a conversation's "
         "next turn returns after its blocks left the GPU for one engine's CPU tier",

@@ -97,6 +97,17 @@ class Proc:
         return "\n".join(lines[-n:])
 
 
+# The checkout this bench runs from: its router and simulator are what the children run,
+# not whatever an editable install of another checkout puts on their path.
+SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def child_env(env: dict[str, Any] | None) -> dict[str, str]:
+    base = {**os.environ, **(env or {})}
+    path = [SOURCE_ROOT, *[p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != SOURCE_ROOT]]
+    return {**base, "PYTHONPATH": os.pathsep.join(path)}
+
+
 @dataclass
 class ProcessSet:
     log_dir: Path
@@ -112,7 +123,7 @@ class ProcessSet:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env={**os.environ, **(env or {})},
+                env=child_env(env),
             )
         p = Proc(name, popen, log_path)
         self.procs.append(p)

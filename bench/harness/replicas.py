@@ -30,7 +30,7 @@ from bench.harness.cluster import (
     router_toml,
     scrape,
 )
-from bench.harness.modes import EXTERNAL_MODES, ROUTER_MODES, SMG_MODES
+from bench.harness.modes import EXTERNAL_MODES, OUR_MODES, SMG_MODES
 from bench.harness.procs import Proc, RSSSampler, free_ports, pinned, wait_http
 
 
@@ -43,7 +43,7 @@ async def start_replicas(
     urls, procs, health = [], [], []
     for i in range(n):
         name = "router" if i == 0 else f"router-{i}"
-        if mode in ROUTER_MODES:
+        if mode in OUR_MODES:
             port = free_ports(1)[0]
             cfg = work_dir / f"{name}.toml"
             cfg.write_text(

@@ -59,14 +59,18 @@ COMPARE_COLUMNS = [
     ("pct_of_oracle", "% of oracle"),
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("ttft_p99_ms", "TTFT p99 ms"),
+    ("regret_p50", "TTFT p50 regret"),
     ("itl_p50_ms", "ITL p50 ms"),
+    ("itl_p99_ms", "ITL p99 ms"),
     ("e2e_p50_ms", "e2e p50 ms"),
     ("throughput_rps", "req/s"),
     ("output_tokens_per_s", "out tok/s"),
-    ("goodput_fraction", "SLO ok"),
+    ("goodput_fraction", "goodput TTFT+ITL"),
+    ("goodput_gap", "goodput - best other"),
     ("probes_per_request", "probes/req"),
     ("loser_tokens_pct_of_output", "loser tok %"),
     ("pd_share", "P/D share"),
+    ("producer_utilisation", "producer util"),
     ("router_cpu_s_per_1k", "router CPU s/1k"),
     ("router_rss_mb", "router RSS MB"),
 ]
@@ -77,6 +81,9 @@ COMPARE_ND = {
     "probes_per_request": 2,
     "loser_tokens_pct_of_output": 3,
     "pd_share": 3,
+    "producer_utilisation": 3,
+    "regret_p50": 2,
+    "goodput_gap": 3,
     "router_cpu_s_per_1k": 2,
 }
 
@@ -98,6 +105,16 @@ def compare_rows(dirs: Sequence[Path]) -> list[dict[str, Any]]:
         total = sum(routes.values())
         r["pd_share"] = routes.get("pd", 0) / total if total else None
         rows.append(r)
+    for r in rows:
+        # Against the best other run of the same offered load (the oracle runs nothing).
+        others = [
+            o for o in rows if o is not r and o.get("offered_rps") == r.get("offered_rps") and o.get("mode") != "oracle"
+        ]
+        ttfts = [o["ttft_p50_ms"] for o in others if o.get("ttft_p50_ms")]
+        goods = [o["goodput_fraction"] for o in others if o.get("goodput_fraction") is not None]
+        mine, good = r.get("ttft_p50_ms"), r.get("goodput_fraction")
+        r["regret_p50"] = mine / min(ttfts) if ttfts and mine is not None else None
+        r["goodput_gap"] = good - max(goods) if goods and good is not None else None
     return rows
 
 

@@ -33,6 +33,10 @@ COLUMNS = [
     ("regret_p99", "regret p99"),
     ("itl_p50_ms", "ITL p50 ms"),
     ("itl_p99_ms", "ITL p99 ms"),
+    ("goodput_fraction", "goodput TTFT+ITL"),
+    ("goodput_gap", "goodput - best other"),
+    ("goodput_ttft_fraction", "goodput TTFT only"),
+    ("producer_utilisation", "producer util"),
     ("probes_per_request", "probes/req"),
     ("share_probe_hit", "probe_hit"),
     ("share_pd", "pd"),
@@ -50,6 +54,10 @@ ND = {
     "share_pd": 2,
     "share_direct": 2,
     "pred_rel_err_p50": 2,
+    "goodput_fraction": 3,
+    "goodput_gap": 3,
+    "goodput_ttft_fraction": 3,
+    "producer_utilisation": 3,
 }
 
 
@@ -96,6 +104,8 @@ def suite_row(workload: str, summary: dict[str, Any], requests: Sequence[dict[st
         "itl_p50_ms",
         "itl_p99_ms",
         "goodput_fraction",
+        "goodput_ttft_fraction",
+        "producer_utilisation",
         "throughput_rps",
         "offered_rps",
         "wall_s",
@@ -126,6 +136,18 @@ def add_regret(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 and o[key] > 0
             ]
             r[f"regret_{q}"] = rnd(v / min(others), 4) if others and v is not None and r.get("mode") != ORACLE else None
+    for r in rows:
+        # Goodput against the best other mode: below 0, some other mode kept more requests.
+        others = [
+            o["goodput_fraction"]
+            for o in rows
+            if o is not r
+            and o["workload"] == r["workload"]
+            and o.get("mode") not in (ORACLE, r.get("mode"))
+            and o.get("goodput_fraction") is not None
+        ]
+        v = r.get("goodput_fraction")
+        r["goodput_gap"] = rnd(v - max(others), 4) if others and v is not None and r.get("mode") != ORACLE else None
     return rows
 
 

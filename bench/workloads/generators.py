@@ -190,6 +190,22 @@ def on_off_arrivals(n: int, mean_rate: float, on_s: float, off_s: float, seed: i
     return out
 
 
+def gamma_arrivals(n: int, mean_rate: float, cv: float, seed: int = 0) -> list[float]:
+    """n arrival times (s) of a gamma renewal process: mean rate `mean_rate`, gaps with
+    coefficient of variation `cv` (shape 1 / cv^2; cv 1 is Poisson). Measured LLM-service
+    arrivals are burstier than Poisson (BurstGPT fits gamma gaps of shape below 1): short
+    clusters of requests, then lulls, without the fixed period of on/off bursts."""
+    if mean_rate <= 0 or cv <= 0:
+        raise ValueError("gamma arrivals need mean_rate > 0 and cv > 0")
+    shape = 1.0 / (cv * cv)
+    r = _rng("gamma", seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += r.gammavariate(shape, 1.0 / (shape * mean_rate))
+    return out
+
+
 # --- heterogeneous prompt lengths -------------------------------------------------------
 
 

@@ -38,6 +38,9 @@ class WorkloadSpec:
     # both > 0: arrivals re-timed into bursts at the same mean rate (workloads.on_off_arrivals)
     burst_on_s: float = 0.0
     burst_off_s: float = 0.0
+    # > 0: arrivals re-timed as a gamma renewal process with this coefficient of variation at
+    # the same mean rate (workloads.gamma_arrivals): clustered, as measured arrivals are.
+    arrival_cv: float = 0.0
 
     @property
     def length_scale(self) -> float:
@@ -90,6 +93,10 @@ def build_requests(w: WorkloadSpec) -> list[wl.BenchRequest]:
         for r, t in zip(
             reqs, wl.on_off_arrivals(len(reqs), len(reqs) / span, w.burst_on_s, w.burst_off_s, w.seed), strict=False
         ):
+            r.arrival_s = t
+    if w.arrival_cv > 0 and len(reqs) > 1:
+        span = reqs[-1].arrival_s - reqs[0].arrival_s
+        for r, t in zip(reqs, wl.gamma_arrivals(len(reqs), len(reqs) / span, w.arrival_cv, w.seed), strict=False):
             r.arrival_s = t
     return reqs
 

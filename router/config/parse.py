@@ -51,7 +51,7 @@ from router.config.schema import (
     TimeoutsConfig,
     TracingConfig,
 )
-from router.names import EngineKind, EngineRole, Mode, Role
+from router.names import EngineKind, EngineRole, Role, SplitMode
 
 # Keys of earlier versions whose job the cost model does now: accepted with a warning so
 # that an old configuration still starts.
@@ -125,7 +125,10 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
     if routing is None:
         return None
     routing = dataclasses.replace(routing, policy_keys=policy_keys)
-    p.check(check_one_of, "routing.split", routing.split, Mode)
+    p.check(check_one_of, "routing.split", routing.split, SplitMode)
+    p.check(check_positive, "routing.slo_ttft_ms", routing.slo_ttft_ms)
+    p.check(check_positive, "routing.slo_itl_ms", routing.slo_itl_ms)
+    p.check(check_positive, "routing.prefill_chunk_tokens", routing.prefill_chunk_tokens)
     p.check(check_fraction, "routing.decode_guard_threshold", routing.decode_guard_threshold)
     p.check(check_positive, "routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)
     p.check(check_positive, "routing.prior_prefill_tokens_per_s", routing.prior_prefill_tokens_per_s)

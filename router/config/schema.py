@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.config.event_sockets import default_ipc_dir, has_flag, ipc_endpoints, ipc_fits, is_loopback_host
-from router.names import EngineRole, Mode, Role
+from router.names import EngineRole, Role, SplitMode
 
 KV_EVENTS_FLAG = "--kv-events-config"
 
@@ -95,11 +95,17 @@ class RoutingConfig:
     # Prompts shorter than this never go prefill/decode (an operator's floor; above it the
     # cost model decides whether a split is faster).
     min_pd_prompt_tokens: int = 256
-    # "auto": a prompt nobody accepted is split (prefill/decode) when the cost model predicts
-    # the split sooner; "always": split whenever a producer is available and the prompt is
-    # over min_pd_prompt_tokens (keeps prefills off the decoders, for their inter-token
-    # latency, which the time-to-first-token model does not weigh).
-    split: Mode = Mode.AUTO
+    # "auto": a prompt nobody accepted is computed where the cost model predicts the most
+    # requests, new and running, stay within both SLOs below (goodput), then the least
+    # TTFT; "always": split whenever a producer is available and the prompt is over
+    # min_pd_prompt_tokens; "never": always computed on a decoder.
+    split: SplitMode = SplitMode.AUTO
+    # Goodput's SLOs (docs/CONFIG.md): time to first token, and the gap between tokens.
+    slo_ttft_ms: float = 2000.0
+    slo_itl_ms: float = 100.0
+    # The engines' prefill chunk (vLLM's max_num_batched_tokens): a prefill computed on a
+    # decoder stalls each of its steps by at most this many tokens' worth.
+    prefill_chunk_tokens: int = 8192
     # Where the cost model's measured engine speeds start (router/routing/speed_learner.py); the
     # router replaces them with measurements after a few requests per engine.
     prior_prefill_tokens_per_s: float = 10000.0

@@ -15,7 +15,7 @@ from router.dispatch.race import ProbeOutcome, RaceResult
 from router.engine.errors import UpstreamError
 from router.engine.stream import UpstreamStream
 from router.fleet.registry import LegTicket
-from router.names import Verdict
+from router.names import RouteReason, Verdict
 from router.observability.record import EngineVerdict, RequestRecord
 from router.routing.fallback import FallbackPlan
 from router.routing.planning import Plan, RouteQuery
@@ -146,6 +146,17 @@ class RequestContext:
         if predicted_s is not None and rec.predicted_ttft_s is None:
             rec.predicted_ttft_s = sent - rec.dispatch_started + predicted_s
 
+    def record_placement(self, reason: str, fb: FallbackPlan | None = None) -> None:
+        """Why the first leg went where it did, with the predictions that decided it."""
+        rec = self.record
+        if rec.route_reason:
+            return
+        rec.route_reason = reason
+        if fb is not None:
+            rec.predicted_itl_s = fb.predicted_itl_s
+            rec.predicted_lost = fb.lost
+            rec.route_alternative = fb.alternative
+
     def record_scratch(self, sent: float, scratch_ttft_s: float | None) -> None:
         rec = self.record
         if scratch_ttft_s is not None and rec.scratch_ttft_s is None:
@@ -169,4 +180,5 @@ def fallback_direct(plan: Plan) -> FallbackPlan:
         decode_threshold=0.0,
         prefill_tokens=plan.prefill_tokens,
         predicted_ttft_s=plan.predicted_ttft_s,
+        reason=RouteReason.DIRECT,
     )

@@ -116,7 +116,7 @@ class Dispatcher:
                 # token, resumed after it, and counted against the engine either way.
                 detail = "the stream ended ([DONE]) without a finish_reason"
                 outcome = LegOutcome(UpstreamError(leg.backend, PROTOCOL, detail))
-            error = self._leg_ended(ctx, leg, outcome)
+            error = self._leg_ended(ctx, leg, outcome, answer.leg_tokens)
             if error is not None and answer.finish_reason not in (None, CACHE_THRESHOLD):
                 # The engine finished the answer, then the connection broke before [DONE]:
                 # nothing is missing, and a resume would generate past the real end.
@@ -199,13 +199,17 @@ class Dispatcher:
             leg = await self.placer.acquire_after(ctx, error)
             shaper.begin_leg(is_resume=True)
 
-    def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome) -> UpstreamError | None:
-        """The engine's health and the cost model learn how the leg ended; its error, if any."""
+    def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome, tokens: int) -> UpstreamError | None:
+        """The engine's health and the cost model learn how the leg ended (`tokens`: what
+        it generated); its error, if any."""
         if outcome.error is not None:
             self.placer.note_failure(ctx, outcome.error)
             return outcome.error
         self.registry.record_success(leg.backend)
-        if leg.ticket is None or outcome.prompt_tokens is None:
+        if leg.ticket is None:
+            return None
+        self.registry.learn_decode(leg.ticket, tokens)
+        if outcome.prompt_tokens is None:
             return None
         # A finished leg is one sample for the cost model (router/routing/speed_learner.py).
         learner = self.registry.learner

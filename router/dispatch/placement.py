@@ -40,7 +40,7 @@ from router.engine.errors import (
 from router.engine.stream import UpstreamStream
 from router.engine.wire import CHAT_PATH, decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
 from router.fleet.registry import BackendRegistry, BackendState, LegTicket
-from router.names import Route, Verdict
+from router.names import Route, RouteReason, Verdict
 from router.observability import tracing
 from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import AsksTheIndexWhenUnsure, Plan, RouteQuery, Strategy, predicted_ttft, race_value
@@ -170,6 +170,7 @@ class LegPlacer:
         assert winner is not None
         self.learn_race_won(ctx.query, race)
         ctx.record_predicted(race.sent, dict(zip(plan.probes, plan.probe_ttft_s, strict=False)).get(winner.backend))
+        ctx.record_placement(RouteReason.PROBE_HIT)
         ctx.record_scratch(race.sent, plan.scratch_ttft_s)
         return self._accepted(ctx, race.result, Route.PROBE_HIT, race.tickets)
 
@@ -264,6 +265,7 @@ class LegPlacer:
             result = await self._single(ctx, fb, None, tickets)
         if result.winner is not None:
             ctx.record_predicted(sent, fb.predicted_ttft_s)
+            ctx.record_placement(fb.reason, fb)
             return FallbackOutcome(self._accepted(ctx, result, fb.route, tickets), failed=tuple(failed))
         self._raise_client_error(result)
         failures = result.by_verdict(Verdict.FAILED)
@@ -279,9 +281,18 @@ class LegPlacer:
             body, tokens = decode_leg_body(ctx.body, kv_params, fb.decode_threshold), 0
         else:
             body, tokens = streamed_leg_body(ctx.body, fb.decode_threshold), fb.prefill_tokens
-        result = await run_race(
-            (fb.decode,), self._opener(ctx.path, body, ctx.deadline, tokens, tickets), self.timeouts.first_token_s + 1.0
-        )
+        # Its place in the engine's load is taken before this task yields: requests planned
+        # in the same loop iteration must see it, or they all pick the same engine.
+        held = self.registry.open_leg(fb.decode, tokens) if fb.decode in self.registry.states else None
+        try:
+            result = await run_race(
+                (fb.decode,),
+                self._opener(ctx.path, body, ctx.deadline, tokens, tickets, held),
+                self.timeouts.first_token_s + 1.0,
+            )
+        finally:
+            if held is not None and tickets.get(fb.decode) is not held:
+                self.registry.close_leg(held)  # its leg was never opened
         self._record_race(ctx, result, probing=False)
         return result
 
@@ -329,18 +340,26 @@ class LegPlacer:
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _opener(
-        self, path: str, body: dict[str, Any], deadline: float, tokens: int, tickets: dict[str, LegTicket]
+        self,
+        path: str,
+        body: dict[str, Any],
+        deadline: float,
+        tokens: int,
+        tickets: dict[str, LegTicket],
+        held: LegTicket | None = None,
     ) -> Callable[[str], Awaitable[UpstreamStream]]:
         """Opens one streamed leg per backend; each holds a LegTicket (its place in the
-        engine's load) until the stream closes, kept in `tickets` by backend. The body is
-        serialised once for all of them (a 4 MiB prompt raced on K engines: one copy, not K)."""
+        engine's load) until the stream closes, kept in `tickets` by backend (`held`: the
+        ticket already taken for its backend). The body is serialised once for all of them
+        (a 4 MiB prompt raced on K engines: one copy, not K)."""
         encoded: list[bytes] = []
 
         async def open_leg(name: str) -> UpstreamStream:
             cfg = self._state(name).config
             if not encoded:
                 encoded.append(orjson.dumps(body))
-            ticket = tickets[name] = self.registry.open_leg(name, tokens)
+            own = held if held is not None and held.backend == name and not held.closed else None
+            ticket = tickets[name] = own or self.registry.open_leg(name, tokens)
             try:
                 return await self.client.open_stream(
                     name,

@@ -71,6 +71,7 @@ class BackendState:
     queued_tokens: int = 0
     prefilling: int = 0  # legs sent, no first token yet
     decoding: int = 0  # legs past their first token
+    prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
     # Requests the last scrape saw beyond this router's own legs at that moment: traffic
     # of other replicas (or clients that bypass the router).
     others_waiting: float = 0.0
@@ -102,6 +103,9 @@ class LegTicket:
     sent_at: float
     first_token_at: float | None = None
     closed: bool = False
+    # At its first token: the engine's decoding sequences and prefilled tokens so far.
+    decoding_at_first: float = 0.0
+    prefilled_at_first: int = 0
 
 
 @dataclass
@@ -160,6 +164,7 @@ class BackendRegistry:
                     kv_removed_at=removed.get(c.name, 0.0),
                     others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
                     adapters=s.adapters,
+                    itl=learner.itl(c.name),
                 )
             )
         return ClusterSnapshot(
@@ -268,6 +273,9 @@ class BackendRegistry:
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
             s.decoding += 1
+            s.prefilled_tokens += ticket.tokens
+            ticket.decoding_at_first = self._decoding(s)
+            ticket.prefilled_at_first = s.prefilled_tokens
 
     def close_leg(self, ticket: LegTicket) -> None:
         """The leg ended (finished, failed, cancelled). Safe to call more than once."""
@@ -297,6 +305,20 @@ class BackendRegistry:
             ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
         )
         return seconds
+
+    def learn_decode(self, ticket: LegTicket, tokens: int) -> None:
+        """A decode-step sample of an ended leg that generated `tokens` (speed_learner.py)."""
+        s = self.states.get(ticket.backend)
+        if ticket.first_token_at is None or s is None or tokens < 2:
+            return
+        decoding = (ticket.decoding_at_first + self._decoding(s) + 1.0) / 2.0
+        self.learner.observe_decode(
+            ticket.backend,
+            decoding,
+            tokens - 1,
+            self.clock() - ticket.first_token_at,
+            s.prefilled_tokens - ticket.prefilled_at_first,
+        )
 
     # --- request-path feedback ---------------------------------------------------------
     def acquire(self, name: str) -> None:

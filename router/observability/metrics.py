@@ -301,6 +301,7 @@ class RouterMetrics:
                     "tenant": rec.tenant,
                     "route": rec.route,
                     **({"race_reason": rec.race_reason} if rec.race_reason else {}),
+                    **route_figures(rec),
                     **({"indexed_hits": rec.indexed_hits} if rec.indexed_hits is not None else {}),
                     "winner": rec.winner,
                     "prefill": rec.prefill,
@@ -329,3 +330,17 @@ class RouterMetrics:
                 }
             },
         )  # one JSON line (router/observability/logs.py)
+
+
+def route_figures(rec: RequestRecord) -> dict[str, object]:
+    """The log line's why-here fields: the route's reason and the predictions behind it."""
+    out: dict[str, object] = {}
+    if rec.route_reason:
+        out["route_reason"] = rec.route_reason
+    if rec.predicted_itl_s is not None:
+        out["predicted_itl_ms"] = round(rec.predicted_itl_s * 1000, 2)
+    if rec.predicted_lost is not None:
+        out["predicted_lost"] = rec.predicted_lost
+    if rec.route_alternative:
+        out["route_alternative"] = rec.route_alternative
+    return out

@@ -55,6 +55,13 @@ class RequestRecord:
     dispatch_started: float = 0.0
     tenant: str = ""  # the API key's tenant name (router/admission/tenants.py), never the key
     race_reason: str = ""  # why the request raced or not (router.names.RaceReason)
+    # Why its first leg went where it did (router.names.RouteReason) and the figures that
+    # decided it: the chosen placement's predicted gap between tokens and requests it is
+    # predicted to put past an SLO, and the best placement of the other kind.
+    route_reason: str = ""
+    predicted_itl_s: float | None = None
+    predicted_lost: float | None = None
+    route_alternative: str = ""
     # Per engine the KV-event index spoke for: the prompt tokens it said the engine holds.
     indexed_hits: dict[str, int] | None = None
 

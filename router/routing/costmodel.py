@@ -33,6 +33,22 @@ parallel with the consumer's own queue:
 
 with transfer(n) = t0 + t1 * n learned from observed decode legs (`TransferSpeed`).
 
+The same steps give the inter-token latency (ITL) of the sequences decoding on an engine:
+each step produces one token of each, and costs
+
+    step(engine, decoding, prefill_in_step) = e + s * decoding + b * prefill_in_step
+
+- e, s: the engine's measured decode step (`ItlSpeed`), learned from finished legs' mean
+  gap between tokens, less the prefills the engine computed meanwhile (b * those tokens
+  over the leg's tokens: the stall they caused is b's to explain);
+- b: the same per-token prefill cost as in `ttft`. A prefill of n tokens computed on a
+  decoder is chunked into steps of at most `chunk` tokens (vLLM's max_num_batched_tokens),
+  so each of its ceil(n / chunk) steps costs b * min(n, chunk) more for every sequence
+  decoding there (`prefill_stall_s`). That is the cost a TTFT-only objective cannot see,
+  and why prefill/decode exists: a split's prefill stalls nobody on the consumer.
+
+A request's own ITL is step(its decoder, decoding + 1, 0) (`itl`).
+
 Nothing here does I/O or keeps state: plain numbers in, seconds out.
 """
 
@@ -83,6 +99,30 @@ class TransferSpeed:
 
     def seconds(self, tokens: float) -> float:
         return max(self.intercept_s, 0.0) + max(self.per_token_s, 0.0) * tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ItlSpeed:
+    """One decode step: step_s + per_seq_s * decoding sequences (each gets one token)."""
+
+    step_s: float = 0.01
+    per_seq_s: float = 1e-4
+    samples: int = 0
+
+    def seconds(self, decoding: float) -> float:
+        return max(self.step_s, 0.0) + max(self.per_seq_s, 0.0) * max(decoding, 0.0)
+
+
+def itl(step: ItlSpeed, decoding: float) -> float:
+    """Predicted gap between tokens of a request joining `decoding` sequences on an engine."""
+    return step.seconds(decoding + 1.0)
+
+
+def prefill_stall_s(speed: EngineSpeed, tokens: float, chunk: float) -> float:
+    """What computing `tokens` of prefill adds to each of the engine's next steps (every
+    sequence decoding there waits that long more for its next token), chunked prefill
+    spreading it over steps of at most `chunk` tokens."""
+    return max(speed.per_token_s, MIN_PER_TOKEN_S) * min(max(tokens, 0.0), max(chunk, 1.0))
 
 
 def ttft(speed: EngineSpeed, queued_tokens: float, decoding: float, lacking: float, held: float = 0.0) -> float:

@@ -10,11 +10,13 @@ over the one cost model (router/routing/costmodel.py):
 - split: prefill on producer p, KV over NIXL, decode on consumer c:
   pd_ttft = max(ttft(p, prompt) + transfer(prompt), ttft(c, 0)).
 
-The least predicted time wins. A split is considered only when a prefill backend other
-than the decoder exists and the decoder would lack at least `min_pd_prompt_tokens` (an
-operator's floor: below it a KV transfer is never worth its moving parts). With
-`routing.split = "always"` such a split is always taken (the fastest pair), to keep
-prefills off the decoders.
+With `routing.split = "auto"` the choice is goodput's (router/routing/goodput.py): the
+placement predicted to keep the most requests, this one and those decoding on the engines
+it touches, within both SLOs (`routing.slo_ttft_ms`, `routing.slo_itl_ms`); ties go to the
+least predicted TTFT. A split is considered only when a prefill backend other than the
+decoder exists and the decoder would lack at least `min_pd_prompt_tokens` (an operator's
+floor: below it a KV transfer is never worth its moving parts). `routing.split = "always"`
+takes the split whenever there is one (the fastest pair), `"never"` never splits.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from router.config.schema import RoutingConfig
-from router.names import Mode, Route
-from router.routing import costmodel
-from router.routing.planning import RouteQuery, decoders_for, fastest
+from router.names import Route, RouteReason, SplitMode
+from router.routing import costmodel, goodput
+from router.routing.planning import RouteQuery, decoders_for, fastest, predicted_ttft
 from router.routing.snapshot import ClusterSnapshot
 
 
@@ -39,10 +41,19 @@ class FallbackPlan:
     decode_threshold: float
     prefill_tokens: int = 0  # what the computing engine (producer, or the decoder) prefills
     predicted_ttft_s: float | None = None
+    # Why here (a RouteReason) and the predicted figures that decided it, for the log line.
+    reason: str = ""
+    predicted_itl_s: float | None = None
+    lost: float | None = None  # requests predicted to miss an SLO (this one and running ones)
+    alternative: str = ""  # the best placement of the other kind, with its figures
 
     @property
     def route(self) -> str:
         return Route.PD if self.prefill else Route.DIRECT
+
+
+def slo_of(routing: RoutingConfig) -> goodput.Slo:
+    return goodput.Slo(routing.slo_ttft_ms / 1000.0, routing.slo_itl_ms / 1000.0, float(routing.prefill_chunk_tokens))
 
 
 def plan_fallback(
@@ -58,33 +69,62 @@ def plan_fallback(
     if not decoders:
         return None
     hits = hits or {}
+    slo = slo_of(routing)
     n = query.tokens(snap) if prompt_tokens is None else float(prompt_tokens)
-    decode, direct_s = fastest(decoders, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
-    lacking = max(n - hits.get(decode.name, 0.0), 0.0)
-    best = FallbackPlan(
-        decode=decode.name, prefill=None, decode_threshold=0.0, prefill_tokens=round(lacking), predicted_ttft_s=direct_s
-    )
+    directs = [
+        goodput.direct(b, max(n - hits.get(b.name, 0.0), 0.0), predicted_ttft(b, n - hits.get(b.name, 0.0), n), slo)
+        for b in decoders
+    ]
+    # The least TTFT among the decoders, with fastest()'s tie-breaking, first: goodput's
+    # ties keep it.
+    first, _ = fastest(decoders, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
+    directs.sort(key=lambda p: p.decode != first.name)
     producers = [b for b in snap.prefillers(query.model) if b.name not in exclude]
-    if not producers or n < routing.min_pd_prompt_tokens:
-        return best
-    # split "always": any split beats computing on a decoder.
-    best_key = (float("inf") if routing.split == Mode.ALWAYS else direct_s, 0.0)
-    for p in producers:
-        # Ties (the consumer's queue decides) go to the producer that finishes sooner.
-        prefill_s = costmodel.ttft(p.speed, p.queued_tokens, p.decoding, n)
-        for c in decoders:
-            if c.name == p.name or n - hits.get(c.name, 0.0) < routing.min_pd_prompt_tokens:
-                continue
-            s = costmodel.pd_ttft(
-                p.speed, p.queued_tokens, p.decoding, n, c.speed, c.queued_tokens, c.decoding, snap.transfer, n
-            )
-            if (s, prefill_s) < best_key:
-                best_key = (s, prefill_s)
-                best = FallbackPlan(
-                    decode=c.name,
-                    prefill=p.name,
-                    decode_threshold=routing.decode_guard_threshold,
-                    prefill_tokens=round(n),
-                    predicted_ttft_s=s,
+    splits: list[goodput.Placement] = []
+    if producers and n >= routing.min_pd_prompt_tokens and routing.split != SplitMode.NEVER:
+        for p in sorted(producers, key=lambda p: costmodel.ttft(p.speed, p.queued_tokens, p.decoding, n)):
+            for c in decoders:
+                if c.name == p.name or n - hits.get(c.name, 0.0) < routing.min_pd_prompt_tokens:
+                    continue
+                s = costmodel.pd_ttft(
+                    p.speed, p.queued_tokens, p.decoding, n, c.speed, c.queued_tokens, c.decoding, snap.transfer, n
                 )
-    return best
+                splits.append(goodput.split(p, c, n, s, slo))
+    if not splits:
+        reason = (
+            RouteReason.SPLIT_NEVER
+            if routing.split == SplitMode.NEVER
+            else RouteReason.NO_PRODUCER
+            if not producers
+            else RouteReason.BELOW_SPLIT_FLOOR
+        )
+        return _plan(goodput.best(directs, slo), routing, slo, reason, None)
+    best_split = min(splits, key=lambda p: p.ttft_s)  # stable: the producer finishing sooner first
+    if routing.split == SplitMode.ALWAYS:
+        return _plan(best_split, routing, slo, RouteReason.SPLIT_ALWAYS, goodput.best(directs, slo))
+    chosen = goodput.best([*directs, *(p for p in splits if goodput.worth_splitting(p, slo))], slo)
+    if chosen.prefill is None:
+        return _plan(chosen, routing, slo, RouteReason.GOODPUT_DIRECT, goodput.best(splits, slo))
+    return _plan(chosen, routing, slo, RouteReason.GOODPUT_SPLIT, goodput.best(directs, slo))
+
+
+def _plan(
+    chosen: goodput.Placement, routing: RoutingConfig, slo: goodput.Slo, reason: str, other: goodput.Placement | None
+) -> FallbackPlan:
+    return FallbackPlan(
+        decode=chosen.decode,
+        prefill=chosen.prefill,
+        decode_threshold=routing.decode_guard_threshold if chosen.prefill else 0.0,
+        prefill_tokens=round(chosen.lacking),
+        predicted_ttft_s=chosen.ttft_s,
+        reason=reason,
+        predicted_itl_s=chosen.itl_s,
+        lost=chosen.lost(slo),
+        alternative="" if other is None else describe(other, slo),
+    )
+
+
+def describe(p: goodput.Placement, slo: goodput.Slo) -> str:
+    """One placement's figures for the log line: where, TTFT, ITL, requests lost."""
+    where = f"{p.prefill}>{p.decode}" if p.prefill else p.decode
+    return f"{p.reason} {where} ttft={p.ttft_s * 1000:.0f}ms itl={p.itl_s * 1000:.1f}ms lost={p.lost(slo):g}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.routing.costmodel import EngineSpeed, TransferSpeed
+from router.routing.costmodel import EngineSpeed, ItlSpeed, TransferSpeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,8 @@ class BackendView:
     # router): an adapter is served only where it is listed, never by an engine whose
     # models are unknown.
     adapters: tuple[str, ...] = ()
+    # Its measured decode step: the gap between tokens of its decoding sequences (costmodel.py).
+    itl: ItlSpeed = field(default_factory=ItlSpeed)
 
     @property
     def load(self) -> float:

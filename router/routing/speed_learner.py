@@ -17,6 +17,11 @@ configured per workload: each starts at a prior and follows the measurements:
   own speed (`[[backends]] prefill_tokens_per_s`: other hardware) starts from that instead.
   The fleet fit starts at the routing prior.
 - transfer: decode legs that pulled their KV, (prompt tokens) -> seconds to first token.
+- decode step (`ItlSpeed`): every leg that produced more than one token is a sample,
+  (mean decoding sequences over its life) -> its mean gap between tokens, less the stall
+  of the prefills its engine computed meanwhile (their tokens times the engine's per-token
+  prefill cost, over the leg's gaps: `b` explains those). Fitted per engine like the
+  speed, pooled over the fleet until an engine has `OWN_FIT_SAMPLES` of its own.
 - characters per token and the mean prompt length: from the engines' usage reports.
 - what a held token costs (`EngineSpeed.held_per_token_s`): an engine with a CPU tier
   (vLLM's OffloadingConnector) loads part of its hits from host memory before the request
@@ -38,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.config.schema import RoutingConfig
-from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed, TransferSpeed
+from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed, ItlSpeed, TransferSpeed
 
 # Forgetting factor: a sample's weight halves after ~70 newer samples, so the fit follows
 # an engine that slows down (a noisy neighbour, a bigger batch) within a minute or two.
@@ -123,6 +128,8 @@ class SpeedPrior:
     per_decode_s: float = 1e-4
     transfer_intercept_s: float = 0.01
     transfer_per_token_s: float = 1e-5
+    step_s: float = 0.01
+    per_seq_s: float = 1e-4
 
 
 def speed_prior(routing: RoutingConfig) -> SpeedPrior:
@@ -164,6 +171,8 @@ class SpeedLearner:
     _engines: dict[str, OnlineLinear] = field(default_factory=dict)
     _fleet: OnlineLinear | None = None
     _transfer: OnlineLinear | None = None
+    _steps: dict[str, OnlineLinear] = field(default_factory=dict)
+    _fleet_step: OnlineLinear | None = None
     # Per engine: last scraped (device hits, host hits, load seconds) and the learned
     # (share of hits from the CPU tier, seconds per CPU-hit token).
     _tier_counters: dict[str, tuple[float, float, float]] = field(default_factory=dict)
@@ -204,7 +213,33 @@ class SpeedLearner:
             )
         return self._transfer
 
+    def _step_fit(self, name: str | None) -> OnlineLinear:
+        """The decode-step fit of `name` (None: the fleet's), started at the fleet's."""
+        if self._fleet_step is None:
+            p = self.prior
+            self._fleet_step = OnlineLinear((p.step_s, p.per_seq_s), (10 * p.step_s + 0.05, 10 * p.per_seq_s))
+        if name is None:
+            return self._fleet_step
+        fit = self._steps.get(name)
+        if fit is None:
+            p = self.prior
+            fit = self._steps[name] = OnlineLinear(
+                tuple(self._fleet_step.theta), (10 * p.step_s + 0.05, 10 * p.per_seq_s)
+            )
+        return fit
+
     # --- samples ------------------------------------------------------------------------
+    def observe_decode(self, engine: str, decoding: float, gaps: int, seconds: float, prefilled: float) -> None:
+        """A leg's `gaps` gaps between tokens took `seconds` while about `decoding`
+        sequences decoded there and the engine prefilled `prefilled` tokens."""
+        if gaps <= 0 or seconds < 0.0:
+            return
+        stall = max(self.speed(engine).per_token_s, MIN_PER_TOKEN_S) * max(prefilled, 0.0)
+        gap = max(seconds - stall, 0.0) / gaps
+        x = (1.0, max(float(decoding), 1.0))
+        self._step_fit(engine).observe(x, gap)
+        self._step_fit(None).observe(x, gap)
+
     def observe_first_token(self, engine: str, prefill_tokens: float, decoding: float, seconds: float) -> None:
         if seconds >= 0.0 and prefill_tokens >= 0.0:
             x = (1.0, float(prefill_tokens), float(decoding))
@@ -281,6 +316,14 @@ class SpeedLearner:
             b = min(max(b, fleet / OWN_FIT_SPREAD), fleet * OWN_FIT_SPREAD)
         return EngineSpeed(a, b, c, fit.samples, held)
 
+    def itl(self, engine: str) -> ItlSpeed:
+        fit = self._steps.get(engine)
+        if fit is None or fit.samples < OWN_FIT_SAMPLES:
+            e, c = self._step_fit(None).theta
+            return ItlSpeed(e, c, 0 if fit is None else fit.samples)
+        e, c = fit.theta
+        return ItlSpeed(e, c, fit.samples)
+
     def transfer(self) -> TransferSpeed:
         if self._transfer is None:
             return TransferSpeed(self.prior.transfer_intercept_s, self.prior.transfer_per_token_s, 0)
@@ -289,5 +332,6 @@ class SpeedLearner:
 
     def forget_engine(self, engine: str) -> None:
         self._engines.pop(engine, None)
+        self._steps.pop(engine, None)
         self._tier_counters.pop(engine, None)
         self._tier_cost.pop(engine, None)

@@ -172,7 +172,9 @@ def test_instant_backend_answers_in_vllm_shapes(tmp_path: Path) -> None:
         c.close()
         import urllib.request
 
-        body = json.dumps({**SMALL, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        body = json.dumps(
+            {**SMALL, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        ).encode()
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )

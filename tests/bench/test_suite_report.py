@@ -3,6 +3,7 @@ route shares, and the predicted TTFT carried into requests.jsonl."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -167,3 +168,28 @@ def test_heterogeneous_prompts_span_their_range_with_little_reuse() -> None:
         r.prompt
         for r in wl.heterogeneous_requests(n=5, min_tokens=32, max_tokens=8000, output_tokens=16, rate=5.0, seed=2)
     ]
+
+
+def test_gamma_arrivals_keep_the_mean_rate_and_cluster_as_asked() -> None:
+    t = wl.gamma_arrivals(20_000, 5.0, cv=3.0, seed=2)
+    gaps = [b - a for a, b in itertools.pairwise(t)]
+    mean = sum(gaps) / len(gaps)
+    sd = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert abs(mean - 0.2) < 0.02
+    assert 2.5 < sd / mean < 3.5
+    assert t == wl.gamma_arrivals(20_000, 5.0, 3.0, seed=2)
+
+
+def test_compare_rows_judge_each_run_against_the_best_other_of_its_load(tmp_path: Path) -> None:
+    from bench.reports.render import compare_rows
+
+    runs = {"a": (100.0, 0.5, 2.0), "b": (200.0, 0.7, 2.0), "c": (50.0, 0.1, 4.0)}
+    for name, (ttft, good, rate) in runs.items():
+        (tmp_path / name).mkdir()
+        summary = {"mode": name, "ttft_p50_ms": ttft, "goodput_fraction": good, "offered_rps": rate}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    rows = {r["label"]: r for r in compare_rows([tmp_path / n for n in runs])}
+    assert rows["a"]["regret_p50"] == 0.5
+    assert rows["b"]["regret_p50"] == 2.0
+    assert rows["a"]["goodput_gap"] == pytest.approx(-0.2)
+    assert rows["c"]["regret_p50"] is None  # alone at its load

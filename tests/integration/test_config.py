@@ -11,7 +11,7 @@ import pytest
 
 from router.config.parse import load_config, parse_config
 from router.config.schema import BackendConfig, ConfigError, RoutingConfig
-from router.names import EngineRole, Mode, Role
+from router.names import EngineRole, Role, SplitMode
 from router.routing import policies
 from router.server.settings import parse_checked
 
@@ -214,7 +214,7 @@ def test_parsed_names_are_enum_members_that_read_as_their_strings() -> None:
         }
     )
     assert cfg.routing.strategy == "prefix_tree"
-    assert cfg.routing.split is Mode.ALWAYS
+    assert cfg.routing.split is SplitMode.ALWAYS
     assert cfg.backends[0].role is Role.DECODE
     assert cfg.engines[0].role is EngineRole.PRODUCER
     assert cfg.engines[0].backend_role == "prefill"

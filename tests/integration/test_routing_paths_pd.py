@@ -6,6 +6,8 @@ what the engines did from their own state and vLLM-named metrics, never from the
 word alone.
 """
 
+import logging
+
 import pytest
 
 from support.cluster import MODEL, PD_PREFERRED, MakeCluster, long_prompt
@@ -38,7 +40,10 @@ async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
 
 
-async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(make_cluster: MakeCluster) -> None:
+async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(
+    make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="cachehit_router.requests")
     c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
     # Verdicts measured as slower than any hit could save: no race, and the prompt goes where
     # the fallback's cost model puts it (a split, under these priors), not just to a decoder.
@@ -49,6 +54,12 @@ async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(ma
     assert c.routes() == {"probe_hit": 0, "pd": 1, "direct": 0}
     for d in ("d0", "d1"):
         assert c.router_metric_or_zero("cachehit_router_probe_rejections_total", backend=d) == 0
+    # The log line says why: goodput's split, with the figures that decided it.
+    (rec,) = [r.__dict__["request"] for r in caplog.records if r.name == "cachehit_router.requests"]
+    assert rec["route_reason"] == "goodput_split", rec
+    assert rec["predicted_lost"] == 0, rec
+    assert rec["predicted_itl_ms"] > 0, rec
+    assert rec["route_alternative"].startswith("direct "), rec
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
 
 

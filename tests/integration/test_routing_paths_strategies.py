@@ -3,6 +3,7 @@ robin, least loaded, prefix tree, direct, kv_events), against simulated engines.
 read from the router's own metrics and logs, what the engines did from their own state.
 """
 
+import asyncio
 import logging
 
 import pytest
@@ -95,3 +96,15 @@ async def test_kv_events_routes_by_the_index_whether_the_client_streams_or_not(
             assert rec["winner"] == "d1", rec
     finally:
         pub.close()
+
+
+async def test_least_loaded_spreads_requests_that_arrive_together(make_cluster: MakeCluster) -> None:
+    # Sent at once, they may be planned in one loop iteration: each leg's place in its
+    # engine's load is taken before the request yields, so the next plan sees it.
+    c = await make_cluster(decoders=2, prefillers=0, routing={"strategy": "least_loaded"})
+    bodies = [{"model": MODEL, "prompt": long_prompt(f"together{i}", 400), "max_tokens": 2} for i in range(4)]
+    results = await asyncio.gather(*(c.stream(b) for b in bodies))
+    assert [status for status, _ in results] == [200] * 4
+    served = await c.engine_metrics("vllm:request_success_total")
+    assert served == {"d0": 2, "d1": 2}
+    assert await c.wait_idle() == {"d0": 0, "d1": 0}

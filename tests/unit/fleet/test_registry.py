@@ -234,3 +234,26 @@ def test_a_dp_ranks_requests_carry_its_rank_header() -> None:
     reg.set_draining("s-dp1", True)
     reg.remove("s-dp1")
     assert list(reg.backend_headers) == ["s-dp0"]
+
+
+def test_an_ended_legs_gaps_teach_the_decode_step_less_the_prefills_computed_meanwhile() -> None:
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    other = r.open_leg("d0", 0)
+    r.first_token(other)
+    leg = r.open_leg("d0", 100)
+    now[0] = 0.1
+    r.first_token(leg)
+    # While it decodes, another leg's 1,000 prompt tokens are prefilled there.
+    late = r.open_leg("d0", 1000)
+    r.first_token(late)
+    now[0] = 1.1
+    r.learn_decode(leg, 51)  # 50 gaps in 1.0 s
+    b = r.learner.speed("d0").per_token_s
+    fit = r.learner._steps["d0"]
+    assert fit.samples == 1
+    # One sample moves the fit towards (1.0 - b * 1000) / 50 at about (2 + 3 + 1) / 2 sequences.
+    assert fit.predict((1.0, 3.0)) > r.learner.prior.step_s
+    assert (1.0 - b * 1000) / 50 > r.learner.prior.step_s
+    r.learn_decode(r.open_leg("d0", 10), 5)  # no first token: nothing learned
+    assert fit.samples == 1

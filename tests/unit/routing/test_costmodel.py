@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from router.routing.costmodel import EngineSpeed, TransferSpeed, pd_ttft, ttft
+from router.routing.costmodel import EngineSpeed, ItlSpeed, TransferSpeed, itl, pd_ttft, prefill_stall_s, ttft
 from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import RouteQuery, predicted_ttft
 from support.snapshots import SPEED, Q, R, snap, view
@@ -52,3 +52,11 @@ def test_prefill_decode_overlaps_the_producer_with_the_consumer_queue() -> None:
     assert pd_ttft(fast, 0, 0, 1000, fast, 0, 0, transfer, 1000) == 0.01 + 0.1 + 0.005 + 0.01
     # A consumer busy for longer than the prefill: its queue decides.
     assert pd_ttft(fast, 0, 0, 1000, fast, 5000, 0, transfer, 1000) == ttft(fast, 5000, 0, 0)
+
+
+def test_itl_is_one_step_with_the_request_among_the_decoding_sequences() -> None:
+    step = ItlSpeed(step_s=0.01, per_seq_s=1e-3)
+    assert itl(step, 9) == 0.01 + 1e-3 * 10
+    # A prefill on the engine lengthens each step by its chunk's tokens, at b per token.
+    assert prefill_stall_s(SPEED, 300, 8192) == 300 * SPEED.per_token_s
+    assert prefill_stall_s(SPEED, 30_000, 8192) == 8192 * SPEED.per_token_s

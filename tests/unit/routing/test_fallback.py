@@ -8,7 +8,7 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.names import Mode
+from router.names import SplitMode
 from router.routing.costmodel import pd_ttft, ttft
 from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import RouteQuery
@@ -50,7 +50,7 @@ def test_fallback_computes_on_an_idle_decoder_rather_than_split() -> None:
 
 
 def test_split_always_takes_the_fastest_pair_over_an_idle_decoder() -> None:
-    always = replace(R, split=Mode.ALWAYS)
+    always = replace(R, split=SplitMode.ALWAYS)
     s = snap(
         view("d0"),
         view("d1", queued=5000),
@@ -103,7 +103,7 @@ def test_fallback_decoder_weighs_the_partial_hit_against_the_queue() -> None:
     st.lists(st.integers(0, 20_000), max_size=2),
     st.integers(1, 8000),
 )
-def test_fallback_is_the_least_predicted_time_of_every_option(
+def test_with_nobody_decoding_the_fallback_is_the_least_predicted_time_of_every_option(
     decoders: list[tuple[int, int]], producers: list[int], prompt: int
 ) -> None:
     d = [view(f"d{i}", queued=q) for i, (q, _) in enumerate(decoders)]
@@ -114,11 +114,52 @@ def test_fallback_is_the_least_predicted_time_of_every_option(
     assert fb is not None
     assert fb.predicted_ttft_s is not None
     options = [ttft(b.speed, b.queued_tokens, 0, prompt - hits.get(b.name, 0)) for b in d]
-    options += [
+    # Nobody decodes, so nobody is stalled: goodput's choice is the least predicted time,
+    # among the splits only those within the TTFT SLO (a later one only lengthens the
+    # producer's queue).
+    splits = [
         pd_ttft(x.speed, x.queued_tokens, 0, prompt, b.speed, b.queued_tokens, 0, s.transfer, prompt)
         for x in p
         for b in d
         if prompt >= R.min_pd_prompt_tokens and prompt - hits.get(b.name, 0) >= R.min_pd_prompt_tokens
     ]
+    options += [t for t in splits if t <= R.slo_ttft_ms / 1000.0]
     assert abs(fb.predicted_ttft_s - min(options)) < 1e-12
     assert (fb.prefill is not None) == (fb.predicted_ttft_s < min(options[: len(d)]))
+
+
+def test_split_auto_keeps_prefills_off_a_decoder_whose_sequences_it_would_stall() -> None:
+    # d0 decodes 10 sequences at 11 ms a step: a 1,000-token prefill (100 ms) there pushes
+    # each past the 100 ms ITL SLO; the split is a little later but stalls nobody.
+    s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True))
+    fb = _planned(plan_fallback(Q, s, R, 1000))
+    assert (fb.prefill, fb.decode, fb.reason, fb.lost) == ("p0", "d0", "goodput_split", 0)
+    assert fb.alternative.startswith("direct d0 ")
+    assert fb.predicted_itl_s is not None
+    # Idle decoders: nothing to stall, so the sooner first token decides (direct).
+    idle = _planned(plan_fallback(Q, snap(view("d0"), view("p0", decodes=False, prefills=True)), R, 1000))
+    assert (idle.prefill, idle.reason) == (None, "goodput_direct")
+
+
+def test_split_never_computes_on_a_decoder() -> None:
+    s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True))
+    fb = _planned(plan_fallback(Q, s, replace(R, split=SplitMode.NEVER), 1000))
+    assert (fb.prefill, fb.reason, fb.lost) == (None, "split_never", 10)
+
+
+def test_each_direct_placement_says_why_no_split_was_weighed() -> None:
+    prod = view("p0", decodes=False, prefills=True)
+    assert _planned(plan_fallback(Q, snap(view("d0")), R, 1000)).reason == "no_producer"
+    short = _planned(plan_fallback(Q, snap(view("d0"), prod), R, R.min_pd_prompt_tokens - 1))
+    assert short.reason == "below_split_floor"
+    always = _planned(plan_fallback(Q, snap(view("d0"), prod), replace(R, split=SplitMode.ALWAYS), 1000))
+    assert (always.reason, always.prefill) == ("split_always", "p0")
+
+
+def test_split_auto_never_queues_a_split_past_the_ttft_slo() -> None:
+    # The producer's queue (30,000 tokens: 3 s) puts the split past the 2 s SLO: the prompt
+    # is computed on the decoder even though its sequences are stalled.
+    s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True, queued=30_000))
+    fb = _planned(plan_fallback(Q, s, R, 1000))
+    assert (fb.prefill, fb.reason, fb.lost) == (None, "goodput_direct", 10)
+    assert "split p0>d0" in fb.alternative

@@ -115,3 +115,25 @@ def test_races_are_judged_apart_for_prompts_the_memory_places_and_prompts_it_doe
         learner.observe_race(0.6, None, placed=False)
     assert learner.race_saving_share < 0.05
     assert learner.race_saving_share_unplaced > 0.5
+
+
+def test_decode_step_is_learned_with_the_prefills_stall_taken_out() -> None:
+    learner = SpeedLearner()
+    e, c = 0.008, 2e-4
+    b = learner.speed("d0").per_token_s
+    rng = random.Random(3)
+    for _ in range(300):
+        decoding = rng.uniform(1, 60)
+        gaps = rng.randint(20, 200)
+        prefilled = rng.uniform(0, 20_000)
+        seconds = gaps * (e + c * decoding) + b * prefilled
+        learner.observe_decode("d0", decoding, gaps, seconds, prefilled)
+    step = learner.itl("d0")
+    assert step.samples == 300
+    assert step.step_s == pytest.approx(e, rel=0.05)
+    assert step.per_seq_s == pytest.approx(c, rel=0.05)
+    # An engine with no samples of its own is predicted by the fleet's fit.
+    assert learner.itl("d1").step_s == pytest.approx(e, rel=0.05)
+    # A leg of one token has no gap to learn from.
+    learner.observe_decode("d2", 5, 0, 1.0, 0)
+    assert learner.itl("d2").samples == 0

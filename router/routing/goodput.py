@@ -1,0 +1,120 @@
+"""Where a prompt is computed, judged by goodput: requests within both SLOs, new and running.
+
+DistServe's goodput counts the requests that meet both a time-to-first-token SLO and an
+inter-token-latency SLO. A placement of a prompt nobody holds (router/routing/fallback.py)
+affects more than its own request: computed on a decoder, its prefill makes the next
+steps there longer for every sequence decoding on it (`costmodel.prefill_stall_s`); split
+over a producer and a consumer, the consumer's sequences only see one more sequence
+joining, but the request waits for the producer's queue and the KV transfer.
+
+Each candidate placement is predicted with the one cost model (router/routing/costmodel.py):
+
+- the request's own TTFT (`ttft` or `pd_ttft`) and ITL (`itl` on its decoder);
+- per engine it touches, the running sequences it pushes past the ITL SLO: those whose
+  next steps were within it and with this prompt's prefill chunk (on a decoder computing
+  it) or one more sequence (on the consumer) no longer are.
+
+The candidate that loses the fewest requests (the new one counts one if it misses either
+SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. The
+count is of this moment only, so a split predicted past the request's own SLO is no
+candidate (`worth_splitting`): its loss is certain and its prefill lengthens the
+producer's queue that every later split waits in. Traded for running sequences, each
+split makes the next request face the same trade on a longer queue until every split
+misses (measured: a producer's queue grew to 35 s); kept within the SLO, the producer
+takes what it can serve in time, and the decoders the rest. (Placing a request that
+misses wherever it goes where it is least late, instead, gave up the splits that kept
+the decoders' sequences within the ITL SLO: goodput fell from 0.125 to 0.025 on the
+real-arrivals workload.) The running sequences a stall would push are the uncertain
+part: one that already saw a stall is past the SLO anyway.
+Nothing here does I/O:
+plain views in, a choice out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.routing import costmodel
+from router.routing.snapshot import BackendView
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """The two SLOs of goodput, in seconds, and vLLM's prefill chunk (max_num_batched_tokens)."""
+
+    ttft_s: float = 2.0
+    itl_s: float = 0.1
+    chunk_tokens: float = 8192.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One way to compute a prompt and what the cost model predicts of it."""
+
+    decode: str
+    prefill: str | None  # the producer of a split; None: computed on the decoder
+    ttft_s: float  # the request's predicted time to first token
+    itl_s: float  # the request's predicted gap between tokens
+    stalled: float  # running sequences it pushes past the ITL SLO
+    lacking: float = 0.0  # what the computing engine prefills
+
+    def misses(self, slo: Slo) -> bool:
+        """The request itself is predicted past its TTFT or ITL SLO."""
+        return self.ttft_s > slo.ttft_s or self.itl_s > slo.itl_s
+
+    def lost(self, slo: Slo) -> float:
+        """Requests this placement is predicted to lose: itself if it misses either SLO,
+        plus the running sequences it pushes past the ITL SLO."""
+        return float(self.misses(slo)) + self.stalled
+
+    @property
+    def reason(self) -> str:
+        return "split" if self.prefill else "direct"
+
+
+def pushed_past_itl(view: BackendView, extra_step_s: float, joining: float, slo: Slo) -> float:
+    """Sequences decoding on `view` whose steps are within the ITL SLO now and would not be
+    with `extra_step_s` more per step and `joining` more sequences."""
+    now = view.itl.seconds(view.decoding)
+    after = view.itl.seconds(view.decoding + joining) + extra_step_s
+    if view.decoding <= 0 or now > slo.itl_s or after <= slo.itl_s:
+        return 0.0
+    return view.decoding
+
+
+def direct(view: BackendView, lacking: float, ttft_s: float, slo: Slo) -> Placement:
+    """Computed and decoded on `view`, which lacks `lacking` of the prompt."""
+    stall = costmodel.prefill_stall_s(view.speed, lacking, slo.chunk_tokens)
+    return Placement(
+        decode=view.name,
+        prefill=None,
+        ttft_s=ttft_s,
+        itl_s=costmodel.itl(view.itl, view.decoding),
+        stalled=pushed_past_itl(view, stall, 1.0, slo),
+        lacking=lacking,
+    )
+
+
+def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: float, slo: Slo) -> Placement:
+    """Prefilled on `producer`, KV over NIXL, decoded on `consumer`."""
+    stall = costmodel.prefill_stall_s(producer.speed, prompt, slo.chunk_tokens)
+    return Placement(
+        decode=consumer.name,
+        prefill=producer.name,
+        ttft_s=ttft_s,
+        itl_s=costmodel.itl(consumer.itl, consumer.decoding),
+        stalled=pushed_past_itl(producer, stall, 0.0, slo) + pushed_past_itl(consumer, 0.0, 1.0, slo),
+        lacking=prompt,
+    )
+
+
+def worth_splitting(split: Placement, slo: Slo) -> bool:
+    """A split is a candidate only while it meets the request's own SLOs (module docstring)."""
+    return not split.misses(slo)
+
+
+def best(candidates: Sequence[Placement], slo: Slo) -> Placement:
+    """The placement that loses the fewest requests; ties: the least predicted TTFT (then
+    the first, so callers order candidates by preference)."""
+    return min(candidates, key=lambda p: (p.lost(slo), p.ttft_s))

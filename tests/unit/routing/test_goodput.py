@@ -1,0 +1,66 @@
+"""Goodput's choice (router/routing/goodput.py): the placement that keeps the most requests,
+new and running, within both SLOs, worked out by hand from the cost model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from router.routing import costmodel, goodput
+from router.routing.costmodel import ItlSpeed
+from support.snapshots import SPEED, view
+
+SLO = goodput.Slo(ttft_s=2.0, itl_s=0.1, chunk_tokens=8192)
+STEP = ItlSpeed(step_s=0.01, per_seq_s=1e-4)
+
+
+def test_a_prefill_on_a_busy_decoder_pushes_its_running_sequences_past_the_itl_slo() -> None:
+    d = replace(view("d", decoding=10), itl=STEP)
+    # 1,000 tokens at 100 us each: 100 ms more on each of d's next steps.
+    p = goodput.direct(d, 1000, 0.2, SLO)
+    assert costmodel.prefill_stall_s(SPEED, 1000, 8192) == 1000 * SPEED.per_token_s
+    assert STEP.seconds(10) <= SLO.itl_s < STEP.seconds(11) + 0.1
+    assert (p.stalled, p.itl_s, p.lost(SLO)) == (10, STEP.seconds(11), 10)
+    # A short prompt's stall keeps every step within the SLO: nobody is pushed.
+    assert goodput.direct(d, 100, 0.02, SLO).lost(SLO) == 0
+
+
+def test_chunked_prefill_bounds_the_stall_of_each_step() -> None:
+    d = replace(view("d", decoding=10), itl=STEP)
+    assert costmodel.prefill_stall_s(SPEED, 5000, 512) == 512 * SPEED.per_token_s
+    assert goodput.direct(d, 5000, 0.6, goodput.Slo(2.0, 0.1, 512)).stalled == 0
+
+
+def test_sequences_already_past_the_slo_are_not_counted_again() -> None:
+    slow = replace(view("d", decoding=10), itl=ItlSpeed(step_s=0.2, per_seq_s=0.0))
+    assert goodput.direct(slow, 1000, 0.2, SLO).stalled == 0
+
+
+def test_the_split_stalls_nobody_and_wins_while_its_ttft_meets_the_slo() -> None:
+    d = replace(view("d", decoding=10), itl=STEP)
+    prod = replace(view("p", decodes=False, prefills=True), itl=STEP)
+    on_d = goodput.direct(d, 1000, 0.2, SLO)
+    split = goodput.split(prod, d, 1000, 0.3, SLO)
+    assert split.lost(SLO) == 0
+    assert goodput.best([on_d, split], SLO) is split
+    # A split past the TTFT SLO loses its own request for certain and lengthens the
+    # producer's queue for every later one: it is no candidate.
+    late = replace(split, ttft_s=3.0)
+    assert late.lost(SLO) == 1 < on_d.lost(SLO)
+    assert goodput.worth_splitting(split, SLO)
+    assert not goodput.worth_splitting(late, SLO)
+
+
+def test_ties_go_to_the_least_predicted_ttft() -> None:
+    idle = replace(view("d"), itl=STEP)
+    prod = view("p", decodes=False, prefills=True)
+    on_d = goodput.direct(idle, 1000, 0.11, SLO)
+    split = goodput.split(prod, idle, 1000, 0.13, SLO)
+    assert on_d.lost(SLO) == split.lost(SLO) == 0
+    assert goodput.best([split, on_d], SLO) is on_d
+
+
+def test_a_request_whose_own_itl_misses_the_slo_counts_as_lost() -> None:
+    crowded = replace(view("d", decoding=100), itl=ItlSpeed(step_s=0.05, per_seq_s=1e-3))
+    p = goodput.direct(crowded, 10, 0.05, SLO)
+    assert p.itl_s > SLO.itl_s
+    assert p.lost(SLO) == 1
