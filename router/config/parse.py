@@ -122,6 +122,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
     p.check(check_positive, "routing.prior_kv_transfer_tokens_per_s", routing.prior_kv_transfer_tokens_per_s)
     p.check(check_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
     p.check(check_positive, "routing.max_retries", routing.max_retries, allow_zero=True)
+    p.check(check_positive, "routing.prefix_memory_bytes", routing.prefix_memory_bytes)
     return routing
 
 

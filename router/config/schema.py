@@ -89,6 +89,9 @@ class RoutingConfig:
     max_resumes: int = 3
     # Retries on another backend for failures before the first token.
     max_retries: int = 2
+    # The prefix memory's budget (router/routing/prefix_memory.py): where the router sent
+    # which prompt prefixes, shared fairly between tenants.
+    prefix_memory_bytes: int = 64 * 1024 * 1024
     # The other [routing] keys as (key, value) pairs, sorted: the policies' own.
     policy_keys: tuple[tuple[str, Any], ...] = ()
 

@@ -59,13 +59,14 @@ log = logging.getLogger("cachehit_router.dispatch")
 Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 
 
-def route_query(spec: RequestSpec) -> RouteQuery:
+def route_query(spec: RequestSpec, tenant: str = "") -> RouteQuery:
     return RouteQuery(
         spec.model,
         spec.routing_text,
         salt=hash(spec.request_id) & 0xFFFF,
         prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids),
         token_ids=spec.prompt_token_ids,
+        tenant=tenant,
     )
 
 
@@ -93,7 +94,7 @@ class Dispatcher:
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
         started = rec.dispatch_started = asyncio.get_running_loop().time()
         return RequestContext(
-            route_query(spec),
+            route_query(spec, rec.tenant),
             request_path(spec),
             body,
             started,
@@ -172,6 +173,7 @@ class Dispatcher:
                 first.query.salt,
                 len(prompt_ids) + answer_tokens,
                 token_ids=(*prompt_ids, *answer.generated_token_ids),
+                tenant=first.query.tenant,
             )
             # A resume starts a new leg: only the engine that just failed is kept out. One
             # that failed an earlier leg may be healthy again (the breaker and the health
@@ -319,7 +321,7 @@ class Dispatcher:
             rec.dispatch_started = loop.time()
         now = loop.time()
         ctx = RequestContext(
-            route_query(spec),
+            route_query(spec, rec.tenant),
             request_path(spec),
             one_token_probe(spec.body),
             rec.dispatch_started,

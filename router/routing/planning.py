@@ -40,6 +40,7 @@ class RouteQuery:
     # by router/dispatch/prompt_index.py). An engine absent is unknown, not empty; None: the
     # prompt was not matched against the index.
     indexed: Mapping[str, float] | None = None
+    tenant: str = ""  # whose request: the prefix memory shares its budget fairly between tenants
 
     def tokens(self, snap: ClusterSnapshot) -> float:
         """The prompt's length in tokens: exact, or from the learned characters per token."""
@@ -164,7 +165,7 @@ class RemembersPrefixes:
     memory: PrefixMemory
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
-        self.memory.insert(self.memory.chunk_hashes(query.text), backend)
+        self.memory.insert(self.memory.chunk_hashes(query.text), backend, tenant=query.tenant)
 
     def expected_hits(
         self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None

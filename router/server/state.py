@@ -234,6 +234,7 @@ class RouterState:
                 and isinstance(strategy, RemembersPrefixes)
             ):
                 strategy.memory = before.memory
+                strategy.memory.resize(cfg.routing.prefix_memory_bytes)
             assert self.client is not None
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.prompt_index)
 
