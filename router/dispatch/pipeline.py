@@ -268,8 +268,8 @@ class Dispatcher:
             if plan.direct is None:
                 break
             name = plan.direct
-            state = self.registry.states.get(name)
-            if state is None:  # removed from the fleet since the snapshot
+            state = self.registry.accepting(name)
+            if state is None:  # removed or drained since the snapshot (the plan may wait for tokens)
                 ctx.tried.add(name)
                 continue
             cfg = state.config

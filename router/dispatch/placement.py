@@ -352,11 +352,12 @@ class LegPlacer:
         return open_leg
 
     def _state(self, name: str) -> BackendState:
-        """A planned backend's state; one removed from the fleet since the plan was made
-        (its drain finished meanwhile) fails like an engine that is gone."""
-        state = self.registry.states.get(name)
+        """A planned backend's state; one removed from the fleet or drained (an operator's
+        drain, a removal that began) since the plan was made fails like an engine that is
+        gone: no new leg goes there."""
+        state = self.registry.accepting(name)
         if state is None:
-            raise UpstreamError(name, CONNECT, "removed from the fleet")
+            raise UpstreamError(name, CONNECT, "removed from the fleet or drained")
         return state
 
     def _record_race(self, ctx: RequestContext, result: RaceResult, probing: bool = True) -> None:

@@ -77,12 +77,18 @@ class HealthMonitor:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
             load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
         except (TimeoutError, Exception) as e:  # any failure means: not usable now
+            if self.registry.states.get(name) is not state:
+                return  # replaced meanwhile: this was the old address's answer
             self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive_failure(e))
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None
             return
+        if self.registry.states.get(name) is not state:
+            # Removed while it answered, or replaced (a reload moved the name to another
+            # address): this answer says nothing about the backend under the name now.
+            return
         models = None
-        if cards is not None and name in self.registry.states:  # not removed while it answered
+        if cards is not None:
             self.model_cards[name] = cards
             models = tuple(c["id"] for c in cards)
         self.registry.record_scrape(name, load, models)

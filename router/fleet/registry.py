@@ -221,6 +221,13 @@ class BackendRegistry:
         self.learner.forget_engine(name)
         self.learner.engine_per_token_s.pop(name, None)
 
+    def accepting(self, name: str) -> BackendState | None:
+        """`name`'s state if a new leg may go there now: not when it left the fleet, nor when
+        it is drained (an operator's drain, or a removal that began) since the plan chose it
+        (a plan may wait for a prompt's tokens, and the fleet changes meanwhile)."""
+        s = self.states.get(name)
+        return None if s is None or s.draining else s
+
     def set_draining(self, name: str, draining: bool) -> None:
         """Take `name` out of rotation (its in-flight requests finish) or put it back."""
         s = self.states[name]

@@ -260,3 +260,31 @@ async def test_a_broken_decode_resumes_elsewhere_and_the_client_sees_one_answer(
     assert h.metric("cachehit_router_resumes_total", reason="failure") == 1
     assert h.metric("cachehit_router_upstream_errors_total", backend="d0", kind="broken") == 1
     assert h.in_flight == {"d0": 0, "d1": 0}
+
+
+class DrainsWhilePlanning(FixedPlanner):
+    """d0 is taken out of rotation (an operator's drain, a removal beginning) between the
+    snapshot the plan is made on and the moment its legs are sent."""
+
+    def __init__(self, registry: BackendRegistry | None = None, direct: bool = False) -> None:
+        super().__init__(direct)
+        self.registry = registry
+
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        assert self.registry is not None
+        self.registry.set_draining("d0", True)
+        return super().plan(query, snap, exclude)
+
+
+async def test_no_leg_goes_to_a_backend_drained_after_its_plan_was_made() -> None:
+    """Regression: a leg planned on a snapshot taken just before a drain (or a removal)
+    began was still sent to that backend."""
+    for direct in (True, False):
+        planner = DrainsWhilePlanning(direct=direct)
+        h = harness({"d0": [answer(PROMPT_IDS, [("No", 1)])], "d1": [answer(PROMPT_IDS, [("Hi", 1)])]}, planner=planner)
+        planner.registry = h.registry
+        rec = await h.serve()
+        assert h.text == "Hi"
+        assert rec.winner == "d1"
+        assert h.up.legs_to("d0") == []
+        assert h.in_flight == {"d0": 0, "d1": 0}
