@@ -141,6 +141,7 @@ def parse_health(p: Problems, raw: Any) -> HealthConfig | None:
         p.check(check_positive, "health.check_interval_s", health.check_interval_s)
         p.check(check_positive, "health.failure_threshold", health.failure_threshold)
         p.check(check_positive, "health.cooldown_s", health.cooldown_s, allow_zero=True)
+        p.check(check_positive, "health.slow_engine_s", health.slow_engine_s, allow_zero=True)
     return health
 
 

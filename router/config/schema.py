@@ -112,6 +112,10 @@ class HealthConfig:
     # Circuit breaker: open after this many consecutive failures, half-open after cooldown.
     failure_threshold: int = 3
     cooldown_s: float = 5.0
+    # An engine whose answers stall (first tokens or health checks far later than
+    # predicted) is avoided this long, twice as long each time it stalls again (up to
+    # 60 s; router/fleet/stalls.py). 0: never.
+    slow_engine_s: float = 5.0
 
 
 @dataclass(frozen=True)

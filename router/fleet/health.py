@@ -73,6 +73,7 @@ class HealthMonitor:
         if state is None:  # removed from the fleet meanwhile
             return
         url, key = state.config.url, state.config.api_key
+        started = time.monotonic()
         try:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
             load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
@@ -83,6 +84,8 @@ class HealthMonitor:
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None
             return
+        # An engine that answers its checks far later than the others do stalls (router/fleet/stalls.py).
+        self.registry.stalls.check_took(name, time.monotonic() - started, self.registry.clock())
         if self.registry.states.get(name) is not state:
             # Removed while it answered, or replaced (a reload moved the name to another
             # address): this answer says nothing about the backend under the name now.

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
+from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
@@ -115,8 +116,10 @@ class BackendRegistry:
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
+    stalls: StallWatch = field(default_factory=StallWatch, init=False)  # engines whose answers stall
 
     def __post_init__(self) -> None:
+        self.stalls.slow_s = self.health.slow_engine_s
         for c in self.configs:
             self.states[c.name] = BackendState(config=c, models=c.models)
             if c.prefill_tokens_per_s > 0:
@@ -179,7 +182,7 @@ class BackendRegistry:
         return s.decoding + s.others_running
 
     def _available(self, s: BackendState, now: float) -> bool:
-        if s.draining:
+        if s.draining or self.stalls.slow(s.config.name, now):
             return False
         if s.breaker == BreakerState.OPEN:
             # After the cool-down the breaker lets one trial through.
@@ -217,6 +220,7 @@ class BackendRegistry:
         if not s.draining or s.inflight:
             raise ValueError(f"backend {name!r} must be drained and idle before removal")
         del self.states[name]
+        self.stalls.forget(name)
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
         self.learner.engine_per_token_s.pop(name, None)
@@ -256,6 +260,10 @@ class BackendRegistry:
         ticket.first_token_at = self.clock() if at is None else at
         s = self.states.get(ticket.backend)
         if s is not None:
+            expected = self.learner.speed(ticket.backend).ttft(ticket.queued_ahead + ticket.tokens, ticket.decoding)
+            self.stalls.first_token(
+                ticket.backend, ticket.first_token_at - ticket.sent_at, expected, ticket.first_token_at
+            )
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
             s.decoding += 1
