@@ -48,6 +48,7 @@ from router.engine.wire import (
     unary_leg_body,
 )
 from router.fleet.registry import BackendRegistry
+from router.fleet.stalls import STALL_LATE_S
 from router.names import Route
 from router.observability import tracing
 from router.observability.record import RequestRecord
@@ -217,7 +218,10 @@ class Dispatcher:
                     await emit(batch)
                 if bad is not None:
                     raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {bad}") from None
+                waiting_since = loop.time()
                 chunks = await stream.next_chunks()
+                if loop.time() - waiting_since > STALL_LATE_S:  # rare: only then is the engine's step asked for
+                    self._token_gap(leg.backend, loop.time() - waiting_since)
         except UpstreamError as e:
             stream.abort()
             return LegOutcome(e)
@@ -226,6 +230,15 @@ class Dispatcher:
             raise
         stream.finish()
         return LegOutcome(None, prompt_tokens, cached_tokens)
+
+    def _token_gap(self, backend: str, gap_s: float) -> None:
+        """A long wait for a streamed answer's next piece, judged against one engine step
+        (router/fleet/stalls.py)."""
+        state = self.registry.states.get(backend)
+        if state is not None:
+            speed = self.registry.learner.speed(backend)
+            step = speed.intercept_s + speed.per_decode_s * (state.decoding + state.others_running)
+            self.registry.stalls.token_gap(backend, gap_s, step, self.registry.clock())
 
     def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome) -> UpstreamError | None:
         """The engine's health and the cost model learn how the leg ended; its error, if any."""

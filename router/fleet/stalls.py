@@ -5,6 +5,8 @@ An engine can answer every request and every health check and still be no good: 
 failures nor the circuit breaker see that. Two signals do:
 - a leg's first token arrives far later than the cost model predicted for that engine
   and its queue (`first_token`);
+- a gap between two pieces of a streamed answer is far longer than one engine step
+  (`token_gap`; the time spent writing to the client is not counted);
 - a health check takes far longer than the fleet's checks usually take (`check_took`):
   the whole router being slow makes every engine's checks slow, not one engine's.
 
@@ -66,6 +68,11 @@ class StallWatch:
     def first_token(self, name: str, observed_s: float, expected_s: float, now: float) -> None:
         if is_stalled(observed_s, expected_s):
             self._stalled(name, now, f"first token after {observed_s:.2f} s, predicted {expected_s:.2f} s")
+
+    def token_gap(self, name: str, gap_s: float, step_s: float, now: float) -> None:
+        """A streamed answer waited `gap_s` for its next piece; `step_s`: one engine step."""
+        if is_stalled(gap_s, step_s):
+            self._stalled(name, now, f"{gap_s:.2f} s between two tokens, a step takes {step_s:.3f} s")
 
     def check_took(self, name: str, seconds: float, now: float) -> None:
         """One health check's duration, judged against the other engines' usual."""

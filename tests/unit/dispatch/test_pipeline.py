@@ -24,7 +24,7 @@ from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
 from router.routing.planning import Plan, RouteQuery
 from router.routing.snapshot import ClusterSnapshot
-from support.fake_upstream import FakeUpstream, answer, rejection, token
+from support.fake_upstream import FakeUpstream, Pause, answer, rejection, token
 from support.metrics import registry_metrics
 
 if TYPE_CHECKING:
@@ -288,3 +288,20 @@ async def test_no_leg_goes_to_a_backend_drained_after_its_plan_was_made() -> Non
         assert rec.winner == "d1"
         assert h.up.legs_to("d0") == []
         assert h.in_flight == {"d0": 0, "d1": 0}
+
+
+async def test_long_waits_between_tokens_mark_the_engine_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gaps in a streamed answer far longer than an engine step are stalls
+    (router/fleet/stalls.py); here "far" is scaled down so that the test waits little."""
+    from router.dispatch import pipeline
+    from router.fleet import stalls
+
+    monkeypatch.setattr(pipeline, "STALL_LATE_S", 0.05)
+    monkeypatch.setattr(stalls, "STALL_LATE_S", 0.05)
+    words = answer(PROMPT_IDS, [("a", 1), ("b", 2), ("c", 3)])
+    script = [words[0], Pause(0.2), words[1], Pause(0.2), *words[2:]]
+    h = harness({"d0": [script]}, planner=FixedPlanner(direct=True))
+    await h.serve()
+    assert h.text == "abc"
+    assert h.registry.stalls.slow("d0", h.registry.clock())
+    assert not h.registry.stalls.slow("d1", h.registry.clock())

@@ -88,3 +88,13 @@ def test_a_slow_engine_is_unavailable_and_forgotten_when_removed() -> None:
     registry.set_draining("d0", True)
     registry.remove("d0")
     assert not registry.stalls.slow("d0", clock[0])
+
+
+def test_long_gaps_between_tokens_are_stalls_a_slow_step_is_not() -> None:
+    w = StallWatch(slow_s=5.0)
+    w.token_gap("e", 0.9, 0.03, now=1.0)
+    w.token_gap("e", 2.5, 1.0, now=2.0)  # a heavy batch: steps of a second
+    assert not w.slow("e", 2.0)
+    w.token_gap("e", 1.5, 0.03, now=3.0)
+    w.token_gap("e", 1.4, 0.03, now=4.0)
+    assert w.slow("e", 4.0)
