@@ -238,7 +238,7 @@ class Dispatcher:
         if state is not None:
             speed = self.registry.learner.speed(backend)
             step = speed.intercept_s + speed.per_decode_s * (state.decoding + state.others_running)
-            self.registry.stalls.token_gap(backend, gap_s, step, self.registry.clock())
+            self.registry.stalls.token_gap(backend, gap_s, step, self.registry.clock(), speed.samples)
 
     def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome) -> UpstreamError | None:
         """The engine's health and the cost model learn how the leg ended; its error, if any."""

@@ -260,10 +260,10 @@ class BackendRegistry:
         ticket.first_token_at = self.clock() if at is None else at
         s = self.states.get(ticket.backend)
         if s is not None:
-            expected = self.learner.speed(ticket.backend).ttft(ticket.queued_ahead + ticket.tokens, ticket.decoding)
-            self.stalls.first_token(
-                ticket.backend, ticket.first_token_at - ticket.sent_at, expected, ticket.first_token_at
-            )
+            speed = self.learner.speed(ticket.backend)
+            expected = speed.ttft(ticket.queued_ahead + ticket.tokens, ticket.decoding)
+            observed = ticket.first_token_at - ticket.sent_at
+            self.stalls.first_token(ticket.backend, observed, expected, ticket.first_token_at, speed.samples)
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
             s.decoding += 1

@@ -32,6 +32,9 @@ STALL_LATE_S = 1.0
 STALL_FACTOR = 4.0
 # A health check is stalled past this (and past STALL_FACTOR times the fleet's usual).
 CHECK_STALL_S = 0.5
+# The cost model's predictions are judged only once it measured the engine this many
+# times (its priors can be far off: a first token "late" against a prior is no stall).
+MIN_SAMPLES = 20
 STALLS_TO_SLOW = 2
 WINDOW_S = 30.0
 MAX_SLOW_S = 60.0
@@ -65,13 +68,15 @@ class StallWatch:
         e = self._engines.get(name)
         return e is not None and now < e.slow_until
 
-    def first_token(self, name: str, observed_s: float, expected_s: float, now: float) -> None:
-        if is_stalled(observed_s, expected_s):
+    def first_token(self, name: str, observed_s: float, expected_s: float, now: float, samples: int) -> None:
+        """A leg's first token `observed_s` after it was sent; `samples`: the measurements
+        behind `expected_s`."""
+        if samples >= MIN_SAMPLES and is_stalled(observed_s, expected_s):
             self._stalled(name, now, f"first token after {observed_s:.2f} s, predicted {expected_s:.2f} s")
 
-    def token_gap(self, name: str, gap_s: float, step_s: float, now: float) -> None:
+    def token_gap(self, name: str, gap_s: float, step_s: float, now: float, samples: int) -> None:
         """A streamed answer waited `gap_s` for its next piece; `step_s`: one engine step."""
-        if is_stalled(gap_s, step_s):
+        if samples >= MIN_SAMPLES and is_stalled(gap_s, step_s):
             self._stalled(name, now, f"{gap_s:.2f} s between two tokens, a step takes {step_s:.3f} s")
 
     def check_took(self, name: str, seconds: float, now: float) -> None:

@@ -298,6 +298,7 @@ async def test_long_waits_between_tokens_mark_the_engine_slow(monkeypatch: pytes
 
     monkeypatch.setattr(pipeline, "STALL_LATE_S", 0.05)
     monkeypatch.setattr(stalls, "STALL_LATE_S", 0.05)
+    monkeypatch.setattr(stalls, "MIN_SAMPLES", 0)  # no speed measured yet in this harness
     words = answer(PROMPT_IDS, [("a", 1), ("b", 2), ("c", 3)])
     script = [words[0], Pause(0.2), words[1], Pause(0.2), *words[2:]]
     h = harness({"d0": [script]}, planner=FixedPlanner(direct=True))
