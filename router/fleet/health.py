@@ -37,6 +37,7 @@ class HealthMonitor:
         self._rounds = 0
         # Backend -> its /v1/models entries as last read (GET /v1/models merges them).
         self.model_cards: dict[str, list[dict[str, Any]]] = {}
+        self._took: dict[str, float] = {}  # backend -> how long its check took, this round
 
     @property
     def _timeout_s(self) -> float:
@@ -84,8 +85,7 @@ class HealthMonitor:
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None
             return
-        # An engine that answers its checks far later than the others do stalls (router/fleet/stalls.py).
-        self.registry.stalls.check_took(name, time.monotonic() - started, self.registry.clock())
+        self._took[name] = time.monotonic() - started  # judged against the round's others (check_all)
         if self.registry.states.get(name) is not state:
             # Removed while it answered, or replaced (a reload moved the name to another
             # address): this answer says nothing about the backend under the name now.
@@ -121,7 +121,11 @@ class HealthMonitor:
         return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
     async def check_all(self, with_health: bool = True) -> None:
+        self._took.clear()
         await asyncio.gather(*(self.check_one(n, with_health) for n in list(self.registry.states)))
+        # An engine that answers far later than the others did in the same round stalls
+        # (router/fleet/stalls.py); a busy router delays the whole round alike.
+        self.registry.stalls.check_round(self._took, self.registry.clock())
 
     async def _run(self) -> None:
         every = max(1, round(self.health.check_interval_s / self.health.scrape_interval_s))

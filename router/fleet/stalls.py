@@ -7,8 +7,8 @@ failures nor the circuit breaker see that. Two signals do:
   and its queue (`first_token`);
 - a gap between two pieces of a streamed answer is far longer than one engine step
   (`token_gap`; the time spent writing to the client is not counted);
-- a health check takes far longer than the fleet's checks usually take (`check_took`):
-  the whole router being slow makes every engine's checks slow, not one engine's.
+- a health check takes far longer than the other engines' checks of the same round
+  (`check_round`): the whole router being slow makes every check of a round slow alike.
 
 `STALLS_TO_SLOW` stalls within `WINDOW_S` mark the engine slow: it is not available for
 `slow_s` (requests it is serving finish; when every engine is slow, panic routing still
@@ -39,8 +39,6 @@ STALLS_TO_SLOW = 2
 WINDOW_S = 30.0
 MAX_SLOW_S = 60.0
 RESET_S = 120.0
-# Weight of a new check duration in an engine's usual check time.
-_CHECK_ALPHA = 0.2
 
 
 def is_stalled(observed_s: float, expected_s: float) -> bool:
@@ -54,7 +52,6 @@ class _Engine:
     slow_until: float = 0.0
     slow_for_s: float = 0.0  # how long it was marked slow last time
     marked_at: float = -1e9
-    check_s: float | None = None  # its usual health check time
 
 
 @dataclass
@@ -79,15 +76,15 @@ class StallWatch:
         if samples >= MIN_SAMPLES and is_stalled(gap_s, step_s):
             self._stalled(name, now, f"{gap_s:.2f} s between two tokens, a step takes {step_s:.3f} s")
 
-    def check_took(self, name: str, seconds: float, now: float) -> None:
-        """One health check's duration, judged against the other engines' usual."""
-        e = self._engines.setdefault(name, _Engine())
-        others = [o.check_s for n, o in self._engines.items() if n != name and o.check_s is not None]
-        usual = statistics.median(others) if others else None
-        if usual is not None and seconds > CHECK_STALL_S + usual and seconds > STALL_FACTOR * usual:
-            self._stalled(name, now, f"health check took {seconds:.2f} s, the fleet's {usual:.3f} s")
-            return  # a stalled check does not become its usual
-        e.check_s = seconds if e.check_s is None else e.check_s + _CHECK_ALPHA * (seconds - e.check_s)
+    def check_round(self, took: dict[str, float], now: float) -> None:
+        """One round of health checks, run together: name -> seconds each took. One far
+        slower than the round's others stalls."""
+        if len(took) < 2:
+            return
+        for name, seconds in took.items():
+            usual = statistics.median(s for n, s in took.items() if n != name)
+            if seconds > CHECK_STALL_S + usual and seconds > STALL_FACTOR * usual:
+                self._stalled(name, now, f"health check took {seconds:.2f} s, the others' {usual:.3f} s")
 
     def forget(self, name: str) -> None:
         self._engines.pop(name, None)

@@ -43,23 +43,20 @@ def test_stalling_again_soon_doubles_the_time_up_to_the_cap_then_resets() -> Non
     assert not w.slow("e", now + 5.1)
 
 
-def test_a_health_check_far_slower_than_the_fleets_is_a_stall() -> None:
+def test_a_health_check_far_slower_than_the_rounds_others_is_a_stall() -> None:
     w = StallWatch(slow_s=5.0)
-    for t in range(5):
-        for name in ("a", "b", "c"):
-            w.check_took(name, 0.004, now=float(t))
-    w.check_took("c", 1.2, now=10.0)
-    w.check_took("c", 0.9, now=11.0)
+    w.check_round({"a": 0.004, "b": 0.005, "c": 1.2}, now=10.0)
+    w.check_round({"a": 0.004, "b": 0.005, "c": 0.9}, now=11.0)
     assert w.slow("c", 11.0)
     assert not w.slow("a", 11.0)
 
 
-def test_a_slow_router_slows_every_check_and_marks_nobody() -> None:
+def test_a_slow_router_slows_the_whole_round_and_marks_nobody() -> None:
     w = StallWatch(slow_s=5.0)
     for t in range(5):
-        for name in ("a", "b", "c"):
-            w.check_took(name, 0.8 + 0.1 * t, now=float(t))
-    assert not any(w.slow(n, 5.0) for n in ("a", "b", "c"))
+        w.check_round({"a": 0.8 + 0.1 * t, "b": 0.9, "c": 1.1}, now=float(t))
+    w.check_round({"c": 3.0}, now=6.0)  # alone: nothing to compare with
+    assert not any(w.slow(n, 6.0) for n in ("a", "b", "c"))
 
 
 def test_an_engine_not_measured_yet_is_not_judged() -> None:
