@@ -16,6 +16,7 @@ fairness         one tenant's TTFT while another floods the router past its limi
 engine-idle      idle CPU and NIXL transfer time of real vLLM engines (bench/experiments/engine_idle.py)
 fleet            router replicas N = 1, 2, 4 on several workloads, one table (bench/experiments/fleet.py)
 prefix-memory    the prefix memory's bytes at its cap; a tenant's flood (bench/experiments/prefix_memory.py)
+limits           router memory with every slot holding a maximal body; unfinished request heads (bench/experiments/limits.py)
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ FORWARDED = {
     "fairness": "bench.experiments.fairness",
     "engine-idle": "bench.experiments.engine_idle",
     "prefix-memory": "bench.experiments.prefix_memory",
+    "limits": "bench.experiments.limits",
 }
 
 
@@ -204,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--probe-k", default="2,4,8", help="engine counts for the probe-race cost")
     o.add_argument("--quick", action="store_true")
     o.add_argument("--no-pin", action="store_true")
+    o.add_argument("--streams", default="", help="e.g. 16,256,1024: CPU per streamed request and chunk instead")
+    o.add_argument("--stream-shapes", default="instant,paced,burst", help="with --streams: how the chunks arrive")
+    o.add_argument("--stream-chunks", type=int, default=65536, help="with --streams: chunks per measurement")
+    o.add_argument("--stream-concurrency", type=int, default=16, help="with --streams: paced streams at once")
+    o.add_argument(
+        "--profile", action="store_true", help="with --streams: py-spy (else cProfile) of the router per chunk"
+    )
     o.set_defaults(fn=cmd_overhead)
 
     of = sub.add_parser("offload-sweep", help="hit ratio and TTFT against each engine's CPU KV tier")
@@ -267,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "engine-idle",
         help="idle CPU and NIXL transfer time of real vLLM engines (bench/experiments/engine_idle.py; its own flags)",
+    )
+    sub.add_parser(
+        "limits",
+        help="router memory with every slot holding a maximal body; unfinished heads (bench/experiments/limits.py; its own flags)",
     )
     return p
 

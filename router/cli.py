@@ -174,11 +174,10 @@ def serve(
     start_engines: bool = True,
     reload_config: Callable[[], Config] | None = None,
 ) -> int:
-    from aiohttp import web
-
     from router.observability import logs
     from router.observability.clientlog import ServerLogger
-    from router.server.app import build_app
+    from router.server.app import ROUTER_KEY, build_app
+    from router.server.connections import HeadLimits, LimitedAppRunner
 
     logs.configure(config.server.log_level, config.server.log_format)
     # The logging HOWTO's "Optimization": no caller frame, thread or process lookups for
@@ -215,8 +214,12 @@ def serve(
     reloads = None if reload_config is None else _Reloads(reload_config)
     if reloads is not None:
         app.on_startup.append(reloads.ready)
-    runner = web.AppRunner(
+    runner = LimitedAppRunner(
         app,
+        # Request heads held to server.header_timeout_s and max_header_bytes; idle
+        # keep-alive connections closed after server.keepalive_timeout_s.
+        limits=HeadLimits.of(config.server, on_dropped=app[ROUTER_KEY].connection_dropped),
+        keepalive_timeout=config.server.keepalive_timeout_s,
         handle_signals=False,
         access_log=None,
         handler_cancellation=True,
@@ -224,7 +227,8 @@ def serve(
         shutdown_timeout=config.server.drain_timeout_s,
     )
     try:
-        loop.run_until_complete(_serve_until_signalled(runner, host, port, ssl_ctx, reloads))
+        serving = _serve_until_signalled(runner, host, port, ssl_ctx, reloads, reuse_port=config.server.reuse_port)
+        loop.run_until_complete(serving)
     except Exception as e:  # startup failures (port taken, engines failed to start): say what
         print(f"router: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -241,7 +245,13 @@ DRAIN_QUIET_S = 0.5
 
 
 async def _serve_until_signalled(
-    runner: web.AppRunner, host: str, port: int, ssl_ctx: ssl.SSLContext | None, reloads: _Reloads | None = None
+    runner: web.AppRunner,
+    host: str,
+    port: int,
+    ssl_ctx: ssl.SSLContext | None,
+    reloads: _Reloads | None = None,
+    *,
+    reuse_port: bool = False,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain (SIGHUP: `_Reloads`, from before the
     engines start). Unlike web.run_app, which closes the
@@ -260,7 +270,9 @@ async def _serve_until_signalled(
         reloads.install(loop)
     await runner.setup()  # starts the engines and checks the backends (on_startup)
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx)
+        # reuse_port: several router processes bind the same port, and the kernel spreads
+        # new connections over them (docs/ARCHITECTURE.md, "Several router processes").
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_port=reuse_port or None)
         await site.start()
         await stop.wait()
         await site.stop()  # no new connections

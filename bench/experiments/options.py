@@ -91,6 +91,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "multiple of its GPU KV capacity (default 0: none)",
     )
     g.add_argument("--no-arrival-check", action="store_true", help="engines check the threshold only at admission")
+    g.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="DP ranks (KV caches) behind each decode engine's port, declared to the router "
+        "(backends[].data_parallel_size; default %(default)s)",
+    )
+    g.add_argument(
+        "--undeclared-data-parallel",
+        action="store_true",
+        help="with --data-parallel-size: do not declare the ranks (the router sees one engine per server)",
+    )
     g.add_argument("--threshold", type=float, default=0.5, help="routing.cache_hit_threshold")
     g.add_argument("--probe-deadline-ms", type=float, default=250.0, help="routing.probe_deadline_ms")
     g.add_argument("--max-probes", type=int, default=0, help="routing.max_probes (0: probe every engine)")
@@ -150,6 +162,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     if a.max_num_seqs:
         sim.max_num_seqs = a.max_num_seqs
     sim.cpu_offload_x = getattr(a, "cpu_offload_x", 0.0)
+    sim.data_parallel_size = getattr(a, "data_parallel_size", 1)
     min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))
     ropts = RouterOptions(
         strategy=mode if mode in ROUTER_MODES else PROBE,
@@ -157,6 +170,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         probe_deadline_ms=a.probe_deadline_ms,
         min_pd_prompt_tokens=min_pd,
         max_probes=a.max_probes,
+        declare_data_parallel=not getattr(a, "undeclared_data_parallel", False),
     )
     for k, v in router_over.items():
         setattr(ropts, k, v)

@@ -192,6 +192,10 @@ def summarize_target(t: Target, direct: dict[str, Any] | None) -> dict[str, Any]
 
 
 def main(a: argparse.Namespace) -> int:
+    if a.streams:  # CPU per streamed request and chunk: bench/experiments/stream_cpu.py
+        from bench.experiments.stream_cpu import main as streams_main
+
+        return streams_main(a)
     if a.quick:
         a.reps, a.duration, a.latency_requests = 1, 2.0, 200
     if not shutil.which("wrk"):

@@ -48,6 +48,8 @@ class SimOptions:
     cpu_load_token_s: float | None = None
     arrival_check: bool = True
     seed: int = 0
+    # Decode servers' DP ranks (vLLM --data-parallel-size): KV caches behind each decode port.
+    data_parallel_size: int = 1
     extra: tuple[str, ...] = ()
 
     def args(self) -> list[str]:
@@ -99,6 +101,9 @@ class RouterOptions:
     # Far above the router's defaults: a bench measures routing, not admission control.
     max_concurrent_requests: int = 4096
     max_queued_requests: int = 4096
+    # Declare the decode servers' DP ranks (backends[].data_parallel_size); False: the
+    # router sees one engine per server (the ranks' caches hidden behind vLLM's balancer).
+    declare_data_parallel: bool = True
     extra_routing: dict[str, Any] = field(default_factory=dict[str, Any])
 
 
@@ -114,6 +119,7 @@ def router_toml(
     prefillers: list[str],
     opts: RouterOptions,
     kv_events: dict[str, tuple[str, str]] | None = None,
+    data_parallel_size: int = 1,
 ) -> str:
     """`kv_events`: engine URL -> (event endpoint, replay endpoint), subscribed to when the
     strategy reads the index (only then: the others would pay for an index they ignore)."""
@@ -127,7 +133,10 @@ def router_toml(
         "max_probes": int(opts.max_probes),
         **opts.extra_routing,
     }
-    backends = [{"name": f"d{i}", "url": url, "role": "decode", "models": [MODEL]} for i, url in enumerate(decoders)]
+    dp = {"data_parallel_size": data_parallel_size} if data_parallel_size > 1 and opts.declare_data_parallel else {}
+    backends = [
+        {"name": f"d{i}", "url": url, "role": "decode", "models": [MODEL], **dp} for i, url in enumerate(decoders)
+    ]
     backends += [
         {"name": f"p{i}", "url": url, "role": "prefill", "models": [MODEL]} for i, url in enumerate(prefillers)
     ]
@@ -202,6 +211,7 @@ class Cluster:
     replicas: list[Proc] = field(default_factory=list)  # router replicas (harness/replicas.py), the first is `router`
     # Engine URL -> (KV-event endpoint, replay endpoint) of the engines started.
     kv_events: dict[str, tuple[str, str]] = field(default_factory=dict)
+    data_parallel_size: int = 1  # of the decode servers (SimOptions.data_parallel_size)
 
     @property
     def engines(self) -> list[str]:
@@ -216,16 +226,20 @@ class Cluster:
         engines_per_process: int = 0,
         extra_decoder: tuple[str, ...] = (),
     ) -> None:
+        self.data_parallel_size = sim.data_parallel_size
         for role, n, out in (("consumer", k, self.decoders), ("producer", p, self.prefillers)):
             if n <= 0:
                 continue
             ports = free_ports(n)
             step = engines_per_process or n
+            # A decode server's DP ranks publish on its ports plus their rank (vLLM's offsets).
+            dp = sim.data_parallel_size if role == "consumer" else 1
+            dp_args = ("--data-parallel-size", str(dp)) if dp > 1 else ()
             for j in range(0, n, step):
                 group = ports[j : j + step]
                 # Every engine publishes its KV events (vLLM's --kv-events-config), whatever
                 # the mode: the engines are the same for every mode of a run.
-                ev, rp = free_port_run(len(group)), free_port_run(len(group))
+                ev, rp = free_port_run(len(group) * dp), free_port_run(len(group) * dp)
                 events = {
                     "enable_kv_cache_events": True,
                     "publisher": "zmq",
@@ -234,8 +248,8 @@ class Cluster:
                 }
                 for i, pt in enumerate(group):
                     self.kv_events[f"http://127.0.0.1:{pt}"] = (
-                        f"tcp://127.0.0.1:{ev + i}",
-                        f"tcp://127.0.0.1:{rp + i}",
+                        f"tcp://127.0.0.1:{ev + i * dp}",
+                        f"tcp://127.0.0.1:{rp + i * dp}",
                     )
                 cmd = [
                     PY,
@@ -248,6 +262,7 @@ class Cluster:
                     json.dumps(events),
                     *sim.args(),
                     *(extra_decoder if role == "consumer" else ()),
+                    *dp_args,
                 ]
                 proc = self.procs.start(f"sim-{role}-{j}", pinned(cmd, cores))
                 for _ in group:
@@ -264,7 +279,8 @@ class Cluster:
         port = port or free_ports(1)[0]
         work_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
         cfg = work_dir / "router.toml"
-        cfg.write_text(router_toml(port, self.decoders, self.prefillers, opts, self.kv_events))
+        dp = self.data_parallel_size
+        cfg.write_text(router_toml(port, self.decoders, self.prefillers, opts, self.kv_events, dp))
         self.router = self.procs.start(
             "router", pinned([*router_command(), "--config", str(cfg), "--no-engines"], cores)
         )

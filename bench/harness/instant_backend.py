@@ -3,9 +3,12 @@
 `python -m bench.harness.instant_backend --port A [--port B ...] [--chunks 32]`
 
 POST /v1/completions (and /v1/chat/completions): non-streaming, one completion JSON with
-usage; streaming (`"stream": true` in the body), `--chunks` text chunks (the first with
-`prompt_token_ids`, each with `token_ids`, the last with `finish_reason: "length"`), then
-the usage chunk when `include_usage`, then `data: [DONE]`, as chunked transfer encoding.
+usage; streaming (`"stream": true` in the body), `--chunks` text chunks (or the body's
+`max_tokens`; the first with `prompt_token_ids`, each with `token_ids`, the last with
+`finish_reason: "length"`), then the usage chunk when `include_usage`, then `data: [DONE]`,
+as chunked transfer encoding. Written at once, unless the body's `user` field asks for
+pacing as an engine paces its steps: `"pace_ms=1;burst=4"` writes 4 chunks per write, a
+write every millisecond (`bench overhead --streams`).
 GET /health, /metrics (the vLLM gauges a router scrapes), /v1/models.
 
 It is a bare asyncio protocol on uvloop with pre-built answers, not an aiohttp app: the
@@ -184,8 +187,29 @@ def build_answers(chunks: int) -> dict[str, bytes]:
     return out
 
 
+def stream_parts(chunks: int, chat: bool, usage: bool) -> tuple[bytes, list[bytes], bytes]:
+    """(head, one framed event per chunk, the rest: usage chunk, [DONE], last frame)."""
+    key = "chat" if chat else "cmpl"
+    whole = build_answers(chunks)[f"{key}_stream_usage" if usage else f"{key}_stream"]
+    head_end = whole.index(b"\r\n\r\n") + 4
+    frames = [_frame(b"data: " + _chunk_json(i, chunks, chat) + b"\n\n") for i in range(chunks)]
+    body_end = head_end + sum(len(f) for f in frames)
+    return whole[:head_end], frames, whole[body_end:]
+
+
+def parse_pace(user: object) -> tuple[float, int] | None:
+    """`"pace_ms=1;burst=4"` -> (0.001 s between writes, 4 chunks a write); else None."""
+    if not isinstance(user, str) or "pace_ms=" not in user:
+        return None
+    fields = dict(kv.split("=", 1) for kv in user.split(";") if "=" in kv)
+    return float(fields["pace_ms"]) / 1000, max(1, int(fields.get("burst", "1")))
+
+
 class InstantProtocol(asyncio.Protocol):
     answers: ClassVar[dict[str, bytes]] = {}
+    default_chunks = 32
+    # (chunks, chat, usage) -> stream parts, for lengths other than --chunks
+    parts: ClassVar[dict[tuple[int, bool, bool], tuple[bytes, list[bytes], bytes]]] = {}
     connections = 0  # accepted so far (in /metrics as instant_backend_connections_total)
     requests = 0
 
@@ -231,7 +255,10 @@ class InstantProtocol(asyncio.Protocol):
             compact = body.replace(b" ", b"")
             if b'"stream":true' in compact:
                 usage = b'"include_usage":true' in compact
-                self.t.write(a[f"{key}_stream_usage" if usage else f"{key}_stream"])
+                if b'"max_tokens"' in compact or b'"user"' in compact:
+                    self.stream_sized(orjson.loads(body), key == "chat", usage)
+                else:
+                    self.t.write(a[f"{key}_stream_usage" if usage else f"{key}_stream"])
             else:
                 self.t.write(a[f"{key}_json"])
         elif path == b"/health":
@@ -252,9 +279,37 @@ class InstantProtocol(asyncio.Protocol):
         else:
             self.t.write(a["404"])
 
+    def stream_sized(self, req: dict[str, object], chat: bool, usage: bool) -> None:
+        """A stream of `max_tokens` chunks, paced when `user` asks for it."""
+        n = req.get("max_tokens")
+        n = n if isinstance(n, int) and n > 0 else self.default_chunks
+        parts = self.parts.get((n, chat, usage))
+        if parts is None:
+            parts = self.parts[(n, chat, usage)] = stream_parts(n, chat, usage)
+        head, frames, tail = parts
+        pace = parse_pace(req.get("user"))
+        if pace is None:
+            self.t.write(head + b"".join(frames) + tail)
+            return
+        gap, burst = pace
+        self.t.write(head)
+        loop = asyncio.get_running_loop()
+
+        def write_from(i: int) -> None:
+            if self.t.is_closing():
+                return
+            if i >= len(frames):
+                self.t.write(tail)
+                return
+            self.t.write(b"".join(frames[i : i + burst]))
+            loop.call_later(gap, write_from, i + burst)
+
+        write_from(0)
+
 
 async def serve(ports: list[int], chunks: int, host: str = "127.0.0.1") -> None:
     InstantProtocol.answers = build_answers(chunks)
+    InstantProtocol.default_chunks = chunks
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(InstantProtocol, host, p, backlog=4096) for p in ports]
     for s in servers:

@@ -46,7 +46,11 @@ async def start_replicas(
         if mode in ROUTER_MODES:
             port = free_ports(1)[0]
             cfg = work_dir / f"{name}.toml"
-            cfg.write_text(router_toml(port, cluster.decoders, cluster.prefillers, opts, cluster.kv_events))
+            cfg.write_text(
+                router_toml(
+                    port, cluster.decoders, cluster.prefillers, opts, cluster.kv_events, cluster.data_parallel_size
+                )
+            )
             cmd = [*router_command(), "--config", str(cfg), "--no-engines"]
             kind, ready = "ours", "/ready"
         elif mode in EXTERNAL_MODES or mode in SMG_MODES:

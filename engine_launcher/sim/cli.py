@@ -50,6 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", "--served-model-name", dest="model", default=d.model, help="served model name (default %(default)s)")
     a("--role", choices=ROLES, default=d.role, help="NIXL role (default %(default)s)")
     a("--max-model-len", type=int, default=d.max_model_len)
+    a(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start (vLLM's --lora-modules; names only here)",
+    )
+    a("--lora-load-s", type=float, default=d.lora_load_s, help="seconds a runtime adapter load takes (at speed 1)")
+    a(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=d.data_parallel_size,
+        help="engine cores (KV caches) behind each port, chosen by X-data-parallel-rank (vLLM's DP)",
+    )
     a("--block-size", type=int, default=d.block_size)
     a(
         "--num-gpu-blocks",
@@ -177,6 +192,9 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
         ),
         enable_admin=args.enable_admin,
         kv_events_config=parse_kv_events_config(args.kv_events_config[0]) if args.kv_events_config else None,
+        data_parallel_size=args.data_parallel_size,
+        lora_modules=dict(m.split("=", 1) if "=" in m else (m, m) for m in args.lora_modules),
+        lora_load_s=args.lora_load_s,
     )
     cfg.validate()
     return cfg
@@ -191,7 +209,8 @@ def kv_events_configs(args: argparse.Namespace) -> list[KVEventsConfig | None]:
         return [None] * count
     configs = [parse_kv_events_config(t) for t in texts]
     if len(configs) == 1:
-        return [configs[0].for_rank(i) for i in range(count)]
+        # Each port's ranks take the next data_parallel_size offsets.
+        return [configs[0].for_rank(i * args.data_parallel_size) for i in range(count)]
     if len(configs) != count:
         raise ValueError(
             f"--kv-events-config: given {len(configs)} times for {count} --port(s); "

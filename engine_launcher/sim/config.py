@@ -130,8 +130,14 @@ class SimEngineConfig:
     # loaded and unloaded at runtime with POST /v1/load_lora_adapter, /v1/unload_lora_adapter.
     # The simulator has no weights: an adapter answers as the base model does.
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # Seconds (at speed 1) a runtime load takes before it answers: reading the weights.
+    lora_load_s: float = 0.0
     # vLLM's --kv-events-config (kv_events.py): the KV cache event stream; None: off.
     kv_events_config: KVEventsConfig | None = None
+    # vLLM's --data-parallel-size: engine cores behind the one port (data_parallel.py), and
+    # the rank of one of them (set per rank by the server).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -139,6 +145,13 @@ class SimEngineConfig:
         for name in ("max_model_len", "block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size must be >= 1 and above the rank, got {self.data_parallel_size} "
+                f"(rank {self.data_parallel_rank})"
+            )
+        if self.lora_load_s < 0:
+            raise ValueError(f"lora_load_s must be >= 0, got {self.lora_load_s}")
         if self.cpu_offload_tokens < 0:
             raise ValueError(f"cpu_offload_tokens must be >= 0, got {self.cpu_offload_tokens}")
         if self.kv_bytes_per_token < 1:

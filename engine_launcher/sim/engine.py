@@ -66,6 +66,7 @@ class SimEngine(KvTransferMixin):
             config.num_gpu_blocks,
             config.enable_prefix_caching,
             cpu_offload=config.cpu_offload_tokens > 0,
+            engine_index=config.data_parallel_rank,
         )
         self.engine_id = str(uuid.uuid4())
         self.requests: dict[str, SimRequest] = {}

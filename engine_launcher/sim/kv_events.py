@@ -218,8 +218,10 @@ class KVEventRecorder:
         block_size: int,
         requests: Mapping[str, _Request],
         lora_names: Sequence[str] = (),
+        data_parallel_rank: int = 0,
     ) -> None:
         self.publisher = publisher
+        self.data_parallel_rank = data_parallel_rank
         self.block_size = block_size
         self._requests = requests
         self._pending: list[KVCacheEvent] = []
@@ -299,7 +301,7 @@ class KVEventRecorder:
     def flush(self) -> None:
         if not self._pending:
             return
-        batch = KVEventBatch(ts=time.time(), events=self._pending, data_parallel_rank=0)
+        batch = KVEventBatch(ts=time.time(), events=self._pending, data_parallel_rank=self.data_parallel_rank)
         self._pending = []
         self.publisher.publish(encode_batch(batch))
 
@@ -334,7 +336,13 @@ def attach(engine: _Engine) -> KVEventRecorder | None:
     publisher = ZmqEventPublisher(
         cfg.endpoint, cfg.replay_endpoint, cfg.buffer_steps, cfg.hwm, cfg.max_queue_size, cfg.topic
     )
-    recorder = KVEventRecorder(publisher, engine.config.block_size, engine.requests, list(engine.config.lora_modules))
+    recorder = KVEventRecorder(
+        publisher,
+        engine.config.block_size,
+        engine.requests,
+        list(engine.config.lora_modules),
+        engine.config.data_parallel_rank,
+    )
     engine.kv.listener = recorder
     engine.cpu.listener = recorder
     return recorder

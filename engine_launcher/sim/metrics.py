@@ -72,10 +72,11 @@ class EngineMetrics:
         num_gpu_blocks: int,
         enable_prefix_caching: bool,
         cpu_offload: bool = False,
+        engine_index: int = 0,
     ) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
-        values = (model_name, "0")
+        values = (model_name, str(engine_index))
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(*values)

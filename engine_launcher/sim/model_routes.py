@@ -1,9 +1,10 @@
 """The simulator's model routes, in vLLM 0.32's JSON: GET /v1/models (the base model,
 then each LoRA adapter) and POST /v1/load_lora_adapter, /v1/unload_lora_adapter (the
-adapters are names only: nothing is loaded)."""
+adapters are names only: nothing is loaded; a load takes `lora_load_s`)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -92,6 +93,8 @@ class ModelRoutes:
                     "InvalidUserInput",
                 )
             )
+        if self.config.lora_load_s > 0:  # the weights read from disk
+            await asyncio.sleep(self.config.lora_load_s / self.config.speed)
         self.config.lora_modules[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 

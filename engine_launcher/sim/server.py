@@ -27,7 +27,7 @@ import uuid
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import multi
 from . import responses as R
@@ -35,12 +35,14 @@ from .admin_routes import AdminRoutes
 from .api_errors import ApiError, json_error
 from .aux_routes import AuxRoutes
 from .config import VLLM_VERSION, SimEngineConfig
+from .data_parallel import MergedRegistry, RankPicker, rank_configs
 from .engine import SimEngine
 from .json_answers import error_response, json_response
 from .kv_side_channel import KvSideChannel
 from .model_routes import ModelRoutes
 from .protocol import ParsedRequest, parse_request
 from .request import SimRequest
+from .responses_route import serve_responses
 
 log = logging.getLogger("engine_launcher.sim")
 
@@ -61,7 +63,12 @@ class SimServer:
         # FaultConfig) must not share mutable state.
         config = copy.deepcopy(config)
         self.config = config
-        self.engine = SimEngine(config)
+        # One engine core per DP rank (data_parallel.py); rank 0 also serves the side
+        # channel's pulls and the admin routes.
+        self.engines = [SimEngine(c) for c in rank_configs(config)]
+        self.engine = self.engines[0]
+        self.ranks = RankPicker(self.engines)
+        self._merged_metrics = MergedRegistry(self.engines)
         self.exit_process_on_fault = exit_process_on_fault
         self.fingerprint = "vllm-{}-{}".format(
             VLLM_VERSION,
@@ -81,6 +88,7 @@ class SimServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
         ModelRoutes(self.config, self.created).add_to(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -103,12 +111,14 @@ class SimServer:
         sock.setblocking(False)
         self.host = host
         self.port = sock.getsockname()[1]
-        self.engine.side_channel_host = host if host not in ("0.0.0.0", "::") else "127.0.0.1"
-        self.engine.side_channel_port = self.port
-        self.engine.pull_fn = self.side_channel.pull
-        self.engine.on_fatal = self._on_fatal
+        for engine in self.engines:
+            engine.side_channel_host = host if host not in ("0.0.0.0", "::") else "127.0.0.1"
+            engine.side_channel_port = self.port
+            engine.pull_fn = self.side_channel.pull
+            engine.on_fatal = self._on_fatal
         self.side_channel.open()
-        self.engine.start()
+        for engine in self.engines:
+            engine.start()
         # handler_cancellation: a client that goes away cancels its handler (vLLM aborts
         # the request when the client disconnects; the router relies on it).
         self._runner = web.AppRunner(
@@ -123,7 +133,8 @@ class SimServer:
     async def close(self) -> None:
         # The engine first: aborting every request lets open handlers finish their answers,
         # so the runner's graceful shutdown does not wait for long generations.
-        await self.engine.close()
+        for engine in self.engines:
+            await engine.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -164,10 +175,14 @@ class SimServer:
             return error_response(e)
         if cfg.faults.error_rate and self._rng.random() < cfg.faults.error_rate:
             return error_response(ApiError("Simulated engine failure (fault injection)", 500, "InternalServerError"))
-        if self.engine.dead:
+        try:
+            engine = self.ranks.pick(request.headers)
+        except ApiError as e:
+            return error_response(e)
+        if engine.dead:
             return error_response(ApiError("The engine is dead", 500, "InternalServerError"))
         if not parsed.single:
-            return await self._generate_choices(request, parsed)
+            return await self._generate_choices(request, parsed, engine)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         req = SimRequest(rid, parsed.prompt_ids, parsed.sampling, parsed.threshold, parsed.kv_transfer_params)
         req.lora_name = self._lora_name(parsed.model)
@@ -175,7 +190,7 @@ class SimServer:
         transport = request.transport
         if transport is not None:
             self._transports.add(transport)
-        self.engine.add_request(req)
+        engine.add_request(req)
         try:
             if parsed.stream:
                 return await self._stream(request, ctx, req)
@@ -190,11 +205,17 @@ class SimServer:
             )
         finally:
             if not req.finished:
-                self.engine.abort(rid)
+                engine.abort(rid)
             if transport is not None:
                 self._transports.discard(transport)
 
-    async def _generate_choices(self, request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API as the chat request it stands for (responses_route.py)."""
+        return await serve_responses(request, self.config, self.ranks)
+
+    async def _generate_choices(
+        self, request: web.Request, parsed: ParsedRequest, engine: SimEngine
+    ) -> web.StreamResponse:
         """Batches, n > 1, echo, prompt_logprobs: one engine request per choice (multi.py),
         the answer named after X-Request-Id, else the body's request_id, as vLLM names it."""
         name = request.headers.get("X-Request-Id") or parsed.request_id or uuid.uuid4().hex
@@ -204,7 +225,7 @@ class SimServer:
         details = self.config.enable_prompt_tokens_details
         for _, req in reqs:
             req.lora_name = self._lora_name(parsed.model)
-            self.engine.add_request(req)
+            engine.add_request(req)
         try:
             if parsed.stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -225,7 +246,7 @@ class SimServer:
         finally:
             for _, req in reqs:
                 if not req.finished:
-                    self.engine.abort(req.request_id)
+                    engine.abort(req.request_id)
 
     async def _stream(self, request: web.Request, ctx: R.ResponseContext, req: SimRequest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -289,7 +310,7 @@ class SimServer:
     # --- other routes ------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
-        if self.engine.dead:
+        if any(engine.dead for engine in self.engines):
             return web.Response(status=503)
         return web.Response(status=200)
 
@@ -297,12 +318,16 @@ class SimServer:
         return json_response({"version": VLLM_VERSION})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        self.engine.refresh_gauges()
-        return web.Response(body=self.engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        for engine in self.engines:
+            engine.refresh_gauges()
+        # One rank: its own registry; several: one exposition of all (engine="<rank>").
+        merged = self._merged_metrics
+        body = self.engine.metrics.render() if len(self.engines) == 1 else generate_latest(merged)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def _lora_name(self, model: str) -> str | None:
         """The adapter a request names (None: the base model)."""
         return None if model == self.config.model else model
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
-        return json_response({"success": self.engine.reset_prefix_cache()})
+        return json_response({"success": all([engine.reset_prefix_cache() for engine in self.engines])})

@@ -198,8 +198,9 @@ def _one_prompt(p: object, param: str) -> tuple[str, tuple[int, ...] | None]:
         ids = _token_ids(p, param)
         # Token ids as text, each followed by ",": a prompt extends another exactly when its
         # text extends the other's ([7, 80] is not a prefix of [7, 800]), which is what
-        # prefix-affinity planners need.
-        return "".join([f"{t}," for t in ids]), ids
+        # prefix-affinity planners need. Written by orjson ("[7,80]"; the ids are plain ints):
+        # a string per id would cost ~50 bytes each (30 MB for a 4 MB prompt) on the way.
+        return str(memoryview(orjson.dumps(ids))[1:-1], "ascii") + ",", ids
     if p is None:
         raise _vllm_bad(_NO_PROMPT, param)
     raise _bad(f"`{param}` must be a string or a list of token ids, got {_kind(p)}.", param)

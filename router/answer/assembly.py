@@ -45,6 +45,13 @@ class ResponseAssembler:
         else:
             self._completion_lp.add(lp)
 
+    def add_plain(self, text: str, *, chat_leg: bool) -> None:
+        """A token chunk with only text in it (read on its bytes: router/answer/chunk_bytes.py)."""
+        if chat_leg:
+            self.add_chat(None, text, None, None, None)
+        else:
+            self.add_completion(text, None)
+
     def add_chat(self, role: Any, content: Any, reasoning: Any, tool_calls: Any, lp: Any) -> None:
         """A chunk of a chat stream: its delta's fields and its logprobs."""
         if role is not None:

@@ -6,6 +6,12 @@ from array import array
 
 from router.engine.wire import MalformedChunk
 
+
+class OverBudget(MalformedChunk):
+    """An engine sent more tokens than the client's max_tokens: it is broken, and the answer
+    must not pass as a success (the leg fails; the client gets an error)."""
+
+
 # Generated text pieces joined into one block at a time.
 _TEXT_BLOCK_PARTS = 256
 
@@ -18,8 +24,10 @@ class Answer:
     current leg's; `legs`: legs begun so far.
     """
 
-    def __init__(self, prompt_token_ids: list[int] | None):
+    def __init__(self, prompt_token_ids: list[int] | None, max_tokens: int | None = None):
         self.prompt_token_ids = prompt_token_ids
+        # The client's budget: an engine that sends more ignored it (a broken engine).
+        self.max_tokens = max_tokens
         # Compact: 8 bytes a token instead of a list entry and an int object (~36 bytes),
         # and the text in blocks of _TEXT_BLOCK_PARTS pieces: an answer's state is kept
         # for resumption, and it should cost little next to the bounded stream buffers.
@@ -50,6 +58,9 @@ class Answer:
         self.stop_reason = None
 
     def add_token_ids(self, ids: list[int]) -> None:
+        budget = self.max_tokens
+        if budget is not None and len(self.generated_token_ids) + len(ids) > budget:
+            raise OverBudget(f"the engine sent more tokens than max_tokens ({budget})")
         try:
             self.generated_token_ids.extend(ids)
         except OverflowError:

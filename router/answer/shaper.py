@@ -5,41 +5,32 @@ answer is the chosen leg, then zero or more resume legs, which are `/v1/completi
 streams even for a chat request. `ResponseShaper` turns that sequence into what one vLLM
 engine would have sent for the client's own request:
 
-streaming (`shape`, `release_held`, `final_chunks`)
+streaming (`shape`, `shape_raw`, `release_held`, `final_chunks`)
 - one id (`spec.request_id`), one `created` (`spec.created`), one `model` (the name the
   client asked for, else the first leg's), the client endpoint's `object`;
-- chat: the role chunk (`delta: {"role": "assistant", "content": ""}`) goes out once per
-  answer; a retry leg's role chunk is dropped. Resume-leg completion chunks become chat
-  deltas `{"content": text}` with chat-shaped logprobs (router/answer/logprobs.py);
+- chat: the role chunk goes out once per answer (a retry leg's is dropped); resume-leg
+  completion chunks become chat deltas with chat-shaped logprobs (router/answer/logprobs.py);
 - `token_ids` / `prompt_token_ids`: kept when the client asked for them (prompt ids once,
-  from the first leg); otherwise set to null, which is exactly what vLLM sends when token
-  ids were not requested (the fields are explicitly set, hence present, in its chunks);
+  from the first leg); otherwise null, exactly what vLLM sends when they were not asked for;
 - completion logprobs' `text_offset` continues across legs (each leg counts from 0);
 - per-leg usage chunks are swallowed; `final_chunks` sends one usage chunk with totals
-  over legs (router/answer/usage.py). With `continuous_usage_stats`, every chunk carries
+  over legs (router/answer/usage.py); with `continuous_usage_stats` every chunk carries
   running totals;
-- HELD BACK: every finish chunk (the chunk whose `finish_reason` is set). Whether it
-  ends the answer is only known after the leg ends (the lead may resume), and vLLM puts
-  the fingerprint on the last chunk, which is only known at the end too. So `shape`
-  returns nothing for it and keeps it:
-    * `release_held()` returns it (the answer ends with it) and `final_chunks()` does the
-      same for a chunk still held, so ending without calling `release_held` loses nothing;
-    * `begin_leg()` drops the finish (the answer goes on); if the chunk also carried
-      content (text, token ids, logprobs), that content goes out without the finish
-      before the next leg's first chunk (or from `release_held`/`final_chunks`);
-    * a "cache_threshold" finish with content (only non-vLLM engines send one) is split
-      at once: the content goes out, a content-free finish is held (router/answer/finish_chunks.py).
-  A normal finish is followed upstream by the usage chunk and [DONE] at once, so holding
-  it costs no latency.
+- HELD BACK: every finish chunk. Whether it ends the answer is only known after the leg
+  ends (the lead may resume), and vLLM puts the fingerprint on the last chunk. `shape`
+  returns nothing for it and keeps it: `release_held()` (or `final_chunks()`) returns it;
+  `begin_leg()` drops the finish, and content it carried goes out without the finish before
+  the next leg's first chunk; a "cache_threshold" finish with content (only non-vLLM
+  engines send one) is split at once (router/answer/finish_chunks.py). A normal finish is
+  followed upstream by the usage chunk and [DONE] at once: holding it costs no latency.
 
 non-streaming (`accumulate_response`): `shape` returns [] and router/answer/assembly.py builds
-the body from every chunk seen across legs.
-
-For the lead: `answer` (router/answer/progress.py), `emitted` (a chunk went to the client: errors
-must now travel as SSE events).
+the body from every chunk seen across legs. For the lead: `answer` (router/answer/progress.py),
+`emitted` (a chunk went to the client: errors must now travel as SSE events).
 
 Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
-must not use the chunk afterwards. That saves a copy per chunk on the hot path.
+must not use the chunk afterwards. `shape_raw` relays a plain token chunk on its bytes
+(router/answer/chunk_bytes.py): the same answer, without a parse and a dump per token.
 """
 
 from __future__ import annotations
@@ -49,6 +40,7 @@ from typing import Any
 
 from router.admission.spec import ENDPOINT_CHAT, RequestSpec
 from router.answer.assembly import ResponseAssembler
+from router.answer.chunk_bytes import PlainChunks, plain_chunks
 from router.answer.finish_chunks import content_free_finish, without_finish
 from router.answer.logprobs import TextOffsets, chat_logprobs_from_completion, has_logprob_entries
 from router.answer.progress import Answer
@@ -76,12 +68,11 @@ class ResponseShaper:
         top = body.get("top_logprobs")
         self._chat_top_logprobs = (top if type(top) is int else 0) if self._chat and body.get("logprobs") else None
 
-        self.answer = Answer(list(spec.prompt_token_ids) if spec.prompt_token_ids is not None else None)
+        self.answer = Answer(None if spec.prompt_token_ids is None else list(spec.prompt_token_ids), spec.max_tokens)
         self.emitted = False  # anything returned for the client yet
         self._usage = UsageTotals(self.answer, chat=self._chat)
         self._offsets = TextOffsets()
-        # Only a non-streaming client's answer is accumulated.
-        self._accumulate = not spec.stream
+        self._accumulate = not spec.stream  # only a non-streaming client's answer is accumulated
         self._assembler = ResponseAssembler(
             spec, self.answer, chat=self._chat, chat_top_logprobs=self._chat_top_logprobs
         )
@@ -90,14 +81,17 @@ class ResponseShaper:
         self._held_has_content = False
         self._pending: list[dict[str, Any]] = []  # content of a discarded held chunk, sent next
         self._role_sent = False
-        self._prompt_ids_sent = False
+        self._prompt_ids_sent = not spec.stream  # a whole answer has them in its body
         self._fingerprint: str | None = None
+        self._plain: PlainChunks | None = None  # this leg's chunks relayed on their bytes
+        self._plain_tried = False
 
     def begin_leg(self, *, is_resume: bool) -> None:
         """A new upstream leg starts; `is_resume` legs are /v1/completions streams."""
         self._usage.begin_leg()
         self.answer.begin_leg()
         self._is_resume = is_resume
+        self._plain, self._plain_tried = None, False
         held = self._held
         if held is not None:
             self._held = None
@@ -109,7 +103,6 @@ class ResponseShaper:
     # --- streaming ----------------------------------------------------------------------------
     def shape(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
         """One parsed upstream chunk -> the chunks for a streaming client (maybe none).
-
         Raises MalformedChunk (a ValueError) for a chunk it cannot read; the types of the
         fields the answer is built from are checked before any state changes, so a bad
         chunk never half-updates the answer."""
@@ -129,6 +122,11 @@ class ResponseShaper:
         fp = chunk.get("system_fingerprint")
         if fp is not None:
             self._fingerprint = fp
+        if not self._plain_tried:  # the leg's first chunk: can its token chunks go on their bytes?
+            self._plain_tried = True
+            if not self.spec.continuous_usage and (self._accumulate or not (self._chat and self._is_resume)):
+                client = (self._rid, self._object, self._created, self._model)
+                self._plain = plain_chunks(chunk, client, self._chat and not self._is_resume, self._want_ids)
         choices = chunk.get("choices")
         if not choices:
             usage = chunk.get("usage")
@@ -151,6 +149,24 @@ class ResponseShaper:
         if self._is_resume or not self._chat:
             return self._shape_completion(chunk, c)
         return self._shape_chat(chunk, c)
+
+    def shape_raw(self, payload: bytes) -> bytes | None:
+        """A plain token chunk's bytes -> the client's SSE event (b"" for a non-streaming client),
+        with the answer updated as `shape` would; None when it must be parsed and `shape`d."""
+        plain, answer = self._plain, self.answer
+        # Prompt ids the client asked for ride on the next chunk out: the full path adds them.
+        owed_ids = self._want_ids and not self._prompt_ids_sent and answer.prompt_token_ids is not None
+        if plain is None or self._pending or owed_ids or (relayed := plain.relay(payload)) is None:
+            return None
+        event, text, ids = relayed
+        answer.add_token_ids(ids)
+        if text:
+            answer.add_text(text)
+        if self._accumulate:  # a non-streaming client's answer: accumulated only
+            self._assembler.add_plain(text, chat_leg=self._chat and not self._is_resume)
+            return b""
+        self.emitted = True
+        return event
 
     def _note_ids(self, c: dict[str, Any], top_prompt_ids: Any) -> Sequence[int]:
         """Record prompt ids (first non-resume leg) and this chunk's generated ids."""
@@ -214,13 +230,7 @@ class ResponseShaper:
             if fr is not None:
                 choice["stop_reason"] = c.get("stop_reason")
             choice["token_ids"] = list(ids) if self._want_ids else None
-            out = {
-                "id": self._rid,
-                "object": _CHAT_CHUNK,
-                "created": self._created,
-                "model": self._model,
-                "choices": [choice],
-            }
+            out = self._stamped(_CHAT_CHUNK, [choice])
             if self.spec.continuous_usage:
                 out["usage"] = self._usage.running()
             if fr is not None:
@@ -320,18 +330,14 @@ class ResponseShaper:
         self._prompt_ids_sent = True
         return prompt_ids
 
+    def _stamped(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self._rid, "object": obj, "created": self._created, "model": self._model, "choices": choices}
+
     def _role_chunk(self) -> dict[str, Any]:
         """The role chunk vLLM sends first, for a chat answer whose first leg sent none."""
         self._role_sent = True
-        out = {
-            "id": self._rid,
-            "object": _CHAT_CHUNK,
-            "created": self._created,
-            "model": self._model,
-            "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            ],
-        }
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        out = self._stamped(_CHAT_CHUNK, [role])
         out["prompt_token_ids"] = self._take_prompt_ids() if self._want_ids else None
         out["prompt_text"] = None
         if self.spec.continuous_usage:
@@ -381,14 +387,8 @@ class ResponseShaper:
         asked for it (no [DONE]: the writer adds it)."""
         out = self.release_held()
         if self.spec.include_usage:
-            chunk = {
-                "id": self._rid,
-                "object": self._object,
-                "created": self._created,
-                "model": self._model,
-                "choices": [],
-                "usage": self._usage.totals(streaming=True),
-            }
+            chunk = self._stamped(self._object, [])
+            chunk["usage"] = self._usage.totals(streaming=True)
             if self._fingerprint is not None:
                 chunk["system_fingerprint"] = self._fingerprint
             out.append(chunk)

@@ -33,6 +33,7 @@ from router.config.checks import (
     str_list,
     string_table,
 )
+from router.config.data_parallel import expand_ranks
 from router.config.discovery import parse_discovery
 from router.config.kv_events import check_backend_kv_events, check_engine_kv_events, parse_kv_events
 from router.config.schema import (
@@ -80,11 +81,20 @@ def parse_server(p: Problems, raw: Any) -> ServerConfig | None:
     p.check(check_port, "server.port", server.port, allow_zero=True)
     p.check(check_positive, "server.max_body_bytes", server.max_body_bytes)
     p.check(check_positive, "server.max_upload_bytes", server.max_upload_bytes)
+    if server.max_body_bytes_in_flight < server.max_body_bytes:
+        p.add(
+            f"server.max_body_bytes_in_flight: expected at least server.max_body_bytes "
+            f"({server.max_body_bytes}), got {server.max_body_bytes_in_flight}"
+        )
     p.check(check_positive, "server.max_concurrent_requests", server.max_concurrent_requests)
     p.check(check_positive, "server.max_queued_requests", server.max_queued_requests, allow_zero=True)
     p.check(check_positive, "server.queue_timeout_s", server.queue_timeout_s, allow_zero=True)
     p.check(check_positive, "server.drain_timeout_s", server.drain_timeout_s, allow_zero=True)
     p.check(check_positive, "server.body_timeout_s", server.body_timeout_s)
+    p.check(check_positive, "server.header_timeout_s", server.header_timeout_s)
+    p.check(check_positive, "server.keepalive_timeout_s", server.keepalive_timeout_s)
+    if not 1024 <= server.max_header_bytes <= 16 * 2**20:
+        p.add(f"server.max_header_bytes: expected an integer in [1024, 16777216], got {server.max_header_bytes}")
     if not 4096 <= server.stream_buffer_bytes <= 16 * 2**20:
         p.add(f"server.stream_buffer_bytes: expected an integer in [4096, 16777216], got {server.stream_buffer_bytes}")
     if bool(server.tls_cert) != bool(server.tls_key):
@@ -111,7 +121,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
         p.add(f"routing: expected a table, got {raw!r}")
         return None
     own, policy_keys = split_routing_table(raw)
-    routing = build_table(p, RoutingConfig, "routing", own)
+    routing = build_table(p, RoutingConfig, "routing", own, {"lora_adapters": string_table})
     if routing is None:
         return None
     routing = dataclasses.replace(routing, policy_keys=policy_keys)
@@ -123,6 +133,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
     p.check(check_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
     p.check(check_positive, "routing.max_retries", routing.max_retries, allow_zero=True)
     p.check(check_positive, "routing.prefix_memory_bytes", routing.prefix_memory_bytes)
+    p.check(check_positive, "routing.max_adapters_per_engine", routing.max_adapters_per_engine)
     return routing
 
 
@@ -187,7 +198,14 @@ def parse_backends(p: Problems, raw: Any) -> list[BackendConfig]:
         p.check(check_positive, f"{key}.prefill_tokens_per_s", b.prefill_tokens_per_s, allow_zero=True)
         p.check(check_one_of, f"{key}.role", b.role, Role)
         check_backend_kv_events(p, key, b)
-        backends.append(b)
+        if b.data_parallel_size < 1:
+            p.add(f"{key}.data_parallel_size: expected an integer >= 1, got {b.data_parallel_size!r}")
+            continue
+        if not -1 <= b.data_parallel_rank < b.data_parallel_size:
+            p.add(f"{key}.data_parallel_rank: expected a rank below data_parallel_size, got {b.data_parallel_rank!r}")
+            continue
+        # One backend per DP rank: each is its own engine to the router.
+        backends.extend(expand_ranks(b))
     return backends
 
 

@@ -42,6 +42,11 @@ class ServerConfig:
     # Key for admin routes (/admin/*). Empty: admin routes disabled.
     admin_api_key: str = ""
     max_body_bytes: int = 4 * 1024 * 1024
+    # The bytes of request bodies held at once (Content-Length; max_body_bytes for a body
+    # without one): a request in flight costs up to ~20x its body (docs/RELIABILITY.md),
+    # so this bounds the router's memory whatever the bodies' sizes; past it requests wait
+    # (queue_timeout_s, then 429).
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
     # Audio uploads (multipart, streamed to the engine, never held whole): vLLM's own
     # default limit (VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25).
     max_upload_bytes: int = 25 * 1024 * 1024
@@ -53,6 +58,16 @@ class ServerConfig:
     # Longest time to receive a request's body once its headers arrived (slow or stalled
     # clients get 408 instead of holding a concurrency slot).
     body_timeout_s: float = 30.0
+    # Longest time to receive a request's head (request line and headers), from the
+    # connection's start or the first byte after the previous answer; past it the
+    # connection gets 408 and is closed (nginx client_header_timeout, Envoy
+    # request_headers_timeout).
+    header_timeout_s: float = 10.0
+    # Largest request head (request line and headers together); past it: 431 and close.
+    # (aiohttp also holds each line to 8190 bytes and a head to 128 headers.)
+    max_header_bytes: int = 64 * 1024
+    # An idle keep-alive connection is closed after this long (nginx keepalive_timeout 75 s).
+    keepalive_timeout_s: float = 75.0
     # Per stream: bytes the router holds for a client that reads slower than the engine
     # writes before it stops reading the engine (backpressure through the engine's socket).
     stream_buffer_bytes: int = 8 * 1024
@@ -61,6 +76,9 @@ class ServerConfig:
     log_level: str = "info"
     # json: one JSON object per line (log shippers); text: for humans (router/observability/logs.py).
     log_format: str = "json"
+    # SO_REUSEPORT on the listening socket: N router processes on one host share the port
+    # (the kernel spreads connections over them); see docs/ARCHITECTURE.md.
+    reuse_port: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,15 @@ class RoutingConfig:
     # The prefix memory's budget (router/routing/prefix_memory.py): where the router sent
     # which prompt prefixes, shared fairly between tenants.
     prefix_memory_bytes: int = 64 * 1024 * 1024
+    # LoRA adapters the router may have engines load (router/fleet/adapters.py), name ->
+    # path on the engines' hosts ([routing.lora_adapters]): the only paths ever sent to an
+    # engine's /v1/load_lora_adapter; a client names an adapter, never a path.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    # A request for one of them that no engine holds loads it on the engine the cost model
+    # picks (the engines need VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
+    lora_autoload: bool = False
+    # Adapters the router loads on one engine at most (vLLM's --max-cpu-loras bounds its own).
+    max_adapters_per_engine: int = 4
     # The other [routing] keys as (key, value) pairs, sorted: the policies' own.
     policy_keys: tuple[tuple[str, Any], ...] = ()
 
@@ -147,6 +174,12 @@ class BackendConfig:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+    # DP ranks behind this one address (vLLM --data-parallel-size): each rank is its own
+    # engine to the router (router/config/data_parallel.py), reached with vLLM's
+    # X-data-parallel-rank header. 1: one engine.
+    data_parallel_size: int = 1
+    # The one rank this backend is (set by the expansion; -1: no rank targeting).
+    data_parallel_rank: int = -1
 
     @property
     def decodes(self) -> bool:

@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 from router import errors
 from router.admission.spec import RequestSpec
+from router.answer.chunk_bytes import unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.config.schema import Config
 from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.dispatch.placement import LegPlacer, client_error
 from router.dispatch.prompt_index import PromptIndex
+from router.dispatch.pump import Emit, EmitRaw, pump, pump_raw
 from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
 from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
@@ -41,14 +42,12 @@ from router.engine.wire import (
     CACHE_THRESHOLD,
     CHAT_PATH,
     COMPLETIONS_PATH,
-    MalformedChunk,
-    message_usage,
     one_token_probe,
     resume_leg_body,
     unary_leg_body,
 )
+from router.fleet.adapters import is_adapter
 from router.fleet.registry import BackendRegistry
-from router.fleet.stalls import STALL_LATE_S
 from router.names import Route
 from router.observability import tracing
 from router.observability.record import RequestRecord
@@ -57,10 +56,8 @@ from router.routing.planning import RouteQuery, Strategy
 log = logging.getLogger("cachehit_router.dispatch")
 
 
-Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
-
-
-def route_query(spec: RequestSpec, tenant: str = "") -> RouteQuery:
+def route_query(spec: RequestSpec, adapter: bool = False, tenant: str = "") -> RouteQuery:
+    """`adapter`: the model the request names is a LoRA adapter (its cache is its own)."""
     return RouteQuery(
         spec.model,
         spec.routing_text,
@@ -68,6 +65,7 @@ def route_query(spec: RequestSpec, tenant: str = "") -> RouteQuery:
         prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids),
         token_ids=spec.prompt_token_ids,
         tenant=tenant,
+        adapter=spec.model if adapter else None,
     )
 
 
@@ -95,7 +93,7 @@ class Dispatcher:
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
         started = rec.dispatch_started = asyncio.get_running_loop().time()
         return RequestContext(
-            route_query(spec, rec.tenant),
+            route_query(spec, is_adapter(self.registry, spec.model), rec.tenant),
             request_path(spec),
             body,
             started,
@@ -104,13 +102,25 @@ class Dispatcher:
         )
 
     # --- the answer ------------------------------------------------------------------------
-    async def serve(self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord) -> None:
+    async def serve(
+        self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord, emit_raw: EmitRaw | None = None
+    ) -> None:
         first = ctx = self._context(spec, rec, spec.body)
         leg = await self.placer.acquire(ctx)
         answer = shaper.answer
         shaper.begin_leg(is_resume=False)
         while True:
-            outcome = await self._pump(ctx, leg, shaper, emit)
+            outcome = await (
+                pump(ctx, leg, shaper, emit, self._token_gap)
+                if emit_raw is None
+                else pump_raw(ctx, leg, shaper, emit_raw, self._token_gap)
+            )
+            if outcome.error is None and answer.finish_reason is None:
+                # [DONE] without a finish: a broken engine (vLLM always ends a leg with a
+                # finish_reason). The leg failed: retried elsewhere before the answer's first
+                # token, resumed after it, and counted against the engine either way.
+                detail = "the stream ended ([DONE]) without a finish_reason"
+                outcome = LegOutcome(UpstreamError(leg.backend, PROTOCOL, detail))
             error = self._leg_ended(ctx, leg, outcome)
             if error is not None and answer.finish_reason not in (None, CACHE_THRESHOLD):
                 # The engine finished the answer, then the connection broke before [DONE]:
@@ -142,6 +152,10 @@ class Dispatcher:
                     f"routing.max_resumes = {self.routing.max_resumes} resumes.",
                 )
             if spec.max_tokens is not None and answer_tokens >= spec.max_tokens:
+                if error is not None and error.kind == PROTOCOL:
+                    # The engine went past the budget (or sent garbage at it): a broken
+                    # answer, not a success; nothing past the budget reached the client.
+                    raise client_error(error, self.timeouts)
                 # Interrupted right at the budget: nothing is missing, end as the engine did.
                 await emit(shaper.release_held())
                 return
@@ -175,6 +189,7 @@ class Dispatcher:
                 len(prompt_ids) + answer_tokens,
                 token_ids=(*prompt_ids, *answer.generated_token_ids),
                 tenant=first.query.tenant,
+                adapter=first.query.adapter,
             )
             # A resume starts a new leg: only the engine that just failed is kept out. One
             # that failed an earlier leg may be healthy again (the breaker and the health
@@ -189,47 +204,6 @@ class Dispatcher:
             )
             leg = await self.placer.acquire_after(ctx, error)
             shaper.begin_leg(is_resume=True)
-
-    async def _pump(self, ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit) -> LegOutcome:
-        """The leg's chunks to the client until [DONE] or an upstream failure."""
-        stream = leg.stream
-        loop = asyncio.get_running_loop()
-        prompt_tokens = cached_tokens = None
-        awaiting_first_token = ctx.record.ttft_s is None
-        try:
-            chunks = leg.buffered or await stream.next_chunks()
-            while chunks:
-                # Everything already received goes to the client in one write.
-                batch: list[dict[str, Any]] = []
-                bad: MalformedChunk | None = None
-                for chunk in chunks:
-                    if chunk.get("usage"):
-                        usage = message_usage(chunk)
-                        prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
-                    try:
-                        batch += shaper.shape(chunk)
-                    except MalformedChunk as e:
-                        bad = e
-                        break
-                    if awaiting_first_token and shaper.answer.first_token_seen:
-                        ctx.record_first_token(loop.time())
-                        awaiting_first_token = False
-                if batch:
-                    await emit(batch)
-                if bad is not None:
-                    raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {bad}") from None
-                waiting_since = loop.time()
-                chunks = await stream.next_chunks()
-                if loop.time() - waiting_since > STALL_LATE_S:  # rare: only then is the engine's step asked for
-                    self._token_gap(leg.backend, loop.time() - waiting_since)
-        except UpstreamError as e:
-            stream.abort()
-            return LegOutcome(e)
-        except BaseException:
-            stream.abort()
-            raise
-        stream.finish()
-        return LegOutcome(None, prompt_tokens, cached_tokens)
 
     def _token_gap(self, backend: str, gap_s: float) -> None:
         """A long wait for a streamed answer's next piece, judged against one engine step
@@ -310,6 +284,12 @@ class Dispatcher:
                 if timer is not None:
                     timer.cancel()
                 self.registry.close_leg(ticket)
+            problem = unary_answer_problem(raw, spec.max_tokens)
+            if problem is not None:  # a broken engine's answer is not a success: elsewhere
+                last_error = UpstreamError(name, PROTOCOL, problem)
+                self.placer.note_failure(ctx, last_error)
+                ctx.tried.add(name)
+                continue
             self.registry.record_success(name)
             self.strategy.on_routed(ctx.query, name)
             ctx.record_leg(Route.DIRECT, name)
@@ -334,7 +314,7 @@ class Dispatcher:
             rec.dispatch_started = loop.time()
         now = loop.time()
         ctx = RequestContext(
-            route_query(spec, rec.tenant),
+            route_query(spec, is_adapter(self.registry, spec.model), rec.tenant),
             request_path(spec),
             one_token_probe(spec.body),
             rec.dispatch_started,

@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from router import errors
 from router.config.schema import Config, TimeoutsConfig
 from router.dispatch.context import FallbackOutcome, Leg, RaceOutcome, RequestContext, fallback_direct
@@ -330,10 +332,14 @@ class LegPlacer:
         self, path: str, body: dict[str, Any], deadline: float, tokens: int, tickets: dict[str, LegTicket]
     ) -> Callable[[str], Awaitable[UpstreamStream]]:
         """Opens one streamed leg per backend; each holds a LegTicket (its place in the
-        engine's load) until the stream closes, kept in `tickets` by backend."""
+        engine's load) until the stream closes, kept in `tickets` by backend. The body is
+        serialised once for all of them (a 4 MiB prompt raced on K engines: one copy, not K)."""
+        encoded: list[bytes] = []
 
         async def open_leg(name: str) -> UpstreamStream:
             cfg = self._state(name).config
+            if not encoded:
+                encoded.append(orjson.dumps(body))
             ticket = tickets[name] = self.registry.open_leg(name, tokens)
             try:
                 return await self.client.open_stream(
@@ -344,6 +350,7 @@ class LegPlacer:
                     api_key=cfg.api_key,
                     total_deadline=deadline,
                     on_close=lambda: self.registry.close_leg(ticket),
+                    encoded=encoded[0],
                 )
             except BaseException:
                 self.registry.close_leg(ticket)

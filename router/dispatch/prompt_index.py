@@ -80,6 +80,10 @@ class PromptIndex:
         ids = await self.token_ids(query, chat, body, snap, deadline)
         if ids is None:
             return query
-        found = self.index.match_request(ids, query.model) or {}
+        # An adapter's blocks are keyed by its name (vLLM's extra keys), even before the
+        # index has seen one of them; the base model's by nothing.
+        found = (
+            self.index.match(ids, query.adapter) if query.adapter else self.index.match_request(ids, query.model)
+        ) or {}
         indexed = {name: float(self._usable(found[name], len(ids), name)) if name in found else 0.0 for name in fresh}
         return replace(query, token_ids=ids, prompt_tokens=len(ids), indexed=indexed)

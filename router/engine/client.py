@@ -28,7 +28,9 @@ from router.engine.errors import (
     MAX_ERROR_BODY,
     PROTOCOL,
     STATUS,
+    TOO_LARGE,
     TOTAL_TIMEOUT,
+    AnswerTooLarge,
     UpstreamError,
 )
 from router.engine.stream import UpstreamStream
@@ -37,6 +39,31 @@ from router.observability import tracing
 # aiohttp >= 3.10 raises ConnectionTimeoutError for connect/sock_connect; older versions
 # its parent ServerTimeoutError (only connect timeouts are configured on the session).
 _CONNECT_TIMEOUT_ERRORS = (getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ServerTimeoutError),)
+
+
+# Bounds on an engine's body read whole (its streams are read chunk by chunk: stream.py).
+# A non-streamed answer (the pass-through of a direct strategy, a prefill leg's answer,
+# /tokenize, the capability check): 64 MiB is ~30x the JSON of a 32k-token completion
+# with 5 top logprobs per token.
+MAX_ANSWER_BYTES = 64 * 2**20
+# /health, /metrics and /v1/models (vLLM's exposition is ~100 KiB with a few LoRA
+# adapters): what a background check reads, for every engine, every few seconds.
+MAX_CHECK_BYTES = 4 * 2**20
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    """The whole body of `resp`, or AnswerTooLarge as soon as it passes `limit` bytes
+    (declared or received): an endless or huge body costs the router `limit` at most."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise AnswerTooLarge(what, limit)
+    chunks: list[bytes] = []
+    size = 0
+    while data := await resp.content.readany():
+        size += len(data)
+        if size > limit:
+            raise AnswerTooLarge(what, limit)
+        chunks.append(data)
+    return b"".join(chunks)
 
 
 def _upstream_socket(rcvbuf: int, addr_info: Any) -> socket.socket:
@@ -60,6 +87,9 @@ class UpstreamClient:
         self._read_bufsize = max(1024, read_buffer_bytes // 2)
         self._rcvbuf = read_buffer_bytes
         self._session: aiohttp.ClientSession | None = None
+        # Headers every request to a backend carries, by backend name: a DP rank's
+        # X-data-parallel-rank (router/config/data_parallel.py; the registry keeps it).
+        self.backend_headers: dict[str, dict[str, str]] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -103,16 +133,22 @@ class UpstreamClient:
         deadline: float | None,
         timeout_kind: str = TOTAL_TIMEOUT,
         trace: dict[str, str] | None = None,
+        encoded: bytes | None = None,
     ) -> aiohttp.ClientResponse:
         """POST and wait for the response headers until `deadline`; a miss is an
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
+        headers = self._headers(api_key, trace)
+        extra = self.backend_headers.get(backend)
+        if extra:
+            headers.update(extra)
+        data = orjson.dumps(body) if encoded is None else encoded
         try:
             if deadline is None:  # bounded by the caller's timer (post_raw): skip a no-op Timeout
-                resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
+                resp = await self.session.post(url, data=data, headers=headers)
             else:
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(url, data=orjson.dumps(body), headers=self._headers(api_key, trace))
+                    resp = await self.session.post(url, data=data, headers=headers)
         except _CONNECT_TIMEOUT_ERRORS as e:  # before TimeoutError: it is a subclass
             raise UpstreamError(
                 backend, CONNECT_TIMEOUT, f"no connection to {url} within {self.timeouts.connect_s:g} s: {e}"
@@ -149,9 +185,11 @@ class UpstreamClient:
         api_key: str = "",
         total_deadline: float | None = None,
         on_close: Callable[[], None] | None = None,
+        encoded: bytes | None = None,
     ) -> UpstreamStream:
         """Open a streamed leg. `on_close` runs once when the leg is finished or aborted
-        (not when opening fails: the caller handles that)."""
+        (not when opening fails: the caller handles that). `encoded`: `body` already
+        serialised (the legs of a race share one copy of a large prompt)."""
         loop = asyncio.get_running_loop()
         if total_deadline is None:
             total_deadline = loop.time() + self.timeouts.total_s
@@ -163,7 +201,7 @@ class UpstreamClient:
             head_deadline, kind = total_deadline, TOTAL_TIMEOUT
         leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
         try:
-            resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace)
+            resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace, encoded)
         except BaseException as e:
             tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
             raise
@@ -180,14 +218,16 @@ class UpstreamClient:
         *,
         api_key: str = "",
         total_deadline: float | None = None,
+        limit: int = MAX_ANSWER_BYTES,
     ) -> bytes:
-        """A non-streaming call: the engine's 200 answer as bytes (errors raise)."""
+        """A non-streaming call: the engine's 200 answer as bytes (errors raise; an answer
+        past `limit` bytes is an UpstreamError of kind TOO_LARGE)."""
         loop = asyncio.get_running_loop()
         if total_deadline is None:
             total_deadline = loop.time() + self.timeouts.total_s
         leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
         try:
-            raw = await self._post_raw(backend, base_url + path, body, api_key, total_deadline, trace)
+            raw = await self._post_raw(backend, base_url + path, body, api_key, total_deadline, trace, limit)
         except BaseException as e:
             tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
             raise
@@ -202,13 +242,19 @@ class UpstreamClient:
         api_key: str,
         total_deadline: float,
         trace: dict[str, str] | None,
+        limit: int,
     ) -> bytes:
         # One timer for headers and body (each timer is a heap entry on every request).
         try:
             async with asyncio.timeout_at(total_deadline):
                 resp = await self._post(backend, url, body, api_key, None, trace=trace)
                 try:
-                    return await resp.read()
+                    raw = await read_bounded(resp, limit, "the answer")
+                    resp.release()
+                    return raw
+                except AnswerTooLarge as e:
+                    resp.close()
+                    raise UpstreamError(backend, TOO_LARGE, str(e)) from None
                 except (aiohttp.ClientError, ConnectionError) as e:
                     resp.close()
                     raise UpstreamError(backend, BROKEN, f"connection lost: {e!r}") from None
@@ -227,8 +273,11 @@ class UpstreamClient:
         *,
         api_key: str = "",
         total_deadline: float | None = None,
+        limit: int = MAX_ANSWER_BYTES,
     ) -> dict[str, Any]:
-        raw = await self.post_raw(backend, base_url, path, body, api_key=api_key, total_deadline=total_deadline)
+        raw = await self.post_raw(
+            backend, base_url, path, body, api_key=api_key, total_deadline=total_deadline, limit=limit
+        )
         try:
             out = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -237,7 +286,11 @@ class UpstreamClient:
             raise UpstreamError(backend, PROTOCOL, "response is not a JSON object")
         return out
 
-    async def get_text(self, url: str, timeout_s: float, api_key: str = "") -> tuple[int, str]:
+    async def get_text(
+        self, url: str, timeout_s: float, api_key: str = "", limit: int = MAX_CHECK_BYTES
+    ) -> tuple[int, str]:
+        """A check's GET: (status, body); AnswerTooLarge past `limit` bytes."""
         async with asyncio.timeout(timeout_s):
             async with self.session.get(url, headers=self._headers(api_key)) as resp:
-                return resp.status, await resp.text()
+                raw = await read_bounded(resp, limit, f"GET {url}")
+                return resp.status, raw.decode(resp.charset or "utf-8", "replace")

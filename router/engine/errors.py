@@ -15,9 +15,18 @@ TOTAL_TIMEOUT = "total_timeout"
 BROKEN = "broken"  # the stream ended without [DONE] or the connection dropped
 ENGINE_ERROR = "engine_error"  # the engine sent an error event mid-stream
 PROTOCOL = "protocol"  # unparseable chunk
+TOO_LARGE = "too_large"  # a non-streamed answer past the bound the router reads (client.py)
 
 # How much of an engine's error answer is read and kept (passed on to the client, logged).
 MAX_ERROR_BODY = 64 * 1024
+
+
+class AnswerTooLarge(Exception):
+    """An engine's body went past what the router reads of it (`limit` bytes)."""
+
+    def __init__(self, what: str, limit: int):
+        super().__init__(f"{what} is larger than the {limit} bytes the router reads of it")
+        self.limit = limit
 
 
 class UpstreamError(Exception):

@@ -40,13 +40,19 @@ class SSEDecoder:
     blank line never came.
     """
 
-    __slots__ = ("_buf", "_data", "_max_line", "_skip_lf")
+    __slots__ = ("_buf", "_buf_len", "_data", "_max_line", "_skip_lf", "scanned_bytes")
 
     def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
-        self._buf = b""  # an unterminated line carried over from the last feed
+        # An unterminated line carried over, in the pieces it arrived in: joined once, when
+        # its end arrives. (Joining at every feed copied and rescanned the whole line each
+        # time: a 16 MiB chunk in 64 KiB reads cost 3.1 s of CPU, 32 MiB 15.7 s.)
+        self._buf: list[bytes] = []
+        self._buf_len = 0
         self._data: list[bytes] = []  # data lines of the event being read
         self._skip_lf = False  # last feed ended in \r: a \n starting the next belongs to it
         self._max_line = max_line_bytes
+        # Bytes looked at while a line was carried over (each once: the work is linear).
+        self.scanned_bytes = 0
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         out: list[bytes] = []
@@ -61,7 +67,21 @@ class SSEDecoder:
         elif not self._buf and not self._data and data[-2:] == b"\n\n" and b"\r" not in data:
             # The common case: whole `data: <json>\n\n` events, nothing carried over.
             return self._whole_events(data)
-        buf = self._buf + data if self._buf else data
+        if self._buf:
+            # A line is carried over: only the new bytes are scanned for its end.
+            self.scanned_bytes += len(data)
+            if b"\n" not in data and b"\r" not in data:
+                self._buf.append(data)
+                self._buf_len += len(data)
+                if self._buf_len > self._max_line:
+                    raise SSEError(f"SSE line longer than {self._max_line} bytes")
+                return out
+            self._buf.append(data)
+            buf = b"".join(self._buf)
+            self._buf = []
+            self._buf_len = 0
+        else:
+            buf = data
         if b"\r" in buf:
             start = self._split_any(buf, out)
         else:
@@ -74,9 +94,12 @@ class SSEDecoder:
                     break
                 line(buf[start:nl], out)
                 start = nl + 1
-        self._buf = buf[start:]
-        if len(self._buf) > self._max_line:
-            raise SSEError(f"SSE line longer than {self._max_line} bytes")
+        if start < len(buf):
+            tail = buf[start:]
+            self._buf = [tail]
+            self._buf_len = len(tail)
+            if self._buf_len > self._max_line:
+                raise SSEError(f"SSE line longer than {self._max_line} bytes")
         return out
 
     def _whole_events(self, data: bytes) -> list[bytes]:
@@ -140,8 +163,9 @@ class SSEDecoder:
         blank line. The decoder is then empty and can be reused."""
         out: list[bytes] = []
         if self._buf:
-            self._line(self._buf, out)
-            self._buf = b""
+            self._line(b"".join(self._buf), out)
+            self._buf = []
+            self._buf_len = 0
         self._skip_lf = False
         self._line(b"", out)
         return out

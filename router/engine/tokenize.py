@@ -10,12 +10,14 @@ generation prompt, special tokens). A prompt given as token ids needs no call.
 Cost: one small request to an engine's API server (no GPU work), about a millisecond on a
 local network, paid only by the policies that read the index; answers are kept in a
 bounded LRU keyed by the exact tokenize body, so a retried or repeated prompt costs
-nothing.
+nothing. The LRU is bounded in token ids too (`max_cached_ids`), kept as 4-byte integers:
+a 4 MiB prompt is ~2M ids, which as a tuple of Python ints costs 72 MB.
 """
 
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -63,10 +65,12 @@ def token_ids_of(answer: dict[str, Any], backend: str) -> tuple[int, ...]:
 class PromptTokenizer:
     """Token ids of prompts from the engines' /tokenize, with a bounded LRU of answers."""
 
-    def __init__(self, client: UpstreamClient, max_entries: int = 4096) -> None:
+    def __init__(self, client: UpstreamClient, max_entries: int = 4096, max_cached_ids: int = 16 * 2**20) -> None:
         self.client = client
         self.max_entries = max_entries
-        self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self.max_cached_ids = max_cached_ids  # 64 MiB of ids at most
+        self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._cached_ids = 0
         self.calls = 0  # /tokenize requests sent (the cache missed)
         self.hits = 0
 
@@ -78,13 +82,16 @@ class PromptTokenizer:
         if found is not None:
             self._cache.move_to_end(key)
             self.hits += 1
-            return found
+            return tuple(found)
         self.calls += 1
         answer = await self.client.post_json(
             backend, base_url, "/tokenize", body, api_key=api_key, total_deadline=deadline
         )
         ids = token_ids_of(answer, backend)
-        self._cache[key] = ids
-        if len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
+        del answer  # its list of ints is as large as the tuple
+        if len(ids) <= self.max_cached_ids // 4:  # a prompt larger than that is not kept
+            self._cache[key] = array("I", ids)
+            self._cached_ids += len(ids)
+            while len(self._cache) > self.max_entries or self._cached_ids > self.max_cached_ids:
+                self._cached_ids -= len(self._cache.popitem(last=False)[1])
         return ids

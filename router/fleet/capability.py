@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any
 
-from router.engine.client import UpstreamClient
+from router.engine.client import MAX_CHECK_BYTES, UpstreamClient
 from router.engine.errors import UpstreamError
 from router.engine.wire import capability_check_body, is_rejection_chunk
 
@@ -54,7 +54,7 @@ async def threshold_capable(
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         answer = await client.post_json(
-            name, url, CHECK_PATH, check_body(model), api_key=api_key, total_deadline=deadline
+            name, url, CHECK_PATH, check_body(model), api_key=api_key, total_deadline=deadline, limit=MAX_CHECK_BYTES
         )
     except UpstreamError as e:
         log.info("backend %s: threshold check not answered (%s); trying again later", name, e.kind)

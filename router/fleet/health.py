@@ -21,7 +21,7 @@ import orjson
 
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.client import UpstreamClient
-from router.engine.scrape import parse_load_metrics
+from router.engine.scrape import ENGINE_CORES, parse_load_metrics
 from router.fleet import capability
 from router.fleet.registry import BackendRegistry
 
@@ -38,6 +38,7 @@ class HealthMonitor:
         # Backend -> its /v1/models entries as last read (GET /v1/models merges them).
         self.model_cards: dict[str, list[dict[str, Any]]] = {}
         self._took: dict[str, float] = {}  # backend -> how long its check took, this round
+        self._undeclared_ranks: set[str] = set()  # DP servers not declared, named once
 
     @property
     def _timeout_s(self) -> float:
@@ -65,7 +66,17 @@ class HealthMonitor:
         status, text = await self.client.get_text(url + "/metrics", self._timeout_s, key)
         if status != 200:
             raise RuntimeError(f"/metrics answered HTTP {status}")
-        load = parse_load_metrics(text)
+        # A DP rank reads its own engine core's samples (vLLM labels them engine="<rank>").
+        load = parse_load_metrics(text, str(config.data_parallel_rank) if config.data_parallel_rank >= 0 else None)
+        cores = int(load.get(ENGINE_CORES, 1))
+        if cores > 1 and config.data_parallel_rank < 0 and config.name not in self._undeclared_ranks:
+            self._undeclared_ranks.add(config.name)
+            log.warning(
+                "backend %s: %d DP ranks behind one address; data_parallel_size = %d routes each",
+                config.name,
+                cores,
+                cores,
+            )
         cards = await self._model_cards(url, key) if want_cards else None
         return load, cards
 
@@ -75,6 +86,7 @@ class HealthMonitor:
             return
         url, key = state.config.url, state.config.api_key
         started = time.monotonic()
+        changed = state.adapters_changed  # a load or unload through the router while this reads
         try:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
             load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
@@ -90,11 +102,14 @@ class HealthMonitor:
             # Removed while it answered, or replaced (a reload moved the name to another
             # address): this answer says nothing about the backend under the name now.
             return
-        models = None
-        if cards is not None:
+        models = adapters = None
+        # No adapter loaded or unloaded through the router since the list was asked for
+        # (that list is older than the router's view).
+        if cards is not None and state.adapters_changed == changed:
             self.model_cards[name] = cards
             models = tuple(c["id"] for c in cards)
-        self.registry.record_scrape(name, load, models)
+            adapters = tuple(c["id"] for c in cards if c.get("parent"))  # vLLM: a LoRA adapter's base
+        self.registry.record_scrape(name, load, models, adapters)
         # Unanswered (an engine failing requests): asked again with the next /health check.
         if state.threshold_capable is None and state.config.decodes and with_health:
             model = state.models[0] if state.models else None

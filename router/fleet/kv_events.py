@@ -281,6 +281,10 @@ class KvEvents:
         """Decode and index one batch; its publication time, None if it did not decode."""
         try:
             batch, skipped = decode_batch(payload)
+            rank = st.config.data_parallel_rank
+            if rank >= 0 and batch.data_parallel_rank is not None and batch.data_parallel_rank != rank:
+                # Another DP rank's cache (an endpoint not offset by the rank): not this backend's.
+                raise ValueError(f"a batch of DP rank {batch.data_parallel_rank}, not {rank}: check kv_events_endpoint")
             self.index.apply(st.name, batch)
         except (DecodeError, ValueError, TypeError) as e:
             self._decode_error(st, e)

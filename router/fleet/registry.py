@@ -1,34 +1,32 @@
 """Backend registry: health, circuit breaker, in-flight counts, scraped load, snapshots.
 
-One place owns every fact about a backend. Planners never see this mutable state: they
-get a `ClusterSnapshot` of frozen `BackendView`s (router/routing/snapshot.py), so every routing
-policy is a pure function testable without sockets.
+One place owns every fact about a backend. Planners never see this mutable state: they get a `ClusterSnapshot`
+of frozen `BackendView`s (router/routing/snapshot.py), so every routing policy is a pure function testable
+without sockets.
 
 Health has two sources, kept apart:
-- active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see
-  `record_scrape_failure` for when a failed check counts);
-- passive: the request path reports connection errors, timeouts and 5xx (`record_failure`)
-  and completed answers (`record_success`); they drive the circuit breaker.
-A per-backend circuit breaker opens after `failure_threshold` consecutive request failures.
-An open backend gets no requests (no probes) for `cooldown_s`; then one trial request goes
-through (half-open) and its success closes the breaker, its failure opens it again. A good
-health check does not close the breaker: an engine can answer /health and /metrics while
-failing every request. A trial that ends without a verdict (a probe that was rejected or
-lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one
-through, so a breaker never stays half-open for good.
+- active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see `record_scrape_failure` for
+  when a failed check counts);
+- passive: the request path reports connection errors, timeouts and 5xx (`record_failure`) and completed
+  answers (`record_success`); they drive the circuit breaker.
+A per-backend circuit breaker opens after `failure_threshold` consecutive request failures. An open backend
+gets no requests (no probes) for `cooldown_s`; then one trial request goes through (half-open) and its success
+closes the breaker, its failure opens it again. A good health check does not close the breaker: an engine can
+answer /health and /metrics while failing every request. A trial that ends without a verdict (a probe that was
+rejected or lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one through,
+so a breaker never stays half-open for good.
 
-An operator can drain a backend (admin API): it gets no new request or leg, not even as
-the last resort of panic routing, while the requests it is serving finish.
+An operator can drain a backend (admin API): it gets no new request or leg, not even as the last resort of
+panic routing, while the requests it is serving finish.
 
-Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router
-sends holds a `LegTicket` from `open_leg` to `close_leg`; until its first token
-(`first_token`) its prompt tokens still to prefill are queued on the engine, after it the
-leg is one decoding sequence. The registry's `SpeedLearner` turns finished legs into each
-engine's measured speed, and every `BackendView` carries both.
+Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router sends holds
+a `LegTicket` from `open_leg` to `close_leg`; until its first token (`first_token`) its prompt tokens still to
+prefill are queued on the engine, after it the leg is one decoding sequence. The registry's `SpeedLearner`
+turns finished legs into each engine's measured speed, and every `BackendView` carries both.
 
-Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add`
-registers one, `remove` forgets a drained one once nothing is in flight on it. Feedback
-for a name that is gone (a health check or a failure that raced its removal) is ignored.
+Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add` registers
+one, `remove` forgets a drained one once nothing is in flight on it. Feedback for a name that is gone (a
+health check or a failure that raced its removal) is ignored.
 """
 
 from __future__ import annotations
@@ -38,8 +36,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
+from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.kv_index import KvIndex
@@ -47,8 +47,6 @@ from router.routing.snapshot import BackendView, ClusterSnapshot
 from router.routing.speed_learner import SpeedLearner
 
 log = logging.getLogger("cachehit_router.backends")
-
-# The breaker gauge's values.
 
 
 @dataclass
@@ -79,28 +77,15 @@ class BackendState:
     others_running: float = 0.0
     others_seen_at: float = -1e9  # the last scrape that saw a whole request of others' (clock)
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
+    # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
+    adapters: tuple[str, ...] = ()
+    adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
 
 
 # How long traffic the router did not send keeps an engine marked as shared with others
 # (other replicas, clients that bypass the router): the router's own memory of it is then
 # incomplete.
 OTHERS_SEEN_S = 60.0
-
-
-@dataclass(slots=True)
-class LegTicket:
-    """One leg's place in its engine's load, from `open_leg` to `close_leg`.
-
-    `queued_ahead` and `decoding` are the cost model's inputs when the leg was sent: with
-    the tokens it lacked and its time to first token they make one speed sample."""
-
-    backend: str
-    tokens: int  # prompt tokens it adds to the engine's prefill queue until its first token
-    queued_ahead: float
-    decoding: float
-    sent_at: float
-    first_token_at: float | None = None
-    closed: bool = False
 
 
 @dataclass
@@ -116,12 +101,14 @@ class BackendRegistry:
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
-    stalls: StallWatch = field(default_factory=StallWatch, init=False)  # engines whose answers stall
+    # Headers each request to a backend carries (a DP rank's; the upstream client reads it).
+    backend_headers: dict[str, dict[str, str]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        self.stalls.slow_s = self.health.slow_engine_s
+        self.stalls = StallWatch(self.health.slow_engine_s)  # engines whose answers stall (router/fleet/stalls.py)
         for c in self.configs:
             self.states[c.name] = BackendState(config=c, models=c.models)
+            self._set_headers(c)
             if c.prefill_tokens_per_s > 0:
                 self.learner.engine_per_token_s[c.name] = 1.0 / c.prefill_tokens_per_s
 
@@ -132,7 +119,9 @@ class BackendRegistry:
         learner = self.learner
         # One pass over the index, not one per backend: a snapshot is taken per request.
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}
+        adapters: set[str] = set()
         for s in self.states.values():
+            adapters.update(s.adapters)
             c = s.config
             views.append(
                 BackendView(
@@ -155,6 +144,7 @@ class BackendRegistry:
                     kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
                     kv_removed_at=removed.get(c.name, 0.0),
                     others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
+                    adapters=s.adapters,
                 )
             )
         return ClusterSnapshot(
@@ -164,6 +154,7 @@ class BackendRegistry:
             learner.race_wait_s,
             learner.race_saving_share,
             learner.race_saving_share_unplaced,
+            frozenset(adapters),
         )
 
     def _queued_tokens(self, s: BackendState, now: float) -> float:
@@ -208,9 +199,15 @@ class BackendRegistry:
         if config.name in self.states:
             raise ValueError(f"backend {config.name!r} already exists")
         s = self.states[config.name] = BackendState(config=config, models=config.models)
+        self._set_headers(config)
         if config.prefill_tokens_per_s > 0:
             self.learner.engine_per_token_s[config.name] = 1.0 / config.prefill_tokens_per_s
         return s
+
+    def _set_headers(self, config: BackendConfig) -> None:
+        headers = rank_headers(config)
+        if headers:
+            self.backend_headers[config.name] = headers
 
     def remove(self, name: str) -> None:
         """Forget a drained backend with nothing in flight (see `router/fleet/membership.py`)."""
@@ -221,14 +218,13 @@ class BackendRegistry:
             raise ValueError(f"backend {name!r} must be drained and idle before removal")
         del self.states[name]
         self.stalls.forget(name)
+        self.backend_headers.pop(name, None)
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
         self.learner.engine_per_token_s.pop(name, None)
 
     def accepting(self, name: str) -> BackendState | None:
-        """`name`'s state if a new leg may go there now: not when it left the fleet, nor when
-        it is drained (an operator's drain, or a removal that began) since the plan chose it
-        (a plan may wait for a prompt's tokens, and the fleet changes meanwhile)."""
+        """`name`'s state if a new leg may go there now: still in the fleet and not drained since planned."""
         s = self.states.get(name)
         return None if s is None or s.draining else s
 
@@ -260,10 +256,10 @@ class BackendRegistry:
         ticket.first_token_at = self.clock() if at is None else at
         s = self.states.get(ticket.backend)
         if s is not None:
-            speed = self.learner.speed(ticket.backend)
-            expected = speed.ttft(ticket.queued_ahead + ticket.tokens, ticket.decoding)
-            observed = ticket.first_token_at - ticket.sent_at
-            self.stalls.first_token(ticket.backend, observed, expected, ticket.first_token_at, speed.samples)
+            t, speed = ticket.first_token_at, self.learner.speed(ticket.backend)
+            self.stalls.first_token_of(
+                s.config.name, t - ticket.sent_at, ticket.queued_ahead + ticket.tokens, ticket.decoding, speed, t
+            )
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
             s.decoding += 1
@@ -343,7 +339,13 @@ class BackendRegistry:
             s.half_open_trial_taken = False
 
     # --- scraper feedback ----------------------------------------------------------------
-    def record_scrape(self, name: str, load: dict[str, float], models: tuple[str, ...] | None) -> None:
+    def record_scrape(
+        self,
+        name: str,
+        load: dict[str, float],
+        models: tuple[str, ...] | None,
+        adapters: tuple[str, ...] | None = None,
+    ) -> None:
         s = self.states.get(name)
         if s is None:  # removed meanwhile
             return
@@ -367,6 +369,8 @@ class BackendRegistry:
             if s.models:
                 log.info("backend %s: now serves %s", name, ", ".join(models))
             s.models = models
+        if adapters is not None:
+            s.adapters = adapters
         if not s.healthy:
             log.info(
                 "backend %s: answers its health checks again%s",

@@ -24,6 +24,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from router.routing.costmodel import EngineSpeed
+
 log = logging.getLogger("cachehit_router.backends")
 
 # A stall is late by more than this beyond the prediction (queueing is not a stall)...
@@ -70,6 +72,13 @@ class StallWatch:
         behind `expected_s`."""
         if samples >= MIN_SAMPLES and is_stalled(observed_s, expected_s):
             self._stalled(name, now, f"first token after {observed_s:.2f} s, predicted {expected_s:.2f} s")
+
+    def first_token_of(
+        self, name: str, seconds: float, tokens: float, decoding: float, speed: EngineSpeed, now: float
+    ) -> None:
+        """`first_token` of a leg sent with `tokens` to prefill ahead of its first token and
+        `decoding` sequences there, judged with the engine's measured `speed`."""
+        self.first_token(name, seconds, speed.ttft(tokens, decoding), now, speed.samples)
 
     def token_gap(self, name: str, gap_s: float, step_s: float, now: float, samples: int) -> None:
         """A streamed answer waited `gap_s` for its next piece; `step_s`: one engine step."""

@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 from router.config.checks import Problems
 from router.config.schema import RoutingConfig
 from router.routing import costmodel
+from router.routing.adapter_memory import AdapterMemories
 from router.routing.prefix_memory import PrefixMemory
 from router.routing.snapshot import BackendView, ClusterSnapshot
 
@@ -41,6 +42,10 @@ class RouteQuery:
     # prompt was not matched against the index.
     indexed: Mapping[str, float] | None = None
     tenant: str = ""  # whose request: the prefix memory shares its budget fairly between tenants
+    # The LoRA adapter the request names (None: the base model): engines cache an adapter's
+    # prompts apart from the base model's (vLLM hashes the adapter into its blocks), and so
+    # does the router's memory of where it sent them.
+    adapter: str | None = None
 
     def tokens(self, snap: ClusterSnapshot) -> float:
         """The prompt's length in tokens: exact, or from the learned characters per token."""
@@ -163,14 +168,24 @@ class RemembersPrefixes:
     reload that keeps the policy hands the memory on (where prompts went is still true)."""
 
     memory: PrefixMemory
+    # Each LoRA adapter's prompts apart (router/routing/adapter_memory.py); handed on with `memory`.
+    adapter_memories: AdapterMemories | None = None
+
+    def memory_for(self, query: RouteQuery) -> PrefixMemory:
+        if query.adapter is None:
+            return self.memory
+        if self.adapter_memories is None:
+            self.adapter_memories = AdapterMemories()
+        return self.adapter_memories.get(self.memory, query.adapter)
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
-        self.memory.insert(self.memory.chunk_hashes(query.text), backend, tenant=query.tenant)
+        memory = self.memory_for(query)
+        memory.insert(memory.chunk_hashes(query.text), backend, tenant=query.tenant)
 
     def expected_hits(
         self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
     ) -> dict[str, float]:
-        return self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
+        return self.memory_for(query).expected_hits(query.text, prompt_tokens, sent_within_s)
 
 
 def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str]) -> list[BackendView]:

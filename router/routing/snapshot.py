@@ -44,6 +44,10 @@ class BackendView:
     # The engine served traffic this router did not send within the last minute (other
     # replicas): what this router remembers sending it is not all it holds.
     others_seen: bool = False
+    # The LoRA adapters among `models` (vLLM lists them with a `parent`; loaded through the
+    # router): an adapter is served only where it is listed, never by an engine whose
+    # models are unknown.
+    adapters: tuple[str, ...] = ()
 
     @property
     def load(self) -> float:
@@ -65,6 +69,15 @@ class ClusterSnapshot:
     race_wait_s: float = 0.005  # what waiting for the verdicts of a race nobody won costs
     race_saving_share: float = 0.5  # share of a prompt's prefill time races have been saving
     race_saving_share_unplaced: float = 0.5  # the same for prompts the memory places nowhere
+    # Every LoRA adapter some engine holds: a request naming one goes only where it is listed.
+    adapters: frozenset[str] = frozenset()
+
+    def serves(self, b: BackendView, model: str | None) -> bool:
+        """Does `b` serve `model`? An adapter only where it is listed; a base model also
+        where the engine's models are not known yet."""
+        if model is not None and model in self.adapters:
+            return model in b.models
+        return b.serves(model)
 
     def decoders(self, model: str | None) -> list[BackendView]:
         """Available decode backends for `model`. If none is available, every decode
@@ -72,11 +85,11 @@ class ClusterSnapshot:
         health view that says "nothing works" is more often wrong (checks timing out under
         load) than right, and a real attempt fails fast with a precise error anyway. A
         drained backend is never among them: an operator took it out on purpose."""
-        serving = [b for b in self.backends if b.decodes and b.serves(model) and not b.drained]
+        serving = [b for b in self.backends if b.decodes and self.serves(b, model) and not b.drained]
         return [b for b in serving if b.available] or serving
 
     def prefillers(self, model: str | None) -> list[BackendView]:
-        return [b for b in self.backends if b.available and b.prefills and b.serves(model)]
+        return [b for b in self.backends if b.available and b.prefills and self.serves(b, model)]
 
     def get(self, name: str) -> BackendView | None:
         for b in self.backends:

@@ -26,7 +26,10 @@ from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
 from router.config.schema import Config
 from router.observability import tracing
 from router.server.admin import AdminApi
+from router.server.lora_routes import LoraApi
+from router.server.messages import MESSAGES_PATH
 from router.server.respond import error_response
+from router.server.responses import RESPONSES_PATH
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -85,10 +88,13 @@ def build_app(
         functools.partial(state.generation.handle, endpoint=ENDPOINT_CHAT),
         expect_handler=expect_handler,
     )
+    app.router.add_post(MESSAGES_PATH, state.messages.handle, expect_handler=expect_handler)
+    app.router.add_post(RESPONSES_PATH, state.responses.handle, expect_handler=expect_handler)
     app.router.add_get("/v1/models", state.handle_models)
     state.forwarder.add_routes(app.router)  # vLLM's other routes (router/server/forward.py)
     app.router.add_get("/health", state.handle_health)
     app.router.add_get("/ready", state.handle_ready)
     app.router.add_get("/metrics", state.handle_metrics)
     AdminApi(state).add_routes(app.router)  # router/server/admin.py
+    LoraApi(state).add_routes(app.router)  # router/server/lora_routes.py (admin key)
     return app

@@ -2,15 +2,17 @@
 
 Everything but the generation routes (which race, fall back and resume: dispatch.py) is
 answered by one engine: embeddings, pooling, classify, score and rerank, tokenize and
-detokenize, the Responses API, audio transcription and translation, `/version`. The
-router keeps its guarantees on them: the same admission as a generation for every route,
-GET included (the key, the tenant's rate, a concurrency slot), body limits, a JSON body
+detokenize, the Anthropic API's `/v1/messages/count_tokens`, audio transcription and
+translation, `/version` (the Responses API is placed like a generation:
+router/server/responses.py). The router keeps its guarantees on them: the same admission
+as a generation for every route, GET included (the key, the tenant's rate, a concurrency
+slot), body limits, a JSON body
 with the router's fields removed and its `priority` checked against the key's rule
 (router/admission/engine_body.py; sent as the client's bytes when nothing was removed),
 only healthy backends (the least loaded that serves the body's `model`), and
 retries on another backend for failures before the answer's first byte (no connection,
 an HTTP 5xx, silence: router/server/relay.py). The engine's answer is streamed back as it comes: status, body and
-content type unchanged (an SSE stream of `/v1/responses` included), so a client sees
+content type unchanged, so a client sees
 vLLM's own JSON and errors.
 
 Audio uploads (multipart/form-data) are never buffered whole: the router reads only the
@@ -41,7 +43,14 @@ import orjson
 from aiohttp import web
 
 from router import errors
-from router.admission.body import FORM_BOUNDARY, check_length, read_body, read_form_prefix
+from router.admission.body import (
+    FORM_BOUNDARY,
+    BodyReader,
+    body_reservation,
+    check_length,
+    read_body,
+    read_form_prefix,
+)
 from router.admission.engine_body import engine_json
 from router.admission.spec import ID_PREFIX, RequestSpec
 from router.admission.tenants import Tenant
@@ -69,7 +78,7 @@ JSON_ROUTES = (
     "/v2/rerank",
     "/tokenize",
     "/detokenize",
-    "/v1/responses",
+    "/v1/messages/count_tokens",  # the Anthropic API's token count (its messages: messages.py)
 )
 MULTIPART_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 GET_ROUTES = ("/version", "/tokenizer_info")
@@ -109,6 +118,7 @@ class Forwarder:
             rec.model = model
             rec.stream = body.get("stream") is True
             sent = engine_json(raw, body, tenant)  # the router's fields stripped, priority checked
+            del raw, body  # only what is sent is kept while the engine answers
             return await self.relay.forward(request, rec, self._check_model(model), sent, "application/json")
 
         return await self._run(request, serve)
@@ -122,10 +132,12 @@ class Forwarder:
             m = FORM_BOUNDARY.search(ctype)
             if not ctype.lower().startswith("multipart/form-data") or m is None:
                 raise errors.bad_request("Expected a multipart/form-data body with a boundary.")
-            prefix, model = await read_form_prefix(request, m.group(1).encode(), self.state.config.server)
+            # One deadline for the whole upload: its form fields and the file streamed on.
+            reader = BodyReader(request, self.state.config.server)
+            prefix, model = await read_form_prefix(reader, m.group(1).encode())
             rec.model = model
             return await self.relay.forward(
-                request, rec, self._check_model(model), prefix, ctype, rest=request.content, limit=limit
+                request, rec, self._check_model(model), prefix, ctype, rest=reader, limit=limit
             )
 
         return await self._run(request, serve)
@@ -184,7 +196,9 @@ class Forwarder:
             rec.request_id = header_id or ""
             if request.path not in MULTIPART_ROUTES:  # uploads have their own limit
                 check_length(request, state.config.server)
-            async with state.limiter.slot(tenant, priority):
+            # Uploads stream (never held whole): only bodies read whole count in the budget.
+            held = 0 if request.path in MULTIPART_ROUTES else body_reservation(request, state.config.server)
+            async with state.limiter.slot(tenant, priority), state.body_budget.hold(held):
                 return await serve(rec, tenant)
         except errors.RouterError as e:
             resp = state.refused(rec, e)
@@ -201,6 +215,16 @@ class Forwarder:
             state.request_ended(task)
             rec.duration_s = time.monotonic() - t0
             state.metrics.record(rec)
+
+    async def admitted(
+        self, request: web.Request, serve: Callable[[RequestRecord, Tenant], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """The admission frame of these routes around a route served elsewhere
+        (`/v1/responses`: router/server/responses.py)."""
+        return await self._run(request, serve)
+
+    def check_model(self, model: str | None) -> str | None:
+        return self._check_model(model)
 
     def _check_model(self, model: str | None) -> str | None:
         """The model to route by; 404 in vLLM's words for one no backend serves."""

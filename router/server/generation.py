@@ -16,25 +16,50 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
 from aiohttp import web
 
 from router import errors
-from router.admission.body import check_length, read_body
+from router.admission.body import body_reservation, check_length, read_body
 from router.admission.engine_body import check_priority
 from router.admission.spec import parse_request
+from router.admission.tenants import Tenant
 from router.answer.shaper import ResponseShaper
 from router.observability.clientlog import escape
 from router.observability.record import RequestRecord
 from router.observability.trace_context import answer_request_id, client_request_id
-from router.server.respond import ClientStalled, SSEWriter, error_response, json_response
+from router.server.respond import ClientStalled, EventFraming, SSEWriter, error_response, json_response
 
 if TYPE_CHECKING:
     from router.server.forward import Forwarder
     from router.server.services import Admission
 
 log = logging.getLogger("cachehit_router.generation")
+
+
+class ClientApi(Protocol):
+    """A generation API vLLM serves as a chat completion it converts the body into (the
+    Anthropic Messages API: router/server/messages.py): the request runs as that chat
+    completion, and its answer is written in the API's own shape."""
+
+    def chat_body(self, raw: bytes) -> bytes | None:
+        """The chat completion body; None when only the engine's own route answers the
+        request exactly (it is then `forward`ed)."""
+        ...
+
+    async def forward(self, request: web.Request, rec: RequestRecord, raw: bytes, tenant: Tenant) -> web.StreamResponse:
+        """The client's body to one engine's own route, its answer relayed."""
+        ...
+
+    def framing(self) -> EventFraming:
+        """The writer of one streamed answer."""
+        ...
+
+    def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """A whole chat completion as this API's answer."""
+        ...
 
 
 class GenerationHandler:
@@ -44,12 +69,16 @@ class GenerationHandler:
         self.state = state
         self.forwarder = forwarder
 
-    async def handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, endpoint: str, api: ClientApi | None = None, label: str | None = None
+    ) -> web.StreamResponse:
+        """`api`: the request is `endpoint`'s (chat) as that API converts it; `label` names
+        the route in the record."""
         state = self.state
         assert state.registry is not None
         assert state.dispatcher is not None
         t0 = state.last_arrival = time.monotonic()
-        rec = RequestRecord(request_id="", endpoint=endpoint, model=None, stream=False)
+        rec = RequestRecord(request_id="", endpoint=label or endpoint, model=None, stream=False)
         writer: SSEWriter | None = None
         shaper: ResponseShaper | None = None
         task = state.request_began()
@@ -65,22 +94,41 @@ class GenerationHandler:
             check_length(request, state.config.server)
             # The body is read only once the request holds a slot: memory is bounded by
             # the limits (max_concurrent_requests bodies), not by how many clients arrive.
-            async with state.limiter.slot(tenant, priority):
+            # And within the bytes of bodies in flight (memory per request grows with its body).
+            async with (
+                state.limiter.slot(tenant, priority),
+                state.body_budget.hold(body_reservation(request, state.config.server)),
+            ):
                 header_id = client_request_id(request)
                 raw = await read_body(request, state.config.server)
+                if api is not None:
+                    converted = api.chat_body(raw)
+                    if converted is None:
+                        return await api.forward(request, rec, raw, tenant)
+                    raw = converted
                 served = state.registry.models()
                 spec = parse_request(
                     endpoint, raw, default_model=served[0] if len(served) == 1 else None, header_request_id=header_id
                 )
+                del raw  # the parsed body is what the request keeps: not its bytes too
                 check_priority(spec.body, tenant)  # the key's rule on vLLM's `priority` field
                 answer_id = answer_request_id(header_id, spec.request_id)  # the X-Request-Id answered
                 rec.request_id, rec.model, rec.stream = spec.request_id, spec.model, spec.stream
-                if spec.model is not None and served and spec.model not in served:
-                    raise errors.model_not_found(spec.model, served)
+                # A configured LoRA adapter no engine holds is loaded with routing.lora_autoload.
+                model = spec.model
+                if (
+                    model is not None
+                    and served
+                    and model not in served
+                    and (state.adapters is None or not await state.adapters.ensure(model))
+                ):
+                    raise errors.model_not_found(model, served)
                 if spec.whole:  # n > 1, batches, echo, prompt_logprobs: vLLM's own answer
                     return await self.forwarder.forward_generation(request, spec, rec, answer_id)
                 if state.dispatcher.passes_through(spec):
                     raw = await state.dispatcher.serve_unary(spec, rec)
+                    if api is not None:
+                        raw = orjson.dumps(api.whole(orjson.loads(raw)))
                     return web.Response(body=raw, content_type="application/json", headers={"X-Request-Id": answer_id})
                 shaper = ResponseShaper(spec)
                 if spec.stream:
@@ -90,18 +138,21 @@ class GenerationHandler:
                         buffer_bytes=state.config.server.stream_buffer_bytes,
                         idle_s=state.config.timeouts.idle_s,
                         deadline=asyncio.get_running_loop().time() + state.config.timeouts.total_s,
+                        framing=api.framing() if api is not None else None,
                     )
                     try:
-                        await state.dispatcher.serve(spec, shaper, writer.send, rec)
-                        await writer.send(shaper.final_chunks())
-                        return await writer.finish()
+                        await state.dispatcher.serve(
+                            spec, shaper, writer.send, rec, writer.send_raw if api is None else None
+                        )
+                        return await writer.finish(shaper.final_chunks())
                     except errors.RouterError as e:
                         if not writer.started:
                             raise
                         rec.status, rec.error = e.status, e.message
                         return await writer.fail(e)
-                await state.dispatcher.serve(spec, shaper, _discard, rec)
-                return json_response(shaper.accumulate_response(), headers={"X-Request-Id": answer_id})
+                await state.dispatcher.serve(spec, shaper, _discard, rec, None if api is not None else _discard_raw)
+                whole = shaper.accumulate_response()
+                return json_response(whole if api is None else api.whole(whole), headers={"X-Request-Id": answer_id})
         except errors.RouterError as e:
             resp = state.refused(rec, e)
             if state.draining or not request.content.is_eof():
@@ -154,3 +205,7 @@ class GenerationHandler:
 
 async def _discard(chunks: list[dict[str, Any]]) -> None:
     return None
+
+
+async def _discard_raw(data: bytes) -> None:
+    return None  # a non-streaming client's answer is accumulated by the shaper

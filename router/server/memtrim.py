@@ -3,7 +3,9 @@
 After a burst (hundreds of streams, slow readers) the C allocator keeps the freed heap:
 the router's RSS stays at its peak although nothing uses it. glibc's malloc_trim returns
 the free pages; it costs milliseconds on a large heap, so it runs only once the router has
-had no request in flight for `IDLE_S`, and once per burst.
+had no request in flight for `IDLE_S`, and once per burst. Memory freed outside any
+request (a connection closed with a large request head half received:
+router/server/connections.py) asks for a trim too (`freed`).
 """
 
 from __future__ import annotations
@@ -37,14 +39,26 @@ class IdleTrimmer:
         self._idle_s = idle_s
         self._timer: asyncio.TimerHandle | None = None
         self._dirty = False  # requests ran since the last trim
+        self._busy = False  # a request is in flight
 
     def busy(self) -> None:
         self._dirty = True
+        self._busy = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def idle(self) -> None:
+        self._busy = False
+        self._schedule()
+
+    def freed(self) -> None:
+        """Memory was freed outside a request: trim once no request is in flight."""
+        self._dirty = True
+        if not self._busy:
+            self._schedule()
+
+    def _schedule(self) -> None:
         if self._trim is not None and self._dirty and self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._idle_s, self._run)
 

@@ -21,6 +21,8 @@ import aiohttp
 from aiohttp import web
 
 from router import errors
+from router.admission.body import BodyReader
+from router.config.data_parallel import rank_headers
 from router.engine.errors import MAX_ERROR_BODY
 from router.names import Route
 from router.observability import tracing
@@ -65,7 +67,7 @@ class EngineRelay:
         content_type: str | None,
         *,
         find: bool = False,
-        rest: aiohttp.StreamReader | None = None,
+        rest: BodyReader | None = None,
         limit: int = 0,
         choose: Callable[[frozenset[str]], Awaitable[tuple[str, int] | None]] | None = None,
         request_id_header: bool = True,
@@ -93,10 +95,8 @@ class EngineRelay:
             if body:
                 yield body
             rest_started[0] = True
-            timeout = state.config.server.body_timeout_s
             while True:
-                async with asyncio.timeout(timeout):
-                    data = await rest.readany()
+                data = await rest.readany()  # within the body's deadline (a 408 past it)
                 if not data:
                     return
                 sent[0] += len(data)
@@ -123,7 +123,7 @@ class EngineRelay:
                 continue
             cfg = chosen.config
             leg, trace = tracing.start_leg(tracing.LEG_FORWARD, name, request.path)
-            headers = {**trace, **({"Content-Type": content_type} if content_type else {})}
+            headers = {**trace, **({"Content-Type": content_type} if content_type else {}), **rank_headers(cfg)}
             if cfg.api_key:
                 headers["Authorization"] = f"Bearer {cfg.api_key}"
             if request_id_header and rec.request_id:
@@ -146,6 +146,8 @@ class EngineRelay:
                 except (aiohttp.ClientError, ConnectionError, TimeoutError, _UploadTooLarge) as e:
                     if too_large[0]:
                         raise errors.payload_too_large(limit) from None
+                    if rest is not None and rest.error is not None:  # the client's body came too slowly
+                        raise rest.error from None
                     problem = "no answer in time" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
                     registry.record_failure(name, f"forward: {problem}")
                     rec.upstream_errors.append((name, "forward"))  # counted when the request is recorded

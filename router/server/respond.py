@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -36,8 +36,26 @@ def error_response(err: RouterError) -> web.Response:
     )
 
 
+class EventFraming(Protocol):
+    """How a stream's chunks are written for an API other than OpenAI's (vLLM's
+    `data: <json>` events and `data: [DONE]`), e.g. Anthropic's named events
+    (router/answer/messages_answer.py)."""
+
+    def encode(self, chunks: list[dict[str, Any]]) -> bytes: ...
+
+    def trailer(self) -> bytes: ...
+
+    def error(self, err: RouterError) -> bytes: ...
+
+
 class ClientStalled(ConnectionResetError):
     """The client read nothing of its stream for too long; its connection was dropped."""
+
+
+class _EventStreamResponse(web.StreamResponse):
+    # Headers go out in the same write as the first events (aiohttp's own Response does
+    # this; a StreamResponse sends them alone from prepare()): one syscall less a request.
+    _send_headers_immediately = False
 
 
 class SSEWriter:
@@ -49,8 +67,10 @@ class SSEWriter:
         buffer_bytes: int = 8 * 1024,
         idle_s: float = 60.0,
         deadline: float | None = None,
+        framing: EventFraming | None = None,
     ):
         self.request = request
+        self._framing = framing
         self.request_id = request_id
         self.response: web.StreamResponse | None = None
         self._buffer_bytes = buffer_bytes
@@ -62,7 +82,7 @@ class SSEWriter:
         return self.response is not None
 
     async def _start(self) -> web.StreamResponse:
-        resp = web.StreamResponse(
+        resp = _EventStreamResponse(
             status=200,
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
@@ -87,9 +107,17 @@ class SSEWriter:
     async def send(self, chunks: list[dict[str, Any]]) -> None:
         if not chunks:
             return
+        if self._framing is not None:
+            await self.send_raw(self._framing.encode(chunks))
+            return
+        await self.send_raw(format_event(chunks[0]) if len(chunks) == 1 else b"".join(map(format_event, chunks)))
+
+    async def send_raw(self, data: bytes) -> None:
+        """Events already encoded (SSE, or the API's own framing), in one transport write."""
+        if not data:
+            return
         if self.response is None:
             await self._start()
-        data = format_event(chunks[0]) if len(chunks) == 1 else b"".join(format_event(c) for c in chunks)
         # drain=False: aiohttp would wait for a paused socket without a timeout; the wait
         # below has one, and a timer is armed only when there is something to wait for.
         await self.request.writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
@@ -114,15 +142,20 @@ class SSEWriter:
                 f"the client read nothing of its stream for {wait:.3g} s (timeouts.idle_s or total_s)"
             ) from None
 
-    async def finish(self) -> web.StreamResponse:
+    async def finish(self, chunks: list[dict[str, Any]] | None = None) -> web.StreamResponse:
+        """The last `chunks`, [DONE] and the end of the body, in one write."""
         resp = self.response or await self._start()
-        await self._bounded(resp.write(DONE_EVENT))
-        await self._bounded(resp.write_eof())
+        if self._framing is not None:
+            last = (self._framing.encode(chunks) if chunks else b"") + self._framing.trailer()
+        else:
+            last = b"".join(map(format_event, chunks)) + DONE_EVENT if chunks else DONE_EVENT
+        await self._bounded(resp.write_eof(last))
         return resp
 
     async def fail(self, err: RouterError) -> web.StreamResponse:
         """Only after the stream started: an error event, then [DONE]."""
         assert self.response is not None
-        await self._bounded(self.response.write(sse_error_event(err) + DONE_EVENT))
+        event = sse_error_event(err) + DONE_EVENT if self._framing is None else self._framing.error(err)
+        await self._bounded(self.response.write(event))
         await self._bounded(self.response.write_eof())
         return self.response

@@ -13,11 +13,13 @@ if TYPE_CHECKING:
 
     from router import errors
     from router.admission.auth import KeyRing
+    from router.admission.body_budget import BodyBudget
     from router.admission.limiter import ConcurrencyLimiter
     from router.admission.tenants import Tenant
     from router.config.schema import Config
     from router.dispatch.pipeline import Dispatcher
     from router.engine.client import UpstreamClient
+    from router.fleet.adapters import AdapterManager
     from router.fleet.discovery import Discovery
     from router.fleet.membership import Fleet
     from router.fleet.registry import BackendRegistry
@@ -40,7 +42,9 @@ class Admission(Protocol):
     config: Config
     registry: BackendRegistry | None
     dispatcher: Dispatcher | None
+    adapters: AdapterManager | None  # LoRA adapters loaded through the router (autoload)
     limiter: ConcurrencyLimiter
+    body_budget: BodyBudget
     metrics: RouterMetrics
     draining: bool
     drain_expired: bool

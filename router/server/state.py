@@ -15,6 +15,7 @@ from aiohttp import web
 
 from router import errors
 from router.admission.auth import KeyRing, request_priority
+from router.admission.body_budget import BodyBudget
 from router.admission.limiter import ConcurrencyLimiter
 from router.admission.tenants import Tenant
 from router.config.schema import Config
@@ -22,6 +23,7 @@ from router.dispatch.pipeline import Dispatcher
 from router.dispatch.prompt_index import PromptIndex
 from router.engine.client import UpstreamClient
 from router.engine.tokenize import PromptTokenizer
+from router.fleet.adapters import AdapterManager
 from router.fleet.discovery import Discovery
 from router.fleet.engine_starter import EngineStarter, engine_starter
 from router.fleet.health import HealthMonitor
@@ -38,7 +40,9 @@ from router.routing.speed_learner import SpeedLearner, speed_prior
 from router.server.forward import Forwarder
 from router.server.generation import GenerationHandler
 from router.server.memtrim import IdleTrimmer
+from router.server.messages import MessagesHandler
 from router.server.respond import error_response, json_response
+from router.server.responses import ResponsesHandler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -61,6 +65,8 @@ class RouterState:
         self.limiter = ConcurrencyLimiter(
             config.server.max_concurrent_requests, config.server.max_queued_requests, config.server.queue_timeout_s
         )
+        # The bytes of request bodies in flight (router/admission/body_budget.py).
+        self.body_budget = BodyBudget(config.server.max_body_bytes_in_flight, config.server.queue_timeout_s)
         # Read at scrape time: always the current queue length.
         self.metrics.queued.set_function(lambda: self.limiter.queued)
         # Client requests being served, also read at scrape time: a plain int on the
@@ -73,8 +79,11 @@ class RouterState:
         self.client: UpstreamClient | None = None
         self.monitor: HealthMonitor | None = None
         self.dispatcher: Dispatcher | None = None
+        self.adapters: AdapterManager | None = None  # LoRA adapters loaded through the router
         self.forwarder = Forwarder(self)  # vLLM's other routes, generations answered whole
         self.generation = GenerationHandler(self, self.forwarder)  # /v1/completions, /v1/chat/completions
+        self.messages = MessagesHandler(self.generation, self.forwarder)  # /v1/messages, as a chat completion
+        self.responses = ResponsesHandler(self, self.forwarder)  # /v1/responses, placed by a race
         self.keys = KeyRing(config.server.api_keys, config.tenants, config.server.admin_api_key)
         for t in (self.limiter.anonymous, *self.keys.tenants):
             self.metrics.bind_tenant(t)
@@ -115,6 +124,7 @@ class RouterState:
         self.metrics.race_saving_share.labels("unplaced").set_function(lambda: learner.race_saving_share_unplaced)
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
         self.client = UpstreamClient(cfg.timeouts, cfg.server.stream_buffer_bytes)
+        self.client.backend_headers = self.registry.backend_headers  # one live map: DP ranks
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
         configured = {b.name for b in cfg.backends}
         self.fleet = Fleet(
@@ -135,6 +145,7 @@ class RouterState:
             lambda name: (s.config.url, s.config.api_key) if (s := registry.states.get(name)) else None,
         )
         self.dispatcher = Dispatcher(cfg, self.registry, self.client, make_strategy(cfg.routing), self.prompt_index)
+        self.adapters = AdapterManager(cfg.routing, self.registry, self.client, cfg.timeouts.first_token_s)
         ready = [n for n, s in self.registry.states.items() if s.healthy]
         log.info(
             "router ready: %d/%d backends healthy (%s), strategy %s",
@@ -227,13 +238,15 @@ class RouterState:
         if cfg.routing != old.routing:
             # The cost model's priors; what it measured since the start stays.
             self.registry.learner.prior = speed_prior(cfg.routing)
+            if self.adapters is not None:
+                self.adapters.configure(cfg.routing)
             strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
             if (
                 strategy.name == before.name
                 and isinstance(before, RemembersPrefixes)
                 and isinstance(strategy, RemembersPrefixes)
             ):
-                strategy.memory = before.memory
+                strategy.memory, strategy.adapter_memories = before.memory, before.adapter_memories
                 strategy.memory.resize(cfg.routing.prefix_memory_bytes)
             assert self.client is not None
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.prompt_index)
@@ -267,6 +280,11 @@ class RouterState:
         if task is not None:
             self._handlers.add(task)
         return task
+
+    def connection_dropped(self) -> None:
+        """A client connection closed holding memory no request accounted for (a large
+        request head half received): the heap is trimmed once the router is idle."""
+        self._trimmer.freed()
 
     def request_ended(self, task: asyncio.Task[Any] | None) -> None:
         self._client_inflight -= 1

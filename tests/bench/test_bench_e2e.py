@@ -95,6 +95,15 @@ def test_generated_router_config_is_valid() -> None:
     assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
 
 
+def test_generated_router_config_declares_the_decoders_dp_ranks_or_hides_them() -> None:
+    decoders = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    declared = parse_checked(tomllib.loads(router_toml(8000, decoders, [], RouterOptions(), None, 2)))
+    assert [b.name for b in declared.backends] == ["d0-dp0", "d0-dp1", "d1-dp0", "d1-dp1"]
+    hidden = RouterOptions(declare_data_parallel=False)
+    undeclared = parse_checked(tomllib.loads(router_toml(8000, decoders, [], hidden, None, 2)))
+    assert [b.name for b in undeclared.backends] == ["d0", "d1"]
+
+
 def test_histogram_quantile() -> None:
     b = [(0.01, 0.0), (0.1, 50.0), (1.0, 100.0), (float("inf"), 100.0)]
     assert histogram_quantile(b, 0.5) == pytest.approx(0.1)
@@ -156,14 +165,16 @@ def test_instant_backend_answers_in_vllm_shapes(tmp_path: Path) -> None:
                 "127.0.0.1",
                 port,
                 "/v1/completions",
-                {**SMALL, "stream": True, "stream_options": {"include_usage": True}},
+                {**SMALL, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
             )
         )
         assert status == 200
         c.close()
         import urllib.request
 
-        body = json.dumps({**SMALL, "stream": True, "stream_options": {"include_usage": True}}).encode()
+        body = json.dumps(
+            {**SMALL, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+        ).encode()
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )

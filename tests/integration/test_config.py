@@ -35,6 +35,8 @@ def test_defaults_are_safe() -> None:
     assert 0 < policies.settings(cfg.routing, "probe").cache_hit_threshold <= 1
     assert cfg.timeouts.total_s > 0
     assert cfg.timeouts.idle_s > 0
+    assert cfg.server.reuse_port is False  # one process owns its port unless asked
+    assert parse_config({**MIN_BACKEND, "server": {"reuse_port": True}}).server.reuse_port is True
 
 
 @pytest.mark.parametrize(
@@ -102,6 +104,15 @@ def test_defaults_are_safe() -> None:
         ({**MIN_BACKEND, "routing": {"prefix_memory_bytes": 0}}, "routing.prefix_memory_bytes", "positive"),
         ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
         ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
+        ({**MIN_BACKEND, "server": {"reuse_port": "yes"}}, "server.reuse_port", "expected"),
+        ({**MIN_BACKEND, "server": {"header_timeout_s": 0}}, "server.header_timeout_s", "positive"),
+        (
+            {**MIN_BACKEND, "server": {"max_body_bytes_in_flight": 1000}},
+            "server.max_body_bytes_in_flight",
+            "at least server.max_body_bytes",
+        ),
+        ({**MIN_BACKEND, "server": {"keepalive_timeout_s": -1}}, "server.keepalive_timeout_s", "positive"),
+        ({**MIN_BACKEND, "server": {"max_header_bytes": 100}}, "server.max_header_bytes", "[1024, 16777216]"),
         ({**MIN_BACKEND, "tenants": [{"name": "a"}]}, "tenants[0].api_key", "exactly one of"),
         ({**MIN_BACKEND, "tenants": [{"name": "a b", "api_key": "k"}]}, "tenants[0].name", "letters"),
         (

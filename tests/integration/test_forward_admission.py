@@ -47,7 +47,7 @@ class Recorder:
             return web.json_response({"version": "0.32.0"})
 
         app = web.Application()
-        for path in ("/v1/responses", "/v1/embeddings", "/v1/completions"):
+        for path in ("/v1/responses", "/v1/embeddings", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"):
             app.router.add_post(path, record)
         app.router.add_get("/version", version)
         app.router.add_get("/tokenizer_info", version)
@@ -135,8 +135,29 @@ async def test_forwarded_bodies_reach_the_engine_without_the_routers_fields(
     async with session.post(url + path, json=body, headers=_auth()) as r:  # nothing to strip
         assert r.status == 200, await r.text()
     stripped, clean = rec.bodies[path]
+    if path == "/v1/responses":
+        # Placed like a generation: the router's own threshold, 0, so no engine-wide
+        # default rejects it (router/server/responses.py).
+        zero = {"cache_hit_threshold": 0.0}
+        assert stripped == {**body, **zero, "vllm_xargs": {"k": 2, **zero}}
+        assert clean == {**body, **zero, "vllm_xargs": zero}
+        return
     assert stripped == {**body, "vllm_xargs": {"k": 2}}
     assert clean == body
+
+
+async def test_a_messages_body_only_the_engine_converts_goes_to_its_route_stripped(routed: Routed) -> None:
+    rec, session, url = routed
+    # An inline system turn: vLLM merges it or not by the model's template, so the router
+    # does not convert this body (router/admission/messages_request.py).
+    body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "system", "content": "s"}]}
+    async with session.post(url + "/v1/messages", json={**body, **HOSTILE}, headers=_auth()) as r:
+        assert r.status == 200, await r.text()
+    assert rec.bodies["/v1/messages"] == [{**body, "vllm_xargs": {"k": 2}}]
+    # Its token count is forwarded as vLLM's other routes are.
+    async with session.post(url + "/v1/messages/count_tokens", json={**body, **HOSTILE}, headers=_auth()) as r:
+        assert r.status == 200, await r.text()
+    assert rec.bodies["/v1/messages/count_tokens"] == [{**body, "vllm_xargs": {"k": 2}}]
 
 
 async def test_a_body_priority_earlier_than_the_key_may_ask_is_refused_before_any_engine(routed: Routed) -> None:

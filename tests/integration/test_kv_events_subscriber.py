@@ -292,3 +292,26 @@ async def test_vllms_own_publisher_is_followed_replay_included(router_with: Rout
         assert (stream.decode_errors, stream.lost) == (0, 0)
     finally:
         await asyncio.to_thread(publisher.shutdown)
+
+
+async def test_a_dp_rank_indexes_only_batches_of_its_own_rank(publishers: list[KvPublisher]) -> None:
+    # A rank's endpoint that reaches another rank's publisher (ports not offset by the rank)
+    # would put that rank's cache under this backend: its batches are refused, counted.
+    pub = KvPublisher(rank=0)
+    publishers.append(pub)
+    raw = {
+        "backends": [{**backend("e", pub), "data_parallel_size": 2, "data_parallel_rank": 1}],
+        "kv_events": {"stale_after_s": 30.0},
+    }
+    state = RouterState(parse_config(raw), start_engines=False)
+    await state.start()
+    try:
+        await joined(state, "e", pub)
+        errors_before = kv_events_of(state).streams["e"].decode_errors
+        seq = pub.publish(block(0))
+        stream = kv_events_of(state).streams["e"]
+        await eventually(lambda: (stream.expected or 0) > seq, what="the other rank's batch read")
+        assert hits(state) == {}
+        assert stream.decode_errors == errors_before + 1
+    finally:
+        await state.stop()

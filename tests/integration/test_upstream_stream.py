@@ -3,6 +3,7 @@ arrived, and where an unreadable event lands."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import operator
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,8 +13,9 @@ from aiohttp import web
 
 from router.config.schema import TimeoutsConfig
 from router.engine.client import UpstreamClient
-from router.engine.errors import ENGINE_ERROR, PROTOCOL, UpstreamError
+from router.engine.errors import ENGINE_ERROR, IDLE_TIMEOUT, PROTOCOL, UpstreamError
 from router.engine.stream import UpstreamStream
+from support.polling import eventually
 from support.ports import site_port
 
 
@@ -95,3 +97,75 @@ async def test_a_bad_event_comes_after_the_good_ones_before_it(serve_sse: ServeS
         stream.abort()
     finally:
         await client.close()
+
+
+async def paced_engine(gaps_s: list[float]) -> tuple[web.AppRunner, str]:
+    """An engine writing one chunk after each gap, then [DONE]."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, gap in enumerate(gaps_s):
+            await asyncio.sleep(gap)
+            await resp.write(event(b'{"choices":[{"text":"%d"}]}' % i))
+        await resp.write(event(b"[DONE]"))
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site_port(site)}"
+
+
+async def test_chunks_within_the_idle_timeout_never_time_out_however_long_the_stream() -> None:
+    """The read deadline moves with every chunk (one timer per stream, re-armed when it
+    fires early): a stream longer than idle_s whose gaps are shorter reads to its end."""
+    runner, url = await paced_engine([0.0, *[0.1] * 6])
+    client = UpstreamClient(TimeoutsConfig(idle_s=0.25))
+    try:
+        stream = await client.open_stream("b", url, "/v1/completions", {})
+        texts = []
+        while (chunk := await stream.next_chunk()) is not None:
+            texts.append(chunk["choices"][0]["text"])
+        stream.finish()
+        assert texts == [str(i) for i in range(7)]
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_a_gap_past_the_idle_timeout_is_an_idle_timeout() -> None:
+    runner, url = await paced_engine([0.0, 0.05, 1.0])
+    client = UpstreamClient(TimeoutsConfig(idle_s=0.2))
+    try:
+        stream = await client.open_stream("b", url, "/v1/completions", {})
+        assert await stream.next_chunk() is not None
+        assert await stream.next_chunk() is not None
+        with pytest.raises(UpstreamError) as e:
+            await stream.next_chunk()
+        assert e.value.kind == IDLE_TIMEOUT
+        stream.abort()
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_cancelling_a_reader_is_a_cancellation_not_a_timeout() -> None:
+    runner, url = await paced_engine([0.0, 5.0])
+    client = UpstreamClient(TimeoutsConfig(idle_s=60.0))
+    try:
+        stream = await client.open_stream("b", url, "/v1/completions", {})
+        assert await stream.next_chunk() is not None
+        reader = asyncio.ensure_future(stream.next_chunk())
+        await eventually(lambda: stream._reader is not None)  # waiting for data
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        stream.abort()
+    finally:
+        await client.close()
+        await runner.cleanup()

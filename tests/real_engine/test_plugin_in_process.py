@@ -59,6 +59,29 @@ def test_request_models_carry_and_validate_the_threshold(plugin: ModuleType) -> 
     assert info.value.parameter == "cache_hit_threshold"
 
 
+def test_a_messages_request_carries_and_validates_the_threshold(plugin: ModuleType) -> None:
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.exceptions import VLLMValidationError
+
+    def chat_params(**kw: object) -> object:
+        body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **kw}
+        req = AnthropicMessagesRequest.model_validate(body)
+        return AnthropicServingMessages.to_chat_completion_request(req).to_sampling_params(4, {}).extra_args
+
+    assert chat_params(cache_hit_threshold=0.7) == {"cache_hit_threshold": 0.7}
+    assert chat_params(vllm_xargs={"cache_hit_threshold": 0.2}) == {"cache_hit_threshold": 0.2}
+    # Both: the top-level value wins, as on every other route.
+    assert chat_params(cache_hit_threshold=1, vllm_xargs={"cache_hit_threshold": 0.2, "k": 1}) == {
+        "cache_hit_threshold": 1.0,
+        "k": 1,
+    }
+    assert chat_params() is None
+    with pytest.raises(VLLMValidationError) as info:
+        chat_params(cache_hit_threshold="0.5")
+    assert info.value.parameter == "cache_hit_threshold"
+
+
 def test_zero_token_rejection_is_made_visible_and_mark_removed(plugin: ModuleType) -> None:
     from vllm.outputs import CompletionOutput, RequestOutput
 
@@ -98,8 +121,10 @@ def test_unsupported_vllm_version_refuses_to_start(plugin: ModuleType, monkeypat
 
     from engine_launcher.vllm_plugin import scheduler, version
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(version.UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.x only"):
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(
+        version.UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.x and 0\.33\.x only; this is vLLM 0\.34\.0"
+    ):
         scheduler.ThresholdScheduler()
     with pytest.raises(version.UnsupportedVLLMVersion):
         scheduler.ThresholdAsyncScheduler()

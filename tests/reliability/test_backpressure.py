@@ -135,3 +135,44 @@ async def test_memory_stays_bounded_under_a_burst_of_large_bodies(procs: Procs) 
         # router did before taking a slot first) costs 1.7 MiB per request here.
         assert peak < rss_before + 64 * 2**20 + N_BURST * 2**20
         assert router.process.poll() is None
+
+
+async def test_bodies_past_the_bytes_in_flight_wait_then_get_429_naming_the_key(procs: Procs) -> None:
+    """Slots to spare, but the bodies in flight are server.max_body_bytes_in_flight: a
+    large body waits for one to end (then 429 past queue_timeout_s); a small one passes."""
+    engines = {"d0": procs.sim("--speed", "5", "--max-model-len", "200000")}
+    router = procs.router(
+        {
+            "server": {
+                "max_concurrent_requests": 16,
+                "queue_timeout_s": 1.0,
+                "max_body_bytes": 2**20,
+                "max_body_bytes_in_flight": 2**20,
+            },
+            "routing": {"strategy": "least_loaded"},
+            "timeouts": {"idle_s": 30.0},
+            "backends": sim_backends(engines),
+        }
+    )
+    big = orjson.dumps({"model": MODEL, "prompt": "word " * 120_000, "max_tokens": 2, "stream": True})  # 0.6 MB
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        # The first stream holds its body's bytes for 4 s (stall after its first token).
+        await set_faults(s, engines["d0"].url, stall_after_tokens=1, stall_seconds=4.0)
+        first = asyncio.create_task(_post(s, router.url, big))
+
+        async def holding() -> bool:
+            m = await scrape_metrics(s, router.url)
+            return m.value("cachehit_router_inflight_requests") >= 1
+
+        await eventually(holding, 10, "the first large request in flight")
+        # Expect: 100-continue: the body is invited only once admitted, so the 429 arrives
+        # before any of it is sent (a refused body is not read, and its connection closed).
+        headers = {"Content-Type": "application/json"}
+        async with s.post(router.url + "/v1/completions", data=big, headers=headers, expect100=True) as r:
+            assert r.status == 429, await r.read()
+            assert "server.max_body_bytes_in_flight" in (await r.json())["error"]["message"]
+            assert r.headers["Retry-After"] == "1"
+        status, _, raw = await _post(s, router.url, {"model": MODEL, "prompt": "small", "max_tokens": 1})
+        assert status == 200, raw  # 0.4 MB left: a small body is not held up
+        status, _, raw = await first
+        assert status == 200, raw

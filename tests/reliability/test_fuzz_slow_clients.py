@@ -6,6 +6,7 @@ or a hang; a stalled body gets a 408 and gives its slot back.
 
 from __future__ import annotations
 
+import select
 import socket
 import time
 
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.fuzz_http import EXCHANGE_BOUND_S, assert_alive, assert_no_500s, requests_recorded
+from support.fuzz_http import EXCHANGE_BOUND_S, READ_TIMEOUT_S, assert_alive, assert_no_500s, requests_recorded
 from support.polling import eventually_blocking
 from support.subprocess_cluster import MODEL, RouterProc
 
@@ -134,3 +135,76 @@ def test_stalled_clients_do_not_stop_others_from_being_served(fuzz_router: Route
         for s in stalled:
             s.close()
     assert_no_500s(fuzz_router.port)
+
+
+# --- audio uploads: the form fields and the file under the same one deadline ---------------
+
+_BOUNDARY = "fuzzboundary"
+
+
+def _upload_head(content_length: int) -> bytes:
+    return (
+        f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+        f"Content-Type: multipart/form-data; boundary={_BOUNDARY}\r\nContent-Length: {content_length}\r\n\r\n"
+    ).encode()
+
+
+def _form(audio: bytes) -> tuple[bytes, bytes]:
+    """(the form's `model` field and the file part's headers, the file and the end)."""
+    fields = (
+        f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="model"\r\n\r\n{MODEL}\r\n'
+        f'--{_BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        "Content-Type: audio/wav\r\n\r\n"
+    ).encode()
+    return fields, audio + f"\r\n--{_BOUNDARY}--\r\n".encode()
+
+
+def _dribble_until_answered(port: int, head: bytes, parts: list[tuple[bytes, float]]) -> bytes:
+    """Like `_raw_exchange`, but stops sending once the router answered (it closes then)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=EXCHANGE_BOUND_S) as s:
+        s.sendall(head)
+        for data, pause in parts:
+            if select.select([s], [], [], 0)[0]:  # an answer (or a close) came: stop sending
+                break
+            s.sendall(data)
+            time.sleep(pause)  # a slow client pausing between bytes: the behaviour under test
+        out = b""
+        while not _complete_response(out):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+
+@pytest.mark.parametrize("dribbled", ["form fields", "file"])
+def test_an_upload_dribbled_a_byte_at_a_time_gets_408_at_the_body_timeout(
+    fuzz_router: RouterProc, dribbled: str
+) -> None:
+    """A byte every READ_TIMEOUT_S / 5 never lets one read wait the whole timeout: the
+    deadline is the body's, not each read's, so the slot is given back in time."""
+    fields, rest = _form(b"\x01" * 200)
+    body = fields + rest
+    pause = READ_TIMEOUT_S / 5
+    if dribbled == "form fields":
+        parts = [(body[i : i + 1], pause) for i in range(len(body))]
+    else:
+        parts = [(fields, 0.0)] + [(rest[i : i + 1], pause) for i in range(len(rest))]
+    t0 = time.monotonic()
+    out = _dribble_until_answered(fuzz_router.port, _upload_head(len(body)), parts[: int(EXCHANGE_BOUND_S / pause)])
+    assert out.startswith(b"HTTP/1.1 408"), out[:300]
+    err = orjson.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "server.body_timeout_s" in err["message"]
+    assert time.monotonic() - t0 < EXCHANGE_BOUND_S
+    assert_alive(fuzz_router.port)
+
+
+def test_an_upload_within_the_body_timeout_is_served(fuzz_router: RouterProc) -> None:
+    fields, rest = _form(b"\x01" * 200)
+    out = _raw_exchange(
+        fuzz_router.port,
+        _upload_head(len(fields) + len(rest)).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"),
+        [(fields, 0.2), (rest, 0.0)],
+        close_after=False,
+    )
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]

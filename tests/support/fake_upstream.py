@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import orjson
+
 from router.engine.errors import UpstreamError
 
 if TYPE_CHECKING:
@@ -105,7 +107,10 @@ class FakeUpstream:
         api_key: str = "",
         total_deadline: float | None = None,
         on_close: Callable[[], None] | None = None,
+        encoded: bytes | None = None,
     ) -> FakeStream:
+        # `encoded` (the body serialised once for a race's legs) must be that body.
+        assert encoded is None or orjson.loads(encoded) == body
         stream = FakeStream(backend, self._next(backend, path, body), on_close)
         self.streams.append(stream)
         return stream

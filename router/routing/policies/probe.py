@@ -180,7 +180,7 @@ class ProbeStrategy(RemembersPrefixes):
         and the /tokenize round trip is saved."""
         if any(b.others_seen for b in snap.backends if b.decodes):
             return True
-        share, sent_at = self.memory.placement(query.text)
+        share, sent_at = self.memory_for(query).placement(query.text)
         if share <= 0.0:
             return True  # nothing placed: only the engines' events can say (a restart, a new router)
         for name, sent in sent_at.items():
@@ -195,10 +195,10 @@ class ProbeStrategy(RemembersPrefixes):
         """The prefix memory's expectations, with the KV-event index's exact figures for the
         engines it speaks for, raised to the memory's where the router sent the prompt
         there so recently that the engine may still be computing it (no event yet)."""
-        remembered = self.memory.expected_hits(query.text, prompt_tokens, sent_within_s)
+        remembered = self.memory_for(query).expected_hits(query.text, prompt_tokens, sent_within_s)
         if not query.indexed:
             return remembered
-        recent = self.memory.expected_hits(query.text, prompt_tokens, IN_FLIGHT_S)
+        recent = self.memory_for(query).expected_hits(query.text, prompt_tokens, IN_FLIGHT_S)
         merged = {**remembered, **query.indexed}
         for name, tokens in recent.items():
             merged[name] = max(merged.get(name, 0.0), tokens)

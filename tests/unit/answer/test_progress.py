@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
-from router.answer.progress import Answer
+from router.answer.progress import Answer, OverBudget
 from router.answer.shaper import ResponseShaper
 from router.engine.wire import CACHE_THRESHOLD, MalformedChunk
 from support.shaping import PROMPT, make_spec, split_legs, steps_for
@@ -106,3 +106,13 @@ def test_engine_count_beyond_the_ids_marks_them_incomplete() -> None:
 def test_a_token_id_beyond_64_bits_is_a_protocol_error() -> None:
     with pytest.raises(MalformedChunk):
         Answer(None).add_token_ids([2**64])
+
+
+def test_tokens_past_the_budget_are_refused_before_they_count() -> None:
+    a = Answer([1, 2], max_tokens=3)
+    a.add_token_ids([10, 11])
+    with pytest.raises(OverBudget, match="max_tokens"):
+        a.add_token_ids([12, 13])
+    assert list(a.generated_token_ids) == [10, 11]
+    a.add_token_ids([12])
+    assert a.leg_tokens == 3

@@ -293,10 +293,10 @@ async def test_no_leg_goes_to_a_backend_drained_after_its_plan_was_made() -> Non
 async def test_long_waits_between_tokens_mark_the_engine_slow(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gaps in a streamed answer far longer than an engine step are stalls
     (router/fleet/stalls.py); here "far" is scaled down so that the test waits little."""
-    from router.dispatch import pipeline
+    from router.dispatch import pump
     from router.fleet import stalls
 
-    monkeypatch.setattr(pipeline, "STALL_LATE_S", 0.05)
+    monkeypatch.setattr(pump, "STALL_LATE_S", 0.05)
     monkeypatch.setattr(stalls, "STALL_LATE_S", 0.05)
     monkeypatch.setattr(stalls, "MIN_SAMPLES", 0)  # no speed measured yet in this harness
     words = answer(PROMPT_IDS, [("a", 1), ("b", 2), ("c", 3)])

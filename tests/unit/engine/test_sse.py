@@ -101,6 +101,28 @@ def test_unbounded_line_is_an_error() -> None:
         d.feed(b"data: " + b"x" * 32)
 
 
+def test_unbounded_line_in_pieces_is_an_error() -> None:
+    d = SSEDecoder(max_line_bytes=16)
+    d.feed(b"data: xxxx")
+    with pytest.raises(SSEError):
+        d.feed(b"x" * 16)
+
+
+def test_a_long_line_in_many_reads_is_scanned_once() -> None:
+    """A chunk of megabytes arrives in many reads: each byte is looked at a bounded number
+    of times (joining and rescanning the carried line at every read made this quadratic:
+    seconds of CPU for a 16 MiB chunk)."""
+    payload = b'{"text":"' + b"x" * (1 << 20) + b'"}'
+    event = b"data: " + payload + b"\n\n"
+    d = SSEDecoder()
+    out: list[bytes] = []
+    pieces = split_at(event, list(range(4096, len(event), 4096)))
+    for piece in pieces:
+        out.extend(d.feed(piece))
+    assert out == [payload]
+    assert d.scanned_bytes <= len(event)
+
+
 # Payloads as JSON encodes them: no raw CR/LF (orjson escapes them), any other text.
 payload_st = st.one_of(
     st.just(b"[DONE]"),

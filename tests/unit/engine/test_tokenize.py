@@ -73,3 +73,19 @@ async def test_the_cache_answers_a_prompt_seen_before_and_stays_bounded() -> Non
     await tok.token_ids("e", "http://e", {"prompt": "fgh1"})  # evicts the least recent: "abc"
     await tok.token_ids("e", "http://e", {"prompt": "abc"})
     assert engine.calls == 4
+
+
+async def test_the_cache_is_bounded_in_token_ids_too() -> None:
+    """Entries are evicted, least recent first, once the ids held pass `max_cached_ids`;
+    a prompt of more than a quarter of it is not kept at all."""
+    engine = _Engine()
+    tok = PromptTokenizer(engine, max_cached_ids=40)  # type: ignore[arg-type]
+    for p in ("a" * 7, "b" * 8, "c" * 9):  # 3 ids each (the table's answer)
+        await tok.token_ids("e", "http://e", {"prompt": p})
+    assert tok._cached_ids == 9
+    for i in range(20):
+        await tok.token_ids("e", "http://e", {"prompt": f"p{i}"})
+    assert tok._cached_ids <= 40
+    assert len(tok._cache) == 13
+    assert await tok.token_ids("e", "http://e", {"prompt": "p19"}) == (3, 1, 2)
+    assert tok.hits == 1

@@ -212,3 +212,25 @@ def test_panic_routing_when_no_decoder_is_available() -> None:
     assert snap.prefillers(None)[0].name == "p"  # prefill backends never panic: the fallback goes direct
     r.record_scrape_failure("p", "refused")
     assert r.snapshot().prefillers(None) == []
+
+
+def test_adapters_listed_by_an_engine_make_the_snapshot_strict_about_them() -> None:
+    reg = BackendRegistry(
+        [BackendConfig("d0", "http://d0"), BackendConfig("d1", "http://d1")], HealthConfig(), clock=lambda: 0.0
+    )
+    reg.record_scrape("d0", {}, ("base", "sql"), ("sql",))
+    snap = reg.snapshot()
+    assert snap.adapters == frozenset({"sql"})
+    assert snap.get("d0").adapters == ("sql",)  # type: ignore[union-attr]
+    # d1 has not answered a check yet: it may serve the base model, never the adapter.
+    assert [b.name for b in snap.backends if snap.serves(b, "sql")] == ["d0"]
+    assert [b.name for b in snap.backends if snap.serves(b, "base")] == ["d0", "d1"]
+
+
+def test_a_dp_ranks_requests_carry_its_rank_header() -> None:
+    ranks = [BackendConfig(f"s-dp{r}", "http://s", data_parallel_size=2, data_parallel_rank=r) for r in (0, 1)]
+    reg = BackendRegistry([*ranks, BackendConfig("plain", "http://p")], HealthConfig())
+    assert reg.backend_headers == {"s-dp0": {"X-data-parallel-rank": "0"}, "s-dp1": {"X-data-parallel-rank": "1"}}
+    reg.set_draining("s-dp1", True)
+    reg.remove("s-dp1")
+    assert list(reg.backend_headers) == ["s-dp0"]

@@ -31,3 +31,22 @@ def test_glibc_malloc_trim_is_found_and_runs() -> None:
     trim = malloc_trim()
     assert trim is not None  # the router's platform (Debian, glibc)
     assert trim(0) in (0, 1)
+
+
+async def test_memory_freed_outside_requests_is_trimmed_once_idle() -> None:
+    """A connection dropped with a large head half received: no request ran, so only
+    `freed` asks for the trim; never while a request is in flight."""
+    calls: list[int] = []
+
+    def trim(pad: int) -> int:
+        calls.append(pad)
+        return 1
+
+    t = IdleTrimmer(trim=trim, idle_s=0.02)
+    t.busy()
+    t.freed()  # a request in flight: it trims when it ends
+    assert t._timer is None
+    t.idle()
+    await eventually(lambda: calls == [0], 5.0, "the trim after the request", interval=0.005)
+    t.freed()  # idle: a trim of its own
+    await eventually(lambda: calls == [0, 0], 5.0, "the trim after the dropped connection", interval=0.005)

@@ -1,0 +1,139 @@
+"""A token chunk in which nothing is decided, relayed on its bytes.
+
+Most chunks of a stream carry one token and nothing else: no finish, no usage, no
+logprobs, no role, no prompt ids. The router must see their text and token ids (the answer
+so far, for a resume) and give them the answer's id, `object`, `created` and `model`, with
+the token ids hidden unless the client asked for them. Parsing each into a dict, rewriting
+it and serialising it again was most of the router's CPU per streamed token (a 256-token
+stream cost 4x the CPU of an aiohttp pass-through); this reads and rewrites the bytes.
+
+Hand-written instead of a JSON library because a byte scan of the few fields that matter
+costs a fraction of a parse plus a dump (the `bench overhead --streams` figures), and the
+output must equal what the full path (router/answer/shaper.py) sends byte for byte:
+
+- a leg's chunks are relayed this way only when their header is exactly the canonical JSON
+  of the leg's `id`, `object`, `created`, `model` (vLLM's pydantic output is compact, in
+  that order), checked on the leg's first chunk and then by a prefix comparison;
+- the rest of the chunk must be exactly vLLM 0.32's token chunk (docs/VLLM_WIRE.md):
+  completion `"text":<s>,"logprobs":null,"finish_reason":null,"stop_reason":null,
+  "prompt_token_ids":null,"token_ids":[<ids>]}]}`, chat `"delta":{"content":<s>},
+  "logprobs":null,"finish_reason":null,"token_ids":[<ids>]}]}`. Anything else (a finish,
+  usage, logprobs, another field, other spacing, a string that needs re-escaping) returns
+  None and takes the full path, which reads every field.
+
+A `"` inside a JSON string is always escaped, so the literal field sequences matched here
+cannot occur inside the text.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+# A canonical JSON integer that fits 64 bits.
+_ID = rb"(?:0|[1-9][0-9]{0,17})"
+# The rest of a token chunk after its header: group 1 the text as JSON string content
+# (escapes allowed, raw control characters not), group 2 the token ids (at least one).
+_TEXT = rb'((?:[^"\\\x00-\x1f]|\\.)*)'
+_IDS = rb"\[(" + _ID + rb"(?:," + _ID + rb")*)\]\}\]\}"
+_COMPLETION = re.compile(
+    rb'"text":"'
+    + _TEXT
+    + rb'","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":'
+    + _IDS,
+    re.DOTALL,
+)
+_CHAT = re.compile(
+    rb'"delta":\{"content":"' + _TEXT + rb'"\},"logprobs":null,"finish_reason":null,"token_ids":' + _IDS, re.DOTALL
+)
+_HIDDEN_IDS_END = b"null}]}\n\n"
+
+
+def header(chunk_id: object, obj: object, created: object, model: object) -> bytes | None:
+    """`{"id":..,"object":..,"created":..,"model":..,"choices":[{"index":0,` as orjson
+    writes it, or None when a value is not of the type vLLM sends."""
+    if type(chunk_id) is not str or type(obj) is not str or type(created) is not int or type(model) is not str:
+        return None
+    return b'{"id":%s,"object":%s,"created":%s,"model":%s,"choices":[{"index":0,' % (
+        orjson.dumps(chunk_id),
+        orjson.dumps(obj),
+        orjson.dumps(created),
+        orjson.dumps(model),
+    )
+
+
+def plain_chunks(
+    first: dict[str, object], client: tuple[str, str, int, str | None], chat: bool, want_ids: bool
+) -> PlainChunks | None:
+    """A leg's relay from its first chunk (`client`: the answer's id, object, created, model),
+    or None when its header is not of the types vLLM sends."""
+    up = header(first.get("id"), first.get("object"), first.get("created"), first.get("model"))
+    ours = header(*client)
+    if up is None or ours is None:
+        return None
+    return PlainChunks(up, ours, chat=chat, hide_ids=not want_ids)
+
+
+class PlainChunks:
+    """One leg's plain token chunks: recognised, read, and rewritten for the client."""
+
+    __slots__ = ("_client", "_hide_ids", "_match", "_up", "_up_len")
+
+    def __init__(self, upstream_header: bytes, client_header: bytes, *, chat: bool, hide_ids: bool):
+        self._up = upstream_header
+        self._up_len = len(upstream_header)
+        self._client = b"data: " + client_header
+        self._match = (_CHAT if chat else _COMPLETION).fullmatch
+        self._hide_ids = hide_ids
+
+    def relay(self, payload: bytes) -> tuple[bytes, str, list[int]] | None:
+        """(the client's SSE event, the chunk's text, its token ids), or None when the chunk
+        is not a plain token chunk of this leg (the caller then reads it in full)."""
+        # One regular expression checks and splits the whole chunk: a few C calls a chunk,
+        # where Python-level scanning cost more than orjson's parse and dump together.
+        if not payload.startswith(self._up) or (m := self._match(payload, self._up_len)) is None:
+            return None
+        raw = m.group(1)
+        ids_at = m.start(2) - 1  # the `[`
+        n = self._up_len
+        if b"\\" not in raw:
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError:
+                return None
+            body = payload[n:ids_at] if self._hide_ids else payload[n:]
+        else:
+            # Escapes: decoded, and written again as orjson writes them (the full path's output).
+            start, end = m.span(1)
+            try:
+                text = orjson.loads(payload[start - 1 : end + 1])
+            except orjson.JSONDecodeError:
+                return None
+            body = payload[n : start - 1] + orjson.dumps(text) + payload[end + 1 : ids_at if self._hide_ids else None]
+        ids_raw = m.group(2)
+        ids = [int(ids_raw)] if b"," not in ids_raw else [int(i) for i in ids_raw.split(b",")]
+        if self._hide_ids:
+            return self._client + body + _HIDDEN_IDS_END, text, ids
+        return self._client + body + b"\n\n", text, ids
+
+
+_FINISH = b'"finish_reason":'
+_COMPLETION_TOKENS = b'"completion_tokens":'
+
+
+def unary_answer_problem(body: bytes, max_tokens: int | None) -> str | None:
+    """What is wrong with an engine's non-streamed answer forwarded on its bytes, or None: no
+    choice finished (a broken engine's empty answer), or more tokens than max_tokens. A byte
+    scan, not a parse: the answer is forwarded as it came (as above, a key cannot occur
+    inside a JSON string)."""
+    i = body.find(_FINISH)
+    while i >= 0 and body.startswith(b"null", i + len(_FINISH)):
+        i = body.find(_FINISH, i + len(_FINISH))
+    if i < 0:
+        return "the answer has no finish_reason"
+    if max_tokens is not None and (j := body.find(_COMPLETION_TOKENS)) >= 0:
+        digits = body[j + len(_COMPLETION_TOKENS) :][:20].split(b",", 1)[0].split(b"}", 1)[0].strip()
+        if digits.isdigit() and int(digits) > max_tokens:
+            return f"the engine sent more tokens ({int(digits)}) than max_tokens ({max_tokens})"
+    return None

@@ -1,0 +1,129 @@
+"""One leg's chunks to the client: from the leg's first chunk to its [DONE] or its failure.
+
+`pump` hands the shaper parsed chunks and the client parsed chunks to encode (any writer,
+e.g. another API's events); `pump_raw` is for the OpenAI SSE writer: a plain token chunk
+goes to the client on its bytes (`ResponseShaper.shape_raw`, router/answer/chunk_bytes.py),
+and only the chunks where something is decided are parsed. Both write everything already
+received in one write, and end as a `LegOutcome` (the leg's error, or its usage figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from router.answer.shaper import ResponseShaper
+from router.dispatch.context import Leg, LegOutcome, RequestContext
+from router.engine.errors import PROTOCOL, UpstreamError
+from router.engine.sse import format_event
+from router.engine.wire import MalformedChunk, message_usage
+from router.fleet.stalls import STALL_LATE_S
+
+Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
+# The client's SSE events already encoded, one transport write per batch.
+EmitRaw = Callable[[bytes], Awaitable[None]]
+# Told of a long wait for a leg's next piece: (backend, seconds) (router/fleet/stalls.py).
+OnGap = Callable[[str, float], None]
+
+
+async def pump(
+    ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit, on_gap: OnGap | None = None
+) -> LegOutcome:
+    """The leg's chunks to the client until [DONE] or an upstream failure."""
+    stream = leg.stream
+    loop = asyncio.get_running_loop()
+    prompt_tokens = cached_tokens = None
+    awaiting_first_token = ctx.record.ttft_s is None
+    try:
+        chunks = leg.buffered or await stream.next_chunks()
+        while chunks:
+            # Everything already received goes to the client in one write.
+            batch: list[dict[str, Any]] = []
+            bad: MalformedChunk | None = None
+            for chunk in chunks:
+                if chunk.get("usage"):
+                    usage = message_usage(chunk)
+                    prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
+                try:
+                    batch += shaper.shape(chunk)
+                except MalformedChunk as e:
+                    bad = e
+                    break
+                if awaiting_first_token and shaper.answer.first_token_seen:
+                    ctx.record_first_token(loop.time())
+                    awaiting_first_token = False
+            if batch:
+                await emit(batch)
+            if bad is not None:
+                raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {bad}") from None
+            waiting_since = loop.time()
+            chunks = await stream.next_chunks()
+            if on_gap is not None and loop.time() - waiting_since > STALL_LATE_S:  # rare
+                on_gap(leg.backend, loop.time() - waiting_since)
+    except UpstreamError as e:
+        stream.abort()
+        return LegOutcome(e)
+    except BaseException:
+        stream.abort()
+        raise
+    stream.finish()
+    return LegOutcome(None, prompt_tokens, cached_tokens)
+
+
+async def pump_raw(
+    ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: EmitRaw, on_gap: OnGap | None = None
+) -> LegOutcome:
+    """`pump` for a client written SSE bytes: token chunks go on their bytes, the chunks
+    where something is decided (role, finish, usage, errors, anything unusual) are parsed."""
+    stream = leg.stream
+    loop = asyncio.get_running_loop()
+    prompt_tokens = cached_tokens = None
+    awaiting_first_token = ctx.record.ttft_s is None
+    shape_raw, answer = shaper.shape_raw, shaper.answer
+    try:
+        batch: list[Any] = leg.buffered or await stream.next_payloads()
+        while batch:
+            # Everything already received goes to the client in one write.
+            events: list[bytes] = []
+            bad: UpstreamError | None = None
+            for item in batch:
+                try:
+                    if type(item) is bytes:
+                        event = shape_raw(item)
+                        if event is not None:
+                            events.append(event)
+                            if awaiting_first_token:
+                                ctx.record_first_token(loop.time())
+                                awaiting_first_token = False
+                            continue
+                        item = stream.parse(item)
+                    if item.get("usage"):
+                        usage = message_usage(item)
+                        prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
+                    events.extend(map(format_event, shaper.shape(item)))
+                except UpstreamError as e:
+                    bad = e
+                    break
+                except MalformedChunk as e:  # shape_raw too: tokens past max_tokens
+                    bad = UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {e}")
+                    break
+                if awaiting_first_token and answer.first_token_seen:
+                    ctx.record_first_token(loop.time())
+                    awaiting_first_token = False
+            if events:
+                await emit(b"".join(events))
+            if bad is not None:
+                raise bad
+            waiting_since = loop.time()
+            batch = await stream.next_payloads()
+            if on_gap is not None and loop.time() - waiting_since > STALL_LATE_S:  # rare
+                on_gap(leg.backend, loop.time() - waiting_since)
+    except UpstreamError as e:
+        stream.abort()
+        return LegOutcome(e)
+    except BaseException:
+        stream.abort()
+        raise
+    stream.finish()
+    return LegOutcome(None, prompt_tokens, cached_tokens)

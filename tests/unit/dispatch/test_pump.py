@@ -1,0 +1,125 @@
+"""One leg's chunks to the client (router/dispatch/pump.py): `pump_raw` sends what `pump` sends,
+token chunks on their bytes, one write per batch received together; a chunk it cannot read
+or a token past the budget ends the leg in an error after the chunks before it went out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, cast
+
+import orjson
+
+from router.admission.spec import parse_request
+from router.answer.shaper import ResponseShaper
+from router.dispatch.context import Leg, RequestContext
+from router.dispatch.pump import pump, pump_raw
+from router.engine.errors import PROTOCOL, UpstreamError
+from router.engine.sse import format_event
+from router.engine.stream import UpstreamStream
+from router.observability.record import RequestRecord
+from router.routing.planning import RouteQuery
+from support.fake_upstream import answer, token, usage
+
+
+class ScriptedStream:
+    """A leg's stream: batches of event payloads, as `next_payloads` / `next_chunks` give them."""
+
+    def __init__(self, batches: list[list[bytes]]) -> None:
+        self.batches = list(batches)
+        self.ended = ""
+
+    async def next_payloads(self) -> list[bytes]:
+        return self.batches.pop(0) if self.batches else []
+
+    async def next_chunks(self) -> list[dict[str, Any]]:
+        return [self.parse(p) for p in await self.next_payloads()]
+
+    def parse(self, payload: bytes) -> dict[str, Any]:
+        try:
+            return cast("dict[str, Any]", orjson.loads(payload))
+        except orjson.JSONDecodeError:
+            raise UpstreamError("e", PROTOCOL, "unparseable chunk") from None
+
+    def abort(self) -> None:
+        self.ended = "aborted"
+
+    def finish(self) -> None:
+        self.ended = "finished"
+
+
+def setup(
+    batches: list[list[bytes]], max_tokens: int = 16
+) -> tuple[ResponseShaper, RequestContext, Leg, ScriptedStream]:
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": max_tokens, "stream": True}
+    spec = replace(parse_request("completions", orjson.dumps(body)), request_id="cmpl-fixed", created=7)
+    shaper = ResponseShaper(spec)
+    shaper.begin_leg(is_resume=False)
+    rec = RequestRecord(request_id=spec.request_id, endpoint="completions", model="m", stream=True)
+    ctx = RequestContext(RouteQuery("m", "x"), "/v1/completions", body, 0.0, 1e9, rec)
+    stream = ScriptedStream(batches)
+    return shaper, ctx, Leg("e", cast("UpstreamStream", stream), [], "direct"), stream
+
+
+def words(n: int) -> list[bytes]:
+    return [orjson.dumps(c) for c in answer([1, 2], [(f" w{i}", 100 + i) for i in range(n)])]
+
+
+async def test_raw_pump_writes_what_the_parsing_pump_writes_one_write_per_batch() -> None:
+    payloads = words(6)
+    batches = [payloads[:1], payloads[1:5], payloads[5:]]
+    shaper, ctx, leg, stream = setup(batches)
+    writes: list[bytes] = []
+
+    async def emit_raw(data: bytes) -> None:
+        writes.append(data)
+
+    outcome = await pump_raw(ctx, leg, shaper, emit_raw)
+    assert outcome.error is None
+    assert outcome.prompt_tokens == 2
+    assert stream.ended == "finished"
+    assert len(writes) == 2  # the finish chunk and usage are held or swallowed: no third write
+    raw_answer = list(shaper.answer.generated_token_ids)
+
+    shaper, ctx, leg, _ = setup(batches)
+    parsed: list[dict[str, Any]] = []
+
+    async def emit(chunks: list[dict[str, Any]]) -> None:
+        parsed.extend(chunks)
+
+    await pump(ctx, leg, shaper, emit)
+    assert b"".join(writes) == b"".join(map(format_event, parsed))
+    assert raw_answer == list(shaper.answer.generated_token_ids) == [100, 101, 102, 103, 104, 105]
+    assert ctx.record.ttft_s is not None
+
+
+async def test_an_unreadable_chunk_ends_the_leg_after_the_chunks_before_it() -> None:
+    payloads = words(4)
+    shaper, ctx, leg, stream = setup([[*payloads[:3], b"{not json", payloads[3]]])
+    writes: list[bytes] = []
+
+    async def emit_raw(data: bytes) -> None:
+        writes.append(data)
+
+    outcome = await pump_raw(ctx, leg, shaper, emit_raw)
+    assert outcome.error is not None
+    assert outcome.error.kind == PROTOCOL
+    assert stream.ended == "aborted"
+    assert b"".join(writes).count(b"data: ") == 3
+    assert list(shaper.answer.generated_token_ids) == [100, 101, 102]
+
+
+async def test_a_token_past_the_budget_is_not_sent_and_fails_the_leg() -> None:
+    chunks = [token(f" w{i}", [100 + i], prompt_ids=[1, 2] if i == 0 else None) for i in range(6)]
+    payloads = [orjson.dumps(c) for c in [*chunks, usage(2, 6)]]
+    shaper, ctx, leg, stream = setup([payloads], max_tokens=4)
+    writes: list[bytes] = []
+
+    async def emit_raw(data: bytes) -> None:
+        writes.append(data)
+
+    outcome = await pump_raw(ctx, leg, shaper, emit_raw)
+    assert outcome.error is not None
+    assert "max_tokens" in outcome.error.detail
+    assert b"".join(writes).count(b"data: ") == 4
+    assert len(shaper.answer.generated_token_ids) == 4
+    assert stream.ended == "aborted"
