@@ -15,6 +15,7 @@ slow-readers     router memory under streams whose clients never read (bench/exp
 fairness         one tenant's TTFT while another floods the router past its limits (bench/experiments/fairness.py)
 engine-idle      idle CPU and NIXL transfer time of real vLLM engines (bench/experiments/engine_idle.py)
 fleet            router replicas N = 1, 2, 4 on several workloads, one table (bench/experiments/fleet.py)
+prefix-memory    the prefix memory's bytes at its cap; a tenant's flood (bench/experiments/prefix_memory.py)
 limits           router memory with every slot holding a maximal body; unfinished request heads (bench/experiments/limits.py)
 """
 
@@ -134,6 +135,7 @@ FORWARDED = {
     "slow-readers": "bench.experiments.slow_readers",
     "fairness": "bench.experiments.fairness",
     "engine-idle": "bench.experiments.engine_idle",
+    "prefix-memory": "bench.experiments.prefix_memory",
     "limits": "bench.experiments.limits",
 }
 
@@ -270,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vllm-client",
         help="vllm bench serve through the router and direct (bench/experiments/vllm_client.py; its own flags)",
     )
+    sub.add_parser("prefix-memory", help="the prefix memory's bytes at its cap (bench/experiments/prefix_memory.py)")
     sub.add_parser(
         "engine-idle",
         help="idle CPU and NIXL transfer time of real vLLM engines (bench/experiments/engine_idle.py; its own flags)",

@@ -17,7 +17,18 @@ clients that hang up 0-300 ms after sending (during the probe race, the fallback
 stream): they count as `hung_up`, and afterwards every gauge of the router (requests in
 flight and queued, per backend, per tenant) and every engine's running and waiting
 counts must return to 0.
-Exit status 1 when a request was lost or a gauge did not return to 0.
+With `--churn-every S` (default 0: off) the fleet churns meanwhile, one step every ~S
+seconds (bench/experiments/soak_churn.py): SIGHUP reloads that add, move (to one of
+`--spares` extra engines) and remove a backend, flip-flops of it, admin adds, deletes,
+drains and enables; `--stall-engine NAME` SIGSTOPs that engine 1.5 s of every 3 s for
+`--stall-burst-s`, then leaves it alone as long, and again. Requests are also classified
+truncated (fewer tokens than asked, or no [DONE]) and duplicated (more token ids streamed
+than asked), and 5xx answers (status or error event) are counted.
+Exit status 1 when a request was lost, truncated or duplicated, a 5xx was answered, or a
+gauge did not return to 0 (or the fleet did not end as configured).
+
+The churn soak (docs/RELIABILITY.md):
+    python -m bench soak --minutes 10 --concurrency 50 --churn-every 5 --stall-engine d1
 
 Default run: 2 minutes, 4 engines, 32 streams. A longer run (docs/RELIABILITY.md):
     python -m bench soak --minutes 60 --concurrency 64 --restart-every 60
@@ -40,7 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import tomli_w
 
+from bench.experiments.soak_churn import ADMIN_KEY, Churn, backends_listed, churner, staller
 from bench.experiments.soak_load import (
     ENGINE_GAUGES,
     GAUGES,
@@ -54,7 +67,7 @@ from bench.experiments.soak_procs import (
     REPO,
     Engine,
     cpu_seconds,
-    router_toml,
+    router_config,
     rss_bytes,
     start_router,
     stop_group,
@@ -65,14 +78,19 @@ from bench.harness.procs import free_ports
 
 
 async def soak(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], list[Sample]]:
-    *engine_ports, port = free_ports(args.engines + 1)
+    *engine_ports, port = free_ports(args.engines + args.spares + 1)
     engines = [Engine(f"d{i}", p, ["--speed", str(args.speed)], out / f"d{i}.log") for i, p in enumerate(engine_ports)]
+    engines, spares = engines[: args.engines], engines[args.engines :]
+    for i, e in enumerate(spares):
+        e.name, e.log = f"s{i}", out / f"s{i}.log"
     router_proc: subprocess.Popen[bytes] | None = None
     run = Run()
     try:
-        for e in engines:
+        for e in engines + spares:
             e.start()
-        router_proc = start_router(out, router_toml(port, engines, args))
+        config = router_config(port, engines, args)
+        config["server"]["admin_api_key"] = ADMIN_KEY
+        router_proc = start_router(out, tomli_w.dumps(config))
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/health", 60, router_proc)
         pid = router_proc.pid
@@ -146,12 +164,20 @@ async def soak(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], lis
 
             workers = [asyncio.create_task(worker(i)) for i in range(args.concurrency)]
             aux = [asyncio.create_task(restarter()), asyncio.create_task(sampler())]
+            churn = Churn(config, out / "router.toml", router_proc, url, engines, spares, t0, random.Random(args.seed))
+            if args.churn_every > 0 and spares:
+                aux.append(asyncio.create_task(churner(churn, s, args.churn_every, stop)))
+            stalling = [e for e in engines if e.name == args.stall_engine]
+            if stalling:
+                aux.append(asyncio.create_task(staller(churn, stalling[0], args.stall_burst_s, stop)))
             await asyncio.sleep(max(0.0, end - time.monotonic()))
             stop.set()
             await asyncio.gather(*workers)
             for t in aux:
                 t.cancel()
             await asyncio.gather(*aux, return_exceptions=True)
+            await churn.undo(s)
+            base = sorted(e.name for e in engines)
             # Drained: the router and the engines hold nothing once the clients are done
             # (hung-up requests included: every one of them was aborted).
             drained = False
@@ -162,15 +188,18 @@ async def soak(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], lis
                     for n in ENGINE_GAUGES:
                         with contextlib.suppress(Exception):
                             gauges[f"{e.name} {n}"] = await metrics_value(s, e.url, n)
-                if not any(gauges.values()):
+                listed = await backends_listed(churn, s)
+                if not any(gauges.values()) and listed == base:
                     drained = True
                     break
                 await asyncio.sleep(0.1)
             run.final_gauges = gauges
+            run.backends_at_end = await backends_listed(churn, s)
+            run.churn_steps = len(churn.steps)
         final_rss = rss_bytes(pid) / 2**20
     finally:
         stop_group(router_proc)
-        for e in engines:
+        for e in engines + spares:
             stop_group(e.proc)
     return summarize(run, args, drained, final_rss), run.samples
 
@@ -200,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         default=0.2,
         help="requests whose client hangs up 0-300 ms after sending (default %(default)s)",
     )
+    p.add_argument("--churn-every", type=float, default=0.0, help="seconds between fleet churn steps (0: none)")
+    p.add_argument("--spares", type=int, default=2, help="extra engines the churn adds and moves backends to")
+    p.add_argument("--stall-engine", default="", help="an engine to SIGSTOP 1.5 s of every 3 s, in bursts")
+    p.add_argument("--stall-burst-s", type=float, default=30.0, help="length of a stall burst and of the pause after")
     p.add_argument("--out", help="output directory (default bench/out/soak-<UTC time>)")
     args = p.parse_args(argv)
     out = Path(args.out or REPO / "bench" / "out" / time.strftime("soak-%Y%m%dT%H%M%SZ", time.gmtime()))
@@ -228,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(asdict(x) for x in samples)
     plot(summary, samples, out / "soak.png")
     print_table(summary, out)
-    return 0 if summary["lost"] == 0 and summary["drained"] else 1
+    broken = summary["lost"] + summary["truncated"] + summary["duplicated"] + summary["http_5xx"]
+    return 0 if broken == 0 and summary["drained"] else 1
 
 
 if __name__ == "__main__":

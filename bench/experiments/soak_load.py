@@ -20,10 +20,11 @@ from router.engine.sse import SSEDecoder
 @dataclass
 class Result:
     t: float  # completion time, seconds since start
-    kind: str  # completed | error | lost | hung_up
+    kind: str  # completed | error | lost | truncated | duplicated | hung_up
     latency_s: float
     ttft_s: float | None
     detail: str = ""
+    status: int = 200  # the HTTP status, or the code of an error event in the stream
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     restarts: list[tuple[float, str]] = field(default_factory=list)
     final_gauges: dict[str, float] = field(default_factory=dict)
+    backends_at_end: list[str] = field(default_factory=list)
+    churn_steps: int = 0
 
 
 PREFIXES = [" ".join(f"p{g}w{i}" for i in range(300)) for g in range(6)]
@@ -61,6 +64,7 @@ async def one_request(
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            "return_token_ids": True,  # to count the tokens streamed: none lost, none twice
         }
     )
     events: list[Any] = []  # parsed chunks, then "[DONE]"
@@ -80,7 +84,12 @@ async def one_request(
                             f"HTTP {r.status} without an error body",
                         )
                     return Result(
-                        time.monotonic() - t0, "error", time.monotonic() - start, None, f"HTTP {r.status}: {msg}"
+                        time.monotonic() - t0,
+                        "error",
+                        time.monotonic() - start,
+                        None,
+                        f"HTTP {r.status}: {msg}",
+                        r.status,
                     )
                 decoder = SSEDecoder()
                 async for data in r.content.iter_any():
@@ -94,15 +103,21 @@ async def one_request(
         return Result(time.monotonic() - t0, "lost", time.monotonic() - start, ttft, f"connection: {e!r}")
     latency = time.monotonic() - start
     now = time.monotonic() - t0
-    if not events or events[-1] != "[DONE]":
-        return Result(now, "lost", latency, ttft, "stream ended without [DONE]")
-    chunks = events[:-1]
+    chunks = [e for e in events if e != "[DONE]"]
     errs = [c for c in chunks if "error" in c]
     if errs:
-        return Result(now, "error", latency, ttft, f"stream error: {errs[0]['error'].get('message')}")
+        err = errs[0]["error"]
+        return Result(now, "error", latency, ttft, f"stream error: {err.get('message')}", int(err.get("code") or 0))
+    if not events or events[-1] != "[DONE]":
+        return Result(now, "truncated", latency, ttft, "stream ended without [DONE]")
     usage = chunks[-1].get("usage") if chunks else None
+    streamed = sum(len(ch.get("token_ids") or ()) for c in chunks for ch in c.get("choices") or ())
+    if streamed > max_tokens:
+        return Result(now, "duplicated", latency, ttft, f"{streamed} tokens streamed for {max_tokens}")
     if len({c["id"] for c in chunks}) != 1 or not usage or usage.get("completion_tokens") != max_tokens:
         return Result(now, "lost", latency, ttft, f"malformed answer (usage {usage})")
+    if streamed < max_tokens:
+        return Result(now, "truncated", latency, ttft, f"{streamed} tokens streamed for {max_tokens}")
     return Result(now, "completed", latency, ttft)
 
 

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 
@@ -103,15 +104,17 @@ class Engine:
 
 
 def router_toml(port: int, engines: list[Engine], args: argparse.Namespace) -> str:
-    return tomli_w.dumps(
-        {
-            "server": {"port": port, "host": "127.0.0.1", "max_concurrent_requests": 1024, "max_queued_requests": 1024},
-            "routing": {"max_retries": 3, "max_resumes": 4},
-            "timeouts": {"connect_s": 2.0, "first_token_s": 30.0, "idle_s": float(args.idle_s), "total_s": 120.0},
-            "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0, "failure_threshold": 3, "cooldown_s": 3.0},
-            "backends": [{"name": e.name, "url": e.url, "role": "decode", "models": [MODEL]} for e in engines],
-        }
-    )
+    return tomli_w.dumps(router_config(port, engines, args))
+
+
+def router_config(port: int, engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "server": {"port": port, "host": "127.0.0.1", "max_concurrent_requests": 1024, "max_queued_requests": 1024},
+        "routing": {"max_retries": 3, "max_resumes": 4},
+        "timeouts": {"connect_s": 2.0, "first_token_s": 30.0, "idle_s": float(args.idle_s), "total_s": 120.0},
+        "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0, "failure_threshold": 3, "cooldown_s": 3.0},
+        "backends": [{"name": e.name, "url": e.url, "role": "decode", "models": [MODEL]} for e in engines],
+    }
 
 
 def rss_bytes(pid: int) -> int:

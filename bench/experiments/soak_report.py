@@ -60,9 +60,12 @@ def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: floa
         "completed": len(ok),
         "errors": sum(r.kind == "error" for r in run.results),
         "lost": sum(r.kind == "lost" for r in run.results),
+        "truncated": sum(r.kind == "truncated" for r in run.results),
+        "duplicated": sum(r.kind == "duplicated" for r in run.results),
+        "http_5xx": sum(r.status >= 500 for r in run.results),
         "hung_up": sum(r.kind == "hung_up" for r in run.results),
         "error_rate": (
-            sum(r.kind in ("error", "lost") for r in run.results) / len(run.results) if run.results else 0.0
+            sum(r.kind not in ("completed", "hung_up") for r in run.results) / len(run.results) if run.results else 0.0
         ),
         "throughput_rps": len(ok) / run.samples[-1].t if run.samples else 0.0,
         "latency_p50_s": _pct(lat, 0.5),
@@ -71,12 +74,16 @@ def summarize(run: Run, args: argparse.Namespace, drained: bool, final_rss: floa
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p99_s": _pct(ttft, 0.99),
         "rss_start_mib": statistics.mean(rss[:n_first]) if rss else None,
+        # After warm-up: the second tenth of the run (the first holds start-up's growth).
+        "rss_warm_mib": statistics.mean(rss[n_first : 2 * n_first]) if len(rss) >= 2 * n_first else None,
         "rss_end_mib": statistics.mean(rss[-n_first:]) if rss else None,
         "rss_max_mib": max(rss) if rss else None,
         "rss_final_mib": final_rss,
         "router_cpu_mean_pct": statistics.mean(s.cpu_pct for s in run.samples) if run.samples else None,
         "restarts": [{"t": t, "engine": n} for t, n in run.restarts],
         "drained": drained,
+        "backends_at_end": run.backends_at_end,
+        "churn_steps": run.churn_steps,
         "final_gauges": run.final_gauges,
         "failures": dict(sorted(errors.items(), key=lambda kv: -kv[1])),
         "windows": windows(run, args.window),
@@ -148,6 +155,9 @@ def print_table(summary: dict[str, Any], out: Path) -> None:
         ("completed", summary["completed"]),
         ("errors (clear)", summary["errors"]),
         ("lost", summary["lost"]),
+        ("truncated", summary["truncated"]),
+        ("duplicated tokens", summary["duplicated"]),
+        ("5xx", summary["http_5xx"]),
         ("hung up early (by design)", summary["hung_up"]),
         ("error rate", f(100 * summary["error_rate"], " %", 2)),
         ("throughput", f(summary["throughput_rps"], " req/s", 1)),
@@ -157,9 +167,15 @@ def print_table(summary: dict[str, Any], out: Path) -> None:
         ("TTFT p50", f(summary["ttft_p50_s"], " s")),
         ("TTFT p99", f(summary["ttft_p99_s"], " s")),
         ("router RSS first 10%", f(summary["rss_start_mib"], " MiB", 1)),
+        ("router RSS after warm-up (10-20%)", f(summary["rss_warm_mib"], " MiB", 1)),
         ("router RSS last 10%", f(summary["rss_end_mib"], " MiB", 1)),
         ("router RSS max", f(summary["rss_max_mib"], " MiB", 1)),
         ("router CPU mean", f(summary["router_cpu_mean_pct"], " %", 1)),
+        ("fleet churn steps", summary["churn_steps"]),
+        (
+            "backends at the end",
+            ", ".join(summary.get("backends_at_end", [])) or "-",
+        ),
         (
             "every gauge back to 0 (router, engines)",
             "yes"

@@ -135,6 +135,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
     p.check(check_positive, "routing.prior_kv_transfer_tokens_per_s", routing.prior_kv_transfer_tokens_per_s)
     p.check(check_positive, "routing.max_resumes", routing.max_resumes, allow_zero=True)
     p.check(check_positive, "routing.max_retries", routing.max_retries, allow_zero=True)
+    p.check(check_positive, "routing.prefix_memory_bytes", routing.prefix_memory_bytes)
     p.check(check_positive, "routing.max_adapters_per_engine", routing.max_adapters_per_engine)
     return routing
 
@@ -154,6 +155,7 @@ def parse_health(p: Problems, raw: Any) -> HealthConfig | None:
         p.check(check_positive, "health.check_interval_s", health.check_interval_s)
         p.check(check_positive, "health.failure_threshold", health.failure_threshold)
         p.check(check_positive, "health.cooldown_s", health.cooldown_s, allow_zero=True)
+        p.check(check_positive, "health.slow_engine_s", health.slow_engine_s, allow_zero=True)
     return health
 
 

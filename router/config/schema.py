@@ -113,6 +113,9 @@ class RoutingConfig:
     max_resumes: int = 3
     # Retries on another backend for failures before the first token.
     max_retries: int = 2
+    # The prefix memory's budget (router/routing/prefix_memory.py): where the router sent
+    # which prompt prefixes, shared fairly between tenants.
+    prefix_memory_bytes: int = 64 * 1024 * 1024
     # LoRA adapters the router may have engines load (router/fleet/adapters.py), name ->
     # path on the engines' hosts ([routing.lora_adapters]): the only paths ever sent to an
     # engine's /v1/load_lora_adapter; a client names an adapter, never a path.
@@ -142,6 +145,10 @@ class HealthConfig:
     # Circuit breaker: open after this many consecutive failures, half-open after cooldown.
     failure_threshold: int = 3
     cooldown_s: float = 5.0
+    # An engine whose answers stall (first tokens or health checks far later than
+    # predicted) is avoided this long, twice as long each time it stalls again (up to
+    # 60 s; router/fleet/stalls.py). 0: never.
+    slow_engine_s: float = 5.0
 
 
 @dataclass(frozen=True)

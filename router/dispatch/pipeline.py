@@ -31,8 +31,9 @@ from router.admission.spec import RequestSpec
 from router.answer.chunk_bytes import unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.config.schema import Config
+from router.dispatch.client_errors import client_error
 from router.dispatch.context import Leg, LegOutcome, RequestContext
-from router.dispatch.placement import LegPlacer, client_error
+from router.dispatch.placement import LegPlacer
 from router.dispatch.prompt_index import PromptIndex
 from router.dispatch.pump import Emit, EmitRaw, pump, pump_raw
 from router.dispatch.resume import resume_reason
@@ -56,7 +57,7 @@ from router.routing.planning import RouteQuery, Strategy
 log = logging.getLogger("cachehit_router.dispatch")
 
 
-def route_query(spec: RequestSpec, adapter: bool = False) -> RouteQuery:
+def route_query(spec: RequestSpec, adapter: bool = False, tenant: str = "") -> RouteQuery:
     """`adapter`: the model the request names is a LoRA adapter (its cache is its own)."""
     return RouteQuery(
         spec.model,
@@ -64,6 +65,7 @@ def route_query(spec: RequestSpec, adapter: bool = False) -> RouteQuery:
         salt=hash(spec.request_id) & 0xFFFF,
         prompt_tokens=None if spec.prompt_token_ids is None else len(spec.prompt_token_ids),
         token_ids=spec.prompt_token_ids,
+        tenant=tenant,
         adapter=spec.model if adapter else None,
     )
 
@@ -92,7 +94,7 @@ class Dispatcher:
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
         started = rec.dispatch_started = asyncio.get_running_loop().time()
         return RequestContext(
-            route_query(spec, is_adapter(self.registry, spec.model)),
+            route_query(spec, is_adapter(self.registry, spec.model), rec.tenant),
             request_path(spec),
             body,
             started,
@@ -109,7 +111,11 @@ class Dispatcher:
         answer = shaper.answer
         shaper.begin_leg(is_resume=False)
         while True:
-            outcome = await (pump(ctx, leg, shaper, emit) if emit_raw is None else pump_raw(ctx, leg, shaper, emit_raw))
+            outcome = await (
+                pump(ctx, leg, shaper, emit, self._token_gap)
+                if emit_raw is None
+                else pump_raw(ctx, leg, shaper, emit_raw, self._token_gap)
+            )
             if outcome.error is None and answer.finish_reason is None:
                 # [DONE] without a finish: a broken engine (vLLM always ends a leg with a
                 # finish_reason). The leg failed: retried elsewhere before the answer's first
@@ -183,6 +189,7 @@ class Dispatcher:
                 first.query.salt,
                 len(prompt_ids) + answer_tokens,
                 token_ids=(*prompt_ids, *answer.generated_token_ids),
+                tenant=first.query.tenant,
                 adapter=first.query.adapter,
             )
             # A resume starts a new leg: only the engine that just failed is kept out. One
@@ -198,6 +205,15 @@ class Dispatcher:
             )
             leg = await self.placer.acquire_after(ctx, error)
             shaper.begin_leg(is_resume=True)
+
+    def _token_gap(self, backend: str, gap_s: float) -> None:
+        """A long wait for a streamed answer's next piece, judged against one engine step
+        (router/fleet/stalls.py)."""
+        state = self.registry.states.get(backend)
+        if state is not None:
+            speed = self.registry.learner.speed(backend)
+            step = speed.intercept_s + speed.per_decode_s * (state.decoding + state.others_running)
+            self.registry.stalls.token_gap(backend, gap_s, step, self.registry.clock(), speed.samples)
 
     def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome, tokens: int) -> UpstreamError | None:
         """The engine's health and the cost model learn how the leg ended (`tokens`: what
@@ -244,8 +260,8 @@ class Dispatcher:
             if plan.direct is None:
                 break
             name = plan.direct
-            state = self.registry.states.get(name)
-            if state is None:  # removed from the fleet since the snapshot
+            state = self.registry.accepting(name)
+            if state is None:  # removed or drained since the snapshot (the plan may wait for tokens)
                 ctx.tried.add(name)
                 continue
             cfg = state.config
@@ -303,7 +319,7 @@ class Dispatcher:
             rec.dispatch_started = loop.time()
         now = loop.time()
         ctx = RequestContext(
-            route_query(spec, is_adapter(self.registry, spec.model)),
+            route_query(spec, is_adapter(self.registry, spec.model), rec.tenant),
             request_path(spec),
             one_token_probe(spec.body),
             rec.dispatch_started,

@@ -23,20 +23,14 @@ from typing import Any
 import orjson
 
 from router import errors
-from router.config.schema import Config, TimeoutsConfig
+from router.config.schema import Config
+from router.dispatch.client_errors import client_error
 from router.dispatch.context import FallbackOutcome, Leg, RaceOutcome, RequestContext, fallback_direct
 from router.dispatch.disagg import PrefillProtocolError, parse_prefill_response, recompute_after_failed_decode
 from router.dispatch.prompt_index import PromptIndex
 from router.dispatch.race import RaceResult, run_race
 from router.engine.client import UpstreamClient
-from router.engine.errors import (
-    CONNECT,
-    CONNECT_TIMEOUT,
-    FIRST_TOKEN_TIMEOUT,
-    IDLE_TIMEOUT,
-    TOTAL_TIMEOUT,
-    UpstreamError,
-)
+from router.engine.errors import CONNECT, UpstreamError
 from router.engine.stream import UpstreamStream
 from router.engine.wire import CHAT_PATH, decode_leg_body, message_usage, prefill_leg_body, streamed_leg_body
 from router.fleet.registry import BackendRegistry, BackendState, LegTicket
@@ -47,23 +41,6 @@ from router.routing.planning import AsksTheIndexWhenUnsure, Plan, RouteQuery, St
 from router.routing.snapshot import ClusterSnapshot
 
 log = logging.getLogger("cachehit_router.dispatch")
-
-
-def client_error(e: UpstreamError, timeouts: TimeoutsConfig) -> errors.RouterError:
-    """What the client is told about an upstream failure the router could not route around."""
-    if e.client_fault:
-        return errors.from_upstream_body(e.status or 400, e.body or b"")
-    if e.kind == FIRST_TOKEN_TIMEOUT:
-        return errors.upstream_timeout(e.backend, "first token", timeouts.first_token_s)
-    if e.kind == IDLE_TIMEOUT:
-        return errors.upstream_timeout(e.backend, "next chunk", timeouts.idle_s)
-    if e.kind == TOTAL_TIMEOUT:
-        return errors.upstream_timeout(e.backend, "whole answer", timeouts.total_s)
-    if e.kind == CONNECT_TIMEOUT:
-        return errors.upstream_timeout(e.backend, "connection", timeouts.connect_s)
-    if e.kind == CONNECT:
-        return errors.RouterError(502, f"Cannot reach upstream engine {e.backend!r}: {e.detail}")
-    return errors.upstream_failed(e.backend, f"{e.kind}: {e.detail}")
 
 
 class LegPlacer:
@@ -378,11 +355,12 @@ class LegPlacer:
         return open_leg
 
     def _state(self, name: str) -> BackendState:
-        """A planned backend's state; one removed from the fleet since the plan was made
-        (its drain finished meanwhile) fails like an engine that is gone."""
-        state = self.registry.states.get(name)
+        """A planned backend's state; one removed from the fleet or drained (an operator's
+        drain, a removal that began) since the plan was made fails like an engine that is
+        gone: no new leg goes there."""
+        state = self.registry.accepting(name)
         if state is None:
-            raise UpstreamError(name, CONNECT, "removed from the fleet")
+            raise UpstreamError(name, CONNECT, "removed from the fleet or drained")
         return state
 
     def _record_race(self, ctx: RequestContext, result: RaceResult, probing: bool = True) -> None:

@@ -18,13 +18,18 @@ from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.engine.errors import PROTOCOL, UpstreamError
 from router.engine.sse import format_event
 from router.engine.wire import MalformedChunk, message_usage
+from router.fleet.stalls import STALL_LATE_S
 
 Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 # The client's SSE events already encoded, one transport write per batch.
 EmitRaw = Callable[[bytes], Awaitable[None]]
+# Told of a long wait for a leg's next piece: (backend, seconds) (router/fleet/stalls.py).
+OnGap = Callable[[str, float], None]
 
 
-async def pump(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit) -> LegOutcome:
+async def pump(
+    ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit, on_gap: OnGap | None = None
+) -> LegOutcome:
     """The leg's chunks to the client until [DONE] or an upstream failure."""
     stream = leg.stream
     loop = asyncio.get_running_loop()
@@ -52,7 +57,10 @@ async def pump(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit
                 await emit(batch)
             if bad is not None:
                 raise UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {bad}") from None
+            waiting_since = loop.time()
             chunks = await stream.next_chunks()
+            if on_gap is not None and loop.time() - waiting_since > STALL_LATE_S:  # rare
+                on_gap(leg.backend, loop.time() - waiting_since)
     except UpstreamError as e:
         stream.abort()
         return LegOutcome(e)
@@ -63,7 +71,9 @@ async def pump(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit
     return LegOutcome(None, prompt_tokens, cached_tokens)
 
 
-async def pump_raw(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: EmitRaw) -> LegOutcome:
+async def pump_raw(
+    ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: EmitRaw, on_gap: OnGap | None = None
+) -> LegOutcome:
     """`pump` for a client written SSE bytes: token chunks go on their bytes, the chunks
     where something is decided (role, finish, usage, errors, anything unusual) are parsed."""
     stream = leg.stream
@@ -105,7 +115,10 @@ async def pump_raw(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: 
                 await emit(b"".join(events))
             if bad is not None:
                 raise bad
+            waiting_since = loop.time()
             batch = await stream.next_payloads()
+            if on_gap is not None and loop.time() - waiting_since > STALL_LATE_S:  # rare
+                on_gap(leg.backend, loop.time() - waiting_since)
     except UpstreamError as e:
         stream.abort()
         return LegOutcome(e)

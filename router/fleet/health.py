@@ -37,6 +37,7 @@ class HealthMonitor:
         self._rounds = 0
         # Backend -> its /v1/models entries as last read (GET /v1/models merges them).
         self.model_cards: dict[str, list[dict[str, Any]]] = {}
+        self._took: dict[str, float] = {}  # backend -> how long its check took, this round
         self._undeclared_ranks: set[str] = set()  # DP servers not declared, named once
 
     @property
@@ -84,19 +85,27 @@ class HealthMonitor:
         if state is None:  # removed from the fleet meanwhile
             return
         url, key = state.config.url, state.config.api_key
+        started = time.monotonic()
         changed = state.adapters_changed  # a load or unload through the router while this reads
         try:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
             load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
         except (TimeoutError, Exception) as e:  # any failure means: not usable now
+            if self.registry.states.get(name) is not state:
+                return  # replaced meanwhile: this was the old address's answer
             self.registry.record_scrape_failure(name, f"health check: {type(e).__name__}: {e}", definitive_failure(e))
             if not state.healthy:  # checked again when it answers: it may be another engine now
                 state.threshold_capable = None
             return
+        self._took[name] = time.monotonic() - started  # judged against the round's others (check_all)
+        if self.registry.states.get(name) is not state:
+            # Removed while it answered, or replaced (a reload moved the name to another
+            # address): this answer says nothing about the backend under the name now.
+            return
         models = adapters = None
-        # Not removed while it answered, and no adapter loaded or unloaded through the router
-        # since the list was asked for (that list is older than the router's view).
-        if cards is not None and name in self.registry.states and state.adapters_changed == changed:
+        # No adapter loaded or unloaded through the router since the list was asked for
+        # (that list is older than the router's view).
+        if cards is not None and state.adapters_changed == changed:
             self.model_cards[name] = cards
             models = tuple(c["id"] for c in cards)
             adapters = tuple(c["id"] for c in cards if c.get("parent"))  # vLLM: a LoRA adapter's base
@@ -127,7 +136,11 @@ class HealthMonitor:
         return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
 
     async def check_all(self, with_health: bool = True) -> None:
+        self._took.clear()
         await asyncio.gather(*(self.check_one(n, with_health) for n in list(self.registry.states)))
+        # An engine that answers far later than the others did in the same round stalls
+        # (router/fleet/stalls.py); a busy router delays the whole round alike.
+        self.registry.stalls.check_round(self._took, self.registry.clock())
 
     async def _run(self) -> None:
         every = max(1, round(self.health.check_interval_s / self.health.scrape_interval_s))

@@ -21,6 +21,12 @@ Each name is in one of three states, and every change is a synchronous step betw
   wants the name, or a `remove`, drops it. Once idle, the drain task forgets the name and,
   in the same step, registers the successor if there is one.
 
+An operator's drain (`drain`, the admin API) belongs to the name: it holds across a
+replacement and a removal called off, and ends with an explicit removal. A `reconcile`
+decides everything on the fleet as it is when it starts, in one step; only the new
+backends' health checks are awaited after, so a change that comes meanwhile (an admin
+delete) is never undone by an older reload.
+
 The drain task holds no state of its own: `_removals` (name -> drain task) and
 `_successor` (name -> configuration and source) are changed only by these steps, so a
 successor never outlives its drain and a name is never left waiting for a task that died.
@@ -71,6 +77,7 @@ class Fleet:
         self._removals: dict[str, asyncio.Task[None]] = {}  # name -> its drain (removing)
         self._successor: dict[str, tuple[BackendConfig, str]] = {}  # name -> (config, source) once drained
         self._tasks: set[asyncio.Task[None]] = set()
+        self.drained: set[str] = set()  # names an operator took out of rotation
 
     # --- queries ---------------------------------------------------------------------------
     def removing(self, name: str) -> bool:
@@ -101,20 +108,32 @@ class Fleet:
             self._keep(name, source)
             log.info("backend %s: back before its removal finished; in rotation again", name)
             return self.registry.states[name]
+        state = self._register(config, source, checked)
+        if checked is None:
+            await self.monitor.check_one(name, with_health=True)
+        return state
+
+    def _register(
+        self, config: BackendConfig, source: str, checked: tuple[dict[str, float], tuple[str, ...] | None] | None
+    ) -> BackendState:
+        name = config.name
         state = self.registry.add(config)  # ValueError for a taken name
         self.owner[name] = source
+        if name in self.drained:  # the replacement of a backend an operator drained
+            self.registry.set_draining(name, True)
         self._on_added(state)
         log.info("backend %s (%s, role %s) added by %s", name, config.url, config.role, source)
         if checked is not None:
             self.registry.record_scrape(name, *checked)
-        else:
-            await self.monitor.check_one(name, with_health=True)
         return state
 
-    def remove(self, name: str) -> asyncio.Task[None]:
+    def remove(self, name: str, replacing: bool = False) -> asyncio.Task[None]:
         """Drain `name`, then forget it once its last request ended (the returned task). A
-        replacement waiting for that drain is dropped: the name goes."""
+        replacement waiting for that drain is dropped: the name goes, and an operator's
+        drain of it with it. `replacing`: a successor follows (an operator's drain stays)."""
         self._successor.pop(name, None)
+        if not replacing:
+            self.drained.discard(name)
         task = self._removals.get(name)
         if task is not None:
             return task
@@ -125,12 +144,19 @@ class Fleet:
         task = self._removals[name] = self._spawn(self._forget_when_idle(name, state), f"remove-{name}")
         return task
 
+    def drain(self, name: str, draining: bool) -> None:
+        """An operator takes `name` out of rotation (its requests finish) or puts it back
+        (not while it is being removed). The drain holds while the name is in the fleet,
+        across a replacement and a removal called off."""
+        (self.drained.add if draining else self.drained.discard)(name)
+        self.registry.set_draining(name, draining or self.removing(name))
+
     def _keep(self, name: str, source: str) -> None:
         """Stop `name`'s removal: its drain task is cancelled and forgotten here, at once,
         with the replacement that waited for it (the task itself holds no state)."""
         self._removals.pop(name).cancel()
         self._successor.pop(name, None)
-        self.registry.set_draining(name, False)
+        self.registry.set_draining(name, name in self.drained)
         self.owner[name] = source
 
     async def _forget_when_idle(self, name: str, state: BackendState) -> None:
@@ -148,7 +174,9 @@ class Fleet:
         self._on_removed(name)
         log.info("backend %s removed (drained, nothing in flight)", name)
         pending = self._successor.pop(name, None)
-        if pending is not None:
+        if pending is None:
+            self.drained.discard(name)
+        else:
             await self.add(*pending)
 
     async def reconcile(self, source: str, wanted: Mapping[str, BackendConfig], *, check_first: bool = False) -> None:
@@ -156,13 +184,38 @@ class Fleet:
         joins only once a health check passed (else the next reconcile tries again).
 
         A name still draining from an older configuration gets the wanted one as its
-        successor (added once the drain ends), or back in rotation if it is the same."""
+        successor (added once the drain ends), or back in rotation if it is the same.
+
+        Every decision is taken at once, on the fleet as it is when the call starts; only
+        health checks are awaited after. Deciding a name after awaiting another's check
+        let a later change be undone: a name the operator deleted meanwhile came back."""
+        new = self._decide(source, wanted)
+        if not check_first:
+            for config in new:
+                self._register(config, source, None)
+            await asyncio.gather(*(self.monitor.check_one(c.name, with_health=True) for c in new))
+            return
+        for config in new:
+            try:
+                checked = await self.monitor.check(config, with_health=True, want_models=not config.models)
+            except (TimeoutError, Exception) as e:
+                log.info("%s: %s (%s) not added yet, its health check failed: %s", source, config.name, config.url, e)
+                continue
+            if config.name in self.registry.states:  # added meanwhile
+                continue
+            self._register(config, source, checked)
+
+    def _decide(self, source: str, wanted: Mapping[str, BackendConfig]) -> list[BackendConfig]:
+        """`reconcile`'s changes but the additions, which it returns."""
+        new = []
         for name, config in self.owned_by(source).items():
             if wanted.get(name) != config:
-                self.remove(name)  # gone, or changed: a changed one comes back below
+                self.remove(name, replacing=name in wanted)  # gone, or changed: a changed one comes back below
         for name, (config, src) in list(self._successor.items()):
             if src == source and wanted.get(name) != config:
                 del self._successor[name]  # no longer wanted as it was
+                if name not in wanted:
+                    self.drained.discard(name)
         for name, config in wanted.items():
             state = self.registry.states.get(name)
             taken_by = self.owner.get(name) if name not in self._removals else None
@@ -180,18 +233,9 @@ class Fleet:
                 else:  # changed: the new one once the old one is gone
                     self._successor[name] = (config, source)
                 continue
-            if state is not None:  # unchanged
-                continue
-            checked = None
-            if check_first:
-                try:
-                    checked = await self.monitor.check(config, with_health=True, want_models=not config.models)
-                except (TimeoutError, Exception) as e:
-                    log.info("%s: %s (%s) not added yet, its health check failed: %s", source, name, config.url, e)
-                    continue
-                if name in self.registry.states:  # added meanwhile
-                    continue
-            await self.add(config, source, checked)
+            if state is None:
+                new.append(config)
+        return new
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)

@@ -1,34 +1,32 @@
 """Backend registry: health, circuit breaker, in-flight counts, scraped load, snapshots.
 
-One place owns every fact about a backend. Planners never see this mutable state: they
-get a `ClusterSnapshot` of frozen `BackendView`s (router/routing/snapshot.py), so every routing
-policy is a pure function testable without sockets.
+One place owns every fact about a backend. Planners never see this mutable state: they get a `ClusterSnapshot`
+of frozen `BackendView`s (router/routing/snapshot.py), so every routing policy is a pure function testable
+without sockets.
 
 Health has two sources, kept apart:
-- active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see
-  `record_scrape_failure` for when a failed check counts);
-- passive: the request path reports connection errors, timeouts and 5xx (`record_failure`)
-  and completed answers (`record_success`); they drive the circuit breaker.
-A per-backend circuit breaker opens after `failure_threshold` consecutive request failures.
-An open backend gets no requests (no probes) for `cooldown_s`; then one trial request goes
-through (half-open) and its success closes the breaker, its failure opens it again. A good
-health check does not close the breaker: an engine can answer /health and /metrics while
-failing every request. A trial that ends without a verdict (a probe that was rejected or
-lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one
-through, so a breaker never stays half-open for good.
+- active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see `record_scrape_failure` for
+  when a failed check counts);
+- passive: the request path reports connection errors, timeouts and 5xx (`record_failure`) and completed
+  answers (`record_success`); they drive the circuit breaker.
+A per-backend circuit breaker opens after `failure_threshold` consecutive request failures. An open backend
+gets no requests (no probes) for `cooldown_s`; then one trial request goes through (half-open) and its success
+closes the breaker, its failure opens it again. A good health check does not close the breaker: an engine can
+answer /health and /metrics while failing every request. A trial that ends without a verdict (a probe that was
+rejected or lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one through,
+so a breaker never stays half-open for good.
 
-An operator can drain a backend (admin API): it gets no new request or leg, not even as
-the last resort of panic routing, while the requests it is serving finish.
+An operator can drain a backend (admin API): it gets no new request or leg, not even as the last resort of
+panic routing, while the requests it is serving finish.
 
-Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router
-sends holds a `LegTicket` from `open_leg` to `close_leg`; until its first token
-(`first_token`) its prompt tokens still to prefill are queued on the engine, after it the
-leg is one decoding sequence. The registry's `SpeedLearner` turns finished legs into each
-engine's measured speed, and every `BackendView` carries both.
+Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router sends holds
+a `LegTicket` from `open_leg` to `close_leg`; until its first token (`first_token`) its prompt tokens still to
+prefill are queued on the engine, after it the leg is one decoding sequence. The registry's `SpeedLearner`
+turns finished legs into each engine's measured speed, and every `BackendView` carries both.
 
-Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add`
-registers one, `remove` forgets a drained one once nothing is in flight on it. Feedback
-for a name that is gone (a health check or a failure that raced its removal) is ignored.
+Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add` registers
+one, `remove` forgets a drained one once nothing is in flight on it. Feedback for a name that is gone (a
+health check or a failure that raced its removal) is ignored.
 """
 
 from __future__ import annotations
@@ -41,6 +39,9 @@ from dataclasses import dataclass, field
 from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
+from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
+from router.fleet.legs import decode_sample, first_token_sample
+from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
@@ -89,25 +90,6 @@ class BackendState:
 OTHERS_SEEN_S = 60.0
 
 
-@dataclass(slots=True)
-class LegTicket:
-    """One leg's place in its engine's load, from `open_leg` to `close_leg`.
-
-    `queued_ahead` and `decoding` are the cost model's inputs when the leg was sent: with
-    the tokens it lacked and its time to first token they make one speed sample."""
-
-    backend: str
-    tokens: int  # prompt tokens it adds to the engine's prefill queue until its first token
-    queued_ahead: float
-    decoding: float
-    sent_at: float
-    first_token_at: float | None = None
-    closed: bool = False
-    # At its first token: the engine's decoding sequences and prefilled tokens so far.
-    decoding_at_first: float = 0.0
-    prefilled_at_first: int = 0
-
-
 @dataclass
 class BackendRegistry:
     """Mutable backend state; the request path and the scraper update it."""
@@ -125,6 +107,7 @@ class BackendRegistry:
     backend_headers: dict[str, dict[str, str]] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
+        self.stalls = StallWatch(self.health.slow_engine_s)  # engines whose answers stall (router/fleet/stalls.py)
         for c in self.configs:
             self.states[c.name] = BackendState(config=c, models=c.models)
             self._set_headers(c)
@@ -193,7 +176,7 @@ class BackendRegistry:
         return s.decoding + s.others_running
 
     def _available(self, s: BackendState, now: float) -> bool:
-        if s.draining:
+        if s.draining or self.stalls.slow(s.config.name, now):
             return False
         if s.breaker == BreakerState.OPEN:
             # After the cool-down the breaker lets one trial through.
@@ -237,10 +220,16 @@ class BackendRegistry:
         if not s.draining or s.inflight:
             raise ValueError(f"backend {name!r} must be drained and idle before removal")
         del self.states[name]
+        self.stalls.forget(name)
         self.backend_headers.pop(name, None)
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
         self.learner.engine_per_token_s.pop(name, None)
+
+    def accepting(self, name: str) -> BackendState | None:
+        """`name`'s state if a new leg may go there now: still in the fleet and not drained since planned."""
+        s = self.states.get(name)
+        return None if s is None or s.draining else s
 
     def set_draining(self, name: str, draining: bool) -> None:
         """Take `name` out of rotation (its in-flight requests finish) or put it back."""
@@ -270,6 +259,10 @@ class BackendRegistry:
         ticket.first_token_at = self.clock() if at is None else at
         s = self.states.get(ticket.backend)
         if s is not None:
+            t, speed = ticket.first_token_at, self.learner.speed(ticket.backend)
+            self.stalls.first_token_of(
+                s.config.name, t - ticket.sent_at, ticket.queued_ahead + ticket.tokens, ticket.decoding, speed, t
+            )
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
             s.decoding += 1
@@ -293,32 +286,14 @@ class BackendRegistry:
         self.release(ticket.backend)
 
     def learn_first_token(self, ticket: LegTicket, lacking_tokens: int, held_tokens: int = 0) -> float | None:
-        """One speed sample from a leg that reached its first token, now that its usage says
-        how many prompt tokens it lacked and held. Returns the observed seconds to first
-        token. The held tokens' load time (CPU tier) is the scraped counters' to explain,
-        so it is taken out of the sample before it teaches the prefill speed."""
-        if ticket.first_token_at is None:
-            return None
-        seconds = ticket.first_token_at - ticket.sent_at
-        loading = self.learner.speed(ticket.backend).held_cost_s(held_tokens)
-        self.learner.observe_first_token(
-            ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
-        )
-        return seconds
+        """A leg's first-token speed sample (legs.py); the observed seconds to first token."""
+        return first_token_sample(self.learner, ticket, lacking_tokens, held_tokens)
 
     def learn_decode(self, ticket: LegTicket, tokens: int) -> None:
-        """A decode-step sample of an ended leg that generated `tokens` (speed_learner.py)."""
+        """A decode-step sample of an ended leg that generated `tokens` (legs.py)."""
         s = self.states.get(ticket.backend)
-        if ticket.first_token_at is None or s is None or tokens < 2:
-            return
-        decoding = (ticket.decoding_at_first + self._decoding(s) + 1.0) / 2.0
-        self.learner.observe_decode(
-            ticket.backend,
-            decoding,
-            tokens - 1,
-            self.clock() - ticket.first_token_at,
-            s.prefilled_tokens - ticket.prefilled_at_first,
-        )
+        if s is not None:
+            decode_sample(self.learner, ticket, tokens, self._decoding(s), s.prefilled_tokens, self.clock())
 
     # --- request-path feedback ---------------------------------------------------------
     def acquire(self, name: str) -> None:

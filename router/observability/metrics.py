@@ -67,6 +67,10 @@ _LONG_BUCKETS = (300.0, 600.0, 900.0, 1800.0, 3600.0)
 OTHER_MODEL = "other"
 
 
+# How many departed backends `RouterMetrics` remembers (see `_gone`).
+_GONE_KEPT = 1024
+
+
 def latency_buckets(total_s: float) -> tuple[float, ...]:
     """Buckets up to the longest a request may last (timeouts.total_s), so that a slow
     answer is not lost in +Inf."""
@@ -208,11 +212,15 @@ class RouterMetrics:
             "cachehit_router_tenant_queued", "Requests of a tenant waiting for a slot", ["tenant"], registry=r
         )
         self._tenant_requests_by: dict[tuple[str, int], Counter] = {}
+        # Backends that left the fleet, newest last: a request that ends after its engine
+        # left must not bring the engine's series back (bounded: such requests end soon).
+        self._gone: dict[str, None] = {}
 
     # The per-backend and per-tenant gauges read their object's state when scraped:
     # nothing to do on the request path, and always the current values.
     def bind_backend(self, s: BackendGauges, learner: SpeedGauges) -> None:
         name = s.config.name
+        self._gone.pop(name, None)
         self.inflight.labels(name).set_function(lambda: s.inflight)
         self.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != BreakerState.OPEN else 0)
         self.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
@@ -224,6 +232,8 @@ class RouterMetrics:
         )
 
     def unbind_backend(self, name: str) -> None:
+        """Every series labelled with a backend that left the fleet goes with it (a fleet
+        that churns through addresses must not grow /metrics without bound)."""
         self.kv.unbind(name)
         for gauge in (
             self.inflight,
@@ -233,9 +243,19 @@ class RouterMetrics:
             self.queued_tokens,
             self.prefill_speed,
             self.threshold_capable,
+            self.probe_rejections,
+            self.probe_losers,
+            self.probe_loser_tokens,
+            self.probe_deadline_expiries,
+            self.retries,
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(name)
+        for labels in [k for k in self.upstream_errors._metrics if k[0] == name]:
+            self.upstream_errors.remove(*labels)
+        self._gone[name] = None
+        if len(self._gone) > _GONE_KEPT:
+            del self._gone[next(iter(self._gone))]
 
     def bind_tenant(self, t: TenantGauges) -> None:
         self.tenant_inflight.labels(t.name).set_function(lambda: t.active)
@@ -272,8 +292,11 @@ class RouterMetrics:
             self.resumes.labels(reason).inc()
         if rec.race_reason:
             self.race_decisions.labels(rec.race_reason).inc()
+        gone = self._gone
         for v in rec.verdicts:
             self.probe_latency.labels(v.verdict).observe(v.latency_s)
+            if v.backend in gone:
+                continue
             if v.verdict == Verdict.REJECTED:
                 self.probe_rejections.labels(v.backend).inc()
             elif v.verdict == Verdict.LOST:
@@ -282,9 +305,11 @@ class RouterMetrics:
             elif v.verdict == Verdict.EXPIRED:
                 self.probe_deadline_expiries.labels(v.backend).inc()
         for backend in rec.retried_backends:
-            self.retries.labels(backend).inc()
+            if backend not in gone:
+                self.retries.labels(backend).inc()
         for backend, kind in rec.upstream_errors:
-            self.upstream_errors.labels(backend, kind).inc()
+            if backend not in gone:
+                self.upstream_errors.labels(backend, kind).inc()
         annotate_request(rec)
         if not log.isEnabledFor(logging.INFO):
             return

@@ -41,6 +41,7 @@ class RouteQuery:
     # by router/dispatch/prompt_index.py). An engine absent is unknown, not empty; None: the
     # prompt was not matched against the index.
     indexed: Mapping[str, float] | None = None
+    tenant: str = ""  # whose request: the prefix memory shares its budget fairly between tenants
     # The LoRA adapter the request names (None: the base model): engines cache an adapter's
     # prompts apart from the base model's (vLLM hashes the adapter into its blocks), and so
     # does the router's memory of where it sent them.
@@ -179,7 +180,7 @@ class RemembersPrefixes:
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         memory = self.memory_for(query)
-        memory.insert(memory.chunk_hashes(query.text), backend)
+        memory.insert(memory.chunk_hashes(query.text), backend, tenant=query.tenant)
 
     def expected_hits(
         self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None

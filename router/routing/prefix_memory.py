@@ -11,6 +11,10 @@ import time
 from collections import OrderedDict
 
 _RECENT_PROMPTS = 16
+# What one (chunk, backend) entry costs in memory, all its structures together (measured:
+# `python -m bench prefix-memory` prints it); the byte budget is turned into entries with it.
+ENTRY_BYTES = 420
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 
 class PrefixMemory:
@@ -19,20 +23,43 @@ class PrefixMemory:
     The SGLang gateway and vllm-router keep a character radix tree per backend. This keeps
     chained hashes of fixed-size text chunks instead (like vLLM's block hashes), which
     gives the same longest-prefix answer at `chunk_chars` granularity at a fraction of the
-    cost in Python. Bounded: least recently used (hash, backend) entries are evicted.
-    Each entry keeps when the router last sent that prefix there: an engine's report of
-    what it holds is the truth, except about a prompt the router sent it so recently that
-    the engine may still be computing it (`expected_hits(..., sent_within_s=...)`).
+    cost in Python. Each entry keeps when the router last sent that prefix there: an
+    engine's report of what it holds is the truth, except about a prompt the router sent it
+    so recently that the engine may still be computing it (`expected_hits(...,
+    sent_within_s=...)`).
+
+    Bounded in bytes (`max_bytes`, about `ENTRY_BYTES` an entry) and shared fairly between
+    tenants: each (chunk, backend) entry belongs to the tenant that last sent it, each
+    tenant's entries are a least-recently-used list, and past the budget the entries go
+    from the tenant holding the most (with equal shares, the one most over its share). So
+    a tenant sending huge unique prompts evicts its own entries, not those of tenants
+    under their share; alone, it may use the whole budget.
     """
 
-    def __init__(self, chunk_chars: int = 64, max_entries: int = 1_000_000):
+    def __init__(self, chunk_chars: int = 64, max_bytes: int = DEFAULT_MAX_BYTES):
         self.chunk_chars = chunk_chars
-        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_entries = max(max_bytes // ENTRY_BYTES, 1)
         self._owners: dict[int, dict[str, float]] = {}  # chunk hash -> backend -> when sent
-        self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._tenant_of: dict[tuple[int, str], str] = {}  # (hash, backend) -> the tenant that sent it last
+        self._lru: dict[str, OrderedDict[tuple[int, str], None]] = {}  # tenant -> its entries, oldest first
         # The last few prompts' hashes: one request asks about its prompt several times
         # (plan, fallback, feedback), and hashing a long prompt is most of each answer's cost.
+        # Bounded in hashes too (a few huge prompts must not hold more than the memory).
         self._recent: OrderedDict[str, list[int]] = OrderedDict()
+        self._recent_hashes = 0
+
+    def __len__(self) -> int:
+        """Entries held: (chunk, backend) pairs."""
+        return len(self._tenant_of)
+
+    def entries_of(self, tenant: str) -> int:
+        lru = self._lru.get(tenant)
+        return 0 if lru is None else len(lru)
+
+    @property
+    def approx_bytes(self) -> int:
+        return len(self._tenant_of) * ENTRY_BYTES
 
     def chunk_hashes(self, text: str) -> list[int]:
         found = self._recent.get(text)
@@ -44,8 +71,11 @@ class PrefixMemory:
             h = hash((h, text[i : i + c]))
             out.append(h)
         self._recent[text] = out
-        if len(self._recent) > _RECENT_PROMPTS:
-            self._recent.popitem(last=False)
+        self._recent_hashes += len(out)
+        while len(self._recent) > _RECENT_PROMPTS or (
+            self._recent_hashes > self.max_entries // 8 and len(self._recent) > 1
+        ):
+            self._recent_hashes -= len(self._recent.popitem(last=False)[1])
         return out
 
     def match(self, hashes: list[int]) -> tuple[int, set[str]]:
@@ -66,20 +96,51 @@ class PrefixMemory:
             best_len, best, owners_at = i + 1, alive, owners
         return best_len, best, owners_at
 
-    def insert(self, hashes: list[int], backend: str, now: float | None = None) -> None:
+    def insert(self, hashes: list[int], backend: str, now: float | None = None, tenant: str = "") -> None:
         sent = time.monotonic() if now is None else now
-        for h in hashes:
+        lru = self._lru.get(tenant)
+        if lru is None:
+            lru = self._lru[tenant] = OrderedDict()
+        # A prompt longer than the tenant's share keeps its beginning: a prefix is only
+        # found from its first chunk, so evicting the start would make the rest useless.
+        share = max(self.max_entries // len(self._lru), 1)
+        tenant_of, all_lru = self._tenant_of, self._lru
+        for h in hashes[:share]:
             self._owners.setdefault(h, {})[backend] = sent
             key = (h, backend)
-            self._lru[key] = None
-            self._lru.move_to_end(key)
-        while len(self._lru) > self.max_entries:
-            (h, b), _ = self._lru.popitem(last=False)
-            owners = self._owners.get(h)
-            if owners is not None:
-                owners.pop(b, None)
-                if not owners:
-                    del self._owners[h]
+            before = tenant_of.get(key)
+            if before is not None and before != tenant:
+                other = all_lru[before]
+                del other[key]
+                if not other:
+                    del all_lru[before]
+            tenant_of[key] = tenant
+            lru[key] = None
+            lru.move_to_end(key)
+        self._evict()
+
+    def resize(self, max_bytes: int) -> None:
+        """A new budget (a reload), applied at once."""
+        self.max_bytes = max_bytes
+        self.max_entries = max(max_bytes // ENTRY_BYTES, 1)
+        self._evict()
+
+    def _evict(self) -> None:
+        over = len(self._tenant_of) - self.max_entries
+        while over > 0:
+            share = self.max_entries // len(self._lru)
+            tenant, lru = max(self._lru.items(), key=lambda kv: len(kv[1]))
+            for _ in range(max(min(over, len(lru) - share), 1)):
+                key, _ = lru.popitem(last=False)
+                del self._tenant_of[key]
+                owners = self._owners.get(key[0])
+                if owners is not None:
+                    owners.pop(key[1], None)
+                    if not owners:
+                        del self._owners[key[0]]
+                over -= 1
+            if not lru:
+                del self._lru[tenant]
 
     def placement(self, text: str) -> tuple[float, dict[str, float]]:
         """The share of `text`'s chunks whose longest known prefix the router sent, and when

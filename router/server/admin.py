@@ -103,7 +103,10 @@ class AdminApi:
             return error_response(
                 errors.RouterError(409, f"Backend {name!r} is being removed; add it again instead.", param="name")
             )
-        registry.set_draining(name, draining)
+        if fleet is not None:
+            fleet.drain(name, draining)  # held across a replacement of the name
+        else:
+            registry.set_draining(name, draining)
         return json_response(backend_view(state))
 
     async def handle_add(self, request: web.Request) -> web.Response:

@@ -118,8 +118,8 @@ class EngineRelay:
             if name is None or (len(exclude) >= attempts and not find):
                 break
             exclude.add(name)
-            chosen = registry.states.get(name)
-            if chosen is None:  # removed from the fleet while it was being chosen
+            chosen = registry.accepting(name)
+            if chosen is None:  # removed or drained while it was being chosen
                 continue
             cfg = chosen.config
             leg, trace = tracing.start_leg(tracing.LEG_FORWARD, name, request.path)

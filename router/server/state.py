@@ -247,6 +247,7 @@ class RouterState:
                 and isinstance(strategy, RemembersPrefixes)
             ):
                 strategy.memory, strategy.adapter_memories = before.memory, before.adapter_memories
+                strategy.memory.resize(cfg.routing.prefix_memory_bytes)
             assert self.client is not None
             self.dispatcher = Dispatcher(cfg, self.registry, self.client, strategy, self.prompt_index)
 

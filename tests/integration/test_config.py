@@ -101,6 +101,7 @@ def test_defaults_are_safe() -> None:
             "ipc://",
         ),
         ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
+        ({**MIN_BACKEND, "routing": {"prefix_memory_bytes": 0}}, "routing.prefix_memory_bytes", "positive"),
         ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
         ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
         ({**MIN_BACKEND, "server": {"reuse_port": "yes"}}, "server.reuse_port", "expected"),

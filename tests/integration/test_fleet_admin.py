@@ -93,6 +93,10 @@ async def test_added_backend_takes_requests_and_removal_lets_its_stream_finish(m
             "cachehit_router_backend_threshold_capable",
         ):
             assert c.state.metrics.registry.get_sample_value(gauge, {"backend": "late"}) is None, gauge
+        # No series at all labelled with it on /metrics (gauges, probe and error counters).
+        async with c.session.get(c.url + "/metrics") as r:
+            exposition = await r.text()
+        assert [line for line in exposition.splitlines() if 'backend="late"' in line] == []
         # Its model entries no longer merge into the router's /v1/models.
         assert c.state.monitor is not None
         assert "late" not in c.state.monitor.model_cards

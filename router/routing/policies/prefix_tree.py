@@ -23,7 +23,7 @@ class PrefixTreeStrategy(RemembersPrefixes):
     reads_index = False
 
     def __init__(self, routing: RoutingConfig, settings: NoSettings | None = None, memory: PrefixMemory | None = None):
-        self.memory = memory or PrefixMemory()
+        self.memory = memory or PrefixMemory(max_bytes=routing.prefix_memory_bytes)
 
     @staticmethod
     def check(settings: NoSettings, problems: Problems) -> None:

@@ -88,7 +88,7 @@ class ProbeStrategy(RemembersPrefixes):
         self, routing: RoutingConfig, settings: ProbeSettings | None = None, memory: PrefixMemory | None = None
     ):
         self.config = settings or ProbeSettings()
-        self.memory = memory or PrefixMemory()
+        self.memory = memory or PrefixMemory(max_bytes=routing.prefix_memory_bytes)
 
     @staticmethod
     def check(settings: ProbeSettings, problems: Problems) -> None:

@@ -24,7 +24,7 @@ from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
 from router.routing.planning import Plan, RouteQuery
 from router.routing.snapshot import ClusterSnapshot
-from support.fake_upstream import FakeUpstream, answer, rejection, token
+from support.fake_upstream import FakeUpstream, Pause, answer, rejection, token
 from support.metrics import registry_metrics
 
 if TYPE_CHECKING:
@@ -260,3 +260,49 @@ async def test_a_broken_decode_resumes_elsewhere_and_the_client_sees_one_answer(
     assert h.metric("cachehit_router_resumes_total", reason="failure") == 1
     assert h.metric("cachehit_router_upstream_errors_total", backend="d0", kind="broken") == 1
     assert h.in_flight == {"d0": 0, "d1": 0}
+
+
+class DrainsWhilePlanning(FixedPlanner):
+    """d0 is taken out of rotation (an operator's drain, a removal beginning) between the
+    snapshot the plan is made on and the moment its legs are sent."""
+
+    def __init__(self, registry: BackendRegistry | None = None, direct: bool = False) -> None:
+        super().__init__(direct)
+        self.registry = registry
+
+    def plan(self, query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        assert self.registry is not None
+        self.registry.set_draining("d0", True)
+        return super().plan(query, snap, exclude)
+
+
+async def test_no_leg_goes_to_a_backend_drained_after_its_plan_was_made() -> None:
+    """Regression: a leg planned on a snapshot taken just before a drain (or a removal)
+    began was still sent to that backend."""
+    for direct in (True, False):
+        planner = DrainsWhilePlanning(direct=direct)
+        h = harness({"d0": [answer(PROMPT_IDS, [("No", 1)])], "d1": [answer(PROMPT_IDS, [("Hi", 1)])]}, planner=planner)
+        planner.registry = h.registry
+        rec = await h.serve()
+        assert h.text == "Hi"
+        assert rec.winner == "d1"
+        assert h.up.legs_to("d0") == []
+        assert h.in_flight == {"d0": 0, "d1": 0}
+
+
+async def test_long_waits_between_tokens_mark_the_engine_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gaps in a streamed answer far longer than an engine step are stalls
+    (router/fleet/stalls.py); here "far" is scaled down so that the test waits little."""
+    from router.dispatch import pump
+    from router.fleet import stalls
+
+    monkeypatch.setattr(pump, "STALL_LATE_S", 0.05)
+    monkeypatch.setattr(stalls, "STALL_LATE_S", 0.05)
+    monkeypatch.setattr(stalls, "MIN_SAMPLES", 0)  # no speed measured yet in this harness
+    words = answer(PROMPT_IDS, [("a", 1), ("b", 2), ("c", 3)])
+    script = [words[0], Pause(0.2), words[1], Pause(0.2), *words[2:]]
+    h = harness({"d0": [script]}, planner=FixedPlanner(direct=True))
+    await h.serve()
+    assert h.text == "abc"
+    assert h.registry.stalls.slow("d0", h.registry.clock())
+    assert not h.registry.stalls.slow("d1", h.registry.clock())

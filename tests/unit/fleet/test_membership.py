@@ -9,6 +9,7 @@ in memory (every engine healthy), so no socket is opened.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from router.fleet import membership
 from router.fleet.health import HealthMonitor
 from router.fleet.membership import ADMIN, CONFIG, Fleet
 from router.fleet.registry import BackendRegistry, LegTicket
+from support.gated_engines import DOWN, GatedEngines
 from support.polling import eventually
 
 MODEL = "m"
@@ -113,6 +115,80 @@ async def test_an_explicit_removal_drops_a_waiting_replacement() -> None:
     await settle(fleet)
     assert not registry.states
     assert not fleet.owner
+    await fleet.close()
+
+
+def gated_fleet() -> tuple[Fleet, GatedEngines]:
+    engines = GatedEngines()
+    registry = BackendRegistry([], HealthConfig())
+    monitor = HealthMonitor(registry, engines, HealthConfig())  # type: ignore[arg-type]
+    return Fleet(registry, monitor, on_added=lambda s: None, on_removed=lambda n: None, initial={}), engines
+
+
+async def answering(engines: GatedEngines, step: Awaitable[Any]) -> Any:
+    """Run `step`, every health check answering as soon as it is asked."""
+    task = asyncio.ensure_future(step)
+
+    def done() -> bool:
+        engines.answer(len(engines.waiting))
+        return task.done()
+
+    await eventually(done, 10.0, "the step with its health checks", interval=0.001)
+    return task.result()
+
+
+async def answer_all(fleet: Fleet, engines: GatedEngines) -> None:
+    def idle() -> bool:
+        engines.answer(len(engines.waiting))
+        return settled(fleet) and not engines.waiting
+
+    await eventually(idle, 10.0, "every health check to answer", interval=0.001)
+
+
+async def test_an_operator_drain_holds_across_a_reload_that_flip_flops() -> None:
+    """Regression: a reload moving a drained backend away and back put it in rotation."""
+    fleet, engines = gated_fleet()
+    a, b = config("d0", URLS[0]), config("d0", URLS[1])
+    await answering(engines, fleet.reconcile(CONFIG, {"d0": a}))
+    ticket = fleet.registry.open_leg("d0")
+    fleet.drain("d0", True)
+    await fleet.reconcile(CONFIG, {"d0": b})
+    await fleet.reconcile(CONFIG, {"d0": a})  # back before the drain ended
+    assert fleet.registry.states["d0"].draining
+    await fleet.reconcile(CONFIG, {"d0": b})
+    fleet.registry.close_leg(ticket)
+    await answer_all(fleet, engines)
+    assert fleet.registry.states["d0"].config == b
+    assert fleet.registry.states["d0"].draining, "the replacement of a drained backend is drained"
+    fleet.drain("d0", False)
+    assert fleet.registry.accepting("d0") is not None
+    await fleet.close()
+
+
+async def test_an_admin_delete_during_a_reload_is_not_undone_by_it() -> None:
+    """Regression: reconcile decided each name after awaiting the previous one's health
+    check, so a name the operator deleted meanwhile was added back by the older reload."""
+    fleet, engines = gated_fleet()
+    await answering(engines, fleet.add(config("a0", URLS[0]), ADMIN))
+    reload = asyncio.ensure_future(fleet.reconcile(CONFIG, {"c0": config("c0", URLS[0]), "a0": config("a0", URLS[1])}))
+    await eventually(lambda: engines.waiting, what="the reload to check c0")
+    fleet.remove("a0")  # DELETE /admin/backends/a0 while the reload waits
+    await answering(engines, reload)
+    assert set(fleet.registry.states) == {"c0"}
+    await fleet.close()
+
+
+async def test_an_old_address_answering_late_does_not_make_its_replacement_healthy() -> None:
+    """Regression: a health check of d0's old address that answered after d0 had moved
+    marked the new address (which refuses) healthy."""
+    fleet, engines = gated_fleet()
+    await answering(engines, fleet.reconcile(CONFIG, {"d0": config("d0", URLS[0])}))
+    check = asyncio.ensure_future(fleet.monitor.check_one("d0", with_health=True))
+    await eventually(lambda: engines.waiting, what="the check to be asked")
+    moving = asyncio.ensure_future(fleet.reconcile(CONFIG, {"d0": config("d0", DOWN)}))
+    await eventually(lambda: fleet.registry.states["d0"].config.url == DOWN, what="the move", interval=0.001)
+    await answering(engines, asyncio.gather(check, moving))
+    assert not fleet.registry.states["d0"].healthy
     await fleet.close()
 
 
