@@ -44,3 +44,13 @@ def test_the_adapters_least_recently_asked_about_are_forgotten() -> None:
         memories.get(base, f"a{i}")
     assert len(memories) == adapter_memory.MAX_ADAPTERS
     assert memories.get(base, "a0") is not first  # forgotten, made anew
+
+
+def test_the_adapters_memories_together_hold_at_most_the_base_budget() -> None:
+    base = PrefixMemory(max_bytes=16 * 1024 * 1024)
+    memories = AdapterMemories()
+    held = [memories.get(base, f"a{i}") for i in range(adapter_memory.MAX_ADAPTERS)]
+    assert sum(m.max_bytes for m in held) <= base.max_bytes
+    # A reload that shrinks the base budget shrinks the adapters' shares with it.
+    base.resize(4 * 1024 * 1024)
+    assert memories.get(base, "a0").max_bytes == base.max_bytes // adapter_memory.MAX_ADAPTERS
