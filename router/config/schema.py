@@ -71,6 +71,9 @@ class ServerConfig:
     # Per stream: bytes the router holds for a client that reads slower than the engine
     # writes before it stops reading the engine (backpressure through the engine's socket).
     stream_buffer_bytes: int = 8 * 1024
+    # Per engine leg: how much is read at a time (aiohttp's buffer, the socket's receive
+    # buffer), so an answer the engine sends at once arrives in a few large reads.
+    engine_read_bytes: int = 64 * 1024
     tls_cert: str = ""
     tls_key: str = ""
     log_level: str = "info"

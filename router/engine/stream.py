@@ -171,7 +171,7 @@ class UpstreamStream:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer, self._timer_at = self._loop.call_at(deadline, self._on_deadline), deadline
-        task = self._reader = asyncio.current_task()
+        task = self._reader = asyncio.current_task(self._loop)  # given: else a getpid per read
         assert task is not None  # called from a task
         cancelling = task.cancelling()
         try:
