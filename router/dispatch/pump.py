@@ -9,7 +9,6 @@ received in one write, and end as a `LegOutcome` (the leg's error, or its usage 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ EmitRaw = Callable[[bytes], Awaitable[None]]
 async def pump(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: Emit) -> LegOutcome:
     """The leg's chunks to the client until [DONE] or an upstream failure."""
     stream = leg.stream
-    loop = asyncio.get_running_loop()
+    loop = stream.loop
     prompt_tokens = cached_tokens = None
     awaiting_first_token = ctx.record.ttft_s is None
     try:
@@ -67,7 +66,7 @@ async def pump_raw(ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: 
     """`pump` for a client written SSE bytes: token chunks go on their bytes, the chunks
     where something is decided (role, finish, usage, errors, anything unusual) are parsed."""
     stream = leg.stream
-    loop = asyncio.get_running_loop()
+    loop = stream.loop
     prompt_tokens = cached_tokens = None
     awaiting_first_token = ctx.record.ttft_s is None
     shape_raw, answer = shaper.shape_raw, shaper.answer

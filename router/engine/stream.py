@@ -53,6 +53,7 @@ class UpstreamStream:
         "_total_deadline",
         "backend",
         "chunks_read",
+        "loop",
     )
 
     def __init__(
@@ -69,7 +70,9 @@ class UpstreamStream:
         self._decoder = SSEDecoder()
         self._pending: deque[bytes] = deque()
         self._on_close = on_close
-        self._loop = asyncio.get_running_loop()
+        # Held: get_running_loop() and current_task() without it make a getpid syscall each
+        # on this Python (3.11); the pump reads it too.
+        self._loop = self.loop = asyncio.get_running_loop()
         self._timeouts = timeouts
         self._total_deadline = total_deadline
         # From when the request was sent (open_stream passes it), not from the headers.
@@ -171,7 +174,7 @@ class UpstreamStream:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer, self._timer_at = self._loop.call_at(deadline, self._on_deadline), deadline
-        task = self._reader = asyncio.current_task(self._loop)  # given: else a getpid per read
+        task = self._reader = asyncio.current_task(self._loop)
         assert task is not None  # called from a task
         cancelling = task.cancelling()
         try:

@@ -4,6 +4,7 @@ or a token past the budget ends the leg in an error after the chunks before it w
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any, cast
 
@@ -27,6 +28,10 @@ class ScriptedStream:
     def __init__(self, batches: list[list[bytes]]) -> None:
         self.batches = list(batches)
         self.ended = ""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
 
     async def next_payloads(self) -> list[bytes]:
         return self.batches.pop(0) if self.batches else []
