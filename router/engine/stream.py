@@ -120,11 +120,15 @@ class UpstreamStream:
     async def next_payloads(self) -> list[bytes]:
         """Every event's data already received, unparsed (at least one, waiting for it if need
         be), or [] once the engine sent `[DONE]`."""
-        pending = self._pending
-        while not pending:
+        while not self._pending:
             if self._done:
                 return []
             await self._read_more()
+        return self.ready_payloads()
+
+    def ready_payloads(self) -> list[bytes]:
+        """`next_payloads` without waiting: the events already received, maybe none."""
+        pending = self._pending
         out: list[bytes] = []
         while pending:
             payload = pending.popleft()
@@ -135,6 +139,11 @@ class UpstreamStream:
             out.append(payload)
         self.chunks_read += len(out)
         return out
+
+    @property
+    def done(self) -> bool:
+        """`[DONE]` was read, or the leg was closed: nothing more will come."""
+        return self._done
 
     def _parse_next(self, peek: bool = False) -> dict[str, Any] | None:
         payload = self._pending[0] if peek else self._pending.popleft()
