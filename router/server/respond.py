@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import weakref
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
@@ -46,6 +47,11 @@ class EventFraming(Protocol):
     def trailer(self) -> bytes: ...
 
     def error(self, err: RouterError) -> bytes: ...
+
+
+# Client connections whose write buffers are already bounded (by stream_buffer_bytes,
+# one figure per process).
+_BOUNDED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
 
 
 class ClientStalled(ConnectionResetError):
@@ -93,8 +99,11 @@ class SSEWriter:
             },
         )
         transport = self.request.transport
-        if transport is not None:
-            # Past `high` queued bytes the protocol pauses and writer.drain() waits.
+        if transport is not None and transport not in _BOUNDED:
+            # Once per connection (keep-alive requests share it; the socket lookup and the
+            # setsockopt were two syscalls a request). Past `high` queued bytes the
+            # protocol pauses and writer.drain() waits.
+            _BOUNDED.add(transport)
             transport.set_write_buffer_limits(high=self._buffer_bytes, low=self._buffer_bytes // 2)
             sock = transport.get_extra_info("socket")
             if sock is not None:
