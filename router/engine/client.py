@@ -83,9 +83,9 @@ class UpstreamClient:
         # How much of a leg is read at a time, apart from the client side's bound
         # (server.stream_buffer_bytes): aiohttp pauses the socket at twice its read_bufsize,
         # and the kernel receive buffer sets the TCP window. At 8 KiB an answer the engine
-        # sends at once took 5-7 reads, each a wake-up, a pause and a resume; at 64 KiB two,
-        # a fifth less CPU per 256-token answer (bench/RESULTS.md). Under a slow client the
-        # router stops reading the leg once about this much is held (the rest waits at the engine).
+        # sends at once took 5-7 reads, each a wake-up, a pause and a resume; at 64 KiB two
+        # (bench/RESULTS.md). Under a slow client the router stops reading the leg once
+        # about this much is held (the rest waits at the engine).
         self._read_bufsize = max(1024, read_bytes // 2)
         self._rcvbuf = read_bytes
         self._session: aiohttp.ClientSession | None = None
