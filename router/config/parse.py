@@ -97,6 +97,8 @@ def parse_server(p: Problems, raw: Any) -> ServerConfig | None:
         p.add(f"server.max_header_bytes: expected an integer in [1024, 16777216], got {server.max_header_bytes}")
     if not 4096 <= server.stream_buffer_bytes <= 16 * 2**20:
         p.add(f"server.stream_buffer_bytes: expected an integer in [4096, 16777216], got {server.stream_buffer_bytes}")
+    if not 4096 <= server.engine_read_bytes <= 16 * 2**20:
+        p.add(f"server.engine_read_bytes: expected an integer in [4096, 16777216], got {server.engine_read_bytes}")
     if bool(server.tls_cert) != bool(server.tls_key):
         p.add("server.tls_cert: tls_cert and tls_key must be given together")
     if server.log_level not in ("debug", "info", "warning", "error"):

@@ -9,7 +9,6 @@ received in one write, and end as a `LegOutcome` (the leg's error, or its usage 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,12 +16,13 @@ from router.answer.shaper import ResponseShaper
 from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.engine.errors import PROTOCOL, UpstreamError
 from router.engine.sse import format_event
-from router.engine.wire import MalformedChunk, message_usage
+from router.engine.wire import CACHE_THRESHOLD, MalformedChunk, message_usage
 from router.fleet.stalls import STALL_LATE_S
 
 Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
-# The client's SSE events already encoded, one transport write per batch.
-EmitRaw = Callable[[bytes], Awaitable[None]]
+# The client's SSE events already encoded, one transport write per batch; the flag: the
+# last of the answer, which may wait for the writer's finish (one write with [DONE]).
+EmitRaw = Callable[[bytes, bool], Awaitable[None]]
 # Told of a long wait for a leg's next piece: (backend, seconds) (router/fleet/stalls.py).
 OnGap = Callable[[str, float], None]
 
@@ -32,7 +32,7 @@ async def pump(
 ) -> LegOutcome:
     """The leg's chunks to the client until [DONE] or an upstream failure."""
     stream = leg.stream
-    loop = asyncio.get_running_loop()
+    loop = stream.loop
     prompt_tokens = cached_tokens = None
     awaiting_first_token = ctx.record.ttft_s is None
     try:
@@ -77,12 +77,13 @@ async def pump_raw(
     """`pump` for a client written SSE bytes: token chunks go on their bytes, the chunks
     where something is decided (role, finish, usage, errors, anything unusual) are parsed."""
     stream = leg.stream
-    loop = asyncio.get_running_loop()
+    loop = stream.loop
     prompt_tokens = cached_tokens = None
     awaiting_first_token = ctx.record.ttft_s is None
     shape_raw, answer = shaper.shape_raw, shaper.answer
     try:
-        batch: list[Any] = leg.buffered or await stream.next_payloads()
+        # What the race read to decide, with what arrived after it: one write, not two.
+        batch: list[Any] = [*leg.buffered, *stream.ready_payloads()] if leg.buffered else await stream.next_payloads()
         while batch:
             # Everything already received goes to the client in one write.
             events: list[bytes] = []
@@ -112,7 +113,11 @@ async def pump_raw(
                     ctx.record_first_token(loop.time())
                     awaiting_first_token = False
             if events:
-                await emit(b"".join(events))
+                # The leg's [DONE] came in this batch and the answer is complete: nothing
+                # else is written before the caller's finish, which sends these events with
+                # [DONE] and the end of the body (an answer read at once: one write, not three).
+                last = bad is None and stream.done and answer.finish_reason not in (None, CACHE_THRESHOLD)
+                await emit(b"".join(events), last)
             if bad is not None:
                 raise bad
             waiting_since = loop.time()

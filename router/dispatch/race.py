@@ -126,6 +126,8 @@ async def run_race(
     an accepting engine may still need to prefill what it lacks before its first chunk.
     """
     loop = asyncio.get_running_loop()
+    if len(backends) == 1:
+        return await _run_one(backends[0], open_probe, loop, deadline_s)
     tasks = {asyncio.ensure_future(_probe(b, open_probe, loop)): b for b in backends}
     try:
         return await _settle(tasks, loop, deadline_s, deadline_per_prompt_token_s)
@@ -136,6 +138,25 @@ async def run_race(
         # those streams, and each would hold its backend's in-flight count for good.
         _abort_all(tasks)
         raise
+
+
+async def _run_one(
+    backend: str, open_probe: OpenProbe, loop: asyncio.AbstractEventLoop, deadline_s: float
+) -> RaceResult:
+    """A race of one engine (every leg but a probe race's): the same verdicts, with the
+    probe run in the caller's task under the deadline instead of in a task of its own
+    settled by asyncio.wait (a task, a future and their callbacks less per request). A
+    rejection cannot extend a deadline here: there is nobody else to wait for."""
+    started = loop.time()
+    limit = asyncio.timeout_at(started + deadline_s)
+    try:
+        async with limit:
+            outcome = await _probe(backend, open_probe, loop)  # aborts its stream if cancelled
+    except TimeoutError:
+        if not limit.expired():
+            raise
+        return RaceResult(None, [ProbeOutcome(backend, Verdict.EXPIRED, loop.time() - started)])
+    return RaceResult(outcome if outcome.verdict == Verdict.ACCEPTED else None, [outcome])
 
 
 def _abort_all(tasks: Iterable[asyncio.Future[ProbeOutcome]]) -> None:

@@ -78,14 +78,16 @@ def _upstream_socket(rcvbuf: int, addr_info: Any) -> socket.socket:
 class UpstreamClient:
     """The router's one HTTP client for all engines (pooled keep-alive connections)."""
 
-    def __init__(self, timeouts: TimeoutsConfig, read_buffer_bytes: int = 8 * 1024):
+    def __init__(self, timeouts: TimeoutsConfig, read_bytes: int = 64 * 1024):
         self.timeouts = timeouts
-        # How much of a leg aiohttp buffers before it stops reading the engine's socket
-        # (it pauses at twice its read_bufsize), and the socket's kernel receive buffer:
-        # with a slow client the router stops reading the leg, and these bound what piles
-        # up meanwhile (the rest waits at the engine).
-        self._read_bufsize = max(1024, read_buffer_bytes // 2)
-        self._rcvbuf = read_buffer_bytes
+        # How much of a leg is read at a time, apart from the client side's bound
+        # (server.stream_buffer_bytes): aiohttp pauses the socket at twice its read_bufsize,
+        # and the kernel receive buffer sets the TCP window. At 8 KiB an answer the engine
+        # sends at once took 5-7 reads, each a wake-up, a pause and a resume; at 64 KiB two
+        # (bench/RESULTS.md). Under a slow client the router stops reading the leg once
+        # about this much is held (the rest waits at the engine).
+        self._read_bufsize = max(1024, read_bytes // 2)
+        self._rcvbuf = read_bytes
         self._session: aiohttp.ClientSession | None = None
         # Headers every request to a backend carries, by backend name: a DP rank's
         # X-data-parallel-rank (router/config/data_parallel.py; the registry keeps it).

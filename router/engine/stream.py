@@ -53,6 +53,7 @@ class UpstreamStream:
         "_total_deadline",
         "backend",
         "chunks_read",
+        "loop",
     )
 
     def __init__(
@@ -69,7 +70,9 @@ class UpstreamStream:
         self._decoder = SSEDecoder()
         self._pending: deque[bytes] = deque()
         self._on_close = on_close
-        self._loop = asyncio.get_running_loop()
+        # Held: get_running_loop() and current_task() without it make a getpid syscall each
+        # on this Python (3.11); the pump reads it too.
+        self._loop = self.loop = asyncio.get_running_loop()
         self._timeouts = timeouts
         self._total_deadline = total_deadline
         # From when the request was sent (open_stream passes it), not from the headers.
@@ -117,11 +120,15 @@ class UpstreamStream:
     async def next_payloads(self) -> list[bytes]:
         """Every event's data already received, unparsed (at least one, waiting for it if need
         be), or [] once the engine sent `[DONE]`."""
-        pending = self._pending
-        while not pending:
+        while not self._pending:
             if self._done:
                 return []
             await self._read_more()
+        return self.ready_payloads()
+
+    def ready_payloads(self) -> list[bytes]:
+        """`next_payloads` without waiting: the events already received, maybe none."""
+        pending = self._pending
         out: list[bytes] = []
         while pending:
             payload = pending.popleft()
@@ -132,6 +139,11 @@ class UpstreamStream:
             out.append(payload)
         self.chunks_read += len(out)
         return out
+
+    @property
+    def done(self) -> bool:
+        """`[DONE]` was read, or the leg was closed: nothing more will come."""
+        return self._done
 
     def _parse_next(self, peek: bool = False) -> dict[str, Any] | None:
         payload = self._pending[0] if peek else self._pending.popleft()
@@ -171,7 +183,7 @@ class UpstreamStream:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer, self._timer_at = self._loop.call_at(deadline, self._on_deadline), deadline
-        task = self._reader = asyncio.current_task()
+        task = self._reader = asyncio.current_task(self._loop)
         assert task is not None  # called from a task
         cancelling = task.cancelling()
         try:

@@ -207,5 +207,5 @@ async def _discard(chunks: list[dict[str, Any]]) -> None:
     return None
 
 
-async def _discard_raw(data: bytes) -> None:
+async def _discard_raw(data: bytes, last: bool) -> None:
     return None  # a non-streaming client's answer is accumulated by the shaper

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import weakref
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
@@ -48,6 +49,11 @@ class EventFraming(Protocol):
     def error(self, err: RouterError) -> bytes: ...
 
 
+# Client connections whose write buffers are already bounded (by stream_buffer_bytes,
+# one figure per process).
+_BOUNDED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+
+
 class ClientStalled(ConnectionResetError):
     """The client read nothing of its stream for too long; its connection was dropped."""
 
@@ -76,10 +82,12 @@ class SSEWriter:
         self._buffer_bytes = buffer_bytes
         self._idle_s = idle_s
         self._deadline = deadline  # loop time
+        self._held = b""  # the answer's last events, written by finish()
 
     @property
     def started(self) -> bool:
-        return self.response is not None
+        """Something of the answer was sent (or is held to be sent with its end)."""
+        return self.response is not None or bool(self._held)
 
     async def _start(self) -> web.StreamResponse:
         resp = _EventStreamResponse(
@@ -91,8 +99,11 @@ class SSEWriter:
             },
         )
         transport = self.request.transport
-        if transport is not None:
-            # Past `high` queued bytes the protocol pauses and writer.drain() waits.
+        if transport is not None and transport not in _BOUNDED:
+            # Once per connection (keep-alive requests share it; the socket lookup and the
+            # setsockopt were two syscalls a request). Past `high` queued bytes the
+            # protocol pauses and writer.drain() waits.
+            _BOUNDED.add(transport)
             transport.set_write_buffer_limits(high=self._buffer_bytes, low=self._buffer_bytes // 2)
             sock = transport.get_extra_info("socket")
             if sock is not None:
@@ -112,9 +123,16 @@ class SSEWriter:
             return
         await self.send_raw(format_event(chunks[0]) if len(chunks) == 1 else b"".join(map(format_event, chunks)))
 
-    async def send_raw(self, data: bytes) -> None:
-        """Events already encoded (SSE, or the API's own framing), in one transport write."""
+    async def send_raw(self, data: bytes, last: bool = False) -> None:
+        """Events already encoded (SSE, or the API's own framing), in one transport write.
+        `last`: the answer's last events, nothing to wait for after them: held and written
+        by `finish` (or `fail`) with the end of the body, one write (each costs a send)."""
         if not data:
+            return
+        if self._held:
+            data, self._held = self._held + data, b""
+        if last:
+            self._held = data
             return
         if self.response is None:
             await self._start()
@@ -149,13 +167,19 @@ class SSEWriter:
             last = (self._framing.encode(chunks) if chunks else b"") + self._framing.trailer()
         else:
             last = b"".join(map(format_event, chunks)) + DONE_EVENT if chunks else DONE_EVENT
+        if self._held:
+            last, self._held = self._held + last, b""
         await self._bounded(resp.write_eof(last))
         return resp
 
     async def fail(self, err: RouterError) -> web.StreamResponse:
         """Only after the stream started: an error event, then [DONE]."""
-        assert self.response is not None
         event = sse_error_event(err) + DONE_EVENT if self._framing is None else self._framing.error(err)
+        if self._held:
+            event, self._held = self._held + event, b""
+        if self.response is None:
+            await self._start()
+        assert self.response is not None
         await self._bounded(self.response.write(event))
         await self._bounded(self.response.write_eof())
         return self.response

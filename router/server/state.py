@@ -123,7 +123,7 @@ class RouterState:
         self.metrics.race_saving_share.labels("placed").set_function(lambda: learner.race_saving_share)
         self.metrics.race_saving_share.labels("unplaced").set_function(lambda: learner.race_saving_share_unplaced)
         self.metrics.race_wait.set_function(lambda: learner.race_wait_s)
-        self.client = UpstreamClient(cfg.timeouts, cfg.server.stream_buffer_bytes)
+        self.client = UpstreamClient(cfg.timeouts, cfg.server.engine_read_bytes)
         self.client.backend_headers = self.registry.backend_headers  # one live map: DP ranks
         self.monitor = HealthMonitor(self.registry, self.client, cfg.health)
         configured = {b.name for b in cfg.backends}

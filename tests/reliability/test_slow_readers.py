@@ -3,8 +3,9 @@
 A simulated engine and the router run as real processes. The client asks for a long
 streamed answer (about 12 MB of SSE: 30,000 tokens with 5 logprobs each, far more than
 any socket buffer on the way) on a socket with a small receive buffer, and then reads
-nothing. The router holds at most `server.stream_buffer_bytes` of it (plus the bounded
-socket buffers) and stops reading the engine leg; the rest waits at the engine.
+nothing. The router holds at most `server.stream_buffer_bytes` of it for the client and
+`server.engine_read_bytes` of the engine leg (plus the bounded socket buffers) and stops
+reading the leg; the rest waits at the engine.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ class Pause:
 class FakeStream:
     def __init__(self, backend: str, script: list[Any], on_close: Callable[[], None] | None) -> None:
         self.backend = backend
+        self.loop = asyncio.get_running_loop()
         self._script = list(script)
         self._on_close = on_close
         self.aborted = False

@@ -31,6 +31,7 @@ NO_UNIT_TEST = {
     "observability/kv_metrics.py": "scraped in tests/integration/test_kv_events_subscriber.py",
     "config/parse.py": "tests/integration/test_config.py, tests/unit/config/test_discovery.py",
     "config/schema.py": "dataclasses read through parse_config: tests/integration/test_config.py",
+    "config/launch.py": "[[engines]] and [launcher] read through parse_config: tests/integration/test_config.py, tests/launcher",
     "dispatch/context.py": "through the Dispatcher: tests/unit/dispatch/test_pipeline.py",
     "dispatch/placement.py": "through the Dispatcher: tests/unit/dispatch/test_pipeline.py",
     "engine/client.py": "HTTP to engines: tests/integration/test_upstream_stream.py",

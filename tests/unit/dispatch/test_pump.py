@@ -4,6 +4,7 @@ or a token past the budget ends the leg in an error after the chunks before it w
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Any, cast
 
@@ -24,9 +25,22 @@ from support.fake_upstream import answer, token, usage
 class ScriptedStream:
     """A leg's stream: batches of event payloads, as `next_payloads` / `next_chunks` give them."""
 
-    def __init__(self, batches: list[list[bytes]]) -> None:
+    def __init__(self, batches: list[list[bytes]], ready: list[bytes] | None = None) -> None:
         self.batches = list(batches)
+        self.ready = list(ready or [])  # already received when the pump starts
         self.ended = ""
+
+    @property
+    def done(self) -> bool:  # [DONE] comes with the last batch
+        return not self.batches
+
+    def ready_payloads(self) -> list[bytes]:
+        out, self.ready = self.ready, []
+        return out
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
 
     async def next_payloads(self) -> list[bytes]:
         return self.batches.pop(0) if self.batches else []
@@ -48,7 +62,10 @@ class ScriptedStream:
 
 
 def setup(
-    batches: list[list[bytes]], max_tokens: int = 16
+    batches: list[list[bytes]],
+    max_tokens: int = 16,
+    buffered: list[dict[str, Any]] | None = None,
+    ready: list[bytes] | None = None,
 ) -> tuple[ResponseShaper, RequestContext, Leg, ScriptedStream]:
     body = {"model": "m", "prompt": [1, 2], "max_tokens": max_tokens, "stream": True}
     spec = replace(parse_request("completions", orjson.dumps(body)), request_id="cmpl-fixed", created=7)
@@ -56,8 +73,8 @@ def setup(
     shaper.begin_leg(is_resume=False)
     rec = RequestRecord(request_id=spec.request_id, endpoint="completions", model="m", stream=True)
     ctx = RequestContext(RouteQuery("m", "x"), "/v1/completions", body, 0.0, 1e9, rec)
-    stream = ScriptedStream(batches)
-    return shaper, ctx, Leg("e", cast("UpstreamStream", stream), [], "direct"), stream
+    stream = ScriptedStream(batches, ready)
+    return shaper, ctx, Leg("e", cast("UpstreamStream", stream), buffered or [], "direct"), stream
 
 
 def words(n: int) -> list[bytes]:
@@ -70,14 +87,21 @@ async def test_raw_pump_writes_what_the_parsing_pump_writes_one_write_per_batch(
     shaper, ctx, leg, stream = setup(batches)
     writes: list[bytes] = []
 
-    async def emit_raw(data: bytes) -> None:
+    async def emit_raw(data: bytes, last: bool) -> None:
         writes.append(data)
 
-    outcome = await pump_raw(ctx, leg, shaper, emit_raw)
+    lasts: list[bool] = []
+
+    async def emit_raw_last(data: bytes, last: bool) -> None:
+        writes.append(data)
+        lasts.append(last)
+
+    outcome = await pump_raw(ctx, leg, shaper, emit_raw_last)
     assert outcome.error is None
     assert outcome.prompt_tokens == 2
     assert stream.ended == "finished"
     assert len(writes) == 2  # the finish chunk and usage are held or swallowed: no third write
+    assert lasts == [False, False]  # the finish came in a batch of its own, which writes nothing
     raw_answer = list(shaper.answer.generated_token_ids)
 
     shaper, ctx, leg, _ = setup(batches)
@@ -92,12 +116,30 @@ async def test_raw_pump_writes_what_the_parsing_pump_writes_one_write_per_batch(
     assert ctx.record.ttft_s is not None
 
 
+async def test_the_race_s_chunks_and_what_came_after_them_go_in_one_write() -> None:
+    payloads = words(6)
+    first = orjson.loads(payloads[0])
+    shaper, ctx, leg, _ = setup([payloads[4:]], buffered=[first], ready=payloads[1:4])
+    writes: list[tuple[bytes, bool]] = []
+
+    async def emit_raw(data: bytes, last: bool) -> None:
+        writes.append((data, last))
+
+    outcome = await pump_raw(ctx, leg, shaper, emit_raw)
+    assert outcome.error is None
+    assert [(d.count(b"data: "), last) for d, last in writes] == [
+        (4, False),
+        (1, True),
+    ]  # w5 (with the finish) comes with the end
+    assert list(shaper.answer.generated_token_ids) == [100, 101, 102, 103, 104, 105]
+
+
 async def test_an_unreadable_chunk_ends_the_leg_after_the_chunks_before_it() -> None:
     payloads = words(4)
     shaper, ctx, leg, stream = setup([[*payloads[:3], b"{not json", payloads[3]]])
     writes: list[bytes] = []
 
-    async def emit_raw(data: bytes) -> None:
+    async def emit_raw(data: bytes, last: bool) -> None:
         writes.append(data)
 
     outcome = await pump_raw(ctx, leg, shaper, emit_raw)
@@ -114,7 +156,7 @@ async def test_a_token_past_the_budget_is_not_sent_and_fails_the_leg() -> None:
     shaper, ctx, leg, stream = setup([payloads], max_tokens=4)
     writes: list[bytes] = []
 
-    async def emit_raw(data: bytes) -> None:
+    async def emit_raw(data: bytes, last: bool) -> None:
         writes.append(data)
 
     outcome = await pump_raw(ctx, leg, shaper, emit_raw)

@@ -119,3 +119,36 @@ async def test_cancelling_the_race_closes_every_stream() -> None:
     await asyncio.gather(race, return_exceptions=True)
     assert len(up.streams) == 2
     assert all(s.aborted for s in up.streams)
+
+
+async def test_a_race_of_one_engine_gives_the_verdicts_of_a_race_of_many() -> None:
+    # One engine (every leg but a probe race's) is run in the caller's task, not settled
+    # among tasks: the same outcomes.
+    up = FakeUpstream({"a": [[token("Hi", [7]), token("!", [8], finish="stop")]], "r": [rejection(100, 40)]})
+    accepted = await run_race(("a",), up.opener(), 5.0)
+    assert accepted.winner is not None
+    assert accepted.winner.buffered == [token("Hi", [7])]
+    assert [(o.backend, o.verdict) for o in accepted.outcomes] == [("a", Verdict.ACCEPTED)]
+    assert not up.streams[0].closed
+    rejected = await run_race(("r",), up.opener(), 5.0)
+    assert rejected.winner is None
+    assert [(o.backend, o.verdict) for o in rejected.outcomes] == [("r", Verdict.REJECTED)]
+    assert rejected.prompt_tokens == 100
+    assert rejected.hits == {"r": 40}
+
+
+async def test_a_race_of_one_silent_engine_expires_and_its_stream_is_aborted() -> None:
+    up = FakeUpstream({"s": [[HANG]]})
+    result = await run_race(("s",), up.opener(), 0.05)
+    assert result.winner is None
+    assert [(o.backend, o.verdict) for o in result.outcomes] == [("s", Verdict.EXPIRED)]
+    assert up.streams[0].aborted
+
+
+async def test_cancelling_a_race_of_one_closes_its_stream() -> None:
+    up = FakeUpstream({"s": [[HANG]]})
+    race = asyncio.ensure_future(run_race(("s",), up.opener(), 5.0))
+    await eventually(lambda: len(up.streams) == 1, 5, "the probe stream open")
+    race.cancel()
+    await asyncio.gather(race, return_exceptions=True)
+    assert up.streams[0].aborted
