@@ -103,7 +103,8 @@ class SSEWriter:
             # Once per connection (keep-alive requests share it; the socket lookup and the
             # setsockopt were two syscalls a request). Past `high` queued bytes the
             # protocol pauses and writer.drain() waits.
-            _BOUNDED.add(transport)
+            with contextlib.suppress(TypeError):  # uvloop's TLS transport takes no weak
+                _BOUNDED.add(transport)  # reference: bounded again on each request
             transport.set_write_buffer_limits(high=self._buffer_bytes, low=self._buffer_bytes // 2)
             sock = transport.get_extra_info("socket")
             if sock is not None:
