@@ -53,6 +53,9 @@ class EventFraming(Protocol):
 # one figure per process).
 _BOUNDED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
 
+# The most an answer's end widens the kernel's send queue to (Linux doubles it).
+_WIDEST = 1024 * 1024
+
 
 class ClientStalled(ConnectionResetError):
     """The client read nothing of its stream for too long; its connection was dropped."""
@@ -170,8 +173,32 @@ class SSEWriter:
             last = b"".join(map(format_event, chunks)) + DONE_EVENT if chunks else DONE_EVENT
         if self._held:
             last, self._held = self._held + last, b""
-        await self._bounded(resp.write_eof(last))
+        sock = self._widened(len(last))
+        try:
+            await self._bounded(resp.write_eof(last))
+        finally:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buffer_bytes)
         return resp
+
+    def _widened(self, size: int) -> socket.socket | None:
+        """An end of answer larger than the client's send buffer, already held whole by
+        the router: the kernel's queue widened to take it in one send, narrowed again
+        after it (a keep-alive connection's next stream is bounded as before). Measured:
+        an instant 60 KB answer went out in ~5 sends, each an EAGAIN and an epoll wait
+        (two setsockopt calls cost less than one of those rounds)."""
+        if size <= self._buffer_bytes:
+            return None
+        transport = self.request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None:
+            return None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, min(size, _WIDEST))
+        except OSError:
+            return None
+        return sock  # type: ignore[no-any-return]
 
     async def fail(self, err: RouterError) -> web.StreamResponse:
         """Only after the stream started: an error event, then [DONE]."""

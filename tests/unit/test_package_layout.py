@@ -56,7 +56,6 @@ NO_UNIT_TEST = {
     "server/lora_routes.py": "tests/integration/test_lora_adapters.py",
     "server/relay.py": "tests/integration/test_forward.py",
     "server/reload.py": "tests/integration/test_reload.py, test_cli_env_and_sighup.py",
-    "server/respond.py": "what every integration test reads",
     "server/services.py": "protocols, no behaviour of their own",
     "server/state.py": "the running router every integration test starts",
 }

@@ -1,0 +1,62 @@
+"""Streaming answers to the client (router/server/respond.py), on a real aiohttp server: an
+end of answer held whole goes out whole, and the connection stays bounded after it."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import ClientSession, web
+
+from router.server.respond import SSEWriter
+
+BUFFER = 8 * 1024
+
+
+def _sndbuf(request: web.Request) -> int:
+    assert request.transport is not None
+    sock = request.transport.get_extra_info("socket")
+    return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[str, list[int]]]:
+    sizes: list[int] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        writer = SSEWriter(request, "r1", buffer_bytes=BUFFER)
+        await writer.send([{"i": -1}])
+        sizes.append(_sndbuf(request))
+        resp = await writer.finish([{"i": i, "text": "x" * 200} for i in range(int(request.query["n"]))])
+        sizes.append(_sndbuf(request))
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}/", sizes
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("n", [2, 300])
+async def test_an_end_held_whole_arrives_whole_and_the_connection_stays_bounded(
+    served: tuple[str, list[int]], n: int
+) -> None:
+    url, sizes = served
+    async with ClientSession() as session:
+        for _ in range(2):  # the second request on the same (keep-alive) connection
+            async with session.get(url, params={"n": str(n)}) as resp:
+                body = await resp.read()
+            events = body.split(b"\n\n")
+            assert events[-2:] == [b"data: [DONE]", b""]
+            assert len(events) == n + 3
+    # Bounded before and after each end of answer, the large ones included.
+    assert len(sizes) == 4
+    assert len(set(sizes)) == 1
