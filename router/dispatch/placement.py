@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -204,22 +203,21 @@ class LegPlacer:
         failed: list[str] = []
         kv_params = None
         if fb.prefill is not None:
+            # Until its decode leg has pulled the KV, the producer is where the prompt is (being)
+            # computed: a request sharing its prefix follows it there (sent to the decoder, it
+            # would compute the prefix again, ahead of this decode leg in that engine's queue).
+            self.strategy.on_routed(ctx.query, fb.prefill)
+            # The decoder's place in the load is taken now: splits placed meanwhile see it.
+            held = self.registry.open_leg(fb.decode) if fb.decode in self.registry.states else None
             try:
-                kv_params = await self._prefill(ctx, fb.prefill, fb.prefill_tokens)
-                ctx.record_prefill(fb.prefill)
-            except UpstreamError as e:
-                self.note_failure(ctx, e)
-                if e.client_fault:
-                    raise client_error(e, self.timeouts) from None
-                failed.append(fb.prefill)
-                log.warning("prefill on %s failed (%s); computing the prompt on %s instead", fb.prefill, e, fb.decode)
-            except PrefillProtocolError as e:
-                log.warning("prefill on %s: %s; computing the prompt on %s instead", fb.prefill, e, fb.decode)
-            if kv_params is None:
-                fb = _computed_on_decoder(fb)
-        # Noted now, not at the first token: a request sharing this prompt's prefix that
-        # arrives while the decoder computes it should follow it there.
-        self.strategy.on_routed(ctx.query, fb.decode)
+                fb, kv_params = await self._split_prefill(ctx, fb, failed)
+            finally:  # the decode leg's own place is taken before _single yields
+                if held is not None:
+                    self.registry.close_leg(held)
+        if fb.prefill is None:
+            # Noted now, not at the first token: a request sharing this prompt's prefix
+            # that arrives while the decoder computes it should follow it there.
+            self.strategy.on_routed(ctx.query, fb.decode)
         tickets: dict[str, LegTicket] = {}
         result = await self._single(ctx, fb, kv_params, tickets)
         failures = result.by_verdict(Verdict.FAILED)
@@ -238,15 +236,37 @@ class LegPlacer:
                 failures[0].error if failures else "guard threshold",
                 fb.decode,
             )
-            fb = _computed_on_decoder(fb)
+            fb = fb.computed_on_decoder()
+            self.strategy.on_routed(ctx.query, fb.decode)
             result = await self._single(ctx, fb, None, tickets)
         if result.winner is not None:
+            if fb.prefill is not None:
+                self.strategy.on_routed(ctx.query, fb.decode)  # the KV is there now
             ctx.record_predicted(sent, fb.predicted_ttft_s)
             ctx.record_placement(fb.reason, fb)
             return FallbackOutcome(self._accepted(ctx, result, fb.route, tickets), failed=tuple(failed))
         self._raise_client_error(result)
         failures = result.by_verdict(Verdict.FAILED)
         return FallbackOutcome(None, failures[0].error if failures else None, (*failed, fb.decode))
+
+    async def _split_prefill(
+        self, ctx: RequestContext, fb: FallbackPlan, failed: list[str]
+    ) -> tuple[FallbackPlan, dict[str, Any] | None]:
+        """The split's prefill leg: its KV's parameters, or (failed) the prompt on the decoder."""
+        assert fb.prefill is not None
+        try:
+            kv_params = await self._prefill(ctx, fb.prefill, fb.prefill_tokens)
+            ctx.record_prefill(fb.prefill)
+            return fb, kv_params
+        except UpstreamError as e:
+            self.note_failure(ctx, e)
+            if e.client_fault:
+                raise client_error(e, self.timeouts) from None
+            failed.append(fb.prefill)
+            log.warning("prefill on %s failed (%s); computing the prompt on %s instead", fb.prefill, e, fb.decode)
+        except PrefillProtocolError as e:
+            log.warning("prefill on %s: %s; computing the prompt on %s instead", fb.prefill, e, fb.decode)
+        return fb.computed_on_decoder(), None
 
     async def _single(
         self, ctx: RequestContext, fb: FallbackPlan, kv_params: dict[str, Any] | None, tickets: dict[str, LegTicket]
@@ -378,8 +398,3 @@ class LegPlacer:
         ctx.record_failure(e)
         if e.backend_fault:
             self.registry.record_failure(e.backend, f"{e.kind}: {e.detail}")
-
-
-def _computed_on_decoder(fb: FallbackPlan) -> FallbackPlan:
-    """The split's decoder computes the prompt itself (the producer's cache is not there)."""
-    return replace(fb, prefill=None, decode_threshold=0.0)

@@ -8,7 +8,11 @@ over the one cost model (router/routing/costmodel.py):
   strategy expects it to hold: a prompt the router just sent there and the engine is still
   computing); held tokens cost what d's CPU-tier loads cost (router/routing/costmodel.py);
 - split: prefill on producer p, KV over NIXL, decode on consumer c:
-  pd_ttft = max(ttft(p, prompt) + transfer(prompt), ttft(c, 0)).
+  pd_ttft = max(ttft(p, prompt - hit_p) + transfer(prompt), ttft(c, 0)), where hit_p is
+  what the strategy expects p to hold (a split of a prompt sharing this one's prefix, its
+  prefill in flight: the prefix memory records the producer (router/dispatch/placement.py)
+  until the decode leg has the KV). Consumers tie whenever the producer is the slower side:
+  the least busy first (the legs already on their way counted).
 
 With `routing.split = "auto"` the choice is goodput's (router/routing/goodput.py): the
 placement predicted to keep the most requests, this one and those decoding on the engines
@@ -22,13 +26,13 @@ takes the split whenever there is one (the fastest pair), `"never"` never splits
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from router.config.schema import RoutingConfig
 from router.names import Route, RouteReason, SplitMode
 from router.routing import costmodel, goodput
 from router.routing.planning import RouteQuery, decoders_for, fastest, predicted_ttft
-from router.routing.snapshot import ClusterSnapshot
+from router.routing.snapshot import BackendView, ClusterSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +55,18 @@ class FallbackPlan:
     def route(self) -> str:
         return Route.PD if self.prefill else Route.DIRECT
 
+    def computed_on_decoder(self) -> FallbackPlan:
+        """The split's decoder computes the prompt itself (the producer's cache is not there)."""
+        return replace(self, prefill=None, decode_threshold=0.0)
+
 
 def slo_of(routing: RoutingConfig) -> goodput.Slo:
     return goodput.Slo(routing.slo_ttft_ms / 1000.0, routing.slo_itl_ms / 1000.0, float(routing.prefill_chunk_tokens))
+
+
+def consumer_load(c: BackendView) -> tuple[float, float]:
+    """A consumer's order among a split's: when its queue is through, then the legs on it."""
+    return costmodel.ttft(c.speed, c.queued_tokens, c.decoding, 0.0), c.prefilling + c.decoding
 
 
 def plan_fallback(
@@ -82,14 +95,29 @@ def plan_fallback(
     producers = [b for b in snap.prefillers(query.model) if b.name not in exclude]
     splits: list[goodput.Placement] = []
     if producers and n >= routing.min_pd_prompt_tokens and routing.split != SplitMode.NEVER:
-        for p in sorted(producers, key=lambda p: costmodel.ttft(p.speed, p.queued_tokens, p.decoding, n)):
-            for c in decoders:
+        # A producer computing this prompt (a split of a request sharing its prefix, still
+        # in flight) holds it by the time this one's prefill runs behind it.
+        def lack(p: BackendView) -> float:
+            return max(n - hits.get(p.name, 0.0), 0.0)
+
+        for p in sorted(producers, key=lambda p: costmodel.ttft(p.speed, p.queued_tokens, p.decoding, lack(p))):
+            # The consumers least busy first: while the producer is the slower side, the
+            # predicted TTFT is the same on every consumer and the tie keeps the first.
+            for c in sorted(decoders, key=consumer_load):
                 if c.name == p.name or n - hits.get(c.name, 0.0) < routing.min_pd_prompt_tokens:
                     continue
                 s = costmodel.pd_ttft(
-                    p.speed, p.queued_tokens, p.decoding, n, c.speed, c.queued_tokens, c.decoding, snap.transfer, n
+                    p.speed,
+                    p.queued_tokens,
+                    p.decoding,
+                    lack(p),
+                    c.speed,
+                    c.queued_tokens,
+                    c.decoding,
+                    snap.transfer,
+                    n,
                 )
-                splits.append(goodput.split(p, c, n, s, slo))
+                splits.append(goodput.split(p, c, lack(p), s, slo))
     if not splits:
         reason = (
             RouteReason.SPLIT_NEVER

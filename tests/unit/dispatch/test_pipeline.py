@@ -306,3 +306,33 @@ async def test_long_waits_between_tokens_mark_the_engine_slow(monkeypatch: pytes
     assert h.text == "abc"
     assert h.registry.stalls.slow("d0", h.registry.clock())
     assert not h.registry.stalls.slow("d1", h.registry.clock())
+
+
+async def test_a_split_is_remembered_on_its_producer_until_its_decode_leg_starts() -> None:
+    # While the prefill runs, the decoder holds nothing of the prompt: a request sharing its
+    # prefix must follow it to the producer, and the decoder's place in the load is taken.
+    kv = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [1]}
+    planner = FixedPlanner()
+    h = harness(
+        {
+            "d0": [rejection(300, 0), answer(PROMPT_IDS, [("Hi", 1)])],
+            "p0": [{"kv_transfer_params": kv, "usage": {"prompt_tokens": 300, "completion_tokens": 1}}],
+        },
+        backends={"d0": "decode", "p0": "prefill"},
+        planner=planner,
+        split="always",
+        min_pd_prompt_tokens=1,
+    )
+    seen: list[tuple[list[str], int]] = []
+    post_json = h.up.post_json
+
+    async def during_prefill(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        seen.append((list(planner.routed), h.registry.states["d0"].prefilling))
+        return await post_json(*args, **kwargs)
+
+    h.up.post_json = during_prefill  # type: ignore[method-assign]
+    rec = await h.serve()
+    assert (rec.route, rec.prefill, rec.winner) == ("pd", "p0", "d0")
+    assert seen == [(["p0"], 1)]
+    assert planner.routed == ["p0", "d0"]
+    assert h.in_flight == {"d0": 0, "p0": 0}

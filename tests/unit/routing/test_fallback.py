@@ -163,3 +163,28 @@ def test_split_auto_never_queues_a_split_past_the_ttft_slo() -> None:
     fb = _planned(plan_fallback(Q, s, R, 1000))
     assert (fb.prefill, fb.reason, fb.lost) == (None, "goodput_direct", 10)
     assert "split p0>d0" in fb.alternative
+
+
+def test_a_prompt_whose_split_is_in_flight_follows_it_through_its_producer() -> None:
+    # The producer's queue (15,000 tokens: 1.5 s) holds the prefill of a request sharing
+    # this 8,000-token prompt. Counted as new there, the split is past the 2 s TTFT SLO and
+    # d0 computes it, stalling its 10 sequences; the producer will hold it by the time this
+    # prefill runs, so the split costs its queue and the transfer only.
+    s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True, queued=15_000))
+    cold = _planned(plan_fallback(Q, s, R, 8000))
+    assert (cold.prefill, cold.lost) == (None, 10)
+    fb = _planned(plan_fallback(Q, s, R, 8000, hits={"p0": 8000.0}))
+    assert (fb.prefill, fb.decode, fb.prefill_tokens, fb.lost) == ("p0", "d0", 0, 0)
+    assert fb.predicted_ttft_s == pd_ttft(SPEED, 15_000, 0, 0, SPEED, 0, 0, s.transfer, 8000)
+
+
+def test_splits_spread_over_consumers_when_the_producer_is_the_slower_side() -> None:
+    # Every consumer is ready before the producer's prefill: the TTFTs tie, and the one
+    # with a split's decode leg already on its way (its prefill still running) is not taken.
+    s = snap(
+        replace(view("d0", decoding=10), prefilling=1),
+        view("d1", decoding=10),
+        view("p0", decodes=False, prefills=True),
+    )
+    assert _planned(plan_fallback(Q, s, R, 1000)).decode == "d1"
+    assert _planned(plan_fallback(Q, snap(*(replace(b, prefilling=0) for b in s.backends)), R, 1000)).decode == "d0"
