@@ -69,6 +69,15 @@ class KeyRing:
         given = bearer_digest(headers)
         return given is not None and self._admin is not None and hmac.compare_digest(given, self._admin)
 
+    def admin_refusal(self, headers: Mapping[str, str]) -> errors.RouterError | None:
+        """Why an admin route refuses this request: 404 while no admin key is configured
+        (the routes do not exist), 401 for a missing or wrong key; None: admitted."""
+        if not self.has_admin:
+            return errors.route_not_found()
+        if not self.is_admin(headers):
+            return errors.unauthorized()
+        return None
+
 
 def request_priority(headers: Mapping[str, str], tenant: Tenant) -> int:
     """X-Request-Priority as the tenant may send it: 400 if malformed, 403 above its

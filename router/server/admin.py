@@ -56,12 +56,8 @@ class AdminApi:
         router.add_post("/admin/backends/{name}/enable", functools.partial(self.handle_drain, draining=False))
 
     def _refusal(self, request: web.Request) -> web.Response | None:
-        keys = self.state.keys
-        if not keys.has_admin:
-            return error_response(errors.route_not_found())
-        if not keys.is_admin(request.headers):
-            return error_response(errors.unauthorized())
-        return None
+        refused = self.state.keys.admin_refusal(request.headers)
+        return None if refused is None else error_response(refused)
 
     def _fleet_view(self, s: BackendState) -> dict[str, Any]:
         name, fleet = s.config.name, self.state.fleet

@@ -59,12 +59,8 @@ class LoraApi:
         router.add_post("/v1/unload_lora_adapter", self.handle_unload)
 
     def _refusal(self, request: web.Request) -> web.Response | None:
-        keys = self.state.keys
-        if not keys.has_admin:
-            return error_response(errors.route_not_found())
-        if not keys.is_admin(request.headers):
-            return error_response(errors.unauthorized())
-        return None
+        refused = self.state.keys.admin_refusal(request.headers)
+        return None if refused is None else error_response(refused)
 
     async def handle_load(self, request: web.Request) -> web.Response:
         refusal = self._refusal(request)

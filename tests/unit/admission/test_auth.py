@@ -51,3 +51,15 @@ def test_priority_header_within_the_rule() -> None:
     t = Tenant("batch", max_priority=2)
     assert request_priority({}, t) == 0
     assert [request_priority({"X-Request-Priority": v}, t) for v in ("2", " 1 ", "-100")] == [2, 1, -100]
+
+
+def _status(refused: RouterError | None) -> int | None:
+    return None if refused is None else refused.status
+
+
+def test_admin_routes_are_missing_without_an_admin_key_and_closed_to_other_keys() -> None:
+    ring = _ring()
+    assert ring.admin_refusal({"Authorization": "Bearer admin-key"}) is None
+    assert _status(ring.admin_refusal({"Authorization": "Bearer batch-key"})) == 401
+    assert _status(ring.admin_refusal({})) == 401
+    assert _status(KeyRing(("plain-key",), (), "").admin_refusal({"Authorization": "Bearer plain-key"})) == 404
