@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import Any
 
+import orjson
 from aiohttp import web
 
 from router import errors
@@ -84,6 +86,22 @@ async def read_body(request: web.Request, server: ServerConfig) -> bytes:
         raise errors.RouterError(400, f"The request body could not be read: {detail.strip()}") from None
     except TimeoutError:
         raise body_timeout(server) from None
+
+
+async def read_json_object(request: web.Request, server: ServerConfig) -> tuple[bytes, dict[str, Any], str | None]:
+    """A forwarded JSON route's body: its bytes, the object they hold and its `model`
+    (400 for a body that is not a JSON object or a `model` that is not a string)."""
+    raw = await read_body(request, server)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise errors.bad_request(f"Request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise errors.bad_request("Request body must be a JSON object.")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise errors.bad_request("`model` must be a string.", "model")
+    return raw, body, model
 
 
 async def _read_all(request: web.Request, limit: int) -> bytes:

@@ -50,6 +50,7 @@ from router.admission.body import (
     check_length,
     read_body,
     read_form_prefix,
+    read_json_object,
 )
 from router.admission.engine_body import engine_json
 from router.admission.spec import ID_PREFIX, RequestSpec
@@ -105,16 +106,7 @@ class Forwarder:
     # --- handlers ----------------------------------------------------------------------
     async def handle_json(self, request: web.Request) -> web.StreamResponse:
         async def serve(rec: RequestRecord, tenant: Tenant) -> web.StreamResponse:
-            raw = await read_body(request, self.state.config.server)
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                raise errors.bad_request(f"Request body is not valid JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise errors.bad_request("Request body must be a JSON object.")
-            model = body.get("model")
-            if model is not None and not isinstance(model, str):
-                raise errors.bad_request("`model` must be a string.", "model")
+            raw, body, model = await read_json_object(request, self.state.config.server)
             rec.model = model
             rec.stream = body.get("stream") is True
             sent = engine_json(raw, body, tenant)  # the router's fields stripped, priority checked

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from router import errors
-from router.admission.body import read_body
+from router.admission.body import read_json_object
 from router.admission.engine_body import XARGS, engine_json
 from router.admission.responses_request import probe_chat_body
 from router.admission.spec import ENDPOINT_CHAT, parse_request
@@ -58,16 +57,7 @@ class ResponsesHandler:
         state, forwarder = self.state, self.forwarder
 
         async def serve(rec: RequestRecord, tenant: Tenant) -> web.StreamResponse:
-            raw = await read_body(request, state.config.server)
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                raise errors.bad_request(f"Request body is not valid JSON: {e}") from None
-            if not isinstance(body, dict):
-                raise errors.bad_request("Request body must be a JSON object.")
-            model = body.get("model")
-            if model is not None and not isinstance(model, str):
-                raise errors.bad_request("`model` must be a string.", "model")
+            raw, body, model = await read_json_object(request, state.config.server)
             rec.model, rec.stream = model, body.get("stream") is True
             model = forwarder.check_model(model)
             sent = engine_json(raw, body, tenant)  # the router's fields stripped, priority checked
