@@ -38,7 +38,7 @@ from typing import Any
 
 from bench.harness.cluster import RouterOptions, router_command, router_toml
 from bench.harness.load_clients import SMALL, measure_latency, run_wrk
-from bench.harness.procs import PY, Proc, ProcessSet, RSSSampler, cpu_list, free_ports, pinned, wait_http
+from bench.harness.procs import PY, Proc, ProcessSet, RSSSampler, cpu_list, free_ports, pinned, split_cores, wait_http
 from bench.harness.stats import median, rnd
 from bench.reports.render import bar_plot, console, markdown_table, table
 
@@ -203,8 +203,7 @@ def main(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cores = cpu_list()
-    pin = not a.no_pin and len(cores) >= 2
-    proxy_cores, other_cores = ([cores[-1]], cores[:-1]) if pin else (None, None)
+    proxy_cores, other_cores = split_cores(a.no_pin)
     own = os.sched_getaffinity(0)
     names = [
         n
@@ -229,7 +228,7 @@ def main(a: argparse.Namespace) -> int:
         names.remove("vllm_router_rr")
     ks = [int(k) for k in a.probe_k.split(",") if k]
     result: dict[str, Any] = {
-        "machine": {"cpus": len(cores), "pinned": pin, "loadavg_before": os.getloadavg()},
+        "machine": {"cpus": len(cores), "pinned": proxy_cores is not None, "loadavg_before": os.getloadavg()},
         "connections": a.connections,
         "duration_s": a.duration,
         "reps": a.reps,

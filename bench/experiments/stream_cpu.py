@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from bench.harness.cluster import RouterOptions, router_toml
-from bench.harness.procs import PY, Proc, ProcessSet, RSSSampler, cpu_list, free_ports, pinned, wait_http
+from bench.harness.procs import PY, Proc, ProcessSet, RSSSampler, free_ports, pinned, split_cores, wait_http
 from bench.harness.stats import rnd
 from bench.reports.render import console, markdown_table, table
 
@@ -253,9 +253,7 @@ def run_profile(
 def main(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cores = cpu_list()
-    pin = not a.no_pin and len(cores) >= 2
-    proxy_cores, other_cores = ([cores[-1]], cores[:-1]) if pin else (None, None)
+    proxy_cores, other_cores = split_cores(a.no_pin)
     own = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmpd, ProcessSet(out / "logs") as procs:
         bports = free_ports(4)

@@ -69,6 +69,16 @@ def cpu_list() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def split_cores(no_pin: bool) -> tuple[list[int] | None, list[int] | None]:
+    """(the proxy's core, everything else's cores): the last core for the process under
+    measurement and the rest for load and backends; (None, None) when pinning is off or
+    there is one core."""
+    cores = cpu_list()
+    if no_pin or len(cores) < 2:
+        return None, None
+    return [cores[-1]], cores[:-1]
+
+
 def pinned(cmd: Sequence[str], cores: Sequence[int] | None) -> list[str]:
     """Prefix `cmd` with taskset when cores are given and taskset exists."""
     if cores and shutil.which("taskset"):
