@@ -74,15 +74,21 @@ class Subscriber:
 
     async def ready(self, http: aiohttp.ClientSession) -> None:
         """Resets until one's AllBlocksCleared arrives: the subscription is then live (a SUB
-        misses what is published before it has joined), and the stream is drained."""
+        misses what is published before it has joined). Then the stream is drained up to the
+        last reset sent, so none still on its way lands among a test's own events: on a
+        fresh engine each reset is one batch, numbered from 0, and batches arrive in order."""
+        sent = 0
 
         async def cleared() -> bool:
+            nonlocal sent
             async with http.post(self.url + "/reset_prefix_cache") as r:
                 assert (await r.json())["success"]
+            sent += 1
             await self.drain()
             return bool(self.events(AllBlocksCleared))
 
         await eventually(cleared, what="the subscription is live")
+        await self.wait_for(lambda: self.received[-1][1] >= sent - 1, "the last reset's batch")
         self.received.clear()
 
     async def wait_for(self, condition: Callable[[], Any], what: str) -> Any:
