@@ -20,7 +20,14 @@ workload alone, which the suite sets rates by; a router lowers it with prefix hi
 prompt tokens an infinite shared cache would still compute (`utilisation_oracle`: the load
 left for a perfect router). On route pd the prompt is computed on the P prefill engines
 instead: `pd_prefill_utilisation` is their load if every request fell back to
-prefill/decode (with no hits).
+prefill/decode (with no hits), `pd_prefill_utilisation_oracle` the same with the oracle's hits.
+
+The last bounds what any placement can do for inter-token latency: P producers can compute
+at most 1 / pd_prefill_utilisation_oracle of the prompt work that is left after every
+possible hit, so at least `decoder_prefill_share` = 1 - 1 / that of it is computed on decode
+engines (each chunk stalling the sequences decoding there) by any router whose producer
+queue stays bounded. Only a queue growing for the whole run (the time to first token
+growing with it) moves it all to the producers.
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ class Load:
     utilisation: float
     utilisation_oracle: float
     pd_prefill_utilisation: float | None
+    pd_prefill_utilisation_oracle: float | None = None
+
+    @property
+    def decoder_prefill_share(self) -> float | None:
+        """The least share of the prompt work left after every hit that decode engines
+        compute under any placement with a bounded producer queue (module docstring)."""
+        u = self.pd_prefill_utilisation_oracle
+        return None if u is None else max(0.0, 1.0 - 1.0 / u) if u > 0 else 0.0
 
 
 def timing_of(sim: SimOptions) -> TimingModel:
@@ -88,7 +103,12 @@ def offered_load(
     work_or = sum(
         request_work_s(p - h, o, sim) for p, h, o in zip(prompt_tokens, hit_tokens, output_tokens, strict=False)
     )
-    pd = sum(prefill_work_s(p, sim) for p in prompt_tokens) / span_s / prefill if prefill > 0 else None
+    pd = pd_oracle = None
+    if prefill > 0:
+        pd = sum(prefill_work_s(p, sim) for p in prompt_tokens) / span_s / prefill
+        pd_oracle = (
+            sum(prefill_work_s(p - h, sim) for p, h in zip(prompt_tokens, hit_tokens, strict=False)) / span_s / prefill
+        )
     return Load(
         requests=n,
         span_s=span_s,
@@ -98,6 +118,7 @@ def offered_load(
         utilisation=work / span_s / engines,
         utilisation_oracle=work_or / span_s / engines,
         pd_prefill_utilisation=pd,
+        pd_prefill_utilisation_oracle=pd_oracle,
     )
 
 

@@ -247,6 +247,7 @@ def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict[str, Any] | None
         return None
     return {
         **asdict(load),
+        "decoder_prefill_share": load.decoder_prefill_share,
         "engines": ns.engines,
         "prefill": ns.prefill,
         "speed": ns.speed,

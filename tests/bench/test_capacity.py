@@ -41,10 +41,25 @@ def test_offered_load_is_work_per_second_per_engine() -> None:
     # Every prompt on the one prefill engine: prefill work only, per prefill engine.
     pd = sum(capacity.prefill_work_s(p, sim) for p in prompts) / 2.0
     assert load.pd_prefill_utilisation == pytest.approx(pd)
+    # With the oracle's hits the producer computes only what is left: the 2,000 held tokens not.
+    pd_oracle = sum(capacity.prefill_work_s(p - h, sim) for p, h in zip(prompts, hits, strict=False)) / 2.0
+    assert load.pd_prefill_utilisation_oracle == pytest.approx(pd_oracle)
+    assert pd_oracle < pd
     # Twice the engines: half the utilisation.
     assert capacity.offered_load(prompts, hits, outs, 2.0, sim, 8).utilisation == pytest.approx(load.utilisation / 2)
     with pytest.raises(ValueError, match="needs requests"):
         capacity.offered_load([], [], [], 1.0, sim, 4)
+
+
+def test_decoder_prefill_share_is_what_the_producers_cannot_take() -> None:
+    def load(pd_oracle: float | None) -> capacity.Load:
+        return capacity.Load(1, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, pd_oracle, pd_oracle)
+
+    # Producers at 4x their capacity take a quarter; decoders compute the other three quarters.
+    assert load(4.0).decoder_prefill_share == pytest.approx(0.75)
+    # Within the producers' capacity nothing has to be computed on a decoder.
+    assert load(0.5).decoder_prefill_share == 0.0
+    assert load(None).decoder_prefill_share is None
 
 
 def _suite_args(tmp_path: Path, *extra: str) -> argparse.Namespace:

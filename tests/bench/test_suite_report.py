@@ -12,7 +12,7 @@ import pytest
 
 from bench.harness.loadgen import Result
 from bench.reports.rundir import load_requests, parse_router_log, write_outputs
-from bench.reports.suite_report import add_regret, model_accuracy, route_shares, suite_row, write_suite
+from bench.reports.suite_report import add_regret, load_line, model_accuracy, route_shares, suite_row, write_suite
 from bench.workloads import generators as wl
 
 
@@ -193,3 +193,23 @@ def test_compare_rows_judge_each_run_against_the_best_other_of_its_load(tmp_path
     assert rows["b"]["regret_p50"] == 2.0
     assert rows["a"]["goodput_gap"] == pytest.approx(-0.2)
     assert rows["c"]["regret_p50"] is None  # alone at its load
+
+
+def test_load_line_says_what_the_producers_cannot_take() -> None:
+    load = {
+        "requests": 400,
+        "span_s": 83.0,
+        "offered_rps": 4.81,
+        "utilisation": 0.85,
+        "engines": 4,
+        "speed": 0.3,
+        "utilisation_oracle": 0.63,
+        "pd_prefill_utilisation": 3.3,
+        "pd_prefill_utilisation_oracle": 2.5,
+        "decoder_prefill_share": 0.6,
+    }
+    line = load_line("low-reuse", load)
+    assert "P/D prefill engines 3.30 if every request fell back (2.50 with the oracle's hits" in line
+    assert "decoders compute at least 60% of the prompt work" in line
+    closed = load_line("multiturn", None)
+    assert closed.startswith("multiturn: closed loop")
