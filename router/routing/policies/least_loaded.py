@@ -25,7 +25,9 @@ from router.routing.snapshot import BackendView, ClusterSnapshot
 
 # Predictions closer than this are not told apart: the typical scatter of an observed
 # time to first token around the model (speed_learner.NOISE_S), or a share of the
-# prediction (engines of one fleet fitted apart differ by a few percent by noise alone).
+# prompt's own prefill on an idle engine (engines of one fleet fitted apart differ by a
+# few percent by noise alone). A share of the prompt's own time, not of the queue ahead:
+# keeping a prompt where it went may cost it at most that much, whatever the load.
 TIE_S = 0.005
 TIE_SHARE = 0.05
 # A tied engine takes the prompt only while its load stays within this factor of the
@@ -37,9 +39,10 @@ LOAD_BOUND = 1.25
 OPENING_CHARS = 1024
 
 
-def tie_tolerance_s(best_s: float) -> float:
-    """How much slower than the best prediction an engine may be predicted and still tie."""
-    return max(TIE_S, TIE_SHARE * best_s)
+def tie_tolerance_s(own_s: float) -> float:
+    """How much slower than the best prediction an engine may be predicted and still tie,
+    for a prompt whose prefill on an idle engine is predicted to take `own_s`."""
+    return max(TIE_S, TIE_SHARE * own_s)
 
 
 def affinity_rank(opening: str, engine: str) -> bytes:
@@ -48,11 +51,11 @@ def affinity_rank(opening: str, engine: str) -> bytes:
     return hashlib.blake2b(f"{engine}\0{opening}".encode(), digest_size=8).digest()
 
 
-def tied_choice(query: RouteQuery, candidates: Sequence[BackendView], costs: Sequence[float]) -> int:
+def tied_choice(query: RouteQuery, candidates: Sequence[BackendView], costs: Sequence[float], own_s: float) -> int:
     """Index of the engine to send to: the least predicted time, or among the engines tied
     with it and not past the load bound, the prompt opening's rendezvous-hash winner."""
     best = min(costs)
-    tolerance = tie_tolerance_s(best)
+    tolerance = tie_tolerance_s(own_s)
     tied = [i for i, c in enumerate(costs) if c - best <= tolerance]
     if len(tied) > 1:
         # Each engine's capacity: ceil(bound x mean load with the request), as in the paper.
@@ -87,7 +90,8 @@ class LeastLoadedStrategy:
             return Plan()
         n = query.tokens(snap)
         costs = [predicted_ttft(b, n, n) for b in decoders]
-        chosen = tied_choice(query, decoders, costs)
+        own_s = min(b.speed.ttft(n, 0.0) for b in decoders)
+        chosen = tied_choice(query, decoders, costs, own_s)
         return Plan(direct=decoders[chosen].name, prefill_tokens=round(n), predicted_ttft_s=costs[chosen])
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
