@@ -60,7 +60,9 @@ class RouterState:
         self.start_engines = start_engines
         # The model label's values: what the backends serve (self.registry, set in start).
         self.metrics = RouterMetrics(
-            config.timeouts.total_s, lambda: self.registry.models() if self.registry is not None else ()
+            config.timeouts.total_s,
+            lambda: self.registry.models() if self.registry is not None else (),
+            config.server.request_log,
         )
         self.limiter = ConcurrencyLimiter(
             config.server.max_concurrent_requests, config.server.max_queued_requests, config.server.queue_timeout_s
@@ -235,6 +237,7 @@ class RouterState:
             for t in self.keys.tenants:
                 self.metrics.bind_tenant(t)
         logging.getLogger().setLevel(cfg.server.log_level.upper())
+        self.metrics.request_log = cfg.server.request_log
         if cfg.routing != old.routing:
             # The cost model's priors; what it measured since the start stays.
             self.registry.learner.prior = speed_prior(cfg.routing)
