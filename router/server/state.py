@@ -101,10 +101,14 @@ class RouterState:
         self.drain_expired = False
         self._drained = False
         self.last_arrival = 0.0  # time.monotonic() of the last generation request
+        # The serving loop (set in start), held: asyncio.get_running_loop() and
+        # current_task() without it cost a getpid() each call.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        self.loop = asyncio.get_running_loop()
         engine_urls: dict[str, str] = {}
         # None: engines started elsewhere (--no-engines), followed at their configured ports.
         engine_events: dict[str, tuple[str, str]] | None = None
@@ -279,7 +283,7 @@ class RouterState:
         if not self._client_inflight:
             self._trimmer.busy()
         self._client_inflight += 1
-        task = asyncio.current_task()
+        task = asyncio.current_task(self.loop)
         if task is not None:
             self._handlers.add(task)
         return task
