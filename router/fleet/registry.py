@@ -116,15 +116,10 @@ class BackendRegistry:
 
     # --- views -----------------------------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
-        """The backends as a planner sees them now. Taken for every request (one to a few
-        each): written for speed, the views built positionally in BackendView's field
-        order (a unit test compares them with views built by keyword)."""
-        now = self.clock()
-        views = []
-        learner = self.learner
-        kv_fresh = self.kv_fresh
-        # One pass over the index, not one per backend.
-        removed = self.kv_index.last_removals() if self.kv_index is not None else {}
+        """The backends as a planner sees them now: taken per request, so the views are built
+        positionally, in BackendView's field order (tested against views built by keyword)."""
+        now, views, learner, kv_fresh = self.clock(), [], self.learner, self.kv_fresh
+        removed = self.kv_index.last_removals() if self.kv_index is not None else {}  # one pass
         adapters: set[str] = set()
         for s in self.states.values():
             if s.adapters:
