@@ -8,6 +8,7 @@ log line are written at the end (router/observability/metrics.py).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,8 @@ class RequestContext:
     started: float  # event-loop time the dispatch started
     deadline: float  # the whole answer's (timeouts.total_s)
     record: RequestRecord
+    # The running loop, held: asyncio.get_running_loop() costs a getpid() each call.
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     tried: set[str] = field(default_factory=set)  # engines kept out of the next plan
 
     # --- the record, filled from the stages' outcomes ---------------------------------

@@ -90,9 +90,19 @@ class Dispatcher:
         self.client = client
         self.strategy = strategy
         self.placer = LegPlacer(config, registry, client, strategy, prompt_index)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, held: asyncio.get_running_loop() costs a getpid() each call."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _context(self, spec: RequestSpec, rec: RequestRecord, body: dict[str, Any]) -> RequestContext:
-        started = rec.dispatch_started = asyncio.get_running_loop().time()
+        loop = self.loop
+        started = rec.dispatch_started = loop.time()
         return RequestContext(
             route_query(spec, is_adapter(self.registry, spec.model), rec.tenant),
             request_path(spec),
@@ -100,6 +110,7 @@ class Dispatcher:
             started,
             started + self.timeouts.total_s,
             rec,
+            loop,
         )
 
     # --- the answer ------------------------------------------------------------------------
@@ -249,7 +260,7 @@ class Dispatcher:
 
     async def serve_unary(self, spec: RequestSpec, rec: RequestRecord) -> bytes:
         """The engine's own non-streaming answer, forwarded byte for byte."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         ctx = self._context(spec, rec, unary_leg_body(spec.body, return_token_ids=spec.return_token_ids))
         last_error: UpstreamError | None = None
         for attempt in range(self.routing.max_retries + 1):
@@ -314,7 +325,7 @@ class Dispatcher:
         holds the cache and now also the rest of the prompt, serves the whole request;
         the probe's token is dropped. Nobody accepting: the fallback's decode engine (a
         prefill/decode split does not apply: the engine computes the prompt itself)."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         if not rec.dispatch_started:
             rec.dispatch_started = loop.time()
         now = loop.time()
@@ -325,6 +336,7 @@ class Dispatcher:
             rec.dispatch_started,
             now + self.timeouts.total_s,
             rec,
+            loop,
             set(exclude),
         )
         query = ctx.query

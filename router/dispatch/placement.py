@@ -14,7 +14,6 @@ the request's record:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -128,7 +127,7 @@ class LegPlacer:
     # --- the race ----------------------------------------------------------------------
     async def race(self, ctx: RequestContext, plan: Plan) -> RaceOutcome:
         """Race `plan.probes` on the context's request at the plan's threshold."""
-        loop = asyncio.get_running_loop()
+        loop = ctx.loop
         tickets: dict[str, LegTicket] = {}
         sent = loop.time()
         with tracing.span("probe_race", **{"cachehit.probes": len(plan.probes)}):
@@ -198,8 +197,7 @@ class LegPlacer:
 
     # --- the fallback: prefill/decode or one decoder -----------------------------------
     async def run_fallback(self, ctx: RequestContext, fb: FallbackPlan) -> FallbackOutcome:
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        sent = ctx.loop.time()
         failed: list[str] = []
         kv_params = None
         if fb.prefill is not None:

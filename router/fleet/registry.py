@@ -116,38 +116,39 @@ class BackendRegistry:
 
     # --- views -----------------------------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
-        now = self.clock()
-        views = []
-        learner = self.learner
-        # One pass over the index, not one per backend: a snapshot is taken per request.
-        removed = self.kv_index.last_removals() if self.kv_index is not None else {}
+        """The backends as a planner sees them now: taken per request, so the views are built
+        positionally, in BackendView's field order (tested against views built by keyword)."""
+        now, views, learner, kv_fresh = self.clock(), [], self.learner, self.kv_fresh
+        removed = self.kv_index.last_removals() if self.kv_index is not None else {}  # one pass
         adapters: set[str] = set()
         for s in self.states.values():
-            adapters.update(s.adapters)
+            if s.adapters:
+                adapters.update(s.adapters)
             c = s.config
+            name = c.name
             views.append(
                 BackendView(
-                    name=c.name,
-                    url=c.url,
-                    decodes=c.decodes,
-                    prefills=c.prefills,
-                    models=s.models,
-                    available=self._available(s, now),
-                    inflight=s.inflight,
-                    running=s.running,
-                    waiting=s.waiting,
-                    kv_usage=s.kv_usage,
-                    drained=s.draining,
-                    queued_tokens=self._queued_tokens(s, now),
-                    decoding=self._decoding(s),
-                    prefilling=s.prefilling,
-                    speed=learner.speed(c.name),
-                    threshold_capable=s.threshold_capable is not False,
-                    kv_events_fresh=self.kv_fresh is not None and self.kv_fresh(s, now),
-                    kv_removed_at=removed.get(c.name, 0.0),
-                    others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
-                    adapters=s.adapters,
-                    itl=learner.itl(c.name),
+                    name,
+                    c.url,
+                    c.decodes,
+                    c.prefills,
+                    s.models,
+                    self._available(s, now),
+                    s.inflight,
+                    s.running,
+                    s.waiting,
+                    s.kv_usage,
+                    s.draining,
+                    self._queued_tokens(s, now) if s.others_waiting else float(s.queued_tokens),
+                    s.decoding + s.others_running,
+                    s.prefilling,
+                    learner.speed(name),
+                    s.threshold_capable is not False,
+                    kv_fresh is not None and kv_fresh(s, now),
+                    removed.get(name, 0.0),
+                    now - s.others_seen_at <= OTHERS_SEEN_S,
+                    s.adapters,
+                    learner.itl(name),
                 )
             )
         return ClusterSnapshot(

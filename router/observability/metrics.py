@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from router.names import BREAKER_STATE_VALUE, BreakerState, Verdict
 from router.observability.clientlog import escape
 from router.observability.kv_metrics import KvEventGauges
+from router.observability.logs import write_request_line
 from router.observability.record import RequestRecord
 from router.observability.tracing import annotate_request
 
@@ -79,10 +80,14 @@ def latency_buckets(total_s: float) -> tuple[float, ...]:
 
 
 class RouterMetrics:
-    def __init__(self, total_s: float = 900.0, served_models: Callable[[], Iterable[str]] = tuple) -> None:
+    def __init__(
+        self, total_s: float = 900.0, served_models: Callable[[], Iterable[str]] = tuple, request_log: bool = True
+    ) -> None:
         """`total_s`: timeouts.total_s (the request histograms reach it); `served_models`:
-        the models the backends serve now (the `model` label's values)."""
+        the models the backends serve now (the `model` label's values); `request_log`:
+        one log line per request at INFO (server.request_log)."""
         self.served_models = served_models
+        self.request_log = request_log
         buckets = latency_buckets(total_s)
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
@@ -192,6 +197,7 @@ class RouterMetrics:
         self.queued = Gauge("cachehit_router_queued_requests", "Client requests waiting for a slot", registry=r)
         self._requests_by: dict[tuple[str, int, str], Counter] = {}
         self._by_model: dict[str, tuple[Histogram, Histogram]] = {}
+        self._latency_by: dict[str, Histogram] = {}  # probe_latency's children by verdict
         self.rejected_overload = Counter(
             "cachehit_router_overload_rejections", "Requests answered 429 because the router was full", registry=r
         )
@@ -294,7 +300,10 @@ class RouterMetrics:
             self.race_decisions.labels(rec.race_reason).inc()
         gone = self._gone
         for v in rec.verdicts:
-            self.probe_latency.labels(v.verdict).observe(v.latency_s)
+            latency = self._latency_by.get(v.verdict)
+            if latency is None:
+                latency = self._latency_by[v.verdict] = self.probe_latency.labels(v.verdict)
+            latency.observe(v.latency_s)
             if v.backend in gone:
                 continue
             if v.verdict == Verdict.REJECTED:
@@ -311,50 +320,59 @@ class RouterMetrics:
             if backend not in gone:
                 self.upstream_errors.labels(backend, kind).inc()
         annotate_request(rec)
-        if not log.isEnabledFor(logging.INFO):
-            return
-        # The JSON formatter escapes C0 controls; escape() also takes DEL, C1 and invisible
-        # characters out of the client-supplied fields.
-        log.info(
-            "request",
-            extra={
-                "request": {
-                    "request_id": escape(rec.request_id),
-                    "endpoint": rec.endpoint,
-                    "model": rec.model if rec.model is None else escape(rec.model),
-                    "stream": rec.stream,
-                    "tenant": rec.tenant,
-                    "route": rec.route,
-                    **({"race_reason": rec.race_reason} if rec.race_reason else {}),
-                    **route_figures(rec),
-                    **({"indexed_hits": rec.indexed_hits} if rec.indexed_hits is not None else {}),
-                    "winner": rec.winner,
-                    "prefill": rec.prefill,
-                    "legs": rec.legs,
-                    "probes": rec.probes,
-                    "rejections": rec.rejections,
-                    "expired": rec.expired,
-                    **({"rejected_hits": rec.rejected_hits} if rec.rejected_hits else {}),
-                    "losers": rec.losers,
-                    "retries": rec.retries,
-                    "resumes": rec.resumes,
-                    "ttft_ms": None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2),
-                    "predicted_ttft_ms": None
-                    if rec.predicted_ttft_s is None
-                    else round(rec.predicted_ttft_s * 1000, 2),
-                    **(
-                        {"scratch_ttft_ms": round(rec.scratch_ttft_s * 1000, 2)}
-                        if rec.scratch_ttft_s is not None
-                        else {}
-                    ),
-                    "duration_ms": round(rec.duration_s * 1000, 2),
-                    "status": rec.status,
-                    "prompt_tokens": rec.prompt_tokens,
-                    "completion_tokens": rec.completion_tokens,
-                    **({"error": escape(rec.error, 1000)} if rec.error else {}),
-                }
-            },
-        )  # one JSON line (router/observability/logs.py)
+        if self.request_log and log.isEnabledFor(logging.INFO):
+            write_request_line(log, request_fields(rec))  # one JSON line (router/observability/logs.py)
+
+
+def request_fields(rec: RequestRecord) -> dict[str, object]:
+    """The per-request log line's fields, in the line's order. The JSON formatter escapes
+    C0 controls; escape() also takes DEL, C1 and invisible characters out of the
+    client-supplied fields."""
+    f: dict[str, object] = {
+        "request_id": escape(rec.request_id),
+        "endpoint": rec.endpoint,
+        "model": rec.model if rec.model is None else escape(rec.model),
+        "stream": rec.stream,
+        "tenant": rec.tenant,
+        "route": rec.route,
+    }
+    if rec.race_reason:
+        f["race_reason"] = rec.race_reason
+    f.update(route_figures(rec))
+    if rec.indexed_hits is not None:
+        f["indexed_hits"] = rec.indexed_hits
+    f["winner"] = rec.winner
+    f["prefill"] = rec.prefill
+    f["legs"] = rec.legs
+    probes = rejections = expired = losers = 0
+    for v in rec.verdicts:  # RequestRecord's counts, in one pass
+        probes += v.probe
+        verdict = v.verdict
+        if verdict == Verdict.REJECTED:
+            rejections += 1
+        elif verdict == Verdict.EXPIRED:
+            expired += 1
+        elif verdict == Verdict.LOST:
+            losers += 1
+    f["probes"] = probes
+    f["rejections"] = rejections
+    f["expired"] = expired
+    if rec.rejected_hits:
+        f["rejected_hits"] = rec.rejected_hits
+    f["losers"] = losers
+    f["retries"] = rec.retries
+    f["resumes"] = rec.resumes
+    f["ttft_ms"] = None if rec.ttft_s is None else round(rec.ttft_s * 1000, 2)
+    f["predicted_ttft_ms"] = None if rec.predicted_ttft_s is None else round(rec.predicted_ttft_s * 1000, 2)
+    if rec.scratch_ttft_s is not None:
+        f["scratch_ttft_ms"] = round(rec.scratch_ttft_s * 1000, 2)
+    f["duration_ms"] = round(rec.duration_s * 1000, 2)
+    f["status"] = rec.status
+    f["prompt_tokens"] = rec.prompt_tokens
+    f["completion_tokens"] = rec.completion_tokens
+    if rec.error:
+        f["error"] = escape(rec.error, 1000)
+    return f
 
 
 def route_figures(rec: RequestRecord) -> dict[str, object]:

@@ -137,7 +137,7 @@ class GenerationHandler:
                         answer_id,
                         buffer_bytes=state.config.server.stream_buffer_bytes,
                         idle_s=state.config.timeouts.idle_s,
-                        deadline=asyncio.get_running_loop().time() + state.config.timeouts.total_s,
+                        deadline=(state.loop or asyncio.get_running_loop()).time() + state.config.timeouts.total_s,
                         framing=api.framing() if api is not None else None,
                     )
                     try:

@@ -2,8 +2,8 @@
 what can change while serving, without dropping a request.
 
 Live: `[[backends]]` (new ones added, removed ones drained then forgotten, changed ones
-replaced), `[[discovery]]`, `[routing]`, `server.api_keys`, `server.admin_api_key` and
-`server.log_level`. Everything else is bound at start (the listening socket, limits, the
+replaced), `[[discovery]]`, `[routing]`, `server.api_keys`, `server.admin_api_key`,
+`server.log_level` and `server.request_log`. Everything else is bound at start (the listening socket, limits, the
 started engines, the upstream connection pool): a change there is named in a warning and
 waits for a restart. A file that does not validate changes nothing.
 """
@@ -23,7 +23,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cachehit_router.reload")
 
-LIVE = ("backends", "discovery", "routing", "server.api_keys", "server.admin_api_key", "server.log_level")
+LIVE = (
+    "backends",
+    "discovery",
+    "routing",
+    "server.api_keys",
+    "server.admin_api_key",
+    "server.log_level",
+    "server.request_log",
+)
 
 
 def _table(section: Any) -> dict[str, Any]:

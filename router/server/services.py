@@ -49,6 +49,7 @@ class Admission(Protocol):
     draining: bool
     drain_expired: bool
     last_arrival: float
+    loop: asyncio.AbstractEventLoop | None  # the serving loop, once started
 
     def identify(self, request: web.Request) -> tuple[Tenant, int]: ...
     def refused(self, rec: RequestRecord, e: errors.RouterError) -> web.Response: ...

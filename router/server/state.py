@@ -60,7 +60,9 @@ class RouterState:
         self.start_engines = start_engines
         # The model label's values: what the backends serve (self.registry, set in start).
         self.metrics = RouterMetrics(
-            config.timeouts.total_s, lambda: self.registry.models() if self.registry is not None else ()
+            config.timeouts.total_s,
+            lambda: self.registry.models() if self.registry is not None else (),
+            config.server.request_log,
         )
         self.limiter = ConcurrencyLimiter(
             config.server.max_concurrent_requests, config.server.max_queued_requests, config.server.queue_timeout_s
@@ -99,10 +101,14 @@ class RouterState:
         self.drain_expired = False
         self._drained = False
         self.last_arrival = 0.0  # time.monotonic() of the last generation request
+        # The serving loop (set in start), held: asyncio.get_running_loop() and
+        # current_task() without it cost a getpid() each call.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        self.loop = asyncio.get_running_loop()
         engine_urls: dict[str, str] = {}
         # None: engines started elsewhere (--no-engines), followed at their configured ports.
         engine_events: dict[str, tuple[str, str]] | None = None
@@ -235,6 +241,7 @@ class RouterState:
             for t in self.keys.tenants:
                 self.metrics.bind_tenant(t)
         logging.getLogger().setLevel(cfg.server.log_level.upper())
+        self.metrics.request_log = cfg.server.request_log
         if cfg.routing != old.routing:
             # The cost model's priors; what it measured since the start stays.
             self.registry.learner.prior = speed_prior(cfg.routing)
@@ -276,7 +283,7 @@ class RouterState:
         if not self._client_inflight:
             self._trimmer.busy()
         self._client_inflight += 1
-        task = asyncio.current_task()
+        task = asyncio.current_task(self.loop)
         if task is not None:
             self._handlers.add(task)
         return task

@@ -106,6 +106,7 @@ def test_defaults_are_safe() -> None:
         ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
         ({**MIN_BACKEND, "server": {"engine_read_bytes": 1000}}, "server.engine_read_bytes", "[4096, 16777216]"),
         ({**MIN_BACKEND, "server": {"reuse_port": "yes"}}, "server.reuse_port", "expected"),
+        ({**MIN_BACKEND, "server": {"request_log": "off"}}, "server.request_log", "expected"),
         ({**MIN_BACKEND, "server": {"header_timeout_s": 0}}, "server.header_timeout_s", "positive"),
         (
             {**MIN_BACKEND, "server": {"max_body_bytes_in_flight": 1000}},

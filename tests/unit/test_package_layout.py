@@ -46,7 +46,6 @@ NO_UNIT_TEST = {
     "fleet/legs.py": "a dataclass the registry fills: tests/unit/fleet/test_registry.py",
     "fleet/lookup.py": "a protocol, no behaviour of its own",
     "names.py": "enumerations, no behaviour of their own",
-    "observability/logs.py": "log output of a running router: tests/reliability/test_json_logs.py",
     "observability/record.py": "filled in by the Dispatcher: tests/unit/dispatch/test_pipeline.py",
     "observability/tracing.py": "spans of a running router: tests/integration/test_tracing.py",
     "server/admin.py": "tests/integration/test_fleet_admin.py, test_admin_drain.py",

@@ -4,11 +4,15 @@ scraped load, leg tickets' token-level load, snapshots."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.config.schema import BackendConfig, HealthConfig
-from router.fleet.registry import BackendRegistry
+from router.engine.scrape import KV_USAGE, RUNNING, WAITING
+from router.fleet.registry import OTHERS_SEEN_S, BackendRegistry, LegTicket
 from router.names import BreakerState, Role
 from router.routing.snapshot import BackendView
 
@@ -257,3 +261,101 @@ def test_an_ended_legs_gaps_teach_the_decode_step_less_the_prefills_computed_mea
     assert (1.0 - b * 1000) / 50 > r.learner.prior.step_s
     r.learn_decode(r.open_leg("d0", 10), 5)  # no first token: nothing learned
     assert fit.samples == 1
+
+
+def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]:
+    """Each backend's view as the snapshot describes it, built by keyword: what the
+    snapshot's positional construction must equal."""
+    removed = r.kv_index.last_removals() if r.kv_index is not None else {}
+    return tuple(
+        BackendView(
+            name=s.config.name,
+            url=s.config.url,
+            decodes=s.config.decodes,
+            prefills=s.config.prefills,
+            models=s.models,
+            available=r._available(s, now),
+            inflight=s.inflight,
+            running=s.running,
+            waiting=s.waiting,
+            kv_usage=s.kv_usage,
+            drained=s.draining,
+            queued_tokens=r._queued_tokens(s, now),
+            decoding=s.decoding + s.others_running,
+            prefilling=s.prefilling,
+            speed=r.learner.speed(s.config.name),
+            threshold_capable=s.threshold_capable is not False,
+            kv_events_fresh=r.kv_fresh is not None and r.kv_fresh(s, now),
+            kv_removed_at=removed.get(s.config.name, 0.0),
+            others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
+            adapters=s.adapters,
+            itl=r.learner.itl(s.config.name),
+        )
+        for s in r.states.values()
+    )
+
+
+_names = st.sampled_from(["d0", "d1", "p0"])
+_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("open"), _names, st.integers(0, 5000)),
+        st.tuples(st.just("first_token"), st.integers(0, 20), st.floats(0.001, 5.0)),
+        st.tuples(st.just("close"), st.integers(0, 20)),
+        st.tuples(
+            st.just("scrape"),
+            _names,
+            st.fixed_dictionaries({RUNNING: st.floats(0, 50), WAITING: st.floats(0, 50), KV_USAGE: st.floats(0, 1)}),
+        ),
+        st.tuples(st.just("scrape_failed"), _names, st.booleans()),
+        st.tuples(st.just("failure"), _names),
+        st.tuples(st.just("success"), _names),
+        st.tuples(st.just("drain"), _names, st.booleans()),
+        st.tuples(st.just("adapters"), _names, st.lists(st.sampled_from(["lora-a", "lora-b"]), max_size=2)),
+        st.tuples(st.just("learn"), st.integers(0, 20), st.integers(0, 64)),
+        st.tuples(st.just("wait"), st.floats(0.0, 120.0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_operations)
+def test_the_snapshot_is_every_backend_s_view_after_any_sequence_of_changes(ops: list[tuple[Any, ...]]) -> None:
+    now = [1000.0]
+    cfgs = [
+        BackendConfig("d0", "http://d0"),
+        BackendConfig("d1", "http://d1", prefill_tokens_per_s=5000.0),
+        BackendConfig("p0", "http://p0", role=Role.PREFILL),
+    ]
+    r = BackendRegistry(cfgs, HealthConfig(failure_threshold=2, cooldown_s=5.0), clock=lambda: now[0])
+    tickets: list[LegTicket] = []
+    for op in ops:
+        kind, *args = op
+        if kind == "open":
+            tickets.append(r.open_leg(args[0], args[1]))
+        elif kind == "first_token" and tickets:
+            t = tickets[args[0] % len(tickets)]
+            r.first_token(t, t.sent_at + args[1])
+        elif kind == "close" and tickets:
+            r.close_leg(tickets[args[0] % len(tickets)])
+        elif kind == "scrape":
+            r.record_scrape(args[0], args[1], None)
+        elif kind == "scrape_failed":
+            r.record_scrape_failure(args[0], "down", definitive=args[1])
+        elif kind == "failure":
+            r.record_failure(args[0], "connect")
+        elif kind == "success":
+            r.record_success(args[0])
+        elif kind == "drain":
+            r.set_draining(args[0], args[1])
+        elif kind == "adapters":
+            r.states[args[0]].adapters = tuple(args[1])
+        elif kind == "learn" and tickets:
+            t = tickets[args[0] % len(tickets)]
+            r.learn_first_token(t, t.tokens)
+            r.learn_decode(t, args[1])
+        elif kind == "wait":
+            now[0] += args[0]
+        snap = r.snapshot()
+        assert snap.backends == _views_by_keyword(r, now[0])
+        assert snap.adapters == frozenset(a for s in r.states.values() for a in s.adapters)

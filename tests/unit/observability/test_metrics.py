@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+import pytest
+
 from router.names import BreakerState, Verdict
-from router.observability.metrics import RouterMetrics
+from router.observability.metrics import RouterMetrics, request_fields
 from router.observability.record import EngineVerdict, RequestRecord
 
 
@@ -84,3 +87,20 @@ def test_a_backend_added_again_under_its_name_is_counted_again() -> None:
     metrics.bind_backend(_Backend(_Named("back")), _Learner())
     metrics.record(_record_touching("back"))
     assert any("probe_rejections" in line for line in _series_of(metrics, "back"))
+
+
+def test_the_request_line_is_written_unless_request_log_is_off(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="cachehit_router.requests")
+    rec = _record_touching("d0")
+    RouterMetrics(request_log=False).record(rec)
+    assert [r for r in caplog.records if r.name == "cachehit_router.requests"] == []
+    RouterMetrics().record(rec)
+    (line,) = [r.__dict__["request"] for r in caplog.records if r.name == "cachehit_router.requests"]
+    assert line == request_fields(rec)
+    assert list(line)[:6] == ["request_id", "endpoint", "model", "stream", "tenant", "route"]
+    assert (line["probes"], line["rejections"], line["expired"], line["losers"]) == (
+        rec.probes,
+        rec.rejections,
+        rec.expired,
+        rec.losers,
+    )

@@ -120,3 +120,21 @@ async def test_requests_within_the_limits_are_served_on_one_connection(served: S
         await asyncio.sleep(HEAD_TIMEOUT_S * 1.5)  # idle between requests: keep-alive's, not the head's
     writer.close()
     assert served.dropped == []
+
+
+async def test_a_later_head_that_stalls_is_cut_at_its_own_deadline(served: Served) -> None:
+    """The head timer outlives the head it was armed for: a head that begins on the same
+    connection shortly before that timer fires is not cut then, but at its own deadline."""
+    reader, writer = await served.connect()
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+    await asyncio.sleep(HEAD_TIMEOUT_S * 0.6)  # the next head begins before the first head's timer fires
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and never the blank line
+    status, body = await _answer(reader)
+    assert status == 408
+    assert "server.header_timeout_s" in body["error"]["message"]
+    writer.close()

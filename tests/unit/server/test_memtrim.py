@@ -19,12 +19,32 @@ async def test_trims_once_after_a_burst_and_never_while_busy() -> None:
     t.busy()
     t.idle()
     t.busy()  # a request before the idle time passed: no trim under load
-    assert t._timer is None
     t.idle()
     await eventually(lambda: calls == [0], 5.0, "one trim after the idle time", interval=0.005)
     t.idle()  # no request since: no second trim
     assert t._timer is None
     assert calls == [0]
+
+
+async def test_requests_one_after_another_keep_one_timer_and_trim_once_they_stop() -> None:
+    """Requests one after another: the timer is not re-armed for each request, and the
+    trim comes once they stop."""
+    calls: list[int] = []
+
+    def trim(pad: int) -> int:
+        calls.append(pad)
+        return 1
+
+    t = IdleTrimmer(trim=trim, idle_s=0.05)
+    t.busy()
+    t.idle()
+    timer = t._timer
+    assert timer is not None
+    for _ in range(5):
+        t.busy()
+        t.idle()
+        assert t._timer is timer  # the same timer: none armed or cancelled per request
+    await eventually(lambda: calls == [0], 5.0, "one trim once the requests stopped", interval=0.005)
 
 
 def test_glibc_malloc_trim_is_found_and_runs() -> None:
