@@ -174,14 +174,13 @@ class UpstreamStream:
     def ready_payloads(self) -> list[bytes]:
         """`next_payloads` without waiting: the events already received, maybe none."""
         pending = self._pending
-        out: list[bytes] = []
-        while pending:
-            payload = pending.popleft()
-            if payload == b"[DONE]":
-                self._done = True
-                pending.clear()
-                break
-            out.append(payload)
+        if not pending:
+            return []
+        out = list(pending)
+        pending.clear()
+        if b"[DONE]" in out:  # the last event; anything after it is dropped
+            self._done = True
+            del out[out.index(b"[DONE]") :]
         self.chunks_read += len(out)
         return out
 
