@@ -331,3 +331,14 @@ def test_an_origin_is_read_as_aiohttp_writes_it() -> None:
 def test_a_header_with_a_line_break_is_refused() -> None:
     with pytest.raises(BadHeader):
         request_head("/", "h", {"X": "a\r\nInjected: 1"}, 0)
+
+
+async def test_a_host_name_is_resolved_once_and_cached(
+    serve: Callable[[Answer], Awaitable[RawServer]], client: UpstreamClient
+) -> None:
+    server = await serve(writes(CHUNKED, chunk(EVENTS), b"0\r\n\r\n", keep=False))
+    url = server.url.replace("127.0.0.1", "localhost")
+    for _ in range(2):
+        assert await read_all(await client.open_stream("b", url, "/v1/completions", {})) == [1, 2]
+    assert list(client.legs._dns) == [("localhost", int(url.rsplit(":", 1)[1]))]
+    assert server.requests[0].split(b"\r\n")[1] == b"Host: " + url.removeprefix("http://").encode()
