@@ -15,6 +15,8 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+from aiohttp.http import SERVER_SOFTWARE
+
 from router.engine.errors import CONNECT, CONNECT_TIMEOUT, MAX_ERROR_BODY, STATUS, UpstreamError
 from router.engine.http1 import LegConnection
 
@@ -28,7 +30,12 @@ class BadHeader(ValueError):
 
 
 def request_head(target: str, host: str, headers: dict[str, str], length: int) -> bytes:
-    parts = [f"POST {target} HTTP/1.1\r\nHost: {host}\r\nAccept: */*\r\nContent-Length: {length}\r\n"]
+    # Accept and User-Agent as aiohttp sends them (no Accept-Encoding: bodies are relayed
+    # as they come, never decompressed).
+    parts = [
+        f"POST {target} HTTP/1.1\r\nHost: {host}\r\nAccept: */*\r\nUser-Agent: {SERVER_SOFTWARE}\r\n"
+        f"Content-Length: {length}\r\n"
+    ]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
             raise BadHeader(f"header {name!r} has a line break")

@@ -135,6 +135,7 @@ async def test_the_request_carries_the_same_headers_as_before(
     assert body == b'{"p":1}'
     assert headers[b"Authorization"] == b"Bearer k"
     assert headers[b"X-data-parallel-rank"] == b"3"
+    assert headers[b"User-Agent"].startswith(b"Python/")  # as aiohttp writes it
 
 
 async def test_each_body_framing_reads_to_done_and_reuses_what_it_can(
