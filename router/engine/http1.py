@@ -1,15 +1,16 @@
 """A hand-written HTTP/1.1 client connection for streamed engine legs (plain http://).
 
-aiohttp's client cost a streamed chunk its C parser's callbacks, a StreamReader
-(feed_data, readany, its pause/resume bookkeeping) and the waiter dance around them: about
-as much CPU as everything else the router does with the chunk. Here the protocol de-chunks
-the body in `data_received` and feeds the SSE decoder directly; the leg's reader is woken
-by one future, only when it is waiting. One response at a time, no pipelining.
+aiohttp's client costs a streamed chunk its parser's callbacks, a StreamReader (feed_data,
+readany, its pause/resume bookkeeping) and the waiters around them: reading a leg through
+it took 1.2-2.4x the CPU of this client (16- and 256-chunk streams, docs/BENCHMARKS.md),
+10-25% of the router's CPU per streamed request. Here the protocol de-chunks the body in
+`data_received` and feeds the SSE decoder directly; the leg's reader is woken by one
+future, only when it is waiting. One response at a time, no pipelining.
 
-The response head is parsed strictly (status line, CRLF-terminated header lines, no
-folding); the body is chunked, Content-Length or read to close. A connection goes back to
-its pool (router/engine/pool.py) only once its body was read whole and the engine did
-not ask to close it.
+The response head is parsed strictly (router/engine/response_head.py); the body is
+chunked, Content-Length or read to close. A connection goes back to its pool
+(router/engine/pool.py) only once its body was read whole and the engine did not ask to
+close it.
 """
 
 from __future__ import annotations
@@ -19,73 +20,17 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL
+from router.engine.response_head import CHUNKED, LENGTH, MAX_HEAD_BYTES, TO_CLOSE, HeadError, body_framing, parse_head
 from router.engine.sse import SSEDecoder, SSEError
 
 if TYPE_CHECKING:
     from router.engine.pool import LegPool
 
-MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one response
 MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions
 _HEX = b"0123456789abcdefABCDEF"
 
-# Body framing.
-CHUNKED, LENGTH, TO_CLOSE = 0, 1, 2
 # Connection states.
 _IDLE, _HEAD, _BODY, _DONE = 0, 1, 2, 3
-
-
-class HeadError(ValueError):
-    """The engine's response head is not HTTP/1.1 as this client reads it."""
-
-
-def parse_head(head: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]], bool]:
-    """(status, reason, headers with lower-cased names, HTTP/1.1 or not) of a response head
-    without its final blank line."""
-    lines = head.split(b"\r\n")
-    status_line = lines[0]
-    version, sp, rest = status_line.partition(b" ")
-    if not sp or version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise HeadError(f"bad status line {status_line[:100]!r}")
-    code, _, reason = rest.partition(b" ")
-    if len(code) != 3 or not code.isdigit():
-        raise HeadError(f"bad status line {status_line[:100]!r}")
-    headers: list[tuple[bytes, bytes]] = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip() or b"\n" in line or b"\r" in line:
-            raise HeadError(f"bad header line {line[:100]!r}")  # folding, bare CR/LF, no name
-        headers.append((name.lower(), value.strip(b" \t")))
-    return int(code), reason, headers, version == b"HTTP/1.1"
-
-
-def body_framing(status: int, headers: list[tuple[bytes, bytes]], http11: bool) -> tuple[int, int, bool]:
-    """(framing, Content-Length or 0, keep-alive) of a response to a POST."""
-    keep_alive = http11
-    te: bytes | None = None
-    lengths: set[bytes] = set()
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            te = value.lower() if te is None else te + b"," + value.lower()
-        elif name == b"content-length":
-            lengths.update(v.strip() for v in value.split(b","))
-        elif name == b"connection":
-            tokens = {t.strip().lower() for t in value.split(b",")}
-            if b"close" in tokens:
-                keep_alive = False
-            elif b"keep-alive" in tokens:
-                keep_alive = True
-    if status in (204, 304):
-        return LENGTH, 0, keep_alive
-    if te is not None:
-        if [c.strip() for c in te.split(b",")] != [b"chunked"]:
-            raise HeadError(f"unsupported Transfer-Encoding {te[:100]!r}")
-        # With both, Transfer-Encoding wins and the connection is not reused (RFC 9112 6.3).
-        return CHUNKED, 0, keep_alive and not lengths
-    if lengths:
-        if len(lengths) != 1 or not (length := lengths.pop()).isdigit():
-            raise HeadError("bad Content-Length")
-        return LENGTH, int(length), keep_alive
-    return TO_CLOSE, 0, False
 
 
 class LegConnection(asyncio.Protocol):
@@ -161,12 +106,6 @@ class LegConnection(asyncio.Protocol):
             self._fail(BROKEN, "connection closed before a response")
         self._wake()
         self._wake_head()
-
-    def pause_writing(self) -> None:  # a request body larger than the socket buffer
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
     # -- the response --
 
