@@ -33,7 +33,8 @@ from router.engine.errors import (
     AnswerTooLarge,
     UpstreamError,
 )
-from router.engine.stream import UpstreamStream
+from router.engine.pool import LegPool
+from router.engine.stream import AiohttpSource, LegSource, UpstreamStream
 from router.observability import tracing
 
 # aiohttp >= 3.10 raises ConnectionTimeoutError for connect/sock_connect; older versions
@@ -89,6 +90,10 @@ class UpstreamClient:
         self._read_bufsize = max(1024, read_bytes // 2)
         self._rcvbuf = read_bytes
         self._session: aiohttp.ClientSession | None = None
+        # Streamed legs to plain http:// engines: a hand-written HTTP/1.1 client
+        # (router/engine/http1.py), aiohttp's cost a chunk as much as the rest of its relay.
+        self._legs: LegPool | None = None
+        self._read_bytes = read_bytes
         # Headers every request to a backend carries, by backend name: a DP rank's
         # X-data-parallel-rank (router/config/data_parallel.py; the registry keeps it).
         self.backend_headers: dict[str, dict[str, str]] = {}
@@ -113,7 +118,16 @@ class UpstreamClient:
             )
         return self._session
 
+    @property
+    def legs(self) -> LegPool:
+        if self._legs is None:
+            self._legs = LegPool(self.timeouts.connect_s, self._rcvbuf, self._read_bytes)
+        return self._legs
+
     async def close(self) -> None:
+        if self._legs is not None:
+            self._legs.close()
+            self._legs = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -203,13 +217,45 @@ class UpstreamClient:
             head_deadline, kind = total_deadline, TOTAL_TIMEOUT
         leg, trace = tracing.start_leg(tracing.leg_kind(path, body), backend, path)
         try:
-            resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace, encoded)
+            source: LegSource
+            if base_url.startswith("http://"):
+                source = await self._open_leg(
+                    backend, base_url, path, body, api_key, head_deadline, kind, trace, encoded
+                )
+            else:
+                resp = await self._post(backend, base_url + path, body, api_key, head_deadline, kind, trace, encoded)
+                source = AiohttpSource(resp)
         except BaseException as e:
             tracing.end_leg(leg, "failed", str(e) or type(e).__name__)
             raise
-        stream = UpstreamStream(backend, resp, self.timeouts, total_deadline, on_close, first_deadline=first_deadline)
+        stream = UpstreamStream(backend, source, self.timeouts, total_deadline, on_close, first_deadline=first_deadline)
         stream._span = leg
         return stream
+
+    async def _open_leg(
+        self,
+        backend: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any],
+        api_key: str,
+        deadline: float,
+        timeout_kind: str,
+        trace: dict[str, str] | None,
+        encoded: bytes | None,
+    ) -> LegSource:
+        """`_post` of a streamed leg on the hand-written client: the same request, the
+        same errors."""
+        headers = self._headers(api_key, trace)
+        extra = self.backend_headers.get(backend)
+        if extra:
+            headers.update(extra)
+        data = orjson.dumps(body) if encoded is None else encoded
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.legs.request(backend, base_url, path, headers, data)
+        except TimeoutError:
+            raise UpstreamError(backend, timeout_kind, "no response headers in time") from None
 
     async def post_raw(
         self,

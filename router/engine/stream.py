@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -32,21 +32,66 @@ from router.engine.sse import SSEDecoder, SSEError
 from router.observability import tracing
 
 
+class LegSource(Protocol):
+    """Where a leg's events come from: a hand-written connection (router/engine/http1.py)
+    or an aiohttp response (`AiohttpSource`, for https:// engines)."""
+
+    events: deque[bytes]  # the events received and not yet taken
+    failure: tuple[str, str] | None  # (kind, detail) once the leg broke or its body ended
+
+    def wait(self) -> Awaitable[None]: ...  # done once more events came or the leg ended
+    def release(self) -> None: ...  # the connection back to its pool
+    def close(self) -> None: ...  # dropped: the engine aborts the request
+
+
+class AiohttpSource:
+    """An aiohttp response read as a leg's events."""
+
+    __slots__ = ("_decoder", "_resp", "events", "failure")
+
+    def __init__(self, resp: aiohttp.ClientResponse):
+        self._resp = resp
+        self._decoder = SSEDecoder()
+        self.events: deque[bytes] = deque()
+        self.failure: tuple[str, str] | None = None
+
+    async def wait(self) -> None:
+        try:
+            data = await self._resp.content.readany()
+        except (aiohttp.ClientError, ConnectionError) as e:
+            self.failure = (BROKEN, f"connection lost: {e!r}")
+            return
+        if not data:
+            # EOF before [DONE] (which would have been consumed first): a broken leg.
+            self.failure = (BROKEN, "stream ended without [DONE]")
+            return
+        try:
+            self.events.extend(self._decoder.feed(data))
+        except SSEError as e:
+            self.failure = (PROTOCOL, str(e))
+
+    def release(self) -> None:
+        self._resp.release()
+
+    def close(self) -> None:
+        self._resp.close()
+
+
 class UpstreamStream:
     """One streamed leg. Not safe for concurrent readers."""
 
     __slots__ = (
         "_deadline",
-        "_decoder",
         "_done",
+        "_ended",
         "_expired",
         "_first_deadline",
         "_loop",
         "_on_close",
         "_pending",
         "_reader",
-        "_resp",
         "_span",
+        "_src",
         "_timeouts",
         "_timer",
         "_timer_at",
@@ -59,16 +104,15 @@ class UpstreamStream:
     def __init__(
         self,
         backend: str,
-        resp: aiohttp.ClientResponse,
+        source: LegSource,
         timeouts: TimeoutsConfig,
         total_deadline: float,
         on_close: Callable[[], None] | None = None,
         first_deadline: float | None = None,
     ):
         self.backend = backend
-        self._resp = resp
-        self._decoder = SSEDecoder()
-        self._pending: deque[bytes] = deque()
+        self._src = source
+        self._pending = source.events
         self._on_close = on_close
         # Held: get_running_loop() and current_task() without it make a getpid syscall each
         # on this Python (3.11); the pump reads it too.
@@ -80,6 +124,7 @@ class UpstreamStream:
             first_deadline if first_deadline is not None else self._loop.time() + timeouts.first_token_s
         )
         self._done = False
+        self._ended = False  # the source was released or closed: never touched again
         # The read deadline: one timer per stream, re-armed only when it fires early (an
         # `asyncio.timeout_at` per read cost ~5 us, a fifth of a streamed chunk's CPU).
         self._deadline = (0.0, FIRST_TOKEN_TIMEOUT)  # the current read's, and its kind
@@ -129,14 +174,13 @@ class UpstreamStream:
     def ready_payloads(self) -> list[bytes]:
         """`next_payloads` without waiting: the events already received, maybe none."""
         pending = self._pending
-        out: list[bytes] = []
-        while pending:
-            payload = pending.popleft()
-            if payload == b"[DONE]":
-                self._done = True
-                pending.clear()
-                break
-            out.append(payload)
+        if not pending:
+            return []
+        out = list(pending)
+        pending.clear()
+        if b"[DONE]" in out:  # the last event; anything after it is dropped
+            self._done = True
+            del out[out.index(b"[DONE]") :]
         self.chunks_read += len(out)
         return out
 
@@ -187,23 +231,18 @@ class UpstreamStream:
         assert task is not None  # called from a task
         cancelling = task.cancelling()
         try:
-            data = await self._resp.content.readany()
+            await self._src.wait()
         except asyncio.CancelledError:
             # Ours (the deadline passed) unless someone else cancelled the task too.
             if self._expired and task.uncancel() <= cancelling:
                 raise UpstreamError(self.backend, kind, "no data from the engine in time") from None
             raise
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise UpstreamError(self.backend, BROKEN, f"connection lost: {e!r}") from None
         finally:
             self._reader = None
-        if not data:
-            # EOF before [DONE] (which would have been consumed first): a broken leg.
-            raise UpstreamError(self.backend, BROKEN, "stream ended without [DONE]")
-        try:
-            self._pending.extend(self._decoder.feed(data))
-        except SSEError as e:
-            raise UpstreamError(self.backend, PROTOCOL, str(e)) from None
+        if not self._pending:
+            failure = self._src.failure
+            if failure is not None:
+                raise UpstreamError(self.backend, failure[0], failure[1])
 
     def _on_deadline(self) -> None:
         self._timer = None
@@ -220,13 +259,17 @@ class UpstreamStream:
     def abort(self) -> None:
         """Drop the connection now (the engine aborts the request). Idempotent."""
         self._done = True
-        self._resp.close()
+        if not self._ended:
+            self._ended = True
+            self._src.close()
         self._closed("aborted")
 
     def finish(self) -> None:
         """Release after [DONE]: the connection goes back to the pool. Idempotent."""
         self._done = True
-        self._resp.release()
+        if not self._ended:
+            self._ended = True
+            self._src.release()
         self._closed("done")
 
     def _closed(self, outcome: str) -> None:

@@ -1,0 +1,344 @@
+"""A hand-written HTTP/1.1 client connection for streamed engine legs (plain http://).
+
+aiohttp's client costs a streamed chunk its parser's callbacks, a StreamReader (feed_data,
+readany, its pause/resume bookkeeping) and the waiters around them: reading a leg through
+it took 1.2-2.4x the CPU of this client (16- and 256-chunk streams, docs/BENCHMARKS.md),
+10-25% of the router's CPU per streamed request. Here the protocol de-chunks the body in
+`data_received` and feeds the SSE decoder directly; the leg's reader is woken by one
+future, only when it is waiting. One response at a time, no pipelining.
+
+The response head is parsed strictly (router/engine/response_head.py); the body is
+chunked, Content-Length or read to close. A connection goes back to its pool
+(router/engine/pool.py) only once its body was read whole and the engine did not ask to
+close it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING
+
+from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL
+from router.engine.response_head import CHUNKED, LENGTH, MAX_HEAD_BYTES, TO_CLOSE, HeadError, body_framing, parse_head
+from router.engine.sse import SSEDecoder, SSEError
+
+if TYPE_CHECKING:
+    from router.engine.pool import LegPool
+
+MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions
+_HEX = b"0123456789abcdefABCDEF"
+
+# Connection states.
+_IDLE, _HEAD, _BODY, _DONE = 0, 1, 2, 3
+
+
+class LegConnection(asyncio.Protocol):
+    """One keep-alive connection to an engine; one response at a time."""
+
+    def __init__(self, pool: LegPool, key: tuple[str, int], read_limit: int):
+        self.pool = pool
+        self.key = key
+        self.read_limit = read_limit
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.state = _IDLE
+        self._head = bytearray()
+        self.head_waiter: asyncio.Future[None] | None = None
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.framing = TO_CLOSE
+        self._left = 0  # LENGTH: body bytes to come; CHUNKED: the chunk's bytes with its CRLF
+        self._line = b""  # CHUNKED: a size or trailer line carried over
+        self._trailers = False  # CHUNKED: past the last chunk, in the trailer section
+        self.got_bytes = False  # any byte of the response yet
+        self.body_done = False
+        # The SSE events of a 200 answer (the leg's reader takes them), or the bytes of an
+        # error answer (`raw`, up to MAX_ERROR_BODY).
+        self.events: deque[bytes] = deque()
+        self.decoder = SSEDecoder()
+        self.raw: bytearray | None = None
+        self.failure: tuple[str, str] | None = None  # (error kind, detail) once it broke
+        self.waiter: asyncio.Future[None] | None = None
+        self.unread = 0
+        self.paused = False
+        self.discard = False  # finished before the body's end: read to its end, then pooled
+
+    # -- the request --
+
+    def send(self, request: bytes) -> None:
+        """Write a request and expect its response."""
+        assert self.transport is not None
+        self.state = _HEAD
+        self.got_bytes = self.body_done = self.discard = False
+        self.failure = self.raw = None
+        self.status = 0
+        self._head.clear()
+        self.head_waiter = self.loop.create_future()
+        self.transport.write(request)
+
+    # -- asyncio.Protocol --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.state == _BODY:
+            self._body(data)
+        elif self.state == _HEAD:
+            self.got_bytes = True
+            self._head_data(data)
+        else:  # bytes nobody asked for: the connection cannot be trusted with another request
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if self.state == _BODY and not self.body_done:
+            if self.framing == TO_CLOSE and exc is None:
+                self._end_of_body()
+            else:
+                self._fail(BROKEN, f"connection lost: {exc!r}" if exc else "connection closed by the engine")
+        elif self.state == _HEAD:
+            self._fail(BROKEN, "connection closed before a response")
+        self._wake()
+        self._wake_head()
+
+    # -- the response --
+
+    def _head_data(self, data: bytes) -> None:
+        buf = self._head
+        buf += data
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD_BYTES:
+                    self._fail(PROTOCOL, "response head too large")
+                    self.close()
+                return
+            try:
+                status, _, headers, http11 = parse_head(bytes(buf[:end]))
+                if 100 <= status < 200:  # an interim answer: the real one follows
+                    del buf[: end + 4]
+                    continue
+                self.framing, self._left, self.keep_alive = body_framing(status, headers, http11)
+            except HeadError as e:
+                self._fail(PROTOCOL, str(e))
+                self.close()
+                return
+            break
+        rest = bytes(buf[end + 4 :])
+        buf.clear()
+        self.status, self.headers = status, headers
+        self.state = _BODY
+        self._line, self._trailers = b"", False
+        self.events = deque()
+        self.decoder = SSEDecoder()
+        self.unread = 0
+        if status != 200:
+            self.raw = bytearray()
+        if self.framing == LENGTH and self._left == 0:
+            if rest:  # bytes past the answer: no second response was asked for
+                self.keep_alive = False
+            self._end_of_body()
+        elif rest:
+            self._body(rest)
+        self._wake_head()
+
+    def _body(self, data: bytes) -> None:
+        framing = self.framing
+        if framing == CHUNKED:
+            data = self._dechunk(data)
+        elif framing == LENGTH:
+            n = len(data)
+            if n >= self._left:
+                if n > self._left:  # bytes past the answer: no second response was asked for
+                    self.keep_alive = False
+                data = data[: self._left]
+                self._left = 0
+                self.body_done = True
+            else:
+                self._left -= n
+        if data:
+            self._deliver(data)
+        if self.body_done:
+            self._end_of_body()
+
+    def _dechunk(self, data: bytes) -> bytes:
+        """The payload in `data` of a chunked body; sets body_done at the last chunk's end."""
+        out: list[bytes] = []
+        pos, n = 0, len(data)
+        if not self._left and not self._line and not self._trailers:
+            # Whole chunks with plain hex sizes (what engines write): a few C calls each.
+            find = data.find
+            while True:
+                end = find(b"\r\n", pos)
+                size = data[pos:end]
+                if end < 0 or not size or size.strip(_HEX):
+                    break  # split, empty, an extension or not hex: the general loop below
+                stop = end + 2 + int(size, 16)
+                if stop + 2 > n or stop == end + 2 or data[stop : stop + 2] != b"\r\n":
+                    break  # split, the last chunk, or a bad terminator: the general loop
+                out.append(data[end + 2 : stop])
+                pos = stop + 2
+        while pos < n:
+            left = self._left
+            if left:  # inside a chunk: its payload, then its CRLF
+                take = n - pos if n - pos < left else left
+                payload = left - 2 if left - 2 < take else take
+                if payload > 0:
+                    out.append(data[pos : pos + payload])
+                else:
+                    payload = 0
+                crlf = take - payload
+                if crlf:
+                    seen = 2 - (left - payload)  # CRLF bytes read before this piece
+                    if data[pos + payload : pos + take] != b"\r\n"[seen : seen + crlf]:
+                        self._fail(PROTOCOL, "bad chunk terminator")
+                        self.close()
+                        return b""
+                self._left = left - take
+                pos += take
+                continue
+            if self._line:  # a line carried over from the previous read
+                line = self._line + data[pos:]
+                end = line.find(b"\r\n")
+                if end < 0:
+                    self._line = line
+                    if len(line) > MAX_CHUNK_LINE:
+                        self._fail(PROTOCOL, "chunk-size line too long")
+                        self.close()
+                        return b""
+                    break
+                pos += end + 2 - len(self._line)
+                self._line = b""
+                line = line[:end]
+            else:
+                end = data.find(b"\r\n", pos)
+                if end < 0:
+                    self._line = data[pos:]
+                    if len(self._line) > MAX_CHUNK_LINE:
+                        self._fail(PROTOCOL, "chunk-size line too long")
+                        self.close()
+                        return b""
+                    break
+                line = data[pos:end]
+                pos = end + 2
+            if self._trailers:
+                if not line:  # the blank line ending the trailer section: the body's end
+                    self.body_done = True
+                    if pos < n:
+                        self.keep_alive = False
+                    break
+                continue
+            size = line.split(b";", 1)[0].strip()
+            try:
+                if not size or size.startswith((b"-", b"+", b"0x", b"0X")):
+                    raise ValueError
+                length = int(size, 16)
+            except ValueError:
+                self._fail(PROTOCOL, f"bad chunk size {line[:40]!r}")
+                self.close()
+                return b""
+            if length == 0:
+                self._trailers = True
+            else:
+                self._left = length + 2
+        return b"".join(out) if len(out) != 1 else out[0]
+
+    def _deliver(self, data: bytes) -> None:
+        if self.discard:
+            return
+        raw = self.raw
+        if raw is not None:
+            if len(raw) < MAX_ERROR_BODY:
+                raw += data[: MAX_ERROR_BODY - len(raw)]
+            self._wake()
+            return
+        try:
+            events = self.decoder.feed(data)
+        except SSEError as e:
+            self._fail(PROTOCOL, str(e))
+            self.close()
+            return
+        if events:
+            self.events.extend(events)
+            self.unread += len(data)
+            if self.unread > self.read_limit and not self.paused and self.transport is not None:
+                # A slow reader: the engine waits (TCP window) until the reader catches up.
+                self.paused = True
+                self.transport.pause_reading()
+            self._wake()
+
+    def _end_of_body(self) -> None:
+        self.body_done = True
+        self.state = _DONE
+        if self.raw is None and not self.discard:
+            self._fail(BROKEN, "stream ended without [DONE]")  # read only if no [DONE] came
+        if self.discard:
+            self.release()
+        self._wake()
+
+    def _fail(self, kind: str, detail: str) -> None:
+        if self.failure is None:
+            self.failure = (kind, detail)
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake_head(self) -> None:
+        waiter = self.head_waiter
+        if waiter is not None:
+            self.head_waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    # -- the leg's reader --
+
+    def wait(self) -> asyncio.Future[None]:
+        """Resolved when more events arrived or the body ended (everything received so far
+        was taken: reading resumes if it was paused)."""
+        self.unread = 0
+        if self.paused:
+            self.paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+        waiter = self.waiter = self.loop.create_future()
+        if self.failure is not None or self.body_done or self.closed:
+            waiter.set_result(None)
+        return waiter
+
+    def release(self) -> None:
+        """The leg is done with the connection: back to the pool if its body was read whole
+        and may be followed by another request; read to the body's end first if not yet."""
+        self.events = deque()
+        self.raw = None
+        if self.closed:
+            return
+        if not self.keep_alive or (self.failure is not None and not self.body_done):
+            self.close()
+        elif not self.body_done:
+            self.discard = True  # e.g. the last chunk's terminator has not arrived yet
+            self.pool.draining(self)
+            if self.paused:
+                self.paused = False
+                assert self.transport is not None
+                self.transport.resume_reading()
+        else:
+            self.state = _IDLE
+            self.failure = None
+            self.pool.release(self)
+
+    def close(self) -> None:
+        """Close the connection (an engine aborts the request it was answering)."""
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+        self.pool.forget(self)

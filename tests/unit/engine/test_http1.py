@@ -1,0 +1,208 @@
+"""The hand-written HTTP/1.1 connection: response heads read strictly, bodies de-chunked at
+any split, SSE events handed over, flow control, and when a connection may be reused."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from router.engine.errors import BROKEN, PROTOCOL
+from router.engine.http1 import LegConnection
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.paused = False
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.written.append(bytes(data))
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+class FakePool:
+    def __init__(self) -> None:
+        self.released: list[LegConnection] = []
+        self.drained: list[LegConnection] = []
+        self.forgotten: list[LegConnection] = []
+
+    def release(self, conn: LegConnection) -> None:
+        self.released.append(conn)
+
+    def draining(self, conn: LegConnection) -> None:
+        self.drained.append(conn)
+
+    def forget(self, conn: LegConnection) -> None:
+        self.forgotten.append(conn)
+
+
+def connection(read_limit: int = 1 << 20) -> tuple[LegConnection, FakeTransport, FakePool]:
+    pool = FakePool()
+    conn = LegConnection(pool, ("h", 1), read_limit)  # type: ignore[arg-type]
+    transport = FakeTransport()
+    conn.connection_made(transport)
+    conn.send(b"POST / HTTP/1.1\r\n\r\n")
+    return conn, transport, pool
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def sse_body() -> bytes:
+    events = [b'data: {"n":%d}\n\n' % i for i in range(3)] + [b"data: [DONE]\n\n"]
+    return b"".join(chunk(e) for e in events) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 5, 7, 13, 64, 10_000])
+async def test_a_chunked_stream_reads_the_same_at_any_split(split: int) -> None:
+    conn, _, pool = connection()
+    data = CHUNKED_HEAD + sse_body()
+    for i in range(0, len(data), split):
+        conn.data_received(data[i : i + split])
+    assert conn.status == 200
+    assert list(conn.events) == [b'{"n":0}', b'{"n":1}', b'{"n":2}', b"[DONE]"]
+    assert conn.body_done
+    assert conn.keep_alive
+    conn.release()
+    assert pool.released == [conn]
+
+
+async def test_chunk_extensions_and_trailers_are_skipped() -> None:
+    conn, _, _ = connection()
+    body = b'f;name=value\r\ndata: {"a":1}\n\n\r\n0\r\nx-trailer: 1\r\n\r\n'
+    conn.data_received(CHUNKED_HEAD + chunk(b"data: 0\n\n") + body)
+    assert list(conn.events) == [b"0", b'{"a":1}']
+    assert conn.body_done
+
+
+@pytest.mark.parametrize(
+    "body", [b"zz\r\ndata: x\n\n\r\n", b"3\r\nabcXY", b"-3\r\nabc\r\n", b"0x3\r\nabc\r\n", b"f" * 5000]
+)
+async def test_a_bad_chunk_breaks_the_connection(body: bytes) -> None:
+    conn, transport, _ = connection()
+    conn.data_received(CHUNKED_HEAD + body)
+    assert conn.failure is not None
+    assert conn.failure[0] == PROTOCOL
+    assert transport.closed
+
+
+async def test_a_content_length_body_ends_at_its_length() -> None:
+    conn, _, _ = connection()
+    body = b"data: {}\n\ndata: [DONE]\n\n"
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+    assert not conn.body_done
+    conn.data_received(body[5:])
+    assert conn.body_done
+    assert list(conn.events) == [b"{}", b"[DONE]"]
+
+
+async def test_a_body_read_to_close_ends_when_the_engine_closes() -> None:
+    conn, _, pool = connection()
+    conn.data_received(b"HTTP/1.1 200 OK\r\n\r\ndata: {}\n\n")
+    assert not conn.body_done
+    conn.connection_lost(None)
+    assert conn.body_done
+    assert list(conn.events) == [b"{}"]
+    assert pool.forgotten == [conn]
+
+
+async def test_a_connection_lost_mid_body_is_a_broken_leg() -> None:
+    conn, _, _ = connection()
+    conn.data_received(CHUNKED_HEAD + chunk(b"data: {}\n\n"))
+    waiter = conn.wait()
+    conn.connection_lost(ConnectionResetError())
+    assert waiter.done()
+    assert conn.failure is not None
+    assert conn.failure[0] == BROKEN
+
+
+async def test_an_interim_answer_is_skipped() -> None:
+    conn, _, _ = connection()
+    conn.data_received(b"HTTP/1.1 100 Continue\r\n\r\n" + CHUNKED_HEAD + chunk(b"data: 1\n\n"))
+    assert conn.status == 200
+    assert list(conn.events) == [b"1"]
+
+
+async def test_an_error_answer_is_kept_as_bytes() -> None:
+    conn, _, _ = connection()
+    conn.data_received(b'HTTP/1.1 400 Bad Request\r\nContent-Length: 7\r\n\r\n{"a":1}')
+    assert conn.status == 400
+    assert conn.raw == bytearray(b'{"a":1}')
+    assert conn.body_done
+    assert not conn.events
+
+
+async def test_the_reader_is_woken_only_by_whole_events() -> None:
+    conn, _, _ = connection()
+    conn.data_received(CHUNKED_HEAD)
+    waiter = conn.wait()
+    conn.data_received(chunk(b"data: {"))
+    assert not waiter.done()
+    conn.data_received(chunk(b"}\n\n"))
+    assert waiter.done()
+    assert list(conn.events) == [b"{}"]
+
+
+async def test_reading_pauses_past_the_bound_and_resumes_when_the_reader_waits() -> None:
+    conn, transport, _ = connection(read_limit=100)
+    conn.data_received(CHUNKED_HEAD + chunk(b"data: " + b"x" * 60 + b"\n\n"))
+    assert not transport.paused
+    conn.data_received(chunk(b"data: " + b"y" * 60 + b"\n\n"))
+    assert transport.paused
+    conn.events.clear()  # the reader took everything
+    conn.wait()
+    assert not transport.paused
+
+
+async def test_finished_before_the_last_chunk_the_connection_is_pooled_at_the_body_end() -> None:
+    conn, transport, pool = connection()
+    conn.data_received(CHUNKED_HEAD + chunk(b"data: [DONE]\n\n"))
+    conn.release()
+    assert pool.drained == [conn]
+    assert not pool.released
+    conn.data_received(b"0\r\n\r\n")
+    assert pool.released == [conn]
+    assert not transport.closed
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nextra",
+    ],
+)
+async def test_a_connection_the_engine_will_not_reuse_is_closed(head: bytes) -> None:
+    conn, transport, pool = connection()
+    conn.data_received(head)
+    conn.release()
+    assert transport.closed
+    assert not pool.released
+
+
+async def test_bytes_on_an_idle_connection_close_it() -> None:
+    conn, transport, _ = connection()
+    conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    conn.release()
+    conn.data_received(b"HTTP/1.1 200 OK\r\n")
+    assert transport.closed
