@@ -140,6 +140,16 @@ class UpstreamClient:
             h["Authorization"] = f"Bearer {api_key}"
         return h
 
+    def _request(
+        self, backend: str, body: dict[str, Any], api_key: str, trace: dict[str, str] | None, encoded: bytes | None
+    ) -> tuple[dict[str, str], bytes]:
+        """A POST's headers (the backend's own included, e.g. a DP rank's) and its body."""
+        headers = self._headers(api_key, trace)
+        extra = self.backend_headers.get(backend)
+        if extra:
+            headers.update(extra)
+        return headers, orjson.dumps(body) if encoded is None else encoded
+
     async def _post(
         self,
         backend: str,
@@ -154,11 +164,7 @@ class UpstreamClient:
         """POST and wait for the response headers until `deadline`; a miss is an
         UpstreamError of kind `timeout_kind` (the deadline's meaning), or CONNECT_TIMEOUT
         when the TCP connection itself took longer than timeouts.connect_s."""
-        headers = self._headers(api_key, trace)
-        extra = self.backend_headers.get(backend)
-        if extra:
-            headers.update(extra)
-        data = orjson.dumps(body) if encoded is None else encoded
+        headers, data = self._request(backend, body, api_key, trace, encoded)
         try:
             if deadline is None:  # bounded by the caller's timer (post_raw): skip a no-op Timeout
                 resp = await self.session.post(url, data=data, headers=headers)
@@ -246,11 +252,7 @@ class UpstreamClient:
     ) -> LegSource:
         """`_post` of a streamed leg on the hand-written client: the same request, the
         same errors."""
-        headers = self._headers(api_key, trace)
-        extra = self.backend_headers.get(backend)
-        if extra:
-            headers.update(extra)
-        data = orjson.dumps(body) if encoded is None else encoded
+        headers, data = self._request(backend, body, api_key, trace, encoded)
         try:
             async with asyncio.timeout_at(deadline):
                 return await self.legs.request(backend, base_url, path, headers, data)
