@@ -137,6 +137,7 @@ FORWARDED = {
     "engine-idle": "bench.experiments.engine_idle",
     "prefix-memory": "bench.experiments.prefix_memory",
     "limits": "bench.experiments.limits",
+    "reuse-port": "bench.experiments.reuse_port",
 }
 
 
@@ -276,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "engine-idle",
         help="idle CPU and NIXL transfer time of real vLLM engines (bench/experiments/engine_idle.py; its own flags)",
+    )
+    sub.add_parser(
+        "reuse-port",
+        help="N router processes on one port (server.reuse_port): requests/s, CPU per request, spread (bench/experiments/reuse_port.py)",
     )
     sub.add_parser(
         "limits",

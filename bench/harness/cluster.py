@@ -105,6 +105,7 @@ class RouterOptions:
     # router sees one engine per server (the ranks' caches hidden behind vLLM's balancer).
     declare_data_parallel: bool = True
     extra_routing: dict[str, Any] = field(default_factory=dict[str, Any])
+    extra_server: dict[str, Any] = field(default_factory=dict[str, Any])
 
 
 def reads_index(strategy: str) -> bool:
@@ -152,6 +153,7 @@ def router_toml(
                 "log_level": opts.log_level,
                 "max_concurrent_requests": opts.max_concurrent_requests,
                 "max_queued_requests": opts.max_queued_requests,
+                **opts.extra_server,
             },
             "routing": routing,
             "timeouts": {"connect_s": 5.0, "first_token_s": 300.0, "idle_s": 120.0, "total_s": 900.0},
