@@ -106,24 +106,25 @@ async def pump_raw(
         return None
 
     try:
-        # What the race read to decide, with what arrived after it: one write, not two.
-        batch: list[Any] = [*leg.buffered, *stream.ready_payloads()] if leg.buffered else await stream.next_payloads()
-        parsed = bool(leg.buffered)  # the first batch may hold chunks already parsed
-        while batch:
+        # What the race read to decide (parsed), with what arrived after it: one write, not two.
+        parsed: list[Any] = list(leg.buffered)
+        batch = stream.ready_payloads() if parsed else await stream.next_payloads()
+        while parsed or batch:
             # Everything already received goes to the client in one write. Plain token
             # chunks between the ones where something is decided (a leg's first chunk,
             # its finish and usage) go as one run; the bytes only hint where the run is,
             # `shape_run` checks every chunk of it.
             events: list[bytes] = []
+            bad = one_by_one(parsed, events) if parsed else None
+            parsed = []
             n = len(batch)
             head, tail = 0, n
-            if not parsed:
-                while head < n and not looks_plain(batch[head]):
-                    head += 1
-                while tail > head and not looks_plain(batch[tail - 1]):
-                    tail -= 1
-            parsed = False
-            bad = one_by_one(batch[:head], events) if head else None
+            while head < n and not looks_plain(batch[head]):
+                head += 1
+            while tail > head and not looks_plain(batch[tail - 1]):
+                tail -= 1
+            if bad is None and head:
+                bad = one_by_one(batch[:head], events)
             if bad is None and head < tail:
                 run = batch if tail - head == n else batch[head:tail]
                 event = shape_run(run)
