@@ -48,9 +48,12 @@ class Answer:
         self._text_blocks: list[str] = []
         self._text_parts: list[str] = []
         self._text_cache: str | None = ""
-        # Not read yet, in order: relayed runs (reader, bytes), and the ids and text added
-        # after the first of them.
-        self._unread: list[tuple[RunReader, bytes] | array[int] | str] = []
+        # Not read yet, in order: relayed runs (bytes, read by the reader before them), and
+        # the ids and text added after the first of them. No tuple a run: a paced stream
+        # adds one a chunk, and a tuple's allocation and its share of garbage collection
+        # cost more than the rest of add_run.
+        self._unread: list[RunReader | bytes | array[int] | str] = []
+        self._unread_reader: RunReader | None = None
         self._unread_bytes = 0
         self.token_count = 0  # len(generated_token_ids), without reading anything
         self.finish_reason: str | None = None
@@ -124,7 +127,11 @@ class Answer:
     def add_run(self, reader: RunReader, block: bytes, tokens: int) -> None:
         """A relayed run of `tokens` chunks (one id each), read by `reader` when needed. The
         caller checked `room_for(tokens)`."""
-        self._unread.append((reader, block))
+        unread = self._unread
+        if reader is not self._unread_reader or not unread:
+            unread.append(reader)
+            self._unread_reader = reader
+        unread.append(block)
         self.token_count += tokens
         self.leg_tokens += tokens
         self.first_token_seen = True
@@ -135,16 +142,21 @@ class Answer:
     def _read(self) -> None:
         unread, self._unread = self._unread, []
         self._unread_bytes = 0
+        self._unread_reader = None
+        reader: RunReader | None = None
         for item in unread:
-            if type(item) is tuple:
-                text, ids = item[0](item[1])
+            if type(item) is bytes:
+                assert reader is not None  # a run's reader comes before it
+                text, ids = reader(item)
                 self._ids.extend(ids)
                 if text:
                     self._add_text(text)
             elif type(item) is str:
                 self._add_text(item)
+            elif type(item) is array:
+                self._ids.extend(item)
             else:
-                self._ids.extend(item)  # type: ignore[arg-type]  # an array of ids
+                reader = item  # type: ignore[assignment]  # the reader of the runs after it
 
     def note_finish(self, finish_reason: str, stop_reason: int | str | None) -> None:
         self.finish_reason = finish_reason

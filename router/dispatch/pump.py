@@ -121,7 +121,7 @@ async def pump_raw(
             head, tail = 0, n
             while head < n and not looks_plain(batch[head]):
                 head += 1
-            while tail > head and not looks_plain(batch[tail - 1]):
+            while tail - 1 > head and not looks_plain(batch[tail - 1]):  # batch[head] is plain
                 tail -= 1
             if bad is None and head:
                 bad = one_by_one(batch[:head], events)
