@@ -119,10 +119,11 @@ async def pump_raw(
             parsed = []
             n = len(batch)
             head, tail = 0, n
-            while head < n and not looks_plain(batch[head]):
-                head += 1
-            while tail - 1 > head and not looks_plain(batch[tail - 1]):  # batch[head] is plain
-                tail -= 1
+            if n > 1:  # one chunk (a paced stream's): tried as a run, no hint needed
+                while head < n and not looks_plain(batch[head]):
+                    head += 1
+                while tail - 1 > head and not looks_plain(batch[tail - 1]):  # batch[head] is plain
+                    tail -= 1
             if bad is None and head:
                 bad = one_by_one(batch[:head], events)
             if bad is None and head < tail:
@@ -141,7 +142,7 @@ async def pump_raw(
                 # The leg's [DONE] came in this batch and the answer is complete: nothing
                 # else is written before the caller's finish, which sends these events with
                 # [DONE] and the end of the body (an answer read at once: one write, not three).
-                last = bad is None and stream.done and answer.finish_reason not in (None, CACHE_THRESHOLD)
+                last = bad is None and answer.finish_reason not in (None, CACHE_THRESHOLD) and stream.done
                 await emit(events[0] if len(events) == 1 else b"".join(events), last)
             if bad is not None:
                 raise bad
