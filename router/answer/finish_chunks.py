@@ -1,9 +1,13 @@
 """Finish chunks across legs: a chunk without its finish, and the content-free finish a split leaves.
 
 The shaper holds every finish chunk back until it knows the answer ends there (the lead
-may resume it on another engine). A finish that turns out not to be the end goes on
-without its finish; a "cache_threshold" finish that carries content is split at once: the
-content goes out, and a finish chunk with no content is what is held (router/answer/shaper.py).
+may resume it on another engine; vLLM puts the fingerprint on the last chunk): `shape`
+returns nothing for it and keeps it, `release_held()` (or `final_chunks()`) returns it. A
+finish that turns out not to be the end goes on without its finish, the content it carried
+before the next leg's first chunk; a "cache_threshold" finish that carries content (only
+non-vLLM engines send one) is split at once: the content goes out, and a finish chunk with
+no content is what is held (router/answer/shaper.py). A normal finish is followed upstream
+by the usage chunk and [DONE] at once: holding it costs no latency.
 """
 
 from __future__ import annotations

@@ -1,36 +1,30 @@
 """Upstream chunks in, client chunks out: one unbroken answer from several upstream legs.
 
 Every leg the router opens streams with usage and token ids (router/engine/wire.py). A client's
-answer is the chosen leg, then zero or more resume legs, which are `/v1/completions`
-streams even for a chat request. `ResponseShaper` turns that sequence into what one vLLM
-engine would have sent for the client's own request:
+answer is the chosen leg, then zero or more resume legs, which are `/v1/completions` streams even
+for a chat request. `ResponseShaper` turns that sequence into what one vLLM engine would have sent
+for the client's own request:
 
-streaming (`shape`, `shape_raw`, `release_held`, `final_chunks`)
+streaming (`shape`, `shape_raw`, `shape_run`, `release_held`, `final_chunks`)
 - one id (`spec.request_id`), one `created` (`spec.created`), one `model` (the name the
   client asked for, else the first leg's), the client endpoint's `object`;
-- chat: the role chunk goes out once per answer (a retry leg's is dropped); resume-leg
-  completion chunks become chat deltas with chat-shaped logprobs (router/answer/logprobs.py);
+- chat: the role chunk goes out once per answer (a retry leg's is dropped); resume-leg completion
+  chunks become chat deltas with chat-shaped logprobs (router/answer/logprobs.py);
 - `token_ids` / `prompt_token_ids`: kept when the client asked for them (prompt ids once,
   from the first leg); otherwise null, exactly what vLLM sends when they were not asked for;
 - completion logprobs' `text_offset` continues across legs (each leg counts from 0);
-- per-leg usage chunks are swallowed; `final_chunks` sends one usage chunk with totals
-  over legs (router/answer/usage.py); with `continuous_usage_stats` every chunk carries
-  running totals;
-- HELD BACK: every finish chunk. Whether it ends the answer is only known after the leg
-  ends (the lead may resume), and vLLM puts the fingerprint on the last chunk. `shape`
-  returns nothing for it and keeps it: `release_held()` (or `final_chunks()`) returns it;
-  `begin_leg()` drops the finish, and content it carried goes out without the finish before
-  the next leg's first chunk; a "cache_threshold" finish with content (only non-vLLM
-  engines send one) is split at once (router/answer/finish_chunks.py). A normal finish is
-  followed upstream by the usage chunk and [DONE] at once: holding it costs no latency.
+- per-leg usage chunks are swallowed; `final_chunks` sends one usage chunk with totals over legs
+  (router/answer/usage.py); with `continuous_usage_stats` every chunk carries running totals;
+- HELD BACK: every finish chunk, until the lead knows it ends the answer: `release_held()`
+  (or `final_chunks()`) returns it, `begin_leg()` drops it (router/answer/finish_chunks.py).
 
-non-streaming (`accumulate_response`): `shape` returns [] and router/answer/assembly.py builds
-the body from every chunk seen across legs. For the lead: `answer` (router/answer/progress.py),
-`emitted` (a chunk went to the client: errors must now travel as SSE events).
+non-streaming (`accumulate_response`): `shape` returns [] and router/answer/assembly.py builds the
+body from every chunk seen across legs. For the lead: `answer` (router/answer/progress.py), `emitted`
+(a chunk went to the client: errors must now travel as SSE events).
 
 Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
-must not use the chunk afterwards. `shape_raw` relays a plain token chunk on its bytes
-(router/answer/chunk_bytes.py): the same answer, without a parse and a dump per token.
+must not use the chunk afterwards. `shape_raw` (one) and `shape_run` (a run) relay plain
+token chunks on their bytes (router/answer/chunk_bytes.py): the same answer, no parse.
 """
 
 from __future__ import annotations
@@ -73,9 +67,8 @@ class ResponseShaper:
         self._usage = UsageTotals(self.answer, chat=self._chat)
         self._offsets = TextOffsets()
         self._accumulate = not spec.stream  # only a non-streaming client's answer is accumulated
-        self._assembler = ResponseAssembler(
-            spec, self.answer, chat=self._chat, chat_top_logprobs=self._chat_top_logprobs
-        )
+        top_lp = self._chat_top_logprobs
+        self._assembler = ResponseAssembler(spec, self.answer, chat=self._chat, chat_top_logprobs=top_lp)
         self._is_resume = False  # the current leg is a resume leg
         self._held: dict[str, Any] | None = None
         self._held_has_content = False
@@ -100,12 +93,10 @@ class ResponseShaper:
                 self._pending.append(without_finish(held, chat=self._chat))
         self._offsets.begin_leg()
 
-    # --- streaming ----------------------------------------------------------------------------
     def shape(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """One parsed upstream chunk -> the chunks for a streaming client (maybe none).
-        Raises MalformedChunk (a ValueError) for a chunk it cannot read; the types of the
-        fields the answer is built from are checked before any state changes, so a bad
-        chunk never half-updates the answer."""
+        """One parsed upstream chunk -> the chunks for a streaming client (maybe none). Raises
+        MalformedChunk (a ValueError) for a chunk it cannot read; the types of the fields the
+        answer is built from are checked before any state changes (no half-updated answer)."""
         try:
             return self._shape(chunk)
         except MalformedChunk:
@@ -141,22 +132,15 @@ class ResponseShaper:
             pti = chunk.get("prompt_token_ids") if "delta" in c else c.get("prompt_token_ids")
             if pti is not None:
                 check_ids(pti, "prompt_token_ids")
-        if self._pending:
-            pending = self._flush_pending()
-            if self._is_resume or not self._chat:
-                return pending + self._shape_completion(chunk, c)
-            return pending + self._shape_chat(chunk, c)
-        if self._is_resume or not self._chat:
-            return self._shape_completion(chunk, c)
-        return self._shape_chat(chunk, c)
+        out = self._flush_pending() if self._pending else []
+        out += self._shape_completion(chunk, c) if self._is_resume or not self._chat else self._shape_chat(chunk, c)
+        return out
 
     def shape_raw(self, payload: bytes) -> bytes | None:
         """A plain token chunk's bytes -> the client's SSE event (b"" for a non-streaming client),
         with the answer updated as `shape` would; None when it must be parsed and `shape`d."""
-        plain, answer = self._plain, self.answer
-        # Prompt ids the client asked for ride on the next chunk out: the full path adds them.
-        owed_ids = self._want_ids and not self._prompt_ids_sent and answer.prompt_token_ids is not None
-        if plain is None or self._pending or owed_ids or (relayed := plain.relay(payload)) is None:
+        plain, answer = self._relay(), self.answer
+        if plain is None or (relayed := plain.relay(payload)) is None:
             return None
         event, text, ids = relayed
         answer.add_token_ids(ids)
@@ -167,6 +151,24 @@ class ResponseShaper:
             return b""
         self.emitted = True
         return event
+
+    def shape_run(self, payloads: list[bytes]) -> bytes | None:
+        """`shape_raw` for a streaming client's run of plain token chunks at once, or None:
+        each then goes through `shape_raw` (or `shape`)."""
+        plain, answer = self._relay(), self.answer
+        if plain is None or self._accumulate or not answer.room_for(len(payloads)):
+            return None  # one by one: past the budget, the chunk that crosses it fails
+        if (relayed := plain.relay_run(payloads)) is None:
+            return None
+        event, block = relayed
+        answer.add_run(plain.read, block, len(payloads))
+        self.emitted = True
+        return event
+
+    def _relay(self) -> PlainChunks | None:
+        # Not while prompt ids the client asked for are owed: they ride on the next chunk out.
+        owes_ids = self._want_ids and not self._prompt_ids_sent and self.answer.prompt_token_ids is not None
+        return None if self._pending or owes_ids else self._plain
 
     def _note_ids(self, c: dict[str, Any], top_prompt_ids: Any) -> Sequence[int]:
         """Record prompt ids (first non-resume leg) and this chunk's generated ids."""
@@ -310,10 +312,10 @@ class ResponseShaper:
         return self._out(chunk, c)
 
     def _out(self, chunk: dict[str, Any], c: dict[str, Any]) -> list[dict[str, Any]]:
-        """`chunk` goes to the client now. The client's prompt ids (when asked for) ride on
-        the first chunk that actually goes out, where vLLM puts them: a chat answer's role
-        chunk (top level), a completion's first chunk (in the choice). A held chunk that
-        is discarded never delivered them, so this is decided here, not on arrival."""
+        """`chunk` goes to the client now. The client's prompt ids (when asked for) ride on the
+        first chunk that goes out, where vLLM puts them: a chat answer's role chunk (top level),
+        a completion's first chunk (in the choice); decided here, not on arrival (a held chunk
+        may be discarded)."""
         if self._want_ids:
             if self._chat:
                 if "prompt_token_ids" in chunk:
@@ -365,8 +367,7 @@ class ResponseShaper:
         return self._out(without_finish(chunk, chat=self._chat), c)
 
     def release_held(self) -> list[dict[str, Any]]:
-        """The held finish chunk (and anything still pending before it), when the lead ends
-        the answer with it."""
+        """The held finish chunk (and anything still pending before it): the answer ends."""
         out = self._flush_pending() if self._pending else []
         held = self._held
         if held is None:
@@ -383,8 +384,7 @@ class ResponseShaper:
         return out
 
     def final_chunks(self) -> list[dict[str, Any]]:
-        """At the end of the answer: a still-held finish, then the usage chunk if the client
-        asked for it (no [DONE]: the writer adds it)."""
+        """The answer's end: a still-held finish, then the usage chunk if asked for (no [DONE])."""
         out = self.release_held()
         if self.spec.include_usage:
             chunk = self._stamped(self._object, [])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from router.answer.chunk_bytes import looks_plain
 from router.answer.shaper import ResponseShaper
 from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.engine.errors import PROTOCOL, UpstreamError
@@ -74,50 +75,75 @@ async def pump(
 async def pump_raw(
     ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: EmitRaw, on_gap: OnGap | None = None
 ) -> LegOutcome:
-    """`pump` for a client written SSE bytes: token chunks go on their bytes, the chunks
-    where something is decided (role, finish, usage, errors, anything unusual) are parsed."""
+    """`pump` for a client written SSE bytes: token chunks go on their bytes, a run of them
+    in one pass (`ResponseShaper.shape_run`); the chunks where something is decided (role,
+    finish, usage, errors, anything unusual) are parsed."""
     stream = leg.stream
     loop = stream.loop
-    prompt_tokens = cached_tokens = None
+    usage_seen: list[Any] = [None, None]  # prompt and cached tokens, from the last usage chunk
     awaiting_first_token = ctx.record.ttft_s is None
-    shape_raw, answer = shaper.shape_raw, shaper.answer
+    shape_run, shape_raw, answer = shaper.shape_run, shaper.shape_raw, shaper.answer
+
+    def one_by_one(items: list[Any], events: list[bytes]) -> UpstreamError | None:
+        """Items (payloads, or chunks the race parsed) shaped one at a time into `events`;
+        the error that ends the leg, if one does (the items before it are in `events`)."""
+        for item in items:
+            try:
+                if type(item) is bytes:
+                    event = shape_raw(item)
+                    if event is not None:
+                        events.append(event)
+                        continue
+                    item = stream.parse(item)
+                if item.get("usage"):
+                    usage = message_usage(item)
+                    usage_seen[:] = usage.prompt_tokens, usage.cached_tokens
+                events.extend(map(format_event, shaper.shape(item)))
+            except UpstreamError as e:
+                return e
+            except MalformedChunk as e:  # shape_raw too: tokens past max_tokens
+                return UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {e}")
+        return None
+
     try:
-        # What the race read to decide, with what arrived after it: one write, not two.
-        batch: list[Any] = [*leg.buffered, *stream.ready_payloads()] if leg.buffered else await stream.next_payloads()
-        while batch:
-            # Everything already received goes to the client in one write.
+        # What the race read to decide (parsed), with what arrived after it: one write, not two.
+        parsed: list[Any] = list(leg.buffered)
+        batch = stream.ready_payloads() if parsed else await stream.next_payloads()
+        while parsed or batch:
+            # Everything already received goes to the client in one write. Plain token
+            # chunks between the ones where something is decided (a leg's first chunk,
+            # its finish and usage) go as one run; the bytes only hint where the run is,
+            # `shape_run` checks every chunk of it.
             events: list[bytes] = []
-            bad: UpstreamError | None = None
-            for item in batch:
-                try:
-                    if type(item) is bytes:
-                        event = shape_raw(item)
-                        if event is not None:
-                            events.append(event)
-                            if awaiting_first_token:
-                                ctx.record_first_token(loop.time())
-                                awaiting_first_token = False
-                            continue
-                        item = stream.parse(item)
-                    if item.get("usage"):
-                        usage = message_usage(item)
-                        prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
-                    events.extend(map(format_event, shaper.shape(item)))
-                except UpstreamError as e:
-                    bad = e
-                    break
-                except MalformedChunk as e:  # shape_raw too: tokens past max_tokens
-                    bad = UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {e}")
-                    break
-                if awaiting_first_token and answer.first_token_seen:
-                    ctx.record_first_token(loop.time())
-                    awaiting_first_token = False
+            bad = one_by_one(parsed, events) if parsed else None
+            parsed = []
+            n = len(batch)
+            head, tail = 0, n
+            if n > 1:  # one chunk (a paced stream's): tried as a run, no hint needed
+                while head < n and not looks_plain(batch[head]):
+                    head += 1
+                while tail - 1 > head and not looks_plain(batch[tail - 1]):  # batch[head] is plain
+                    tail -= 1
+            if bad is None and head:
+                bad = one_by_one(batch[:head], events)
+            if bad is None and head < tail:
+                run = batch if tail - head == n else batch[head:tail]
+                event = shape_run(run)
+                if event is not None:
+                    events.append(event)
+                else:
+                    bad = one_by_one(run, events)
+            if bad is None and tail < n:
+                bad = one_by_one(batch[tail:], events)
+            if awaiting_first_token and answer.first_token_seen:
+                ctx.record_first_token(loop.time())
+                awaiting_first_token = False
             if events:
                 # The leg's [DONE] came in this batch and the answer is complete: nothing
                 # else is written before the caller's finish, which sends these events with
                 # [DONE] and the end of the body (an answer read at once: one write, not three).
-                last = bad is None and stream.done and answer.finish_reason not in (None, CACHE_THRESHOLD)
-                await emit(b"".join(events), last)
+                last = bad is None and answer.finish_reason not in (None, CACHE_THRESHOLD) and stream.done
+                await emit(events[0] if len(events) == 1 else b"".join(events), last)
             if bad is not None:
                 raise bad
             waiting_since = loop.time()
@@ -131,4 +157,4 @@ async def pump_raw(
         stream.abort()
         raise
     stream.finish()
-    return LegOutcome(None, prompt_tokens, cached_tokens)
+    return LegOutcome(None, usage_seen[0], usage_seen[1])

@@ -199,7 +199,7 @@ class GenerationHandler:
             state.request_ended(task)
             rec.duration_s = time.monotonic() - t0
             if shaper is not None:  # also for answers cut short (disconnect, error)
-                rec.completion_tokens = len(shaper.answer.generated_token_ids)
+                rec.completion_tokens = shaper.answer.token_count
             state.metrics.record(rec)
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec
-from router.answer.chunk_bytes import PlainChunks, header, plain_chunks, unary_answer_problem
+from router.answer.chunk_bytes import PlainChunks, header, looks_plain, plain_chunks, unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.engine.sse import format_event
 from support.shaping import PROMPT, make_spec, split_legs
@@ -49,6 +49,41 @@ def byte_path(spec: RequestSpec, legs: Legs, encode: Any = orjson.dumps) -> tupl
                 out.append(event)
     out += [format_event(x) for x in sh.final_chunks()]
     return sh, b"".join(out), relayed
+
+
+def run_path(spec: RequestSpec, legs: Legs, batch: int) -> tuple[ResponseShaper, bytes, int]:
+    """As `pump_raw` does it: the chunks in batches of `batch`, the plain ones between the
+    others of a batch relayed as one run (`shape_run`), the rest one by one."""
+    sh = ResponseShaper(spec)
+    out: list[bytes] = []
+    runs = 0
+
+    def one_by_one(payloads: list[bytes]) -> None:
+        for payload in payloads:
+            event = sh.shape_raw(payload)
+            out.extend([event] if event is not None else map(format_event, sh.shape(orjson.loads(payload))))
+
+    for is_resume, chunks in legs:
+        sh.begin_leg(is_resume=is_resume)
+        payloads = [orjson.dumps(c) for c in chunks]
+        for at in range(0, len(payloads), batch):
+            part = payloads[at : at + batch]
+            head, tail = 0, len(part)
+            while head < tail and not looks_plain(part[head]):
+                head += 1
+            while tail > head and not looks_plain(part[tail - 1]):
+                tail -= 1
+            one_by_one(part[:head])
+            if head < tail:
+                event = sh.shape_run(part[head:tail])
+                if event is None:
+                    one_by_one(part[head:tail])
+                else:
+                    out.append(event)
+                    runs += 1
+            one_by_one(part[tail:])
+    out += [format_event(x) for x in sh.final_chunks()]
+    return sh, b"".join(out), runs
 
 
 def same_answer(a: ResponseShaper, b: ResponseShaper) -> None:
@@ -96,6 +131,51 @@ def test_bytes_path_sends_what_the_full_path_sends(case: tuple[RequestSpec, Legs
     same_answer(full, fast)
     if not spec.stream:  # the body a non-streaming client gets
         assert fast.accumulate_response() == full.accumulate_response()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(generations(), st.integers(1, 5))
+def test_runs_send_what_the_full_path_sends(case: tuple[RequestSpec, Legs], batch: int) -> None:
+    spec, legs = case
+    full, want = full_path(spec, legs)
+    fast, got, _ = run_path(spec, legs, batch)
+    assert got == want
+    same_answer(full, fast)
+    if not spec.stream:
+        assert fast.accumulate_response() == full.accumulate_response()
+
+
+def test_plain_token_chunks_go_as_one_run() -> None:
+    """A leg's chunks received at once: the first (which teaches the leg's header) and the
+    finish one by one, everything between in one run; read again only when asked for."""
+    for endpoint, stream in ((ENDPOINT_COMPLETIONS, completion_stream), (ENDPOINT_CHAT, chat_stream)):
+        for want_ids in (False, True):
+            spec = make_spec(endpoint, include_usage=True, return_token_ids=want_ids)
+            steps = [Step(f' w{i}\n"\u00e9', [100 + i]) for i in range(10)]
+            steps[-1].finish_reason = "length"
+            legs = [(False, stream(Gen(PROMPT, steps, cached_tokens=0)))]
+            full, want = full_path(spec, legs)
+            fast, got, runs = run_path(spec, legs, 100)
+            assert got == want
+            assert runs == 1
+            assert fast.answer.token_count == 10
+            same_answer(full, fast)
+
+
+def test_a_run_is_relayed_whole_or_not_at_all() -> None:
+    r = relay_for()
+    token = TOKEN % (b'"x"', b"null", b"1")
+    event, block = r.relay_run([token, token]) or (b"", b"")
+    assert event == (r.relay(token) or (b"",))[0] * 2
+    assert r.read(block) == ("xx", [1, 1])
+    assert r.relay_run([token, TOKEN % (b'"x"', b"null", b"1,2")]) is None  # two ids: one by one
+    assert r.relay_run([token, TOKEN % (b'"\\u0001"', b"null", b"1")]) is None  # written again by orjson
+    assert r.relay_run([token, TOKEN % (b'"x"', b'"stop"', b"1")]) is None
+    assert r.relay_run([token, TOKEN % (b'"\xff"', b"null", b"1")]) is None  # not UTF-8
+    assert r.relay_run([token + b"\n" + token]) is None  # one payload, two lines
+    assert r.relay_run([token, b""]) is None
+    assert looks_plain(token)
+    assert not looks_plain(TOKEN % (b'"x"', b'"stop"', b"1"))
 
 
 def test_plain_token_chunks_do_go_on_their_bytes() -> None:

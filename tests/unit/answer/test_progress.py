@@ -3,6 +3,8 @@ current leg ended, and whether the answer can be resumed."""
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS
@@ -116,3 +118,52 @@ def test_tokens_past_the_budget_are_refused_before_they_count() -> None:
     assert list(a.generated_token_ids) == [10, 11]
     a.add_token_ids([12])
     assert a.leg_tokens == 3
+
+
+def read_words(block: bytes) -> tuple[str, list[int]]:
+    """A stand-in run reader: `b"w:1,w:2"` is the text "ww" and the ids [1, 2]."""
+    pairs = [p.split(b":") for p in block.split(b",")]
+    return b"".join(t for t, _ in pairs).decode(), [int(i) for _, i in pairs]
+
+
+def test_runs_are_counted_at_once_and_read_in_order_only_when_asked() -> None:
+    reads: list[bytes] = []
+
+    def reader(block: bytes) -> tuple[str, list[int]]:
+        reads.append(block)
+        return read_words(block)
+
+    a = Answer(None, max_tokens=10)
+    a.begin_leg()
+    a.add_token_ids([1])
+    a.add_text("a")
+    a.add_run(reader, b"b:2,c:3", 2)
+    a.add_token_ids([4])
+    a.add_text("d")
+    a.add_run(reader, b"e:5", 1)
+    assert (a.token_count, a.leg_tokens, len(a.generated_token_ids), a.first_token_seen) == (5, 5, 5, True)
+    assert reads == []
+    assert a.room_for(5)
+    assert not a.room_for(6)
+    assert a.generated_text == "abcde"
+    assert list(a.generated_token_ids) == [1, 2, 3, 4, 5]
+    assert a.generated_token_ids[1:3] == array("q", [2, 3])
+    assert reads == [b"b:2,c:3", b"e:5"]
+    a.add_token_ids([6])
+    assert list(a.generated_token_ids) == [1, 2, 3, 4, 5, 6]
+    assert reads == [b"b:2,c:3", b"e:5"]  # read once
+
+
+def test_runs_past_a_size_are_read_at_once_to_stay_compact() -> None:
+    a = Answer(None)
+    block = b",".join(b"x:%d" % i for i in range(20000))  # > 64 KiB
+    a.add_run(read_words, block, 20000)
+    assert type(a.generated_token_ids) is array  # nothing left to read
+    assert len(a.generated_text) == 20000
+
+
+def test_a_token_id_beyond_64_bits_after_a_run_is_still_a_protocol_error() -> None:
+    a = Answer(None)
+    a.add_run(read_words, b"x:1", 1)
+    with pytest.raises(MalformedChunk):
+        a.add_token_ids([2**64])

@@ -11,6 +11,7 @@ from typing import Any, cast
 import orjson
 
 from router.admission.spec import parse_request
+from router.answer.progress import TokenIds
 from router.answer.shaper import ResponseShaper
 from router.dispatch.context import Leg, RequestContext
 from router.dispatch.pump import pump, pump_raw
@@ -165,3 +166,28 @@ async def test_a_token_past_the_budget_is_not_sent_and_fails_the_leg() -> None:
     assert b"".join(writes).count(b"data: ") == 4
     assert len(shaper.answer.generated_token_ids) == 4
     assert stream.ended == "aborted"
+
+
+async def test_the_plain_chunks_of_a_batch_go_as_one_run_read_only_when_asked() -> None:
+    payloads = words(8)
+    shaper, ctx, leg, _ = setup([payloads])
+    writes: list[bytes] = []
+
+    async def emit_raw(data: bytes, last: bool) -> None:
+        writes.append(data)
+
+    outcome = await pump_raw(ctx, leg, shaper, emit_raw)
+    assert outcome.error is None
+    assert type(shaper.answer.generated_token_ids) is TokenIds  # the run's bytes, not read yet
+    assert len(shaper.answer.generated_token_ids) == 8
+    assert list(shaper.answer.generated_token_ids) == [100 + i for i in range(8)]
+    assert shaper.answer.generated_text == "".join(f" w{i}" for i in range(8))
+
+    shaper, ctx, leg, _ = setup([payloads])
+    parsed: list[dict[str, Any]] = []
+
+    async def emit(chunks: list[dict[str, Any]]) -> None:
+        parsed.extend(chunks)
+
+    await pump(ctx, leg, shaper, emit)
+    assert b"".join(writes) == b"".join(map(format_event, parsed))
