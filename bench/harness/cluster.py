@@ -101,8 +101,7 @@ class RouterOptions:
     # Far above the router's defaults: a bench measures routing, not admission control.
     max_concurrent_requests: int = 4096
     max_queued_requests: int = 4096
-    # Declare the decode servers' DP ranks (backends[].data_parallel_size); False: the
-    # router sees one engine per server (the ranks' caches hidden behind vLLM's balancer).
+    # Declare DP ranks (backends[].data_parallel_size); False: one engine per server.
     declare_data_parallel: bool = True
     extra_routing: dict[str, Any] = field(default_factory=dict[str, Any])
     extra_server: dict[str, Any] = field(default_factory=dict[str, Any])
