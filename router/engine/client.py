@@ -27,11 +27,11 @@ from router.engine.errors import (
     FIRST_TOKEN_TIMEOUT,
     MAX_ERROR_BODY,
     PROTOCOL,
-    STATUS,
     TOO_LARGE,
     TOTAL_TIMEOUT,
     AnswerTooLarge,
     UpstreamError,
+    status_error,
 )
 from router.engine.pool import LegPool
 from router.engine.stream import AiohttpSource, LegSource, UpstreamStream
@@ -188,13 +188,7 @@ class UpstreamClient:
                 raw = b""
             finally:
                 resp.release()
-            raise UpstreamError(
-                backend,
-                STATUS,
-                f"HTTP {resp.status}: {raw[:300].decode('utf-8', 'replace')}",
-                status=resp.status,
-                body=raw,
-            )
+            raise status_error(backend, resp.status, raw)
         return resp
 
     async def open_stream(

@@ -52,3 +52,11 @@ class UpstreamError(Exception):
     def backend_fault(self) -> bool:
         """Counts against the backend's health (breaker, retries)."""
         return not self.client_fault
+
+
+def status_error(backend: str, status: int, body: bytes) -> UpstreamError:
+    """An engine's HTTP error status, with (the start of) its answer: the same error from
+    the aiohttp client and the hand-written leg."""
+    return UpstreamError(
+        backend, STATUS, f"HTTP {status}: {body[:300].decode('utf-8', 'replace')}", status=status, body=body
+    )

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from aiohttp.http import SERVER_SOFTWARE
 
-from router.engine.errors import CONNECT, CONNECT_TIMEOUT, MAX_ERROR_BODY, STATUS, UpstreamError
+from router.engine.errors import CONNECT, CONNECT_TIMEOUT, MAX_ERROR_BODY, UpstreamError, status_error
 from router.engine.http1 import LegConnection
 
 # Requests with a body up to this size go out in one write with their head (a copy of the
@@ -139,9 +139,7 @@ class LegPool:
             conn.release()
         else:
             conn.close()
-        return UpstreamError(
-            backend, STATUS, f"HTTP {status}: {body[:300].decode('utf-8', 'replace')}", status=status, body=body
-        )
+        return status_error(backend, status, body)
 
     async def _acquire(self, backend: str, origin: Origin, key: tuple[str, int]) -> tuple[LegConnection, bool]:
         idle = self._idle.get(key)
