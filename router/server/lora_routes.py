@@ -21,6 +21,7 @@ from router import errors
 from router.server.respond import error_response, json_response
 
 if TYPE_CHECKING:
+    from router.fleet.adapters import AdapterManager
     from router.server.state import RouterState
 
 _FIELDS = {"lora_name", "backend"}
@@ -58,32 +59,31 @@ class LoraApi:
         router.add_post("/v1/load_lora_adapter", self.handle_load)
         router.add_post("/v1/unload_lora_adapter", self.handle_unload)
 
-    def _refusal(self, request: web.Request) -> web.Response | None:
+    async def _admitted(self, request: web.Request) -> tuple[str, str | None]:
+        """The adapter and backend an admitted request names; the admin refusal or a bad
+        body is the RouterError the handler answers with."""
         refused = self.state.keys.admin_refusal(request.headers)
-        return None if refused is None else error_response(refused)
+        if refused is not None:
+            raise refused
+        return _request(await request.read())
 
-    async def handle_load(self, request: web.Request) -> web.Response:
-        refusal = self._refusal(request)
-        if refusal is not None:
-            return refusal
+    def _adapters(self) -> AdapterManager:
         adapters = self.state.adapters
         assert adapters is not None
+        return adapters
+
+    async def handle_load(self, request: web.Request) -> web.Response:
         try:
-            name, backend = _request(await request.read())
-            loaded_on = await adapters.load(name, backend)
+            name, backend = await self._admitted(request)
+            loaded_on = await self._adapters().load(name, backend)
         except errors.RouterError as e:
             return error_response(e)
         return json_response({"lora_name": name, "backends": [loaded_on]})
 
     async def handle_unload(self, request: web.Request) -> web.Response:
-        refusal = self._refusal(request)
-        if refusal is not None:
-            return refusal
-        adapters = self.state.adapters
-        assert adapters is not None
         try:
-            name, backend = _request(await request.read())
-            left = await adapters.unload(name, backend)
+            name, backend = await self._admitted(request)
+            left = await self._adapters().unload(name, backend)
         except errors.RouterError as e:
             return error_response(e)
         if not left:
