@@ -35,7 +35,7 @@ from router.dispatch.client_errors import client_error
 from router.dispatch.context import Leg, LegOutcome, RequestContext
 from router.dispatch.placement import LegPlacer
 from router.dispatch.prompt_index import PromptIndex
-from router.dispatch.pump import Emit, EmitRaw, pump, pump_raw
+from router.dispatch.pump import DirectWriter, Emit, EmitRaw, pump, pump_raw
 from router.dispatch.resume import resume_reason
 from router.engine.client import UpstreamClient
 from router.engine.errors import PROTOCOL, TOTAL_TIMEOUT, UpstreamError
@@ -115,7 +115,13 @@ class Dispatcher:
 
     # --- the answer ------------------------------------------------------------------------
     async def serve(
-        self, spec: RequestSpec, shaper: ResponseShaper, emit: Emit, rec: RequestRecord, emit_raw: EmitRaw | None = None
+        self,
+        spec: RequestSpec,
+        shaper: ResponseShaper,
+        emit: Emit,
+        rec: RequestRecord,
+        emit_raw: EmitRaw | None = None,
+        direct: DirectWriter | None = None,
     ) -> None:
         first = ctx = self._context(spec, rec, spec.body)
         leg = await self.placer.acquire(ctx)
@@ -125,7 +131,7 @@ class Dispatcher:
             outcome = await (
                 pump(ctx, leg, shaper, emit, self._token_gap)
                 if emit_raw is None
-                else pump_raw(ctx, leg, shaper, emit_raw, self._token_gap)
+                else pump_raw(ctx, leg, shaper, emit_raw, self._token_gap, direct)
             )
             if outcome.error is None and answer.finish_reason is None:
                 # [DONE] without a finish: a broken engine (vLLM always ends a leg with a

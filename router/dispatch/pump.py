@@ -9,8 +9,9 @@ received in one write, and end as a `LegOutcome` (the leg's error, or its usage 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from router.answer.chunk_bytes import looks_plain
 from router.answer.shaper import ResponseShaper
@@ -26,6 +27,15 @@ Emit = Callable[[list[dict[str, Any]]], Awaitable[None]]
 EmitRaw = Callable[[bytes, bool], Awaitable[None]]
 # Told of a long wait for a leg's next piece: (backend, seconds) (router/fleet/stalls.py).
 OnGap = Callable[[str, float], None]
+
+
+class DirectWriter(Protocol):
+    """The client's stream written from a callback, without awaiting: where plain token
+    chunks go as they arrive (`UpstreamStream.relay_from_reads`)."""
+
+    def ready(self) -> bool: ...  # a write now goes out at once (started, room in its buffer)
+
+    def write_now(self, data: bytes) -> None: ...  # events written; only after `ready()`
 
 
 async def pump(
@@ -73,16 +83,48 @@ async def pump(
 
 
 async def pump_raw(
-    ctx: RequestContext, leg: Leg, shaper: ResponseShaper, emit: EmitRaw, on_gap: OnGap | None = None
+    ctx: RequestContext,
+    leg: Leg,
+    shaper: ResponseShaper,
+    emit: EmitRaw,
+    on_gap: OnGap | None = None,
+    direct: DirectWriter | None = None,
 ) -> LegOutcome:
     """`pump` for a client written SSE bytes: token chunks go on their bytes, a run of them
     in one pass (`ResponseShaper.shape_run`); the chunks where something is decided (role,
-    finish, usage, errors, anything unusual) are parsed."""
+    finish, usage, errors, anything unusual) are parsed. With `direct`, once the answer's
+    first token is out, plain token chunks go to the client from the engine connection's
+    read callback as they arrive (`relay_now`): this task wakes only for the rest."""
     stream = leg.stream
     loop = stream.loop
     usage_seen: list[Any] = [None, None]  # prompt and cached tokens, from the last usage chunk
     awaiting_first_token = ctx.record.ttft_s is None
     shape_run, shape_raw, answer = shaper.shape_run, shaper.shape_raw, shaper.answer
+    heard = [loop.time()]  # when the leg last sent something (its gaps are stalls, `on_gap`)
+    relaying = False
+
+    def relay_now(events: deque[bytes]) -> bool:
+        """Plain token chunks taken as they arrive: written to the client (a streaming
+        client's) or accumulated (a whole answer's); True when all were taken. Never raises:
+        anything it does not take (a finish, usage, an error, the end of max_tokens, a full
+        client buffer) is left to the pump, which reads it in full."""
+        assert direct is not None
+        if shaper.spec.stream:
+            if not direct.ready():
+                return False
+            event = shape_run(list(events))
+            if event is None:
+                return False
+            direct.write_now(event)
+            events.clear()
+        else:
+            while events and answer.room_for(1) and shape_raw(events[0]) == b"":
+                events.popleft()
+        now = loop.time()
+        if on_gap is not None and now - heard[0] > STALL_LATE_S:  # rare
+            on_gap(leg.backend, now - heard[0])
+        heard[0] = now
+        return not events
 
     def one_by_one(items: list[Any], events: list[bytes]) -> UpstreamError | None:
         """Items (payloads, or chunks the race parsed) shaped one at a time into `events`;
@@ -146,10 +188,13 @@ async def pump_raw(
                 await emit(events[0] if len(events) == 1 else b"".join(events), last)
             if bad is not None:
                 raise bad
-            waiting_since = loop.time()
+            if direct is not None and not relaying and not awaiting_first_token:
+                stream.relay_from_reads(relay_now)
+                relaying = True
+            heard[0] = loop.time()
             batch = await stream.next_payloads()
-            if on_gap is not None and loop.time() - waiting_since > STALL_LATE_S:  # rare
-                on_gap(leg.backend, loop.time() - waiting_since)
+            if on_gap is not None and loop.time() - heard[0] > STALL_LATE_S:  # rare
+                on_gap(leg.backend, loop.time() - heard[0])
     except UpstreamError as e:
         stream.abort()
         return LegOutcome(e)

@@ -5,7 +5,9 @@ readany, its pause/resume bookkeeping) and the waiters around them: reading a le
 it took 1.2-2.4x the CPU of this client (16- and 256-chunk streams, docs/BENCHMARKS.md),
 10-25% of the router's CPU per streamed request. Here the protocol de-chunks the body in
 `data_received` and feeds the SSE decoder directly; the leg's reader is woken by one
-future, only when it is waiting. One response at a time, no pipelining.
+future, only when it is waiting, and not at all for events its `direct` callback relays
+there (plain token chunks go to the client from this callback). One response at a time,
+no pipelining.
 
 The response head is parsed strictly (router/engine/response_head.py); the body is
 chunked, Content-Length or read to close. A connection goes back to its pool
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL
@@ -66,6 +69,9 @@ class LegConnection(asyncio.Protocol):
         self.unread = 0
         self.paused = False
         self.discard = False  # finished before the body's end: read to its end, then pooled
+        # Takes events as they arrive while the reader waits (router/engine/stream.py,
+        # `UpstreamStream.relay_from_reads`): pops what it relayed, True when it took all.
+        self.direct: Callable[[deque[bytes]], bool] | None = None
 
     # -- the request --
 
@@ -74,7 +80,7 @@ class LegConnection(asyncio.Protocol):
         assert self.transport is not None
         self.state = _HEAD
         self.got_bytes = self.body_done = self.discard = False
-        self.failure = self.raw = None
+        self.failure = self.raw = self.direct = None
         self.status = 0
         self._head.clear()
         self.head_waiter = self.loop.create_future()
@@ -265,7 +271,12 @@ class LegConnection(asyncio.Protocol):
             self.close()
             return
         if events:
-            self.events.extend(events)
+            pending = self.events
+            pending.extend(events)
+            direct = self.direct
+            waiter = self.waiter
+            if direct is not None and waiter is not None and not waiter.done() and direct(pending):
+                return  # relayed from here: the reader sleeps on, no task wake-up a chunk
             self.unread += len(data)
             if self.unread > self.read_limit and not self.paused and self.transport is not None:
                 # A slow reader: the engine waits (TCP window) until the reader catches up.
@@ -319,7 +330,7 @@ class LegConnection(asyncio.Protocol):
         """The leg is done with the connection: back to the pool if its body was read whole
         and may be followed by another request; read to the body's end first if not yet."""
         self.events = deque()
-        self.raw = None
+        self.raw = self.direct = None
         if self.closed:
             return
         if not self.keep_alive or (self.failure is not None and not self.body_done):
@@ -338,6 +349,7 @@ class LegConnection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close the connection (an engine aborts the request it was answering)."""
+        self.direct = None
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()

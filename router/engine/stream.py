@@ -38,6 +38,9 @@ class LegSource(Protocol):
 
     events: deque[bytes]  # the events received and not yet taken
     failure: tuple[str, str] | None  # (kind, detail) once the leg broke or its body ended
+    # Called with `events` as they arrive while the reader waits, where the source can
+    # (the hand-written connection); pops what it took, True when it took them all.
+    direct: Callable[[deque[bytes]], bool] | None
 
     def wait(self) -> Awaitable[None]: ...  # done once more events came or the leg ended
     def release(self) -> None: ...  # the connection back to its pool
@@ -47,13 +50,14 @@ class LegSource(Protocol):
 class AiohttpSource:
     """An aiohttp response read as a leg's events."""
 
-    __slots__ = ("_decoder", "_resp", "events", "failure")
+    __slots__ = ("_decoder", "_resp", "direct", "events", "failure")
 
     def __init__(self, resp: aiohttp.ClientResponse):
         self._resp = resp
         self._decoder = SSEDecoder()
         self.events: deque[bytes] = deque()
         self.failure: tuple[str, str] | None = None
+        self.direct: Callable[[deque[bytes]], bool] | None = None  # never called: read in `wait`
 
     async def wait(self) -> None:
         try:
@@ -90,6 +94,7 @@ class UpstreamStream:
         "_on_close",
         "_pending",
         "_reader",
+        "_relay",
         "_span",
         "_src",
         "_timeouts",
@@ -134,6 +139,31 @@ class UpstreamStream:
         self._expired = False
         self.chunks_read = 0
         self._span = None  # the leg's trace span (router/observability/tracing.py), ended on close
+        self._relay: Callable[[deque[bytes]], bool] | None = None
+
+    def relay_from_reads(self, relay: Callable[[deque[bytes]], bool] | None) -> None:
+        """`relay` takes the leg's events as they arrive, in the connection's read callback,
+        while the leg's reader waits (sources that can: the hand-written connection): it pops
+        the events it relayed and returns True when it took them all; the reader wakes only
+        for the rest. A streamed token then costs no task wake-up (~5 us of ~30 a paced
+        chunk). None: every event wakes the reader."""
+        self._relay = relay
+        self._src.direct = self._direct if relay is not None else None
+
+    def _direct(self, events: deque[bytes]) -> bool:
+        relay = self._relay
+        if relay is None or self._reader is None or self._done:
+            return False
+        before = len(events)
+        took_all = relay(events)
+        taken = before - len(events)
+        if taken:
+            # What the reader would have read: its idle deadline starts again from now.
+            self.chunks_read += taken
+            deadline = self._loop.time() + self._timeouts.idle_s
+            if deadline < self._total_deadline:
+                self._deadline = (deadline, IDLE_TIMEOUT)
+        return took_all
 
     async def next_chunk(self) -> dict[str, Any] | None:
         """The next chunk, or None once the engine sent `[DONE]`."""
@@ -235,7 +265,8 @@ class UpstreamStream:
         except asyncio.CancelledError:
             # Ours (the deadline passed) unless someone else cancelled the task too.
             if self._expired and task.uncancel() <= cancelling:
-                raise UpstreamError(self.backend, kind, "no data from the engine in time") from None
+                # The deadline's kind as it stands: a relayed event may have moved it on.
+                raise UpstreamError(self.backend, self._deadline[1], "no data from the engine in time") from None
             raise
         finally:
             self._reader = None
@@ -259,6 +290,7 @@ class UpstreamStream:
     def abort(self) -> None:
         """Drop the connection now (the engine aborts the request). Idempotent."""
         self._done = True
+        self._relay = None
         if not self._ended:
             self._ended = True
             self._src.close()
@@ -267,6 +299,7 @@ class UpstreamStream:
     def finish(self) -> None:
         """Release after [DONE]: the connection goes back to the pool. Idempotent."""
         self._done = True
+        self._relay = None
         if not self._ended:
             self._ended = True
             self._src.release()

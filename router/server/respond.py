@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from aiohttp.http import StreamWriter
 
 from router.engine.sse import DONE_EVENT, format_event
 from router.errors import RouterError, sse_error_event
@@ -86,6 +87,7 @@ class SSEWriter:
         self._idle_s = idle_s
         self._deadline = deadline  # loop time
         self._held = b""  # the answer's last events, written by finish()
+        self._chunked = False  # body bytes went out through aiohttp's chunked writer: `write_now` may
 
     @property
     def started(self) -> bool:
@@ -138,14 +140,41 @@ class SSEWriter:
         if last:
             self._held = data
             return
-        if self.response is None:
-            await self._start()
+        resp = self.response or await self._start()
         # drain=False: aiohttp would wait for a paused socket without a timeout; the wait
         # below has one, and a timer is armed only when there is something to wait for.
-        await self.request.writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
+        writer = self.request.writer
+        await writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
+        # The headers are out with these bytes; from now on `write_now` may frame the body's
+        # chunks itself (HTTP/1.1 chunked, no compression: what aiohttp writes for this response).
+        self._chunked = isinstance(writer, StreamWriter) and writer.chunked and not resp.compression
         transport = self.request.transport
         if transport is not None and transport.get_write_buffer_size() > self._buffer_bytes:
             await self._bounded(self.request.writer.drain())
+
+    def ready(self) -> bool:
+        """`write_now` can write at once: the body has started, nothing is held for the end,
+        and the client's buffer has room (else `send_raw` waits for it, bounded)."""
+        if not self._chunked or self._held:
+            return False
+        transport = self.request.transport
+        return (
+            transport is not None
+            and not transport.is_closing()
+            and (transport.get_write_buffer_size() <= self._buffer_bytes)
+        )
+
+    def write_now(self, data: bytes) -> None:
+        """Events written from a callback (no await), after `ready()`: one body chunk, framed
+        as aiohttp's StreamWriter frames it and counted in its figures. Hand-written because
+        its `write` is a coroutine (a callback cannot await one)."""
+        writer = self.request.writer
+        frame = b"%x\r\n%b\r\n" % (len(data), data)
+        writer.buffer_size += len(frame)
+        writer.output_size += len(frame)
+        transport = self.request.transport
+        assert transport is not None  # `ready()` said so
+        transport.write(frame)
 
     async def _bounded(self, aw: Awaitable[None]) -> None:
         """Await a write that waits for the client, for at most timeouts.idle_s (and not

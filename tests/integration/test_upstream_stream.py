@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import operator
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
 import pytest
 from aiohttp import web
 
@@ -165,6 +167,55 @@ async def test_cancelling_a_reader_is_a_cancellation_not_a_timeout() -> None:
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader
+        stream.abort()
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_chunks_relayed_from_reads_keep_a_sleeping_reader_within_its_idle_timeout() -> None:
+    """Chunks taken by the read callback (`relay_from_reads`) never wake the reader, whose
+    one wait then lasts longer than idle_s: each of them starts the idle deadline again."""
+    runner, url = await paced_engine([0.0, *[0.1] * 6])
+    client = UpstreamClient(TimeoutsConfig(idle_s=0.25))
+    relayed: list[bytes] = []
+
+    def relay(events: deque[bytes]) -> bool:  # everything but the end
+        while events and events[0] != b"[DONE]":
+            relayed.append(events.popleft())
+        return not events
+
+    try:
+        stream = await client.open_stream("b", url, "/v1/completions", {})
+        assert len(await stream.next_payloads()) == 1
+        stream.relay_from_reads(relay)
+        assert await stream.next_payloads() == []  # woken once, by [DONE]
+        stream.finish()
+        assert [orjson.loads(p)["choices"][0]["text"] for p in relayed] == [str(i) for i in range(1, 7)]
+        assert stream.chunks_read == 7
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_a_gap_after_relayed_chunks_is_still_an_idle_timeout() -> None:
+    runner, url = await paced_engine([0.0, 0.05, 0.05, 1.0])
+    client = UpstreamClient(TimeoutsConfig(idle_s=0.2))
+    relayed: list[bytes] = []
+
+    def relay(events: deque[bytes]) -> bool:  # everything but the end
+        while events and events[0] != b"[DONE]":
+            relayed.append(events.popleft())
+        return not events
+
+    try:
+        stream = await client.open_stream("b", url, "/v1/completions", {})
+        assert len(await stream.next_payloads()) == 1
+        stream.relay_from_reads(relay)
+        with pytest.raises(UpstreamError) as e:
+            await stream.next_payloads()
+        assert e.value.kind == IDLE_TIMEOUT
+        assert len(relayed) == 2
         stream.abort()
     finally:
         await client.close()

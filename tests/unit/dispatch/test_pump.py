@@ -5,6 +5,8 @@ or a token past the budget ends the leg in an error after the chunks before it w
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -24,12 +26,19 @@ from support.fake_upstream import answer, token, usage
 
 
 class ScriptedStream:
-    """A leg's stream: batches of event payloads, as `next_payloads` / `next_chunks` give them."""
+    """A leg's stream: batches of event payloads, as `next_payloads` / `next_chunks` give them.
+    Once the pump relays from reads, each batch is offered to its relay first, as the
+    connection's read callback offers what arrives while the pump waits."""
 
     def __init__(self, batches: list[list[bytes]], ready: list[bytes] | None = None) -> None:
         self.batches = list(batches)
         self.ready = list(ready or [])  # already received when the pump starts
         self.ended = ""
+        self.relay: Callable[[deque[bytes]], bool] | None = None
+        self.relayed = 0  # events the relay took
+
+    def relay_from_reads(self, relay: Callable[[deque[bytes]], bool] | None) -> None:
+        self.relay = relay
 
     @property
     def done(self) -> bool:  # [DONE] comes with the last batch
@@ -44,7 +53,16 @@ class ScriptedStream:
         return asyncio.get_running_loop()
 
     async def next_payloads(self) -> list[bytes]:
-        return self.batches.pop(0) if self.batches else []
+        while self.batches:
+            batch = self.batches.pop(0)
+            if self.relay is None:
+                return batch
+            events = deque(batch)
+            took_all = self.relay(events)
+            self.relayed += len(batch) - len(events)
+            if not took_all:
+                return list(events)
+        return []
 
     async def next_chunks(self) -> list[dict[str, Any]]:
         return [self.parse(p) for p in await self.next_payloads()]
@@ -67,15 +85,16 @@ def setup(
     max_tokens: int = 16,
     buffered: list[dict[str, Any]] | None = None,
     ready: list[bytes] | None = None,
+    stream: bool = True,
 ) -> tuple[ResponseShaper, RequestContext, Leg, ScriptedStream]:
-    body = {"model": "m", "prompt": [1, 2], "max_tokens": max_tokens, "stream": True}
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": max_tokens, "stream": stream}
     spec = replace(parse_request("completions", orjson.dumps(body)), request_id="cmpl-fixed", created=7)
     shaper = ResponseShaper(spec)
     shaper.begin_leg(is_resume=False)
-    rec = RequestRecord(request_id=spec.request_id, endpoint="completions", model="m", stream=True)
+    rec = RequestRecord(request_id=spec.request_id, endpoint="completions", model="m", stream=stream)
     ctx = RequestContext(RouteQuery("m", "x"), "/v1/completions", body, 0.0, 1e9, rec)
-    stream = ScriptedStream(batches, ready)
-    return shaper, ctx, Leg("e", cast("UpstreamStream", stream), buffered or [], "direct"), stream
+    scripted = ScriptedStream(batches, ready)
+    return shaper, ctx, Leg("e", cast("UpstreamStream", scripted), buffered or [], "direct"), scripted
 
 
 def words(n: int) -> list[bytes]:
@@ -191,3 +210,93 @@ async def test_the_plain_chunks_of_a_batch_go_as_one_run_read_only_when_asked() 
 
     await pump(ctx, leg, shaper, emit)
     assert b"".join(writes) == b"".join(map(format_event, parsed))
+
+
+class ClientLog:
+    """The client's stream: what the pump writes (`emit`) and what goes from the read
+    callback (`write_now`), in the order written."""
+
+    def __init__(self, ready: bool = True) -> None:
+        self.writes: list[tuple[str, bytes]] = []
+        self.is_ready = ready
+
+    async def emit(self, data: bytes, last: bool) -> None:
+        self.writes.append(("pump", data))
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def write_now(self, data: bytes) -> None:
+        self.writes.append(("callback", data))
+
+    def sent(self, by: str | None = None) -> bytes:
+        return b"".join(data for who, data in self.writes if by is None or who == by)
+
+
+async def parsed_answer(batches: list[list[bytes]], max_tokens: int = 16) -> bytes:
+    shaper, ctx, leg, _ = setup(batches, max_tokens=max_tokens)
+    parsed: list[dict[str, Any]] = []
+
+    async def emit(chunks: list[dict[str, Any]]) -> None:
+        parsed.extend(chunks)
+
+    await pump(ctx, leg, shaper, emit)
+    return b"".join(map(format_event, parsed))
+
+
+async def test_token_chunks_that_arrive_while_the_pump_waits_go_from_the_read_callback() -> None:
+    payloads = words(6)
+    batches = [payloads[:1], payloads[1:2], payloads[2:4], payloads[4:5], payloads[5:]]
+    shaper, ctx, leg, stream = setup(batches)
+    client = ClientLog()
+    outcome = await pump_raw(ctx, leg, shaper, client.emit, direct=client)
+    assert outcome.error is None
+    assert stream.relayed == 4  # w1 .. w4; the first token's batch and the finish's go through the pump
+    assert client.sent("callback").count(b"data: ") == 4
+    assert client.sent() == await parsed_answer(batches)
+    assert list(shaper.answer.generated_token_ids) == [100, 101, 102, 103, 104, 105]
+    assert shaper.answer.generated_text == "".join(f" w{i}" for i in range(6))
+
+
+async def test_a_client_whose_buffer_is_full_gets_its_chunks_from_the_pump() -> None:
+    payloads = words(5)
+    batches = [payloads[:1], payloads[1:2], payloads[2:3], payloads[3:]]
+    shaper, ctx, leg, stream = setup(batches)
+    client = ClientLog(ready=False)
+    outcome = await pump_raw(ctx, leg, shaper, client.emit, direct=client)
+    assert outcome.error is None
+    assert stream.relayed == 0
+    assert client.sent("callback") == b""
+    assert client.sent() == await parsed_answer(batches)
+
+
+async def test_a_token_past_the_budget_is_left_to_the_pump_which_fails_the_leg() -> None:
+    chunks = [token(f" w{i}", [100 + i], prompt_ids=[1, 2] if i == 0 else None) for i in range(6)]
+    payloads = [orjson.dumps(c) for c in [*chunks, usage(2, 6)]]
+    batches = [[p] for p in payloads]
+    shaper, ctx, leg, stream = setup(batches, max_tokens=4)
+    client = ClientLog()
+    outcome = await pump_raw(ctx, leg, shaper, client.emit, direct=client)
+    assert outcome.error is not None
+    assert "max_tokens" in outcome.error.detail
+    assert stream.relayed == 3
+    assert client.sent().count(b"data: ") == 4
+    assert len(shaper.answer.generated_token_ids) == 4
+    assert stream.ended == "aborted"
+
+
+async def test_a_whole_answer_s_token_chunks_are_accumulated_from_the_read_callback() -> None:
+    payloads = words(6)
+    batches = [payloads[:1], payloads[1:3], payloads[3:5], payloads[5:]]
+    bodies = []
+    for direct in (True, False):
+        shaper, ctx, leg, stream = setup(batches, stream=False)
+        client = ClientLog()
+        outcome = await pump_raw(ctx, leg, shaper, client.emit, direct=client if direct else None)
+        assert outcome.error is None
+        assert client.sent() == b""  # accumulated: nothing written before the end
+        assert not [who for who, _ in client.writes if who == "callback"]
+        assert stream.relayed == (4 if direct else 0)
+        bodies.append(shaper.accumulate_response())
+    assert bodies[0] == bodies[1]
+    assert bodies[0]["choices"][0]["text"] == "".join(f" w{i}" for i in range(6))

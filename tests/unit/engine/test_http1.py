@@ -206,3 +206,49 @@ async def test_bytes_on_an_idle_connection_close_it() -> None:
     conn.release()
     conn.data_received(b"HTTP/1.1 200 OK\r\n")
     assert transport.closed
+
+
+async def test_events_arriving_while_the_reader_waits_go_to_the_direct_callback_first() -> None:
+    conn, _, pool = connection()
+    conn.data_received(CHUNKED_HEAD + chunk(b"data: 0\n\n"))
+    assert list(conn.events) == [b"0"]
+    conn.events.clear()
+    offered: list[list[bytes]] = []
+
+    def take_digits(events: Any) -> bool:
+        offered.append(list(events))
+        while events and events[0].isdigit():
+            events.popleft()
+        return not events
+
+    conn.direct = take_digits
+    conn.data_received(chunk(b"data: 1\n\n"))  # nobody waits: left for the reader
+    assert offered == []
+    assert list(conn.events) == [b"1"]
+    conn.events.clear()
+    waiter = conn.wait()
+    conn.data_received(chunk(b"data: 2\n\ndata: 3\n\n"))
+    assert offered == [[b"2", b"3"]]
+    assert not waiter.done()  # all taken: the reader sleeps on
+    assert not conn.events
+    conn.data_received(chunk(b"data: 4\n\ndata: x\n\n"))
+    assert waiter.done()  # the rest wakes it
+    assert list(conn.events) == [b"x"]
+    conn.data_received(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    conn.release()
+    assert conn.direct is None  # a pooled connection's next request starts without it
+    assert pool.released == [conn]
+
+
+async def test_a_reader_woken_but_not_yet_run_keeps_the_order_of_events() -> None:
+    conn, _, _ = connection()
+    conn.data_received(CHUNKED_HEAD)
+    def take_all(events: Any) -> bool:
+        events.clear()
+        return True
+
+    conn.direct = take_all
+    waiter = conn.wait()
+    waiter.set_result(None)  # woken, its task not yet run: nothing may overtake what it reads
+    conn.data_received(chunk(b"data: 5\n\n"))
+    assert list(conn.events) == [b"5"]

@@ -60,3 +60,46 @@ async def test_an_end_held_whole_arrives_whole_and_the_connection_stays_bounded(
     # Bounded before and after each end of answer, the large ones included.
     assert len(sizes) == 4
     assert len(set(sizes)) == 1
+
+
+@pytest.fixture
+async def written_now() -> AsyncIterator[tuple[str, list[bool]]]:
+    """A server answering with `send_raw` (?now=0) or with `write_now` where `ready()` says
+    it can (?now=1); `readiness` records what `ready()` said before and after the first write."""
+    readiness: list[bool] = []
+    events = [b"data: %d\n\n" % i for i in range(5)]
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        writer = SSEWriter(request, "r1", buffer_bytes=BUFFER)
+        readiness.append(writer.ready())  # nothing sent yet: the headers go with the first write
+        await writer.send_raw(events[0])
+        readiness.append(writer.ready())
+        for e in events[1:]:
+            if request.query["now"] == "1" and writer.ready():
+                writer.write_now(e)
+            else:
+                await writer.send_raw(e)
+        return await writer.finish()
+
+    app = web.Application()
+    app.router.add_get("/", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/", readiness
+    finally:
+        await runner.cleanup()
+
+
+async def test_events_written_now_frame_the_body_as_aiohttp_does(written_now: tuple[str, list[bool]]) -> None:
+    url, readiness = written_now
+    bodies = []
+    async with ClientSession() as session:
+        for now in ("0", "1"):
+            async with session.get(url, params={"now": now}) as resp:
+                assert resp.headers["Transfer-Encoding"] == "chunked"
+                bodies.append(await resp.read())
+    assert bodies[0] == bodies[1] == b"".join(b"data: %d\n\n" % i for i in range(5)) + b"data: [DONE]\n\n"
+    assert readiness == [False, True, False, True]
