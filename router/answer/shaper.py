@@ -1,9 +1,8 @@
 """Upstream chunks in, client chunks out: one unbroken answer from several upstream legs.
 
-Every leg the router opens streams with usage and token ids (router/engine/wire.py). A client's
-answer is the chosen leg, then zero or more resume legs, which are `/v1/completions` streams even
-for a chat request. `ResponseShaper` turns that sequence into what one vLLM engine would have sent
-for the client's own request:
+Every leg streams with usage and token ids (router/engine/wire.py). A client's answer is the chosen
+leg, then zero or more resume legs (`/v1/completions` streams even for a chat request), turned
+by `ResponseShaper` into what one vLLM engine would have sent for the client's own request:
 
 streaming (`shape`, `shape_raw`, `shape_run`, `release_held`, `final_chunks`)
 - one id (`spec.request_id`), one `created` (`spec.created`), one `model` (the name the
@@ -20,12 +19,10 @@ streaming (`shape`, `shape_raw`, `shape_run`, `release_held`, `final_chunks`)
 
 non-streaming (`accumulate_response`): `shape` returns [] and router/answer/assembly.py builds the
 body from every chunk seen across legs. For the lead: `answer` (router/answer/progress.py), `emitted`
-(a chunk went to the client: errors must now travel as SSE events).
-
-Ownership: `shape` rewrites the chunk it is given in place and may return it; the caller
-must not use the chunk afterwards. `shape_raw` (one) and `shape_run` (a run) relay plain
-token chunks on their bytes (router/answer/chunk_bytes.py): the same answer, no parse.
-"""
+(a chunk went to the client: errors must now travel as SSE events). Ownership: `shape` rewrites
+the chunk it is given in place and may return it; the caller must not use the chunk afterwards.
+`shape_raw` (one) and `shape_run` (a run) relay plain token chunks on their bytes
+(router/answer/chunk_bytes.py): the same answer, no parse."""
 
 from __future__ import annotations
 
@@ -153,15 +150,18 @@ class ResponseShaper:
         return event
 
     def shape_run(self, payloads: list[bytes]) -> bytes | None:
-        """`shape_raw` for a streaming client's run of plain token chunks at once, or None:
-        each then goes through `shape_raw` (or `shape`)."""
+        """`shape_raw` for a run of plain token chunks at once (b"" for a non-streaming
+        client), or None: each then goes through `shape_raw` (or `shape`)."""
         plain, answer = self._relay(), self.answer
-        if plain is None or self._accumulate or not answer.room_for(len(payloads)):
+        if plain is None or not answer.room_for(len(payloads)):
             return None  # one by one: past the budget, the chunk that crosses it fails
         if (relayed := plain.relay_run(payloads)) is None:
             return None
         event, block = relayed
         answer.add_run(plain.read, block, len(payloads))
+        if self._accumulate:  # the run's text at once: what `add_plain` per chunk would keep
+            self._assembler.add_plain(plain.read(block)[0], chat_leg=self._chat and not self._is_resume)
+            return b""
         self.emitted = True
         return event
 

@@ -117,7 +117,9 @@ async def pump_raw(
                 return False
             direct.write_now(event)
             events.clear()
-        else:
+        elif shape_run(list(events)) == b"":
+            events.clear()
+        else:  # a chunk of the run is not plain: those before it, one by one
             while events and answer.room_for(1) and shape_raw(events[0]) == b"":
                 events.popleft()
         now = loop.time()

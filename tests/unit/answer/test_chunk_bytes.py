@@ -147,19 +147,22 @@ def test_runs_send_what_the_full_path_sends(case: tuple[RequestSpec, Legs], batc
 
 def test_plain_token_chunks_go_as_one_run() -> None:
     """A leg's chunks received at once: the first (which teaches the leg's header) and the
-    finish one by one, everything between in one run; read again only when asked for."""
-    for endpoint, stream in ((ENDPOINT_COMPLETIONS, completion_stream), (ENDPOINT_CHAT, chat_stream)):
-        for want_ids in (False, True):
-            spec = make_spec(endpoint, include_usage=True, return_token_ids=want_ids)
-            steps = [Step(f' w{i}\n"\u00e9', [100 + i]) for i in range(10)]
-            steps[-1].finish_reason = "length"
-            legs = [(False, stream(Gen(PROMPT, steps, cached_tokens=0)))]
-            full, want = full_path(spec, legs)
-            fast, got, runs = run_path(spec, legs, 100)
-            assert got == want
-            assert runs == 1
-            assert fast.answer.token_count == 10
-            same_answer(full, fast)
+    finish one by one, everything between in one run; read again only when asked for. A
+    whole (non-streamed) answer accumulates the run's text at once."""
+    apis = ((ENDPOINT_COMPLETIONS, completion_stream), (ENDPOINT_CHAT, chat_stream))
+    for endpoint, stream, want_ids, whole in ((*a, w, h) for a in apis for w in (False, True) for h in (False, True)):
+        spec = make_spec(endpoint, stream=not whole, include_usage=not whole, return_token_ids=want_ids)
+        steps = [Step(f' w{i}\n"\u00e9', [100 + i]) for i in range(10)]
+        steps[-1].finish_reason = "length"
+        legs = [(False, stream(Gen(PROMPT, steps, cached_tokens=0)))]
+        full, want = full_path(spec, legs)
+        fast, got, runs = run_path(spec, legs, 100)
+        assert got == want
+        assert runs == 1
+        assert fast.answer.token_count == 10
+        same_answer(full, fast)
+        if whole:
+            assert fast.accumulate_response() == full.accumulate_response()
 
 
 def test_a_run_is_relayed_whole_or_not_at_all() -> None:

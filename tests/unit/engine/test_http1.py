@@ -243,6 +243,7 @@ async def test_events_arriving_while_the_reader_waits_go_to_the_direct_callback_
 async def test_a_reader_woken_but_not_yet_run_keeps_the_order_of_events() -> None:
     conn, _, _ = connection()
     conn.data_received(CHUNKED_HEAD)
+
     def take_all(events: Any) -> bool:
         events.clear()
         return True
