@@ -28,6 +28,7 @@ from router.names import Route
 from router.observability import tracing
 from router.observability.record import RequestRecord
 from router.routing.snapshot import ClusterSnapshot
+from router.server.respond import close_if_unframed
 
 if TYPE_CHECKING:
     from router.server.services import Engines
@@ -219,6 +220,7 @@ class EngineRelay:
         )
         if resp.content_length is not None and resp.content_length == len(first):
             out.content_length = resp.content_length
+        close_if_unframed(request, out)
         await out.prepare(request)
         idle = self.state.config.timeouts.idle_s
         loop = asyncio.get_running_loop()

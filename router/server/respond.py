@@ -21,7 +21,7 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http import StreamWriter
 
 from router.engine.sse import DONE_EVENT, format_event
@@ -36,6 +36,14 @@ def error_response(err: RouterError) -> web.Response:
     return web.Response(
         body=err.body_bytes(), status=err.status, content_type="application/json", headers=err.headers or None
     )
+
+
+def close_if_unframed(request: web.Request, resp: web.StreamResponse) -> None:
+    """Before `prepare`: a body of unknown length to an HTTP/1.0 client ends with the
+    connection (HTTP/1.0 has no chunked body). aiohttp keeps a connection the client asked
+    to keep alive, and the client would wait for more."""
+    if request.version < HttpVersion11 and resp.content_length is None:
+        resp.force_close()
 
 
 class EventFraming(Protocol):
@@ -117,6 +125,7 @@ class SSEWriter:
                 # nobody reads can hold megabytes.
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buffer_bytes)
+        close_if_unframed(self.request, resp)
         await resp.prepare(self.request)
         self.response = resp
         return resp

@@ -1,5 +1,6 @@
 """Non-streaming answers assembled from streams equal the engine's own non-streaming JSON."""
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -95,3 +96,22 @@ async def test_streaming_matches_engine_stream_modulo_ids(
             assert got == "[DONE]"
         else:
             assert _strip(got) == _strip(want)
+
+
+@pytest.mark.parametrize("extra", [{}, {"n": 2}])  # the router's stream, and an engine's relayed
+async def test_an_http_1_0_keep_alive_client_gets_the_whole_stream_then_the_close(
+    make_cluster: MakeCluster, extra: dict[str, Any]
+) -> None:
+    """HTTP/1.0 has no chunked body: a stream's end is the connection's end, even when the
+    client asked to keep the connection alive (else it waits for more, forever)."""
+    c = await make_cluster(decoders=1)
+    body = orjson.dumps({"model": MODEL, "prompt": "the cat sat", "max_tokens": 5, "stream": True, **extra})
+    host, port = c.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = b"POST /v1/completions HTTP/1.0\r\nConnection: keep-alive\r\nContent-Type: application/json\r\n"
+    writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    answer = await asyncio.wait_for(reader.read(), 60)  # to the connection's end
+    writer.close()
+    assert answer.startswith(b"HTTP/1.0 200")
+    assert answer.endswith(b"data: [DONE]\n\n")
+    assert answer.count(b'"finish_reason":"length"') == (extra.get("n") or 1)

@@ -3,11 +3,12 @@ end of answer held whole goes out whole, and the connection stays bounded after 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession, HttpVersion10, web
 
 from router.server.respond import SSEWriter
 
@@ -103,3 +104,13 @@ async def test_events_written_now_frame_the_body_as_aiohttp_does(written_now: tu
                 bodies.append(await resp.read())
     assert bodies[0] == bodies[1] == b"".join(b"data: %d\n\n" % i for i in range(5)) + b"data: [DONE]\n\n"
     assert readiness == [False, True, False, True]
+
+
+async def test_an_http_1_0_client_s_stream_ends_with_the_connection(written_now: tuple[str, list[bool]]) -> None:
+    """HTTP/1.0 has no chunked body: the stream's end is the connection's, keep-alive asked
+    for or not (aiohttp would keep it open and the client wait for more)."""
+    url, readiness = written_now
+    async with ClientSession(version=HttpVersion10) as session, session.get(url, params={"now": "1"}) as resp:
+        body = await asyncio.wait_for(resp.read(), 30)
+    assert body == b"".join(b"data: %d\n\n" % i for i in range(5)) + b"data: [DONE]\n\n"
+    assert readiness == [False, False]  # not chunked: aiohttp writes it, never `write_now`
