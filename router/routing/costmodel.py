@@ -10,10 +10,9 @@ plus what it lacks of this prompt, while its decoding sequences slow every step:
     ttft(engine, lacking, held) = a + b * (queued_tokens + lacking) + h * held + c * decoding
 
 - `queued_tokens`: prompt tokens still to prefill ahead of the request: what this router
-  sent there and has not seen a first token for, less what the engine has computed of the
-  first of them since it began it (router/fleet/legs.py, `PrefillHead`), plus, for traffic
-  it did not send (other replicas), the engine's scraped waiting requests beyond its own,
-  each at the mean prompt length (`BackendView.queued_tokens`);
+  sent there and has not seen a first token for, plus, for traffic it did not send (other
+  replicas), the engine's scraped waiting requests beyond its own, each at the mean
+  prompt length (`BackendView.queued_tokens`);
 - `lacking`: prompt tokens of this request the engine does not hold (a rejection's
   `cached_tokens`, the prefix memory of where prompts went, else the whole prompt);
 - `held`: the prompt tokens it does hold. A hit in the GPU prefix cache is free, but an
