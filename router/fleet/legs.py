@@ -1,13 +1,11 @@
 """One leg's place in its engine's load (`LegTicket`): what the registry
 (router/fleet/registry.py) counts from `open_leg` to `close_leg`, the cost model's
-inputs when the leg was sent, how much of the engine's prefill queue is already done
-(`PrefillHead`), and the speed samples a leg makes."""
+inputs when the leg was sent, and the speed samples a leg makes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed
 from router.routing.speed_learner import SpeedLearner
 
 
@@ -56,43 +54,3 @@ def decode_sample(
     learner.observe_decode(
         ticket.backend, decoding, tokens - 1, now - ticket.first_token_at, prefilled_now - ticket.prefilled_at_first
     )
-
-
-@dataclass(slots=True)
-class PrefillHead:
-    """This router's legs still prefilling on one engine, in the order sent, and since when
-    the first of them has been the engine's next prefill. A leg's tokens leave the queue
-    only at its first token, but the engine works on the head meanwhile: counted whole, an
-    engine 6 ms from its head's first token looked as busy as one that had just begun it,
-    and a request went to the latter (predicted equal, observed 213 against 115 ms)."""
-
-    legs: list[LegTicket] = field(default_factory=list)
-    since: float = 0.0
-
-    def add(self, ticket: LegTicket, now: float) -> None:
-        if ticket.tokens <= 0:  # a probe: an acceptor's prefill is done when it answers
-            return
-        if not self.legs:
-            self.since = now
-        self.legs.append(ticket)
-
-    def remove(self, ticket: LegTicket, now: float) -> None:
-        """The leg's first token came (its prefill is done: the next one is the head from
-        now), or it ended without one."""
-        legs = self.legs
-        if legs and legs[0] is ticket:
-            del legs[0]
-            self.since = now
-        elif ticket in legs:
-            legs.remove(ticket)
-
-    def done(self, now: float, speed: EngineSpeed) -> float:
-        """Tokens of the head's prefill computed by now at the engine's measured speed: the
-        time since it became the head, less the fixed part of a first token, never more
-        than the head itself (its first token would have come)."""
-        if not self.legs:
-            return 0.0
-        elapsed = now - self.since - max(speed.intercept_s, 0.0)
-        if elapsed <= 0.0:
-            return 0.0
-        return min(float(self.legs[0].tokens), elapsed / max(speed.per_token_s, MIN_PER_TOKEN_S))

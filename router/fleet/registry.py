@@ -18,15 +18,16 @@ so a breaker never stays half-open for good.
 
 An operator can drain a backend (admin API): it gets no new request or leg, not even as the last resort of
 panic routing, while the requests it is serving finish.
+
 Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router sends holds
 a `LegTicket` from `open_leg` to `close_leg`; until its first token (`first_token`) its prompt tokens still to
-prefill are queued on the engine (less what the engine has done of the first of them, `PrefillHead`), after it
-the leg is one decoding sequence. The registry's `SpeedLearner` turns finished legs into each engine's
-measured speed, and every `BackendView` carries both.
+prefill are queued on the engine, after it the leg is one decoding sequence. The registry's `SpeedLearner`
+turns finished legs into each engine's measured speed, and every `BackendView` carries both.
 
 Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add` registers
 one, `remove` forgets a drained one once nothing is in flight on it. Feedback for a name that is gone (a
-health check or a failure that raced its removal) is ignored."""
+health check or a failure that raced its removal) is ignored.
+"""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
-from router.fleet.legs import PrefillHead, decode_sample, first_token_sample
+from router.fleet.legs import decode_sample, first_token_sample
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.kv_index import KvIndex
@@ -70,7 +71,6 @@ class BackendState:
     # Token-level load from this router's own legs (LegTicket).
     queued_tokens: int = 0
     prefilling: int = 0  # legs sent, no first token yet
-    head: PrefillHead = field(default_factory=PrefillHead)  # how much of that is done
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
     # Requests the last scrape saw beyond this router's own legs at that moment: traffic
@@ -139,7 +139,7 @@ class BackendRegistry:
                     s.waiting,
                     s.kv_usage,
                     s.draining,
-                    self._queued_tokens(s, now) if s.others_waiting or s.head.legs else float(s.queued_tokens),
+                    self._queued_tokens(s, now) if s.others_waiting else float(s.queued_tokens),
                     s.decoding + s.others_running,
                     s.prefilling,
                     learner.speed(name),
@@ -162,14 +162,15 @@ class BackendRegistry:
         )
 
     def _queued_tokens(self, s: BackendState, now: float) -> float:
-        """Own queued prefill tokens less what is done of the first (`PrefillHead`), plus others'
-        waiting requests the last scrape saw, at the mean prompt length, less what the engine has
-        prefilled at its measured speed since (a burst a scrape caught is gone soon after)."""
-        speed = self.learner.speed(s.config.name)
+        """Own queued prefill tokens, plus other replicas' waiting requests as the last
+        scrape saw them, at the mean prompt length, less what the engine has prefilled at
+        its measured speed since that scrape (a scrape is a moment of the past: a burst it
+        caught is gone a few hundred milliseconds later)."""
         others = s.others_waiting * self.learner.mean_prompt_tokens
         if others > 0.0:
-            others = max(others - max(now - s.last_scrape_ok, 0.0) / max(speed.per_token_s, 1e-9), 0.0)
-        return s.queued_tokens - s.head.done(now, speed) + others
+            per_token_s = max(self.learner.speed(s.config.name).per_token_s, 1e-9)
+            others = max(others - max(now - s.last_scrape_ok, 0.0) / per_token_s, 0.0)
+        return s.queued_tokens + others
 
     @staticmethod
     def _decoding(s: BackendState) -> float:
@@ -250,7 +251,6 @@ class BackendRegistry:
         self.acquire(name)
         s.queued_tokens += ticket.tokens
         s.prefilling += 1
-        s.head.add(ticket, now)
         return ticket
 
     def first_token(self, ticket: LegTicket, at: float | None = None) -> None:
@@ -266,7 +266,6 @@ class BackendRegistry:
             )
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
-            s.head.remove(ticket, t)
             s.decoding += 1
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = self._decoding(s)
@@ -283,7 +282,6 @@ class BackendRegistry:
         if ticket.first_token_at is None:
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
-            s.head.remove(ticket, self.clock())
         else:
             s.decoding -= 1
         self.release(ticket.backend)

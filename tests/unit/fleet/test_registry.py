@@ -58,47 +58,6 @@ def test_leg_tickets_queue_tokens_until_the_first_token_then_count_a_decoding_se
     assert r.learn_first_token(b, 300) is None  # no first token: no sample
 
 
-def test_the_first_queued_prefill_counts_what_the_engine_has_done_of_it() -> None:
-    """The oldest of this router's prefills on an engine is being computed: at the prior's
-    10,000 tokens/s after its fixed 20 ms, half of a 2,000-token prompt is done 120 ms after
-    it was sent, never more than the whole of it; the prompts behind it wait whole until
-    it has its first token, then the next one is being computed from that moment."""
-    now = [0.0]
-    r = _registry(lambda: now[0])
-    a = r.open_leg("d0", 2000)
-    b = r.open_leg("d0", 500)
-    probe = r.open_leg("d0", 0)  # a probe queues no prefill
-    assert _view(r, "d0").queued_tokens == 2500
-    now[0] = 0.12
-    assert _view(r, "d0").queued_tokens == pytest.approx(1500)
-    c = r.open_leg("d0", 100)
-    assert c.queued_ahead == pytest.approx(1500)  # what its speed sample will be read against
-    now[0] = 5.0
-    assert _view(r, "d0").queued_tokens == pytest.approx(600)  # late, not faster: a's whole at most
-    r.first_token(a)
-    assert _view(r, "d0").queued_tokens == pytest.approx(600)
-    now[0] = 5.045
-    assert _view(r, "d0").queued_tokens == pytest.approx(350)  # 250 of b's done
-    r.close_leg(b)  # cancelled: c is next, from now
-    r.close_leg(probe)
-    assert _view(r, "d0").queued_tokens == pytest.approx(100)
-    now[0] = 6.0
-    r.first_token(c)
-    assert _view(r, "d0").queued_tokens == 0
-
-
-def test_an_engine_near_its_first_token_is_predicted_sooner_than_one_just_begun() -> None:
-    now = [0.0]
-    r = BackendRegistry(
-        [BackendConfig("d0", "http://d0"), BackendConfig("d1", "http://d1")], HealthConfig(), clock=lambda: now[0]
-    )
-    r.open_leg("d0", 2000)
-    now[0] = 0.2
-    r.open_leg("d1", 2000)
-    views = {v.name: v for v in r.snapshot().backends}
-    assert views["d0"].queued_tokens < views["d1"].queued_tokens == 2000
-
-
 def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic() -> None:
     r = _registry(lambda: 0.0)
     r.learner.mean_prompt_tokens = 2000
