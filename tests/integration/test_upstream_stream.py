@@ -173,18 +173,24 @@ async def test_cancelling_a_reader_is_a_cancellation_not_a_timeout() -> None:
         await runner.cleanup()
 
 
+def relay_all_but_the_end() -> tuple[list[bytes], Callable[[deque[bytes]], bool]]:
+    """A read callback's relay that takes every event but [DONE], and what it took."""
+    relayed: list[bytes] = []
+
+    def relay(events: deque[bytes]) -> bool:
+        while events and events[0] != b"[DONE]":
+            relayed.append(events.popleft())
+        return not events
+
+    return relayed, relay
+
+
 async def test_chunks_relayed_from_reads_keep_a_sleeping_reader_within_its_idle_timeout() -> None:
     """Chunks taken by the read callback (`relay_from_reads`) never wake the reader, whose
     one wait then lasts longer than idle_s: each of them starts the idle deadline again."""
     runner, url = await paced_engine([0.0, *[0.1] * 6])
     client = UpstreamClient(TimeoutsConfig(idle_s=0.25))
-    relayed: list[bytes] = []
-
-    def relay(events: deque[bytes]) -> bool:  # everything but the end
-        while events and events[0] != b"[DONE]":
-            relayed.append(events.popleft())
-        return not events
-
+    relayed, relay = relay_all_but_the_end()
     try:
         stream = await client.open_stream("b", url, "/v1/completions", {})
         assert len(await stream.next_payloads()) == 1
@@ -201,13 +207,7 @@ async def test_chunks_relayed_from_reads_keep_a_sleeping_reader_within_its_idle_
 async def test_a_gap_after_relayed_chunks_is_still_an_idle_timeout() -> None:
     runner, url = await paced_engine([0.0, 0.05, 0.05, 1.0])
     client = UpstreamClient(TimeoutsConfig(idle_s=0.2))
-    relayed: list[bytes] = []
-
-    def relay(events: deque[bytes]) -> bool:  # everything but the end
-        while events and events[0] != b"[DONE]":
-            relayed.append(events.popleft())
-        return not events
-
+    relayed, relay = relay_all_but_the_end()
     try:
         stream = await client.open_stream("b", url, "/v1/completions", {})
         assert len(await stream.next_payloads()) == 1

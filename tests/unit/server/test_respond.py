@@ -11,6 +11,7 @@ import pytest
 from aiohttp import ClientSession, HttpVersion10, web
 
 from router.server.respond import SSEWriter
+from support.ports import serve_on_free_port
 
 BUFFER = 8 * 1024
 
@@ -35,13 +36,9 @@ async def served() -> AsyncIterator[tuple[str, list[int]]]:
 
     app = web.Application()
     app.router.add_get("/", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, url = await serve_on_free_port(app)
     try:
-        yield f"http://127.0.0.1:{port}/", sizes
+        yield url + "/", sizes
     finally:
         await runner.cleanup()
 
@@ -84,12 +81,9 @@ async def written_now() -> AsyncIterator[tuple[str, list[bool]]]:
 
     app = web.Application()
     app.router.add_get("/", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, url = await serve_on_free_port(app)
     try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/", readiness
+        yield url + "/", readiness
     finally:
         await runner.cleanup()
 
