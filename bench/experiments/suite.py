@@ -25,6 +25,7 @@ from bench.experiments.capacity import Load, offered_load
 from bench.experiments.options import add_cluster_args, add_replay_args, expand_modes, run_spec_from_args
 from bench.experiments.replay import run_replay
 from bench.harness.modes import ORACLE
+from bench.harness.procs import ExitedBeforeReady
 from bench.reports.render import console
 from bench.reports.rundir import load_requests
 from bench.reports.suite_report import add_regret, load_line, suite_row, write_suite
@@ -291,7 +292,11 @@ def run_suite(a: argparse.Namespace) -> int:
             d = out / wd.name / mode
             console.print(f"[bold]suite[/bold] {wd.name} mode={mode} -> {d}")
             try:
-                s = asyncio.run(run_replay(run_spec_from_args(ns, mode, d)))
+                try:
+                    s = asyncio.run(run_replay(run_spec_from_args(ns, mode, d)))
+                except ExitedBeforeReady as e:  # nothing measured yet: once more, on new ports
+                    console.print(f"[yellow]suite[/yellow] {wd.name} mode={mode}: {e}; starting it again")
+                    s = asyncio.run(run_replay(run_spec_from_args(ns, mode, d)))
             except Exception as e:  # one broken run must not lose the others' results
                 traceback.print_exc()
                 failures.append(f"{wd.name}/{mode}: {type(e).__name__}: {e}")

@@ -173,6 +173,11 @@ class ProcessSet:
         self.stop_all()
 
 
+class ExitedBeforeReady(RuntimeError):
+    """A process of a benchmark's cluster exited before it answered: nothing was measured
+    yet, so the run can be started again (e.g. a port picked free was taken before it bound)."""
+
+
 async def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0, expect: int = 200) -> None:
     """Until GET url answers `expect`; raises with the process's log tail on failure."""
     deadline = time.monotonic() + timeout_s
@@ -180,7 +185,7 @@ async def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60.0,
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             if proc is not None and not proc.alive():
-                raise RuntimeError(
+                raise ExitedBeforeReady(
                     f"{proc.name} exited ({proc.popen.returncode}) before {url} answered:\n{proc.log_tail()}"
                 )
             try:
