@@ -92,40 +92,43 @@ async def pump_raw(
 ) -> LegOutcome:
     """`pump` for a client written SSE bytes: token chunks go on their bytes, a run of them
     in one pass (`ResponseShaper.shape_run`); the chunks where something is decided (role,
-    finish, usage, errors, anything unusual) are parsed. With `direct`, once the answer's
-    first token is out, plain token chunks go to the client from the engine connection's
-    read callback as they arrive (`relay_now`): this task wakes only for the rest."""
+    finish, usage, errors, anything unusual) are parsed. Once the answer's first token is
+    out, plain token chunks are taken from the engine connection's read callback as they
+    arrive (`relay_now`): a whole answer's accumulated, a streaming client's written with
+    `direct` (none: every chunk wakes this task); this task wakes only for the rest."""
     stream = leg.stream
     loop = stream.loop
     usage_seen: list[Any] = [None, None]  # prompt and cached tokens, from the last usage chunk
     awaiting_first_token = ctx.record.ttft_s is None
     shape_run, shape_raw, answer = shaper.shape_run, shaper.shape_raw, shaper.answer
+    streaming = shaper.spec.stream
+    relay_pending = direct is not None or not streaming  # a whole answer writes nothing before its end
     heard = [loop.time()]  # when the leg last sent something (its gaps are stalls, `on_gap`)
-    relaying = False
+
+    def note_heard() -> None:
+        now = loop.time()
+        if on_gap is not None and now - heard[0] > STALL_LATE_S:  # rare
+            on_gap(leg.backend, now - heard[0])
+        heard[0] = now
 
     def relay_now(events: deque[bytes]) -> bool:
         """Plain token chunks taken as they arrive: written to the client (a streaming
         client's) or accumulated (a whole answer's); True when all were taken. Never raises:
         anything it does not take (a finish, usage, an error, the end of max_tokens, a full
         client buffer) is left to the pump, which reads it in full."""
-        assert direct is not None
-        if shaper.spec.stream:
-            if not direct.ready():
-                return False
-            event = shape_run(list(events))
-            if event is None:
-                return False
-            direct.write_now(event)
+        if streaming and (direct is None or not direct.ready()):
+            return False
+        event = shape_run(list(events))  # b"" for a whole answer
+        if event is not None:
+            if direct is not None and event:
+                direct.write_now(event)
             events.clear()
-        elif shape_run(list(events)) == b"":
-            events.clear()
+        elif streaming:
+            return False
         else:  # a chunk of the run is not plain: those before it, one by one
             while events and answer.room_for(1) and shape_raw(events[0]) == b"":
                 events.popleft()
-        now = loop.time()
-        if on_gap is not None and now - heard[0] > STALL_LATE_S:  # rare
-            on_gap(leg.backend, now - heard[0])
-        heard[0] = now
+        note_heard()
         return not events
 
     def one_by_one(items: list[Any], events: list[bytes]) -> UpstreamError | None:
@@ -190,13 +193,12 @@ async def pump_raw(
                 await emit(events[0] if len(events) == 1 else b"".join(events), last)
             if bad is not None:
                 raise bad
-            if direct is not None and not relaying and not awaiting_first_token:
+            if relay_pending and not awaiting_first_token:
                 stream.relay_from_reads(relay_now)
-                relaying = True
+                relay_pending = False
             heard[0] = loop.time()
             batch = await stream.next_payloads()
-            if on_gap is not None and loop.time() - heard[0] > STALL_LATE_S:  # rare
-                on_gap(leg.backend, loop.time() - heard[0])
+            note_heard()
     except UpstreamError as e:
         stream.abort()
         return LegOutcome(e)

@@ -141,20 +141,17 @@ class GenerationHandler:
                         framing=api.framing() if api is not None else None,
                     )
                     try:
-                        if api is None:
-                            await state.dispatcher.serve(spec, shaper, writer.send, rec, writer.send_raw, writer)
-                        else:
-                            await state.dispatcher.serve(spec, shaper, writer.send, rec)
+                        sse = api is None  # OpenAI's SSE: token chunks relayed on their bytes
+                        await state.dispatcher.serve(
+                            spec, shaper, writer.send, rec, writer.send_raw if sse else None, writer if sse else None
+                        )
                         return await writer.finish(shaper.final_chunks())
                     except errors.RouterError as e:
                         if not writer.started:
                             raise
                         rec.status, rec.error = e.status, e.message
                         return await writer.fail(e)
-                if api is None:
-                    await state.dispatcher.serve(spec, shaper, _discard, rec, _discard_raw, _ACCUMULATED)
-                else:
-                    await state.dispatcher.serve(spec, shaper, _discard, rec)
+                await state.dispatcher.serve(spec, shaper, _discard, rec, None if api is not None else _discard_raw)
                 whole = shaper.accumulate_response()
                 return json_response(whole if api is None else api.whole(whole), headers={"X-Request-Id": answer_id})
         except errors.RouterError as e:
@@ -213,17 +210,3 @@ async def _discard(chunks: list[dict[str, Any]]) -> None:
 
 async def _discard_raw(data: bytes, last: bool) -> None:
     return None  # a non-streaming client's answer is accumulated by the shaper
-
-
-class _Accumulated:
-    """A whole answer's `DirectWriter`: its token chunks are accumulated as they arrive
-    (by the shaper), nothing is written until the end."""
-
-    def ready(self) -> bool:
-        return False
-
-    def write_now(self, data: bytes) -> None:
-        raise AssertionError("a whole answer is written at its end")
-
-
-_ACCUMULATED = _Accumulated()

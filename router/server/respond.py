@@ -95,7 +95,7 @@ class SSEWriter:
         self._idle_s = idle_s
         self._deadline = deadline  # loop time
         self._held = b""  # the answer's last events, written by finish()
-        self._chunked = False  # body bytes went out through aiohttp's chunked writer: `write_now` may
+        self._chunked = False  # the body has begun, chunked by aiohttp: `write_now` may frame more
 
     @property
     def started(self) -> bool:
@@ -154,9 +154,10 @@ class SSEWriter:
         # below has one, and a timer is armed only when there is something to wait for.
         writer = self.request.writer
         await writer.write(data, drain=False)  # type: ignore[call-arg]  # StreamWriter's own keyword
-        # The headers are out with these bytes; from now on `write_now` may frame the body's
-        # chunks itself (HTTP/1.1 chunked, no compression: what aiohttp writes for this response).
-        self._chunked = isinstance(writer, StreamWriter) and writer.chunked and not resp.compression
+        if not self._chunked:
+            # The headers are out with these bytes; from now on `write_now` may frame the body's
+            # chunks itself (HTTP/1.1 chunked, no compression: what aiohttp writes for this response).
+            self._chunked = isinstance(writer, StreamWriter) and writer.chunked and not resp.compression
         transport = self.request.transport
         if transport is not None and transport.get_write_buffer_size() > self._buffer_bytes:
             await self._bounded(self.request.writer.drain())
