@@ -1,11 +1,13 @@
 """One leg's place in its engine's load (`LegTicket`): what the registry
 (router/fleet/registry.py) counts from `open_leg` to `close_leg`, the cost model's
-inputs when the leg was sent, and the speed samples a leg makes."""
+inputs when the leg was sent, the speed samples a leg makes, and which decoding legs a
+stalling prefill has already pushed past the ITL SLO (`ItlExposure`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.routing.goodput import Slo, prefill_stalls
 from router.routing.speed_learner import SpeedLearner
 
 
@@ -26,6 +28,47 @@ class LegTicket:
     # At its first token: the engine's decoding sequences and prefilled tokens so far.
     decoding_at_first: float = 0.0
     prefilled_at_first: int = 0
+    # Its prefill makes the engine's steps longer than the ITL SLO (router/routing/goodput.py).
+    stalls: bool = False
+    clean_epoch: int = -1  # the engine's ItlExposure epoch it decoded in clean; -1: never clean
+
+
+@dataclass(slots=True)
+class ItlExposure:
+    """Per engine: this router's decoding legs that no stalling prefill has run beside.
+
+    Goodput counts a sequence lost at its first gap between tokens over the ITL SLO, so a
+    prefill that stalls an engine's steps past the SLO costs only the sequences there that
+    were within it until then (router/routing/goodput.py `pushed_past_itl`). A leg decoding
+    on an engine while one of this router's stalling prefills is sent there and not through
+    (no first token yet) is counted past the SLO for good: stalled, or about to be. Without
+    this count every stall looked as costly as the first, and prompts that stall decoders
+    were spread over all of them (each one's sequences just finished), where keeping them
+    on the decoders already stalling keeps the others' sequences within the SLO."""
+
+    clean: int = 0  # decoding legs within the ITL SLO so far
+    stalling: int = 0  # stalling prefills sent and not through
+    epoch: int = 0  # one more per stalling prefill: legs clean in an earlier epoch are not now
+
+    def opened(self, ticket: LegTicket) -> None:
+        if ticket.stalls:
+            self.stalling += 1
+            self.epoch += 1
+            self.clean = 0
+
+    def first_token(self, ticket: LegTicket) -> None:
+        if ticket.stalls:
+            self.stalling -= 1
+        if self.stalling == 0:
+            ticket.clean_epoch = self.epoch
+            self.clean += 1
+
+    def closed(self, ticket: LegTicket) -> None:
+        if ticket.first_token_at is None:
+            if ticket.stalls:
+                self.stalling -= 1
+        elif ticket.clean_epoch == self.epoch:
+            self.clean -= 1
 
 
 def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens: int, held_tokens: int) -> float | None:
@@ -41,6 +84,14 @@ def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens:
         ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
     )
     return seconds
+
+
+def stalls_decoding(learner: SpeedLearner, ticket: LegTicket, slo: Slo | None) -> bool:
+    """Does the leg's prefill make its engine's steps longer than the ITL SLO (measured speeds)?"""
+    if slo is None:
+        return False
+    name = ticket.backend
+    return prefill_stalls(learner.speed(name), learner.itl(name), ticket.decoding, ticket.tokens, slo)
 
 
 def decode_sample(

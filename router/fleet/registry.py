@@ -1,8 +1,8 @@
 """Backend registry: health, circuit breaker, in-flight counts, scraped load, snapshots.
 
-One place owns every fact about a backend. Planners never see this mutable state: they get a `ClusterSnapshot`
-of frozen `BackendView`s (router/routing/snapshot.py), so every routing policy is a pure function testable
-without sockets.
+One place owns every fact about a backend. Planners never see this mutable state: they get a `ClusterSnapshot` of
+frozen `BackendView`s (router/routing/snapshot.py), so every routing policy is a pure function testable without
+sockets.
 
 Health has two sources, kept apart:
 - active: a periodic scrape of `/metrics` (load) and `/health` sets `healthy` (see `record_scrape_failure` for
@@ -16,18 +16,17 @@ answer /health and /metrics while failing every request. A trial that ends witho
 rejected or lost the race) frees the trial slot, and a trial silent for `cooldown_s` lets another one through,
 so a breaker never stays half-open for good.
 
-An operator can drain a backend (admin API): it gets no new request or leg, not even as the last resort of
-panic routing, while the requests it is serving finish.
+An operator can drain a backend (admin API): it gets no new request or leg, not even as the last resort of panic
+routing, while the requests it is serving finish.
 
-Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router sends holds
-a `LegTicket` from `open_leg` to `close_leg`; until its first token (`first_token`) its prompt tokens still to
-prefill are queued on the engine, after it the leg is one decoding sequence. The registry's `SpeedLearner`
-turns finished legs into each engine's measured speed, and every `BackendView` carries both.
+Load, for the cost model (router/routing/costmodel.py), is counted in tokens: every leg the router sends holds a
+`LegTicket` from `open_leg` to `close_leg`; until its first token (`first_token`) its prompt tokens still to prefill
+are queued on the engine, after it the leg is one decoding sequence. The registry's `SpeedLearner` turns finished legs
+into each engine's measured speed, and every `BackendView` carries both.
 
-Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add` registers
-one, `remove` forgets a drained one once nothing is in flight on it. Feedback for a name that is gone (a
-health check or a failure that raced its removal) is ignored.
-"""
+Backends come and go at run time (`router/fleet/membership.py`: admin API, reload, discovery): `add` registers one,
+`remove` forgets a drained one once nothing is in flight on it. Feedback for a name that is gone (a health check or a
+failure that raced its removal) is ignored."""
 
 from __future__ import annotations
 
@@ -39,10 +38,11 @@ from dataclasses import dataclass, field
 from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
+from router.fleet.legs import ItlExposure, decode_sample, first_token_sample, stalls_decoding
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
-from router.fleet.legs import decode_sample, first_token_sample
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
+from router.routing.goodput import Slo
 from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
 from router.routing.speed_learner import SpeedLearner
@@ -73,6 +73,7 @@ class BackendState:
     prefilling: int = 0  # legs sent, no first token yet
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
+    exposure: ItlExposure = field(default_factory=ItlExposure)  # decoding legs within the ITL SLO
     # Requests the last scrape saw beyond this router's own legs at that moment: traffic
     # of other replicas (or clients that bypass the router).
     others_waiting: float = 0.0
@@ -102,6 +103,7 @@ class BackendRegistry:
     kv_fresh: Callable[[BackendState, float], bool] | None = None
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
+    slo: Slo | None = None  # goodput's SLOs (routing.slo_*): which prefills stall decoding past them
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
     # Headers each request to a backend carries (a DP rank's; the upstream client reads it).
     backend_headers: dict[str, dict[str, str]] = field(default_factory=dict, init=False)
@@ -109,10 +111,7 @@ class BackendRegistry:
     def __post_init__(self) -> None:
         self.stalls = StallWatch(self.health.slow_engine_s)  # engines whose answers stall (router/fleet/stalls.py)
         for c in self.configs:
-            self.states[c.name] = BackendState(config=c, models=c.models)
-            self._set_headers(c)
-            if c.prefill_tokens_per_s > 0:
-                self.learner.engine_per_token_s[c.name] = 1.0 / c.prefill_tokens_per_s
+            self.add(c)
 
     # --- views -----------------------------------------------------------------------
     def snapshot(self) -> ClusterSnapshot:
@@ -149,6 +148,7 @@ class BackendRegistry:
                     now - s.others_seen_at <= OTHERS_SEEN_S,
                     s.adapters,
                     learner.itl(name),
+                    s.decoding - s.exposure.clean,
                 )
             )
         return ClusterSnapshot(
@@ -190,12 +190,7 @@ class BackendRegistry:
         return any(v.available and v.decodes for v in self.snapshot().backends)
 
     def models(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for s in self.states.values():
-            if s.healthy:
-                for m in s.models:
-                    seen[m] = None
-        return list(seen)
+        return list(dict.fromkeys(m for s in self.states.values() if s.healthy for m in s.models))
 
     # --- operator ----------------------------------------------------------------------
     def add(self, config: BackendConfig) -> BackendState:
@@ -248,6 +243,8 @@ class BackendRegistry:
         s = self.states[name]
         now = self.clock()
         ticket = LegTicket(name, max(int(tokens), 0), self._queued_tokens(s, now), self._decoding(s), now)
+        ticket.stalls = stalls_decoding(self.learner, ticket, self.slo)
+        s.exposure.opened(ticket)
         self.acquire(name)
         s.queued_tokens += ticket.tokens
         s.prefilling += 1
@@ -267,6 +264,7 @@ class BackendRegistry:
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
             s.decoding += 1
+            s.exposure.first_token(ticket)
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = self._decoding(s)
             ticket.prefilled_at_first = s.prefilled_tokens
@@ -279,6 +277,7 @@ class BackendRegistry:
         s = self.states.get(ticket.backend)
         if s is None:
             return
+        s.exposure.closed(ticket)
         if ticket.first_token_at is None:
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1

@@ -81,12 +81,22 @@ class Placement:
 
 def pushed_past_itl(view: BackendView, extra_step_s: float, joining: float, slo: Slo) -> float:
     """Sequences decoding on `view` whose steps are within the ITL SLO now and would not be
-    with `extra_step_s` more per step and `joining` more sequences."""
+    with `extra_step_s` more per step and `joining` more sequences; those a stalling
+    prefill already pushed past it (`BackendView.stalled`) are lost already."""
     now = view.itl.seconds(view.decoding)
     after = view.itl.seconds(view.decoding + joining) + extra_step_s
     if view.decoding <= 0 or now > slo.itl_s or after <= slo.itl_s:
         return 0.0
-    return view.decoding
+    return max(view.decoding - view.stalled, 0.0)
+
+
+def prefill_stalls(
+    speed: costmodel.EngineSpeed, step: costmodel.ItlSpeed, decoding: float, tokens: float, slo: Slo
+) -> bool:
+    """Does a leg prefilling `tokens` on an engine with `decoding` sequences make its steps
+    longer than the ITL SLO (the test `pushed_past_itl` applies to a direct placement)?"""
+    stall = costmodel.prefill_stall_s(speed, tokens, slo.chunk_tokens)
+    return tokens > 0 and step.seconds(decoding + 1.0) + stall > slo.itl_s
 
 
 def direct(view: BackendView, lacking: float, ttft_s: float, slo: Slo) -> Placement:

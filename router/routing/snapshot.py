@@ -50,6 +50,9 @@ class BackendView:
     adapters: tuple[str, ...] = ()
     # Its measured decode step: the gap between tokens of its decoding sequences (costmodel.py).
     itl: ItlSpeed = field(default_factory=ItlSpeed)
+    # Of `decoding`, the sequences a stalling prefill has pushed past the ITL SLO already
+    # (router/fleet/legs.py ItlExposure): another stall costs them nothing more.
+    stalled: float = 0.0
 
     @property
     def load(self) -> float:

@@ -33,6 +33,7 @@ from router.fleet.registry import BackendRegistry, BackendState
 from router.observability import tracing
 from router.observability.metrics import RouterMetrics
 from router.observability.record import RequestRecord
+from router.routing.fallback import slo_of
 from router.routing.kv_index import KvIndex
 from router.routing.planning import RemembersPrefixes
 from router.routing.policies import make_strategy
@@ -121,6 +122,7 @@ class RouterState:
             cfg.all_backends(engine_urls, engine_events), cfg.health, learner=SpeedLearner(speed_prior(cfg.routing))
         )
         learner = self.registry.learner
+        self.registry.slo = slo_of(cfg.routing)  # which prefills stall decoding (router/fleet/legs.py)
         self.kv_events = KvEvents(KvIndex(cfg.kv_events.max_blocks_per_engine), self.registry, cfg.kv_events)
         # Looked up per request only once an engine's stream has brought a batch.
         self.registry.kv_fresh, self.registry.kv_index = self.kv_events.fresh, self.kv_events.index
@@ -245,6 +247,7 @@ class RouterState:
         if cfg.routing != old.routing:
             # The cost model's priors; what it measured since the start stays.
             self.registry.learner.prior = speed_prior(cfg.routing)
+            self.registry.slo = slo_of(cfg.routing)
             if self.adapters is not None:
                 self.adapters.configure(cfg.routing)
             strategy, before = make_strategy(cfg.routing), self.dispatcher.strategy
