@@ -14,6 +14,7 @@ from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import KV_USAGE, RUNNING, WAITING
 from router.fleet.registry import OTHERS_SEEN_S, BackendRegistry, LegTicket
 from router.names import BreakerState, Role
+from router.routing.goodput import Slo
 from router.routing.snapshot import BackendView
 
 
@@ -263,6 +264,32 @@ def test_an_ended_legs_gaps_teach_the_decode_step_less_the_prefills_computed_mea
     assert fit.samples == 1
 
 
+def test_a_stalling_prefill_counts_the_legs_decoding_beside_it_as_past_the_itl_slo() -> None:
+    now = [0.0]
+    r = BackendRegistry(
+        [BackendConfig("d0", "http://d0", prefill_tokens_per_s=10_000.0)], HealthConfig(), clock=lambda: now[0]
+    )
+    r.slo = Slo(ttft_s=1.0, itl_s=0.1, chunk_tokens=8192)  # 1,000 tokens: 100 ms more per step
+    early = r.open_leg("d0", 100)
+    r.first_token(early)
+    assert (early.stalls, _view(r, "d0").stalled) == (False, 0)
+    long = r.open_leg("d0", 5000)
+    assert (long.stalls, _view(r, "d0").stalled) == (True, 1)  # early decodes beside it from now on
+    beside = r.open_leg("d0", 100)
+    r.first_token(beside)  # starts decoding while the long prefill is not through
+    r.first_token(long)  # through: it stalls nobody from now on, itself included
+    assert (_view(r, "d0").decoding, _view(r, "d0").stalled) == (3, 2)
+    after = r.open_leg("d0", 100)
+    r.first_token(after)
+    r.close_leg(early)
+    assert (_view(r, "d0").decoding, _view(r, "d0").stalled) == (3, 1)
+    r.close_leg(long)
+    r.close_leg(beside)
+    assert (_view(r, "d0").decoding, _view(r, "d0").stalled) == (1, 0)
+    r.slo = None  # no SLO: no prefill is judged stalling
+    assert not r.open_leg("d0", 5000).stalls
+
+
 def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]:
     """Each backend's view as the snapshot describes it, built by keyword: what the
     snapshot's positional construction must equal."""
@@ -290,9 +317,28 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
             adapters=s.adapters,
             itl=r.learner.itl(s.config.name),
+            stalled=s.decoding - s.exposure.clean,
         )
         for s in r.states.values()
     )
+
+
+def _stalled_by_history(tickets: list[LegTicket], events: list[tuple[str, LegTicket]], name: str) -> int:
+    """The legs decoding on `name` that a stalling prefill ran beside, from the order of
+    events: one was sent there and not through at the leg's first token, or sent after it."""
+    stalled = 0
+    for t in tickets:
+        if t.backend != name or t.first_token_at is None or t.closed:
+            continue
+        at = events.index(("first_token", t))
+        for i, (kind, other) in enumerate(events):
+            if other is t or other.backend != name or not other.stalls or kind != "open":
+                continue
+            through = [j for j, (k, o) in enumerate(events) if o is other and k in ("first_token", "close")]
+            if i > at or (i < at and (not through or through[0] > at)):
+                stalled += 1
+                break
+    return stalled
 
 
 _names = st.sampled_from(["d0", "d1", "p0"])
@@ -328,16 +374,24 @@ def test_the_snapshot_is_every_backend_s_view_after_any_sequence_of_changes(ops:
         BackendConfig("p0", "http://p0", role=Role.PREFILL),
     ]
     r = BackendRegistry(cfgs, HealthConfig(failure_threshold=2, cooldown_s=5.0), clock=lambda: now[0])
+    r.slo = Slo(ttft_s=1.0, itl_s=0.1, chunk_tokens=8192)  # d1: 500 tokens and more stall its steps
     tickets: list[LegTicket] = []
+    events: list[tuple[str, LegTicket]] = []  # what each leg went through, in order
     for op in ops:
         kind, *args = op
         if kind == "open":
             tickets.append(r.open_leg(args[0], args[1]))
+            events.append(("open", tickets[-1]))
         elif kind == "first_token" and tickets:
             t = tickets[args[0] % len(tickets)]
+            if t.first_token_at is None and not t.closed:
+                events.append(("first_token", t))
             r.first_token(t, t.sent_at + args[1])
         elif kind == "close" and tickets:
-            r.close_leg(tickets[args[0] % len(tickets)])
+            t = tickets[args[0] % len(tickets)]
+            if not t.closed:
+                events.append(("close", t))
+            r.close_leg(t)
         elif kind == "scrape":
             r.record_scrape(args[0], args[1], None)
         elif kind == "scrape_failed":
@@ -358,4 +412,6 @@ def test_the_snapshot_is_every_backend_s_view_after_any_sequence_of_changes(ops:
             now[0] += args[0]
         snap = r.snapshot()
         assert snap.backends == _views_by_keyword(r, now[0])
+        for b in snap.backends:
+            assert b.stalled == _stalled_by_history(tickets, events, b.name)
         assert snap.adapters == frozenset(a for s in r.states.values() for a in s.adapters)

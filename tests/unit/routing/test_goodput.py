@@ -35,6 +35,23 @@ def test_sequences_already_past_the_slo_are_not_counted_again() -> None:
     assert goodput.direct(slow, 1000, 0.2, SLO).stalled == 0
 
 
+def test_sequences_a_stalling_prefill_already_pushed_cost_nothing_more() -> None:
+    # 10 decoding, 6 of them beside an earlier stalling prefill: this stall loses the other 4.
+    d = replace(view("d", decoding=10), itl=STEP, stalled=6)
+    assert goodput.direct(d, 1000, 0.2, SLO).stalled == 4
+    assert goodput.direct(replace(d, stalled=10), 1000, 0.2, SLO).lost(SLO) == 0
+
+
+def test_a_prefill_stalls_exactly_when_a_direct_placement_pushes_sequences() -> None:
+    # With 10 decoding, a step takes 11.1 ms with the new sequence: 889 tokens more fill the SLO.
+    for tokens, stalls in [(1000, True), (900, True), (880, False), (100, False), (0, False)]:
+        d = replace(view("d", decoding=10), itl=STEP)
+        assert goodput.prefill_stalls(SPEED, STEP, 10, tokens, SLO) == stalls
+        assert (goodput.direct(d, tokens, 0.2, SLO).stalled > 0) == stalls
+    # Nobody decoding: the prefill stalls whoever starts decoding beside it.
+    assert goodput.prefill_stalls(SPEED, STEP, 0, 1000, SLO)
+
+
 def test_the_split_stalls_nobody_and_wins_while_its_ttft_meets_the_slo() -> None:
     d = replace(view("d", decoding=10), itl=STEP)
     prod = replace(view("p", decodes=False, prefills=True), itl=STEP)
