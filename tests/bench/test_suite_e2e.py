@@ -1,5 +1,6 @@
 """`python -m bench suite --quick` end to end on a tiny configuration: one short workload, two
-modes on real simulated engines and the real router; the table and its regret are consistent."""
+modes on real simulated engines and the real router; the table and its regret are consistent.
+With `--repeat 2 --control`: a directory per round and mode, the rounds' rows, the A/A row."""
 
 from __future__ import annotations
 
