@@ -153,9 +153,10 @@ def paired_rows(rows: Sequence[dict[str, Any]], reference: str | None, control: 
         if control is not None:
             pairs.append((control_label(control), control, CONTROL_PAIR))
         for a, b, name in pairs:
-            if a is None or (workload, a) not in by or (workload, b) not in by:
+            if a is None:
                 continue
-            stats = compare_pair(by[(workload, a)], by[(workload, b)])
+            # A mode that never measured keeps its row: 0 rounds says so.
+            stats = compare_pair(by.get((workload, a), {}), by.get((workload, b), {}))
             out.append({"workload": workload, "pair": name, "a": a, "b": b, **stats})
     return out
 

@@ -132,6 +132,15 @@ def test_a_failed_round_is_left_out_of_its_pairs() -> None:
     assert aa["goodput_diff"]["rounds"] == 2
 
 
+def test_a_mode_failed_in_every_round_keeps_its_row_with_no_rounds() -> None:
+    rows = [r for r in _three_rounds() if r["mode"] != "round_robin"]
+    rows += [{"workload": "w", "round": k, "mode": "round_robin", "failed": "RuntimeError: boom"} for k in (1, 2, 3)]
+    vs, aa = paired_rows(rows, "probe", "round_robin")
+    assert (vs["pair"], aa["pair"]) == ("probe vs round_robin", CONTROL_PAIR)
+    assert vs["ttft_p50_ratio"]["rounds"] == aa["goodput_diff"]["rounds"] == 0
+    assert vs["ttft_p50_ratio"]["gmean"] is None
+
+
 def test_compare_pair_of_modes_without_common_rounds() -> None:
     got = compare_pair({1: {"ttft_p50_ms": 5.0}}, {2: {"ttft_p50_ms": 5.0}})
     assert got["ttft_p50_ratio"] == {"gmean": None, "min": None, "max": None, "no_worse": 0, "rounds": 0}
