@@ -164,6 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--trace", help="Mooncake-format trace of the trace workloads (default: generated)")
     su.add_argument("--requests", type=int, default=0, help="about this many requests per workload (0: its own)")
     su.add_argument("--seed", type=int, default=0)
+    su.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N rounds per workload, every mode once per round on the same trace, the order reversed "
+        "every other round; medians and per-round paired ratios (default %(default)s: one run each)",
+    )
+    su.add_argument(
+        "--control",
+        metavar="MODE",
+        help="with --repeat: MODE runs twice per round, the second as MODE~control (an A/A pair: the noise floor)",
+    )
+    su.add_argument(
+        "--reference",
+        metavar="MODE",
+        help="with --repeat: the mode the others are paired against (default: probe if it runs, else the first)",
+    )
     su.set_defaults(fn=cmd_suite)
 
     c = sub.add_parser("compare", help="table and plots from run directories")

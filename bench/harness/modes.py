@@ -20,6 +20,21 @@ SPLIT_MODES = {"probe_split_always": "always", "probe_split_never": "never"}
 OUR_MODES: tuple[str, ...] = (*ROUTER_MODES, *SPLIT_MODES)
 
 
+# The suite's A/A control runs a mode a second time under this suffix: the same routing
+# and settings on a fresh cluster. Only the bench sees the label; the run itself gets
+# routing_mode(label).
+CONTROL_SUFFIX = "~control"
+
+
+def control_label(mode: str) -> str:
+    return mode + CONTROL_SUFFIX
+
+
+def routing_mode(label: str) -> str:
+    """The mode a suite label runs: the mode itself, or the one its control repeats."""
+    return label.removesuffix(CONTROL_SUFFIX)
+
+
 def strategy_of(mode: str) -> str:
     """Our router's routing.strategy for one of OUR_MODES."""
     return PROBE if mode in SPLIT_MODES else mode

@@ -1,5 +1,6 @@
 """`python -m bench suite --quick` end to end on a tiny configuration: one short workload, two
-modes on real simulated engines and the real router; the table and its regret are consistent."""
+modes on real simulated engines and the real router; the table and its regret are consistent.
+With `--repeat 2 --control`: a directory per round and mode, the rounds' rows, the A/A row."""
 
 from __future__ import annotations
 
@@ -65,3 +66,50 @@ def test_suite_rejects_unknown_workloads_and_modes(tmp_path: Path) -> None:
         main(["suite", "--out", str(tmp_path), "--workloads", "nope"])
     with pytest.raises(SystemExit, match="unknown mode"):
         main(["suite", "--out", str(tmp_path), "--workloads", "hetero", "--modes", "probe,nope"])
+
+
+def test_suite_repeat_rounds_with_an_aa_control(tmp_path: Path) -> None:
+    rc = main(
+        [
+            "suite",
+            "--out",
+            str(tmp_path),
+            "--workloads",
+            "hetero",
+            "--modes",
+            "probe,round_robin",
+            "--requests",
+            "16",
+            "--engines",
+            "2",
+            "--speed",
+            "1",
+            "--repeat",
+            "2",
+            "--control",
+            "round_robin",
+        ]
+    )
+    assert rc == 0
+    labels = ["probe", "round_robin", "round_robin~control"]
+    for k in (1, 2):
+        for label in labels:
+            assert (tmp_path / "hetero" / f"r{k}" / label / "requests.jsonl").exists()
+    data = json.loads((tmp_path / "suite.json").read_text())
+    assert [(r["round"], r["mode"]) for r in data["rows"]] == [(k, m) for k in (1, 2) for m in labels]
+    for r in data["rows"]:
+        assert r["requests"] == 16
+        assert r["errors"] == 0
+    # The control ran round_robin's routing: every request went direct, as round_robin's did.
+    control = next(r for r in data["rows"] if r["mode"] == "round_robin~control")
+    assert control["share_direct"] == 1.0
+    summary = json.loads((tmp_path / "hetero" / "r1" / "round_robin~control" / "summary.json").read_text())
+    assert (summary["mode"], summary["label"]) == ("round_robin", "round_robin~control")
+    assert summary["router_options"]["strategy"] == "round_robin"
+    assert data["config"]["reference"] == "probe"
+    pairs = {p["pair"]: p for p in data["aggregate"]["paired"]}
+    assert set(pairs) == {"probe vs round_robin", "A/A control"}
+    assert pairs["A/A control"]["ttft_p50_ratio"]["rounds"] == 2
+    md = (tmp_path / "suite.md").read_text()
+    assert "| hetero | A/A control |" in md
+    assert "| hetero | round_robin~control | 2/2 |" in md
