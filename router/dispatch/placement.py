@@ -206,7 +206,8 @@ class LegPlacer:
             # would compute the prefix again, ahead of this decode leg in that engine's queue).
             self.strategy.on_routed(ctx.query, fb.prefill)
             # The decoder's place in the load is taken now: splits placed meanwhile see it.
-            held = self.registry.open_leg(fb.decode) if fb.decode in self.registry.states else None
+            wait_s = self.routing.slo_ttft_ms / 1000.0 - (ctx.loop.time() - ctx.started)
+            held = self.registry.open_leg(fb.decode, kv_wait_s=wait_s) if fb.decode in self.registry.states else None
             try:
                 fb, kv_params = await self._split_prefill(ctx, fb, failed)
             finally:  # the decode leg's own place is taken before _single yields

@@ -1,11 +1,12 @@
 """One leg's place in its engine's load (`LegTicket`): what the registry
 (router/fleet/registry.py) counts from `open_leg` to `close_leg`, the cost model's
-inputs when the leg was sent, the speed samples a leg makes, and which decoding legs a
-stalling prefill has already pushed past the ITL SLO (`ItlExposure`)."""
+inputs when the leg was sent, the speed samples a leg makes, and per engine what its legs
+mean for goodput (`EngineLegs`): decoding legs a stalling prefill already pushed past the
+ITL SLO, splits whose KV is on its way."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.routing.goodput import Slo, prefill_stalls
 from router.routing.speed_learner import SpeedLearner
@@ -30,12 +31,17 @@ class LegTicket:
     prefilled_at_first: int = 0
     # Its prefill makes the engine's steps longer than the ITL SLO (router/routing/goodput.py).
     stalls: bool = False
-    clean_epoch: int = -1  # the engine's ItlExposure epoch it decoded in clean; -1: never clean
+    clean_epoch: int = -1  # the engine's EngineLegs epoch it decoded in clean; -1: never clean
+    # A split's place on its decoder while the producer computes the prompt: when its TTFT
+    # SLO runs out (registry clock). A prefill sent there meanwhile runs ahead of its decode leg.
+    kv_deadline: float | None = None
 
 
 @dataclass(slots=True)
-class ItlExposure:
-    """Per engine: this router's decoding legs that no stalling prefill has run beside.
+class EngineLegs:
+    """Per engine, what this router's legs there mean for goodput (router/routing/goodput.py):
+    the decoding legs that no stalling prefill has run beside, and the splits whose decode
+    legs are on their way (`awaiting_kv`: their KV is still being computed).
 
     Goodput counts a sequence lost at its first gap between tokens over the ITL SLO, so a
     prefill that stalls an engine's steps past the SLO costs only the sequences there that
@@ -49,8 +55,11 @@ class ItlExposure:
     clean: int = 0  # decoding legs within the ITL SLO so far
     stalling: int = 0  # stalling prefills sent and not through
     epoch: int = 0  # one more per stalling prefill: legs clean in an earlier epoch are not now
+    awaiting_kv: list[LegTicket] = field(default_factory=list)
 
     def opened(self, ticket: LegTicket) -> None:
+        if ticket.kv_deadline is not None:
+            self.awaiting_kv.append(ticket)
         if ticket.stalls:
             self.stalling += 1
             self.epoch += 1
@@ -63,7 +72,13 @@ class ItlExposure:
             ticket.clean_epoch = self.epoch
             self.clean += 1
 
+    def kv_awaited_s(self, now: float) -> tuple[float, ...]:
+        """Seconds until each awaited split's TTFT SLO runs out."""
+        return tuple(t.kv_deadline - now for t in self.awaiting_kv if t.kv_deadline is not None)
+
     def closed(self, ticket: LegTicket) -> None:
+        if ticket.kv_deadline is not None:
+            self.awaiting_kv.remove(ticket)
         if ticket.first_token_at is None:
             if ticket.stalls:
                 self.stalling -= 1

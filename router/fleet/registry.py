@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
-from router.fleet.legs import ItlExposure, decode_sample, first_token_sample, stalls_decoding
+from router.fleet.legs import EngineLegs, decode_sample, first_token_sample, stalls_decoding
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
@@ -73,7 +73,7 @@ class BackendState:
     prefilling: int = 0  # legs sent, no first token yet
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
-    exposure: ItlExposure = field(default_factory=ItlExposure)  # decoding legs within the ITL SLO
+    legs: EngineLegs = field(default_factory=EngineLegs)  # what the legs mean for goodput (legs.py)
     # Requests the last scrape saw beyond this router's own legs at that moment: traffic
     # of other replicas (or clients that bypass the router).
     others_waiting: float = 0.0
@@ -148,7 +148,8 @@ class BackendRegistry:
                     now - s.others_seen_at <= OTHERS_SEEN_S,
                     s.adapters,
                     learner.itl(name),
-                    s.decoding - s.exposure.clean,
+                    s.decoding - s.legs.clean,
+                    s.legs.kv_awaited_s(now) if s.legs.awaiting_kv else (),
                 )
             )
         return ClusterSnapshot(
@@ -237,14 +238,16 @@ class BackendRegistry:
         s.draining = draining
 
     # --- legs: token-level load and speed samples -------------------------------------
-    def open_leg(self, name: str, tokens: int = 0) -> LegTicket:
+    def open_leg(self, name: str, tokens: int = 0, kv_wait_s: float | None = None) -> LegTicket:
         """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
-        (0 for a probe: an acceptor's prefill is done by the time it answers)."""
+        (0 for a probe: an acceptor's prefill is done by the time it answers); `kv_wait_s`: a
+        split's place on its decoder, its TTFT SLO running out in that many seconds."""
         s = self.states[name]
         now = self.clock()
         ticket = LegTicket(name, max(int(tokens), 0), self._queued_tokens(s, now), self._decoding(s), now)
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo)
-        s.exposure.opened(ticket)
+        ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
+        s.legs.opened(ticket)
         self.acquire(name)
         s.queued_tokens += ticket.tokens
         s.prefilling += 1
@@ -264,7 +267,7 @@ class BackendRegistry:
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1
             s.decoding += 1
-            s.exposure.first_token(ticket)
+            s.legs.first_token(ticket)
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = self._decoding(s)
             ticket.prefilled_at_first = s.prefilled_tokens
@@ -277,7 +280,7 @@ class BackendRegistry:
         s = self.states.get(ticket.backend)
         if s is None:
             return
-        s.exposure.closed(ticket)
+        s.legs.closed(ticket)
         if ticket.first_token_at is None:
             s.queued_tokens -= ticket.tokens
             s.prefilling -= 1

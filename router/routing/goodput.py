@@ -107,9 +107,19 @@ def direct(view: BackendView, lacking: float, ttft_s: float, slo: Slo) -> Placem
         prefill=None,
         ttft_s=ttft_s,
         itl_s=costmodel.itl(view.itl, view.decoding),
-        stalled=pushed_past_itl(view, stall, 1.0, slo),
+        stalled=pushed_past_itl(view, stall, 1.0, slo) + pushed_past_ttft(view, ttft_s),
         lacking=lacking,
     )
+
+
+def pushed_past_ttft(view: BackendView, ttft_s: float) -> float:
+    """Splits decoding on `view`, their KV on its way, that a prefill there finishing in
+    `ttft_s` pushes past their TTFT SLO: their decode legs arrive behind it. Those the queue
+    already there makes late are lost anyway."""
+    if not view.kv_awaited_s:
+        return 0.0
+    queue_s = costmodel.ttft(view.speed, view.queued_tokens, view.decoding, 0.0)
+    return float(sum(1 for left in view.kv_awaited_s if queue_s <= left < ttft_s))
 
 
 def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: float, slo: Slo) -> Placement:

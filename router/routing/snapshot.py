@@ -51,8 +51,11 @@ class BackendView:
     # Its measured decode step: the gap between tokens of its decoding sequences (costmodel.py).
     itl: ItlSpeed = field(default_factory=ItlSpeed)
     # Of `decoding`, the sequences a stalling prefill has pushed past the ITL SLO already
-    # (router/fleet/legs.py ItlExposure): another stall costs them nothing more.
+    # (router/fleet/legs.py EngineLegs): another stall costs them nothing more.
     stalled: float = 0.0
+    # Splits decoding here whose KV is on its way: seconds until each one's TTFT SLO runs out.
+    # A prefill sent here now runs ahead of their decode legs (router/routing/goodput.py).
+    kv_awaited_s: tuple[float, ...] = ()
 
     @property
     def load(self) -> float:

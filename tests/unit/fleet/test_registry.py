@@ -317,7 +317,8 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
             adapters=s.adapters,
             itl=r.learner.itl(s.config.name),
-            stalled=s.decoding - s.exposure.clean,
+            stalled=s.decoding - s.legs.clean,
+            kv_awaited_s=s.legs.kv_awaited_s(now),
         )
         for s in r.states.values()
     )
