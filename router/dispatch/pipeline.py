@@ -247,9 +247,12 @@ class Dispatcher:
         # A finished leg is one sample for the cost model (router/routing/speed_learner.py).
         learner = self.registry.learner
         if leg.route == Route.PD:
-            # Its prompt arrived over NIXL: the time to its first token is the transfer's.
+            # Its prompt arrived over NIXL: the time to its first token is the transfer's, if
+            # nothing was queued ahead of it there. A decode leg that waited behind prefills
+            # measures that queue: taught as the transfer, one such wait made every later
+            # split look seconds slow, so none was placed and the fit never heard otherwise.
             t = leg.ticket
-            if t.first_token_at is not None:
+            if t.first_token_at is not None and t.queued_ahead < 1.0:
                 learner.observe_transfer(outcome.prompt_tokens, t.first_token_at - t.sent_at)
             return None
         cached = outcome.cached_tokens or 0
