@@ -182,6 +182,31 @@ async def test_all_reject_prefill_then_decode_when_the_fallback_plans_a_split() 
     assert h.in_flight == {"d0": 0, "p0": 0}
 
 
+async def test_a_split_teaches_the_transfer_time_only_when_nothing_was_queued_ahead_on_its_decoder() -> None:
+    kv = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [1, 2]}
+
+    def split_harness() -> Harness:
+        return harness(
+            {
+                "d0": [rejection(300, 0), answer(PROMPT_IDS, [("Hi", 1)])],
+                "p0": [{"kv_transfer_params": kv, "usage": {"prompt_tokens": 300, "completion_tokens": 1}}],
+            },
+            backends={"d0": "decode", "p0": "prefill"},
+            split="always",
+            min_pd_prompt_tokens=1,
+        )
+
+    h = split_harness()
+    assert (await h.serve()).route == "pd"
+    assert h.registry.learner.transfer().samples == 1
+    # A prompt queued on the decoder ahead of the decode leg: its wait is that queue's.
+    h = split_harness()
+    ahead = h.registry.open_leg("d0", 500)
+    assert (await h.serve()).route == "pd"
+    assert h.registry.learner.transfer().samples == 0
+    h.registry.close_leg(ahead)
+
+
 async def test_a_failed_prefill_computes_the_prompt_on_the_decoder() -> None:
     h = harness(
         {

@@ -290,6 +290,17 @@ def test_a_stalling_prefill_counts_the_legs_decoding_beside_it_as_past_the_itl_s
     assert not r.open_leg("d0", 5000).stalls
 
 
+def test_a_split_s_place_on_its_decoder_counts_down_its_slo_until_the_decode_leg_takes_it() -> None:
+    now = [10.0]
+    r = _registry(lambda: now[0])
+    place = r.open_leg("d0", kv_wait_s=0.8)
+    now[0] = 10.3
+    assert _view(r, "d0").kv_awaited_s == pytest.approx((0.5,))
+    r.close_leg(place)  # the decode leg is sent: it is in the engine's queue now
+    assert _view(r, "d0").kv_awaited_s == ()
+    assert r.open_leg("d0", 100).kv_deadline is None
+
+
 def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]:
     """Each backend's view as the snapshot describes it, built by keyword: what the
     snapshot's positional construction must equal."""

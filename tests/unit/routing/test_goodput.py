@@ -52,6 +52,20 @@ def test_a_prefill_stalls_exactly_when_a_direct_placement_pushes_sequences() -> 
     assert goodput.prefill_stalls(SPEED, STEP, 0, 1000, SLO)
 
 
+def test_a_prefill_ahead_of_splits_awaiting_their_kv_loses_those_it_makes_late() -> None:
+    # Queue through in 10 ms + 10 x 1 ms; splits with 0.05, 0.5 and 5 s left of their SLO.
+    d = replace(view("d", decoding=10), itl=STEP, kv_awaited_s=(0.05, 0.5, 5.0))
+    queue_s = costmodel.ttft(SPEED, 0, 10, 0)
+    assert queue_s < 0.05
+    # Done in 0.2 s: the split with 0.05 s left is late; 0.5 and 5 s are not.
+    assert goodput.pushed_past_ttft(d, 0.2) == 1
+    assert goodput.pushed_past_ttft(d, 1.0) == 2
+    assert goodput.direct(d, 100, 1.0, SLO).lost(SLO) == 2  # 100 tokens stall nobody
+    # A split the queue already there makes late is lost anyway.
+    late = replace(d, kv_awaited_s=(queue_s / 2,))
+    assert goodput.pushed_past_ttft(late, 1.0) == 0
+
+
 def test_the_split_stalls_nobody_and_wins_while_its_ttft_meets_the_slo() -> None:
     d = replace(view("d", decoding=10), itl=STEP)
     prod = replace(view("p", decodes=False, prefills=True), itl=STEP)
