@@ -12,7 +12,10 @@ Each candidate placement is predicted with the one cost model (router/routing/co
 - the request's own TTFT (`ttft` or `pd_ttft`) and ITL (`itl` on its decoder);
 - per engine it touches, the running sequences it pushes past the ITL SLO: those whose
   next steps were within it and with this prompt's prefill chunk (on a decoder computing
-  it) or one more sequence (on the consumer) no longer are.
+  it) or one more sequence (on the consumer) no longer are, less those a stalling prefill
+  already pushed past it (`BackendView.stalled`, counted by router/fleet/legs.py);
+- on a decoder computing it, the splits placed there whose KV is still on its way and
+  that this prefill makes late: their decode legs arrive behind it (`pushed_past_ttft`).
 
 The candidate that loses the fewest requests (the new one counts one if it misses either
 SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. The
@@ -24,10 +27,13 @@ misses (measured: a producer's queue grew to 35 s); kept within the SLO, the pro
 takes what it can serve in time, and the decoders the rest. (Placing a request that
 misses wherever it goes where it is least late, instead, gave up the splits that kept
 the decoders' sequences within the ITL SLO: goodput fell from 0.125 to 0.025 on the
-real-arrivals workload.) The running sequences a stall would push are the uncertain
-part: one that already saw a stall is past the SLO anyway. A request that misses wherever
-it goes therefore lands on the engine with the longest queue (its requests wait, so few
-decode there): a sacrifice that keeps the other engines free for requests that can still
+real-arrivals workload.) Goodput loses a sequence at its first gap over the ITL SLO, so
+a sequence that already sat beside a stalling prefill costs nothing more: a prompt that
+must stall a decoder goes where decoders stall already, and the others keep their
+sequences within the SLO. (Counting every decoding sequence, such prompts went wherever
+sequences had just finished, every decoder in turn, and every decoder's sequences were
+stalled.) A request that misses wherever it goes lands on the engine where it loses the
+fewest others: a sacrifice that keeps the other engines free for requests that can still
 make their SLO, and leaves the hopeless ones late. Holding such requests in the router
 and placing them as engines freed (late binding) brought probe's TTFT p99 down to round
 robin's and its goodput down to round robin's too (0.26-0.30 -> 0.03 on the loaded
