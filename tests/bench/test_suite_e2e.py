@@ -11,26 +11,12 @@ import pytest
 
 from bench.cli import main
 
+# One short workload on two small engines: what an end-to-end run of the suite needs.
+TINY = ["--workloads", "hetero", "--requests", "16", "--engines", "2", "--speed", "1"]
+
 
 def test_suite_quick_tiny_table_and_regret(tmp_path: Path) -> None:
-    rc = main(
-        [
-            "suite",
-            "--quick",
-            "--out",
-            str(tmp_path),
-            "--workloads",
-            "hetero",
-            "--modes",
-            "oracle,probe,round_robin",
-            "--requests",
-            "16",
-            "--engines",
-            "2",
-            "--speed",
-            "1",
-        ]
-    )
+    rc = main(["suite", "--quick", "--out", str(tmp_path), "--modes", "oracle,probe,round_robin", *TINY])
     assert rc == 0
     data = json.loads((tmp_path / "suite.json").read_text())
     rows = {r["mode"]: r for r in data["rows"]}
@@ -74,16 +60,9 @@ def test_suite_repeat_rounds_with_an_aa_control(tmp_path: Path) -> None:
             "suite",
             "--out",
             str(tmp_path),
-            "--workloads",
-            "hetero",
             "--modes",
             "probe,round_robin",
-            "--requests",
-            "16",
-            "--engines",
-            "2",
-            "--speed",
-            "1",
+            *TINY,
             "--repeat",
             "2",
             "--control",

@@ -43,7 +43,6 @@ NO_UNIT_TEST = {
     "fleet/adapters.py": "loads adapters on running engines: tests/integration/test_lora_adapters.py",
     "fleet/health.py": "checks running engines: tests/reliability/test_health.py",
     "fleet/kubernetes.py": "the Kubernetes API: tests/integration/test_discovery_kubernetes.py",
-    "fleet/legs.py": "a dataclass the registry fills: tests/unit/fleet/test_registry.py",
     "fleet/lookup.py": "a protocol, no behaviour of its own",
     "names.py": "enumerations, no behaviour of their own",
     "observability/record.py": "filled in by the Dispatcher: tests/unit/dispatch/test_pipeline.py",
