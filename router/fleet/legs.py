@@ -102,8 +102,9 @@ def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens:
 
 
 def stalls_decoding(learner: SpeedLearner, ticket: LegTicket, slo: Slo | None) -> bool:
-    """Does the leg's prefill make its engine's steps longer than the ITL SLO (measured speeds)?"""
-    if slo is None:
+    """Does the leg's prefill make its engine's steps longer than the ITL SLO (measured speeds)?
+    Most legs prefill nothing (a race's probes): no speed is looked up for them."""
+    if slo is None or ticket.tokens <= 0:
         return False
     name = ticket.backend
     return prefill_stalls(learner.speed(name), learner.itl(name), ticket.decoding, ticket.tokens, slo)

@@ -66,7 +66,7 @@ def slo_of(routing: RoutingConfig) -> goodput.Slo:
 
 def consumer_load(c: BackendView) -> tuple[float, float]:
     """A consumer's order among a split's: when its queue is through, then the legs on it."""
-    return costmodel.ttft(c.speed, c.queued_tokens, c.decoding, 0.0), c.prefilling + c.decoding
+    return predicted_ttft(c, 0.0), c.prefilling + c.decoding
 
 
 def plan_fallback(

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.routing import costmodel
+from router.routing.planning import predicted_ttft
 from router.routing.snapshot import BackendView
 
 
@@ -89,11 +90,16 @@ def pushed_past_itl(view: BackendView, extra_step_s: float, joining: float, slo:
     """Sequences decoding on `view` whose steps are within the ITL SLO now and would not be
     with `extra_step_s` more per step and `joining` more sequences; those a stalling
     prefill already pushed past it (`BackendView.stalled`) are lost already."""
-    now = view.itl.seconds(view.decoding)
-    after = view.itl.seconds(view.decoding + joining) + extra_step_s
-    if view.decoding <= 0 or now > slo.itl_s or after <= slo.itl_s:
+    if view.decoding <= 0 or step_past_itl(view.itl, view.decoding, 0.0, slo):
+        return 0.0
+    if not step_past_itl(view.itl, view.decoding + joining, extra_step_s, slo):
         return 0.0
     return max(view.decoding - view.stalled, 0.0)
+
+
+def step_past_itl(step: costmodel.ItlSpeed, decoding: float, extra_step_s: float, slo: Slo) -> bool:
+    """Is an engine step with `decoding` sequences and `extra_step_s` more longer than the ITL SLO?"""
+    return step.seconds(decoding) + extra_step_s > slo.itl_s
 
 
 def prefill_stalls(
@@ -101,8 +107,9 @@ def prefill_stalls(
 ) -> bool:
     """Does a leg prefilling `tokens` on an engine with `decoding` sequences make its steps
     longer than the ITL SLO (the test `pushed_past_itl` applies to a direct placement)?"""
-    stall = costmodel.prefill_stall_s(speed, tokens, slo.chunk_tokens)
-    return tokens > 0 and step.seconds(decoding + 1.0) + stall > slo.itl_s
+    return tokens > 0 and step_past_itl(
+        step, decoding + 1.0, costmodel.prefill_stall_s(speed, tokens, slo.chunk_tokens), slo
+    )
 
 
 def direct(view: BackendView, lacking: float, ttft_s: float, slo: Slo) -> Placement:
@@ -124,7 +131,7 @@ def pushed_past_ttft(view: BackendView, ttft_s: float) -> float:
     already there makes late are lost anyway."""
     if not view.kv_awaited_s:
         return 0.0
-    queue_s = costmodel.ttft(view.speed, view.queued_tokens, view.decoding, 0.0)
+    queue_s = predicted_ttft(view, 0.0)
     return float(sum(1 for left in view.kv_awaited_s if queue_s <= left < ttft_s))
 
 
