@@ -5,7 +5,7 @@ a silent trial expires, an unhealthy backend gets no trial."""
 from router.config.schema import BackendConfig, HealthConfig
 from router.fleet.registry import BackendRegistry
 from router.names import BreakerState
-from router.routing.snapshot import BackendView
+from support.snapshots import registry_view
 
 
 class Clock:
@@ -14,12 +14,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def _view(r: BackendRegistry, name: str) -> BackendView:
-    view = r.snapshot().get(name)
-    assert view is not None  # a configured backend
-    return view
 
 
 def _breaker(r: BackendRegistry, name: str) -> BreakerState:
@@ -50,7 +44,7 @@ def test_a_good_health_check_does_not_close_an_open_breaker() -> None:
     _open(r)
     r.record_scrape("a", {}, None)
     assert _breaker(r, "a") == BreakerState.OPEN
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     assert [b.name for b in r.snapshot().decoders(None)] == ["b"]  # not even probed
 
 
@@ -61,7 +55,7 @@ def test_health_check_failures_do_not_open_the_breaker() -> None:
     assert _breaker(r, "a") == BreakerState.CLOSED
     assert not r.states["a"].healthy
     r.record_scrape("a", {}, None)
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
 
 
 def test_a_trial_without_verdict_frees_the_slot() -> None:
@@ -71,9 +65,9 @@ def test_a_trial_without_verdict_frees_the_slot() -> None:
     clock.t += 5.0
     r.acquire("a")  # the trial (a probe)
     assert _breaker(r, "a") == BreakerState.HALF_OPEN
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     r.release("a")  # rejected or lost the race: no verdict
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
     r.acquire("a")
     r.release("a")
     r.record_success("a")
@@ -87,9 +81,9 @@ def test_a_silent_trial_expires_after_the_cooldown() -> None:
     clock.t += 5.0
     r.acquire("a")  # a trial that never ends (stuck stream)
     clock.t += 4.9
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     clock.t += 0.2
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
 
 
 def test_a_failed_trial_reopens_for_a_full_cooldown() -> None:
@@ -101,11 +95,11 @@ def test_a_failed_trial_reopens_for_a_full_cooldown() -> None:
     r.release("a")
     r.record_failure("a", "still 500")
     assert _breaker(r, "a") == BreakerState.OPEN
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     clock.t += 4.9
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     clock.t += 0.2
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
 
 
 def test_an_unhealthy_open_backend_gets_no_trial() -> None:
@@ -114,7 +108,7 @@ def test_an_unhealthy_open_backend_gets_no_trial() -> None:
     _open(r)
     r.record_scrape_failure("a", "refused")
     clock.t += 60
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     r.record_scrape("a", {}, None)
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
     assert _breaker(r, "a") == BreakerState.OPEN

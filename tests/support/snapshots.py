@@ -5,9 +5,18 @@ known engine speed, so each expected choice can be worked out by hand from the c
 from __future__ import annotations
 
 from router.config.schema import RoutingConfig
+from router.fleet.registry import BackendRegistry
 from router.routing.costmodel import EngineSpeed, TransferSpeed
 from router.routing.planning import RouteQuery
 from router.routing.snapshot import BackendView, ClusterSnapshot
+
+
+def registry_view(r: BackendRegistry, name: str) -> BackendView:
+    """What a planner sees of a configured backend `name` of registry `r` now."""
+    view = r.snapshot().get(name)
+    assert view is not None  # a configured backend
+    return view
+
 
 # 10 ms per step, 100 us per prompt token (10k tokens/s), 1 ms per decoding sequence.
 SPEED = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=1e-3)

@@ -11,13 +11,7 @@ import pytest
 from router.config.schema import BackendConfig, HealthConfig
 from router.fleet.registry import BackendRegistry
 from router.routing.goodput import Slo
-from router.routing.snapshot import BackendView
-
-
-def _view(r: BackendRegistry, name: str) -> BackendView:
-    view = r.snapshot().get(name)
-    assert view is not None  # a configured backend
-    return view
+from support.snapshots import registry_view
 
 
 def _registry(clock: Callable[[], float]) -> BackendRegistry:
@@ -55,20 +49,20 @@ def test_a_stalling_prefill_counts_the_legs_decoding_beside_it_as_past_the_itl_s
     r.slo = Slo(ttft_s=1.0, itl_s=0.1, chunk_tokens=8192)  # 1,000 tokens: 100 ms more per step
     early = r.open_leg("d0", 100)
     r.first_token(early)
-    assert (early.stalls, _view(r, "d0").stalled) == (False, 0)
+    assert (early.stalls, registry_view(r, "d0").stalled) == (False, 0)
     long = r.open_leg("d0", 5000)
-    assert (long.stalls, _view(r, "d0").stalled) == (True, 1)  # early decodes beside it from now on
+    assert (long.stalls, registry_view(r, "d0").stalled) == (True, 1)  # early decodes beside it from now on
     beside = r.open_leg("d0", 100)
     r.first_token(beside)  # starts decoding while the long prefill is not through
     r.first_token(long)  # through: it stalls nobody from now on, itself included
-    assert (_view(r, "d0").decoding, _view(r, "d0").stalled) == (3, 2)
+    assert (registry_view(r, "d0").decoding, registry_view(r, "d0").stalled) == (3, 2)
     after = r.open_leg("d0", 100)
     r.first_token(after)
     r.close_leg(early)
-    assert (_view(r, "d0").decoding, _view(r, "d0").stalled) == (3, 1)
+    assert (registry_view(r, "d0").decoding, registry_view(r, "d0").stalled) == (3, 1)
     r.close_leg(long)
     r.close_leg(beside)
-    assert (_view(r, "d0").decoding, _view(r, "d0").stalled) == (1, 0)
+    assert (registry_view(r, "d0").decoding, registry_view(r, "d0").stalled) == (1, 0)
     r.slo = None  # no SLO: no prefill is judged stalling
     assert not r.open_leg("d0", 5000).stalls
 
@@ -78,7 +72,7 @@ def test_a_split_s_place_on_its_decoder_counts_down_its_slo_until_the_decode_leg
     r = _registry(lambda: now[0])
     place = r.open_leg("d0", kv_wait_s=0.8)
     now[0] = 10.3
-    assert _view(r, "d0").kv_awaited_s == pytest.approx((0.5,))
+    assert registry_view(r, "d0").kv_awaited_s == pytest.approx((0.5,))
     r.close_leg(place)  # the decode leg is sent: it is in the engine's queue now
-    assert _view(r, "d0").kv_awaited_s == ()
+    assert registry_view(r, "d0").kv_awaited_s == ()
     assert r.open_leg("d0", 100).kv_deadline is None

@@ -16,12 +16,7 @@ from router.fleet.registry import OTHERS_SEEN_S, BackendRegistry, LegTicket
 from router.names import BreakerState, Role
 from router.routing.goodput import Slo
 from router.routing.snapshot import BackendView
-
-
-def _view(r: BackendRegistry, name: str) -> BackendView:
-    view = r.snapshot().get(name)
-    assert view is not None  # a configured backend
-    return view
+from support.snapshots import registry_view
 
 
 def _breaker(r: BackendRegistry, name: str) -> BreakerState:
@@ -39,19 +34,19 @@ def test_leg_tickets_queue_tokens_until_the_first_token_then_count_a_decoding_se
     r.record_scrape("d0", {}, None)
     a = r.open_leg("d0", 1000)
     b = r.open_leg("d0", 300)
-    view = _view(r, "d0")
+    view = registry_view(r, "d0")
     assert (view.queued_tokens, view.decoding, view.inflight) == (1300, 0, 2)
     assert (b.queued_ahead, b.decoding) == (1000, 0)  # what was ahead of b when it was sent
     now[0] = 100.25
     r.first_token(a)
     r.first_token(a)  # repeated: no double count
-    view = _view(r, "d0")
+    view = registry_view(r, "d0")
     assert (view.queued_tokens, view.decoding) == (300, 1)
     r.close_leg(a)
     r.close_leg(a)
     r.close_leg(b)  # closed before its first token (cancelled): its tokens leave the queue
     r.first_token(b)  # too late: ignored
-    view = _view(r, "d0")
+    view = registry_view(r, "d0")
     assert (view.queued_tokens, view.decoding, view.inflight) == (0, 0, 0)
     # a's sample: 0 ahead + 800 lacking (200 cached), 0.25 s.
     assert r.learn_first_token(a, 800) == 0.25
@@ -64,7 +59,7 @@ def test_scraped_waiting_beyond_our_own_legs_counts_as_other_replicas_traffic() 
     r.learner.mean_prompt_tokens = 2000
     r.open_leg("d0", 500)
     r.record_scrape("d0", {"vllm:num_requests_waiting": 3.0, "vllm:num_requests_running": 5.0}, None)
-    view = _view(r, "d0")
+    view = registry_view(r, "d0")
     # Our one leg explains one waiting request; two more at the mean prompt length; the
     # five running are other replicas' too (our only leg is the waiting one).
     assert view.queued_tokens == 500 + 2 * 2000
@@ -83,17 +78,17 @@ def test_a_scrape_is_a_moment_of_the_past() -> None:
     for t in tickets:
         r.first_token(t)
         r.close_leg(t)
-    view = _view(r, "d0")
+    view = registry_view(r, "d0")
     assert (view.queued_tokens, view.decoding) == (0.0, 0.0)
     # Two prompts of another replica waiting at the scrape: 2,000 tokens, drained at the
     # prior's 10,000 tokens/s.
     r.record_scrape("d0", {"vllm:num_requests_waiting": 2.0, "vllm:num_requests_running": 1.0}, None)
-    assert _view(r, "d0").queued_tokens == 2000.0
+    assert registry_view(r, "d0").queued_tokens == 2000.0
     now[0] = 0.1
-    assert _view(r, "d0").queued_tokens == pytest.approx(1000.0)
+    assert registry_view(r, "d0").queued_tokens == pytest.approx(1000.0)
     now[0] = 0.5
-    assert _view(r, "d0").queued_tokens == 0.0
-    assert _view(r, "d0").decoding == 1.0
+    assert registry_view(r, "d0").queued_tokens == 0.0
+    assert registry_view(r, "d0").decoding == 1.0
 
 
 def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it() -> None:
@@ -125,20 +120,20 @@ def registry(clock: Clock, threshold: int = 3, cooldown: float = 5.0) -> Backend
 def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open() -> None:
     clock = Clock()
     r = registry(clock)
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
     r.record_failure("a", "x")
     r.record_failure("a", "x")
     assert _breaker(r, "a") == BreakerState.CLOSED
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
     r.record_failure("a", "x")
     assert _breaker(r, "a") == BreakerState.OPEN
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     assert not r.ready()  # the only decoder is open
     clock.t += 5.0
-    assert _view(r, "a").available  # cool-down over: one trial allowed
+    assert registry_view(r, "a").available  # cool-down over: one trial allowed
     r.acquire("a")
     assert _breaker(r, "a") == BreakerState.HALF_OPEN
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     r.release("a")
     r.record_failure("a", "still broken")
     assert _breaker(r, "a") == BreakerState.OPEN
@@ -147,7 +142,7 @@ def test_breaker_opens_after_consecutive_failures_and_recovers_through_half_open
     r.release("a")
     r.record_success("a")
     assert _breaker(r, "a") == BreakerState.CLOSED
-    assert _view(r, "a").available
+    assert registry_view(r, "a").available
     assert r.ready()
 
 
@@ -163,9 +158,9 @@ def test_success_resets_the_failure_count() -> None:
 def test_scrape_failure_marks_unhealthy_until_it_answers() -> None:
     r = registry(Clock(), threshold=100)
     r.record_scrape_failure("a", "refused")
-    assert not _view(r, "a").available
+    assert not registry_view(r, "a").available
     r.record_scrape("a", {"vllm:num_requests_waiting": 3.0}, None)
-    v = _view(r, "a")
+    v = registry_view(r, "a")
     assert v.available
     assert v.waiting == 3.0
 
@@ -174,11 +169,11 @@ def test_inflight_counts_and_load() -> None:
     r = registry(Clock())
     r.acquire("a")
     r.acquire("a")
-    assert _view(r, "a").inflight == 2
-    assert _view(r, "a").load == 2
+    assert registry_view(r, "a").inflight == 2
+    assert registry_view(r, "a").load == 2
     r.release("a")
     r.record_scrape("a", {"vllm:num_requests_running": 4.0, "vllm:num_requests_waiting": 1.0}, None)
-    assert _view(r, "a").load == 5.0
+    assert registry_view(r, "a").load == 5.0
 
 
 def test_models_come_from_config_or_discovery() -> None:
