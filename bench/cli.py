@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--requests", type=int, default=400, help="requests per K")
     sc.add_argument("--streams", type=int, default=1000, help="open streams for the memory test")
     sc.add_argument("--quick", action="store_true")
+    sc.add_argument("--idle-s", type=float, default=20.0, help="seconds of the no-traffic CPU measure per K")
+    sc.add_argument("--idle-only", action="store_true", help="only the no-traffic CPU measure")
     sc.set_defaults(fn=cmd_scaling)
 
     pr = sub.add_parser("profile", help="py-spy profile of the router under wrk load")

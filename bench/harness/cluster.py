@@ -29,6 +29,7 @@ _PROBE = ProbeSettings()
 _SERVER = ServerConfig()
 
 MODEL = "sim-model"
+SCRAPE_INTERVAL_S = 0.5  # of /metrics in bench runs (the router's default is 1 s)
 
 
 @dataclass
@@ -156,7 +157,7 @@ def router_toml(
             },
             "routing": routing,
             "timeouts": {"connect_s": 5.0, "first_token_s": 300.0, "idle_s": 120.0, "total_s": 900.0},
-            "health": {"scrape_interval_s": 0.5, "check_interval_s": 1.0},
+            "health": {"scrape_interval_s": SCRAPE_INTERVAL_S, "check_interval_s": 1.0},
             "backends": backends,
         }
     )
@@ -306,8 +307,6 @@ class Cluster:
 
 
 # --- metrics ----------------------------------------------------------------------------
-
-
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, list[tuple[dict[str, Any], float]]]:
     """name -> [(labels, value)] from a Prometheus /metrics page."""
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:

@@ -186,3 +186,15 @@ def test_instant_backend_answers_in_vllm_shapes(tmp_path: Path) -> None:
         assert chunks[0]["choices"][0]["prompt_token_ids"]
         assert chunks[3]["choices"][0]["finish_reason"] == "length"
         assert chunks[4]["usage"]["completion_tokens"] == 4
+
+
+def test_scaling_idle_measures_the_router_with_no_traffic(tmp_path: Path) -> None:
+    from bench.experiments.scaling import main as scaling_main
+
+    a = build_parser().parse_args(["scaling", "--out", str(tmp_path), "--ks", "2", "--idle-only", "--idle-s", "1"])
+    assert scaling_main(a) == 0
+    rows = json.loads((tmp_path / "scaling.json").read_text())["idle_rows"]
+    assert [(r["k"], r["strategy"]) for r in rows] == [(2, "probe"), (2, "round_robin")]
+    # CPU time counts in clock ticks (10 ms): a second of two engines' scrapes may read 0.
+    assert all(r["cpu_pct"] >= 0 and r["scrapes_per_s"] == 4.0 for r in rows)
+    assert "router CPU % of a core" in (tmp_path / "scaling.md").read_text()
