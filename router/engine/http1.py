@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL
+from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL, TOO_LARGE, AnswerTooLarge
 from router.engine.response_head import CHUNKED, LENGTH, MAX_HEAD_BYTES, TO_CLOSE, HeadError, body_framing, parse_head
 from router.engine.sse import SSEDecoder, SSEError
 
@@ -60,7 +60,8 @@ class LegConnection(asyncio.Protocol):
         self.got_bytes = False  # any byte of the response yet
         self.body_done = False
         # The SSE events of a 200 answer (the leg's reader takes them), or the bytes of an
-        # error answer (`raw`, up to MAX_ERROR_BODY).
+        # error answer (`raw`, up to MAX_ERROR_BODY) or of a whole answer (`whole` > 0).
+        self.whole = 0
         self.events: deque[bytes] = deque()
         self.decoder = SSEDecoder()
         self.raw: bytearray | None = None
@@ -75,9 +76,11 @@ class LegConnection(asyncio.Protocol):
 
     # -- the request --
 
-    def send(self, request: bytes) -> None:
-        """Write a request and expect its response."""
+    def send(self, request: bytes, whole: int = 0) -> None:
+        """Write a request and expect its response. `whole` > 0: a 200 answer is kept whole
+        in `raw` (a non-streamed answer), up to that many bytes (past it: TOO_LARGE)."""
         assert self.transport is not None
+        self.whole = whole
         self.state = _HEAD
         self.got_bytes = self.body_done = self.discard = False
         self.failure = self.raw = self.direct = None
@@ -144,8 +147,11 @@ class LegConnection(asyncio.Protocol):
         self.events = deque()
         self.decoder = SSEDecoder()
         self.unread = 0
-        if status != 200:
+        if status != 200 or self.whole:
             self.raw = bytearray()
+            if status == 200 and self.framing == LENGTH and self._left > self.whole:
+                self._too_large()
+                return
         if self.framing == LENGTH and self._left == 0:
             if rest:  # bytes past the answer: no second response was asked for
                 self.keep_alive = False
@@ -260,7 +266,12 @@ class LegConnection(asyncio.Protocol):
             return
         raw = self.raw
         if raw is not None:
-            if len(raw) < MAX_ERROR_BODY:
+            if self.whole and self.status == 200:
+                if len(raw) + len(data) > self.whole:
+                    self._too_large()
+                    return
+                raw += data
+            elif len(raw) < MAX_ERROR_BODY:
                 raw += data[: MAX_ERROR_BODY - len(raw)]
             self._wake()
             return
@@ -292,6 +303,12 @@ class LegConnection(asyncio.Protocol):
         if self.discard:
             self.release()
         self._wake()
+
+    def _too_large(self) -> None:
+        self._fail(TOO_LARGE, str(AnswerTooLarge("the answer", self.whole)))
+        self.close()
+        self._wake()
+        self._wake_head()
 
     def _fail(self, kind: str, detail: str) -> None:
         if self.failure is None:

@@ -90,9 +90,10 @@ class LegPool:
         return o
 
     async def request(
-        self, backend: str, base_url: str, path: str, headers: dict[str, str], body: bytes
+        self, backend: str, base_url: str, path: str, headers: dict[str, str], body: bytes, whole: int = 0
     ) -> LegConnection:
-        """POST `body`; the connection once the response head arrived with status 200.
+        """POST `body`; the connection once the response head arrived with status 200
+        (`whole` > 0: its body is read whole, up to that many bytes: `LegConnection.send`).
         Another status is an UpstreamError of kind STATUS with the answer's body (bounded);
         no connection, CONNECT or CONNECT_TIMEOUT. Cancelling closes the connection."""
         origin = self.origin(base_url)
@@ -104,9 +105,9 @@ class LegPool:
             error: UpstreamError | None = None
             try:
                 if request is not None:
-                    conn.send(request)
+                    conn.send(request, whole)
                 else:
-                    conn.send(head)
+                    conn.send(head, whole)
                     assert conn.transport is not None
                     conn.transport.write(body)
                 waiter = conn.head_waiter

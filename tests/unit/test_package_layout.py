@@ -34,7 +34,6 @@ NO_UNIT_TEST = {
     "config/launch.py": "[[engines]] and [launcher] read through parse_config: tests/integration/test_config.py, tests/launcher",
     "dispatch/context.py": "through the Dispatcher: tests/unit/dispatch/test_pipeline.py",
     "dispatch/placement.py": "through the Dispatcher: tests/unit/dispatch/test_pipeline.py",
-    "engine/client.py": "HTTP to engines: tests/integration/test_upstream_stream.py",
     "engine/errors.py": "an exception type, read by every leg test",
     "engine/stream.py": "a streamed leg over HTTP: tests/integration/test_upstream_stream.py",
     "fleet/capability.py": "asks a running engine: tests/integration/test_capability.py",

@@ -11,93 +11,20 @@ import pytest
 
 from router.config.schema import TimeoutsConfig
 from router.engine.client import UpstreamClient
-from router.engine.errors import BROKEN, CONNECT, CONNECT_TIMEOUT, MAX_ERROR_BODY, STATUS, UpstreamError
+from router.engine.errors import (
+    BROKEN,
+    CONNECT,
+    CONNECT_TIMEOUT,
+    MAX_ERROR_BODY,
+    STATUS,
+    UpstreamError,
+)
 from router.engine.pool import BadHeader, LegPool, Origin, request_head
 from router.engine.stream import UpstreamStream
 from support.polling import eventually
-
-# What the server does with one request: write to the connection; True keeps it open for
-# the next request.
-Answer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]
-
-
-class RawServer:
-    """An HTTP/1.1 server that reads requests and answers with what a test scripts."""
-
-    def __init__(self, answer: Answer):
-        self.answer = answer
-        self.requests: list[bytes] = []
-        self.connections = 0
-        self.writers: list[asyncio.StreamWriter] = []
-        self.eofs = 0  # connections the client closed
-        self.server: asyncio.Server | None = None
-        self.url = ""
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        self.writers.append(writer)
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError:
-                    self.eofs += 1
-                    return
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                self.requests.append(head + await reader.readexactly(length))
-                if not await self.answer(self.requests[-1], writer):
-                    return
-        except ConnectionError:
-            self.eofs += 1
-        finally:
-            writer.close()
-
-    async def stop(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for w in self.writers:
-            w.close()
-        await self.server.wait_closed()
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Answer], Awaitable[RawServer]]]:
-    servers: list[RawServer] = []
-
-    async def start(answer: Answer) -> RawServer:
-        s = RawServer(answer)
-        await s.start()
-        servers.append(s)
-        return s
-
-    yield start
-    for s in servers:
-        await s.stop()
-
-
-def chunk(payload: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(payload), payload)
-
+from support.raw_server import Answer, RawServer, chunk, writes
 
 EVENTS = b'data: {"n":1}\n\ndata: {"n":2}\n\ndata: [DONE]\n\n'
-
-
-def writes(*parts: bytes, keep: bool = True) -> Answer:
-    async def answer(_: bytes, w: asyncio.StreamWriter) -> bool:
-        for p in parts:
-            w.write(p)
-            await w.drain()
-        return keep
-
-    return answer
 
 
 CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
