@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.engine.errors import BROKEN, PROTOCOL
+from router.engine.errors import BROKEN, PROTOCOL, TOO_LARGE
 from router.engine.http1 import LegConnection
 
 
@@ -149,6 +149,35 @@ async def test_an_error_answer_is_kept_as_bytes() -> None:
     assert conn.raw == bytearray(b'{"a":1}')
     assert conn.body_done
     assert not conn.events
+
+
+@pytest.mark.parametrize("split", [1, 3, 7, 64, 10_000])
+async def test_a_whole_answer_is_kept_as_bytes_at_any_split(split: int) -> None:
+    # A non-streamed answer (send(..., whole=N)): the body is not read as SSE but kept whole.
+    conn, _, pool = connection()
+    conn.send(b"POST /tokenize HTTP/1.1\r\n\r\n", whole=100)
+    body = b'{"tokens":[1,2,3]}'
+    data = CHUNKED_HEAD + chunk(body[:4]) + chunk(body[4:]) + b"0\r\n\r\n"
+    for i in range(0, len(data), split):
+        conn.data_received(data[i : i + split])
+    assert conn.raw == bytearray(body)
+    assert conn.body_done
+    assert conn.failure is None
+    assert not conn.events
+    conn.release()
+    assert pool.released == [conn]
+    assert conn.raw is None  # the next request of the pooled connection starts clean
+
+
+async def test_a_whole_answer_past_its_bound_closes_the_connection() -> None:
+    conn, transport, _ = connection()
+    conn.send(b"POST / HTTP/1.1\r\n\r\n", whole=8)
+    conn.data_received(CHUNKED_HEAD + chunk(b"x" * 5))
+    assert conn.failure is None
+    conn.data_received(chunk(b"x" * 5))
+    assert conn.failure is not None
+    assert conn.failure[0] == TOO_LARGE
+    assert transport.closed
 
 
 async def test_the_reader_is_woken_only_by_whole_events() -> None:
