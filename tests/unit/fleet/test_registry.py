@@ -99,9 +99,6 @@ def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_re
     r.remove("late")
     r.add(BackendConfig("late", "http://elsewhere"))  # another machine under the same name
     assert r.learner.speed("late").per_token_s == r.learner.prior.per_token_s
-    # A producer's speed is pooled with the producers' (router/routing/speed_learner.py).
-    r.add(BackendConfig("p0", "http://p0", role=Role.PREFILL))
-    assert r.learner.prefill_only == {"p0"}
 
 
 class Clock:

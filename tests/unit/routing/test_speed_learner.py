@@ -137,30 +137,3 @@ def test_decode_step_is_learned_with_the_prefills_stall_taken_out() -> None:
     # A leg of one token has no gap to learn from.
     learner.observe_decode("d2", 5, 0, 1.0, 0)
     assert learner.itl("d2").samples == 0
-
-
-def test_producers_pool_apart_from_the_engines_that_decode() -> None:
-    # Decoders at 330 us a token, a producer whose samples say 200: a decoder short of its
-    # own fit is predicted by the decoders' pool alone, the producer by its own role's.
-    learner = SpeedLearner(SpeedPrior())
-    learner.add_engine("p0", prefill_only=True)
-    rng = random.Random(5)
-    for _ in range(60):
-        for name, b in (("d0", 3.3e-4), ("d1", 3.3e-4), ("p0", 2e-4), ("p0", 2e-4)):
-            w, d, y = _engine(rng, 0.04, b, 1e-3, 0.005)
-            learner.observe_first_token(name, w, d, y)
-    assert abs(learner.speed("d9").per_token_s - 3.3e-4) / 3.3e-4 < 0.05  # a new decoder: the decoders' pool
-    learner.add_engine("p9", prefill_only=True)
-    assert abs(learner.speed("p9").per_token_s - 2e-4) / 2e-4 < 0.05  # a new producer: the producers' pool
-    # Gone and added again under its name as a decoder: pooled with the decoders.
-    learner.forget_engine("p9")
-    assert "p9" not in learner.prefill_only
-    assert abs(learner.speed("p9").per_token_s - 3.3e-4) / 3.3e-4 < 0.05
-
-
-def test_a_configured_speed_is_where_the_engine_starts() -> None:
-    learner = SpeedLearner(SpeedPrior())
-    learner.add_engine("big", prefill_only=False, prefill_tokens_per_s=40_000)
-    assert learner.speed("big").per_token_s == 1 / 40_000
-    learner.forget_engine("big")
-    assert learner.speed("big").per_token_s == SpeedPrior().per_token_s
