@@ -41,7 +41,7 @@ from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_
 from router.fleet.legs import EngineLegs, decode_sample, first_token_sample, stalls_decoding
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.stalls import StallWatch
-from router.names import BreakerState, Role
+from router.names import BreakerState
 from router.routing.goodput import Slo
 from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
@@ -200,7 +200,8 @@ class BackendRegistry:
             raise ValueError(f"backend {config.name!r} already exists")
         s = self.states[config.name] = BackendState(config=config, models=config.models)
         self._set_headers(config)
-        self.learner.add_engine(config.name, config.role == Role.PREFILL, config.prefill_tokens_per_s)
+        if config.prefill_tokens_per_s > 0:
+            self.learner.engine_per_token_s[config.name] = 1.0 / config.prefill_tokens_per_s
         return s
 
     def _set_headers(self, config: BackendConfig) -> None:
@@ -220,6 +221,7 @@ class BackendRegistry:
         self.backend_headers.pop(name, None)
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
+        self.learner.engine_per_token_s.pop(name, None)
 
     def accepting(self, name: str) -> BackendState | None:
         """`name`'s state if a new leg may go there now: still in the fleet and not drained since planned."""

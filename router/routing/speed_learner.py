@@ -9,18 +9,13 @@ configured per workload: each starts at a prior and follows the measurements:
   its first token. A per-engine recursive least-squares fit with exponential forgetting
   (`OnlineLinear`), robust to outliers (residuals clipped at a few times their running
   size: a preemption or a stall must not teach the model that every token is slow).
-  Engines of one role are usually alike, so every sample also feeds one fit of the engines
-  of its role (the fleet's); an engine with fewer than `OWN_FIT_SAMPLES` samples of its own
-  is predicted by its fleet's (an engine judged by the prior while its peers are measured
-  would be wrongly skipped or wrongly chosen), and its own fit starts from the fleet's; its
-  per-token cost stays within `OWN_FIT_SPREAD` of the fleet's. Prefill-only engines
-  (producers) pool apart from the engines that decode: they are often other hardware, and
-  their legs' samples are another population. Pooled with the decoders', a producer's
-  samples (~200 us a token where its decoders took ~330, `bench/RESULTS.md`) held the
-  fleet's per-token cost at two thirds of the decoders' for a whole run, and every decoder
-  still short of its own fit was predicted that much too fast. An engine configured with
-  its own speed (`[[backends]] prefill_tokens_per_s`: other hardware) starts from that
-  instead. Each fleet fit starts at the routing prior.
+  Engines of a fleet are usually alike, so every sample also feeds one fleet-wide fit; an
+  engine with fewer than `OWN_FIT_SAMPLES` samples of its own is predicted by the fleet's
+  (an engine judged by the prior while its peers are measured would be wrongly skipped or
+  wrongly chosen), and its own fit starts from the fleet's; its per-token cost stays within
+  `OWN_FIT_SPREAD` of the fleet's. An engine configured with its
+  own speed (`[[backends]] prefill_tokens_per_s`: other hardware) starts from that instead.
+  The fleet fit starts at the routing prior.
 - transfer: decode legs that pulled their KV, (prompt tokens) -> seconds to first token.
 - decode step (`ItlSpeed`): every leg that produced more than one token is a sample,
   (mean decoding sequences over its life) -> its mean gap between tokens, less the stall
@@ -164,8 +159,6 @@ class SpeedLearner:
     prior: SpeedPrior = field(default_factory=SpeedPrior)
     # Per-engine prior seconds per prompt token ([[backends]] prefill_tokens_per_s).
     engine_per_token_s: dict[str, float] = field(default_factory=dict)
-    # Prefill-only engines (producers): pooled apart from the engines that decode.
-    prefill_only: set[str] = field(default_factory=set)
     chars_per_token: float = 4.0
     mean_prompt_tokens: float = 1024.0
     race_wait_s: float = 0.005
@@ -178,7 +171,7 @@ class SpeedLearner:
     _races_unplaced: int = 0
     _waits: int = 0  # races nobody won (race_wait_s)
     _engines: dict[str, OnlineLinear] = field(default_factory=dict)
-    _fleets: dict[bool, OnlineLinear] = field(default_factory=dict)  # by prefill-only
+    _fleet: OnlineLinear | None = None
     _transfer: OnlineLinear | None = None
     _steps: dict[str, OnlineLinear] = field(default_factory=dict)
     _fleet_step: OnlineLinear | None = None
@@ -192,21 +185,11 @@ class SpeedLearner:
         # A coefficient may be off by ~10x its prior before the data settles it.
         return OnlineLinear(start, (10 * p.intercept_s + 0.1, 10 * p.per_token_s, 10 * p.per_decode_s))
 
-    def _fleet_fit(self, engine: str) -> OnlineLinear:
-        """The pooled fit of `engine`'s role (producers apart from the engines that decode)."""
-        producer = engine in self.prefill_only
-        fit = self._fleets.get(producer)
-        if fit is None:
+    def _fleet_fit(self) -> OnlineLinear:
+        if self._fleet is None:
             p = self.prior
-            fit = self._fleets[producer] = self._new_fit((p.intercept_s, p.per_token_s, p.per_decode_s))
-        return fit
-
-    def add_engine(self, engine: str, prefill_only: bool, prefill_tokens_per_s: float = 0.0) -> None:
-        """An engine joined the fleet: its role, and its configured speed if any."""
-        if prefill_only:
-            self.prefill_only.add(engine)
-        if prefill_tokens_per_s > 0:
-            self.engine_per_token_s[engine] = 1.0 / prefill_tokens_per_s
+            self._fleet = self._new_fit((p.intercept_s, p.per_token_s, p.per_decode_s))
+        return self._fleet
 
     def _engine(self, name: str) -> OnlineLinear:
         fit = self._engines.get(name)
@@ -218,7 +201,7 @@ class SpeedLearner:
                     (p.intercept_s, own, p.per_decode_s), (10 * p.intercept_s + 0.1, 10 * own, 10 * p.per_decode_s)
                 )
             else:
-                a, b, c = self._fleet_fit(name).theta
+                a, b, c = self._fleet_fit().theta
                 fit = self._new_fit((a, b, c))
             self._engines[name] = fit
         return fit
@@ -264,7 +247,7 @@ class SpeedLearner:
             x = (1.0, float(prefill_tokens), float(decoding))
             self._engine(engine).observe(x, seconds)
             if engine not in self.engine_per_token_s:
-                self._fleet_fit(engine).observe(x, seconds)
+                self._fleet_fit().observe(x, seconds)
 
     def observe_transfer(self, tokens: float, seconds: float) -> None:
         if seconds >= 0.0 and tokens > 0:
@@ -327,11 +310,11 @@ class SpeedLearner:
             p = self.prior
             return EngineSpeed(p.intercept_s, self.engine_per_token_s[engine], p.per_decode_s, 0, held)
         if fit is None or (fit.samples < OWN_FIT_SAMPLES and not own_prior):
-            a, b, c = self._fleet_fit(engine).theta
+            a, b, c = self._fleet_fit().theta
             return EngineSpeed(a, b, c, 0 if fit is None else fit.samples, held)
         a, b, c = fit.theta
         if not own_prior:  # an engine configured as other hardware is judged on its own
-            fleet = max(self._fleet_fit(engine).theta[1], MIN_PER_TOKEN_S)
+            fleet = max(self._fleet_fit().theta[1], MIN_PER_TOKEN_S)
             b = min(max(b, fleet / OWN_FIT_SPREAD), fleet * OWN_FIT_SPREAD)
         return EngineSpeed(a, b, c, fit.samples, held)
 
@@ -350,9 +333,6 @@ class SpeedLearner:
         return TransferSpeed(a, b, self._transfer.samples)
 
     def forget_engine(self, engine: str) -> None:
-        """The engine left the fleet: one added again under its name may be another machine."""
-        self.engine_per_token_s.pop(engine, None)
-        self.prefill_only.discard(engine)
         self._engines.pop(engine, None)
         self._steps.pop(engine, None)
         self._tier_counters.pop(engine, None)
