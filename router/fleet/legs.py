@@ -90,14 +90,21 @@ def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens:
     """One speed sample from a leg that reached its first token, now that its usage says
     how many prompt tokens it lacked and held. Returns the observed seconds to first
     token. The held tokens' load time (CPU tier) is the scraped counters' to explain,
-    so it is taken out of the sample before it teaches the prefill speed."""
+    so it is taken out of the sample before it teaches the prefill speed.
+
+    Only a leg with nothing queued ahead of it teaches the speed: a prompt ahead counts
+    whole until its first token, however much of it the engine has computed, so a leg sent
+    late in another's prefill reads as fast (4,954 + 3,155 tokens in 1.2 s, where 4,954
+    alone took 1.7 s). Such samples held the learned per-token cost at 180-245 us where
+    the engines took 333 (bench/RESULTS.md)."""
     if ticket.first_token_at is None:
         return None
     seconds = ticket.first_token_at - ticket.sent_at
-    loading = learner.speed(ticket.backend).held_cost_s(held_tokens)
-    learner.observe_first_token(
-        ticket.backend, ticket.queued_ahead + max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
-    )
+    if ticket.queued_ahead < 1.0:
+        loading = learner.speed(ticket.backend).held_cost_s(held_tokens)
+        learner.observe_first_token(
+            ticket.backend, max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
+        )
     return seconds
 
 
