@@ -4,9 +4,9 @@ The cost model (router/routing/costmodel.py) needs each engine's speed, the KV t
 how many characters a prompt token is, and what a probe rejection costs. None of these is
 configured per workload: each starts at a prior and follows the measurements:
 
-- engine speed: every leg that produced a first token is one sample, (prefill tokens
-  ahead of it when it was sent + tokens it lacked, decoding sequences then) -> seconds to
-  its first token. A per-engine recursive least-squares fit with exponential forgetting
+- engine speed: every leg that produced a first token with nothing queued ahead of it is
+  one sample, (tokens it lacked, decoding sequences then) -> seconds to its first token
+  (router/fleet/legs.py says why a queued leg is not). A per-engine recursive least-squares fit with exponential forgetting
   (`OnlineLinear`), robust to outliers (residuals clipped at a few times their running
   size: a preemption or a stall must not teach the model that every token is slow).
   Engines of a fleet are usually alike, so every sample also feeds one fleet-wide fit; an

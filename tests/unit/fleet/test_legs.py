@@ -76,3 +76,22 @@ def test_a_split_s_place_on_its_decoder_counts_down_its_slo_until_the_decode_leg
     r.close_leg(place)  # the decode leg is sent: it is in the engine's queue now
     assert registry_view(r, "d0").kv_awaited_s == ()
     assert r.open_leg("d0", 100).kv_deadline is None
+
+
+def test_only_a_leg_with_nothing_queued_ahead_teaches_the_engines_speed() -> None:
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    first = r.open_leg("d0", 5000)
+    now[0] = 1.5
+    second = r.open_leg("d0", 3000)  # 5,000 tokens ahead, most of them computed by now
+    now[0] = 1.7
+    r.first_token(first)
+    now[0] = 2.7
+    r.first_token(second)
+    assert r.learn_first_token(second, 3000) == pytest.approx(1.2)
+    # 8,000 tokens in 1.2 s would read as 150 us a token: not a sample.
+    assert r.learner._engines.get("d0") is None
+    assert r.learn_first_token(first, 5000) == pytest.approx(1.7)
+    assert r.learner._engines["d0"].samples == 1
+    # 5,000 tokens in 1.7 s: the fit moves from the 100 us prior towards 340 us.
+    assert r.learner.speed("d0").per_token_s > r.learner.prior.per_token_s
