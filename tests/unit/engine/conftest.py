@@ -1,4 +1,5 @@
-"""The scripted engine server of the hand-written client's tests, one per test."""
+"""The scripted engine server of the hand-written client's tests, one per test, and the
+client under test."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from router.config.schema import TimeoutsConfig
+from router.engine.client import UpstreamClient
 from support.raw_server import Answer, RawServer
 
 
@@ -22,3 +25,10 @@ async def serve() -> AsyncIterator[Callable[[Answer], Awaitable[RawServer]]]:
     yield start
     for s in servers:
         await s.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UpstreamClient]:
+    c = UpstreamClient(TimeoutsConfig())
+    yield c
+    await c.close()

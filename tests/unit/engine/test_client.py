@@ -5,23 +5,14 @@ writing exact bytes: each body framing, the bound, a cut or late answer, an erro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.config.schema import TimeoutsConfig
 from router.engine.client import UpstreamClient
 from router.engine.errors import BROKEN, STATUS, TOO_LARGE, TOTAL_TIMEOUT, UpstreamError
 from support.polling import eventually
 from support.raw_server import Answer, RawServer, chunk, writes
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[UpstreamClient]:
-    c = UpstreamClient(TimeoutsConfig())
-    yield c
-    await c.close()
-
 
 JSON = b'{"tokens":[1,2,3]}'
 

@@ -5,7 +5,7 @@ connection the engine closed, flow control under a slow reader, abort."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -36,13 +36,6 @@ async def read_all(stream: UpstreamStream) -> list[int]:
         got.append(c["n"])
     stream.finish()
     return got
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[UpstreamClient]:
-    c = UpstreamClient(TimeoutsConfig())
-    yield c
-    await c.close()
 
 
 async def test_the_request_carries_the_same_headers_as_before(
