@@ -252,7 +252,7 @@ class Dispatcher:
             # measures that queue: taught as the transfer, one such wait made every later
             # split look seconds slow, so none was placed and the fit never heard otherwise.
             t = leg.ticket
-            if t.first_token_at is not None and t.queued_ahead < 1.0:
+            if t.first_token_at is not None and t.nothing_ahead:
                 learner.observe_transfer(outcome.prompt_tokens, t.first_token_at - t.sent_at)
             return None
         cached = outcome.cached_tokens or 0

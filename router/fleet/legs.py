@@ -16,8 +16,9 @@ from router.routing.speed_learner import SpeedLearner
 class LegTicket:
     """One leg's place in its engine's load, from `open_leg` to `close_leg`.
 
-    `queued_ahead` and `decoding` are the cost model's inputs when the leg was sent: with
-    the tokens it lacked and its time to first token they make one speed sample."""
+    `queued_ahead` and `decoding` are the cost model's inputs when the leg was sent; a leg
+    sent with nothing queued ahead (`nothing_ahead`) makes, with the tokens it lacked and
+    its time to first token, one speed sample."""
 
     backend: str
     tokens: int  # prompt tokens it adds to the engine's prefill queue until its first token
@@ -35,6 +36,12 @@ class LegTicket:
     # A split's place on its decoder while the producer computes the prompt: when its TTFT
     # SLO runs out (registry clock). A prefill sent there meanwhile runs ahead of its decode leg.
     kv_deadline: float | None = None
+
+    @property
+    def nothing_ahead(self) -> bool:
+        """Nothing was queued ahead of it when sent: its time to first token is its own, a
+        clean sample of its engine's speed or (a split's decode leg) of the KV transfer."""
+        return self.queued_ahead < 1.0
 
 
 @dataclass(slots=True)
@@ -100,7 +107,7 @@ def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens:
     if ticket.first_token_at is None:
         return None
     seconds = ticket.first_token_at - ticket.sent_at
-    if ticket.queued_ahead < 1.0:
+    if ticket.nothing_ahead:
         loading = learner.speed(ticket.backend).held_cost_s(held_tokens)
         learner.observe_first_token(
             ticket.backend, max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
