@@ -56,18 +56,19 @@ def parse_load_metrics(text: str, engine: str | None = None) -> dict[str, float]
         for m in _LINE.finditer("\n" + text):
             name, labels_text = m["name"], m["labels"]
             counter = name in (CACHED_BY_SOURCE, OFFLOAD_LOAD_TIME)
-            if m["type"]:
-                # Declares the family (a counter's TYPE line names it with or without _total).
-                if (m["value"] == "counter") == counter and (counter or not m["total"]):
-                    seen_running |= name == RUNNING
-                    if name != CACHED_BY_SOURCE:
-                        out.setdefault(name, 0.0)
-                continue
-            if counter != bool(m["total"]):
+            declared = bool(m["type"])
+            if declared:
+                # A counter's TYPE line names it with or without _total; another type: not ours.
+                if (m["value"] == "counter") != counter or (m["total"] and not counter):
+                    continue
+            elif counter != bool(m["total"]):
                 continue  # a gauge's name with _total, or a counter's without: another family
+            # The family is there (declared, or a sample of it), whichever engine's samples count.
             if name != CACHED_BY_SOURCE:
-                out.setdefault(name, 0.0)  # the family is there, whichever engine's samples count
+                out.setdefault(name, 0.0)
             seen_running |= name == RUNNING
+            if declared:
+                continue
             labels = dict(_LABEL.findall(labels_text)) if labels_text else {}
             if engine is not None and labels.get("engine", engine) != engine:
                 continue
