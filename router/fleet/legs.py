@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed
 from router.routing.goodput import Slo, prefill_stalls
-from router.routing.speed_learner import SpeedLearner
+from router.routing.speed_learner import OWN_FIT_SAMPLES, SpeedLearner
 
 
 @dataclass(slots=True)
@@ -22,9 +23,10 @@ class LegTicket:
 
     backend: str
     tokens: int  # prompt tokens it adds to the engine's prefill queue until its first token
-    queued_ahead: float
+    queued_ahead: float  # prefill tokens predicted ahead of it (`queued_ahead`)
     decoding: float
     sent_at: float
+    queued_whole: float = 0.0  # the same, each prompt ahead counted whole until its first token
     first_token_at: float | None = None
     closed: bool = False
     # At its first token: the engine's decoding sequences and prefilled tokens so far.
@@ -40,8 +42,10 @@ class LegTicket:
     @property
     def nothing_ahead(self) -> bool:
         """Nothing was queued ahead of it when sent: its time to first token is its own, a
-        clean sample of its engine's speed or (a split's decode leg) of the KV transfer."""
-        return self.queued_ahead < 1.0
+        clean sample of its engine's speed or (a split's decode leg) of the KV transfer. A
+        prompt ahead counts until its first token: the progress `queued_ahead` predicts is
+        the learned speed's own guess, so it must not decide which samples teach it."""
+        return self.queued_whole < 1.0
 
 
 @dataclass(slots=True)
@@ -135,3 +139,39 @@ def decode_sample(
     learner.observe_decode(
         ticket.backend, decoding, tokens - 1, now - ticket.first_token_at, prefilled_now - ticket.prefilled_at_first
     )
+
+
+def queued_ahead(
+    own: float, since: float, others: float, scraped_at: float, now: float, speed: EngineSpeed
+) -> tuple[float, float]:
+    """Prefill tokens ahead of a request sent now to an engine, and the same with each
+    prompt counted whole until its first token (what `LegTicket.nothing_ahead` reads):
+
+    - `others`: other replicas' waiting requests as the last scrape (`scraped_at`) saw them,
+      at the mean prompt length, less what the engine has prefilled at its measured `speed`
+      since (a burst a scrape caught is gone a few hundred milliseconds later); they wait
+      ahead of this router's legs, which count whole until they are through;
+    - `own`: prompt tokens of this router's legs before their first token, less what the
+      engine has prefilled since `since`, when it began on the oldest of them (the send to
+      its empty queue, or the first token of the leg before: vLLM prefills its waiting
+      queue in arrival order).
+
+    Counted whole until its first token, a prompt deep in its prefill made its engine look
+    a whole prompt busier than it was: a request sharing its prefix went to an idle engine
+    to compute it again (many-tenants), and a burst's late requests were predicted at twice
+    their time to first token (bursty: 9.3 s predicted, 4.8 s observed).
+
+    Progress is credited only at a speed measured on the engine itself (its own fit, past
+    `OWN_FIT_SAMPLES`): the prior, or the fleet's fit while it learns, can be off by an
+    order of magnitude, and a queue drained in the model at a speed the engine does not
+    have sent a whole burst to one engine (bursty: the prior's 10,000 tokens/s against
+    the engines' ~370; 23 prompts onto one decoder, the last waiting 20 s)."""
+    per_token_s = max(speed.per_token_s, MIN_PER_TOKEN_S)
+    if others > 0.0:
+        since = max(since, scraped_at + others * per_token_s)  # the engine is on this router's legs from then on
+        others = max(others - max(now - scraped_at, 0.0) / per_token_s, 0.0)
+    whole = own + others
+    if others > 0.0 or own <= 0.0 or speed.samples < OWN_FIT_SAMPLES:
+        return whole, whole
+    done = (now - since - max(speed.intercept_s, 0.0)) / per_token_s
+    return own - min(max(done, 0.0), own), whole

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
-from router.fleet.legs import EngineLegs, decode_sample, first_token_sample, stalls_decoding
+from router.fleet.legs import EngineLegs, decode_sample, first_token_sample, queued_ahead, stalls_decoding
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
+from router.routing.costmodel import EngineSpeed
 from router.routing.goodput import Slo
 from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
@@ -70,6 +71,7 @@ class BackendState:
     draining: bool = False  # set by an operator: no new requests, in-flight ones finish
     # Token-level load from this router's own legs (LegTicket).
     queued_tokens: int = 0
+    queue_since: float = 0.0  # the engine began on the oldest of them (legs.queued_ahead)
     prefilling: int = 0  # legs sent, no first token yet
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
@@ -125,6 +127,7 @@ class BackendRegistry:
                 adapters.update(s.adapters)
             c = s.config
             name = c.name
+            speed = learner.speed(name)
             views.append(
                 BackendView(
                     name,
@@ -138,10 +141,10 @@ class BackendRegistry:
                     s.waiting,
                     s.kv_usage,
                     s.draining,
-                    self._queued_tokens(s, now) if s.others_waiting else float(s.queued_tokens),
+                    self._queued_tokens(s, now, speed)[0],
                     s.decoding + s.others_running,
                     s.prefilling,
-                    learner.speed(name),
+                    speed,
                     s.threshold_capable is not False,
                     kv_fresh is not None and kv_fresh(s, now),
                     removed.get(name, 0.0),
@@ -162,16 +165,10 @@ class BackendRegistry:
             frozenset(adapters),
         )
 
-    def _queued_tokens(self, s: BackendState, now: float) -> float:
-        """Own queued prefill tokens, plus other replicas' waiting requests as the last
-        scrape saw them, at the mean prompt length, less what the engine has prefilled at
-        its measured speed since that scrape (a scrape is a moment of the past: a burst it
-        caught is gone a few hundred milliseconds later)."""
+    def _queued_tokens(self, s: BackendState, now: float, speed: EngineSpeed) -> tuple[float, float]:
+        """Prefill tokens ahead of a request sent now, and the same counted whole (legs.py)."""
         others = s.others_waiting * self.learner.mean_prompt_tokens
-        if others > 0.0:
-            per_token_s = max(self.learner.speed(s.config.name).per_token_s, 1e-9)
-            others = max(others - max(now - s.last_scrape_ok, 0.0) / per_token_s, 0.0)
-        return s.queued_tokens + others
+        return queued_ahead(s.queued_tokens, s.queue_since, others, s.last_scrape_ok, now, speed)
 
     @staticmethod
     def _decoding(s: BackendState) -> float:
@@ -242,13 +239,15 @@ class BackendRegistry:
         """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
         (0 for a probe: an acceptor's prefill is done by the time it answers); `kv_wait_s`: a
         split's place on its decoder, its TTFT SLO running out in that many seconds."""
-        s = self.states[name]
-        now = self.clock()
-        ticket = LegTicket(name, max(int(tokens), 0), self._queued_tokens(s, now), self._decoding(s), now)
+        s, now = self.states[name], self.clock()
+        ahead, whole = self._queued_tokens(s, now, self.learner.speed(name))
+        ticket = LegTicket(name, max(int(tokens), 0), ahead, self._decoding(s), now, whole)
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo)
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
         self.acquire(name)
+        if s.queued_tokens <= 0:
+            s.queue_since = now
         s.queued_tokens += ticket.tokens
         s.prefilling += 1
         return ticket
@@ -265,6 +264,7 @@ class BackendRegistry:
                 s.config.name, t - ticket.sent_at, ticket.queued_ahead + ticket.tokens, ticket.decoding, speed, t
             )
             s.queued_tokens -= ticket.tokens
+            s.queue_since = t  # the legs sent before it are through too
             s.prefilling -= 1
             s.decoding += 1
             s.legs.first_token(ticket)

@@ -10,9 +10,11 @@ plus what it lacks of this prompt, while its decoding sequences slow every step:
     ttft(engine, lacking, held) = a + b * (queued_tokens + lacking) + h * held + c * decoding
 
 - `queued_tokens`: prompt tokens still to prefill ahead of the request: what this router
-  sent there and has not seen a first token for, plus, for traffic it did not send (other
-  replicas), the engine's scraped waiting requests beyond its own, each at the mean
-  prompt length (`BackendView.queued_tokens`);
+  sent there and has not seen a first token for, less what the engine has prefilled of it
+  at its measured speed since it began on the oldest (router/fleet/legs.py
+  `queued_ahead`), plus, for traffic it did not send (other replicas), the engine's
+  scraped waiting requests beyond its own, each at the mean prompt length, less what the
+  engine has prefilled since the scrape (`BackendView.queued_tokens`);
 - `lacking`: prompt tokens of this request the engine does not hold (a rejection's
   `cached_tokens`, the prefix memory of where prompts went, else the whole prompt);
 - `held`: the prompt tokens it does hold. A hit in the GPU prefix cache is free, but an

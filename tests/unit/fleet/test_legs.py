@@ -10,7 +10,9 @@ import pytest
 
 from router.config.schema import BackendConfig, HealthConfig
 from router.fleet.registry import BackendRegistry
+from router.routing.costmodel import EngineSpeed
 from router.routing.goodput import Slo
+from router.routing.speed_learner import OWN_FIT_SAMPLES
 from support.snapshots import registry_view
 
 
@@ -95,3 +97,57 @@ def test_only_a_leg_with_nothing_queued_ahead_teaches_the_engines_speed() -> Non
     assert r.learner._engines["d0"].samples == 1
     # 5,000 tokens in 1.7 s: the fit moves from the 100 us prior towards 340 us.
     assert r.learner.speed("d0").per_token_s > r.learner.prior.per_token_s
+
+
+def _measured(r: BackendRegistry, name: str) -> EngineSpeed:
+    """`name`'s speed, measured on it: first tokens of clean legs at 10,000 tokens/s."""
+    for i in range(OWN_FIT_SAMPLES):
+        n = 200 + 100 * i
+        r.learner.observe_first_token(name, n, 0.0, 0.02 + n * 1e-4)
+    speed = r.learner.speed(name)
+    assert speed.samples >= OWN_FIT_SAMPLES
+    return speed
+
+
+def test_a_prompt_in_its_prefill_counts_only_what_the_engine_has_left_of_it() -> None:
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    first = r.open_leg("d0", 2000)
+    second = r.open_leg("d0", 1000)
+    now[0] = 0.1
+    # The prior's speed is a guess: a queue is not drained at it.
+    assert registry_view(r, "d0").queued_tokens == 3000.0
+    speed = _measured(r, "d0")
+    a, b = speed.intercept_s, speed.per_token_s
+    now[0] = a + 1500 * b  # 1,500 tokens prefilled since the first was sent to the empty queue
+    assert registry_view(r, "d0").queued_tokens == pytest.approx(1500.0)
+    probe = r.open_leg("d0", 0)
+    # The model's input is what is left; whether it teaches the speed, what was sent.
+    assert probe.queued_ahead == pytest.approx(1500.0)
+    assert (probe.queued_whole, probe.nothing_ahead) == (3000.0, False)
+    r.close_leg(probe)
+    now[0] = a + 4000 * b  # past both at the measured speed, no first token yet: nothing left
+    assert registry_view(r, "d0").queued_tokens == 0.0
+    r.first_token(first)  # the engine is on the second from its first token on
+    now[0] += a + 400 * b
+    assert registry_view(r, "d0").queued_tokens == pytest.approx(600.0)
+    r.first_token(second)
+    assert registry_view(r, "d0").queued_tokens == 0.0
+    assert r.open_leg("d0", 100).nothing_ahead
+
+
+def test_other_replicas_waiting_prompts_keep_this_routers_legs_counted_whole() -> None:
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    r.learner.mean_prompt_tokens = 1000
+    speed = _measured(r, "d0")
+    a, b = speed.intercept_s, speed.per_token_s
+    leg = r.open_leg("d0", 500)
+    r.record_scrape("d0", {"vllm:num_requests_waiting": 3.0, "vllm:num_requests_running": 0.0}, None)
+    # Two waiting beyond this router's own leg: 2,000 tokens ahead of it, drained at the
+    # measured speed since the scrape; the leg behind them has not begun.
+    now[0] = 1000 * b
+    assert registry_view(r, "d0").queued_tokens == pytest.approx(1000.0 + 500.0)
+    now[0] = 2000 * b + a + 300 * b  # through them, then 300 tokens of the leg
+    assert registry_view(r, "d0").queued_tokens == pytest.approx(200.0)
+    r.first_token(leg)

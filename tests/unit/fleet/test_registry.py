@@ -253,7 +253,7 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             waiting=s.waiting,
             kv_usage=s.kv_usage,
             drained=s.draining,
-            queued_tokens=r._queued_tokens(s, now),
+            queued_tokens=r._queued_tokens(s, now, r.learner.speed(s.config.name))[0],
             decoding=s.decoding + s.others_running,
             prefilling=s.prefilling,
             speed=r.learner.speed(s.config.name),
