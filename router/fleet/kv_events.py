@@ -47,6 +47,7 @@ log = logging.getLogger("cachehit_router.kv_events")
 
 _HWM = 10_000  # batches a socket holds for the router before ZMQ drops (a gap, replayed)
 _POLL_MS = 250  # how often a quiet stream looks at its engine's health
+_DRAIN = 64  # batches read at most between two turns of the event loop
 _REPLAY_TIMEOUT_MS = 5_000  # between two replies of the replay socket
 _RETRY_S = 1.0  # after a socket error, before subscribing again
 
@@ -158,23 +159,35 @@ class KvEvents:
             st.expected, st.last_live = None, None
             if c.kv_events_replay_endpoint:
                 await self._resync(st)
+            # The same socket read without a future: an awaited recv per batch cost a future
+            # and a wake-up of the loop each, and a busy engine publishes one every step.
+            drain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
             while True:
                 if self._tick(st):
                     log.info("backend %s: answers again after it was down; KV index rebuilt", st.name)
                     await self._resync(st)
                 if not await sub.poll(_POLL_MS):
                     continue
-                frames = await sub.recv_multipart()
-                if len(frames) != 3 or frames[0] != topic:
-                    continue  # another topic sharing the prefix
-                try:
-                    seq = decode_seq(frames[1])
-                except DecodeError as e:
-                    self._decode_error(st, e)
-                    continue
-                await self._live(st, seq, frames[2])
+                for _ in range(_DRAIN):
+                    try:
+                        frames = drain.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._received(st, topic, frames)
+                else:
+                    await asyncio.sleep(0)  # a backlog: let requests run between reads
         finally:
             sub.close(linger=0)
+
+    async def _received(self, st: KvStream, topic: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 3 or frames[0] != topic:
+            return  # another topic sharing the prefix
+        try:
+            seq = decode_seq(frames[1])
+        except DecodeError as e:
+            self._decode_error(st, e)
+            return
+        await self._live(st, seq, frames[2])
 
     def _tick(self, st: KvStream) -> bool:
         """Follow the engine's health and load; True when it came back after being down."""

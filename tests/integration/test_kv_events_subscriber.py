@@ -152,6 +152,24 @@ async def test_a_dropped_batch_is_replayed_before_the_next_one(
     assert stream.lost == 0
 
 
+async def test_a_backlog_longer_than_one_read_is_applied_whole_and_in_order(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
+    state = await router_with()
+    pub = publishers[0]
+    await joined(state, "e0", pub)
+    stream = kv_events_of(state).streams["e0"]
+    # Sent at once, several times what the subscriber reads between two turns of the loop:
+    # a block stored and removed over and over, stored by the last batch.
+    for _ in range(200):
+        pub.publish(block(0))
+        pub.publish(removed(H[:1]))
+    last = pub.publish(block(0))
+    await eventually(lambda: stream.expected == last + 1, what="every batch of the backlog applied")
+    assert hits(state) == {"e0": KvHit(4, 0)}
+    assert (stream.gaps, stream.lost) == (0, 0)
+
+
 async def test_a_restarted_publisher_clears_and_rebuilds(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:
