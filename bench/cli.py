@@ -7,6 +7,7 @@ load-sweep       offered load from light to past capacity; rejection latency on 
 offload-sweep    hit ratio and TTFT against each engine's CPU KV tier (F x its GPU capacity)
 overhead         latency and throughput the router adds over an instant backend
 scaling          router CPU and memory as K grows, and with 1,000 open streams
+kv-events-cpu    router CPU per KV-event batch of one engine's stream
 profile          py-spy profile of the router under load (hot functions)
 sim-capacity     the simulator's own capacity (bench/experiments/sim_capacity.py)
 soak             a long steady load with engine restarts (bench/experiments/soak.py)
@@ -112,6 +113,12 @@ def cmd_overhead(a: argparse.Namespace) -> int:
     from bench.experiments.overhead import main as overhead_main
 
     return overhead_main(a)
+
+
+def cmd_kv_events_cpu(a: argparse.Namespace) -> int:
+    from bench.experiments.kv_events_cpu import main as kv_events_cpu_main
+
+    return kv_events_cpu_main(a)
 
 
 def cmd_scaling(a: argparse.Namespace) -> int:
@@ -252,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--idle-s", type=float, default=20.0, help="seconds of the no-traffic CPU measure per K")
     sc.add_argument("--idle-only", action="store_true", help="only the no-traffic CPU measure")
     sc.set_defaults(fn=cmd_scaling)
+
+    kc = sub.add_parser("kv-events-cpu", help="router CPU per KV-event batch of one engine's stream")
+    kc.add_argument("--out", required=True)
+    kc.add_argument("--batches", type=int, default=5000, help="batches per measurement")
+    kc.add_argument("--rate", type=float, default=500.0, help="batches per second")
+    kc.add_argument("--reps", type=int, default=3)
+    kc.set_defaults(fn=cmd_kv_events_cpu)
 
     pr = sub.add_parser("profile", help="py-spy profile of the router under wrk load")
     pr.add_argument("--out", required=True)

@@ -198,3 +198,15 @@ def test_scaling_idle_measures_the_router_with_no_traffic(tmp_path: Path) -> Non
     # CPU time counts in clock ticks (10 ms): a second of two engines' scrapes may read 0.
     assert all(r["cpu_pct"] >= 0 and r["scrapes_per_s"] == 4.0 for r in rows)
     assert "router CPU % of a core" in (tmp_path / "scaling.md").read_text()
+
+
+def test_kv_events_cpu_follows_every_batch_into_the_routers_index(tmp_path: Path) -> None:
+    from bench.experiments.kv_events_cpu import main as kv_events_cpu_main
+
+    a = build_parser().parse_args(["kv-events-cpu", "--out", str(tmp_path), "--batches", "300", "--reps", "1"])
+    assert kv_events_cpu_main(a) == 0
+    result = json.loads((tmp_path / "kv_events_cpu.json").read_text())
+    # Each batch stores one block of its own: all reached the index through the router's stream.
+    assert result["indexed_blocks"] == 300
+    assert len(result["us_per_batch"]) == 1
+    assert "router CPU us/batch" in (tmp_path / "kv_events_cpu.md").read_text()
