@@ -141,6 +141,12 @@ def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}: expected a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
 
 
+def check_stretch(key: str, value: float) -> None:
+    """0 (off) or a factor of at least 1."""
+    if value != 0 and not value >= 1.0:
+        raise ConfigError(f"{key}: expected 0 (no bound) or a number >= 1, got {value!r}")
+
+
 def check_fraction(key: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ConfigError(f"{key}: expected a number in [0, 1], got {value!r}")

@@ -28,6 +28,7 @@ from router.config.checks import (
     check_one_of,
     check_port,
     check_positive,
+    check_stretch,
     check_url,
     int_list,
     str_list,
@@ -130,6 +131,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
     p.check(check_one_of, "routing.split", routing.split, SplitMode)
     p.check(check_positive, "routing.slo_ttft_ms", routing.slo_ttft_ms)
     p.check(check_positive, "routing.slo_itl_ms", routing.slo_itl_ms)
+    p.check(check_stretch, "routing.max_ttft_stretch", routing.max_ttft_stretch)
     p.check(check_positive, "routing.prefill_chunk_tokens", routing.prefill_chunk_tokens)
     p.check(check_fraction, "routing.decode_guard_threshold", routing.decode_guard_threshold)
     p.check(check_positive, "routing.min_pd_prompt_tokens", routing.min_pd_prompt_tokens, allow_zero=True)

@@ -110,6 +110,10 @@ class RoutingConfig:
     # Goodput's SLOs (docs/CONFIG.md): time to first token, and the gap between tokens.
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
+    # A request predicted to miss its TTFT SLO wherever it goes waits at most this many
+    # times its soonest predicted start (router/routing/goodput.py `best`); 0: no bound
+    # (the most goodput; a bound trades much of it for a shorter tail: docs/CONFIG.md).
+    max_ttft_stretch: float = 0.0
     # The engines' prefill chunk (vLLM's max_num_batched_tokens): a prefill computed on a
     # decoder stalls each of its steps by at most this many tokens' worth.
     prefill_chunk_tokens: int = 8192

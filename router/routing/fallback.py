@@ -61,7 +61,12 @@ class FallbackPlan:
 
 
 def slo_of(routing: RoutingConfig) -> goodput.Slo:
-    return goodput.Slo(routing.slo_ttft_ms / 1000.0, routing.slo_itl_ms / 1000.0, float(routing.prefill_chunk_tokens))
+    return goodput.Slo(
+        routing.slo_ttft_ms / 1000.0,
+        routing.slo_itl_ms / 1000.0,
+        float(routing.prefill_chunk_tokens),
+        routing.max_ttft_stretch,
+    )
 
 
 def consumer_load(c: BackendView) -> tuple[float, float]:

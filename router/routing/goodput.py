@@ -34,7 +34,8 @@ sequences within the SLO. (Counting every decoding sequence, such prompts went w
 sequences had just finished, every decoder in turn, and every decoder's sequences were
 stalled.) A request that misses wherever it goes lands on the engine where it loses the
 fewest others: a sacrifice that keeps the other engines free for requests that can still
-make their SLO, and leaves the hopeless ones late. Holding such requests in the router
+make their SLO, and leaves the hopeless ones late (an operator may bound how late:
+`Slo.ttft_stretch`, `best`). Holding such requests in the router
 and placing them as engines freed (late binding) brought probe's TTFT p99 down to round
 robin's and its goodput down to round robin's too (0.26-0.30 -> 0.03 on the loaded
 workloads: each released prefill took the engine the next on-time request needed).
@@ -54,11 +55,14 @@ from router.routing.snapshot import BackendView
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    """The two SLOs of goodput, in seconds, and vLLM's prefill chunk (max_num_batched_tokens)."""
+    """The two SLOs of goodput, in seconds, vLLM's prefill chunk (max_num_batched_tokens),
+    and how much later than its soonest start a request that misses anyway may be placed
+    (`best`; 0: no bound)."""
 
     ttft_s: float = 2.0
     itl_s: float = 0.1
     chunk_tokens: float = 8192.0
+    ttft_stretch: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,5 +159,16 @@ def worth_splitting(split: Placement, slo: Slo) -> bool:
 
 def best(candidates: Sequence[Placement], slo: Slo) -> Placement:
     """The placement that loses the fewest requests; ties: the least predicted TTFT (then
-    the first, so callers order candidates by preference)."""
+    the first, so callers order candidates by preference).
+
+    With `slo.ttft_stretch` (routing.max_ttft_stretch), only among the placements
+    predicted within that many times the soonest predicted TTFT (or within the TTFT SLO):
+    a request that misses wherever it goes then loses the fewest others without waiting
+    many times longer than it needs to. Unbounded, that triage feeds one engine every such
+    request while the others keep their sequences within the ITL SLO, and its queue grows
+    to tens of seconds; bounded at 2, the tail fell below round robin's and goodput to
+    round robin's (bench/RESULTS.md, "A bound on the triage")."""
+    if slo.ttft_stretch > 0.0 and len(candidates) > 1:
+        bound = max(slo.ttft_s, slo.ttft_stretch * min(p.ttft_s for p in candidates))
+        candidates = [p for p in candidates if p.ttft_s <= bound]  # the soonest always is
     return min(candidates, key=lambda p: (p.lost(slo), p.ttft_s))

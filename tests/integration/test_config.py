@@ -102,6 +102,11 @@ def test_defaults_are_safe() -> None:
         ),
         ({**MIN_BACKEND, "server": {"api_keys": ["ok", 3]}}, "server.api_keys", "list of strings"),
         ({**MIN_BACKEND, "routing": {"prefix_memory_bytes": 0}}, "routing.prefix_memory_bytes", "positive"),
+        (
+            {**MIN_BACKEND, "routing": {"max_ttft_stretch": 0.5}},
+            "routing.max_ttft_stretch",
+            "0 (no bound) or a number >= 1",
+        ),
         ({**MIN_BACKEND, "server": {"tls_cert": "c.pem"}}, "server.tls_cert", "together"),
         ({**MIN_BACKEND, "server": {"stream_buffer_bytes": 100}}, "server.stream_buffer_bytes", "[4096, 16777216]"),
         ({**MIN_BACKEND, "server": {"engine_read_bytes": 1000}}, "server.engine_read_bytes", "[4096, 16777216]"),

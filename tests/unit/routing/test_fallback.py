@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.names import SplitMode
-from router.routing.costmodel import pd_ttft, ttft
+from router.routing.costmodel import ItlSpeed, pd_ttft, ttft
 from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import RouteQuery
 from support.snapshots import SPEED, Q, R, snap, view
@@ -188,3 +188,18 @@ def test_splits_spread_over_consumers_when_the_producer_is_the_slower_side() -> 
     )
     assert _planned(plan_fallback(Q, s, R, 1000)).decode == "d1"
     assert _planned(plan_fallback(Q, snap(*(replace(b, prefilling=0) for b in s.backends)), R, 1000)).decode == "d0"
+
+
+def test_a_prompt_late_anywhere_goes_where_it_loses_fewest_within_the_stretch() -> None:
+    step = ItlSpeed(step_s=0.01, per_seq_s=1e-4)
+    # Both decoders are far past the TTFT SLO for an 8,000-token prompt. Its prefill would
+    # stall the fresh decoder's 8 sequences; the other decoder's are stalled already.
+    stalled = replace(view("stalled", queued=60_000, decoding=8), itl=step, stalled=8)
+    fresh = replace(view("fresh", queued=20_000, decoding=8), itl=step)
+    s = snap(stalled, fresh)
+    assert R.max_ttft_stretch == 0.0  # no bound: the triage
+    assert _planned(plan_fallback(Q, s, R, prompt_tokens=8000)).decode == "stalled"
+    # 6.8 s there against 2.8 s: more than twice its soonest start.
+    fb = _planned(plan_fallback(Q, s, replace(R, max_ttft_stretch=2.0), prompt_tokens=8000))
+    assert (fb.decode, fb.predicted_ttft_s) == ("fresh", ttft(SPEED, 20_000, 8, 8000))
+    assert fb.lost == 9

@@ -95,3 +95,23 @@ def test_a_request_whose_own_itl_misses_the_slo_counts_as_lost() -> None:
     p = goodput.direct(crowded, 10, 0.05, SLO)
     assert p.itl_s > SLO.itl_s
     assert p.lost(SLO) == 1
+
+
+def test_a_request_that_misses_anyway_waits_at_most_the_stretch_over_its_soonest_start() -> None:
+    # The sacrifice: its sequences are past the ITL SLO already, so it loses nothing more.
+    stalled = replace(view("s", decoding=8), itl=STEP, stalled=8)
+    # Within the ITL SLO, and a prefill there pushes its eight sequences past it.
+    fresh = replace(view("f", decoding=8), itl=STEP)
+    late_on_stalled = goodput.direct(stalled, 8000, 9.0, SLO)
+    late_on_fresh = goodput.direct(fresh, 8000, 3.0, SLO)
+    assert (late_on_stalled.lost(SLO), late_on_fresh.lost(SLO)) == (1, 9)
+    assert goodput.best([late_on_fresh, late_on_stalled], SLO) is late_on_stalled  # unbounded: the triage
+    bounded = replace(SLO, ttft_stretch=2.0)
+    assert goodput.best([late_on_fresh, late_on_stalled], bounded) is late_on_fresh  # 9 s > 2 x 3 s
+    nearer = goodput.direct(stalled, 8000, 5.9, SLO)
+    assert goodput.best([late_on_fresh, nearer], bounded) is nearer  # within 2 x 3 s: the triage stands
+    # A placement within the TTFT SLO is never out of bounds, however soon another starts.
+    on_time = goodput.direct(stalled, 8000, 1.9, SLO)
+    soonest = goodput.direct(fresh, 8000, 0.5, SLO)
+    assert (on_time.lost(SLO), soonest.lost(SLO)) == (0, 8)
+    assert goodput.best([soonest, on_time], bounded) is on_time
