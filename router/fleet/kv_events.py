@@ -159,8 +159,9 @@ class KvEvents:
             st.expected, st.last_live = None, None
             if c.kv_events_replay_endpoint:
                 await self._resync(st)
-            # The same socket read without a future: an awaited recv per batch cost a future
-            # and a wake-up of the loop each, and a busy engine publishes one every step.
+            # Queued batches are read in one turn of the loop, through the same socket without
+            # a future: an awaited receive cost a future and a turn each (`python -m bench
+            # kv-events-cpu`: 100 -> 45 us a batch at 5,000 a second; one alone, unchanged).
             drain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
             while True:
                 if self._tick(st):
