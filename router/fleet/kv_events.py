@@ -29,11 +29,12 @@ publishes nothing, and its index is still exact).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -150,34 +151,47 @@ class KvEvents:
         assert self._ctx is not None
         c = st.config
         topic = c.kv_events_topic.encode()
-        sub = self._ctx.socket(zmq.SUB)
+        # A plain socket whose file descriptor the loop watches: pyzmq's awaited poll cost a
+        # future, a reader registered and removed, and their callbacks per wake-up, and a
+        # busy engine publishes a batch every step.
+        sub: zmq.Socket[bytes] = zmq.Context.shadow(self._ctx.underlying).socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, _HWM)
         sub.setsockopt(zmq.SUBSCRIBE, topic)
         sub.connect(c.kv_events_endpoint)
+        loop = asyncio.get_running_loop()
+        fd = sub.fileno()
+        readable = asyncio.Event()
+        loop.add_reader(fd, readable.set)
         try:
             st.expected, st.last_live = None, None
             if c.kv_events_replay_endpoint:
                 await self._resync(st)
-            # Queued batches are read in one turn of the loop, through the same socket without
-            # a future: an awaited receive cost a future and a turn each (`python -m bench
-            # kv-events-cpu`: 100 -> 45 us a batch at 5,000 a second; one alone, unchanged).
-            drain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
             while True:
                 if self._tick(st):
                     log.info("backend %s: answers again after it was down; KV index rebuilt", st.name)
                     await self._resync(st)
-                if not await sub.poll(_POLL_MS):
+                # ZMQ's descriptor signals that its events changed, edge-triggered: whether a
+                # batch waits is in zmq.EVENTS, read after clearing the flag (a batch arriving
+                # between the two sets it again).
+                readable.clear()
+                if not cast(int, sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_POLL_MS / 1000):
+                            await readable.wait()
                     continue
+                # Queued batches are read in one turn of the loop (`python -m bench
+                # kv-events-cpu`: 100 -> 45 us a batch at 5,000 a second).
                 for _ in range(_DRAIN):
                     try:
-                        frames = drain.recv_multipart(zmq.NOBLOCK)
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     await self._received(st, topic, frames)
                 else:
                     await asyncio.sleep(0)  # a backlog: let requests run between reads
         finally:
+            loop.remove_reader(fd)
             sub.close(linger=0)
 
     async def _received(self, st: KvStream, topic: bytes, frames: list[bytes]) -> None:
