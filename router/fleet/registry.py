@@ -197,8 +197,7 @@ class BackendRegistry:
             raise ValueError(f"backend {config.name!r} already exists")
         s = self.states[config.name] = BackendState(config=config, models=config.models)
         self._set_headers(config)
-        if config.prefill_tokens_per_s > 0:
-            self.learner.engine_per_token_s[config.name] = 1.0 / config.prefill_tokens_per_s
+        self.learner.add_engine(config.name, config.prefill_tokens_per_s)
         return s
 
     def _set_headers(self, config: BackendConfig) -> None:
@@ -218,7 +217,6 @@ class BackendRegistry:
         self.backend_headers.pop(name, None)
         # A backend added again under this name may be another machine: its speed is learnt anew.
         self.learner.forget_engine(name)
-        self.learner.engine_per_token_s.pop(name, None)
 
     def accepting(self, name: str) -> BackendState | None:
         """`name`'s state if a new leg may go there now: still in the fleet and not drained since planned."""

@@ -333,7 +333,14 @@ class SpeedLearner:
         a, b = self._transfer.theta
         return TransferSpeed(a, b, self._transfer.samples)
 
+    def add_engine(self, engine: str, prefill_tokens_per_s: float = 0.0) -> None:
+        """An engine joined the fleet, with its configured speed if any (other hardware)."""
+        if prefill_tokens_per_s > 0:
+            self.engine_per_token_s[engine] = 1.0 / prefill_tokens_per_s
+
     def forget_engine(self, engine: str) -> None:
+        """The engine left the fleet: one added again under its name may be another machine."""
+        self.engine_per_token_s.pop(engine, None)
         self._engines.pop(engine, None)
         self._steps.pop(engine, None)
         self._tier_counters.pop(engine, None)
