@@ -29,8 +29,6 @@ from engine_launcher.sim.kv_event_publisher import ZmqEventPublisher
 from engine_launcher.sim.kv_events import BlockStored, KVEventBatch, encode_batch
 
 BLOCK = 16
-REPO = Path(__file__).resolve().parents[2]
-ENV = {"PYTHONPATH": str(REPO)}  # this checkout's router, not an installed copy
 
 
 def batches(n: int) -> list[bytes]:
@@ -61,7 +59,7 @@ async def measure(a: argparse.Namespace, procs: ProcessSet, out: Path) -> dict[s
         cfg = out / "router.toml"
         streams = {engine: (f"tcp://127.0.0.1:{events_port}", pub.replay_endpoint or "")}
         cfg.write_text(router_toml(router_port, [engine], [], RouterOptions(strategy="probe"), streams))
-        router = procs.start("router", [PY, "-m", "router", "--config", str(cfg), "--no-engines"], ENV)
+        router = procs.start("router", [PY, "-m", "router", "--config", str(cfg), "--no-engines"])
         await wait_http(f"http://127.0.0.1:{router_port}/v1/models", router, 30)
         await publish(pub, batches(64), 200.0)  # the subscription joins: ZMQ drops what it sent before
         await asyncio.sleep(1.0)
