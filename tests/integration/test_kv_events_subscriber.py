@@ -17,7 +17,7 @@ from router.admission.spec import parse_request
 from router.config.parse import parse_config
 from router.config.schema import BackendConfig
 from router.dispatch.pipeline import route_query
-from router.fleet.kv_events import KvEvents
+from router.fleet.kv_events import KvEvents, KvStream
 from router.fleet.membership import ADMIN
 from router.routing.kv_index import KvHit
 from router.server.state import RouterState
@@ -94,6 +94,16 @@ async def joined(state: RouterState, name: str, pub: KvPublisher) -> None:
     await eventually(live, what=f"{name}'s stream live")
 
 
+async def one_joined(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> tuple[RouterState, KvPublisher, KvStream]:
+    """A started router following one publisher ("e0"), its stream live."""
+    state = await router_with()
+    pub = publishers[0]
+    await joined(state, "e0", pub)
+    return state, pub, kv_events_of(state).streams["e0"]
+
+
 def hits(state: RouterState) -> dict[str, KvHit]:
     return kv_events_of(state).index.match(PROMPT)
 
@@ -101,9 +111,7 @@ def hits(state: RouterState) -> dict[str, KvHit]:
 async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:
-    state = await router_with()
-    pub = publishers[0]
-    await joined(state, "e0", pub)
+    state, pub, _ = await one_joined(router_with, publishers)
     pub.publish(block(0), stored(H[1:4], PROMPT[4:16], H[0]))
     await eventually(lambda: hits(state) == {"e0": KvHit(16, 0)}, what="stored blocks indexed")
     pub.publish(stored(H[:2], PROMPT[:8], medium="CPU"), removed(H[1:2]))
@@ -139,10 +147,7 @@ async def test_stored_removed_and_cleared_update_the_index_and_the_snapshot(
 async def test_a_dropped_batch_is_replayed_before_the_next_one(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:
-    state = await router_with()
-    pub = publishers[0]
-    await joined(state, "e0", pub)
-    stream = kv_events_of(state).streams["e0"]
+    state, pub, stream = await one_joined(router_with, publishers)
     pub.publish(block(0))
     missing = pub.publish(block(1), drop=True)
     pub.publish(block(2))
@@ -155,10 +160,7 @@ async def test_a_dropped_batch_is_replayed_before_the_next_one(
 async def test_a_backlog_longer_than_one_read_is_applied_whole_and_in_order(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:
-    state = await router_with()
-    pub = publishers[0]
-    await joined(state, "e0", pub)
-    stream = kv_events_of(state).streams["e0"]
+    state, pub, stream = await one_joined(router_with, publishers)
     # Sent at once, several times what the subscriber reads between two turns of the loop:
     # a block stored and removed over and over, stored by the last batch.
     for _ in range(200):
@@ -173,10 +175,7 @@ async def test_a_backlog_longer_than_one_read_is_applied_whole_and_in_order(
 async def test_a_restarted_publisher_clears_and_rebuilds(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:
-    state = await router_with()
-    pub = publishers[0]
-    await joined(state, "e0", pub)
-    stream = kv_events_of(state).streams["e0"]
+    state, pub, stream = await one_joined(router_with, publishers)
     pub.publish(block(0), block(1), block(2))
     await eventually(lambda: hits(state) == {"e0": KvHit(12, 0)}, what="before the restart")
     pub.restart()
@@ -212,9 +211,7 @@ async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_r
 async def test_a_payload_that_does_not_decode_is_counted_and_the_stream_goes_on(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:
-    state = await router_with()
-    pub = publishers[0]
-    await joined(state, "e0", pub)
+    state, pub, _ = await one_joined(router_with, publishers)
     pub.send_raw(b"\xc1not msgpack")
     pub.publish(block(0))
     await eventually(lambda: hits(state) == {"e0": KvHit(4, 0)}, what="the next batch indexed")
