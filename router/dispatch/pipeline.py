@@ -276,7 +276,7 @@ class Dispatcher:
             if attempt and last_error is not None:
                 ctx.record_retry(last_error.backend)
             # The index's figures too (kv_events reads them for a forwarded request as well).
-            plan = await self.placer.plan(ctx, self.registry.snapshot())
+            plan, _ = await self.placer.plan(ctx)
             if plan.direct is None:
                 break
             name = plan.direct

@@ -6,10 +6,9 @@ the request's record:
 - the strategy's plan (router/routing/planning.py): a probe race at T, one backend directly, or
   (the race not worth it) where the fallback's cost model computes the prompt;
 - the race (router/dispatch/race.py): its first acceptor is the leg; when every probe rejects,
-  `plan_fallback` (router/routing/fallback.py) picks prefill/decode over NIXL (router/dispatch/disagg.py)
-  or a direct decode at T = 0;
-- a failure before the answer's first token is retried on another backend, at most
-  `routing.max_retries` times.
+  `plan_fallback` (router/routing/fallback.py) picks prefill/decode over NIXL
+  (router/dispatch/disagg.py) or a direct decode at T = 0;
+- a failure before the first token is retried elsewhere, at most `routing.max_retries` times.
 """
 
 from __future__ import annotations
@@ -62,16 +61,20 @@ class LegPlacer:
         # Asked once here, not per request (a runtime protocol check walks its members).
         self.asks_when_unsure = strategy if isinstance(strategy, AsksTheIndexWhenUnsure) else None
 
-    async def plan(self, ctx: RequestContext, snap: ClusterSnapshot) -> Plan:
-        """The strategy's plan for `ctx` in `snap`, the KV-event index's figures put on its
-        query first (a policy that reads the index, where it says the lookup is worth it),
-        recorded on the request's record."""
+    async def plan(self, ctx: RequestContext) -> tuple[Plan, ClusterSnapshot]:
+        """The strategy's plan for `ctx` and the snapshot it was made in, the KV-event
+        index's figures put on its query first (a policy that reads the index, where it
+        says the lookup is worth it), recorded on the request's record."""
+        snap = self.registry.snapshot()
         asks = self.asks_when_unsure
         if self.prompt_index is not None and (asks is None or asks.wants_index(ctx.query, snap)):
             ctx.query = await self.prompt_index.annotate(ctx.query, ctx.path == CHAT_PATH, ctx.body, snap, ctx.deadline)
+            # The fleet as it is after the lookup: requests placed during it hold their places
+            # (planned in the snapshot from before, cold prompts arriving together shared a decoder).
+            snap = self.registry.snapshot()
         plan = self.strategy.plan(ctx.query, snap, frozenset(ctx.tried))
         ctx.record_plan(plan)
-        return plan
+        return plan, snap
 
     # --- an accepted leg, retries included ---------------------------------------------
     async def acquire(self, ctx: RequestContext) -> Leg:
@@ -80,8 +83,7 @@ class LegPlacer:
         for attempt in range(self.routing.max_retries + 1):
             if attempt:
                 ctx.record_retry(last_error.backend if last_error else "unknown")
-            snap = self.registry.snapshot()
-            plan = await self.plan(ctx, snap)
+            plan, snap = await self.plan(ctx)
             query = ctx.query
             if plan.empty:
                 break
@@ -94,8 +96,7 @@ class LegPlacer:
                 last_error = race.last_error or last_error
                 fallback = self.fallback_after_race(query, race, frozenset(ctx.tried))
             elif plan.skipped_race:
-                # Not worth a race: computed where the fallback's model says (which may be
-                # a split), with what the strategy expects each engine to hold.
+                # Not worth a race: where the fallback's model says, from the strategy's expected hits.
                 n = query.tokens(snap)
                 fallback = plan_fallback(
                     query, snap, self.routing, n, frozenset(ctx.tried), self.strategy.expected_hits(query, n)

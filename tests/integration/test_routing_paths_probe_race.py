@@ -1,6 +1,7 @@
 """The probe race's choices, against simulated engines: a follower of a cold prompt joining
 its leader, max_probes asking the prompt holder and the next soonest, and a prefix in an
-engine's CPU tier winning. Read from the engines' own state and metrics and the router's
+engine's CPU tier winning, cold prompts arriving together spread while the KV-event index
+is asked. Read from the engines' own state and metrics and the router's
 request log, never from the router's word alone.
 """
 
@@ -10,6 +11,7 @@ import logging
 import pytest
 
 from support.cluster import MODEL, MakeCluster, long_prompt
+from support.kv_publisher import KvPublisher
 from support.polling import eventually
 
 
@@ -123,3 +125,38 @@ async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_report
     assert lines[-1]["route"] == "direct"
     assert lines[-1]["winner"] == "d0"
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
+
+
+async def test_probe_spreads_cold_prompts_that_arrive_together_while_the_index_is_asked(
+    make_cluster: MakeCluster,
+) -> None:
+    # Both engines' KV-event streams are live and hold nothing: each cold prompt waits for
+    # its /tokenize round trip before it is planned. Planned in the fleet as it was before
+    # that wait, both went to the same engine; planned after it, the second sees the first.
+    pubs = [KvPublisher(), KvPublisher()]
+    try:
+        c = await make_cluster(
+            decoders=2,
+            per_backend={
+                f"d{i}": {"kv_events_endpoint": p.endpoint, "kv_events_replay_endpoint": p.replay_endpoint}
+                for i, p in enumerate(pubs)
+            },
+        )
+        assert c.state.kv_events is not None
+        streams = c.state.kv_events.streams
+
+        def live() -> bool:
+            for p in pubs:
+                p.publish()  # an empty batch: ZMQ drops what is sent before the socket joined
+            return all(s.synced and s.last_live is not None for s in streams.values())
+
+        await eventually(live, what="both engines' streams live")
+        bodies = [{"model": MODEL, "prompt": long_prompt(f"cold{i}", 400), "max_tokens": 2} for i in range(2)]
+        results = await asyncio.gather(*(c.stream(b) for b in bodies))
+        assert [status for status, _ in results] == [200, 200]
+        assert c.routes()["direct"] == 2
+        served = await c.engine_metrics("vllm:request_success_total")
+        assert served == {"d0": 1, "d1": 1}
+    finally:
+        for p in pubs:
+            p.close()
