@@ -40,6 +40,7 @@ from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.legs import EngineLegs, decode_sample, first_token_sample, queued_ahead, stalls_decoding
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
+from router.fleet.others import OthersLoad
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -76,21 +77,12 @@ class BackendState:
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
     legs: EngineLegs = field(default_factory=EngineLegs)  # what the legs mean for goodput (legs.py)
-    # Requests the last scrape saw beyond this router's own legs at that moment: traffic
-    # of other replicas (or clients that bypass the router).
-    others_waiting: float = 0.0
-    others_running: float = 0.0
-    others_seen_at: float = -1e9  # the last scrape that saw a whole request of others' (clock)
+    # Requests the scrapes saw beyond this router's own legs: other replicas' traffic.
+    others: OthersLoad = field(default_factory=OthersLoad)
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
     # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
     adapters: tuple[str, ...] = ()
     adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
-
-
-# How long traffic the router did not send keeps an engine marked as shared with others
-# (other replicas, clients that bypass the router): the router's own memory of it is then
-# incomplete.
-OTHERS_SEEN_S = 60.0
 
 
 @dataclass
@@ -142,13 +134,13 @@ class BackendRegistry:
                     s.kv_usage,
                     s.draining,
                     self._queued_tokens(s, now, speed)[0],
-                    s.decoding + s.others_running,
+                    s.decoding + s.others.decoding(now),
                     s.prefilling,
                     speed,
                     s.threshold_capable is not False,
                     kv_fresh is not None and kv_fresh(s, now),
                     removed.get(name, 0.0),
-                    now - s.others_seen_at <= OTHERS_SEEN_S,
+                    s.others.seen(now),
                     s.adapters,
                     learner.itl(name),
                     s.decoding - s.legs.clean,
@@ -167,12 +159,12 @@ class BackendRegistry:
 
     def _queued_tokens(self, s: BackendState, now: float, speed: EngineSpeed) -> tuple[float, float]:
         """Prefill tokens ahead of a request sent now, and the same counted whole (legs.py)."""
-        others = s.others_waiting * self.learner.mean_prompt_tokens
+        others = s.others.waiting * self.learner.mean_prompt_tokens
         return queued_ahead(s.queued_tokens, s.queue_since, others, s.last_scrape_ok, now, speed)
 
     @staticmethod
     def _decoding(s: BackendState) -> float:
-        return s.decoding + s.others_running
+        return s.decoding + s.others.running
 
     def _available(self, s: BackendState, now: float) -> bool:
         if s.draining or self.stalls.slow(s.config.name, now):
@@ -355,13 +347,8 @@ class BackendRegistry:
         s.check_failures = 0
         s.running = load.get(RUNNING, 0.0)
         s.waiting = load.get(WAITING, 0.0)
-        # What the engine holds beyond this router's legs now is other replicas' traffic:
-        # waiting first (our prefilling legs may sit in either queue), the rest running.
-        others = max(s.running + s.waiting - s.prefilling - s.decoding, 0.0)
-        s.others_waiting = min(others, max(s.waiting - s.prefilling, 0.0))
-        s.others_running = others - s.others_waiting
-        if others >= 1.0:
-            s.others_seen_at = self.clock()
+        # What the engine holds beyond this router's legs now is other replicas' traffic.
+        s.others.observe(s.running, s.waiting, s.prefilling, s.decoding, self.clock())
         s.kv_usage = load.get(KV_USAGE, 0.0)
         if HITS_DEVICE in load:
             self.learner.observe_cache_tiers(

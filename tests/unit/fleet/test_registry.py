@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import KV_USAGE, RUNNING, WAITING
-from router.fleet.registry import OTHERS_SEEN_S, BackendRegistry, LegTicket
+from router.fleet.registry import BackendRegistry, LegTicket
 from router.names import BreakerState, Role
 from router.routing.goodput import Slo
 from router.routing.snapshot import BackendView
@@ -254,13 +254,13 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             kv_usage=s.kv_usage,
             drained=s.draining,
             queued_tokens=r._queued_tokens(s, now, r.learner.speed(s.config.name))[0],
-            decoding=s.decoding + s.others_running,
+            decoding=s.decoding + s.others.decoding(now),
             prefilling=s.prefilling,
             speed=r.learner.speed(s.config.name),
             threshold_capable=s.threshold_capable is not False,
             kv_events_fresh=r.kv_fresh is not None and r.kv_fresh(s, now),
             kv_removed_at=removed.get(s.config.name, 0.0),
-            others_seen=now - s.others_seen_at <= OTHERS_SEEN_S,
+            others_seen=s.others.seen(now),
             adapters=s.adapters,
             itl=r.learner.itl(s.config.name),
             stalled=s.decoding - s.legs.clean,
