@@ -169,12 +169,10 @@ class LegPlacer:
         )
 
     def fallback_after_race(self, query: RouteQuery, race: RaceOutcome, exclude: frozenset[str]) -> FallbackPlan | None:
-        """Nobody accepted: where the prompt is computed, and what the race was worth.
-
-        What each engine holds: its rejection's report, which is the truth, unless the
-        engine may still be computing this prompt (the router sent it there recently and
-        has a leg there before its first token: then what the prefix memory expects, if
-        more); engines that did not report: the memory."""
+        """Nobody accepted: where the prompt is computed, and what the race was worth. What
+        each engine holds: its rejection's report, the truth, unless it may still be computing
+        this prompt (the router sent it there recently and has a leg there before its first
+        token: then what the prefix memory expects, if more); a silent engine: the memory."""
         snap, n, expected, reported = self._race_figures(query, race.result)
         decoders = [b for b in snap.backends if b.decodes]
         recent = 2.0 * max((predicted_ttft(b, n) for b in decoders), default=0.0)
@@ -278,9 +276,11 @@ class LegPlacer:
             body, tokens = decode_leg_body(ctx.body, kv_params, fb.decode_threshold), 0
         else:
             body, tokens = streamed_leg_body(ctx.body, fb.decode_threshold), fb.prefill_tokens
-        # Its place in the engine's load is taken before this task yields: requests planned
-        # in the same loop iteration must see it, or they all pick the same engine.
-        held = self.registry.open_leg(fb.decode, tokens) if fb.decode in self.registry.states else None
+        # Its place in the engine's load is taken before this task yields: plans made meanwhile see it.
+        known = ctx.query.known_hits(fb.decode, tokens) if fb.prefill is None else None
+        held = (
+            self.registry.open_leg(fb.decode, tokens, known_hits=known) if fb.decode in self.registry.states else None
+        )
         try:
             result = await run_race(
                 (fb.decode,),

@@ -38,6 +38,10 @@ class LegTicket:
     # A split's place on its decoder while the producer computes the prompt: when its TTFT
     # SLO runs out (registry clock). A prefill sent there meanwhile runs ahead of its decode leg.
     kv_deadline: float | None = None
+    # (lacking, held) prompt tokens, where known exactly when sent (the prompt tokenized, the
+    # engine's KV-event index fresh): its speed sample is taken at its first token, not at its end.
+    known_hits: tuple[int, int] | None = None
+    taught: bool = False  # its first-token sample has taught the speed
 
     @property
     def nothing_ahead(self) -> bool:
@@ -101,7 +105,9 @@ def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens:
     """One speed sample from a leg that reached its first token, now that its usage says
     how many prompt tokens it lacked and held. Returns the observed seconds to first
     token. The held tokens' load time (CPU tier) is the scraped counters' to explain,
-    so it is taken out of the sample before it teaches the prefill speed.
+    so it is taken out of the sample before it teaches the prefill speed. A leg teaches
+    once: at its first token where its hits were known when sent (`known_hits`), else
+    when its usage arrives at its end.
 
     Only a leg with nothing queued ahead of it teaches the speed: a prompt ahead counts
     whole until its first token, however much of it the engine has computed, so a leg sent
@@ -111,7 +117,8 @@ def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens:
     if ticket.first_token_at is None:
         return None
     seconds = ticket.first_token_at - ticket.sent_at
-    if ticket.nothing_ahead:
+    if ticket.nothing_ahead and not ticket.taught:
+        ticket.taught = True
         loading = learner.speed(ticket.backend).held_cost_s(held_tokens)
         learner.observe_first_token(
             ticket.backend, max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)

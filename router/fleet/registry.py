@@ -225,13 +225,17 @@ class BackendRegistry:
         s.draining = draining
 
     # --- legs: token-level load and speed samples -------------------------------------
-    def open_leg(self, name: str, tokens: int = 0, kv_wait_s: float | None = None) -> LegTicket:
+    def open_leg(
+        self, name: str, tokens: int = 0, kv_wait_s: float | None = None, known_hits: tuple[int, int] | None = None
+    ) -> LegTicket:
         """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
         (0 for a probe: an acceptor's prefill is done by the time it answers); `kv_wait_s`: a
-        split's place on its decoder, its TTFT SLO running out in that many seconds."""
+        split's place on its decoder, its TTFT SLO running out in that many seconds;
+        `known_hits`: (lacking, held) tokens, known exactly (legs.py)."""
         s, now = self.states[name], self.clock()
         ahead, whole = self._queued_tokens(s, now, self.learner.speed(name))
         ticket = LegTicket(name, max(int(tokens), 0), ahead, self._decoding(s), now, whole)
+        ticket.known_hits = known_hits
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo)
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
@@ -261,6 +265,8 @@ class BackendRegistry:
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = self._decoding(s)
             ticket.prefilled_at_first = s.prefilled_tokens
+            if ticket.known_hits is not None:  # a sample now, seconds before its usage arrives
+                first_token_sample(self.learner, ticket, *ticket.known_hits)
 
     def close_leg(self, ticket: LegTicket) -> None:
         """The leg ended (finished, failed, cancelled). Safe to call more than once."""

@@ -53,6 +53,15 @@ class RouteQuery:
             return float(self.prompt_tokens)
         return len(self.text) / max(snap.chars_per_token, 0.5)
 
+    def known_hits(self, engine: str, lacking: int) -> tuple[int, int] | None:
+        """(lacking, held) prompt tokens on `engine`, where they are known exactly: the prompt
+        tokenized, the engine's index fresh, and a plan that counted `lacking` from it (not
+        more held, as for a prompt the engine may still be computing)."""
+        if self.token_ids is None or self.indexed is None or engine not in self.indexed:
+            return None
+        held = round(self.indexed[engine])
+        return (lacking, held) if len(self.token_ids) - held == lacking else None
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:

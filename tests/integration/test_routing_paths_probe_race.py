@@ -7,10 +7,11 @@ request log, never from the router's word alone.
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import pytest
 
-from support.cluster import MODEL, MakeCluster, long_prompt
+from support.cluster import MODEL, Cluster, MakeCluster, long_prompt, registry_of
 from support.kv_publisher import KvPublisher
 from support.polling import eventually
 
@@ -127,36 +128,65 @@ async def test_a_prefix_in_an_engines_cpu_tier_wins_the_probe_race_and_is_report
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
 
 
-async def test_probe_spreads_cold_prompts_that_arrive_together_while_the_index_is_asked(
-    make_cluster: MakeCluster,
-) -> None:
-    # Both engines' KV-event streams are live and hold nothing: each cold prompt waits for
-    # its /tokenize round trip before it is planned. Planned in the fleet as it was before
-    # that wait, both went to the same engine; planned after it, the second sees the first.
+@pytest.fixture
+async def publishers() -> AsyncIterator[list[KvPublisher]]:
     pubs = [KvPublisher(), KvPublisher()]
-    try:
-        c = await make_cluster(
-            decoders=2,
-            per_backend={
-                f"d{i}": {"kv_events_endpoint": p.endpoint, "kv_events_replay_endpoint": p.replay_endpoint}
-                for i, p in enumerate(pubs)
-            },
-        )
-        assert c.state.kv_events is not None
-        streams = c.state.kv_events.streams
+    yield pubs
+    for p in pubs:
+        p.close()
 
-        def live() -> bool:
-            for p in pubs:
-                p.publish()  # an empty batch: ZMQ drops what is sent before the socket joined
-            return all(s.synced and s.last_live is not None for s in streams.values())
 
-        await eventually(live, what="both engines' streams live")
-        bodies = [{"model": MODEL, "prompt": long_prompt(f"cold{i}", 400), "max_tokens": 2} for i in range(2)]
-        results = await asyncio.gather(*(c.stream(b) for b in bodies))
-        assert [status for status, _ in results] == [200, 200]
-        assert c.routes()["direct"] == 2
-        served = await c.engine_metrics("vllm:request_success_total")
-        assert served == {"d0": 1, "d1": 1}
-    finally:
+async def with_live_index(make_cluster: MakeCluster, pubs: list[KvPublisher]) -> Cluster:
+    """Two decoders whose KV-event streams (one publisher each) are live and hold nothing."""
+    c = await make_cluster(
+        decoders=2,
+        per_backend={
+            f"d{i}": {"kv_events_endpoint": p.endpoint, "kv_events_replay_endpoint": p.replay_endpoint}
+            for i, p in enumerate(pubs)
+        },
+    )
+    assert c.state.kv_events is not None
+    streams = c.state.kv_events.streams
+
+    def live() -> bool:
         for p in pubs:
-            p.close()
+            p.publish()  # an empty batch: ZMQ drops what is sent before the socket joined
+        return all(s.synced and s.last_live is not None for s in streams.values())
+
+    await eventually(live, what="both engines' streams live")
+    return c
+
+
+async def test_probe_spreads_cold_prompts_that_arrive_together_while_the_index_is_asked(
+    make_cluster: MakeCluster, publishers: list[KvPublisher]
+) -> None:
+    # Each cold prompt waits for its /tokenize round trip before it is planned. Planned in
+    # the fleet as it was before that wait, both went to the same engine; planned after
+    # it, the second sees the first.
+    c = await with_live_index(make_cluster, publishers)
+    bodies = [{"model": MODEL, "prompt": long_prompt(f"cold{i}", 400), "max_tokens": 2} for i in range(2)]
+    results = await asyncio.gather(*(c.stream(b) for b in bodies))
+    assert [status for status, _ in results] == [200, 200]
+    assert c.routes()["direct"] == 2
+    served = await c.engine_metrics("vllm:request_success_total")
+    assert served == {"d0": 1, "d1": 1}
+
+
+async def test_a_cold_prompt_the_index_knows_teaches_the_engines_speed_at_its_first_token(
+    make_cluster: MakeCluster, publishers: list[KvPublisher]
+) -> None:
+    # The prompt tokenized and nothing held anywhere: what its engine lacks is known when
+    # it is sent, so its time to first token is a speed sample as soon as the token is
+    # relayed, not when the answer's usage arrives at its end.
+    c = await with_live_index(make_cluster, publishers)
+    learner = registry_of(c.state).learner
+    body = {"model": MODEL, "prompt": long_prompt("teach", 400), "max_tokens": 40, "stream": True}
+    async with await c.post("/v1/completions", body) as r:
+        assert r.status == 200
+        first = await r.content.readline()
+        assert first.startswith(b"data: {"), first
+        taught = {name: fit.samples for name, fit in learner._engines.items()}
+        rest = await r.read()
+    assert sorted(taught.values()) == [1]  # one engine, one sample, the answer still streaming
+    assert rest.rstrip().endswith(b"data: [DONE]")
+    assert {name: fit.samples for name, fit in learner._engines.items()} == taught  # not again at its end

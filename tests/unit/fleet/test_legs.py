@@ -99,6 +99,26 @@ def test_only_a_leg_with_nothing_queued_ahead_teaches_the_engines_speed() -> Non
     assert r.learner.speed("d0").per_token_s > r.learner.prior.per_token_s
 
 
+def test_a_leg_whose_hits_were_known_when_sent_teaches_at_its_first_token_and_only_then() -> None:
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    leg = r.open_leg("d0", 5000, known_hits=(5000, 0))
+    now[0] = 1.7
+    r.first_token(leg)
+    assert r.learner._engines["d0"].samples == 1  # seconds before the leg's usage arrives
+    assert r.learner.speed("d0").per_token_s > r.learner.prior.per_token_s
+    now[0] = 4.0
+    assert r.learn_first_token(leg, 5000) == pytest.approx(1.7)
+    assert r.learner._engines["d0"].samples == 1  # not twice
+    # Hits not known: the sample waits for the usage at the leg's end, as before.
+    other = r.open_leg("d0", 3000)
+    now[0] = 5.0
+    r.first_token(other)
+    assert r.learner._engines["d0"].samples == 1
+    r.learn_first_token(other, 3000)
+    assert r.learner._engines["d0"].samples == 2
+
+
 def _measured(r: BackendRegistry, name: str) -> EngineSpeed:
     """`name`'s speed, measured on it: first tokens of clean legs at 10,000 tokens/s."""
     for i in range(OWN_FIT_SAMPLES):

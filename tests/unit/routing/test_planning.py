@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.routing.planning import fastest, race_value
+from router.routing.planning import RouteQuery, fastest, race_value
 from router.routing.policies.least_loaded import LeastLoadedStrategy
 from router.routing.policies.prefix_tree import PrefixTreeStrategy
 from router.routing.policies.probe import ProbeStrategy
@@ -52,3 +52,15 @@ def test_prompt_length_estimate_when_no_engine_reported_it() -> None:
     assert RouteQuery("m", "5,6,7,", prompt_tokens=3).tokens(ClusterSnapshot(())) == 3
     assert RouteQuery("m", "x" * 4000).tokens(ClusterSnapshot(())) == 1000
     assert RouteQuery("m", "y" * 400).tokens(ClusterSnapshot((), chars_per_token=5.0)) == 80
+
+
+def test_a_prompts_hits_are_known_only_from_the_index_for_a_tokenized_prompt() -> None:
+    ids = tuple(range(100))
+    q = RouteQuery("m", "x", prompt_tokens=100, token_ids=ids, indexed={"d0": 64.0, "d1": 0.0})
+    assert q.known_hits("d0", 36) == (36, 64)
+    assert q.known_hits("d1", 100) == (100, 0)
+    # The plan counted more held than the index says (a prompt the engine may still be
+    # computing): not known.
+    assert q.known_hits("d1", 40) is None
+    assert q.known_hits("d2", 100) is None  # its index is not fresh
+    assert RouteQuery("m", "x", indexed={"d0": 0.0}).known_hits("d0", 100) is None  # not tokenized
