@@ -229,7 +229,7 @@ class Dispatcher:
         state = self.registry.states.get(backend)
         if state is not None:
             speed = self.registry.learner.speed(backend)
-            step = speed.intercept_s + speed.per_decode_s * (state.decoding + state.others.running)
+            step = speed.intercept_s + speed.per_decode_s * state.scraped_decoding
             self.registry.stalls.token_gap(backend, gap_s, step, self.registry.clock(), speed.samples)
 
     def _leg_ended(self, ctx: RequestContext, leg: Leg, outcome: LegOutcome, tokens: int) -> UpstreamError | None:

@@ -84,6 +84,13 @@ class BackendState:
     adapters: tuple[str, ...] = ()
     adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
 
+    @property
+    def scraped_decoding(self) -> float:
+        """Sequences decoding there: this router's legs past their first token and others'
+        as the last scrape saw them (what a leg's speed samples are taken against; a plan
+        reads `OthersLoad.decoding`, which may count more)."""
+        return self.decoding + self.others.running
+
 
 @dataclass
 class BackendRegistry:
@@ -162,10 +169,6 @@ class BackendRegistry:
         others = s.others.waiting * self.learner.mean_prompt_tokens
         return queued_ahead(s.queued_tokens, s.queue_since, others, s.last_scrape_ok, now, speed)
 
-    @staticmethod
-    def _decoding(s: BackendState) -> float:
-        return s.decoding + s.others.running
-
     def _available(self, s: BackendState, now: float) -> bool:
         if s.draining or self.stalls.slow(s.config.name, now):
             return False
@@ -234,7 +237,7 @@ class BackendRegistry:
         `known_hits`: (lacking, held) tokens, known exactly (legs.py)."""
         s, now = self.states[name], self.clock()
         ahead, whole = self._queued_tokens(s, now, self.learner.speed(name))
-        ticket = LegTicket(name, max(int(tokens), 0), ahead, self._decoding(s), now, whole)
+        ticket = LegTicket(name, max(int(tokens), 0), ahead, s.scraped_decoding, now, whole)
         ticket.known_hits = known_hits
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo)
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
@@ -263,7 +266,7 @@ class BackendRegistry:
             s.decoding += 1
             s.legs.first_token(ticket)
             s.prefilled_tokens += ticket.tokens
-            ticket.decoding_at_first = self._decoding(s)
+            ticket.decoding_at_first = s.scraped_decoding
             ticket.prefilled_at_first = s.prefilled_tokens
             if ticket.known_hits is not None:  # a sample now, seconds before its usage arrives
                 first_token_sample(self.learner, ticket, *ticket.known_hits)
@@ -292,7 +295,7 @@ class BackendRegistry:
         """A decode-step sample of an ended leg that generated `tokens` (legs.py)."""
         s = self.states.get(ticket.backend)
         if s is not None:
-            decode_sample(self.learner, ticket, tokens, self._decoding(s), s.prefilled_tokens, self.clock())
+            decode_sample(self.learner, ticket, tokens, s.scraped_decoding, s.prefilled_tokens, self.clock())
 
     # --- request-path feedback ---------------------------------------------------------
     def acquire(self, name: str) -> None:

@@ -45,7 +45,6 @@ def test_ties_spread_with_the_salt() -> None:
 
 
 def test_prompt_length_estimate_when_no_engine_reported_it() -> None:
-    from router.routing.planning import RouteQuery
     from router.routing.snapshot import ClusterSnapshot
 
     # Exact for token ids; else from the learned characters per token (4 until measured).
