@@ -87,6 +87,7 @@ class HealthMonitor:
         url, key = state.config.url, state.config.api_key
         started = time.monotonic()
         changed = state.adapters_changed  # a load or unload through the router while this reads
+        closed = state.legs_closed  # legs that end while this reads may be in its counts (others.py)
         try:
             # Models re-read with every /health check: LoRA adapters come and go at runtime.
             load, cards = await self._read(state.config, with_health, with_health or name not in self.model_cards)
@@ -109,7 +110,7 @@ class HealthMonitor:
             self.model_cards[name] = cards
             models = tuple(c["id"] for c in cards)
             adapters = tuple(c["id"] for c in cards if c.get("parent"))  # vLLM: a LoRA adapter's base
-        self.registry.record_scrape(name, load, models, adapters)
+        self.registry.record_scrape(name, load, models, adapters, closed)
         # Unanswered (an engine failing requests): asked again with the next /health check.
         if state.threshold_capable is None and state.config.decodes and with_health:
             model = state.models[0] if state.models else None

@@ -7,6 +7,11 @@ engine serves others' traffic the count of their decoding sequences is at least 
 mean over recent scrapes: a sequence another replica started since the last scrape is
 unseen until the next. (Counted from the last scrape alone, at low load it mostly saw
 none, and a cold prompt went where it stalled their sequences past the ITL SLO.)
+
+A scrape's counts are as old as its read: legs of this router that ended while it was on
+its way may still be among them, and they are this router's (`BackendRegistry.record_scrape`
+counts them with its own decoding legs). Counted as others', each marked its engine shared
+for `OTHERS_SEEN_S` with a phantom sequence on it.
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ class BackendState:
     prefilling: int = 0  # legs sent, no first token yet
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
+    legs_closed: int = 0  # this router's legs there that ended, ever (a scrape's read spans some: others.py)
     legs: EngineLegs = field(default_factory=EngineLegs)  # what the legs mean for goodput (legs.py)
     # Requests the scrapes saw beyond this router's own legs: other replicas' traffic.
     others: OthersLoad = field(default_factory=OthersLoad)
@@ -285,6 +286,7 @@ class BackendRegistry:
             s.prefilling -= 1
         else:
             s.decoding -= 1
+        s.legs_closed += 1
         self.release(ticket.backend)
 
     def learn_first_token(self, ticket: LegTicket, lacking_tokens: int, held_tokens: int = 0) -> float | None:
@@ -349,7 +351,10 @@ class BackendRegistry:
         load: dict[str, float],
         models: tuple[str, ...] | None,
         adapters: tuple[str, ...] | None = None,
+        legs_closed_before: int | None = None,
     ) -> None:
+        """One scrape's figures; `legs_closed_before`: `BackendState.legs_closed` when its
+        read began (None: the scrape is as old as the router's counts)."""
         s = self.states.get(name)
         if s is None:  # removed meanwhile
             return
@@ -357,7 +362,8 @@ class BackendRegistry:
         s.running = load.get(RUNNING, 0.0)
         s.waiting = load.get(WAITING, 0.0)
         # What the engine holds beyond this router's legs now is other replicas' traffic.
-        s.others.observe(s.running, s.waiting, s.prefilling, s.decoding, self.clock())
+        ended = 0 if legs_closed_before is None else max(s.legs_closed - legs_closed_before, 0)
+        s.others.observe(s.running, s.waiting, s.prefilling, s.decoding + ended, self.clock())
         s.kv_usage = load.get(KV_USAGE, 0.0)
         if HITS_DEVICE in load:
             self.learner.observe_cache_tiers(

@@ -140,14 +140,17 @@ def pushed_past_ttft(view: BackendView, ttft_s: float) -> float:
 
 
 def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: float, slo: Slo) -> Placement:
-    """Prefilled on `producer`, KV over NIXL, decoded on `consumer`."""
+    """Prefilled on `producer`, KV over NIXL, decoded on `consumer`. A producer that serves
+    no decode legs has no sequence whose gaps its prefill lengthens: what runs there is
+    other prompts' prefills (each one token, then its KV waits for its consumer)."""
     stall = costmodel.prefill_stall_s(producer.speed, prompt, slo.chunk_tokens)
+    stalls_producer = pushed_past_itl(producer, stall, 0.0, slo) if producer.decodes else 0.0
     return Placement(
         decode=consumer.name,
         prefill=producer.name,
         ttft_s=ttft_s,
         itl_s=costmodel.itl(consumer.itl, consumer.decoding),
-        stalled=pushed_past_itl(producer, stall, 0.0, slo) + pushed_past_itl(consumer, 0.0, 1.0, slo),
+        stalled=stalls_producer + pushed_past_itl(consumer, 0.0, 1.0, slo),
         lacking=prompt,
     )
 

@@ -91,6 +91,24 @@ def test_a_scrape_is_a_moment_of_the_past() -> None:
     assert registry_view(r, "d0").decoding == 1.0
 
 
+def test_legs_that_ended_while_a_scrape_was_read_are_not_other_replicas_sequences() -> None:
+    r = _registry(lambda: 0.0)
+    tickets = [r.open_leg("d0", 100) for _ in range(3)]
+    for t in tickets:
+        r.first_token(t)
+    before = r.states["d0"].legs_closed
+    # The engine answered /metrics with all three running; two ended before the answer came.
+    r.close_leg(tickets[0])
+    r.close_leg(tickets[1])
+    r.record_scrape("d0", {RUNNING: 3.0, WAITING: 0.0}, None, legs_closed_before=before)
+    others = r.states["d0"].others
+    assert (others.running, others.seen(0.0)) == (0.0, False)
+    assert registry_view(r, "d0").decoding == 1.0
+    # Without the count at the read's start the two read as another replica's sequences.
+    r.record_scrape("d0", {RUNNING: 3.0, WAITING: 0.0}, None)
+    assert (r.states["d0"].others.running, r.states["d0"].others.seen(0.0)) == (2.0, True)
+
+
 def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it() -> None:
     r = _registry(lambda: 0.0)
     r.add(BackendConfig("late", "http://late", prefill_tokens_per_s=2000.0))

@@ -81,6 +81,16 @@ def test_the_split_stalls_nobody_and_wins_while_its_ttft_meets_the_slo() -> None
     assert not goodput.worth_splitting(late, SLO)
 
 
+def test_a_prefill_only_producer_has_no_sequences_to_stall() -> None:
+    # Its running requests are other prompts' prefills: one token each, no gaps to lengthen.
+    prod = replace(view("p", decodes=False, prefills=True, decoding=3), itl=STEP)
+    d = replace(view("d"), itl=STEP)
+    assert goodput.split(prod, d, 1000, 0.3, SLO).lost(SLO) == 0
+    # An engine that both prefills for splits and decodes: its sequences count.
+    both = replace(prod, decodes=True)
+    assert goodput.split(both, d, 1000, 0.3, SLO).lost(SLO) == 3
+
+
 def test_ties_go_to_the_least_predicted_ttft() -> None:
     idle = replace(view("d"), itl=STEP)
     prod = view("p", decodes=False, prefills=True)
