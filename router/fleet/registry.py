@@ -38,9 +38,15 @@ from dataclasses import dataclass, field
 from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
-from router.fleet.legs import EngineLegs, decode_sample, first_token_sample, queued_ahead, stalls_decoding
+from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
-from router.fleet.others import OthersLoad
+from router.fleet.legs import (
+    decode_sample,
+    first_token_sample,
+    planning_speeds,
+    queued_ahead,
+    stalls_decoding,
+)
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -50,47 +56,6 @@ from router.routing.snapshot import BackendView, ClusterSnapshot
 from router.routing.speed_learner import SpeedLearner
 
 log = logging.getLogger("cachehit_router.backends")
-
-
-@dataclass
-class BackendState:
-    config: BackendConfig
-    models: tuple[str, ...]
-    healthy: bool = False
-    inflight: int = 0
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0
-    consecutive_failures: int = 0
-    check_failures: int = 0  # consecutive failed health checks
-    breaker: BreakerState = BreakerState.CLOSED
-    opened_at: float = 0.0
-    half_open_trial_taken: bool = False
-    trial_at: float = 0.0
-    last_error: str = ""
-    last_scrape_ok: float = 0.0
-    draining: bool = False  # set by an operator: no new requests, in-flight ones finish
-    # Token-level load from this router's own legs (LegTicket).
-    queued_tokens: int = 0
-    queue_since: float = 0.0  # the engine began on the oldest of them (legs.queued_ahead)
-    prefilling: int = 0  # legs sent, no first token yet
-    decoding: int = 0  # legs past their first token
-    prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
-    legs_closed: int = 0  # this router's legs there that ended, ever (a scrape's read spans some: others.py)
-    legs: EngineLegs = field(default_factory=EngineLegs)  # what the legs mean for goodput (legs.py)
-    # Requests the scrapes saw beyond this router's own legs: other replicas' traffic.
-    others: OthersLoad = field(default_factory=OthersLoad)
-    threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
-    # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
-    adapters: tuple[str, ...] = ()
-    adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
-
-    @property
-    def scraped_decoding(self) -> float:
-        """Sequences decoding there: this router's legs past their first token and others'
-        as the last scrape saw them (what a leg's speed samples are taken against; a plan
-        reads `OthersLoad.decoding`, which may count more)."""
-        return self.decoding + self.others.running
 
 
 @dataclass
@@ -121,13 +86,16 @@ class BackendRegistry:
         positionally, in BackendView's field order (tested against views built by keyword)."""
         now, views, learner, kv_fresh = self.clock(), [], self.learner, self.kv_fresh
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}  # one pass
+        pending = [s.pending() for s in self.states.values() if s.queued_tokens > 0]
+        slower = planning_speeds(learner, pending, self.states, now) if pending else {}
         adapters: set[str] = set()
         for s in self.states.values():
             if s.adapters:
                 adapters.update(s.adapters)
             c = s.config
             name = c.name
-            speed = learner.speed(name)
+            learned = learner.speed(name)
+            speed = slower.get(name) or learned
             views.append(
                 BackendView(
                     name,
@@ -141,7 +109,7 @@ class BackendRegistry:
                     s.waiting,
                     s.kv_usage,
                     s.draining,
-                    self._queued_tokens(s, now, speed)[0],
+                    self._queued_tokens(s, now, learned)[0],
                     s.decoding + s.others.decoding(now),
                     s.prefilling,
                     speed,

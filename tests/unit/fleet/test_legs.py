@@ -171,3 +171,63 @@ def test_other_replicas_waiting_prompts_keep_this_routers_legs_counted_whole() -
     now[0] = 2000 * b + a + 300 * b  # through them, then 300 tokens of the leg
     assert registry_view(r, "d0").queued_tokens == pytest.approx(200.0)
     r.first_token(leg)
+
+
+def _fleet(clock: Callable[[], float]) -> BackendRegistry:
+    names = ("d0", "d1", "d2")
+    return BackendRegistry([BackendConfig(n, f"http://{n}") for n in names], HealthConfig(), clock=clock)
+
+
+def test_a_prompt_still_without_its_first_token_bounds_the_speed_of_an_engine_still_learning() -> None:
+    now = [0.0]
+    r = _fleet(lambda: now[0])
+    prior = r.learner.speed("d0")
+    r.open_leg("d0", 500)
+    # Sooner than the prior's prediction: nothing is known beyond it.
+    now[0] = 0.02
+    assert registry_view(r, "d0").speed.per_token_s == prior.per_token_s
+    # 1.02 s and still no first token: 500 tokens took at least 1.0 s beyond the intercept.
+    now[0] = 1.02 + prior.intercept_s
+    bound = 1.02 / 500
+    assert registry_view(r, "d0").speed.per_token_s == pytest.approx(bound)
+    # The fleet is judged alike until it has samples: the idle engines too.
+    assert registry_view(r, "d1").speed.per_token_s == pytest.approx(bound)
+    assert r.learner.speed("d0").per_token_s == prior.per_token_s  # the fit itself learns only from samples
+
+
+def test_the_fleet_takes_the_median_bound_so_one_stuck_engine_does_not_slow_the_others() -> None:
+    now = [0.0]
+    r = _fleet(lambda: now[0])
+    intercept = r.learner.speed("d0").intercept_s
+    r.open_leg("d0", 300)  # stuck: 300 tokens for the whole time
+    now[0] = 0.5
+    r.open_leg("d1", 1000)
+    r.open_leg("d2", 100)  # too short a queue to draw a bound from
+    now[0] = 1.0 + intercept
+    # d0: 1.0 s / 300; d1: 0.5 s / 1,000; the median of the two bounds is their mean.
+    d0, d1 = 1.0 / 300, 0.5 / 1000
+    views = {n: registry_view(r, n).speed.per_token_s for n in ("d0", "d1", "d2")}
+    assert views["d0"] == pytest.approx(d0)
+    assert views["d1"] == pytest.approx((d0 + d1) / 2)
+    assert views["d2"] == pytest.approx((d0 + d1) / 2)
+
+
+def test_an_engine_measured_on_its_own_is_judged_by_its_fit_not_by_its_pending_prompts() -> None:
+    now = [0.0]
+    r = _fleet(lambda: now[0])
+    for _ in range(OWN_FIT_SAMPLES):
+        t = r.open_leg("d0", 100)
+        now[0] += 0.02
+        r.first_token(t)
+        r.close_leg(t)
+        r.learn_first_token(t, 100)
+    fit = r.learner.speed("d0").per_token_s
+    r.open_leg("d0", 100)
+    now[0] += 5.0
+    assert registry_view(r, "d0").speed.per_token_s == fit
+    # Other replicas' prompts ahead: the time may have gone to them, so no bound is drawn.
+    r2 = _fleet(lambda: now[0])
+    r2.open_leg("d1", 100)
+    r2.states["d1"].others.waiting = 2.0
+    now[0] += 5.0
+    assert registry_view(r2, "d1").speed.per_token_s == r2.learner.speed("d1").per_token_s
