@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.config.schema import BackendConfig
-from router.fleet.legs import EngineLegs, PendingQueue
+from router.fleet.legs import EngineLegs
 from router.fleet.others import OthersLoad
 from router.names import BreakerState
 
@@ -53,9 +53,3 @@ class BackendState:
         as the last scrape saw them (what a leg's speed samples are taken against; a plan
         reads `OthersLoad.decoding`, which may count more)."""
         return self.decoding + self.others.running
-
-    def pending(self) -> PendingQueue:
-        """This router's prompts there still before their first token (legs.planning_speeds)."""
-        return PendingQueue(
-            self.config.name, self.queued_tokens, self.queue_since, self.scraped_decoding, self.others.waiting > 0
-        )

@@ -6,13 +6,11 @@ ITL SLO, splits whose KV is on its way."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from statistics import median
+from dataclasses import dataclass, field
 
 from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed
 from router.routing.goodput import Slo, prefill_stalls
-from router.routing.speed_learner import OWN_FIT_SAMPLES, WARMUP_SAMPLES, SpeedLearner
+from router.routing.speed_learner import OWN_FIT_SAMPLES, SpeedLearner
 
 
 @dataclass(slots=True)
@@ -184,67 +182,3 @@ def queued_ahead(
         return whole, whole
     done = (now - since - max(speed.intercept_s, 0.0)) / per_token_s
     return own - min(max(done, 0.0), own), whole
-
-
-# The least queue a bound on an engine's speed is drawn from (`pending_per_token_s`).
-MIN_BOUND_TOKENS = 256.0
-
-
-@dataclass(frozen=True, slots=True)
-class PendingQueue:
-    """An engine's prompts of this router still before their first token, for `planning_speeds`."""
-
-    engine: str
-    tokens: float  # their prompt tokens still to prefill, counted whole
-    since: float  # when the engine began on the oldest (`queued_ahead`'s `since`)
-    decoding: float
-    others_waiting: bool  # other replicas' prompts may be ahead of them
-
-
-def pending_per_token_s(queue: PendingQueue, speed: EngineSpeed, now: float) -> float:
-    """The least seconds per prompt token that fits a queue still without a first token: the
-    engine has worked on its oldest prompt since `queue.since` and not finished it, so it
-    prefilled fewer than `queue.tokens` in that time, less the model's fixed costs.
-
-    Only from `MIN_BOUND_TOKENS` on: what the model's intercept misses of an engine's fixed
-    cost per request (its prior's 20 ms) is spread over the queue's tokens, and over a
-    short prompt it would read as a per-token cost tens of times the engine's."""
-    if queue.tokens < MIN_BOUND_TOKENS or queue.others_waiting:
-        return 0.0
-    busy = now - queue.since - max(speed.intercept_s, 0.0) - max(speed.per_decode_s, 0.0) * queue.decoding
-    return max(busy, 0.0) / queue.tokens
-
-
-def planning_speeds(
-    learner: SpeedLearner, queues: list[PendingQueue], engines: Iterable[str], now: float
-) -> dict[str, EngineSpeed]:
-    """The engines whose speed for a plan is not the learned one: while still learning, an
-    engine is no faster than its pending prompts allow (a censored sample: a prompt without
-    its first token after t seconds took at least t). `queues`: the engines with prompts
-    pending; `engines`: every engine.
-
-    Until its first samples arrive an engine is judged by the prior (10,000 tokens/s), and a
-    leg teaches only at its first token or its end: on engines ~27x slower than that, a
-    run's first prompt was predicted at 80 ms and took 1.6-2.8 s, and everything placed
-    meanwhile was placed as if the engines were idle. While the fleet's fit has fewer than
-    `WARMUP_SAMPLES` samples, an engine judged by it takes the median of the bounds of the
-    engines that have one: engines of a fleet are alike, and the median keeps one stuck
-    engine from slowing the others in the model."""
-    slower: dict[str, EngineSpeed] = {}
-    fleet_bounds: list[float] = []
-    for q in queues:
-        speed = learner.speed(q.engine)
-        if speed.samples >= OWN_FIT_SAMPLES:
-            continue
-        bound = pending_per_token_s(q, speed, now)
-        if bound > speed.per_token_s:
-            slower[q.engine] = replace(speed, per_token_s=bound)
-        if bound > 0.0 and learner.judged_by_fleet(q.engine):
-            fleet_bounds.append(bound)
-    if fleet_bounds and learner.fleet_samples < WARMUP_SAMPLES:
-        fleet = median(fleet_bounds)
-        for name in engines:
-            speed = slower.get(name) or learner.speed(name)
-            if speed.per_token_s < fleet and learner.judged_by_fleet(name):
-                slower[name] = replace(speed, per_token_s=fleet)
-    return slower

@@ -40,13 +40,7 @@ from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
-from router.fleet.legs import (
-    decode_sample,
-    first_token_sample,
-    planning_speeds,
-    queued_ahead,
-    stalls_decoding,
-)
+from router.fleet.legs import decode_sample, first_token_sample, queued_ahead, stalls_decoding
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -86,16 +80,13 @@ class BackendRegistry:
         positionally, in BackendView's field order (tested against views built by keyword)."""
         now, views, learner, kv_fresh = self.clock(), [], self.learner, self.kv_fresh
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}  # one pass
-        pending = [s.pending() for s in self.states.values() if s.queued_tokens > 0]
-        slower = planning_speeds(learner, pending, self.states, now) if pending else {}
         adapters: set[str] = set()
         for s in self.states.values():
             if s.adapters:
                 adapters.update(s.adapters)
             c = s.config
             name = c.name
-            learned = learner.speed(name)
-            speed = slower.get(name) or learned
+            speed = learner.speed(name)
             views.append(
                 BackendView(
                     name,
@@ -109,7 +100,7 @@ class BackendRegistry:
                     s.waiting,
                     s.kv_usage,
                     s.draining,
-                    self._queued_tokens(s, now, learned)[0],
+                    self._queued_tokens(s, now, speed)[0],
                     s.decoding + s.others.decoding(now),
                     s.prefilling,
                     speed,

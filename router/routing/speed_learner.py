@@ -327,15 +327,6 @@ class SpeedLearner:
         e, c = fit.theta
         return ItlSpeed(e, c, fit.samples)
 
-    def judged_by_fleet(self, engine: str) -> bool:
-        """Is `engine` predicted by the fleet's fit (too few samples of its own, no configured speed)?"""
-        fit = self._engines.get(engine)
-        return engine not in self.engine_per_token_s and (fit is None or fit.samples < OWN_FIT_SAMPLES)
-
-    @property
-    def fleet_samples(self) -> int:
-        return 0 if self._fleet is None else self._fleet.samples
-
     def transfer(self) -> TransferSpeed:
         if self._transfer is None:
             return TransferSpeed(self.prior.transfer_intercept_s, self.prior.transfer_per_token_s, 0)

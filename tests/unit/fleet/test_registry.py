@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import KV_USAGE, RUNNING, WAITING
-from router.fleet.legs import planning_speeds
 from router.fleet.registry import BackendRegistry, LegTicket
 from router.names import BreakerState, Role
 from router.routing.goodput import Slo
@@ -259,8 +258,6 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
     """Each backend's view as the snapshot describes it, built by keyword: what the
     snapshot's positional construction must equal."""
     removed = r.kv_index.last_removals() if r.kv_index is not None else {}
-    # Engines still learning, no faster than their prompts without a first token allow (legs.py).
-    slower = planning_speeds(r.learner, [s.pending() for s in r.states.values() if s.queued_tokens > 0], r.states, now)
     return tuple(
         BackendView(
             name=s.config.name,
@@ -277,7 +274,7 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             queued_tokens=r._queued_tokens(s, now, r.learner.speed(s.config.name))[0],
             decoding=s.decoding + s.others.decoding(now),
             prefilling=s.prefilling,
-            speed=slower.get(s.config.name) or r.learner.speed(s.config.name),
+            speed=r.learner.speed(s.config.name),
             threshold_capable=s.threshold_capable is not False,
             kv_events_fresh=r.kv_fresh is not None and r.kv_fresh(s, now),
             kv_removed_at=removed.get(s.config.name, 0.0),
