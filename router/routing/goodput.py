@@ -93,8 +93,10 @@ class Placement:
 def pushed_past_itl(view: BackendView, extra_step_s: float, joining: float, slo: Slo) -> float:
     """Sequences decoding on `view` whose steps are within the ITL SLO now and would not be
     with `extra_step_s` more per step and `joining` more sequences; those a stalling
-    prefill already pushed past it (`BackendView.stalled`) are lost already."""
-    if view.decoding <= 0 or step_past_itl(view.itl, view.decoding, 0.0, slo):
+    prefill already pushed past it (`BackendView.stalled`) are lost already. An engine that
+    serves no decode legs (a prefill-only producer) has none: what runs there is other
+    prompts' prefills, one token each, whatever its scraped counts say."""
+    if not view.decodes or view.decoding <= 0 or step_past_itl(view.itl, view.decoding, 0.0, slo):
         return 0.0
     if not step_past_itl(view.itl, view.decoding + joining, extra_step_s, slo):
         return 0.0
@@ -140,17 +142,14 @@ def pushed_past_ttft(view: BackendView, ttft_s: float) -> float:
 
 
 def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: float, slo: Slo) -> Placement:
-    """Prefilled on `producer`, KV over NIXL, decoded on `consumer`. A producer that serves
-    no decode legs has no sequence whose gaps its prefill lengthens: what runs there is
-    other prompts' prefills (each one token, then its KV waits for its consumer)."""
+    """Prefilled on `producer`, KV over NIXL, decoded on `consumer`."""
     stall = costmodel.prefill_stall_s(producer.speed, prompt, slo.chunk_tokens)
-    stalls_producer = pushed_past_itl(producer, stall, 0.0, slo) if producer.decodes else 0.0
     return Placement(
         decode=consumer.name,
         prefill=producer.name,
         ttft_s=ttft_s,
         itl_s=costmodel.itl(consumer.itl, consumer.decoding),
-        stalled=stalls_producer + pushed_past_itl(consumer, 0.0, 1.0, slo),
+        stalled=pushed_past_itl(producer, stall, 0.0, slo) + pushed_past_itl(consumer, 0.0, 1.0, slo),
         lacking=prompt,
     )
 
