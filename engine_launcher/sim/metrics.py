@@ -202,7 +202,7 @@ class EngineMetrics:
             ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"],
             registry=r,
         )
-        info.labels(str(block_size), str(enable_prefix_caching), str(num_gpu_blocks), "0").set(1)
+        info.labels(str(block_size), str(enable_prefix_caching), str(num_gpu_blocks), str(engine_index)).set(1)
 
     def offload_loaded(self, num_bytes: int, seconds: float) -> None:
         self.offload_load_bytes.inc(num_bytes)
