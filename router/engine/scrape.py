@@ -1,10 +1,8 @@
 """The vLLM metrics the router reads from an engine's `/metrics`, and their parser.
 
-The load view reads the running and waiting request gauges, the KV cache usage and the
-cache's size (`vllm:cache_config_info`'s num_gpu_blocks x block_size: what a prompt must
-find room in, router/routing/costmodel.py `KvRoom`); the cost model reads the counters of
-prompt tokens served from each cache tier and the CPU tier's load seconds, to learn what a
-cached token costs (router/routing/speed_learner.py).
+The load view reads the running and waiting request gauges and the KV cache usage; the
+cost model reads the counters of prompt tokens served from each cache tier and the CPU
+tier's load seconds, to learn what a cached token costs (router/routing/speed_learner.py).
 """
 
 from __future__ import annotations
@@ -22,10 +20,6 @@ CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"
 HITS_DEVICE = CACHED_BY_SOURCE + ":device"  # GPU prefix-cache hit tokens
 HITS_HOST = CACHED_BY_SOURCE + ":host"  # CPU-tier (OffloadingConnector) hit tokens
 OFFLOAD_LOAD_TIME = "vllm:kv_offload_load_time"
-# vLLM's cache configuration, a gauge at 1 whose labels are the settings; the router reads
-# num_gpu_blocks x block_size as `KV_CAPACITY` (tokens the KV cache holds).
-CACHE_CONFIG = "vllm:cache_config_info"
-KV_CAPACITY = "kv_capacity_tokens"
 # Engine cores the server's running-requests gauge names (vLLM labels each DP rank's
 # samples engine="<rank>"): more than one is a data-parallel server.
 ENGINE_CORES = "engine_cores"
@@ -39,7 +33,7 @@ _GAUGES = (RUNNING, WAITING, KV_USAGE)
 # family that is declared but has no sample yet reads as 0, as it did through the library.
 _LINE = re.compile(
     r"\n(?P<type># TYPE )?(?P<name>vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc"
-    r"|prompt_tokens_cached_by_source|kv_offload_load_time|cache_config_info))(?P<total>_total)?"
+    r"|prompt_tokens_cached_by_source|kv_offload_load_time))(?P<total>_total)?"
     r"(?:\{(?P<labels>.*)\})?[ \t]+(?P<value>\S+)"
 )
 # Label values are not unescaped: the two labels read, `engine` and `source`, are plain
@@ -70,16 +64,13 @@ def parse_load_metrics(text: str, engine: str | None = None) -> dict[str, float]
             elif counter != bool(m["total"]):
                 continue  # a gauge's name with _total, or a counter's without: another family
             # The family is there (declared, or a sample of it), whichever engine's samples count.
-            if name not in (CACHED_BY_SOURCE, CACHE_CONFIG):
+            if name != CACHED_BY_SOURCE:
                 out.setdefault(name, 0.0)
             seen_running |= name == RUNNING
             if declared:
                 continue
             labels = dict(_LABEL.findall(labels_text)) if labels_text else {}
             if engine is not None and labels.get("engine", engine) != engine:
-                continue
-            if name == CACHE_CONFIG:
-                _add_capacity(out, labels)
                 continue
             value = float(m["value"])
             if name == CACHED_BY_SOURCE:
@@ -96,14 +87,6 @@ def parse_load_metrics(text: str, engine: str | None = None) -> dict[str, float]
         return _library_parse(text, engine)
     out[ENGINE_CORES] = float(len(cores))
     return out
-
-
-def _add_capacity(out: dict[str, float], labels: dict[str, str]) -> None:
-    """One engine core's KV cache size in tokens, from its cache-config labels; a value
-    that is not a count (vLLM writes "None" before its blocks are sized) adds nothing."""
-    blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
-    if blocks.isdigit() and size.isdigit():
-        out[KV_CAPACITY] = out.get(KV_CAPACITY, 0.0) + float(int(blocks) * int(size))
 
 
 def _library_parse(text: str, engine: str | None) -> dict[str, float]:
@@ -124,7 +107,4 @@ def _library_parse(text: str, engine: str | None) -> dict[str, float]:
                     out[key] = out.get(key, 0.0) + s.value
         elif family.name == OFFLOAD_LOAD_TIME:
             out[family.name] = sum(s.value for s in samples if s.name == family.name + "_total")
-        elif family.name == CACHE_CONFIG:
-            for s in samples:
-                _add_capacity(out, s.labels)
     return out

@@ -10,7 +10,6 @@ from router.config.schema import BackendConfig
 from router.fleet.legs import EngineLegs
 from router.fleet.others import OthersLoad
 from router.names import BreakerState
-from router.routing.costmodel import NO_ROOM_LIMIT, KvRoom
 
 
 @dataclass
@@ -24,7 +23,6 @@ class BackendState:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
-    kv_capacity: float = 0.0  # tokens its KV cache holds (scraped cache config; 0: not reported)
     consecutive_failures: int = 0
     check_failures: int = 0  # consecutive failed health checks
     breaker: BreakerState = BreakerState.CLOSED
@@ -41,9 +39,6 @@ class BackendState:
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
     legs_closed: int = 0  # this router's legs there that ended, ever (a scrape's read spans some: others.py)
-    # The two counts above when the last scrape was recorded: how its KV usage has moved since.
-    prefilled_at_scrape: int = 0
-    closed_at_scrape: int = 0
     legs: EngineLegs = field(default_factory=EngineLegs)  # what the legs mean for goodput (legs.py)
     # Requests the scrapes saw beyond this router's own legs: other replicas' traffic.
     others: OthersLoad = field(default_factory=OthersLoad)
@@ -58,17 +53,3 @@ class BackendState:
         as the last scrape saw them (what a leg's speed samples are taken against; a plan
         reads `OthersLoad.decoding`, which may count more)."""
         return self.decoding + self.others.running
-
-    def kv_room(self, turnover_s: float) -> KvRoom:
-        """Its KV cache now (router/routing/costmodel.py `KvRoom`), its running sequences
-        replaced every `turnover_s`: the scraped usage, plus the prompts of this router's
-        legs prefilled since, less a running sequence's mean share for each of its legs
-        that ended since."""
-        capacity = self.kv_capacity
-        if capacity <= 0.0:
-            return NO_ROOM_LIMIT
-        scraped = self.kv_usage * capacity
-        used = scraped + (self.prefilled_tokens - self.prefilled_at_scrape)
-        if self.running > 0.0:
-            used -= (self.legs_closed - self.closed_at_scrape) * scraped / self.running
-        return KvRoom(capacity, max(used, 0.0), turnover_s)

@@ -42,18 +42,14 @@ class LegTicket:
     # engine's KV-event index fresh): its speed sample is taken at its first token, not at its end.
     known_hits: tuple[int, int] | None = None
     taught: bool = False  # its first-token sample has taught the speed
-    # Predicted wait for room in the engine's KV cache when sent (costmodel.py `KvRoom`).
-    room_wait_s: float = 0.0
 
     @property
     def nothing_ahead(self) -> bool:
-        """Nothing was queued ahead of it when sent, and its KV cache had room for it: its
-        time to first token is its own, a clean sample of its engine's speed or (a split's
-        decode leg) of the KV transfer. A prompt ahead counts until its first token: the
-        progress `queued_ahead` predicts is the learned speed's own guess, so it must not
-        decide which samples teach it. A wait for room is the running sequences' to
-        explain, not the prefill's."""
-        return self.queued_whole < 1.0 and self.room_wait_s <= 0.0
+        """Nothing was queued ahead of it when sent: its time to first token is its own, a
+        clean sample of its engine's speed or (a split's decode leg) of the KV transfer. A
+        prompt ahead counts until its first token: the progress `queued_ahead` predicts is
+        the learned speed's own guess, so it must not decide which samples teach it."""
+        return self.queued_whole < 1.0
 
 
 @dataclass(slots=True)

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 
 from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
-from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_CAPACITY, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
+from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.legs import decode_sample, first_token_sample, queued_ahead, stalls_decoding
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
-from router.routing.costmodel import MIN_PER_TOKEN_S, NO_ROOM_LIMIT, EngineSpeed, KvRoom
+from router.routing.costmodel import EngineSpeed
 from router.routing.goodput import Slo
 from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
@@ -87,7 +87,6 @@ class BackendRegistry:
             c = s.config
             name = c.name
             speed = learner.speed(name)
-            decoding = s.decoding + s.others.decoding(now)
             views.append(
                 BackendView(
                     name,
@@ -102,7 +101,7 @@ class BackendRegistry:
                     s.kv_usage,
                     s.draining,
                     self._queued_tokens(s, now, speed)[0],
-                    decoding,
+                    s.decoding + s.others.decoding(now),
                     s.prefilling,
                     speed,
                     s.threshold_capable is not False,
@@ -113,7 +112,6 @@ class BackendRegistry:
                     learner.itl(name),
                     s.decoding - s.legs.clean,
                     s.legs.kv_awaited_s(now) if s.legs.awaiting_kv else (),
-                    self._kv_room(s, decoding),
                 )
             )
         return ClusterSnapshot(
@@ -130,17 +128,6 @@ class BackendRegistry:
         """Prefill tokens ahead of a request sent now, and the same counted whole (legs.py)."""
         others = s.others.waiting * self.learner.mean_prompt_tokens
         return queued_ahead(s.queued_tokens, s.queue_since, others, s.last_scrape_ok, now, speed)
-
-    def _kv_room(self, s: BackendState, decoding: float) -> KvRoom:
-        """The engine's KV cache now, its running sequences replaced every mean answer's
-        tokens times its decode step with `decoding` sequences; a producer's, which decode
-        nothing, hold their blocks until their KV is pulled."""
-        if s.kv_capacity <= 0.0:
-            return NO_ROOM_LIMIT
-        learner = self.learner
-        if not s.config.decodes:
-            return s.kv_room(learner.transfer().seconds(learner.mean_prompt_tokens))
-        return s.kv_room(learner.mean_answer_tokens * learner.itl(s.config.name).seconds(decoding))
 
     def _available(self, s: BackendState, now: float) -> bool:
         if s.draining or self.stalls.slow(s.config.name, now):
@@ -212,9 +199,6 @@ class BackendRegistry:
         ahead, whole = self._queued_tokens(s, now, self.learner.speed(name))
         ticket = LegTicket(name, max(int(tokens), 0), ahead, s.scraped_decoding, now, whole)
         ticket.known_hits = known_hits
-        if s.kv_capacity > 0.0:  # the plan's prediction of its wait for room (costmodel.ttft)
-            room, speed = self._kv_room(s, s.decoding + s.others.decoding(now)), self.learner.speed(name)
-            ticket.room_wait_s = room.wait_s(ahead + ticket.tokens, max(speed.per_token_s, MIN_PER_TOKEN_S) * ahead)
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo)
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
@@ -234,13 +218,7 @@ class BackendRegistry:
         if s is not None:
             t, speed = ticket.first_token_at, self.learner.speed(ticket.backend)
             self.stalls.first_token_of(
-                s.config.name,
-                t - ticket.sent_at,
-                ticket.queued_ahead + ticket.tokens,
-                ticket.decoding,
-                speed,
-                t,
-                ticket.room_wait_s,
+                s.config.name, t - ticket.sent_at, ticket.queued_ahead + ticket.tokens, ticket.decoding, speed, t
             )
             s.queued_tokens -= ticket.tokens
             s.queue_since = t  # the legs sent before it are through too
@@ -275,9 +253,7 @@ class BackendRegistry:
         return first_token_sample(self.learner, ticket, lacking_tokens, held_tokens)
 
     def learn_decode(self, ticket: LegTicket, tokens: int) -> None:
-        """A decode-step sample of an ended leg that generated `tokens` (legs.py), and the
-        length of one more answer."""
-        self.learner.observe_answer(tokens)
+        """A decode-step sample of an ended leg that generated `tokens` (legs.py)."""
         s = self.states.get(ticket.backend)
         if s is not None:
             decode_sample(self.learner, ticket, tokens, s.scraped_decoding, s.prefilled_tokens, self.clock())
@@ -348,8 +324,6 @@ class BackendRegistry:
         ended = 0 if legs_closed_before is None else max(s.legs_closed - legs_closed_before, 0)
         s.others.observe(s.running, s.waiting, s.prefilling, s.decoding + ended, self.clock())
         s.kv_usage = load.get(KV_USAGE, 0.0)
-        s.kv_capacity = load.get(KV_CAPACITY, 0.0)
-        s.prefilled_at_scrape, s.closed_at_scrape = s.prefilled_tokens, s.legs_closed
         if HITS_DEVICE in load:
             self.learner.observe_cache_tiers(
                 name, load[HITS_DEVICE], load.get(HITS_HOST, 0.0), load.get(OFFLOAD_LOAD_TIME, 0.0)

@@ -74,19 +74,11 @@ class StallWatch:
             self._stalled(name, now, f"first token after {observed_s:.2f} s, predicted {expected_s:.2f} s")
 
     def first_token_of(
-        self,
-        name: str,
-        seconds: float,
-        tokens: float,
-        decoding: float,
-        speed: EngineSpeed,
-        now: float,
-        room_wait_s: float = 0.0,
+        self, name: str, seconds: float, tokens: float, decoding: float, speed: EngineSpeed, now: float
     ) -> None:
         """`first_token` of a leg sent with `tokens` to prefill ahead of its first token and
-        `decoding` sequences there, judged with the engine's measured `speed`, after the
-        wait for room in its KV cache predicted when it was sent."""
-        self.first_token(name, seconds, speed.ttft(tokens, decoding) + room_wait_s, now, speed.samples)
+        `decoding` sequences there, judged with the engine's measured `speed`."""
+        self.first_token(name, seconds, speed.ttft(tokens, decoding), now, speed.samples)
 
     def token_gap(self, name: str, gap_s: float, step_s: float, now: float, samples: int) -> None:
         """A streamed answer waited `gap_s` for its next piece; `step_s`: one engine step."""

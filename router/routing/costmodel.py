@@ -28,29 +28,10 @@ plus what it lacks of this prompt, while its decoding sequences slow every step:
   observed legs (router/routing/speed_learner.py), starting at a prior; h from the engine's own
   offload counters, scraped.
 
-A prompt also needs room in the engine's KV cache: vLLM admits a waiting request only
-when the blocks for what it prefills are free, in arrival order, however idle the engine's
-compute is. Its prefill starts once the queue ahead is computed and the engine's running
-sequences have given back what the queue and the prompt lack of room, so the time above
-grows by what the second takes beyond the first (`KvRoom.wait_s`):
-
-    kv_wait(engine, tokens, ahead_s) = max(min(deficit / used, 1) * turnover - ahead_s, 0),
-    deficit = used + tokens - capacity,   tokens = queued_tokens + lacking,
-    ahead_s = b * queued_tokens
-
-- capacity: tokens the engine's KV cache holds (its cache config, scraped); used: what its
-  running sequences hold (the scraped usage, moved by this router's legs since);
-- turnover: the time its running sequences take to be replaced by new ones, a mean answer's
-  tokens times the decode step (on a producer, a prompt's transfer: its blocks are held
-  until pulled). Sequences of all ages finish at an even pace over it, each giving back
-  its blocks, so a share of the used room comes back in that share of it.
-
 Prefill on a producer, KV over NIXL, decode on a consumer runs the producer's prefill in
 parallel with the consumer's own queue:
 
-    pd_ttft = max(ttft(producer, lacking_p) + transfer(prompt), ttft(consumer, 0) + kv_wait(consumer, prompt))
-
-(the consumer allocates the whole prompt's blocks to receive its KV)
+    pd_ttft = max(ttft(producer, lacking_p) + transfer(prompt), ttft(consumer, 0))
 
 with transfer(n) = t0 + t1 * n learned from observed decode legs (`TransferSpeed`).
 
@@ -111,29 +92,6 @@ class EngineSpeed:
 
 
 @dataclass(frozen=True, slots=True)
-class KvRoom:
-    """An engine's KV cache as a plan sees it; capacity 0 (not reported): always room."""
-
-    capacity_tokens: float = 0.0
-    used_tokens: float = 0.0  # held by its running sequences
-    turnover_s: float = 0.0  # a mean answer's tokens times the decode step
-
-    def wait_s(self, tokens: float, ahead_s: float = 0.0) -> float:
-        """Seconds until `tokens` more prompt tokens (the queue's and a prompt's) fit,
-        beyond `ahead_s` the engine spends on the queue meanwhile."""
-        used = self.used_tokens
-        if self.capacity_tokens <= 0.0 or used <= 0.0:
-            return 0.0
-        deficit = used + max(tokens, 0.0) - self.capacity_tokens
-        if deficit <= 0.0:
-            return 0.0
-        return max(min(deficit / used, 1.0) * max(self.turnover_s, 0.0) - max(ahead_s, 0.0), 0.0)
-
-
-NO_ROOM_LIMIT = KvRoom()
-
-
-@dataclass(frozen=True, slots=True)
 class TransferSpeed:
     """Extra time of a decode leg that pulls `n` prompt tokens of KV: t0 + t1 * n."""
 
@@ -169,20 +127,11 @@ def prefill_stall_s(speed: EngineSpeed, tokens: float, chunk: float) -> float:
     return max(speed.per_token_s, MIN_PER_TOKEN_S) * min(max(tokens, 0.0), max(chunk, 1.0))
 
 
-def ttft(
-    speed: EngineSpeed,
-    queued_tokens: float,
-    decoding: float,
-    lacking: float,
-    held: float = 0.0,
-    room: KvRoom = NO_ROOM_LIMIT,
-) -> float:
+def ttft(speed: EngineSpeed, queued_tokens: float, decoding: float, lacking: float, held: float = 0.0) -> float:
     """Predicted seconds to the first token of a request whose engine lacks `lacking`
     prompt tokens and holds `held`, with `queued_tokens` of prefill ahead and `decoding`
-    sequences, in a KV cache with `room`."""
-    tokens = queued_tokens + max(lacking, 0.0)
-    ahead_s = max(speed.per_token_s, MIN_PER_TOKEN_S) * queued_tokens
-    return speed.ttft(tokens, decoding, held) + room.wait_s(tokens, ahead_s)
+    sequences."""
+    return speed.ttft(queued_tokens + max(lacking, 0.0), decoding, held)
 
 
 def pd_ttft(
@@ -195,17 +144,11 @@ def pd_ttft(
     consumer_decoding: float,
     transfer: TransferSpeed,
     prompt_tokens: float,
-    producer_room: KvRoom = NO_ROOM_LIMIT,
-    consumer_room: KvRoom = NO_ROOM_LIMIT,
 ) -> float:
     """Predicted seconds to the first token through prefill/decode: the producer prefills
-    while the consumer works through its own queue; the decode starts when both are done
-    and the consumer has room for the prompt's KV."""
-    prefill = ttft(producer, producer_queued, producer_decoding, producer_lacking, room=producer_room)
-    consumer_ahead_s = max(consumer.per_token_s, MIN_PER_TOKEN_S) * consumer_queued
-    consumer_ready = ttft(consumer, consumer_queued, consumer_decoding, 0.0) + consumer_room.wait_s(
-        consumer_queued + prompt_tokens, consumer_ahead_s
-    )
+    while the consumer works through its own queue; the decode starts when both are done."""
+    prefill = ttft(producer, producer_queued, producer_decoding, producer_lacking)
+    consumer_ready = ttft(consumer, consumer_queued, consumer_decoding, 0.0)
     return max(prefill + transfer.seconds(prompt_tokens), consumer_ready)
 
 

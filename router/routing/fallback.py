@@ -105,7 +105,7 @@ def plan_fallback(
         def lack(p: BackendView) -> float:
             return max(n - hits.get(p.name, 0.0), 0.0)
 
-        for p in sorted(producers, key=lambda p: predicted_ttft(p, lack(p))):
+        for p in sorted(producers, key=lambda p: costmodel.ttft(p.speed, p.queued_tokens, p.decoding, lack(p))):
             # The consumers least busy first: while the producer is the slower side, the
             # predicted TTFT is the same on every consumer and the tie keeps the first.
             for c in sorted(decoders, key=consumer_load):
@@ -121,8 +121,6 @@ def plan_fallback(
                     c.decoding,
                     snap.transfer,
                     n,
-                    p.kv_room,
-                    c.kv_room,
                 )
                 splits.append(goodput.split(p, c, lack(p), s, slo))
     if not splits:

@@ -101,7 +101,7 @@ def predicted_ttft(b: BackendView, lacking: float, prompt_tokens: float | None =
     """The cost model on one backend as the snapshot sees it; with `prompt_tokens`, the
     tokens it holds (prompt - lacking) cost what loading them from its CPU tier costs."""
     held = 0.0 if prompt_tokens is None else max(prompt_tokens - max(lacking, 0.0), 0.0)
-    return costmodel.ttft(b.speed, b.queued_tokens, b.decoding, lacking, held, b.kv_room)
+    return costmodel.ttft(b.speed, b.queued_tokens, b.decoding, lacking, held)
 
 
 def fastest(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.routing.costmodel import EngineSpeed, ItlSpeed, KvRoom, TransferSpeed
+from router.routing.costmodel import EngineSpeed, ItlSpeed, TransferSpeed
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +56,6 @@ class BackendView:
     # Splits decoding here whose KV is on its way: seconds until each one's TTFT SLO runs out.
     # A prefill sent here now runs ahead of their decode legs (router/routing/goodput.py).
     kv_awaited_s: tuple[float, ...] = ()
-    # Its KV cache: a prompt waits for room there (router/routing/costmodel.py `KvRoom`).
-    kv_room: KvRoom = field(default_factory=KvRoom)
 
     @property
     def load(self) -> float:

@@ -162,10 +162,6 @@ class SpeedLearner:
     engine_per_token_s: dict[str, float] = field(default_factory=dict)
     chars_per_token: float = 4.0
     mean_prompt_tokens: float = 1024.0
-    # Tokens an engine's sequence generates: how long a running sequence holds its KV blocks
-    # (costmodel.py `KvRoom`). A chat answer's typical length until measured.
-    mean_answer_tokens: float = 256.0
-    _answers: int = 0
     race_wait_s: float = 0.005
     # Optimistic start: races are assumed worth half the prompt until measured.
     race_saving_share: float = 0.5
@@ -287,13 +283,6 @@ class SpeedLearner:
             self.mean_prompt_tokens = _ewma(self.mean_prompt_tokens, prompt_tokens, 0.05)
             if text_chars > 0:
                 self.chars_per_token = _ewma(self.chars_per_token, text_chars / prompt_tokens, 0.05)
-
-    def observe_answer(self, tokens: int) -> None:
-        """A leg that ended after generating `tokens` on its engine."""
-        if tokens >= 1:
-            alpha = _running_alpha(self._answers, 0.05)
-            self._answers += 1
-            self.mean_answer_tokens = _ewma(self.mean_answer_tokens, float(tokens), alpha)
 
     def observe_race(self, saving_share: float, waited_s: float | None, placed: bool = True) -> None:
         """One race: the share of the prompt's prefill time it saved, and (when nobody

@@ -37,7 +37,6 @@ def backend_view(s: BackendState) -> dict[str, Any]:
         "running": s.running,
         "waiting": s.waiting,
         "kv_usage": s.kv_usage,
-        "kv_capacity_tokens": s.kv_capacity,
         "consecutive_failures": s.consecutive_failures,
         "last_error": s.last_error,
     }

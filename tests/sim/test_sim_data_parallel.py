@@ -70,6 +70,9 @@ async def test_metrics_carry_each_rank_under_its_engine_label(
         m = parse_metrics(await r.text())
     assert m.value("vllm:request_success_total", engine="1") == 1
     assert m.value("vllm:request_success_total", engine="0") == 0
+    # The cache config too, one sample per rank (vLLM writes it for each engine index).
+    for rank in ("0", "1"):
+        assert m.value("vllm:cache_config_info", engine=rank, num_gpu_blocks=str(eng.config.num_gpu_blocks)) == 1
 
 
 async def test_adapters_are_the_servers_every_rank_serves_them(

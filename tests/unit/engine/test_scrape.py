@@ -11,10 +11,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router.engine.scrape import (
-    CACHE_CONFIG,
     CACHED_BY_SOURCE,
     ENGINE_CORES,
-    KV_CAPACITY,
     KV_USAGE,
     OFFLOAD_LOAD_TIME,
     RUNNING,
@@ -84,22 +82,6 @@ def test_real_vllm_page_reads_as_through_prometheus_client() -> None:
     assert parse_load_metrics(text) == _library_parse(text, None)
     assert parse_load_metrics(text, "0") == _library_parse(text, "0")
     assert parse_load_metrics(text)[RUNNING] == 3.0
-    # Its cache config: 32,768 blocks of 32 tokens (vLLM's kv_cache_size_tokens says the same).
-    assert parse_load_metrics(text, "0")[KV_CAPACITY] == 32_768 * 32 == 1_048_576
-
-
-def test_kv_capacity_is_each_engine_cores_blocks_times_their_size() -> None:
-    text = f"""# TYPE {CACHE_CONFIG} gauge
-{CACHE_CONFIG}{{block_size="16",enable_prefix_caching="True",engine="0",num_gpu_blocks="1000"}} 1.0
-{CACHE_CONFIG}{{block_size="16",enable_prefix_caching="True",engine="1",num_gpu_blocks="500"}} 1.0
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{{engine="0"}} 1.0
-"""
-    assert parse_load_metrics(text, "1")[KV_CAPACITY] == 8_000
-    assert parse_load_metrics(text)[KV_CAPACITY] == 24_000  # a server read whole: every rank's
-    # Before its blocks are sized vLLM writes "None": no capacity, rather than a wrong one.
-    unsized = text.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="None"')
-    assert parse_load_metrics(unsized, "0") == _library_parse(unsized, "0") == {RUNNING: 1.0, ENGINE_CORES: 1.0}
 
 
 # Model names that need escaping, one that reads as another engine's label if the scan
@@ -130,11 +112,6 @@ def _expositions(draw: st.DrawFn) -> str:
             load.labels(draw(engines)).inc(draw(st.floats(0, 1e3)))
     if draw(st.booleans()):
         Histogram(WAITING + "_seconds", "h", ["engine"], registry=reg).labels("0").observe(0.3)
-    if draw(st.booleans()):
-        info = Gauge(CACHE_CONFIG, "h", ["block_size", "num_gpu_blocks", "engine"], registry=reg)
-        for _ in range(draw(st.integers(0, 2))):
-            blocks = draw(st.sampled_from(["None", "0", "28000", "1e3"]))
-            info.labels(draw(st.sampled_from(["16", "32"])), blocks, draw(engines)).set(1)
     return generate_latest(reg).decode()
 
 

@@ -1,6 +1,6 @@
 """What a leg's ticket means for its engine (router/fleet/legs.py), through the registry that
 keeps the tickets: decode-step samples, the decoding legs a stalling prefill has run beside,
-splits awaiting their KV, legs sent into a full KV cache."""
+splits awaiting their KV."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from router.config.schema import BackendConfig, HealthConfig
-from router.engine.scrape import KV_CAPACITY, KV_USAGE, RUNNING
 from router.fleet.registry import BackendRegistry
-from router.routing.costmodel import EngineSpeed, KvRoom
+from router.routing.costmodel import EngineSpeed
 from router.routing.goodput import Slo
 from router.routing.speed_learner import OWN_FIT_SAMPLES
 from support.snapshots import registry_view
@@ -172,30 +171,3 @@ def test_other_replicas_waiting_prompts_keep_this_routers_legs_counted_whole() -
     now[0] = 2000 * b + a + 300 * b  # through them, then 300 tokens of the leg
     assert registry_view(r, "d0").queued_tokens == pytest.approx(200.0)
     r.first_token(leg)
-
-
-def test_a_leg_sent_into_a_full_kv_cache_waits_for_room_and_teaches_no_speed() -> None:
-    now = [0.0]
-    r = _registry(lambda: now[0])
-    r.learner.mean_answer_tokens = 100.0
-    # 20,000 tokens of KV, all of it held by 10 running sequences of other clients.
-    r.record_scrape("d0", {RUNNING: 10.0, KV_USAGE: 1.0, KV_CAPACITY: 20_000.0}, None)
-    view = registry_view(r, "d0")
-    turnover = 100.0 * r.learner.itl("d0").seconds(view.decoding)
-    assert view.kv_room == KvRoom(20_000.0, 20_000.0, turnover)
-    leg = r.open_leg("d0", 2_000)
-    assert leg.room_wait_s == 2_000 / 20_000 * turnover
-    assert not leg.nothing_ahead  # its time to first token is partly the running sequences'
-    now[0] = 1.5
-    r.first_token(leg)
-    r.learn_first_token(leg, 2_000)
-    assert r.learner.speed("d0").samples == 0
-    # With room, the same leg teaches.
-    r.record_scrape("d0", {RUNNING: 0.0, KV_USAGE: 0.0, KV_CAPACITY: 20_000.0}, None)
-    roomy = r.open_leg("d0", 2_000)
-    assert roomy.room_wait_s == 0.0
-    assert roomy.nothing_ahead
-    now[0] = 1.8
-    r.first_token(roomy)
-    r.learn_first_token(roomy, 2_000)
-    assert r.learner.speed("d0").samples == 1

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config.schema import BackendConfig, HealthConfig
-from router.engine.scrape import KV_CAPACITY, KV_USAGE, RUNNING, WAITING
+from router.engine.scrape import KV_USAGE, RUNNING, WAITING
 from router.fleet.registry import BackendRegistry, LegTicket
 from router.names import BreakerState, Role
 from router.routing.goodput import Slo
@@ -283,7 +283,6 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             itl=r.learner.itl(s.config.name),
             stalled=s.decoding - s.legs.clean,
             kv_awaited_s=s.legs.kv_awaited_s(now),
-            kv_room=r._kv_room(s, s.decoding + s.others.decoding(now)),
         )
         for s in r.states.values()
     )
@@ -316,10 +315,7 @@ _operations = st.lists(
         st.tuples(
             st.just("scrape"),
             _names,
-            st.fixed_dictionaries(
-                {RUNNING: st.floats(0, 50), WAITING: st.floats(0, 50), KV_USAGE: st.floats(0, 1)},
-                optional={KV_CAPACITY: st.sampled_from([1_000.0, 50_000.0])},
-            ),
+            st.fixed_dictionaries({RUNNING: st.floats(0, 50), WAITING: st.floats(0, 50), KV_USAGE: st.floats(0, 1)}),
         ),
         st.tuples(st.just("scrape_failed"), _names, st.booleans()),
         st.tuples(st.just("failure"), _names),

@@ -1,23 +1,11 @@
 """The cost model's formula (router/routing/costmodel.py): queue plus lacking tokens at the
-engine's speed, prefill/decode overlap, what a held token costs on a CPU tier, and the wait
-for room in a full KV cache."""
+engine's speed, prefill/decode overlap, and what a held token costs on a CPU tier."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
-from router.routing.costmodel import (
-    EngineSpeed,
-    ItlSpeed,
-    KvRoom,
-    TransferSpeed,
-    itl,
-    pd_ttft,
-    prefill_stall_s,
-    ttft,
-)
+from router.routing.costmodel import EngineSpeed, ItlSpeed, TransferSpeed, itl, pd_ttft, prefill_stall_s, ttft
 from router.routing.fallback import FallbackPlan, plan_fallback
 from router.routing.planning import RouteQuery, predicted_ttft
 from support.snapshots import SPEED, Q, R, snap, view
@@ -72,48 +60,3 @@ def test_itl_is_one_step_with_the_request_among_the_decoding_sequences() -> None
     # A prefill on the engine lengthens each step by its chunk's tokens, at b per token.
     assert prefill_stall_s(SPEED, 300, 8192) == 300 * SPEED.per_token_s
     assert prefill_stall_s(SPEED, 30_000, 8192) == 8192 * SPEED.per_token_s
-
-
-def test_a_prompt_waits_for_the_running_sequences_to_give_back_the_room_it_lacks() -> None:
-    # 10,000 tokens of KV, 9,000 held by sequences replaced every 2 s.
-    room = KvRoom(capacity_tokens=10_000, used_tokens=9_000, turnover_s=2.0)
-    assert room.wait_s(1_000) == 0.0  # it fits
-    assert room.wait_s(1_900) == 900 / 9_000 * 2.0  # a tenth of the used room must come back
-    assert room.wait_s(50_000) == 2.0  # at most every running sequence's
-    # Not reported (a stock exporter without the cache config), or nothing running: no wait.
-    assert KvRoom().wait_s(1e9) == 0.0
-    assert KvRoom(10_000, 0.0, 2.0).wait_s(20_000) == 0.0
-    # The queue ahead needs room before the prompt does (vLLM admits in arrival order), and
-    # while the engine computes it (0.14 s) the running sequences finish: 0.06 s is left.
-    s = EngineSpeed(intercept_s=0.01, per_token_s=1e-4, per_decode_s=0.0)
-    assert room.wait_s(1_900, 0.14) == pytest.approx(0.06)
-    assert ttft(s, 1_400, 0, 500, room=room) == pytest.approx(ttft(s, 1_400, 0, 500) + 0.06)
-    # A queue that takes longer than the turnover hides the wait entirely.
-    assert ttft(s, 30_000, 0, 500, room=room) == ttft(s, 30_000, 0, 500)
-
-
-def test_a_full_cache_sends_a_prompt_where_it_fits() -> None:
-    # "full" lacks room for the 1,000-token prompt for half of its 2 s turnover; "roomy"
-    # is as fast but has room.
-    full = replace(view("full"), kv_room=KvRoom(20_000, 20_000, 2.0))
-    roomy = replace(view("roomy"), kv_room=KvRoom(20_000, 1_000, 2.0))
-    assert predicted_ttft(full, 1000) == ttft(SPEED, 0, 0, 1000) + 0.1
-    assert predicted_ttft(roomy, 1000) == ttft(SPEED, 0, 0, 1000)
-    for salt in range(4):
-        q = RouteQuery("m", Q.text, salt=salt, prompt_tokens=1000)
-        assert _planned(plan_fallback(q, snap(full, roomy), R, 1000)).decode == "roomy"
-
-
-def test_a_split_waits_for_room_for_the_whole_prompt_on_its_consumer() -> None:
-    fast = EngineSpeed(0.01, 1e-4, 0.0)
-    transfer = TransferSpeed(0.005, 1e-5)
-    roomy = KvRoom(20_000, 1_000, 2.0)
-    full = KvRoom(20_000, 20_000, 2.0)
-    idle = pd_ttft(fast, 0, 0, 1000, fast, 0, 0, transfer, 1000)
-    assert pd_ttft(fast, 0, 0, 1000, fast, 0, 0, transfer, 1000, roomy, roomy) == idle
-    # The consumer allocates the whole prompt's blocks to receive its KV, held or not.
-    consumer_ready = ttft(fast, 0, 0, 0) + full.wait_s(1000)
-    assert pd_ttft(fast, 0, 0, 0, fast, 0, 0, transfer, 1000, roomy, full) == consumer_ready
-    # A producer without room prefills late.
-    later = pd_ttft(fast, 0, 0, 1000, fast, 0, 0, transfer, 1000, full, roomy)
-    assert later == ttft(fast, 0, 0, 1000, room=full) + transfer.seconds(1000)

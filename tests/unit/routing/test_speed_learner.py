@@ -89,16 +89,6 @@ def test_the_race_priors_weigh_as_one_observation() -> None:
     assert learner.race_wait_s == pytest.approx((0.005 + 5 * 0.02) / 6)
 
 
-def test_answers_length_is_measured_from_the_prior_as_one_answer() -> None:
-    # How long a running sequence holds its KV blocks (costmodel.py KvRoom's turnover).
-    learner = SpeedLearner(SpeedPrior())
-    learner.observe_answer(0)  # a leg that generated nothing (a rejected probe) says nothing
-    assert learner.mean_answer_tokens == 256.0
-    for _ in range(3):
-        learner.observe_answer(64)
-    assert learner.mean_answer_tokens == pytest.approx((256 + 3 * 64) / 4)
-
-
 def test_one_surprising_first_token_cannot_make_an_engine_look_idle() -> None:
     """An engine's own fit stays within a few times the fleet's per-token cost: a first
     token far sooner than the queue ahead implied (a scheduler that interleaves prefills)
