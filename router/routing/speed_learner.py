@@ -64,13 +64,6 @@ OWN_FIT_SAMPLES = 20
 OWN_FIT_SPREAD = 4.0
 # Typical scatter of an observed time to first token around the model (seconds).
 NOISE_S = 0.005
-# How far a TTFT fit's intercept may plausibly be from its prior (seconds): one engine
-# step's overhead and the request's round trip, tens of milliseconds, whatever the model.
-# What an engine's speed is unsure of is its cost per token (the prior may be off ~10x
-# either way); at 0.3 s, one 586-token prompt that took 2.4 s where the prior said 80 ms
-# moved the intercept to 0.5 s, and every short prompt of the next burst was predicted at
-# 0.6 s on an idle engine (it took 0.12 s), blurring which engine was least loaded.
-INTERCEPT_SD_S = 0.05
 
 
 class OnlineLinear:
@@ -191,7 +184,7 @@ class SpeedLearner:
     def _new_fit(self, start: tuple[float, float, float]) -> OnlineLinear:
         p = self.prior
         # A coefficient may be off by ~10x its prior before the data settles it.
-        return OnlineLinear(start, (p.intercept_s + INTERCEPT_SD_S, 10 * p.per_token_s, 10 * p.per_decode_s))
+        return OnlineLinear(start, (10 * p.intercept_s + 0.1, 10 * p.per_token_s, 10 * p.per_decode_s))
 
     def _fleet_fit(self) -> OnlineLinear:
         if self._fleet is None:
@@ -206,8 +199,7 @@ class SpeedLearner:
             if own is not None:
                 p = self.prior
                 fit = OnlineLinear(
-                    (p.intercept_s, own, p.per_decode_s),
-                    (p.intercept_s + INTERCEPT_SD_S, 10 * own, 10 * p.per_decode_s),
+                    (p.intercept_s, own, p.per_decode_s), (10 * p.intercept_s + 0.1, 10 * own, 10 * p.per_decode_s)
                 )
             else:
                 a, b, c = self._fleet_fit().theta

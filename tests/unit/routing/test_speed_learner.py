@@ -45,29 +45,6 @@ def test_online_fit_shrugs_off_outliers_and_follows_a_real_change() -> None:
     assert abs(fit.theta[1] - 4e-4) / 4e-4 < 0.1
 
 
-def test_a_first_slow_prompt_teaches_the_cost_per_token_not_the_intercept() -> None:
-    # The first sample of an engine 30x slower than the prior: 586 tokens in 2.4 s. The
-    # intercept is one step and a round trip; it is the per-token cost that was wrong.
-    learner = SpeedLearner(SpeedPrior())
-    learner.observe_first_token("d0", 586, 0, 2.424)
-    speed = learner.speed("d1")  # every engine starts from the fleet's fit
-    assert speed.intercept_s < 0.06
-    assert speed.ttft(586, 0) == pytest.approx(2.424, rel=1e-3)
-    assert speed.ttft(32, 0) < 0.2  # a short prompt on the idle engine took 0.12 s
-
-
-def test_a_large_intercept_is_still_learned_from_short_prompts() -> None:
-    # An engine whose every first token costs 0.3 s more (a slow host, a remote engine).
-    rng = random.Random(5)
-    learner = SpeedLearner(SpeedPrior())
-    for _ in range(200):
-        w, d, y = _engine(rng, 0.3, 5e-4, 1e-3, 0.005)
-        learner.observe_first_token("d0", w, d, y)
-    speed = learner.speed("d0")
-    assert abs(speed.intercept_s - 0.3) < 0.03
-    assert abs(speed.per_token_s - 5e-4) / 5e-4 < 0.1
-
-
 def test_learner_starts_at_the_prior_and_learns_each_engine_apart() -> None:
     routing = RoutingConfig(prior_prefill_tokens_per_s=5000, prior_kv_transfer_tokens_per_s=50_000)
     learner = SpeedLearner(speed_prior(routing))
