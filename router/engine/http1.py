@@ -352,13 +352,16 @@ class LegConnection(asyncio.Protocol):
             return
         if not self.keep_alive or (self.failure is not None and not self.body_done):
             self.close()
-        elif not self.body_done:
+            return
+        if self.paused:
+            # Paused by a read past `read_limit` (the body's end may have come in that same
+            # read): a pooled connection left paused never hears its next answer.
+            self.paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+        if not self.body_done:
             self.discard = True  # e.g. the last chunk's terminator has not arrived yet
             self.pool.draining(self)
-            if self.paused:
-                self.paused = False
-                assert self.transport is not None
-                self.transport.resume_reading()
         else:
             self.state = _IDLE
             self.failure = None

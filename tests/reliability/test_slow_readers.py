@@ -127,6 +127,14 @@ async def test_a_client_that_pauses_gets_the_whole_answer(procs: Procs) -> None:
             await eventually(generated_but_held, 60.0, "answer generated, stream still open at the router")
             got = await _read_all(reader)
             await eventually(lambda: _released(s, router.url, engine.url), 30.0, "gauges back to 0")
+            # The engine connection the held answer came on, reused (its reads were paused
+            # at the body's end), answers the next request.
+            async with asyncio.timeout(20):
+                r = await s.post(
+                    f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 4}
+                )
+                assert r.status == 200, await r.text()
+                assert (await r.json())["usage"]["completion_tokens"] == 4
     finally:
         writer.transport.abort()
     head, _, payload = got.partition(b"\r\n\r\n")

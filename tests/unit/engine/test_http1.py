@@ -202,6 +202,24 @@ async def test_reading_pauses_past_the_bound_and_resumes_when_the_reader_waits()
     assert not transport.paused
 
 
+async def test_a_connection_paused_by_the_reads_that_ended_its_body_is_pooled_reading() -> None:
+    # The answer's last read took it past the bound and ended it: the reader takes the
+    # events and releases the connection without waiting again.
+    conn, transport, pool = connection(read_limit=100)
+    conn.data_received(
+        CHUNKED_HEAD + chunk(b"data: " + b"x" * 200 + b"\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    )
+    assert transport.paused
+    assert conn.body_done
+    conn.events.clear()
+    conn.release()
+    assert pool.released == [conn]
+    assert not transport.paused
+    conn.send(b"POST / HTTP/1.1\r\n\r\n")  # the next answer on it is heard
+    conn.data_received(CHUNKED_HEAD + chunk(b"data: {}\n\n"))
+    assert list(conn.events) == [b"{}"]
+
+
 async def test_finished_before_the_last_chunk_the_connection_is_pooled_at_the_body_end() -> None:
     conn, transport, pool = connection()
     conn.data_received(CHUNKED_HEAD + chunk(b"data: [DONE]\n\n"))
