@@ -15,6 +15,9 @@ It is a bare asyncio protocol on uvloop with pre-built answers, not an aiohttp a
 benchmark needs a backend much faster than any router in front of it (it shares a core
 with the load generator), so the measured ceiling is the router's, not the backend's.
 It never looks at the prompt; a cache-hit threshold is ignored (every probe is accepted).
+Every answer has an id of its own, as vLLM's (`cmpl-` or `chatcmpl-` and 32 hex digits): a
+router that does per-answer work on the id (a regular expression compiled for it, a
+cache it misses) pays for it here as it would in front of real engines.
 """
 
 from __future__ import annotations
@@ -23,17 +26,28 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import uuid
 from typing import ClassVar, cast
 
 import orjson
 
 MODEL = "sim-model"
+# The pre-built answers' id digits, replaced by a fresh uuid4 hex per answer (same length,
+# so the chunked framing stays right).
+ID_DIGITS = b"5eed" * 8
+_CMPL_ID = "cmpl-" + ID_DIGITS.decode()
+_CHAT_ID = "chatcmpl-" + ID_DIGITS.decode()
+
+
+def fresh(answer: bytes) -> bytes:
+    """`answer` with an id of its own."""
+    return answer.replace(ID_DIGITS, uuid.uuid4().hex.encode())
 
 
 def _chunk_json(i: int, n: int, chat: bool) -> bytes:
     if chat:
         c = {
-            "id": "chatcmpl-instant",
+            "id": _CHAT_ID,
             "object": "chat.completion.chunk",
             "created": 1700000000,
             "model": MODEL,
@@ -52,7 +66,7 @@ def _chunk_json(i: int, n: int, chat: bool) -> bytes:
         return orjson.dumps(c)
     return orjson.dumps(
         {
-            "id": "cmpl-instant",
+            "id": _CMPL_ID,
             "object": "text_completion",
             "created": 1700000000,
             "model": MODEL,
@@ -92,7 +106,7 @@ def build_answers(chunks: int) -> dict[str, bytes]:
         body = b"".join(_frame(b"data: " + _chunk_json(i, chunks, chat) + b"\n\n") for i in range(chunks))
         usage_chunk = orjson.dumps(
             {
-                "id": "cmpl-instant",
+                "id": _CHAT_ID if chat else _CMPL_ID,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": 1700000000,
                 "model": MODEL,
@@ -105,7 +119,7 @@ def build_answers(chunks: int) -> dict[str, bytes]:
         out[f"{key}_stream_usage"] = head + body + _frame(b"data: " + usage_chunk + b"\n\n") + done
         if chat:
             js = {
-                "id": "chatcmpl-instant",
+                "id": _CHAT_ID,
                 "object": "chat.completion",
                 "created": 1700000000,
                 "model": MODEL,
@@ -124,7 +138,7 @@ def build_answers(chunks: int) -> dict[str, bytes]:
             }
         else:
             js = {
-                "id": "cmpl-instant",
+                "id": _CMPL_ID,
                 "object": "text_completion",
                 "created": 1700000000,
                 "model": MODEL,
@@ -258,9 +272,9 @@ class InstantProtocol(asyncio.Protocol):
                 if b'"max_tokens"' in compact or b'"user"' in compact:
                     self.stream_sized(orjson.loads(body), key == "chat", usage)
                 else:
-                    self.t.write(a[f"{key}_stream_usage" if usage else f"{key}_stream"])
+                    self.t.write(fresh(a[f"{key}_stream_usage" if usage else f"{key}_stream"]))
             else:
-                self.t.write(a[f"{key}_json"])
+                self.t.write(fresh(a[f"{key}_json"]))
         elif path == b"/health":
             self.t.write(a["health"])
         elif path == b"/metrics":
@@ -288,8 +302,9 @@ class InstantProtocol(asyncio.Protocol):
             parts = self.parts[(n, chat, usage)] = stream_parts(n, chat, usage)
         head, frames, tail = parts
         pace = parse_pace(req.get("user"))
+        rid = uuid.uuid4().hex.encode()
         if pace is None:
-            self.t.write(head + b"".join(frames) + tail)
+            self.t.write((head + b"".join(frames) + tail).replace(ID_DIGITS, rid))
             return
         gap, burst = pace
         self.t.write(head)
@@ -299,9 +314,9 @@ class InstantProtocol(asyncio.Protocol):
             if self.t.is_closing():
                 return
             if i >= len(frames):
-                self.t.write(tail)
+                self.t.write(tail.replace(ID_DIGITS, rid))
                 return
-            self.t.write(b"".join(frames[i : i + burst]))
+            self.t.write(b"".join(frames[i : i + burst]).replace(ID_DIGITS, rid))
             loop.call_later(gap, write_from, i + burst)
 
         write_from(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -178,14 +179,21 @@ def test_instant_backend_answers_in_vllm_shapes(tmp_path: Path) -> None:
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
         )
-        text = urllib.request.urlopen(req, timeout=10).read().decode()
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
+        answers = []
+        for _ in range(2):
+            text = urllib.request.urlopen(req, timeout=10).read().decode()
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            answers.append([json.loads(e) for e in events[:-1]])
+        chunks = answers[0]
         assert [c["choices"][0]["text"] for c in chunks[:4]] == [" tok"] * 4
         assert chunks[0]["choices"][0]["prompt_token_ids"]
         assert chunks[3]["choices"][0]["finish_reason"] == "length"
         assert chunks[4]["usage"]["completion_tokens"] == 4
+        # An id of its own per answer, as vLLM's: one across the answer's chunks.
+        ids = [{c["id"] for c in a} for a in answers]
+        assert all(len(i) == 1 and re.fullmatch(r"cmpl-[0-9a-f]{32}", next(iter(i))) for i in ids)
+        assert ids[0] != ids[1]
 
 
 def test_scaling_idle_measures_the_router_with_no_traffic(tmp_path: Path) -> None:
