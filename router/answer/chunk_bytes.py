@@ -60,6 +60,30 @@ _READ = {
 }
 
 
+# The leg's header in a run, replaced by a byte JSON never holds raw (a `"` inside a string
+# is escaped, so the header's bytes occur only where a chunk starts): one pattern per kind
+# of run, compiled once. A pattern with the header in it was compiled per leg, as every
+# answer's id is its own: ~250 us of CPU a streamed request.
+_HEADER_MARK = b"\x00"
+
+
+def _run_split(chat: bool, hide_ids: bool) -> re.Pattern[bytes]:
+    """A run: every chunk a whole line of the joined payloads (`^...$`, `\n` between them),
+    its header the leg's (marked). Split on this pattern, a run of n chunks leaves 2n + 1
+    pieces, the n captured ones what the client's events keep of them (the text when the
+    ids are hidden, else everything after the header), and empty ones between them:
+    anything else in between is a chunk that is not plain."""
+    opening, mid = (_CHAT_OPEN, _CHAT_MID) if chat else (_COMPLETION_OPEN, _COMPLETION_MID)
+    if hide_ids:
+        body = re.escape(opening) + b"(" + _SAFE_TEXT + b")" + re.escape(mid) + _ONE_ID
+    else:
+        body = b"(" + re.escape(opening) + _SAFE_TEXT + re.escape(mid) + _ONE_ID + b")"
+    return re.compile(b"(?m)^" + re.escape(_HEADER_MARK) + body + b"$\n?")
+
+
+_RUN_SPLIT = {(chat, hide): _run_split(chat, hide).split for chat in (False, True) for hide in (False, True)}
+
+
 def read_run(block: bytes, chat: bool) -> tuple[str, list[int]]:
     """The text and token ids of a run of chunks `relay_run` relayed (their upstream bytes)."""
     texts, ids = zip(*_READ[chat].findall(block), strict=True)
@@ -127,22 +151,16 @@ class PlainChunks:
         self._match = (_CHAT if chat else _COMPLETION).fullmatch
         self._hide_ids = hide_ids
         self.chat = chat
-        # A run: every chunk a whole line of the joined payloads (`^...$`, `\n` between
-        # them), the line's header ours. Split on that pattern, a run of n chunks leaves
-        # 2n + 1 pieces, the n captured ones what the client's events keep of them (the text
-        # when the ids are hidden, else everything after the header), and empty ones
-        # between them: anything else in between is a chunk that is not plain.
+        # A run's client events: its captured pieces (`_run_split`) joined between these.
         opening, mid = (_CHAT_OPEN, _CHAT_MID) if chat else (_COMPLETION_OPEN, _COMPLETION_MID)
         if hide_ids:
-            body = re.escape(opening) + b"(" + _SAFE_TEXT + b")" + re.escape(mid) + _ONE_ID
             self._run_open = self._client + opening
             self._run_end = mid + _HIDDEN_IDS_END
         else:
-            body = b"(" + re.escape(opening) + _SAFE_TEXT + re.escape(mid) + _ONE_ID + b")"
             self._run_open = self._client
             self._run_end = b"\n\n"
         self._run_sep = self._run_end + self._run_open
-        self._run = re.compile(b"(?m)^" + re.escape(upstream_header) + body + b"$\n?").split
+        self._run = _RUN_SPLIT[chat, hide_ids]
 
     def relay_run(self, payloads: list[bytes]) -> tuple[bytes, bytes] | None:
         """(the client's SSE events, the run's upstream bytes for `read_run`) for chunks that
@@ -152,7 +170,9 @@ class PlainChunks:
         most of a streamed token's CPU past the pass-through's)."""
         n = len(payloads)
         block = payloads[0] if n == 1 else b"\n".join(payloads)
-        parts = self._run(block)
+        if _HEADER_MARK in block:  # never in JSON: a broken chunk, read in full
+            return None
+        parts = self._run(block.replace(self._up, _HEADER_MARK))
         if len(parts) != 2 * n + 1 or any(parts[::2]):
             return None
         if not block.isascii():
