@@ -177,10 +177,17 @@ def test_a_run_is_relayed_whole_or_not_at_all() -> None:
     assert r.relay_run([token, TOKEN % (b'"\xff"', b"null", b"1")]) is None  # not UTF-8
     assert r.relay_run([token + b"\n" + token]) is None  # one payload, two lines
     assert r.relay_run([token, b""]) is None
-    # Another leg's header (another answer's id), and a NUL (never in JSON) where a header goes.
+    # Another leg's header (another answer's id), no header, a header alone, a chunk cut short.
     assert r.relay_run([token, token.replace(b"cmpl-1", b"cmpl-2")]) is None
-    body = token.partition(b'"choices":[{"index":0,')[2]
+    up, _, body = token.partition(b'"choices":[{"index":0,')
     assert r.relay_run([token, b"\x00" + body]) is None
+    assert r.relay_run([token, body]) is None
+    assert r.relay_run([token, up + b'"choices":[{"index":0,']) is None
+    assert r.relay_run([token, token[:40]]) is None
+    assert r.relay_run([token[:40]]) is None
+    # A second line in a chunk, whether the run's other chunk is plain or a header alone.
+    assert r.relay_run([token + b"\n" + token, token]) is None
+    assert r.relay_run([token + b"\n" + body, token]) is None
     assert looks_plain(token)
     assert not looks_plain(TOKEN % (b'"x"', b'"stop"', b"1"))
 
