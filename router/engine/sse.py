@@ -103,6 +103,13 @@ class SSEDecoder:
         return out
 
     def _whole_events(self, data: bytes) -> list[bytes]:
+        # Every event `data: <one line>`: split at the events' starts in one call, checked by
+        # counting the newlines (two an event: none inside one, no comment or other field
+        # merged into the event before it). A Python loop over the events cost ~0.5 us each.
+        events = (b"\n\n" + data[:-2]).split(b"\n\ndata: ")
+        if not events[0] and data.count(b"\n") == 2 * (len(events) - 1):
+            del events[0]
+            return events
         out: list[bytes] = []
         for ev in data[:-2].split(b"\n\n"):
             if ev[:6] == b"data: " and b"\n" not in ev:

@@ -203,3 +203,20 @@ def test_whole_event_reads_with_odd_content() -> None:
     assert d.feed(b"data: d\n") == []  # partial: general path from here
     assert d.feed(b"\n") == [b"d"]
     assert d.feed(b"data: e\n\n") == [b"e"]  # back on the fast path
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"data: a\n\ndata: \n\ndata: [DONE]\n\n",  # an empty payload
+        b"data: data: x\n\ndata:  y\n\n",  # the prefix inside a payload; a second space kept
+        b"data: a\n\n: keep-alive\n\ndata: b\n\n",  # a comment between two events
+        b"data: a\n\nid: 1\n\n",  # an event without data
+        b"data: a\ndata: b\n\n",  # two data lines, one event
+        b"data:a\n\ndata: b\n\n",  # no space after the colon
+        b"event: x\ndata: a\n\n",  # another field before the data
+        b"data: a\n\n\n\ndata: b\n\n",  # a stray blank line
+    ],
+)
+def test_whole_events_split_at_once_read_as_line_by_line(data: bytes) -> None:
+    assert SSEDecoder().feed(data) == decode_all([data[i : i + 1] for i in range(len(data))])
