@@ -23,14 +23,22 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL, TOO_LARGE, AnswerTooLarge
-from router.engine.response_head import CHUNKED, LENGTH, MAX_HEAD_BYTES, TO_CLOSE, HeadError, body_framing, parse_head
+from router.engine.response_head import (
+    CHUNKED,
+    LENGTH,
+    MAX_HEAD_BYTES,
+    TO_CLOSE,
+    HeadError,
+    body_framing,
+    parse_head,
+    whole_chunks,
+)
 from router.engine.sse import SSEDecoder, SSEError
 
 if TYPE_CHECKING:
     from router.engine.pool import LegPool
 
 MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions
-_HEX = b"0123456789abcdefABCDEF"
 
 # Connection states.
 _IDLE, _HEAD, _BODY, _DONE = 0, 1, 2, 3
@@ -183,19 +191,8 @@ class LegConnection(asyncio.Protocol):
         """The payload in `data` of a chunked body; sets body_done at the last chunk's end."""
         out: list[bytes] = []
         pos, n = 0, len(data)
-        if not self._left and not self._line and not self._trailers:
-            # Whole chunks with plain hex sizes (what engines write): a few C calls each.
-            find = data.find
-            while True:
-                end = find(b"\r\n", pos)
-                size = data[pos:end]
-                if end < 0 or not size or size.strip(_HEX):
-                    break  # split, empty, an extension or not hex: the general loop below
-                stop = end + 2 + int(size, 16)
-                if stop + 2 > n or stop == end + 2 or data[stop : stop + 2] != b"\r\n":
-                    break  # split, the last chunk, or a bad terminator: the general loop
-                out.append(data[end + 2 : stop])
-                pos = stop + 2
+        if not self._left and not self._line and not self._trailers and (whole := whole_chunks(data)) is not None:
+            out, pos = whole
         while pos < n:
             left = self._left
             if left:  # inside a chunk: its payload, then its CRLF

@@ -4,6 +4,9 @@ Content-Length, or read to close) and whether the connection may carry another r
 
 from __future__ import annotations
 
+import re
+from itertools import repeat
+
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one response
 
 # Body framing.
@@ -62,3 +65,25 @@ def body_framing(status: int, headers: list[tuple[bytes, bytes]], http11: bool) 
             raise HeadError("bad Content-Length")
         return LENGTH, int(length), keep_alive
     return TO_CLOSE, 0, False
+
+
+# A chunk with a plain hex size and a payload without CR (an SSE stream as vLLM writes it:
+# `data: <json>\n\n`, and JSON holds no raw CR). Possessive: a payload cut short by the
+# read is not backtracked through.
+_PLAIN_CHUNK = re.compile(rb"([0-9a-fA-F]{1,8})\r\n([^\r]++)\r\n")
+
+
+def whole_chunks(data: bytes) -> tuple[list[bytes], int] | None:
+    """(the payloads, where the rest starts) of the whole chunks `data` begins with, when
+    they are of the plain kind; else None (the caller reads them by the general rules). One
+    regular expression split and two maps: a Python step a chunk cost ~0.6 us of CPU.
+    What follows them (a chunk cut by the read, the last chunk, one of another kind) is
+    the rest."""
+    pieces = _PLAIN_CHUNK.split(data)
+    # [before, size, payload, between, size, payload, ..., rest]: nothing before or between.
+    if len(pieces) == 1 or pieces[0] or any(pieces[3:-1:3]):
+        return None
+    payloads = pieces[2::3]
+    if list(map(len, payloads)) != list(map(int, pieces[1::3], repeat(16))):
+        return None  # a size that is not its payload's: the general rules say what is wrong
+    return payloads, len(data) - len(pieces[-1])

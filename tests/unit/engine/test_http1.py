@@ -95,7 +95,15 @@ async def test_chunk_extensions_and_trailers_are_skipped() -> None:
 
 
 @pytest.mark.parametrize(
-    "body", [b"zz\r\ndata: x\n\n\r\n", b"3\r\nabcXY", b"-3\r\nabc\r\n", b"0x3\r\nabc\r\n", b"f" * 5000]
+    "body",
+    [
+        b"zz\r\ndata: x\n\n\r\n",
+        b"3\r\nabcXY",
+        b"-3\r\nabc\r\n",
+        b"0x3\r\nabc\r\n",
+        b"f" * 5000,
+        chunk(b"data: 0\n\n") + b"4\r\ndata: x\n\n\r\n",  # a plain chunk's size not its payload's
+    ],
 )
 async def test_a_bad_chunk_breaks_the_connection(body: bytes) -> None:
     conn, transport, _ = connection()
