@@ -191,7 +191,8 @@ class LegConnection(asyncio.Protocol):
         """The payload in `data` of a chunked body; sets body_done at the last chunk's end."""
         out: list[bytes] = []
         pos, n = 0, len(data)
-        if not self._left and not self._line and not self._trailers and (whole := whole_chunks(data)) is not None:
+        carried = bool(self._left or self._line or self._trailers)  # a read that began inside a chunk
+        if not carried and (whole := whole_chunks(data)) is not None:
             out, pos = whole
         while pos < n:
             left = self._left
@@ -211,6 +212,11 @@ class LegConnection(asyncio.Protocol):
                         return b""
                 self._left = left - take
                 pos += take
+                if carried and not self._left and pos < n:
+                    carried = False  # the chunk the read began inside is done: whole ones may follow
+                    if (whole := whole_chunks(data[pos:])) is not None:
+                        out += whole[0]
+                        pos += whole[1]
                 continue
             if self._line:  # a line carried over from the previous read
                 line = self._line + data[pos:]

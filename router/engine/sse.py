@@ -64,9 +64,32 @@ class SSEDecoder:
             self._skip_lf = False
             if data[:1] == b"\n":
                 data = data[1:]
-        elif not self._buf and not self._data and data[-2:] == b"\n\n" and b"\r" not in data:
-            # The common case: whole `data: <json>\n\n` events, nothing carried over.
-            return self._whole_events(data)
+        elif b"\r" not in data:
+            # The common case: whole `data: <json>\n\n` events. A read may also end inside
+            # one (a large backlog in reads of a fixed size) and begin with the end of the
+            # one before: the events between are split at once all the same.
+            if self._buf or self._data:  # the event carried over ends at the first blank line
+                if not self._buf and data[:1] == b"\n":
+                    head = 1
+                elif (head := data.find(b"\n\n") + 2) < 2:
+                    return self._feed_lines(data)  # it does not end in this read
+                out = self._feed_lines(data[:head])
+                data = data[head:]
+                if not data or self._buf or self._data:
+                    return out + self._feed_lines(data)
+            end = data.rfind(b"\n\n") + 2
+            if end == len(data) and end >= 2:
+                return out + self._whole_events(data) if out else self._whole_events(data)
+            if end >= 2:  # whole events, then one cut by the read
+                out += self._whole_events(data[:end])
+                data = data[end:]
+        return out + self._feed_lines(data) if out else self._feed_lines(data)
+
+    def _feed_lines(self, data: bytes) -> list[bytes]:
+        """`feed` by the general rules, line by line."""
+        out: list[bytes] = []
+        if not data:
+            return out
         if self._buf:
             # A line is carried over: only the new bytes are scanned for its end.
             self.scanned_bytes += len(data)

@@ -86,6 +86,24 @@ async def test_a_chunked_stream_reads_the_same_at_any_split(split: int) -> None:
     assert pool.released == [conn]
 
 
+@pytest.mark.parametrize("read", [3, 17, 64, 500, 4096])
+async def test_a_backlog_read_in_pieces_reads_as_one_read(read: int) -> None:
+    # Reads that begin and end inside chunks, whole chunks between them, and chunks of
+    # other kinds (an extension, CRLF lines) among them.
+    events = [b'data: {"n":%d}\n\n' % i for i in range(120)]
+    odd = b"c;x=1\r\n" + b"data: {}\r\n\r\n" + b"\r\n"
+    body = b"".join(map(chunk, events[:60])) + odd + b"".join(map(chunk, events[60:]))
+    body += chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    expected = [b'{"n":%d}' % i for i in range(60)] + [b"{}"] + [b'{"n":%d}' % i for i in range(60, 120)] + [b"[DONE]"]
+    conn, _, _ = connection()
+    data = CHUNKED_HEAD + body
+    for i in range(0, len(data), read):
+        conn.data_received(data[i : i + read])
+    assert list(conn.events) == expected
+    assert conn.body_done
+    assert conn.keep_alive
+
+
 async def test_chunk_extensions_and_trailers_are_skipped() -> None:
     conn, _, _ = connection()
     body = b'f;name=value\r\ndata: {"a":1}\n\n\r\n0\r\nx-trailer: 1\r\n\r\n'

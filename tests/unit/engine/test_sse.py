@@ -220,3 +220,12 @@ def test_whole_event_reads_with_odd_content() -> None:
 )
 def test_whole_events_split_at_once_read_as_line_by_line(data: bytes) -> None:
     assert SSEDecoder().feed(data) == decode_all([data[i : i + 1] for i in range(len(data))])
+
+
+@pytest.mark.parametrize("read", [1, 2, 7, 13, 64, 1000])
+def test_a_backlog_in_reads_of_a_fixed_size_reads_as_one_read(read: int) -> None:
+    # Reads that begin and end inside events, with whole events between them.
+    events = [format_event({"choices": [{"text": "x" * (i % 9)}]}) for i in range(40)]
+    stream = b"".join(events[:20]) + KEEPALIVE_EVENT + b"data: a\ndata: b\n\n" + b"".join(events[20:]) + DONE_EVENT
+    assert decode_all([stream[i : i + read] for i in range(0, len(stream), read)]) == decode_all([stream])
+    assert len(decode_all([stream])) == 42
