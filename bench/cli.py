@@ -237,7 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--stream-chunks", type=int, default=65536, help="with --streams: chunks per measurement")
     o.add_argument("--stream-concurrency", type=int, default=16, help="with --streams: paced streams at once")
     o.add_argument(
-        "--profile", action="store_true", help="with --streams: py-spy (else cProfile) of the router per chunk"
+        "--profile",
+        nargs="?",
+        const="paced:256",
+        default=None,
+        metavar="SHAPE:CHUNKS",
+        help="with --streams: py-spy (else cProfile) of the router per chunk, on such streams (default paced:256)",
     )
     o.set_defaults(fn=cmd_overhead)
 

@@ -12,8 +12,9 @@ each stream shape, every target in turn (interleaved) receives the same requests
 
 The figure is the target process's CPU time (user + system, psutil, children included)
 over the requests, per request and per chunk; not wall time, so contention from other
-processes on the machine does not count. `--profile` also profiles the round-robin router
-(py-spy if installed, else cProfile) on 256-chunk paced streams: where a chunk's time goes.
+processes on the machine does not count. `--profile SHAPE:CHUNKS` (default `paced:256`) also
+profiles the round-robin router (py-spy if installed, else cProfile) on such streams: where a
+chunk's time goes.
 """
 
 from __future__ import annotations
@@ -221,23 +222,34 @@ def spy_summary(raw: Path, cpu_us_per_chunk: float, top: int = 18) -> list[dict[
     ]
 
 
+def profile_stream(spec: str) -> tuple[str, int]:
+    """`--profile`'s `SHAPE:CHUNKS` (e.g. `instant:16`) as (shape, chunks)."""
+    shape, _, chunks = spec.partition(":")
+    if shape not in SHAPES or not chunks.isdigit() or int(chunks) < 1:
+        raise SystemExit(f"--profile {spec!r}: expected SHAPE:CHUNKS, SHAPE one of {', '.join(SHAPES)}")
+    return shape, int(chunks)
+
+
 def run_profile(
     procs: ProcessSet, urls: list[str], cores: list[int] | None, work: Path, a: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """Where a chunk's CPU goes in the round-robin router, 256-chunk paced streams: py-spy
-    (sampling: what the process spends, C code in the caller's line) when installed, else
-    cProfile on the CPU clock (whose own cost per call inflates small, frequent functions)."""
+    """Where a chunk's CPU goes in the round-robin router, on streams of `a.profile`'s shape
+    and length: py-spy (sampling: what the process spends, C code in the caller's line) when
+    installed, else cProfile on the CPU clock (whose own cost per call inflates small,
+    frequent functions)."""
+    shape, chunks = profile_stream(a.profile)
     spy = py_spy()
     out = work / ("router.spy" if spy else "router.prof")
     port, proc = asyncio.run(start_target(procs, "router_round_robin", urls, cores, work, None if spy else out))
-    chunks, requests = 256, max(8, a.stream_chunks // 256)
+    requests = max(8, a.stream_chunks // chunks)
+    concurrency = 1 if shape == "instant" else a.stream_concurrency
     recorder = None
     if spy:
         cmd = [spy, "record", "-p", str(proc.pid), "-r", "400", "-f", "raw", "-o", str(out), "--nonblocking"]
         recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # attached before the load starts
     sampler = RSSSampler(proc.pid)
-    asyncio.run(client_load(port, chunks, SHAPES["paced"], requests, a.stream_concurrency))
+    asyncio.run(client_load(port, chunks, SHAPES[shape], requests, concurrency))
     cpu_us_per_chunk = (sampler.cpu_s() - sampler.cpu0) / (chunks * requests) * 1e6
     if recorder is not None:
         recorder.send_signal(signal.SIGINT)
@@ -275,6 +287,8 @@ def main(a: argparse.Namespace) -> int:
 def run(
     a: argparse.Namespace, procs: ProcessSet, burls: list[str], proxy_cores: list[int] | None, work: Path
 ) -> dict[str, Any]:
+    if a.profile:
+        profile_stream(a.profile)  # a bad spec fails now, not after the measurements
     names = [n for n in (a.targets.split(",") if a.targets else DEFAULT_TARGETS) if n]
     if "vllm_router_rr" in names and vllm_router_exe() is None:
         names.remove("vllm_router_rr")
@@ -321,7 +335,8 @@ def run(
         ]
         pnd = {"us_per_chunk": 3, "cum_us_per_chunk": 3, "calls": 0, "self_pct": 1}
         how = "py-spy" if py_spy() else "cProfile"
-        console.print(table(f"router_round_robin under {how}, 256-chunk paced streams", pcols, prof, pnd))
+        shape, chunks = profile_stream(a.profile)
+        console.print(table(f"router_round_robin under {how}, {chunks}-chunk {shape} streams", pcols, prof, pnd))
         md += "\n" + markdown_table(pcols, prof, pnd) + "\n"
     (Path(a.out) / "stream_cpu.md").write_text(md)
     return result

@@ -14,6 +14,7 @@ import pytest
 from bench.cli import build_parser
 from bench.experiments.options import run_spec_from_args
 from bench.experiments.replay import SUMMARY_KEYS, run_replay
+from bench.experiments.stream_cpu import profile_stream
 from bench.harness.cluster import RouterOptions, histogram_quantile, router_toml
 from bench.harness.load_clients import SMALL, BlockingClient, http_request
 from bench.harness.procs import ProcessSet, free_ports
@@ -76,11 +77,21 @@ def test_contract_command_line_parses() -> None:
         "sweep-threshold --out o",
         "load-sweep --out o",
         "overhead --out o",
+        "overhead --out o --streams 16 --profile",
+        "overhead --out o --streams 16 --profile instant:16",
         "scaling --out o",
         "profile --out o",
         "replay --workload multiturn --mode all --out o",
     ):
         build_parser().parse_args(cmd.split())
+
+
+def test_overhead_profile_takes_a_shape_and_a_length() -> None:
+    assert build_parser().parse_args(["overhead", "--out", "o", "--streams", "16", "--profile"]).profile == "paced:256"
+    assert profile_stream("instant:16") == ("instant", 16)
+    for bad in ("instant", "steady:16", "paced:0", "paced:x"):
+        with pytest.raises(SystemExit, match="SHAPE:CHUNKS"):
+            profile_stream(bad)
 
 
 def test_generated_router_config_is_valid() -> None:
