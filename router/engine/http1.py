@@ -22,23 +22,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from router.engine.chunked import ChunkedBody, ChunkError
 from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL, TOO_LARGE, AnswerTooLarge
-from router.engine.response_head import (
-    CHUNKED,
-    LENGTH,
-    MAX_HEAD_BYTES,
-    TO_CLOSE,
-    HeadError,
-    body_framing,
-    parse_head,
-    whole_chunks,
-)
+from router.engine.response_head import CHUNKED, LENGTH, MAX_HEAD_BYTES, TO_CLOSE, HeadError, body_framing, parse_head
 from router.engine.sse import SSEDecoder, SSEError
 
 if TYPE_CHECKING:
     from router.engine.pool import LegPool
 
-MAX_CHUNK_LINE = 4096  # a chunk-size line with its extensions
 
 # Connection states.
 _IDLE, _HEAD, _BODY, _DONE = 0, 1, 2, 3
@@ -62,9 +53,8 @@ class LegConnection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self.framing = TO_CLOSE
-        self._left = 0  # LENGTH: body bytes to come; CHUNKED: the chunk's bytes with its CRLF
-        self._line = b""  # CHUNKED: a size or trailer line carried over
-        self._trailers = False  # CHUNKED: past the last chunk, in the trailer section
+        self._left = 0  # LENGTH: body bytes to come
+        self._chunks = ChunkedBody()  # CHUNKED: the body's state between reads
         self.got_bytes = False  # any byte of the response yet
         self.body_done = False
         # The SSE events of a 200 answer (the leg's reader takes them), or the bytes of an
@@ -151,7 +141,7 @@ class LegConnection(asyncio.Protocol):
         buf.clear()
         self.status, self.headers = status, headers
         self.state = _BODY
-        self._line, self._trailers = b"", False
+        self._chunks = ChunkedBody()
         self.events = deque()
         self.decoder = SSEDecoder()
         self.unread = 0
@@ -171,7 +161,17 @@ class LegConnection(asyncio.Protocol):
     def _body(self, data: bytes) -> None:
         framing = self.framing
         if framing == CHUNKED:
-            data = self._dechunk(data)
+            chunks = self._chunks
+            try:
+                data = chunks.feed(data)
+            except ChunkError as e:
+                self._fail(PROTOCOL, str(e))
+                self.close()
+                return
+            if chunks.done:
+                self.body_done = True
+                if chunks.past_end:  # no second response was asked for
+                    self.keep_alive = False
         elif framing == LENGTH:
             n = len(data)
             if n >= self._left:
@@ -186,83 +186,6 @@ class LegConnection(asyncio.Protocol):
             self._deliver(data)
         if self.body_done:
             self._end_of_body()
-
-    def _dechunk(self, data: bytes) -> bytes:
-        """The payload in `data` of a chunked body; sets body_done at the last chunk's end."""
-        out: list[bytes] = []
-        pos, n = 0, len(data)
-        carried = bool(self._left or self._line or self._trailers)  # a read that began inside a chunk
-        if not carried and (whole := whole_chunks(data)) is not None:
-            out, pos = whole
-        while pos < n:
-            left = self._left
-            if left:  # inside a chunk: its payload, then its CRLF
-                take = n - pos if n - pos < left else left
-                payload = left - 2 if left - 2 < take else take
-                if payload > 0:
-                    out.append(data[pos : pos + payload])
-                else:
-                    payload = 0
-                crlf = take - payload
-                if crlf:
-                    seen = 2 - (left - payload)  # CRLF bytes read before this piece
-                    if data[pos + payload : pos + take] != b"\r\n"[seen : seen + crlf]:
-                        self._fail(PROTOCOL, "bad chunk terminator")
-                        self.close()
-                        return b""
-                self._left = left - take
-                pos += take
-                if carried and not self._left and pos < n:
-                    carried = False  # the chunk the read began inside is done: whole ones may follow
-                    if (whole := whole_chunks(data[pos:])) is not None:
-                        out += whole[0]
-                        pos += whole[1]
-                continue
-            if self._line:  # a line carried over from the previous read
-                line = self._line + data[pos:]
-                end = line.find(b"\r\n")
-                if end < 0:
-                    self._line = line
-                    if len(line) > MAX_CHUNK_LINE:
-                        self._fail(PROTOCOL, "chunk-size line too long")
-                        self.close()
-                        return b""
-                    break
-                pos += end + 2 - len(self._line)
-                self._line = b""
-                line = line[:end]
-            else:
-                end = data.find(b"\r\n", pos)
-                if end < 0:
-                    self._line = data[pos:]
-                    if len(self._line) > MAX_CHUNK_LINE:
-                        self._fail(PROTOCOL, "chunk-size line too long")
-                        self.close()
-                        return b""
-                    break
-                line = data[pos:end]
-                pos = end + 2
-            if self._trailers:
-                if not line:  # the blank line ending the trailer section: the body's end
-                    self.body_done = True
-                    if pos < n:
-                        self.keep_alive = False
-                    break
-                continue
-            size = line.split(b";", 1)[0].strip()
-            try:
-                if not size or size.startswith((b"-", b"+", b"0x", b"0X")):
-                    raise ValueError
-                length = int(size, 16)
-            except ValueError:
-                self._fail(PROTOCOL, f"bad chunk size {line[:40]!r}")
-                self.close()
-                return b""
-            if length == 0:
-                self._trailers = True
-            else:
-                self._left = length + 2
-        return b"".join(out) if len(out) != 1 else out[0]
 
     def _deliver(self, data: bytes) -> None:
         if self.discard:

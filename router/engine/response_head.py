@@ -4,9 +4,6 @@ Content-Length, or read to close) and whether the connection may carry another r
 
 from __future__ import annotations
 
-import re
-from itertools import repeat
-
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one response
 
 # Body framing.
@@ -65,49 +62,3 @@ def body_framing(status: int, headers: list[tuple[bytes, bytes]], http11: bool) 
             raise HeadError("bad Content-Length")
         return LENGTH, int(length), keep_alive
     return TO_CLOSE, 0, False
-
-
-# A chunk with a plain hex size and a payload without CR (an SSE stream as vLLM writes it:
-# `data: <json>\n\n`, and JSON holds no raw CR). Possessive: a payload cut short by the
-# read is not backtracked through.
-_PLAIN_CHUNK = re.compile(rb"([0-9a-fA-F]{1,8})\r\n([^\r]++)\r\n")
-_HEX = b"0123456789abcdefABCDEF"
-# A read shorter than this (a few token chunks of ~250 bytes; a paced stream's read holds
-# one) is read chunk by chunk: the split's lists cost ~2 us more than a few chunks' loop.
-_FEW_CHUNKS_BYTES = 2048
-
-
-def whole_chunks(data: bytes) -> tuple[list[bytes], int] | None:
-    """(the payloads, where the rest starts) of the whole chunks `data` begins with, when
-    they are of the plain kind; else None (the caller reads them by the general rules).
-    What follows them (a chunk cut by the read, the last chunk, one of another kind) is
-    the rest. Many chunks: one regular expression split and two maps (a Python step a
-    chunk cost ~0.6 us of CPU); a short read (a paced stream's holds one chunk): a loop of a
-    few C calls a chunk."""
-    if len(data) < _FEW_CHUNKS_BYTES:
-        return _chunk_by_chunk(data)
-    pieces = _PLAIN_CHUNK.split(data)
-    # [before, size, payload, between, size, payload, ..., rest]: nothing before or between.
-    if len(pieces) == 1 or pieces[0] or any(pieces[3:-1:3]):
-        return None
-    payloads = pieces[2::3]
-    if list(map(len, payloads)) != list(map(int, pieces[1::3], repeat(16))):
-        return None  # a size that is not its payload's: the general rules say what is wrong
-    return payloads, len(data) - len(pieces[-1])
-
-
-def _chunk_by_chunk(data: bytes) -> tuple[list[bytes], int]:
-    out: list[bytes] = []
-    pos, n = 0, len(data)
-    find = data.find
-    while True:
-        end = find(b"\r\n", pos)
-        size = data[pos:end]
-        if end < 0 or not size or size.strip(_HEX):
-            break  # cut by the read, an extension or not hex: the rest
-        stop = end + 2 + int(size, 16)
-        if stop + 2 > n or stop == end + 2 or data[stop : stop + 2] != b"\r\n":
-            break  # cut by the read, the last chunk, or a bad terminator: the rest
-        out.append(data[end + 2 : stop])
-        pos = stop + 2
-    return out, pos
