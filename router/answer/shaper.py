@@ -4,7 +4,8 @@ Every leg streams with usage and token ids (router/engine/wire.py). A client's a
 leg, then zero or more resume legs (`/v1/completions` streams even for a chat request), turned
 by `ResponseShaper` into what one vLLM engine would have sent for the client's own request:
 
-streaming (`shape`, `shape_raw`, `shape_run`, `release_held`, `final_chunks`)
+streaming (`shape`, `release_held`, `final_chunks`; the byte paths `shape_raw`, `shape_run`,
+`shape_chunked`: router/answer/byte_relay.py)
 - one id (`spec.request_id`), one `created` (`spec.created`), one `model` (the name the
   client asked for, else the first leg's), the client endpoint's `object`;
 - chat: the role chunk goes out once per answer (a retry leg's is dropped); resume-leg completion
@@ -21,8 +22,8 @@ non-streaming (`accumulate_response`): `shape` returns [] and router/answer/asse
 body from every chunk seen across legs. For the lead: `answer` (router/answer/progress.py), `emitted`
 (a chunk went to the client: errors must now travel as SSE events). Ownership: `shape` rewrites
 the chunk it is given in place and may return it; the caller must not use the chunk afterwards.
-`shape_raw` (one) and `shape_run` (a run) relay plain token chunks on their bytes
-(router/answer/chunk_bytes.py): the same answer, no parse."""
+The byte paths relay plain token chunks on their bytes (router/answer/chunk_bytes.py): the
+same answer, no parse."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from typing import Any
 
 from router.admission.spec import ENDPOINT_CHAT, RequestSpec
 from router.answer.assembly import ResponseAssembler
+from router.answer.byte_relay import ByteRelay
 from router.answer.chunk_bytes import PlainChunks, plain_chunks
 from router.answer.finish_chunks import content_free_finish, without_finish
 from router.answer.logprobs import TextOffsets, chat_logprobs_from_completion, has_logprob_entries
@@ -42,7 +44,7 @@ _CHAT_CHUNK = "chat.completion.chunk"
 _TEXT_COMPLETION = "text_completion"
 
 
-class ResponseShaper:
+class ResponseShaper(ByteRelay):
     """See the module docstring. One instance per client answer."""
 
     def __init__(self, spec: RequestSpec):
@@ -132,43 +134,6 @@ class ResponseShaper:
         out = self._flush_pending() if self._pending else []
         out += self._shape_completion(chunk, c) if self._is_resume or not self._chat else self._shape_chat(chunk, c)
         return out
-
-    def shape_raw(self, payload: bytes) -> bytes | None:
-        """A plain token chunk's bytes -> the client's SSE event (b"" for a non-streaming client),
-        with the answer updated as `shape` would; None when it must be parsed and `shape`d."""
-        plain, answer = self._relay(), self.answer
-        if plain is None or (relayed := plain.relay(payload)) is None:
-            return None
-        event, text, ids = relayed
-        answer.add_token_ids(ids)
-        if text:
-            answer.add_text(text)
-        if self._accumulate:  # a non-streaming client's answer: accumulated only
-            self._assembler.add_plain(text, chat_leg=self._chat and not self._is_resume)
-            return b""
-        self.emitted = True
-        return event
-
-    def shape_run(self, payloads: list[bytes]) -> bytes | None:
-        """`shape_raw` for a run of plain token chunks at once (b"" for a non-streaming
-        client), or None: each then goes through `shape_raw` (or `shape`)."""
-        plain, answer = self._relay(), self.answer
-        if plain is None or not answer.room_for(len(payloads)):
-            return None  # one by one: past the budget, the chunk that crosses it fails
-        if (relayed := plain.relay_run(payloads)) is None:
-            return None
-        event, block = relayed
-        answer.add_run(plain.read, block, len(payloads))
-        if self._accumulate:  # the run's text at once: what `add_plain` per chunk would keep
-            self._assembler.add_plain(plain.read(block)[0], chat_leg=self._chat and not self._is_resume)
-            return b""
-        self.emitted = True
-        return event
-
-    def _relay(self) -> PlainChunks | None:
-        # Not while prompt ids the client asked for are owed: they ride on the next chunk out.
-        owes_ids = self._want_ids and not self._prompt_ids_sent and self.answer.prompt_token_ids is not None
-        return None if self._pending or owes_ids else self._plain
 
     def _note_ids(self, c: dict[str, Any], top_prompt_ids: Any) -> Sequence[int]:
         """Record prompt ids (first non-resume leg) and this chunk's generated ids."""

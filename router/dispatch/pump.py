@@ -100,7 +100,12 @@ async def pump_raw(
     loop = stream.loop
     usage_seen: list[Any] = [None, None]  # prompt and cached tokens, from the last usage chunk
     awaiting_first_token = ctx.record.ttft_s is None
-    shape_run, shape_raw, answer = shaper.shape_run, shaper.shape_raw, shaper.answer
+    shape_run, shape_raw, shape_chunked, answer = (
+        shaper.shape_run,
+        shaper.shape_raw,
+        shaper.shape_chunked,
+        shaper.answer,
+    )
     streaming = shaper.spec.stream
     relay_pending = direct is not None or not streaming  # a whole answer writes nothing before its end
     heard = [loop.time()]  # when the leg last sent something (its gaps are stalls, `on_gap`)
@@ -130,6 +135,20 @@ async def pump_raw(
                 events.popleft()
         note_heard()
         return not events
+
+    def relay_chunked(data: bytes) -> tuple[int, int]:
+        """`relay_now` on a read of the leg's chunked body, before it is read into events:
+        its leading whole plain token chunks (bytes taken, chunks); (0, 0): none taken."""
+        if streaming and (direct is None or not direct.ready()):
+            return 0, 0
+        shaped = shape_chunked(data)
+        if shaped is None:
+            return 0, 0
+        event, taken, n = shaped
+        if direct is not None and event:
+            direct.write_now(event)
+        note_heard()
+        return taken, n
 
     def one_by_one(items: list[Any], events: list[bytes]) -> UpstreamError | None:
         """Items (payloads, or chunks the race parsed) shaped one at a time into `events`;
@@ -194,7 +213,7 @@ async def pump_raw(
             if bad is not None:
                 raise bad
             if relay_pending and not awaiting_first_token:
-                stream.relay_from_reads(relay_now)
+                stream.relay_from_reads(relay_now, relay_chunked)
                 relay_pending = False
             heard[0] = loop.time()
             batch = await stream.next_payloads()

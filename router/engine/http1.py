@@ -71,6 +71,10 @@ class LegConnection(asyncio.Protocol):
         # Takes events as they arrive while the reader waits (router/engine/stream.py,
         # `UpstreamStream.relay_from_reads`): pops what it relayed, True when it took all.
         self.direct: Callable[[deque[bytes]], bool] | None = None
+        # Offered each read of a chunked body first, while the reader waits and nothing read
+        # before is left: takes the read's leading whole chunks on their bytes (plain token
+        # chunks: de-chunked, framed and relayed by one split); the bytes it took.
+        self.direct_chunked: Callable[[bytes], int] | None = None
 
     # -- the request --
 
@@ -81,7 +85,7 @@ class LegConnection(asyncio.Protocol):
         self.whole = whole
         self.state = _HEAD
         self.got_bytes = self.body_done = self.discard = False
-        self.failure = self.raw = self.direct = None
+        self.failure = self.raw = self.direct = self.direct_chunked = None
         self.status = 0
         self._head.clear()
         self.head_waiter = self.loop.create_future()
@@ -161,18 +165,11 @@ class LegConnection(asyncio.Protocol):
     def _body(self, data: bytes) -> None:
         framing = self.framing
         if framing == CHUNKED:
-            chunks = self._chunks
-            try:
-                data = chunks.feed(data)
-            except ChunkError as e:
-                self._fail(PROTOCOL, str(e))
-                self.close()
-                return
-            if chunks.done:
-                self.body_done = True
-                if chunks.past_end:  # no second response was asked for
-                    self.keep_alive = False
-        elif framing == LENGTH:
+            if self.direct_chunked is not None and not self.discard:
+                data = self._offer_chunked(data)
+            self._chunked_body(data)
+            return
+        if framing == LENGTH:
             n = len(data)
             if n >= self._left:
                 if n > self._left:  # bytes past the answer: no second response was asked for
@@ -186,6 +183,43 @@ class LegConnection(asyncio.Protocol):
             self._deliver(data)
         if self.body_done:
             self._end_of_body()
+
+    def _chunked_body(self, data: bytes) -> None:
+        chunks = self._chunks
+        try:
+            data = chunks.feed(data)
+        except ChunkError as e:
+            self._fail(PROTOCOL, str(e))
+            self.close()
+            return
+        if chunks.done:
+            self.body_done = True
+            if chunks.past_end:  # no second response was asked for
+                self.keep_alive = False
+        if data:
+            self._deliver(data)
+        if self.body_done:
+            self._end_of_body()
+
+    def _offer_chunked(self, data: bytes) -> bytes:
+        """`direct_chunked` offered the read (after the chunk it began inside, read the
+        usual way), when the reader waits and every event read before was taken; the rest."""
+        chunks = self._chunks
+        if not chunks.between_chunks:
+            left = chunks.inside_chunk
+            if not left or left >= len(data):
+                return data
+            self._chunked_body(data[:left])
+            if self.failure is not None:
+                return b""  # the read broke the grammar: nothing after it is read
+            data = data[left:]
+        waiter, direct = self.waiter, self.direct_chunked
+        if direct is None or self.events or waiter is None or waiter.done() or self.raw is not None:
+            return data
+        if not self.decoder.idle:
+            return data
+        taken = direct(data)
+        return data[taken:] if taken else data
 
     def _deliver(self, data: bytes) -> None:
         if self.discard:
@@ -273,7 +307,7 @@ class LegConnection(asyncio.Protocol):
         """The leg is done with the connection: back to the pool if its body was read whole
         and may be followed by another request; read to the body's end first if not yet."""
         self.events = deque()
-        self.raw = self.direct = None
+        self.raw = self.direct = self.direct_chunked = None
         if self.closed:
             return
         if not self.keep_alive or (self.failure is not None and not self.body_done):
@@ -295,7 +329,7 @@ class LegConnection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close the connection (an engine aborts the request it was answering)."""
-        self.direct = None
+        self.direct = self.direct_chunked = None
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()

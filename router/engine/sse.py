@@ -54,6 +54,11 @@ class SSEDecoder:
         # Bytes looked at while a line was carried over (each once: the work is linear).
         self.scanned_bytes = 0
 
+    @property
+    def idle(self) -> bool:
+        """Nothing of an event is carried over: the next byte begins one."""
+        return not (self._buf or self._data or self._skip_lf)
+
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytes]:
         out: list[bytes] = []
         if not data:

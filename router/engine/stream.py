@@ -41,6 +41,9 @@ class LegSource(Protocol):
     # Called with `events` as they arrive while the reader waits, where the source can
     # (the hand-written connection); pops what it took, True when it took them all.
     direct: Callable[[deque[bytes]], bool] | None
+    # Called with a read of a chunked body before it is read into events, where the
+    # source can: the bytes it took of the read's start.
+    direct_chunked: Callable[[bytes], int] | None
 
     def wait(self) -> Awaitable[None]: ...  # done once more events came or the leg ended
     def release(self) -> None: ...  # the connection back to its pool
@@ -50,7 +53,7 @@ class LegSource(Protocol):
 class AiohttpSource:
     """An aiohttp response read as a leg's events."""
 
-    __slots__ = ("_decoder", "_resp", "direct", "events", "failure")
+    __slots__ = ("_decoder", "_resp", "direct", "direct_chunked", "events", "failure")
 
     def __init__(self, resp: aiohttp.ClientResponse):
         self._resp = resp
@@ -58,6 +61,7 @@ class AiohttpSource:
         self.events: deque[bytes] = deque()
         self.failure: tuple[str, str] | None = None
         self.direct: Callable[[deque[bytes]], bool] | None = None  # never called: read in `wait`
+        self.direct_chunked: Callable[[bytes], int] | None = None  # never called: aiohttp de-chunks
 
     async def wait(self) -> None:
         try:
@@ -95,6 +99,7 @@ class UpstreamStream:
         "_pending",
         "_reader",
         "_relay",
+        "_relay_chunked",
         "_span",
         "_src",
         "_timeouts",
@@ -140,15 +145,23 @@ class UpstreamStream:
         self.chunks_read = 0
         self._span = None  # the leg's trace span (router/observability/tracing.py), ended on close
         self._relay: Callable[[deque[bytes]], bool] | None = None
+        self._relay_chunked: Callable[[bytes], tuple[int, int]] | None = None
 
-    def relay_from_reads(self, relay: Callable[[deque[bytes]], bool] | None) -> None:
+    def relay_from_reads(
+        self,
+        relay: Callable[[deque[bytes]], bool] | None,
+        relay_chunked: Callable[[bytes], tuple[int, int]] | None = None,
+    ) -> None:
         """`relay` takes the leg's events as they arrive, in the connection's read callback,
         while the leg's reader waits (sources that can: the hand-written connection): it pops
         the events it relayed and returns True when it took them all; the reader wakes only
         for the rest. A streamed token then costs no task wake-up (~5 us of ~30 a paced
-        chunk). None: every event wakes the reader."""
-        self._relay = relay
+        chunk). None: every event wakes the reader. `relay_chunked` is first offered each
+        read of a chunked body, before it is read into events: (the bytes it took of the
+        read's start, the events they were)."""
+        self._relay, self._relay_chunked = relay, relay_chunked
         self._src.direct = self._direct if relay is not None else None
+        self._src.direct_chunked = self._direct_chunked if relay_chunked is not None else None
 
     def _direct(self, events: deque[bytes]) -> bool:
         relay = self._relay
@@ -156,14 +169,25 @@ class UpstreamStream:
             return False
         before = len(events)
         took_all = relay(events)
-        taken = before - len(events)
-        if taken:
-            # What the reader would have read: its idle deadline starts again from now.
-            self.chunks_read += taken
-            deadline = self._loop.time() + self._timeouts.idle_s
-            if deadline < self._total_deadline:
-                self._deadline = (deadline, IDLE_TIMEOUT)
+        if taken := before - len(events):
+            self._took(taken)
         return took_all
+
+    def _direct_chunked(self, data: bytes) -> int:
+        relay = self._relay_chunked
+        if relay is None or self._reader is None or self._done:
+            return 0
+        taken, events = relay(data)
+        if events:
+            self._took(events)
+        return taken
+
+    def _took(self, events: int) -> None:
+        """What the reader would have read: its idle deadline starts again from now."""
+        self.chunks_read += events
+        deadline = self._loop.time() + self._timeouts.idle_s
+        if deadline < self._total_deadline:
+            self._deadline = (deadline, IDLE_TIMEOUT)
 
     async def next_chunk(self) -> dict[str, Any] | None:
         """The next chunk, or None once the engine sent `[DONE]`."""

@@ -8,9 +8,11 @@ import itertools
 from typing import Any
 
 import orjson
+from hypothesis import strategies as st
 
 from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec, parse_request
 from router.answer.shaper import ResponseShaper
+from router.engine.sse import format_event
 from router.engine.wire import CACHE_THRESHOLD
 from support.vllm_serving import (
     Gen,
@@ -31,8 +33,11 @@ def make_spec(
     logprobs: int | None = None,
     continuous: bool = False,
     model: str = "client-model",
+    max_tokens: int | None = None,
 ) -> RequestSpec:
     body: dict[str, Any] = {"model": model}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     if endpoint == ENDPOINT_CHAT:
         body["messages"] = [{"role": "user", "content": "hi"}]
         if logprobs is not None:
@@ -170,3 +175,53 @@ def chat_chunk(delta: dict[str, Any], finish: str | None = None, ids: list[int] 
         choice["stop_reason"] = None
     choice["token_ids"] = ids or []
     return {"id": "chatcmpl-e", "object": "chat.completion.chunk", "created": 1, "model": "tiny", "choices": [choice]}
+
+
+# Generations cut into legs, and the answer the full path (parse, shape, dump) sends for them.
+Legs = list[tuple[bool, list[dict[str, Any]]]]
+
+
+def full_path(spec: RequestSpec, legs: Legs) -> tuple[ResponseShaper, bytes]:
+    sh = ResponseShaper(spec)
+    out = []
+    for is_resume, chunks in legs:
+        sh.begin_leg(is_resume=is_resume)
+        for c in chunks:
+            out += [format_event(x) for x in sh.shape(orjson.loads(orjson.dumps(c)))]
+    out += [format_event(x) for x in sh.final_chunks()]
+    return sh, b"".join(out)
+
+
+def same_answer(a: ResponseShaper, b: ResponseShaper) -> None:
+    assert list(a.answer.generated_token_ids) == list(b.answer.generated_token_ids)
+    assert a.answer.generated_text == b.answer.generated_text
+    assert a.answer.finish_reason == b.answer.finish_reason
+    assert a.answer.leg_tokens == b.answer.leg_tokens
+    assert a.answer.first_token_seen == b.answer.first_token_seen
+    assert a.answer.token_ids_complete == b.answer.token_ids_complete
+    assert a.emitted == b.emitted
+
+
+texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)
+
+
+@st.composite
+def generations(draw: st.DrawFn) -> tuple[RequestSpec, Legs]:
+    endpoint = draw(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]))
+    stream = draw(st.booleans())
+    spec = make_spec(
+        endpoint,
+        stream=stream,
+        include_usage=stream and draw(st.booleans()),
+        return_token_ids=draw(st.booleans()),
+        continuous=stream and draw(st.booleans()),
+    )
+    steps = [
+        Step(draw(texts), draw(st.lists(st.integers(0, 2**40), min_size=1, max_size=2)))  # <= 16: the budget
+        for _ in range(draw(st.integers(1, 8)))
+    ]
+    steps[-1].finish_reason = draw(st.sampled_from(["stop", "length"]))
+    g = Gen(PROMPT, steps, cached_tokens=0, system_fingerprint=draw(st.sampled_from([None, "fp"])))
+    n_legs = draw(st.integers(1, 3))
+    cuts = sorted(draw(st.lists(st.integers(0, len(steps) - 1), min_size=n_legs - 1, max_size=n_legs - 1)))
+    return spec, split_legs(endpoint, g, cuts, [False] * n_legs, [0] * n_legs)

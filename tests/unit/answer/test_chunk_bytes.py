@@ -15,21 +15,8 @@ from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSp
 from router.answer.chunk_bytes import PlainChunks, header, looks_plain, plain_chunks, unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.engine.sse import format_event
-from support.shaping import PROMPT, make_spec, split_legs
+from support.shaping import PROMPT, Legs, full_path, generations, make_spec, same_answer, split_legs
 from support.vllm_serving import Gen, Step, chat_stream, completion_stream
-
-Legs = list[tuple[bool, list[dict[str, Any]]]]
-
-
-def full_path(spec: RequestSpec, legs: Legs) -> tuple[ResponseShaper, bytes]:
-    sh = ResponseShaper(spec)
-    out = []
-    for is_resume, chunks in legs:
-        sh.begin_leg(is_resume=is_resume)
-        for c in chunks:
-            out += [format_event(x) for x in sh.shape(orjson.loads(orjson.dumps(c)))]
-    out += [format_event(x) for x in sh.final_chunks()]
-    return sh, b"".join(out)
 
 
 def byte_path(spec: RequestSpec, legs: Legs, encode: Any = orjson.dumps) -> tuple[ResponseShaper, bytes, int]:
@@ -84,41 +71,6 @@ def run_path(spec: RequestSpec, legs: Legs, batch: int) -> tuple[ResponseShaper,
             one_by_one(part[tail:])
     out += [format_event(x) for x in sh.final_chunks()]
     return sh, b"".join(out), runs
-
-
-def same_answer(a: ResponseShaper, b: ResponseShaper) -> None:
-    assert list(a.answer.generated_token_ids) == list(b.answer.generated_token_ids)
-    assert a.answer.generated_text == b.answer.generated_text
-    assert a.answer.finish_reason == b.answer.finish_reason
-    assert a.answer.leg_tokens == b.answer.leg_tokens
-    assert a.answer.first_token_seen == b.answer.first_token_seen
-    assert a.answer.token_ids_complete == b.answer.token_ids_complete
-    assert a.emitted == b.emitted
-
-
-texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)
-
-
-@st.composite
-def generations(draw: st.DrawFn) -> tuple[RequestSpec, Legs]:
-    endpoint = draw(st.sampled_from([ENDPOINT_COMPLETIONS, ENDPOINT_CHAT]))
-    stream = draw(st.booleans())
-    spec = make_spec(
-        endpoint,
-        stream=stream,
-        include_usage=stream and draw(st.booleans()),
-        return_token_ids=draw(st.booleans()),
-        continuous=stream and draw(st.booleans()),
-    )
-    steps = [
-        Step(draw(texts), draw(st.lists(st.integers(0, 2**40), min_size=1, max_size=2)))  # <= 16: the budget
-        for _ in range(draw(st.integers(1, 8)))
-    ]
-    steps[-1].finish_reason = draw(st.sampled_from(["stop", "length"]))
-    g = Gen(PROMPT, steps, cached_tokens=0, system_fingerprint=draw(st.sampled_from([None, "fp"])))
-    n_legs = draw(st.integers(1, 3))
-    cuts = sorted(draw(st.lists(st.integers(0, len(steps) - 1), min_size=n_legs - 1, max_size=n_legs - 1)))
-    return spec, split_legs(endpoint, g, cuts, [False] * n_legs, [0] * n_legs)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,8 +17,9 @@ from router.answer.progress import TokenIds
 from router.answer.shaper import ResponseShaper
 from router.dispatch.context import Leg, RequestContext
 from router.dispatch.pump import pump, pump_raw
+from router.engine.chunked import ChunkedBody
 from router.engine.errors import PROTOCOL, UpstreamError
-from router.engine.sse import format_event
+from router.engine.sse import SSEDecoder, format_event
 from router.engine.stream import UpstreamStream
 from router.observability.record import RequestRecord
 from router.routing.planning import RouteQuery
@@ -37,9 +38,18 @@ class ScriptedStream:
         self.relay: Callable[[deque[bytes]], bool] | None = None
         self.relayed = 0  # events the relay took
         self.offers = True  # False: a source that cannot relay from its reads
+        # True: each batch is first offered as the read of a chunked body that holds it
+        # (one event a chunk), as the hand-written connection offers it.
+        self.chunked = False
+        self.relay_chunked: Callable[[bytes], tuple[int, int]] | None = None
+        self.relayed_chunked = 0  # events the chunked relay took
 
-    def relay_from_reads(self, relay: Callable[[deque[bytes]], bool] | None) -> None:
-        self.relay = relay
+    def relay_from_reads(
+        self,
+        relay: Callable[[deque[bytes]], bool] | None,
+        relay_chunked: Callable[[bytes], tuple[int, int]] | None = None,
+    ) -> None:
+        self.relay, self.relay_chunked = relay, relay_chunked
 
     @property
     def done(self) -> bool:  # [DONE] comes with the last batch
@@ -58,6 +68,15 @@ class ScriptedStream:
             batch = self.batches.pop(0)
             if self.relay is None or not self.offers:
                 return batch
+            if self.chunked and self.relay_chunked is not None:
+                read = b"".join(b"%x\r\n%s\r\n" % (len(p) + 8, b"data: " + p + b"\n\n") for p in batch)
+                taken, n = self.relay_chunked(read)
+                rest = ChunkedBody().feed(read[taken:])
+                assert (taken == 0) == (n == 0)
+                self.relayed_chunked += n
+                batch = SSEDecoder().feed(rest)
+                if not batch:
+                    continue
             events = deque(batch)
             took_all = self.relay(events)
             self.relayed += len(batch) - len(events)
@@ -257,6 +276,22 @@ async def test_token_chunks_that_arrive_while_the_pump_waits_go_from_the_read_ca
     assert client.sent() == await parsed_answer(batches)
     assert list(shaper.answer.generated_token_ids) == [100, 101, 102, 103, 104, 105]
     assert shaper.answer.generated_text == "".join(f" w{i}" for i in range(6))
+
+
+async def test_token_chunks_of_a_chunked_read_go_from_the_read_callback_on_its_bytes() -> None:
+    payloads = words(8)
+    batches = [payloads[:1], payloads[1:2], payloads[2:5], payloads[5:]]
+    shaper, ctx, leg, stream = setup(batches)
+    stream.chunked = True
+    client = ClientLog()
+    outcome = await pump_raw(ctx, leg, shaper, client.emit, direct=client)
+    assert outcome.error is None
+    # w1 .. w6 on their bytes (the last read's two before its finish and usage, which are
+    # read the usual way); the first token's batch goes through the pump.
+    assert (stream.relayed_chunked, stream.relayed) == (6, 0)
+    assert client.sent() == await parsed_answer(batches)
+    assert list(shaper.answer.generated_token_ids) == [100 + i for i in range(8)]
+    assert shaper.answer.generated_text == "".join(f" w{i}" for i in range(8))
 
 
 async def test_a_client_whose_buffer_is_full_gets_its_chunks_from_the_pump() -> None:
