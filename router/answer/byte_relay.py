@@ -56,7 +56,7 @@ class ByteRelay:
         if (relayed := plain.relay_run(payloads)) is None:
             return None
         event, block = relayed
-        return self._add_run(plain.read, event, block, len(payloads))
+        return self._add_run(read_compact, event, block, len(payloads))
 
     def shape_chunked(self, data: bytes) -> tuple[bytes, int, int] | None:
         """`shape_run` for the whole plain token chunks a read of the leg's chunked body

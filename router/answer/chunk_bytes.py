@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from itertools import repeat
-from operator import add, itemgetter, sub
+from operator import itemgetter, sub
 
 import orjson
 
@@ -54,13 +54,13 @@ _HIDDEN_IDS_END = b"null}]}\n\n"
 # orjson writes the same way (so the text is relayed as it came), one token id a chunk (so
 # a run of n chunks is n tokens).
 _SAFE_TEXT = rb'(?:[^"\\\x00-\x1f]++|\\[\\"nrtbf])*+'
-_ONE_ID = rb"\[" + _ID + rb"\]\}\]\}"
-# What a run's answer is read from when it is needed (a resume, a usage count is not):
-# (text, token id) per chunk.
-_READ = {
-    chat: re.compile(re.escape(opening) + b"(" + _SAFE_TEXT + b")" + re.escape(mid) + rb"\[(" + _ID + rb")\]\}\]\}")
-    for chat, opening, mid in ((False, _COMPLETION_OPEN, _COMPLETION_MID), (True, _CHAT_OPEN, _CHAT_MID))
-}
+
+
+def _token_body(chat: bool) -> bytes:
+    """A token chunk past its header, three groups: all of it (the client's event when it
+    asked for the ids), its text (the event when not; the answer's text), its one id."""
+    opening, mid = (_CHAT_OPEN, _CHAT_MID) if chat else (_COMPLETION_OPEN, _COMPLETION_MID)
+    return b"(" + re.escape(opening) + b"(" + _SAFE_TEXT + b")" + re.escape(mid) + rb"\[(" + _ID + rb")\]\}\]\})"
 
 
 # A run is checked with patterns compiled once: its chunks' headers are compared with the
@@ -68,62 +68,52 @@ _READ = {
 # matches. A pattern with the header in it was compiled per leg, as every answer's id is
 # its own (~250 us of CPU a streamed request); replacing the header in the run by a marker
 # searched the 136-byte needle anew for each of its occurrences (~100 us a 256-chunk run).
-
-
-def _run_split(chat: bool, hide_ids: bool) -> re.Pattern[bytes]:
-    """A run without its headers: every chunk a whole line of the joined rest (`^...$`,
-    `\n` between them). Split on this pattern, a run of n chunks leaves 2n + 1 pieces, the
-    n captured ones what the client's events keep of them (the text when the ids are
-    hidden, else all of it), and empty ones between them: anything else in between is a
-    chunk that is not plain."""
-    opening, mid = (_CHAT_OPEN, _CHAT_MID) if chat else (_COMPLETION_OPEN, _COMPLETION_MID)
-    if hide_ids:
-        body = re.escape(opening) + b"(" + _SAFE_TEXT + b")" + re.escape(mid) + _ONE_ID
-    else:
-        body = b"(" + re.escape(opening) + _SAFE_TEXT + re.escape(mid) + _ONE_ID + b")"
-    return re.compile(b"(?m)^" + body + b"$\n?")
-
-
-_RUN_SPLIT = {(chat, hide): _run_split(chat, hide).split for chat in (False, True) for hide in (False, True)}
-
+# Split on it, a run of n chunks without their headers, a line each, leaves 4n + 1 pieces:
+# each chunk's three groups, and empty pieces between them (anything else there is a chunk
+# that is not plain).
+_RUN_SPLIT = {chat: re.compile(b"(?m)^" + _token_body(chat) + b"$\n?").split for chat in (False, True)}
 
 # A leg's whole chunks of plain token events matched on the chunked body's bytes
 # (`PlainChunks.relay_chunked`): chunk size, the header (any bytes of the leg's header's
-# length: compared after), then the chunk as `_run_split` reads it; compiled once per
-# (chat, ids hidden, header length).
-_CHUNKED: dict[tuple[bool, bool, int], Callable[[bytes], list[bytes]]] = {}
+# length: compared after), then the chunk as a run's; compiled once per (chat, header
+# length). Split on it, n chunks leave 6n + 1 pieces.
+_CHUNKED: dict[tuple[bool, int], Callable[[bytes], list[bytes]]] = {}
 _CHUNKED_MAX = 64  # header lengths kept compiled (models' names differ, ids' lengths not)
 
 
-def _chunked_split(chat: bool, hide_ids: bool, header_len: int) -> Callable[[bytes], list[bytes]]:
-    split = _CHUNKED.get((chat, hide_ids, header_len))
+def _chunked_split(chat: bool, header_len: int) -> Callable[[bytes], list[bytes]]:
+    split = _CHUNKED.get((chat, header_len))
     if split is None:
         if len(_CHUNKED) >= _CHUNKED_MAX:
             _CHUNKED.clear()
-        opening, mid = (_CHAT_OPEN, _CHAT_MID) if chat else (_COMPLETION_OPEN, _COMPLETION_MID)
-        body = re.escape(opening) + b"(" + _SAFE_TEXT + b")" + re.escape(mid) + rb"\[(" + _ID + rb")\]\}\]\}"
-        if not hide_ids:
-            body = b"(" + body + b")"  # the client's event keeps all of it
         head = rb"([0-9a-fA-F]{1,8})\r\ndata: (.{%d})" % header_len
-        split = _CHUNKED[chat, hide_ids, header_len] = re.compile(head + body + rb"\n\n\r\n", re.DOTALL).split
+        split = _CHUNKED[chat, header_len] = re.compile(head + _token_body(chat) + b"\n\n\r\n", re.DOTALL).split
     return split
 
 
 def read_compact(block: bytes) -> tuple[str, list[int]]:
-    """The text and token ids of a run `relay_chunked` relayed (its text as JSON string
-    content, NUL, its ids)."""
+    """The text and token ids of a run `relay_run` or `relay_chunked` relayed (its text as
+    JSON string content, NUL, its ids: what the answer keeps of it until it is read)."""
     raw, _, ids = block.partition(b"\x00")
     text: str = orjson.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode()
     return text, list(map(int, ids.split(b",")))
 
 
-def read_run(block: bytes, chat: bool) -> tuple[str, list[int]]:
-    """The text and token ids of a run of chunks `relay_run` relayed (their bytes past the
-    header, a line each)."""
-    texts, ids = zip(*_READ[chat].findall(block), strict=True)
-    raw = b"".join(texts)
-    text: str = orjson.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode()
-    return text, list(map(int, ids))
+def _compact(texts: list[bytes], ids: list[bytes]) -> bytes | None:
+    """`read_compact`'s block, or None when the text is not UTF-8."""
+    text = b"".join(texts)
+    return text + b"\x00" + b",".join(ids) if _utf8(text) else None
+
+
+def _utf8(text: bytes) -> bool:
+    """As the full path's parse would have it: invalid UTF-8 is an unreadable chunk."""
+    if text.isascii():
+        return True
+    try:
+        text.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def looks_plain(payload: bytes) -> bool:
@@ -177,7 +167,6 @@ class PlainChunks:
         "_run_end",
         "_run_open",
         "_run_sep",
-        "_stride",
         "_up",
         "_up_len",
         "_up_only",
@@ -194,7 +183,7 @@ class PlainChunks:
         self._match = (_CHAT if chat else _COMPLETION).fullmatch
         self._hide_ids = hide_ids
         self.chat = chat
-        # A run's client events: its captured pieces (`_run_split`) joined between these.
+        # A run's client events: what they keep of its chunks joined between these.
         opening, mid = (_CHAT_OPEN, _CHAT_MID) if chat else (_COMPLETION_OPEN, _COMPLETION_MID)
         if hide_ids:
             self._run_open = self._client + opening
@@ -203,11 +192,9 @@ class PlainChunks:
             self._run_open = self._client
             self._run_end = b"\n\n"
         self._run_sep = self._run_end + self._run_open
-        self._run = _RUN_SPLIT[chat, hide_ids]
-        self._chunked = _chunked_split(chat, hide_ids, self._up_len)
-        self._stride = 5 if hide_ids else 6  # pieces a chunk in its split (groups and what is between)
-        # A chunk's size less its text and id: `data: `, header, the fixed fields, `\n\n`.
-        self._chunk_extra = {6 + self._up_len + len(opening) + len(mid) + len(b"[]}]}") + 2}
+        self._run = _RUN_SPLIT[chat]
+        self._chunked = _chunked_split(chat, self._up_len)
+        self._chunk_extra = {6 + self._up_len + 2}  # a chunk's size less its part past the header
 
     def relay_chunked(self, data: bytes) -> tuple[bytes, bytes, int, int] | None:
         """`relay_run` on a read of the leg's chunked body (router/engine/chunked.py): (the
@@ -218,53 +205,50 @@ class PlainChunks:
         the relay's match at once: each of those three over the same bytes cost about as
         much as the split (~0.7 us a chunk together)."""
         pieces = self._chunked(data)
-        s = self._stride
-        # [before, size, header, (rest,) text, id, between, ..., the rest of the read]
-        if len(pieces) == 1 or pieces[0] or any(pieces[s:-1:s]) or set(pieces[2::s]) != self._up_only:
+        # [before, size, header, chunk past it, text, id, between, ..., the rest of the read]
+        if len(pieces) == 1 or pieces[0] or any(pieces[6:-1:6]):
             return None
-        texts, ids = pieces[s - 2 :: s], pieces[s - 1 :: s]
-        sizes = map(int, pieces[1::s], repeat(16))
-        if set(map(sub, sizes, map(add, map(len, texts), map(len, ids)))) != self._chunk_extra:
+        headers = pieces[2::6]
+        if headers.count(self._up) != len(headers):
+            return None
+        rests = pieces[3::6]
+        if set(map(sub, map(int, pieces[1::6], repeat(16)), map(len, rests))) != self._chunk_extra:
             return None  # a size that is not its chunk's: the general rules say what is wrong
-        text = b"".join(texts)
-        if not text.isascii():
-            try:  # as the full path's parse would: invalid UTF-8 is an unreadable chunk
-                text.decode()
-            except UnicodeDecodeError:
-                return None
-        kept = self._run_sep.join(texts if self._hide_ids else pieces[3::s])
-        n = len(texts)
-        return self._run_open + kept + self._run_end, text + b"\x00" + b",".join(ids), n, len(data) - len(pieces[-1])
+        texts = pieces[4::6]
+        compact = _compact(texts, pieces[5::6])
+        if compact is None:
+            return None
+        kept = self._run_sep.join(texts if self._hide_ids else rests)
+        return self._run_open + kept + self._run_end, compact, len(texts), len(data) - len(pieces[-1])
 
     def relay_run(self, payloads: list[bytes]) -> tuple[bytes, bytes] | None:
-        """(the client's SSE events, the run's bytes past its headers for `read_run`) for
-        chunks that are all plain, one token id each, their text escaped as orjson writes
-        it; else None (the caller relays them one by one). Slices, one regular expression
-        split over the run and a join: per chunk, nothing runs in Python (one `relay` a
-        chunk cost ~2.6 us here, most of a streamed token's CPU past the pass-through's)."""
+        """(the client's SSE events, the run's text and ids for `read_compact`) for chunks
+        that are all plain, one token id each, their text escaped as orjson writes it; else
+        None (the caller relays them one by one). Slices, one regular expression split over
+        the run and joins: per chunk, nothing runs in Python (one `relay` a chunk cost ~2.6
+        us here, most of a streamed token's CPU past the pass-through's)."""
         n = len(payloads)
-        if n == 1:
-            if not payloads[0].startswith(self._up):
+        if n == 1:  # a paced stream's: no joins
+            payload = payloads[0]
+            if not payload.startswith(self._up):
                 return None
-            block = payloads[0][self._up_len :]
+            parts = self._run(payload[self._up_len :])
+            if len(parts) != 5 or parts[0] or parts[4] or not _utf8(text := parts[2]):
+                return None
+            return self._run_open + (text if self._hide_ids else parts[1]) + self._run_end, text + b"\x00" + parts[3]
         else:
             if set(map(self._head, payloads)) != self._up_only:
                 return None
             block = b"\n".join(map(self._past_head, payloads))
         parts = self._run(block)
-        if len(parts) != 2 * n + 1 or any(parts[::2]):
+        if len(parts) != 4 * n + 1 or any(parts[::4]):
             return None
-        if not block.isascii():
-            try:  # as the full path's parse would: invalid UTF-8 is an unreadable chunk
-                block.decode()
-            except UnicodeDecodeError:
-                return None
-        kept = parts[1] if n == 1 else self._run_sep.join(parts[1::2])
-        return self._run_open + kept + self._run_end, block
-
-    def read(self, block: bytes) -> tuple[str, list[int]]:
-        """A run `relay_run` relayed, read: its text and token ids."""
-        return read_run(block, self.chat)
+        texts = parts[2::4]
+        compact = _compact(texts, parts[3::4])
+        if compact is None:
+            return None
+        kept = self._run_sep.join(texts if self._hide_ids else parts[1::4])
+        return self._run_open + kept + self._run_end, compact
 
     def relay(self, payload: bytes) -> tuple[bytes, str, list[int]] | None:
         """(the client's SSE event, the chunk's text, its token ids), or None when the chunk

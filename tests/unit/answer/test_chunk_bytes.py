@@ -12,7 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.admission.spec import ENDPOINT_CHAT, ENDPOINT_COMPLETIONS, RequestSpec
-from router.answer.chunk_bytes import PlainChunks, header, looks_plain, plain_chunks, unary_answer_problem
+from router.answer.chunk_bytes import (
+    PlainChunks,
+    header,
+    looks_plain,
+    plain_chunks,
+    read_compact,
+    unary_answer_problem,
+)
 from router.answer.shaper import ResponseShaper
 from router.engine.sse import format_event
 from support.shaping import PROMPT, Legs, full_path, generations, make_spec, same_answer, split_legs
@@ -122,7 +129,7 @@ def test_a_run_is_relayed_whole_or_not_at_all() -> None:
     token = TOKEN % (b'"x"', b"null", b"1")
     event, block = r.relay_run([token, token]) or (b"", b"")
     assert event == (r.relay(token) or (b"",))[0] * 2
-    assert r.read(block) == ("xx", [1, 1])
+    assert read_compact(block) == ("xx", [1, 1])
     assert r.relay_run([token, TOKEN % (b'"x"', b"null", b"1,2")]) is None  # two ids: one by one
     assert r.relay_run([token, TOKEN % (b'"\\u0001"', b"null", b"1")]) is None  # written again by orjson
     assert r.relay_run([token, TOKEN % (b'"x"', b'"stop"', b"1")]) is None
