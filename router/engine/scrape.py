@@ -36,9 +36,10 @@ _LINE = re.compile(
     r"|prompt_tokens_cached_by_source|kv_offload_load_time))(?P<total>_total)?"
     r"(?:\{(?P<labels>.*)\})?[ \t]+(?P<value>\S+)"
 )
-# Label values are not unescaped: the two labels read, `engine` and `source`, are plain
-# words, and an escaped quote inside another value (`\"`) never reads as `="` opening one.
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"([^"]*)"')
+# Label values are read past their escapes (`\"`, `\\`, `\n`) but not unescaped: the two
+# labels read, `engine` and `source`, are plain words. Read up to the first quote, a value
+# ending in an escaped quote then `\n=` read as a label `n` opening at its `="`.
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 def parse_load_metrics(text: str, engine: str | None = None) -> dict[str, float]:

@@ -120,6 +120,15 @@ def test_scan_reads_what_prometheus_client_reads(text: str, engine: str | None) 
     assert parse_load_metrics(text, engine) == _library_parse(text, engine)
 
 
+def test_a_label_value_with_escapes_does_not_hide_the_labels_after_it() -> None:
+    # `\"` then `\n=`: read up to its first quote, the value left `n="...` opening a label.
+    sample = 'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="\\"\\n=",source="device"} 5.0\n'
+    head = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1.0\n"
+    text = head + "# TYPE vllm:prompt_tokens_cached_by_source_total counter\n" + sample
+    assert parse_load_metrics(text)[CACHED_BY_SOURCE + ":device"] == 5.0
+    assert parse_load_metrics(text) == _library_parse(text, None)
+
+
 def test_family_without_type_line_reads_as_zero_for_an_engine_without_samples() -> None:
     # No `# TYPE` line (a hand-written exporter): rank 1 has none of the samples, and its
     # gauges read 0 rather than missing, as through prometheus_client.
