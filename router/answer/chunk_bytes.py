@@ -215,11 +215,8 @@ class PlainChunks:
         if set(map(sub, map(int, pieces[1::6], repeat(16)), map(len, rests))) != self._chunk_extra:
             return None  # a size that is not its chunk's: the general rules say what is wrong
         texts = pieces[4::6]
-        compact = _compact(texts, pieces[5::6])
-        if compact is None:
-            return None
-        kept = self._run_sep.join(texts if self._hide_ids else rests)
-        return self._run_open + kept + self._run_end, compact, len(texts), len(data) - len(pieces[-1])
+        relayed = self._events(texts, rests, pieces[5::6])
+        return None if relayed is None else (*relayed, len(texts), len(data) - len(pieces[-1]))
 
     def relay_run(self, payloads: list[bytes]) -> tuple[bytes, bytes] | None:
         """(the client's SSE events, the run's text and ids for `read_compact`) for chunks
@@ -243,12 +240,16 @@ class PlainChunks:
         parts = self._run(block)
         if len(parts) != 4 * n + 1 or any(parts[::4]):
             return None
-        texts = parts[2::4]
-        compact = _compact(texts, parts[3::4])
+        return self._events(parts[2::4], parts[1::4], parts[3::4])
+
+    def _events(self, texts: list[bytes], wholes: list[bytes], ids: list[bytes]) -> tuple[bytes, bytes] | None:
+        """A run's chunks past their headers (whole), their texts and ids -> (the client's
+        SSE events, the run's text and ids for `read_compact`); None when the text is not
+        UTF-8."""
+        compact = _compact(texts, ids)
         if compact is None:
             return None
-        kept = self._run_sep.join(texts if self._hide_ids else parts[1::4])
-        return self._run_open + kept + self._run_end, compact
+        return self._run_open + self._run_sep.join(texts if self._hide_ids else wholes) + self._run_end, compact
 
     def relay(self, payload: bytes) -> tuple[bytes, str, list[int]] | None:
         """(the client's SSE event, the chunk's text, its token ids), or None when the chunk

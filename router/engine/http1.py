@@ -214,6 +214,7 @@ class LegConnection(asyncio.Protocol):
                 return b""  # the read broke the grammar: nothing after it is read
             data = data[left:]
         waiter, direct = self.waiter, self.direct_chunked
+        # Not past events the reader has yet to take, nor an event the decoder carries over.
         if direct is None or self.events or waiter is None or waiter.done() or self.raw is not None:
             return data
         if not self.decoder.idle:
