@@ -225,3 +225,13 @@ def generations(draw: st.DrawFn) -> tuple[RequestSpec, Legs]:
     n_legs = draw(st.integers(1, 3))
     cuts = sorted(draw(st.lists(st.integers(0, len(steps) - 1), min_size=n_legs - 1, max_size=n_legs - 1)))
     return spec, split_legs(endpoint, g, cuts, [False] * n_legs, [0] * n_legs)
+
+
+def same_as_full_path(spec: RequestSpec, legs: Legs, fast: ResponseShaper, got: bytes) -> None:
+    """A byte path drove `fast` and sent `got`: the bytes, the answer kept and a whole
+    answer's body are the full path's."""
+    full, want = full_path(spec, legs)
+    assert got == want
+    same_answer(full, fast)
+    if not spec.stream:  # the body a non-streaming client gets
+        assert fast.accumulate_response() == full.accumulate_response()

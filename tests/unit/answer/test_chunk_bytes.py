@@ -22,7 +22,16 @@ from router.answer.chunk_bytes import (
 )
 from router.answer.shaper import ResponseShaper
 from router.engine.sse import format_event
-from support.shaping import PROMPT, Legs, full_path, generations, make_spec, same_answer, split_legs
+from support.shaping import (
+    PROMPT,
+    Legs,
+    full_path,
+    generations,
+    make_spec,
+    same_answer,
+    same_as_full_path,
+    split_legs,
+)
 from support.vllm_serving import Gen, Step, chat_stream, completion_stream
 
 
@@ -84,24 +93,16 @@ def run_path(spec: RequestSpec, legs: Legs, batch: int) -> tuple[ResponseShaper,
 @given(generations())
 def test_bytes_path_sends_what_the_full_path_sends(case: tuple[RequestSpec, Legs]) -> None:
     spec, legs = case
-    full, want = full_path(spec, legs)
     fast, got, _ = byte_path(spec, legs)
-    assert got == want
-    same_answer(full, fast)
-    if not spec.stream:  # the body a non-streaming client gets
-        assert fast.accumulate_response() == full.accumulate_response()
+    same_as_full_path(spec, legs, fast, got)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(generations(), st.integers(1, 5))
 def test_runs_send_what_the_full_path_sends(case: tuple[RequestSpec, Legs], batch: int) -> None:
     spec, legs = case
-    full, want = full_path(spec, legs)
     fast, got, _ = run_path(spec, legs, batch)
-    assert got == want
-    same_answer(full, fast)
-    if not spec.stream:
-        assert fast.accumulate_response() == full.accumulate_response()
+    same_as_full_path(spec, legs, fast, got)
 
 
 def test_plain_token_chunks_go_as_one_run() -> None:
