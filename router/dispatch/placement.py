@@ -34,8 +34,11 @@ from router.fleet.registry import BackendRegistry, BackendState, LegTicket
 from router.names import Route, RouteReason, Verdict
 from router.observability import tracing
 from router.routing.fallback import FallbackPlan, plan_fallback
-from router.routing.planning import AsksTheIndexWhenUnsure, Plan, RouteQuery, Strategy, predicted_ttft, race_value
+from router.routing.planning import AsksTheIndexWhenUnsure, Plan, RouteQuery, Strategy, race_value
 from router.routing.snapshot import ClusterSnapshot
+
+# A prompt's engine is noted (`on_routed`) just before the leg carrying it opens, in the same step.
+NOTED_BEFORE_SENT_S = 0.05
 
 log = logging.getLogger("cachehit_router.dispatch")
 
@@ -171,16 +174,13 @@ class LegPlacer:
     def fallback_after_race(self, query: RouteQuery, race: RaceOutcome, exclude: frozenset[str]) -> FallbackPlan | None:
         """Nobody accepted: where the prompt is computed, and what the race was worth. What
         each engine holds: its rejection's report, the truth, unless it may still be computing
-        this prompt (the router sent it there recently and has a leg there before its first
-        token: then what the prefix memory expects, if more); a silent engine: the memory."""
+        this prompt (the router sent it there since its oldest leg there without a first
+        token: then what the prefix memory expects, if more; a window of predicted time
+        missed leaders on machines slower than predicted); a silent engine: the memory."""
         snap, n, expected, reported = self._race_figures(query, race.result)
-        decoders = [b for b in snap.backends if b.decodes]
-        recent = 2.0 * max((predicted_ttft(b, n) for b in decoders), default=0.0)
-        in_flight = self.strategy.expected_hits(query, n, sent_within_s=recent)
-        hits = {name: held for name, held in expected.items() if name not in reported}
-        for name, held in reported.items():
-            view = snap.get(name)
-            hits[name] = max(held, in_flight.get(name, 0.0)) if view is not None and view.prefilling else held
+        since = {b.name: b.prefilling_since - NOTED_BEFORE_SENT_S for b in snap.backends if b.decodes and b.prefilling}
+        in_flight = self.strategy.expected_hits(query, n, sent_since=since)
+        hits = {**expected, **{name: max(held, in_flight.get(name, 0.0)) for name, held in reported.items()}}
         # An engine silent past the deadline is stopped or far behind: it computes the
         # prompt only if no other engine can.
         silent = {o.backend for o in race.result.by_verdict(Verdict.EXPIRED)}

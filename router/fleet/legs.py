@@ -56,7 +56,8 @@ class LegTicket:
 class EngineLegs:
     """Per engine, what this router's legs there mean for goodput (router/routing/goodput.py):
     the decoding legs that no stalling prefill has run beside, and the splits whose decode
-    legs are on their way (`awaiting_kv`: their KV is still being computed).
+    legs are on their way (`awaiting_kv`: their KV is still being computed); and the legs
+    without a first token yet (`unanswered`: what the engine may still be computing).
 
     Goodput counts a sequence lost at its first gap between tokens over the ITL SLO, so a
     prefill that stalls an engine's steps past the SLO costs only the sequences there that
@@ -71,8 +72,18 @@ class EngineLegs:
     stalling: int = 0  # stalling prefills sent and not through
     epoch: int = 0  # one more per stalling prefill: legs clean in an earlier epoch are not now
     awaiting_kv: list[LegTicket] = field(default_factory=list)
+    # Legs sent and without a first token, oldest first (keyed by id: tickets compare by value).
+    unanswered: dict[int, LegTicket] = field(default_factory=dict)
+
+    @property
+    def prefilling_since(self) -> float:
+        """When the oldest leg still without a first token was sent (inf: none). A prompt
+        the router sent here since may still be computing (`BackendView.prefilling_since`)."""
+        oldest = next(iter(self.unanswered.values()), None)
+        return float("inf") if oldest is None else oldest.sent_at
 
     def opened(self, ticket: LegTicket) -> None:
+        self.unanswered[id(ticket)] = ticket
         if ticket.kv_deadline is not None:
             self.awaiting_kv.append(ticket)
         if ticket.stalls:
@@ -81,6 +92,7 @@ class EngineLegs:
             self.clean = 0
 
     def first_token(self, ticket: LegTicket) -> None:
+        self.unanswered.pop(id(ticket), None)
         if ticket.stalls:
             self.stalling -= 1
         if self.stalling == 0:
@@ -95,6 +107,7 @@ class EngineLegs:
         if ticket.kv_deadline is not None:
             self.awaiting_kv.remove(ticket)
         if ticket.first_token_at is None:
+            self.unanswered.pop(id(ticket), None)
             if ticket.stalls:
                 self.stalling -= 1
         elif ticket.clean_epoch == self.epoch:

@@ -112,6 +112,7 @@ class BackendRegistry:
                     learner.itl(name),
                     s.decoding - s.legs.clean,
                     s.legs.kv_awaited_s(now) if s.legs.awaiting_kv else (),
+                    s.legs.prefilling_since,
                 )
             )
         return ClusterSnapshot(

@@ -133,10 +133,11 @@ class Strategy(Protocol):
         ...
 
     def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+        self, query: RouteQuery, prompt_tokens: float, sent_since: Mapping[str, float] | None = None
     ) -> dict[str, float]:
-        """Prompt tokens each backend is expected to hold (with `sent_within_s`: because
-        the router sent it the prompt that recently, so it may still be computing it)."""
+        """Prompt tokens each backend is expected to hold (with `sent_since`: only where the
+        router sent the prompt at or after that engine's time there, so it may still be
+        computing it)."""
         ...
 
 
@@ -192,9 +193,9 @@ class RemembersPrefixes:
         memory.insert(memory.chunk_hashes(query.text), backend, tenant=query.tenant)
 
     def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+        self, query: RouteQuery, prompt_tokens: float, sent_since: Mapping[str, float] | None = None
     ) -> dict[str, float]:
-        return self.memory_for(query).expected_hits(query.text, prompt_tokens, sent_within_s)
+        return self.memory_for(query).expected_hits(query.text, prompt_tokens, sent_since=sent_since)
 
 
 def decoders_for(query: RouteQuery, snap: ClusterSnapshot, exclude: frozenset[str]) -> list[BackendView]:

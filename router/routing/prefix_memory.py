@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 
 _RECENT_PROMPTS = 16
 # What one (chunk, backend) entry costs in memory, all its structures together (measured:
@@ -152,11 +153,17 @@ class PrefixMemory:
         return matched / len(hashes), {b: sent_at[b] for b in holders}
 
     def expected_hits(
-        self, text: str, prompt_tokens: float, sent_within_s: float | None = None, now: float | None = None
+        self,
+        text: str,
+        prompt_tokens: float,
+        sent_within_s: float | None = None,
+        now: float | None = None,
+        sent_since: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
         """Prompt tokens each backend is expected to hold of `text`: the share of the
         prompt whose longest known prefix the router sent there (rounded down to chunks);
-        with `sent_within_s`, only where it was sent that recently."""
+        with `sent_within_s`, only where it was sent that recently; with `sent_since`, only
+        the backends named there, where it was sent at or after their time (monotonic)."""
         hashes = self.chunk_hashes(text)
         if not hashes or prompt_tokens <= 0:
             return {}
@@ -167,4 +174,6 @@ class PrefixMemory:
         if sent_within_s is not None:
             t = time.monotonic() if now is None else now
             holders = {b for b in holders if t - sent_at[b] <= sent_within_s}
+        if sent_since is not None:
+            holders = {b for b in holders if b in sent_since and sent_at[b] >= sent_since[b]}
         return {name: share for name in holders}

@@ -56,6 +56,10 @@ class BackendView:
     # Splits decoding here whose KV is on its way: seconds until each one's TTFT SLO runs out.
     # A prefill sent here now runs ahead of their decode legs (router/routing/goodput.py).
     kv_awaited_s: tuple[float, ...] = ()
+    # When this router's oldest leg there still without a first token was sent (monotonic
+    # clock; inf: none): a prompt sent there since may still be computing, so the engine's
+    # rejection cannot report it yet (router/dispatch/placement.py `fallback_after_race`).
+    prefilling_since: float = float("inf")
 
     @property
     def load(self) -> float:

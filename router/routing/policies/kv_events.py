@@ -20,6 +20,7 @@ measured against where events cannot keep up.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from router.config.checks import Problems
@@ -58,10 +59,10 @@ class KvEventsStrategy:
         pass  # the engine's own events say what it now holds
 
     def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+        self, query: RouteQuery, prompt_tokens: float, sent_since: Mapping[str, float] | None = None
     ) -> dict[str, float]:
         # Nothing is known to be in flight: the baseline reads the index alone.
-        if sent_within_s is not None or not query.indexed:
+        if sent_since is not None or not query.indexed:
             return {}
         return {name: min(tokens, prompt_tokens) for name, tokens in query.indexed.items()}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from router.config.checks import Problems
 from router.config.schema import RoutingConfig
@@ -98,7 +98,7 @@ class LeastLoadedStrategy:
         pass
 
     def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+        self, query: RouteQuery, prompt_tokens: float, sent_since: Mapping[str, float] | None = None
     ) -> dict[str, float]:
         return {}
 

@@ -4,6 +4,7 @@ threshold where the cost model says a race is worth its wait.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from router.config.checks import Problems, check_fraction, check_one_of, check_positive
@@ -190,12 +191,12 @@ class ProbeStrategy(RemembersPrefixes):
         return True
 
     def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+        self, query: RouteQuery, prompt_tokens: float, sent_since: Mapping[str, float] | None = None
     ) -> dict[str, float]:
         """The prefix memory's expectations, with the KV-event index's exact figures for the
         engines it speaks for, raised to the memory's where the router sent the prompt
         there so recently that the engine may still be computing it (no event yet)."""
-        remembered = self.memory_for(query).expected_hits(query.text, prompt_tokens, sent_within_s)
+        remembered = self.memory_for(query).expected_hits(query.text, prompt_tokens, sent_since=sent_since)
         if not query.indexed:
             return remembered
         recent = self.memory_for(query).expected_hits(query.text, prompt_tokens, IN_FLIGHT_S)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 from router.config.checks import Problems
 from router.config.schema import RoutingConfig
@@ -38,7 +39,7 @@ class RoundRobinStrategy:
         pass
 
     def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float, sent_within_s: float | None = None
+        self, query: RouteQuery, prompt_tokens: float, sent_since: Mapping[str, float] | None = None
     ) -> dict[str, float]:
         return {}
 

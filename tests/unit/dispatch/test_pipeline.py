@@ -8,6 +8,7 @@ the request's record and metrics."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import orjson
@@ -62,7 +63,7 @@ class FixedPlanner:
         self.routed.append(backend)
 
     def expected_hits(
-        self, query: RouteQuery, prompt_tokens: float | None, sent_within_s: float | None = None
+        self, query: RouteQuery, prompt_tokens: float | None, sent_since: Mapping[str, float] | None = None
     ) -> dict[str, float]:
         return {}
 

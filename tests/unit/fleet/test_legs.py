@@ -171,3 +171,24 @@ def test_other_replicas_waiting_prompts_keep_this_routers_legs_counted_whole() -
     now[0] = 2000 * b + a + 300 * b  # through them, then 300 tokens of the leg
     assert registry_view(r, "d0").queued_tokens == pytest.approx(200.0)
     r.first_token(leg)
+
+
+def test_prefilling_since_is_when_the_oldest_leg_without_a_first_token_was_sent() -> None:
+    now = [1.0]
+    r = _registry(lambda: now[0])
+    assert registry_view(r, "d0").prefilling_since == float("inf")
+    first = r.open_leg("d0", 100)
+    now[0] = 2.0
+    second = r.open_leg("d0", 100)
+    now[0] = 3.0
+    third = r.open_leg("d0", 100)
+    assert registry_view(r, "d0").prefilling_since == 1.0
+    r.first_token(second)  # answered out of order: the oldest is still the first
+    assert registry_view(r, "d0").prefilling_since == 1.0
+    r.close_leg(first)  # ended without a first token (a rejected probe)
+    assert registry_view(r, "d0").prefilling_since == 3.0
+    r.first_token(third)
+    r.close_leg(third)
+    r.close_leg(second)
+    assert registry_view(r, "d0").prefilling_since == float("inf")
+    assert r.states["d0"].legs.unanswered == {}

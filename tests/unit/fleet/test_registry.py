@@ -283,6 +283,7 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             itl=r.learner.itl(s.config.name),
             stalled=s.decoding - s.legs.clean,
             kv_awaited_s=s.legs.kv_awaited_s(now),
+            prefilling_since=s.legs.prefilling_since,
         )
         for s in r.states.values()
     )

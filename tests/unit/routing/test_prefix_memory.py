@@ -99,3 +99,14 @@ def test_a_policy_remembers_each_prompt_under_its_tenant_within_the_configured_b
     assert policy.memory.max_entries == 1000
     policy.on_routed(RouteQuery("m", "x" * 640, tenant="acme"), "d0")
     assert policy.memory.entries_of("acme") == 10
+
+
+def test_expected_hits_since_counts_only_engines_sent_the_prompt_at_or_after_their_time() -> None:
+    m = PrefixMemory(chunk_chars=4)
+    m.insert(m.chunk_hashes("abcdefgh"), "a", now=5.0)
+    m.insert(m.chunk_hashes("abcdefgh"), "b", now=7.0)
+    m.insert(m.chunk_hashes("abcdefgh"), "c", now=9.0)
+    assert m.expected_hits("abcdefgh", 100.0) == {"a": 100.0, "b": 100.0, "c": 100.0}
+    # a: sent before its oldest unanswered leg (answered since); b: at it; c: not named.
+    assert m.expected_hits("abcdefgh", 100.0, sent_since={"a": 6.0, "b": 7.0}) == {"b": 100.0}
+    assert m.expected_hits("abcdefgh", 100.0, sent_since={}) == {}
