@@ -13,6 +13,9 @@ import pytest
 from support.cluster import MODEL, PD_PREFERRED, MakeCluster, long_prompt
 from support.polling import eventually
 
+# Health checks and scrapes far apart: after the router's first, none during the test.
+FAR_SCRAPES = {"scrape_interval_s": 60.0, "check_interval_s": 60.0}
+
 
 async def test_cold_request_goes_prefill_decode_then_warm_repeat_is_a_probe_hit(make_cluster: MakeCluster) -> None:
     c = await make_cluster(decoders=2, prefillers=1, per_backend=PD_PREFERRED)
@@ -95,8 +98,11 @@ async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster: Mak
 async def test_fallback_goes_to_the_engine_holding_the_most_of_the_prompt(make_cluster: MakeCluster) -> None:
     # Each prompt's first 300 of 700 tokens sit on one decoder (43% < T = 0.5): both reject,
     # the holder's rejection says how much it holds, and the prompt is computed there.
-    # (Speed 1: a 700-token prefill costs far more than waiting for the verdicts.)
-    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 1.0})
+    # (Speed 0.2: the 288 tokens held save ~70 ms of prefill, more than a busy machine's
+    # noise in the engines' learned speeds. Scrapes far apart: one that caught the head's
+    # own request, sent around the router, would count it as another replica's sequence
+    # decoding on the holder, and the goodput objective keeps a prefill off such an engine.)
+    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 0.2}, health=FAR_SCRAPES)
     for i in range(4):
         holder = f"d{i % 2}"
         head = long_prompt(f"holder{i}", 300)
@@ -121,7 +127,8 @@ async def test_an_engine_report_beats_the_router_memory_of_an_evicted_prompt(mak
     # P's first 40%. Both reject (below T = 0.5) and report what they hold: the router's
     # memory says the first engine holds all of P, but that was long enough ago for the
     # engine's own report (nothing) to be the truth, so P is computed where 40% is cached.
-    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 1.0})
+    # (Scrapes far apart, as above: the head sent around the router is not another's sequence.)
+    c = await make_cluster(decoders=2, prefillers=0, routing={"race": "always"}, sim={"speed": 0.2}, health=FAR_SCRAPES)
     p = long_prompt("evicted", 1000)
     status, out = await c.complete({"model": MODEL, "prompt": p, "max_tokens": 2})
     assert status == 200, out

@@ -72,12 +72,19 @@ async def test_a_dead_backend_the_router_still_thinks_healthy_is_retried(
         decoders=2, routing={"strategy": strategy}, health={"scrape_interval_s": 60.0, "check_interval_s": 60.0}
     )
     await c.engines["d0"].close()
-    for i in range(4):
-        status, events = await c.stream(
-            {"model": MODEL, "prompt": f"dead {i}", "max_tokens": 3, "stream_options": {"include_usage": True}}
-        )
-        assert status == 200, events
-        assert events[-2]["usage"]["completion_tokens"] == 3, events
+    # A stream kept decoding on the live engine (d1, retried there if first sent to d0) makes
+    # d0 the less loaded engine for every strategy; without it, idle engines tie and the
+    # tie-break (their scraped KV usage, read once) could send all four requests to d1.
+    held = {"model": MODEL, "prompt": "held", "max_tokens": 2000, "stream": True}
+    async with await c.post("/v1/completions", held) as busy:
+        assert busy.status == 200
+        await busy.content.readline()  # its first event: the leg is decoding
+        for i in range(4):
+            status, events = await c.stream(
+                {"model": MODEL, "prompt": f"dead {i}", "max_tokens": 3, "stream_options": {"include_usage": True}}
+            )
+            assert status == 200, events
+            assert events[-2]["usage"]["completion_tokens"] == 3, events
     assert c.router_metric("cachehit_router_upstream_errors_total", backend="d0", kind="connect") >= 1
 
 
