@@ -3,11 +3,11 @@ tick while events flow (`StreamReads`).
 
 Every batch an engine publishes woke the router's event loop once, and a decoder publishes a
 batch at each scheduler step that stores a block: ~300 us of router CPU a batch at 150 a
-second, most of it the wake-up itself (bench/RESULTS.md). Here each batch is read as it
-comes while batches (of all streams together) arrive further apart than `interval_s`. Once
-two arrive closer together, no socket is watched: every `interval_s` one tick looks at all
-of them and wakes each stream that holds batches, which reads them all; the first tick that
-finds none watches the sockets again. K engines at any rate then cost at most
+second, most of it the wake-up itself (bench/RESULTS.md). Here a stream's first batch after
+a quiet stretch is read at once, so the index is current for a prompt that follows an idle
+engine's first step. From then on no socket is watched: every `interval_s` one tick looks at
+all of them and wakes each stream that holds batches, which reads them all; the first tick
+that finds none watches the sockets again. K engines at any rate then cost at most
 1 / `interval_s` wake-ups a second, and the index is at most `interval_s` behind them.
 """
 
@@ -36,7 +36,6 @@ class StreamReads:
         self._streams: dict[int, _Stream] = {}  # file descriptor -> stream
         self._tick: asyncio.TimerHandle | None = None  # set while events flow: nothing is watched
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._last_fired = float("-inf")  # when a watched socket last signalled (loop clock)
 
     @property
     def ticking(self) -> bool:
@@ -63,13 +62,7 @@ class StreamReads:
         stream = self._streams.get(fd)
         if stream is not None:
             stream.wake()
-        if self._loop is None:
-            return
-        # Batches closer together than the interval: a tick would read more than one. Further
-        # apart (one quiet engine), each is read as it comes: ticks would only add wake-ups.
-        now = self._loop.time()
-        flowing, self._last_fired = now - self._last_fired < self.interval_s, now
-        if flowing and self._tick is None:
+        if self.interval_s > 0.0 and self._tick is None and self._loop is not None:
             for other in self._streams:
                 self._loop.remove_reader(other)
             self._tick = self._loop.call_later(self.interval_s, self._on_tick)
