@@ -69,5 +69,4 @@ def parse_kv_events(p: Problems, raw: Any) -> KvEventsConfig | None:
     if kv is not None:
         p.check(check_positive, "kv_events.max_blocks_per_engine", kv.max_blocks_per_engine)
         p.check(check_positive, "kv_events.stale_after_s", kv.stale_after_s)
-        p.check(check_positive, "kv_events.read_interval_ms", kv.read_interval_ms, allow_zero=True)
     return kv

@@ -270,9 +270,6 @@ class KvEventsConfig:
     # A stream whose last batch was this late, or silent this long while the engine works,
     # is reported as not fresh.
     stale_after_s: float = 10.0
-    # While events flow, every stream is read on one shared tick this often (0: each batch as
-    # it arrives): one wake-up of the router per tick, the index at most this much behind.
-    read_interval_ms: float = 5.0
 
 
 @dataclass(frozen=True)

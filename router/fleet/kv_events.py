@@ -40,7 +40,6 @@ import zmq.asyncio
 
 from router.config.schema import BackendConfig, KvEventsConfig
 from router.engine.kv_events_wire import DecodeError, decode_batch, decode_seq, parse_replay_reply, replay_request
-from router.fleet.kv_event_reads import StreamReads
 from router.fleet.registry import BackendRegistry, BackendState
 from router.routing.kv_index import KvIndex
 
@@ -95,7 +94,6 @@ class KvEvents:
         self.clock, self.wall = clock, wall
         self.streams: dict[str, KvStream] = {}
         self._ctx: zmq.asyncio.Context | None = None
-        self.reads = StreamReads(config.read_interval_ms / 1000.0)
 
     # --- membership ------------------------------------------------------------------------
     def subscribe(self, state: BackendState) -> KvStream | None:
@@ -153,10 +151,9 @@ class KvEvents:
         assert self._ctx is not None
         c = st.config
         topic = c.kv_events_topic.encode()
-        # A plain socket whose file descriptor `StreamReads` watches, or polls on its shared
-        # tick while events flow: pyzmq's awaited poll cost a future, a reader registered
-        # and removed, and their callbacks per wake-up, and a busy engine publishes a batch
-        # every step.
+        # A plain socket whose file descriptor the loop watches: pyzmq's awaited poll cost a
+        # future, a reader registered and removed, and their callbacks per wake-up, and a
+        # busy engine publishes a batch every step.
         sub: zmq.Socket[bytes] = zmq.Context.shadow(self._ctx.underlying).socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, _HWM)
@@ -165,7 +162,7 @@ class KvEvents:
         loop = asyncio.get_running_loop()
         fd = sub.fileno()
         readable = asyncio.Event()
-        self.reads.watch(fd, lambda: bool(int(sub.getsockopt(zmq.EVENTS)) & _POLLIN), readable.set)
+        loop.add_reader(fd, readable.set)
         # A quiet stream looks at its engine's health every _POLL_MS: one repeating timer,
         # where a timeout around each wait cost a Timeout and a timer handle per batch.
         beat: list[asyncio.TimerHandle] = []
@@ -202,7 +199,7 @@ class KvEvents:
                     await asyncio.sleep(0)  # a backlog: let requests run between reads
         finally:
             beat[0].cancel()
-            self.reads.unwatch(fd)
+            loop.remove_reader(fd)
             sub.close(linger=0)
 
     async def _received(self, st: KvStream, topic: bytes, frames: list[bytes]) -> None:

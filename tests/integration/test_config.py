@@ -65,7 +65,6 @@ def test_defaults_are_safe() -> None:
             "needs kv_events_endpoint",
         ),
         ({**MIN_BACKEND, "kv_events": {"stale_after_s": 0}}, "kv_events.stale_after_s", "positive"),
-        ({**MIN_BACKEND, "kv_events": {"read_interval_ms": -1}}, "kv_events.read_interval_ms", "non-negative"),
         ({"backends": [{"name": "p", "url": "http://h", "role": "prefill"}]}, "backends", "at least one backend"),
         ({"backends": []}, "backends", "at least one backend"),
         ({"backends": [{"name": "a", "url": "http://h"}, {"name": "a", "url": "http://i"}]}, "backends", "duplicate"),
