@@ -35,7 +35,6 @@ class BackendState:
     # Token-level load from this router's own legs (LegTicket).
     queued_tokens: int = 0
     queue_since: float = 0.0  # the engine began on the oldest of them (legs.queued_ahead)
-    prefilling: int = 0  # legs sent, no first token yet
     decoding: int = 0  # legs past their first token
     prefilled_tokens: int = 0  # prompt tokens of this router's legs the engine has prefilled, ever
     legs_closed: int = 0  # this router's legs there that ended, ever (a scrape's read spans some: others.py)
@@ -46,6 +45,11 @@ class BackendState:
     # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
     adapters: tuple[str, ...] = ()
     adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
+
+    @property
+    def prefilling(self) -> int:
+        """This router's legs there sent and without a first token yet."""
+        return len(self.legs.unanswered)
 
     @property
     def scraped_decoding(self) -> float:

@@ -207,7 +207,6 @@ class BackendRegistry:
         if s.queued_tokens <= 0:
             s.queue_since = now
         s.queued_tokens += ticket.tokens
-        s.prefilling += 1
         return ticket
 
     def first_token(self, ticket: LegTicket, at: float | None = None) -> None:
@@ -223,7 +222,6 @@ class BackendRegistry:
             )
             s.queued_tokens -= ticket.tokens
             s.queue_since = t  # the legs sent before it are through too
-            s.prefilling -= 1
             s.decoding += 1
             s.legs.first_token(ticket)
             s.prefilled_tokens += ticket.tokens
@@ -243,7 +241,6 @@ class BackendRegistry:
         s.legs.closed(ticket)
         if ticket.first_token_at is None:
             s.queued_tokens -= ticket.tokens
-            s.prefilling -= 1
         else:
             s.decoding -= 1
         s.legs_closed += 1
