@@ -8,6 +8,7 @@ offload-sweep    hit ratio and TTFT against each engine's CPU KV tier (F x its G
 overhead         latency and throughput the router adds over an instant backend
 scaling          router CPU and memory as K grows, and with 1,000 open streams
 kv-events-cpu    router CPU per KV-event batch of one engine's stream
+stream-instructions  instructions per streamed request under callgrind: A/B on a noisy machine
 profile          py-spy profile of the router under load (hot functions)
 sim-capacity     the simulator's own capacity (bench/experiments/sim_capacity.py)
 soak             a long steady load with engine restarts (bench/experiments/soak.py)
@@ -119,6 +120,12 @@ def cmd_kv_events_cpu(a: argparse.Namespace) -> int:
     from bench.experiments.kv_events_cpu import main as kv_events_cpu_main
 
     return kv_events_cpu_main(a)
+
+
+def cmd_stream_instructions(a: argparse.Namespace) -> int:
+    from bench.experiments.stream_instructions import main as stream_instructions_main
+
+    return stream_instructions_main(a)
 
 
 def cmd_scaling(a: argparse.Namespace) -> int:
@@ -237,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--stream-chunks", type=int, default=65536, help="with --streams: chunks per measurement")
     o.add_argument("--stream-concurrency", type=int, default=16, help="with --streams: paced streams at once")
     o.add_argument(
+        "--stream-rounds", type=int, default=1, help="with --streams: every target measured N times, alternated"
+    )
+    o.add_argument(
+        "--base-checkout",
+        default="",
+        metavar="DIR",
+        help="with --streams: each router target also started from this checkout (NAME@base), measured beside it",
+    )
+    o.add_argument(
         "--profile",
         nargs="?",
         const="paced:256",
@@ -271,6 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--rate", type=float, default=500.0, help="batches per second")
     kc.add_argument("--reps", type=int, default=3)
     kc.set_defaults(fn=cmd_kv_events_cpu)
+
+    si = sub.add_parser(
+        "stream-instructions", help="instructions per streamed request under callgrind: A/B on a noisy machine"
+    )
+    si.add_argument("--out", required=True)
+    si.add_argument("--targets", default="passthrough,router_round_robin,router_probe_k4")
+    si.add_argument("--streams", default="16,256", help="stream lengths (chunks)")
+    si.add_argument("--stream-shapes", default="instant", help="how the chunks arrive (as overhead --streams)")
+    si.add_argument("--requests", type=int, default=300, help="requests counted per figure")
+    si.add_argument("--base-checkout", default="", metavar="DIR", help="each router target also from DIR (NAME@base)")
+    si.set_defaults(fn=cmd_stream_instructions)
 
     pr = sub.add_parser("profile", help="py-spy profile of the router under wrk load")
     pr.add_argument("--out", required=True)

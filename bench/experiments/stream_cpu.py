@@ -15,6 +15,12 @@ over the requests, per request and per chunk; not wall time, so contention from 
 processes on the machine does not count. `--profile SHAPE:CHUNKS` (default `paced:256`) also
 profiles the round-robin router (py-spy if installed, else cProfile) on such streams: where a
 chunk's time goes.
+
+A change worth a few percent hides in a shared machine's drift between runs, so an A/B runs
+in one: `--base-checkout DIR` starts each router target twice, from this checkout and from
+DIR (`NAME@base`), and `--stream-rounds N` measures every target N times in alternation. The
+table gives each figure's median, each round's ratio to the pass-through, and each round's
+ratio of a target to its `@base` twin measured beside it.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ import pstats
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,38 +76,63 @@ def router_cmd(cfg: Path, profile_out: Path | None = None) -> list[str]:
     return [PY, *prof, "-m", "router", "--config", str(cfg), "--no-engines"]
 
 
+BASE = "@base"  # a target's twin started from --base-checkout
+
+
 async def start_target(
-    procs: ProcessSet, name: str, urls: list[str], cores: list[int] | None, work: Path, profile: Path | None = None
+    procs: ProcessSet,
+    name: str,
+    urls: list[str],
+    cores: list[int] | None,
+    work: Path,
+    profile: Path | None = None,
+    base_checkout: Path | None = None,
+    wrap: Sequence[str] = (),
 ) -> tuple[int, Proc]:
+    """Start target `name` on a free port (`wrap`: a command it runs under, e.g. valgrind)."""
     port = free_ports(1)[0]
+    mode, twin, rest = name.partition(BASE)
+    if twin:
+        if base_checkout is None or mode not in ROUTER_MODES or rest:
+            raise SystemExit(f"stream target {name!r}: only a router mode has a twin, with --base-checkout")
+        # PYTHONSAFEPATH: `python -m` would put the working directory (this checkout) first.
+        cfg = work / f"{mode}-base.toml"
+        cfg.write_text(router_toml(port, urls[: ROUTER_MODES[mode][1]], [], _router_options(mode)))
+        cmd = pinned([*wrap, *router_cmd(cfg)], cores)
+        proc = procs.start(name, cmd, {"PYTHONSAFEPATH": "1"}, root=str(base_checkout))
+        await wait_http(f"http://127.0.0.1:{port}/ready", proc, 60 * (1 + 9 * bool(wrap)))
+        return port, proc
     if name == "passthrough":
         proc = procs.start(
             name,
-            pinned([PY, "-m", "bench.harness.passthrough", "--port", str(port), "--upstream", urls[0]], cores),
+            pinned([*wrap, PY, "-m", "bench.harness.passthrough", "--port", str(port), "--upstream", urls[0]], cores),
             ENV,
         )
-        await wait_http(f"http://127.0.0.1:{port}/health", proc, 30)
+        await wait_http(f"http://127.0.0.1:{port}/health", proc, 30 * (1 + 19 * bool(wrap)))
     elif name in ROUTER_MODES:
-        strategy, k, extra = ROUTER_MODES[name]
-        opts = RouterOptions(
-            strategy=strategy, log_level="info", threshold=0.5, probe_deadline_ms=1000.0, extra_routing=extra
-        )
         cfg = work / f"{name}.toml"
-        cfg.write_text(router_toml(port, urls[:k], [], opts))
-        proc = procs.start(name, pinned(router_cmd(cfg, profile), cores), ENV)
-        await wait_http(f"http://127.0.0.1:{port}/ready", proc, 60)
+        cfg.write_text(router_toml(port, urls[: ROUTER_MODES[name][1]], [], _router_options(name)))
+        proc = procs.start(name, pinned([*wrap, *router_cmd(cfg, profile)], cores), ENV)
+        await wait_http(f"http://127.0.0.1:{port}/ready", proc, 60 * (1 + 9 * bool(wrap)))
     elif name == "vllm_router_rr":
         exe = vllm_router_exe()
         if exe is None:
             raise SystemExit("vllm_router_rr needs vllm-router, which is not installed")
         prom = str(free_ports(1)[0])
-        cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", urls[0]]
+        cmd = [*wrap, exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", urls[0]]
         cmd += ["--policy", "round_robin", "--prometheus-port", prom, "--log-level", "warning"]
         proc = procs.start(name, pinned(cmd, cores))
-        await wait_http(f"http://127.0.0.1:{port}/health", proc, 60)
+        await wait_http(f"http://127.0.0.1:{port}/health", proc, 60 * (1 + 9 * bool(wrap)))
     else:
         raise SystemExit(f"unknown stream target {name!r}")
     return port, proc
+
+
+def _router_options(mode: str) -> RouterOptions:
+    strategy, _k, extra = ROUTER_MODES[mode]
+    return RouterOptions(
+        strategy=strategy, log_level="info", threshold=0.5, probe_deadline_ms=1000.0, extra_routing=extra
+    )
 
 
 def request_bytes(port: int, chunks: int, pace: str | None) -> bytes:
@@ -169,6 +202,35 @@ def measure(pid: int, port: int, chunks: int, shape: str, a: argparse.Namespace)
         "cpu_us_per_req": cpu / requests * 1e6,
         "cpu_us_per_chunk": cpu / (requests * chunks) * 1e6,
         "errors": errors,
+    }
+
+
+def summarise(mine: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One target's rounds at one (shape, length): median CPU, and per round its ratio to
+    the pass-through and to its `@base` twin (each measured in the same round)."""
+
+    def same_round(r: dict[str, Any], target: str) -> float | None:
+        for o in runs:
+            if (o["round"], o["shape"], o["chunks"], o["target"]) == (r["round"], r["shape"], r["chunks"], target):
+                return float(o["cpu_us_per_req"])
+        return None
+
+    first = mine[0]
+    floors = [same_round(r, "passthrough") for r in mine]
+    x_pass = [r["cpu_us_per_req"] / f for r, f in zip(mine, floors, strict=True) if f]
+    twin = first["target"] + BASE
+    bases = [same_round(r, twin) for r in mine]
+    x_base = [r["cpu_us_per_req"] / b for r, b in zip(mine, bases, strict=True) if b]
+    return {
+        "target": first["target"],
+        "shape": first["shape"],
+        "chunks": first["chunks"],
+        "cpu_us_per_req": rnd(statistics.median(r["cpu_us_per_req"] for r in mine), 1),
+        "cpu_us_per_chunk": rnd(statistics.median(r["cpu_us_per_chunk"] for r in mine), 2),
+        "x_passthrough": rnd(statistics.median(x_pass), 2) if x_pass else None,
+        "x_passthrough_each": ", ".join(f"{x:.2f}" for x in x_pass),
+        "x_base_each": ", ".join(f"{x:.2f}" for x in x_base),
+        "errors": sum(r["errors"] for r in mine),
     }
 
 
@@ -294,22 +356,28 @@ def run(
         names.remove("vllm_router_rr")
     lengths = [int(n) for n in a.streams.split(",") if n]
     shapes = [s for s in a.stream_shapes.split(",") if s]
-    started = {n: asyncio.run(start_target(procs, n, burls, proxy_cores, work)) for n in names}
-    rows: list[dict[str, Any]] = []
-    for shape in shapes:
-        for n in lengths:
-            for name in names:
-                port, proc = started[name]
-                console.print(f"streams: {shape} x {n} chunks: {name}")
-                rows.append({"target": name, "shape": shape, "chunks": n, **measure(proc.pid, port, n, shape, a)})
-    floor = {(r["shape"], r["chunks"]): r["cpu_us_per_req"] for r in rows if r["target"] == "passthrough"}
-    for r in rows:
-        f = floor.get((r["shape"], r["chunks"]))
-        r["x_passthrough"] = rnd(r["cpu_us_per_req"] / f, 2) if f else None
-        r["cpu_us_per_req"] = rnd(r["cpu_us_per_req"], 1)
-        r["cpu_us_per_chunk"] = rnd(r["cpu_us_per_chunk"], 2)
+    base = Path(a.base_checkout).resolve() if a.base_checkout else None
+    if base is not None:
+        names += [n + BASE for n in names if n in ROUTER_MODES]
+    started = {n: asyncio.run(start_target(procs, n, burls, proxy_cores, work, base_checkout=base)) for n in names}
+    runs: list[dict[str, Any]] = []
+    for k in range(a.stream_rounds):
+        order = names[k % len(names) :] + names[: k % len(names)]  # no target always first
+        for shape in shapes:
+            for n in lengths:
+                for name in order:
+                    port, proc = started[name]
+                    console.print(f"streams: round {k + 1}, {shape} x {n} chunks: {name}")
+                    m = measure(proc.pid, port, n, shape, a)
+                    runs.append({"round": k, "target": name, "shape": shape, "chunks": n, **m})
     for _port, proc in started.values():
         procs.stop(proc)
+    rows = [
+        summarise([r for r in runs if (r["shape"], r["chunks"], r["target"]) == (shape, n, name)], runs)
+        for shape in shapes
+        for n in lengths
+        for name in names
+    ]
     result: dict[str, Any] = {"streams": rows}
     cols = [
         ("shape", "shape"),
@@ -318,6 +386,8 @@ def run(
         ("cpu_us_per_req", "CPU us/request"),
         ("cpu_us_per_chunk", "CPU us/chunk"),
         ("x_passthrough", "x pass-through"),
+        ("x_passthrough_each", "x pass-through, each round"),
+        ("x_base_each", "x @base, each round"),
         ("errors", "errors"),
     ]
     nd = {"x_passthrough": 2, "cpu_us_per_chunk": 2, "chunks": 0}

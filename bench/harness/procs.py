@@ -112,9 +112,11 @@ class Proc:
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def child_env(env: dict[str, Any] | None) -> dict[str, str]:
+def child_env(env: dict[str, Any] | None, root: str = SOURCE_ROOT) -> dict[str, str]:
+    """The environment of a child: ours with `env`, `root` (the checkout whose code it runs)
+    first on its module path."""
     base = {**os.environ, **(env or {})}
-    path = [SOURCE_ROOT, *[p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != SOURCE_ROOT]]
+    path = [root, *[p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (root, SOURCE_ROOT)]]
     return {**base, "PYTHONPATH": os.pathsep.join(path)}
 
 
@@ -123,7 +125,7 @@ class ProcessSet:
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, name: str, cmd: Sequence[str], env: dict[str, Any] | None = None) -> Proc:
+    def start(self, name: str, cmd: Sequence[str], env: dict[str, Any] | None = None, root: str = SOURCE_ROOT) -> Proc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "wb") as f:  # the child keeps its own copy of the descriptor
@@ -133,7 +135,7 @@ class ProcessSet:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=child_env(env),
+                env=child_env(env, root),
             )
         p = Proc(name, popen, log_path)
         self.procs.append(p)

@@ -14,7 +14,7 @@ import pytest
 from bench.cli import build_parser
 from bench.experiments.options import run_spec_from_args
 from bench.experiments.replay import SUMMARY_KEYS, run_replay
-from bench.experiments.stream_cpu import profile_stream
+from bench.experiments.stream_cpu import profile_stream, summarise
 from bench.harness.cluster import RouterOptions, histogram_quantile, router_toml
 from bench.harness.load_clients import SMALL, BlockingClient, http_request
 from bench.harness.procs import ProcessSet, free_ports
@@ -79,6 +79,8 @@ def test_contract_command_line_parses() -> None:
         "overhead --out o",
         "overhead --out o --streams 16 --profile",
         "overhead --out o --streams 16 --profile instant:16",
+        "overhead --out o --streams 16 --stream-rounds 3 --base-checkout ../base",
+        "stream-instructions --out o --streams 16 --base-checkout ../base --requests 100",
         "scaling --out o",
         "profile --out o",
         "replay --workload multiturn --mode all --out o",
@@ -92,6 +94,21 @@ def test_overhead_profile_takes_a_shape_and_a_length() -> None:
     for bad in ("instant", "steady:16", "paced:0", "paced:x"):
         with pytest.raises(SystemExit, match="SHAPE:CHUNKS"):
             profile_stream(bad)
+
+
+def test_stream_rounds_are_summarised_against_the_floor_and_the_twin_of_each_round() -> None:
+    def run(k: int, target: str, cpu: float) -> dict[str, object]:
+        return {"round": k, "target": target, "shape": "instant", "chunks": 16, "cpu_us_per_req": cpu,
+                "cpu_us_per_chunk": cpu / 16, "errors": 0}  # fmt: skip
+
+    runs = [run(0, "passthrough", 100), run(0, "rr", 200), run(0, "rr@base", 250)]
+    runs += [run(1, "passthrough", 200), run(1, "rr", 300), run(1, "rr@base", 300)]
+    row = summarise([r for r in runs if r["target"] == "rr"], runs)
+    assert row["cpu_us_per_req"] == 250.0
+    assert row["x_passthrough_each"] == "2.00, 1.50"
+    assert row["x_passthrough"] == 1.75
+    assert row["x_base_each"] == "0.80, 1.00"
+    assert summarise([r for r in runs if r["target"] == "rr@base"], runs)["x_base_each"] == ""
 
 
 def test_generated_router_config_is_valid() -> None:
