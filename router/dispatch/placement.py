@@ -285,7 +285,7 @@ class LegPlacer:
             result = await run_race(
                 (fb.decode,),
                 self._opener(ctx.path, body, ctx.deadline, tokens, tickets, held),
-                self.timeouts.first_token_s + 1.0,
+                None,
             )
         finally:
             if held is not None and tickets.get(fb.decode) is not held:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from router.dispatch.race import run_race
-from router.engine.errors import BROKEN, CONNECT, UpstreamError
+from router.engine.errors import BROKEN, CONNECT, FIRST_TOKEN_TIMEOUT, UpstreamError
 from router.names import Verdict
 from support.fake_upstream import HANG, FakeUpstream, Pause, rejection, token
 from support.polling import eventually
@@ -152,3 +152,28 @@ async def test_cancelling_a_race_of_one_closes_its_stream() -> None:
     race.cancel()
     await asyncio.gather(race, return_exceptions=True)
     assert up.streams[0].aborted
+
+
+async def test_a_race_of_one_without_a_deadline_is_bounded_by_its_legs_own_timeouts() -> None:
+    # A fallback's decode leg: no timer of the race's own; the stream's first-token
+    # deadline is what ends a silent engine, and it is reported as that leg's failure.
+    up = FakeUpstream(
+        {
+            "a": [[token("Hi", [7]), token("!", [8], finish="stop")]],
+            "r": [rejection(100, 40)],
+            "slow": [[UpstreamError("slow", FIRST_TOKEN_TIMEOUT, "no data from the engine in time")]],
+        }
+    )
+    accepted = await run_race(("a",), up.opener(), None)
+    assert accepted.winner is not None
+    assert [(o.backend, o.verdict) for o in accepted.outcomes] == [("a", Verdict.ACCEPTED)]
+    rejected = await run_race(("r",), up.opener(), None)
+    assert [(o.backend, o.verdict) for o in rejected.outcomes] == [("r", Verdict.REJECTED)]
+    assert rejected.hits == {"r": 40}
+    timed_out = await run_race(("slow",), up.opener(), None)
+    assert timed_out.winner is None
+    (outcome,) = timed_out.outcomes
+    assert outcome.verdict == Verdict.FAILED
+    assert outcome.error is not None
+    assert outcome.error.kind == FIRST_TOKEN_TIMEOUT
+    assert up.streams[-1].aborted
