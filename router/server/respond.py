@@ -64,6 +64,9 @@ _BOUNDED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
 
 # The most an answer's end widens the kernel's send queue to (Linux doubles it).
 _WIDEST = 1024 * 1024
+# Bytes a write adds to its data: the chunk framing and, on an answer's first write, the
+# response head aiohttp holds back until then (our few headers and its own).
+_FRAMING_BYTES = 4096
 
 
 class ClientStalled(ConnectionResetError):
@@ -214,12 +217,26 @@ class SSEWriter:
             last, self._held = self._held + last, b""
         sock = self._widened(len(last))
         try:
-            await self._bounded(resp.write_eof(last))
+            if sock is None and self._cannot_wait(len(last)):
+                await resp.write_eof(last)  # no timer armed for a write that cannot wait
+            else:
+                await self._bounded(resp.write_eof(last))
         finally:
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._buffer_bytes)
         return resp
+
+    def _cannot_wait(self, size: int) -> bool:
+        """A write of `size` bytes (and their chunk framing) that aiohttp's drain cannot
+        wait on: nothing queued for the client, so its protocol is not paused, and the
+        bytes fit under the buffer's limit, so they cannot pause it."""
+        transport = self.request.transport
+        return (
+            transport is not None
+            and size + _FRAMING_BYTES <= self._buffer_bytes
+            and transport.get_write_buffer_size() == 0
+        )
 
     def _widened(self, size: int) -> socket.socket | None:
         """An end of answer larger than the client's send buffer, already held whole by
