@@ -180,6 +180,9 @@ class SpeedLearner:
     # (share of hits from the CPU tier, seconds per CPU-hit token).
     _tier_counters: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     _tier_cost: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # `speed()`'s answers until the next sample: read several times a request, learned from
+    # a couple of times (each answer built anew was ~3 us).
+    _speeds: dict[str, EngineSpeed] = field(default_factory=dict)
 
     def _new_fit(self, start: tuple[float, float, float]) -> OnlineLinear:
         p = self.prior
@@ -245,6 +248,7 @@ class SpeedLearner:
 
     def observe_first_token(self, engine: str, prefill_tokens: float, decoding: float, seconds: float) -> None:
         if seconds >= 0.0 and prefill_tokens >= 0.0:
+            self._speeds.clear()  # the fleet's fit moves every engine's without its own
             x = (1.0, float(prefill_tokens), float(decoding))
             self._engine(engine).observe(x, seconds)
             if engine not in self.engine_per_token_s:
@@ -267,6 +271,7 @@ class SpeedLearner:
             return
         # The first measurement sets each figure; later ones move it by a fifth.
         share_now = d_host / (d_dev + d_host)
+        self._speeds.pop(engine, None)
         known = self._tier_cost.get(engine)
         share = share_now if known is None else _ewma(known[0], share_now, 0.2)
         per_token = 0.0 if known is None else known[1]
@@ -304,6 +309,12 @@ class SpeedLearner:
 
     # --- what the planners read --------------------------------------------------------
     def speed(self, engine: str) -> EngineSpeed:
+        known = self._speeds.get(engine)
+        if known is None:
+            known = self._speeds[engine] = self._speed(engine)
+        return known
+
+    def _speed(self, engine: str) -> EngineSpeed:
         fit = self._engines.get(engine)
         own_prior = engine in self.engine_per_token_s
         held = self.held_per_token_s(engine)
@@ -337,11 +348,13 @@ class SpeedLearner:
         """An engine joined the fleet, with its configured speed if any (other hardware)."""
         if prefill_tokens_per_s > 0:
             self.engine_per_token_s[engine] = 1.0 / prefill_tokens_per_s
+        self._speeds.pop(engine, None)
 
     def forget_engine(self, engine: str) -> None:
         """The engine left the fleet: one added again under its name may be another machine."""
         self.engine_per_token_s.pop(engine, None)
         self._engines.pop(engine, None)
+        self._speeds.pop(engine, None)
         self._steps.pop(engine, None)
         self._tier_counters.pop(engine, None)
         self._tier_cost.pop(engine, None)

@@ -137,3 +137,21 @@ def test_decode_step_is_learned_with_the_prefills_stall_taken_out() -> None:
     # A leg of one token has no gap to learn from.
     learner.observe_decode("d2", 5, 0, 1.0, 0)
     assert learner.itl("d2").samples == 0
+
+
+def test_an_engines_speed_as_read_follows_every_sample_and_scrape() -> None:
+    # speed() keeps its answers between samples: each sample, tier scrape, or change of
+    # the fleet must show in the next reading, for the sampled engine and its peers.
+    learner = SpeedLearner(SpeedPrior(per_token_s=1e-4))
+    before_a, before_b = learner.speed("a"), learner.speed("b")
+    learner.observe_first_token("a", 1000, 0, 0.5)  # far slower than the prior
+    assert learner.speed("a").per_token_s > before_a.per_token_s
+    assert learner.speed("b").per_token_s > before_b.per_token_s  # read from the fleet's fit
+    assert learner.speed("a") == SpeedLearner._speed(learner, "a")
+    learner.observe_cache_tiers("a", 0, 0, 0.0)
+    learner.observe_cache_tiers("a", 100, 100, 0.01)
+    assert learner.speed("a").held_per_token_s == pytest.approx(0.5 * 1e-4)
+    learner.add_engine("c", prefill_tokens_per_s=1000)
+    assert learner.speed("c").per_token_s == pytest.approx(1e-3)
+    learner.forget_engine("c")
+    assert learner.speed("c").per_token_s == learner.speed("b").per_token_s
