@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.experiments.stream_cpu import ENV, read_answer, request_bytes, router_cmd
 from bench.harness.cluster import RouterOptions, router_toml
 from bench.harness.procs import PY, ProcessSet, RSSSampler, free_ports, wait_http
 from bench.harness.stats import rnd
+from bench.harness.stream_targets import ENV, read_answer, request_bytes, router_cmd
 from bench.reports.render import console, markdown_table, table
 
 

@@ -28,9 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.experiments.stream_cpu import BASE, ENV, ROUTER_MODES, SHAPES, client_load, start_target
 from bench.harness.procs import PY, Proc, ProcessSet, free_ports, wait_http
 from bench.harness.stats import rnd
+from bench.harness.stream_targets import BASE, ENV, ROUTER_MODES, SHAPES, client_load, start_target
 from bench.reports.render import console, markdown_table, table
 
 WARMUP_REQUESTS = 30
