@@ -248,8 +248,7 @@ class UpstreamClient:
         same errors."""
         headers, data = self._request(backend, body, api_key, trace, encoded)
         try:
-            async with asyncio.timeout_at(deadline):
-                return await self.legs.request(backend, base_url, path, headers, data)
+            return await self.legs.request(backend, base_url, path, headers, data, deadline=deadline)
         except TimeoutError:
             raise UpstreamError(backend, timeout_kind, "no response headers in time") from None
 

@@ -15,6 +15,7 @@ from router.engine.errors import (
     BROKEN,
     CONNECT,
     CONNECT_TIMEOUT,
+    FIRST_TOKEN_TIMEOUT,
     MAX_ERROR_BODY,
     STATUS,
     UpstreamError,
@@ -160,6 +161,24 @@ async def test_a_fresh_connection_closed_before_answering_is_a_connect_error(
         await client.open_stream("b", server.url, "/v1/completions", {})
     assert e.value.kind == CONNECT
     assert len(server.requests) == 1
+
+
+async def test_a_head_that_does_not_come_by_the_deadline_is_a_timeout_and_its_connection_closed(
+    serve: Callable[[Answer], Awaitable[RawServer]],
+) -> None:
+    server = await serve(writes())  # reads the request, answers nothing, keeps the connection
+    client = UpstreamClient(TimeoutsConfig(first_token_s=0.2))
+    try:
+        with pytest.raises(UpstreamError) as e:
+            await client.open_stream("b", server.url, "/v1/completions", {})
+        assert e.value.kind == FIRST_TOKEN_TIMEOUT
+        await eventually(lambda: server.eofs == 1, 5, "the engine sees the connection closed")
+        # The pool's own deadline: TimeoutError, for the caller to name.
+        loop = asyncio.get_running_loop()
+        with pytest.raises(TimeoutError):
+            await client.legs.request("b", server.url, "/", {}, b"", deadline=loop.time() + 0.05)
+    finally:
+        await client.close()
 
 
 async def test_a_refused_connection_is_a_connect_error(client: UpstreamClient) -> None:
