@@ -55,7 +55,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
 import orjson
 
@@ -160,11 +160,15 @@ def _budget(body: dict[str, Any], key: str) -> int | None:
     return v
 
 
-def _token_ids(v: list[Any], param: str) -> tuple[int, ...]:
+def _token_ids(v: list[Any], param: str) -> NoReturn:
+    """The error naming the first id of `v` that is not a token id."""
     for t in v:
         if not _is_int(t) or t < 0 or t > MAX_TOKEN_ID:
             raise _bad(f"`{param}` token ids must be integers in [0, {MAX_TOKEN_ID}], got {t!r:.40}.", param)
-    return tuple(v)
+    raise AssertionError("unreachable: a list whose text is not digits and commas holds a bad id")
+
+
+_ID_TEXT = b"0123456789,"
 
 
 _NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
@@ -195,12 +199,19 @@ def _one_prompt(p: object, param: str) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(p, list):
         if not p:
             raise _vllm_bad(_NO_PROMPT, param)
-        ids = _token_ids(p, param)
         # Token ids as text, each followed by ",": a prompt extends another exactly when its
         # text extends the other's ([7, 80] is not a prefix of [7, 800]), which is what
-        # prefix-affinity planners need. Written by orjson ("[7,80]"; the ids are plain ints):
-        # a string per id would cost ~50 bytes each (30 MB for a 4 MB prompt) on the way.
-        return str(memoryview(orjson.dumps(ids))[1:-1], "ascii") + ",", ids
+        # prefix-affinity planners need. Written by orjson ("[7,80]"): a string per id would
+        # cost ~50 bytes each (30 MB for a 4 MB prompt) on the way. The same text checks the
+        # ids in C: only digits and commas is only non-negative ints (not floats, booleans or
+        # nested lists); a Python check per id cost ~75 us for 2,000 ids, this ~20.
+        try:
+            text = orjson.dumps(p)
+        except orjson.JSONEncodeError:  # an int past 64 bits
+            _token_ids(p, param)
+        if text[1:-1].translate(None, _ID_TEXT) or max(p) > MAX_TOKEN_ID:
+            _token_ids(p, param)
+        return str(memoryview(text)[1:-1], "ascii") + ",", tuple(p)
     if p is None:
         raise _vllm_bad(_NO_PROMPT, param)
     raise _bad(f"`{param}` must be a string or a list of token ids, got {_kind(p)}.", param)

@@ -108,6 +108,29 @@ def test_token_id_prompts() -> None:
     assert not cmpl(prompt=[7, 800]).routing_text.startswith(cmpl(prompt=[7, 80]).routing_text)
 
 
+@pytest.mark.parametrize(
+    ("ids", "named"),
+    [
+        (b"[1,true]", "True"),
+        (b"[1,1.0]", "1.0"),
+        (b"[1e3]", "1000.0"),
+        (b"[0,-1]", "-1"),
+        (b"[2147483648]", "2147483648"),
+        (b"[1,18446744073709551615]", "18446744073709551615"),  # past orjson's 64-bit signed ints
+        (b'[1,"a"]', "'a'"),
+        (b"[1,[2]]", "[2]"),
+        (b"[1,null]", "None"),
+        (b"[1,{}]", "{}"),
+    ],
+)
+def test_a_token_id_that_is_not_one_is_named(ids: bytes, named: str) -> None:
+    with pytest.raises(RouterError) as e:
+        parse_request(ENDPOINT_COMPLETIONS, b'{"model":"m","prompt":' + ids + b"}")
+    assert e.value.status == 400
+    assert e.value.message.endswith(f"got {named}.")
+    assert e.value.param == "prompt"
+
+
 def test_budgets() -> None:
     assert cmpl(max_tokens=5).max_tokens == 5
     assert cmpl(max_tokens=None).max_tokens is None  # explicit null: up to the context
