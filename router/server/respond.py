@@ -64,9 +64,9 @@ _BOUNDED: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
 
 # The most an answer's end widens the kernel's send queue to (Linux doubles it).
 _WIDEST = 1024 * 1024
-# Bytes a write adds to its data: the chunk framing and, on an answer's first write, the
-# response head aiohttp holds back until then (our few headers and its own).
-_FRAMING_BYTES = 4096
+# Bytes a write adds to its data besides the header lines: the chunk framing, the body's
+# last-chunk marker and, on an answer's first write, the status line and the head's end.
+_FRAMING_BYTES = 128
 
 
 class ClientStalled(ConnectionResetError):
@@ -228,15 +228,15 @@ class SSEWriter:
         return resp
 
     def _cannot_wait(self, size: int) -> bool:
-        """A write of `size` bytes (and their chunk framing) that aiohttp's drain cannot
-        wait on: nothing queued for the client, so its protocol is not paused, and the
-        bytes fit under the buffer's limit, so they cannot pause it."""
-        transport = self.request.transport
-        return (
-            transport is not None
-            and size + _FRAMING_BYTES <= self._buffer_bytes
-            and transport.get_write_buffer_size() == 0
-        )
+        """A write of `size` bytes (with their framing, and the response head if aiohttp
+        still holds it back) that aiohttp's drain cannot wait on: nothing queued for the
+        client, so its protocol is not paused, and the bytes fit under the buffer's limit,
+        so they cannot pause it."""
+        transport, resp = self.request.transport, self.response
+        if transport is None or resp is None or transport.get_write_buffer_size():
+            return False
+        head = sum(len(k) + len(v) + 4 for k, v in resp.headers.items())  # "k: v\r\n"
+        return size + head + _FRAMING_BYTES <= self._buffer_bytes
 
     def _widened(self, size: int) -> socket.socket | None:
         """An end of answer larger than the client's send buffer, already held whole by

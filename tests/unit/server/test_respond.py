@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from aiohttp import ClientSession, HttpVersion10, web
 
 from router.server.respond import SSEWriter
+from support.polling import eventually
 from support.ports import serve_on_free_port
 
 BUFFER = 8 * 1024
@@ -108,3 +109,50 @@ async def test_an_http_1_0_client_s_stream_ends_with_the_connection(written_now:
         body = await asyncio.wait_for(resp.read(), 30)
     assert body == b"".join(b"data: %d\n\n" % i for i in range(5)) + b"data: [DONE]\n\n"
     assert readiness == [False, False]  # not chunked: aiohttp writes it, never `write_now`
+
+
+@pytest.fixture
+async def unread() -> AsyncIterator[tuple[int, list[str]]]:
+    """A server whose answer is one held end of `?n=` events of 200 bytes, to a client
+    that reads nothing; `outcomes` says how each `finish` ended."""
+    outcomes: list[str] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        writer = SSEWriter(request, "r1", buffer_bytes=BUFFER, idle_s=0.5)
+        # The answer's start, then more than every buffer holds, queued without a wait:
+        # what finish writes stays behind it in the process.
+        await writer.send_raw(b"data: start\n\n")
+        assert writer.ready()
+        writer.write_now(b"data: " + b"x" * 4 * 1024 * 1024 + b"\n\n")
+        try:
+            resp = await writer.finish([{"i": i, "text": "x" * 200} for i in range(int(request.query["n"]))])
+        except ConnectionResetError as e:
+            outcomes.append(type(e).__name__)
+            raise
+        outcomes.append("finished")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", answer)
+    runner, url = await serve_on_free_port(app)
+    try:
+        yield int(url.rsplit(":", 1)[1]), outcomes
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_end_of_answer_to_a_client_that_reads_nothing_is_bounded(unread: tuple[int, list[str]]) -> None:
+    # A client that reads nothing: the answer's start already fills every buffer, so the
+    # end (2 events, or 300: more than the buffer's limit) waits behind it, bounded by
+    # idle_s; the client is dropped, the end is not written without a timer.
+    port, outcomes = unread
+
+    def settled(k: int) -> Callable[[], bool]:
+        return lambda: len(outcomes) == k
+
+    for k, n in enumerate((2, 300), start=1):
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /?n=%d HTTP/1.1\r\nHost: x\r\n\r\n" % n)
+        await eventually(settled(k), 10, f"the end of {n} events settled")
+        writer.close()
+    assert outcomes == ["ClientStalled", "ClientStalled"]
