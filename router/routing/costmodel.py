@@ -56,7 +56,7 @@ Nothing here does I/O or keeps state: plain numbers in, seconds out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from router.readonly import readonly
 
 # Slopes never go below these in a prediction: a model fitted on a noisy stretch must not
 # claim that queued work is free.
@@ -64,7 +64,7 @@ MIN_PER_TOKEN_S = 1e-7
 MIN_INTERCEPT_S = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class EngineSpeed:
     """ttft = intercept_s + per_token_s * prefill tokens ahead + per_decode_s * decoding."""
 
@@ -91,7 +91,7 @@ class EngineSpeed:
         return per_held * max(held, 0.0)
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class TransferSpeed:
     """Extra time of a decode leg that pulls `n` prompt tokens of KV: t0 + t1 * n."""
 
@@ -103,7 +103,7 @@ class TransferSpeed:
         return max(self.intercept_s, 0.0) + max(self.per_token_s, 0.0) * tokens
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class ItlSpeed:
     """One decode step: step_s + per_seq_s * decoding sequences (each gets one token)."""
 

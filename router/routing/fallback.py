@@ -26,16 +26,17 @@ takes the split whenever there is one (the fastest pair), `"never"` never splits
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from router.config.schema import RoutingConfig
 from router.names import Route, RouteReason, SplitMode
+from router.readonly import readonly
 from router.routing import costmodel, goodput
 from router.routing.planning import RouteQuery, decoders_for, fastest, predicted_ttft
 from router.routing.snapshot import BackendView, ClusterSnapshot
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class FallbackPlan:
     """After every probe rejected: prefill on `prefill` then decode on `decode`, or
     (prefill None) run directly on `decode`, sending `decode_threshold`."""

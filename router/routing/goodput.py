@@ -46,14 +46,14 @@ plain views in, a choice out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from router.readonly import readonly
 from router.routing import costmodel
 from router.routing.planning import predicted_ttft
 from router.routing.snapshot import BackendView
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class Slo:
     """The two SLOs of goodput, in seconds, vLLM's prefill chunk (max_num_batched_tokens),
     and how much later than its soonest start a request that misses anyway may be placed
@@ -65,7 +65,7 @@ class Slo:
     ttft_stretch: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class Placement:
     """One way to compute a prompt and what the cost model predicts of it."""
 

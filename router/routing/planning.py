@@ -21,13 +21,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from router.config.checks import Problems
 from router.config.schema import RoutingConfig
+from router.readonly import readonly
 from router.routing import costmodel
 from router.routing.adapter_memory import AdapterMemories
 from router.routing.prefix_memory import PrefixMemory
 from router.routing.snapshot import BackendView, ClusterSnapshot
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class RouteQuery:
     """The part of a request a planner may look at."""
 
@@ -63,7 +64,7 @@ class RouteQuery:
         return (lacking, held) if len(self.token_ids) - held == lacking else None
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class Plan:
     """First step for a request: race `probes` at `threshold`, or send to `direct`."""
 

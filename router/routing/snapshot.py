@@ -1,4 +1,4 @@
-"""What a planner may know: a frozen snapshot of the backends at one instant.
+"""What a planner may know: a read-only snapshot of the backends at one instant.
 
 The registry (router/fleet/registry.py) owns the mutable facts; every plan is made over a
 `ClusterSnapshot` of `BackendView`s, so routing policies are pure functions, testable
@@ -7,12 +7,13 @@ without sockets, and a plan never sees a backend change under it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 
+from router.readonly import readonly
 from router.routing.costmodel import EngineSpeed, ItlSpeed, TransferSpeed
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class BackendView:
     """What a planner may know about one backend at one instant."""
 
@@ -72,7 +73,7 @@ class BackendView:
         return model is None or not self.models or model in self.models
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class ClusterSnapshot:
     backends: tuple[BackendView, ...]
     # Learned cluster-wide figures the cost model reads (router/routing/speed_learner.py).
