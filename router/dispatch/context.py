@@ -18,6 +18,7 @@ from router.engine.stream import UpstreamStream
 from router.fleet.registry import LegTicket
 from router.names import RouteReason, Verdict
 from router.observability.record import EngineVerdict, RequestRecord
+from router.readonly import readonly
 from router.routing.fallback import FallbackPlan
 from router.routing.planning import Plan, RouteQuery
 
@@ -36,7 +37,7 @@ class Leg:
     text_chars: int = 0  # the routed text's length when the prompt is text (chars per token)
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class LegOutcome:
     """How a pumped leg ended: `error` None when the engine sent [DONE]."""
 
@@ -46,7 +47,7 @@ class LegOutcome:
     cached_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class RaceOutcome:
     """A finished probe race, with the tickets of its legs and when it was sent."""
 
@@ -71,7 +72,7 @@ class RaceOutcome:
         return failed[-1].error if failed else None
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class FallbackOutcome:
     """A fallback's result: the accepted leg, or why there is none and whom to keep out."""
 

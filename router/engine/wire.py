@@ -16,8 +16,9 @@ router reads (an engine that breaks them is a protocol error, not a router crash
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from router.readonly import readonly
 
 # The generation routes the router sends legs to.
 COMPLETIONS_PATH = "/v1/completions"
@@ -262,7 +263,7 @@ def _count(v: Any) -> int | None:
     return v if isinstance(v, int) else None
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class Usage:
     """The fields of an engine's `usage` the router reads; None where absent or not a count."""
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.names import Verdict
+from router.readonly import readonly
 
 
-@dataclass(frozen=True, slots=True)
+@readonly
 class EngineVerdict:
     """One engine's verdict in a race, or on a leg sent to it alone (router/dispatch/race.py)."""
 
