@@ -7,9 +7,9 @@ configured per workload: each starts at a prior and follows the measurements:
 - engine speed: every leg that produced a first token with nothing queued ahead of it is
   one sample, (tokens it lacked, decoding sequences then) -> seconds to its first token
   (router/fleet/legs.py says why a queued leg is not). A per-engine recursive
-  least-squares fit with exponential forgetting (`OnlineLinear`), robust to outliers
-  (residuals clipped at a few times their running size: a preemption or a stall must not
-  teach the model that every token is slow).
+  least-squares fit with exponential forgetting (`OnlineLinear`, router/routing/online_fit.py),
+  robust to outliers (residuals clipped at a few times their running size: a preemption or
+  a stall must not teach the model that every token is slow).
   Engines of a fleet are usually alike, so every sample also feeds one fleet-wide fit; an
   engine with fewer than `OWN_FIT_SAMPLES` samples of its own is predicted by the fleet's
   (an engine judged by the prior while its peers are measured would be wrongly skipped or
@@ -42,17 +42,11 @@ Learning is per router replica: replicas learn the same engines from their own s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import mul
 
 from router.config.schema import RoutingConfig
 from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed, ItlSpeed, TransferSpeed
+from router.routing.online_fit import OnlineLinear
 
-# Forgetting factor: a sample's weight halves after ~70 newer samples, so the fit follows
-# an engine that slows down (a noisy neighbour, a bigger batch) within a minute or two.
-FORGET = 0.99
-# Residuals are clipped at this many times their running mean size once warmed up.
-CLIP_SCALE = 5.0
-WARMUP_SAMPLES = 8
 # Samples an engine needs before its own fit replaces the fleet's: three coefficients from
 # samples that scatter by hundreds of milliseconds under load need a couple of dozen.
 OWN_FIT_SAMPLES = 20
@@ -62,64 +56,6 @@ OWN_FIT_SAMPLES = 20
 # scheduler that interleaves prefills) once drove an engine's cost to ~0, so it looked idle
 # whatever its queue and drew every request until its own late first tokens corrected it.
 OWN_FIT_SPREAD = 4.0
-# Typical scatter of an observed time to first token around the model (seconds).
-NOISE_S = 0.005
-
-
-class OnlineLinear:
-    """y ~ theta . x by recursive least squares with forgetting, started at a prior.
-
-    `prior_sd` is how far each coefficient may plausibly be from its prior. RLS weighs the
-    prior against the samples as if each sample's noise were 1, so the prior's covariance
-    is (prior_sd / NOISE_S)^2: samples with NOISE_S of scatter outweigh the prior after a
-    handful. The covariance never grows past it, so a direction the data stops exciting
-    (say, no decoding sequences for a while) does not wind up."""
-
-    __slots__ = ("_p", "_p0", "_resid", "forget", "samples", "theta")
-
-    def __init__(self, prior: tuple[float, ...], prior_sd: tuple[float, ...], forget: float = FORGET):
-        n = len(prior)
-        self.theta = list(prior)
-        self._p0 = [(sd / NOISE_S) ** 2 for sd in prior_sd]
-        self._p = [[self._p0[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
-        self.forget = forget
-        self.samples = 0
-        self._resid = 0.0  # running mean of |residual|
-
-    def predict(self, x: tuple[float, ...]) -> float:
-        return float(sum(map(mul, self.theta, x)))
-
-    def observe(self, x: tuple[float, ...], y: float) -> None:
-        # Plain Python on 2-3 dimensions, a few fits per finished request: rows and columns
-        # go through map/zip (the index loops cost ~8 us an update, a quarter of what a
-        # request spends outside its legs).
-        p = self._p
-        px = [sum(map(mul, row, x)) for row in p]
-        denom = self.forget + sum(map(mul, x, px))
-        if denom <= 0.0:
-            return
-        r = y - self.predict(x)
-        if self.samples >= WARMUP_SAMPLES and self._resid > 0.0:
-            bound = CLIP_SCALE * self._resid
-            r_used = min(max(r, -bound), bound)
-        else:
-            r_used = r
-        # Grows by at most 1.4x a sample on clipped outliers: a real change of speed is
-        # followed within a dozen samples, a lone outlier barely moves it.
-        self._resid = abs(r) if self.samples == 0 else 0.9 * self._resid + 0.1 * abs(r_used)
-        k = [v / denom for v in px]
-        self.theta = [t + ki * r_used for t, ki in zip(self.theta, k, strict=True)]
-        lam = self.forget
-        p = self._p = [
-            [(pij - ki * pxj) / lam for pij, pxj in zip(row, px, strict=False)] for row, ki in zip(p, k, strict=False)
-        ]
-        for i, p0 in enumerate(self._p0):  # no wind-up past the prior's uncertainty
-            if p[i][i] > p0:
-                s = (p0 / p[i][i]) ** 0.5
-                for row in p:
-                    row[i] *= s
-                p[i] = [v * s for v in p[i]]
-        self.samples += 1
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from router.routing.planning import NoSettings, Plan, RouteQuery, decoders_for, 
 from router.routing.snapshot import BackendView, ClusterSnapshot
 
 # Predictions closer than this are not told apart: the typical scatter of an observed
-# time to first token around the model (speed_learner.NOISE_S), or a share of the
+# time to first token around the model (online_fit.NOISE_S), or a share of the
 # prompt's own prefill on an idle engine (engines of one fleet fitted apart differ by a
 # few percent by noise alone). A share of the prompt's own time, not of the queue ahead:
 # keeping a prompt where it went may cost it at most that much, whatever the load.
