@@ -47,10 +47,10 @@ class OnlineLinear:
         return float(sum(map(mul, self.theta, x)))
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
-        p, n = self._p, len(x)
+        n = len(x)
         if n == 2:
             x0, x1 = x
-            (p00, p01), (p10, p11) = p
+            (p00, p01), (p10, p11) = self._p
             px0, px1 = p00 * x0 + p01 * x1, p10 * x0 + p11 * x1
             denom = self.forget + (x0 * px0 + x1 * px1)
             if denom <= 0.0:
@@ -60,13 +60,13 @@ class OnlineLinear:
             k0, k1 = px0 / denom, px1 / denom
             self.theta = [t0 + k0 * r_used, t1 + k1 * r_used]
             lam = self.forget
-            p = self._p = [
+            self._p = [
                 [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam],
                 [(p10 - k1 * px0) / lam, (p11 - k1 * px1) / lam],
             ]
         elif n == 3:
             x0, x1, x2 = x
-            (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = p
+            (p00, p01, p02), (p10, p11, p12), (p20, p21, p22) = self._p
             px0 = p00 * x0 + p01 * x1 + p02 * x2
             px1 = p10 * x0 + p11 * x1 + p12 * x2
             px2 = p20 * x0 + p21 * x1 + p22 * x2
@@ -78,16 +78,19 @@ class OnlineLinear:
             k0, k1, k2 = px0 / denom, px1 / denom, px2 / denom
             self.theta = [t0 + k0 * r_used, t1 + k1 * r_used, t2 + k2 * r_used]
             lam = self.forget
-            p = self._p = [
+            self._p = [
                 [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam, (p02 - k0 * px2) / lam],
                 [(p10 - k1 * px0) / lam, (p11 - k1 * px1) / lam, (p12 - k1 * px2) / lam],
                 [(p20 - k2 * px0) / lam, (p21 - k2 * px1) / lam, (p22 - k2 * px2) / lam],
             ]
-        else:
-            if not self._observe_any(x, y):
-                return
-            p = self._p
-        for i, p0 in enumerate(self._p0):  # no wind-up past the prior's uncertainty
+        elif not self._observe_any(x, y):
+            return
+        self._bound_and_count()
+
+    def _bound_and_count(self) -> None:
+        """After an update: no wind-up past the prior's uncertainty; one sample more."""
+        p = self._p
+        for i, p0 in enumerate(self._p0):
             if p[i][i] > p0:
                 s = (p0 / p[i][i]) ** 0.5
                 for row in p:
@@ -96,8 +99,8 @@ class OnlineLinear:
         self.samples += 1
 
     def _observe_any(self, x: tuple[float, ...], y: float) -> bool:
-        """The update of any size (the written-out ones above compute the same, in the same
-        order); False: a degenerate sample, nothing changed."""
+        """The update of any size, before `_bound_and_count` (the written-out ones above
+        compute the same, in the same order); False: a degenerate sample, nothing changed."""
         p = self._p
         px = [sum(map(mul, row, x)) for row in p]
         denom = self.forget + sum(map(mul, x, px))

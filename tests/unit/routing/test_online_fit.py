@@ -49,14 +49,7 @@ def test_online_fit_shrugs_off_outliers_and_follows_a_real_change() -> None:
 def _general(fit: OnlineLinear, x: tuple[float, ...], y: float) -> None:
     """`observe` through the general form (the reference the written-out updates match)."""
     if fit._observe_any(x, y):
-        p = fit._p
-        for i, p0 in enumerate(fit._p0):
-            if p[i][i] > p0:
-                s = (p0 / p[i][i]) ** 0.5
-                for row in p:
-                    row[i] *= s
-                p[i] = [v * s for v in p[i]]
-        fit.samples += 1
+        fit._bound_and_count()
 
 
 _VALUE = st.floats(min_value=0.0, max_value=8000.0, allow_nan=False)
