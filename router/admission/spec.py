@@ -160,7 +160,7 @@ def _budget(body: dict[str, Any], key: str) -> int | None:
     return v
 
 
-def _token_ids(v: list[Any], param: str) -> NoReturn:
+def _bad_token_id(v: list[Any], param: str) -> NoReturn:
     """The error naming the first id of `v` that is not a token id."""
     for t in v:
         if not _is_int(t) or t < 0 or t > MAX_TOKEN_ID:
@@ -208,9 +208,9 @@ def _one_prompt(p: object, param: str) -> tuple[str, tuple[int, ...] | None]:
         try:
             text = orjson.dumps(p)
         except orjson.JSONEncodeError:  # an int past 64 bits
-            _token_ids(p, param)
+            _bad_token_id(p, param)
         if text[1:-1].translate(None, _ID_TEXT) or max(p) > MAX_TOKEN_ID:
-            _token_ids(p, param)
+            _bad_token_id(p, param)
         return str(memoryview(text)[1:-1], "ascii") + ",", tuple(p)
     if p is None:
         raise _vllm_bad(_NO_PROMPT, param)
