@@ -61,29 +61,26 @@ async def start_target(
 ) -> tuple[int, Proc]:
     """Start target `name` on a free port (`wrap`: a command it runs under, e.g. valgrind)."""
     port = free_ports(1)[0]
+    slow = 10 if wrap else 1  # a start under valgrind takes that much longer
     mode, twin, rest = name.partition(BASE)
-    if twin:
-        if base_checkout is None or mode not in ROUTER_MODES or rest:
-            raise SystemExit(f"stream target {name!r}: only a router mode has a twin, with --base-checkout")
-        # PYTHONSAFEPATH: `python -m` would put the working directory (this checkout) first.
-        cfg = work / f"{mode}-base.toml"
-        cfg.write_text(router_toml(port, urls[: ROUTER_MODES[mode][1]], [], _router_options(mode)))
-        cmd = pinned([*wrap, *router_cmd(cfg)], cores)
-        proc = procs.start(name, cmd, {"PYTHONSAFEPATH": "1"}, root=str(base_checkout))
-        await wait_http(f"http://127.0.0.1:{port}/ready", proc, 60 * (1 + 9 * bool(wrap)))
-        return port, proc
+    if twin and (base_checkout is None or mode not in ROUTER_MODES or rest):
+        raise SystemExit(f"stream target {name!r}: only a router mode has a twin, with --base-checkout")
     if name == "passthrough":
         proc = procs.start(
             name,
             pinned([*wrap, PY, "-m", "bench.harness.passthrough", "--port", str(port), "--upstream", urls[0]], cores),
             ENV,
         )
-        await wait_http(f"http://127.0.0.1:{port}/health", proc, 30 * (1 + 19 * bool(wrap)))
-    elif name in ROUTER_MODES:
+        await wait_http(f"http://127.0.0.1:{port}/health", proc, 600 if wrap else 30)
+    elif mode in ROUTER_MODES:
         cfg = work / f"{name}.toml"
-        cfg.write_text(router_toml(port, urls[: ROUTER_MODES[name][1]], [], _router_options(name)))
-        proc = procs.start(name, pinned([*wrap, *router_cmd(cfg, profile)], cores), ENV)
-        await wait_http(f"http://127.0.0.1:{port}/ready", proc, 60 * (1 + 9 * bool(wrap)))
+        cfg.write_text(router_toml(port, urls[: ROUTER_MODES[mode][1]], [], _router_options(mode)))
+        if twin:  # PYTHONSAFEPATH: `python -m` would put the working directory (this checkout) first
+            cmd = pinned([*wrap, *router_cmd(cfg)], cores)
+            proc = procs.start(name, cmd, {"PYTHONSAFEPATH": "1"}, root=str(base_checkout))
+        else:
+            proc = procs.start(name, pinned([*wrap, *router_cmd(cfg, profile)], cores), ENV)
+        await wait_http(f"http://127.0.0.1:{port}/ready", proc, 60 * slow)
     elif name == "vllm_router_rr":
         exe = vllm_router_exe()
         if exe is None:
@@ -92,7 +89,7 @@ async def start_target(
         cmd = [*wrap, exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", urls[0]]
         cmd += ["--policy", "round_robin", "--prometheus-port", prom, "--log-level", "warning"]
         proc = procs.start(name, pinned(cmd, cores))
-        await wait_http(f"http://127.0.0.1:{port}/health", proc, 60 * (1 + 9 * bool(wrap)))
+        await wait_http(f"http://127.0.0.1:{port}/health", proc, 60 * slow)
     else:
         raise SystemExit(f"unknown stream target {name!r}")
     return port, proc
