@@ -171,39 +171,49 @@ async def pump_raw(
                 return UpstreamError(leg.backend, PROTOCOL, f"unreadable chunk: {e}")
         return None
 
+    def shape_batch(batch: list[bytes], events: list[bytes]) -> UpstreamError | None:
+        """Payloads received into `events`. Plain token chunks between the ones where
+        something is decided (a leg's first chunk, its finish and usage) go as one run; the
+        bytes only hint where the run is, `shape_run` checks every chunk of it."""
+        n = len(batch)
+        head, tail = 0, n
+        if n > 1:  # one chunk (a paced stream's): tried as a run, no hint needed
+            while head < n and not looks_plain(batch[head]):
+                head += 1
+            while tail - 1 > head and not looks_plain(batch[tail - 1]):  # batch[head] is plain
+                tail -= 1
+        bad = one_by_one(batch[:head], events) if head else None
+        if bad is None and head < tail:
+            run = batch if tail - head == n else batch[head:tail]
+            event = shape_run(run)
+            if event is not None:
+                events.append(event)
+            else:
+                bad = one_by_one(run, events)
+        if bad is None and tail < n:
+            bad = one_by_one(batch[tail:], events)
+        return bad
+
     try:
         # What the race read to decide (parsed), with what arrived after it: one write, not two.
         parsed: list[Any] = list(leg.buffered)
         batch = stream.ready_payloads() if parsed else await stream.next_payloads()
         while parsed or batch:
-            # Everything already received goes to the client in one write. Plain token
-            # chunks between the ones where something is decided (a leg's first chunk,
-            # its finish and usage) go as one run; the bytes only hint where the run is,
-            # `shape_run` checks every chunk of it.
+            # Everything already received goes to the client in one write.
             events: list[bytes] = []
             bad = one_by_one(parsed, events) if parsed else None
             parsed = []
-            n = len(batch)
-            head, tail = 0, n
-            if n > 1:  # one chunk (a paced stream's): tried as a run, no hint needed
-                while head < n and not looks_plain(batch[head]):
-                    head += 1
-                while tail - 1 > head and not looks_plain(batch[tail - 1]):  # batch[head] is plain
-                    tail -= 1
-            if bad is None and head:
-                bad = one_by_one(batch[:head], events)
-            if bad is None and head < tail:
-                run = batch if tail - head == n else batch[head:tail]
-                event = shape_run(run)
-                if event is not None:
-                    events.append(event)
-                else:
-                    bad = one_by_one(run, events)
-            if bad is None and tail < n:
-                bad = one_by_one(batch[tail:], events)
+            if bad is None:
+                bad = shape_batch(batch, events)
             if awaiting_first_token and answer.first_token_seen:
                 ctx.record_first_token(loop.time())
                 awaiting_first_token = False
+            if bad is None and not awaiting_first_token and stream.holds_bytes:
+                # An answer read at once: past its first chunks, its plain token chunks
+                # de-chunked and relayed by one split, the rest read as usual; same write.
+                if made := stream.take_held(shape_chunked):
+                    events.append(made)
+                bad = shape_batch(stream.ready_payloads(), events)
             if events:
                 # The leg's [DONE] came in this batch and the answer is complete: nothing
                 # else is written before the caller's finish, which sends these events with

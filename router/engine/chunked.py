@@ -139,11 +139,19 @@ def whole_chunks(data: bytes) -> tuple[list[bytes], int] | None:
     return payloads, len(data) - len(pieces[-1])
 
 
-def _chunk_by_chunk(data: bytes) -> tuple[list[bytes], int]:
+def leading_chunks_end(data: bytes, count: int) -> int:
+    """Where the first `count` chunks of `data` end when they are whole, each with a bare hex
+    size; else 0."""
+    out, pos = _chunk_by_chunk(data, count)
+    return pos if len(out) == count else 0
+
+
+def _chunk_by_chunk(data: bytes, most: int = -1) -> tuple[list[bytes], int]:
     out: list[bytes] = []
     pos, n = 0, len(data)
     find = data.find
-    while True:
+    while most:
+        most -= 1
         end = find(b"\r\n", pos)
         size = data[pos:end]
         if end < 0 or not size or size.strip(_HEX):

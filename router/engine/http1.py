@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from router.engine.chunked import ChunkedBody, ChunkError
+from router.engine.chunked import ChunkedBody, ChunkError, leading_chunks_end
 from router.engine.errors import BROKEN, MAX_ERROR_BODY, PROTOCOL, TOO_LARGE, AnswerTooLarge
 from router.engine.response_head import CHUNKED, LENGTH, MAX_HEAD_BYTES, TO_CLOSE, HeadError, body_framing, parse_head
 from router.engine.sse import SSEDecoder, SSEError
@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 
 # Connection states.
 _IDLE, _HEAD, _BODY, _DONE = 0, 1, 2, 3
+# A streamed answer's first read past this many body bytes (an answer read at once: ~8
+# token chunks and more) is read up to its first chunks only (a chat answer's first is its
+# role, the first token the second); the rest is held until the reader asks (`read_held`,
+# `wait`), by when the answer's first token is out and its plain token chunks can be
+# relayed on their bytes in one split (~0.45 us a chunk less than de-chunking, SSE framing
+# and the relay's three passes).
+HOLD_BYTES = 2048
+LEADING_CHUNKS = 2
 
 
 class LegConnection(asyncio.Protocol):
@@ -75,6 +83,8 @@ class LegConnection(asyncio.Protocol):
         # before is left: takes the read's leading whole chunks on their bytes (plain token
         # chunks: de-chunked, framed and relayed by one split); the bytes it took.
         self.direct_chunked: Callable[[bytes], int] | None = None
+        # The first read's body past its leading chunks, not yet read (`HOLD_BYTES`).
+        self.held = b""
 
     # -- the request --
 
@@ -86,6 +96,7 @@ class LegConnection(asyncio.Protocol):
         self.state = _HEAD
         self.got_bytes = self.body_done = self.discard = False
         self.failure = self.raw = self.direct = self.direct_chunked = None
+        self.held = b""
         self.status = 0
         self._head.clear()
         self.head_waiter = self.loop.create_future()
@@ -98,6 +109,8 @@ class LegConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.state == _BODY:
+            if self.held:  # not asked for in time: read before this read, as usual
+                data, self.held = self.held + data, b""
             self._body(data)
         elif self.state == _HEAD:
             self.got_bytes = True
@@ -106,6 +119,9 @@ class LegConnection(asyncio.Protocol):
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.held and self.state == _BODY:  # what came before the close is read first
+            held, self.held = self.held, b""
+            self._body(held)
         self.closed = True
         self.pool.forget(self)
         if self.state == _BODY and not self.body_done:
@@ -159,6 +175,10 @@ class LegConnection(asyncio.Protocol):
                 self.keep_alive = False
             self._end_of_body()
         elif rest:
+            if self.framing == CHUNKED and self.raw is None and len(rest) >= HOLD_BYTES:
+                cut = leading_chunks_end(rest, LEADING_CHUNKS)
+                if 0 < cut < len(rest):
+                    rest, self.held = rest[:cut], rest[cut:]
             self._body(rest)
         self._wake_head()
 
@@ -221,6 +241,18 @@ class LegConnection(asyncio.Protocol):
             return data
         taken = direct(data)
         return data[taken:] if taken else data
+
+    def read_held(self, offer: Callable[[bytes], int]) -> None:
+        """The held bytes (`HOLD_BYTES`) read now: `offer` takes what it can of their start on
+        their bytes (the bytes it took; only when every event read before was taken and none
+        is carried over), the rest is read as any read; the reader is not woken."""
+        data, self.held = self.held, b""
+        if not data or self.closed:
+            return
+        if not self.events and self.decoder.idle and self._chunks.between_chunks and self.failure is None:
+            data = data[offer(data) :]
+        if data:
+            self._body(data)
 
     def _deliver(self, data: bytes) -> None:
         if self.discard:
@@ -300,7 +332,10 @@ class LegConnection(asyncio.Protocol):
             if self.transport is not None and not self.closed:
                 self.transport.resume_reading()
         waiter = self.waiter = self.loop.create_future()
-        if self.failure is not None or self.body_done or self.closed:
+        if self.held:  # read as a read that came now: `direct_chunked` offered it first
+            held, self.held = self.held, b""
+            self._body(held)
+        if not waiter.done() and (self.failure is not None or self.body_done or self.closed):
             waiter.set_result(None)
         return waiter
 
@@ -309,6 +344,7 @@ class LegConnection(asyncio.Protocol):
         and may be followed by another request; read to the body's end first if not yet."""
         self.events = deque()
         self.raw = self.direct = self.direct_chunked = None
+        held, self.held = self.held, b""
         if self.closed:
             return
         if not self.keep_alive or (self.failure is not None and not self.body_done):
@@ -322,7 +358,10 @@ class LegConnection(asyncio.Protocol):
             self.transport.resume_reading()
         if not self.body_done:
             self.discard = True  # e.g. the last chunk's terminator has not arrived yet
-            self.pool.draining(self)
+            if held:
+                self._body(held)  # its end there: pooled (`_end_of_body`); bad: closed
+            if not self.body_done and not self.closed:
+                self.pool.draining(self)
         else:
             self.state = _IDLE
             self.failure = None
@@ -331,6 +370,7 @@ class LegConnection(asyncio.Protocol):
     def close(self) -> None:
         """Close the connection (an engine aborts the request it was answering)."""
         self.direct = self.direct_chunked = None
+        self.held = b""
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()

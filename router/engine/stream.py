@@ -44,8 +44,11 @@ class LegSource(Protocol):
     # Called with a read of a chunked body before it is read into events, where the
     # source can: the bytes it took of the read's start.
     direct_chunked: Callable[[bytes], int] | None
+    # A first read's body past its leading chunks, not yet read (router/engine/http1.py).
+    held: bytes
 
     def wait(self) -> Awaitable[None]: ...  # done once more events came or the leg ended
+    def read_held(self, offer: Callable[[bytes], int]) -> None: ...  # `held` read: `offer` first
     def release(self) -> None: ...  # the connection back to its pool
     def close(self) -> None: ...  # dropped: the engine aborts the request
 
@@ -53,7 +56,7 @@ class LegSource(Protocol):
 class AiohttpSource:
     """An aiohttp response read as a leg's events."""
 
-    __slots__ = ("_decoder", "_resp", "direct", "direct_chunked", "events", "failure")
+    __slots__ = ("_decoder", "_resp", "direct", "direct_chunked", "events", "failure", "held")
 
     def __init__(self, resp: aiohttp.ClientResponse):
         self._resp = resp
@@ -62,6 +65,10 @@ class AiohttpSource:
         self.failure: tuple[str, str] | None = None
         self.direct: Callable[[deque[bytes]], bool] | None = None  # never called: read in `wait`
         self.direct_chunked: Callable[[bytes], int] | None = None  # never called: aiohttp de-chunks
+        self.held = b""  # never any: aiohttp reads the body
+
+    def read_held(self, offer: Callable[[bytes], int]) -> None:
+        pass  # nothing is held
 
     async def wait(self) -> None:
         try:
@@ -237,6 +244,29 @@ class UpstreamStream:
             del out[out.index(b"[DONE]") :]
         self.chunks_read += len(out)
         return out
+
+    @property
+    def holds_bytes(self) -> bool:
+        """The source holds a first read's body past its leading chunks (`take_held`)."""
+        return bool(self._src.held)
+
+    def take_held(self, shape: Callable[[bytes], tuple[bytes, int, int] | None]) -> bytes:
+        """The held bytes read now: `shape` takes the plain token chunks they begin with on
+        their bytes ((the client's events, the bytes taken, chunks); None: none), the rest
+        become events as any read's (`ready_payloads`). What `shape` made of them, or b""."""
+        made = b""
+
+        def offer(data: bytes) -> int:
+            nonlocal made
+            shaped = shape(data)
+            if shaped is None:
+                return 0
+            made, taken, chunks = shaped
+            self._took(chunks)
+            return taken
+
+        self._src.read_held(offer)
+        return made
 
     @property
     def done(self) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 import orjson
+import pytest
 
 from router.admission.spec import parse_request
 from router.answer.progress import TokenIds
@@ -43,6 +44,9 @@ class ScriptedStream:
         self.chunked = False
         self.relay_chunked: Callable[[bytes], tuple[int, int]] | None = None
         self.relayed_chunked = 0  # events the chunked relay took
+        # The rest of an answer read at once, held by the connection past its first chunks.
+        self.held: list[bytes] = []
+        self.held_taken = 0  # of them, the chunks `take_held`'s shape took on their bytes
 
     def relay_from_reads(
         self,
@@ -53,7 +57,20 @@ class ScriptedStream:
 
     @property
     def done(self) -> bool:  # [DONE] comes with the last batch
-        return not self.batches
+        return not self.batches and not self.held
+
+    @property
+    def holds_bytes(self) -> bool:
+        return bool(self.held)
+
+    def take_held(self, shape: Callable[[bytes], tuple[bytes, int, int] | None]) -> bytes:
+        read = chunked_read(self.held)
+        self.held = []
+        shaped = shape(read)
+        made, taken, n = shaped if shaped is not None else (b"", 0, 0)
+        self.held_taken += n
+        self.ready += SSEDecoder().feed(ChunkedBody().feed(read[taken:]))
+        return made
 
     def ready_payloads(self) -> list[bytes]:
         out, self.ready = self.ready, []
@@ -69,7 +86,7 @@ class ScriptedStream:
             if self.relay is None or not self.offers:
                 return batch
             if self.chunked and self.relay_chunked is not None:
-                read = b"".join(b"%x\r\n%s\r\n" % (len(p) + 8, b"data: " + p + b"\n\n") for p in batch)
+                read = chunked_read(batch)
                 taken, n = self.relay_chunked(read)
                 rest = ChunkedBody().feed(read[taken:])
                 assert (taken == 0) == (n == 0)
@@ -98,6 +115,11 @@ class ScriptedStream:
 
     def finish(self) -> None:
         self.ended = "finished"
+
+
+def chunked_read(payloads: list[bytes]) -> bytes:
+    """The payloads as uvicorn writes them: an SSE event a chunk."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(p) + 8, b"data: " + p + b"\n\n") for p in payloads)
 
 
 def setup(
@@ -292,6 +314,24 @@ async def test_token_chunks_of_a_chunked_read_go_from_the_read_callback_on_its_b
     assert client.sent() == await parsed_answer(batches)
     assert list(shaper.answer.generated_token_ids) == [100 + i for i in range(8)]
     assert shaper.answer.generated_text == "".join(f" w{i}" for i in range(8))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_answer_read_at_once_goes_in_one_write_its_token_chunks_on_their_bytes(stream: bool) -> None:
+    payloads = words(12)
+    shaper, ctx, leg, scripted = setup([payloads[:2]], stream=stream)
+    scripted.held = payloads[2:]
+    client = ClientLog()
+    outcome = await pump_raw(ctx, leg, shaper, client.emit, direct=client if stream else None)
+    assert outcome.error is None
+    # w2 .. w10 on their bytes; w11 (the finish) and the usage chunk read the usual way
+    assert scripted.held_taken == 9
+    if stream:
+        assert len(client.writes) == 1
+        assert client.sent() == await parsed_answer([payloads])
+    assert list(shaper.answer.generated_token_ids) == [100 + i for i in range(12)]
+    assert shaper.answer.generated_text == "".join(f" w{i}" for i in range(12))
+    assert shaper.answer.finish_reason == "stop"
 
 
 async def test_a_client_whose_buffer_is_full_gets_its_chunks_from_the_pump() -> None:

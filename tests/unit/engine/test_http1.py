@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from router.engine.errors import BROKEN, PROTOCOL, TOO_LARGE
-from router.engine.http1 import LegConnection
+from router.engine.http1 import LEADING_CHUNKS, LegConnection
 
 
 class FakeTransport(asyncio.Transport):
@@ -99,6 +99,7 @@ async def test_a_backlog_read_in_pieces_reads_as_one_read(read: int) -> None:
     data = CHUNKED_HEAD + body
     for i in range(0, len(data), read):
         conn.data_received(data[i : i + read])
+    conn.wait()  # a first read's rest past its leading chunks is read when the reader asks
     assert list(conn.events) == expected
     assert conn.body_done
     assert conn.keep_alive
@@ -326,3 +327,73 @@ async def test_a_reader_woken_but_not_yet_run_keeps_the_order_of_events() -> Non
     waiter.set_result(None)  # woken, its task not yet run: nothing may overtake what it reads
     conn.data_received(chunk(b"data: 5\n\n"))
     assert list(conn.events) == [b"5"]
+
+
+def long_answer(events: int = 40) -> tuple[bytes, list[bytes]]:
+    """An answer whose body is well past `HOLD_BYTES` (held past its first chunks), and its events."""
+    payloads = [b'{"token":%d,"text":"%s"}' % (i, b"w" * 60) for i in range(events)] + [b"[DONE]"]
+    body = b"".join(chunk(b"data: " + p + b"\n\n") for p in payloads) + b"0\r\n\r\n"
+    return body, payloads
+
+
+async def test_an_answer_read_at_once_is_read_to_its_first_chunks_the_rest_when_asked() -> None:
+    conn, _, _ = connection()
+    body, payloads = long_answer()
+    conn.data_received(CHUNKED_HEAD + body)
+    assert list(conn.events) == payloads[:LEADING_CHUNKS]
+    conn.events.clear()
+    assert conn.wait().done()
+    assert list(conn.events) == payloads[LEADING_CHUNKS:]
+    assert conn.body_done
+
+
+@pytest.mark.parametrize("taken_first", [True, False])
+async def test_the_held_rest_is_offered_on_its_bytes_once_every_event_before_it_was_taken(taken_first: bool) -> None:
+    conn, _, _ = connection()
+    body, payloads = long_answer()
+    conn.data_received(CHUNKED_HEAD + body)
+    if taken_first:
+        conn.events.clear()
+    offered: list[bytes] = []
+
+    def take_three(data: bytes) -> int:
+        offered.append(data)
+        pos = 0
+        for _ in range(3):
+            size, _, _ = data[pos:].partition(b"\r\n")
+            pos += len(size) + 2 + int(size, 16) + 2
+        return pos
+
+    conn.read_held(take_three)
+    lead = b"".join(chunk(b"data: " + p + b"\n\n") for p in payloads[:LEADING_CHUNKS])
+    assert offered == ([body[len(lead) :]] if taken_first else [])
+    assert list(conn.events) == (payloads[LEADING_CHUNKS + 3 :] if taken_first else payloads)
+    assert conn.body_done
+    assert not conn.held
+
+
+async def test_a_read_after_a_held_rest_comes_after_it() -> None:
+    conn, _, _ = connection()
+    body, payloads = long_answer()
+    cut = body.index(b"[DONE]") - 10
+    conn.data_received(CHUNKED_HEAD + body[:cut])
+    conn.data_received(body[cut:])
+    assert list(conn.events) == payloads
+    assert conn.body_done
+
+
+async def test_released_while_holding_the_body_s_end_the_connection_is_pooled() -> None:
+    conn, transport, pool = connection()
+    conn.data_received(CHUNKED_HEAD + long_answer()[0])
+    conn.release()
+    assert (pool.released, pool.drained, transport.closed) == ([conn], [], False)
+
+
+async def test_a_held_whole_answer_then_the_engine_s_close_is_not_a_broken_leg() -> None:
+    conn, _, _ = connection()
+    body, payloads = long_answer()
+    conn.data_received(CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n") + body)
+    conn.connection_lost(None)
+    # the body's own end (its mark is read only where no [DONE] came), not a lost connection
+    assert conn.failure == (BROKEN, "stream ended without [DONE]")
+    assert list(conn.events) == payloads
