@@ -139,11 +139,11 @@ def whole_chunks(data: bytes) -> tuple[list[bytes], int] | None:
     return payloads, len(data) - len(pieces[-1])
 
 
-def leading_chunks_end(data: bytes, count: int) -> int:
-    """Where the first `count` chunks of `data` end when they are whole, each with a bare hex
-    size; else 0."""
+def leading_chunks(data: bytes, count: int) -> tuple[list[bytes], int]:
+    """(the payloads, where they end) of the first `count` chunks of `data` when they are
+    whole, each with a bare hex size; else ([], 0)."""
     out, pos = _chunk_by_chunk(data, count)
-    return pos if len(out) == count else 0
+    return (out, pos) if len(out) == count else ([], 0)
 
 
 def _chunk_by_chunk(data: bytes, most: int = -1) -> tuple[list[bytes], int]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from router.engine.errors import BROKEN, PROTOCOL, TOO_LARGE
-from router.engine.http1 import LEADING_CHUNKS, LegConnection
+from router.engine.http1 import HOLD_BYTES, LEADING_CHUNKS, LegConnection
 
 
 class FakeTransport(asyncio.Transport):
@@ -329,7 +329,7 @@ async def test_a_reader_woken_but_not_yet_run_keeps_the_order_of_events() -> Non
     assert list(conn.events) == [b"5"]
 
 
-def long_answer(events: int = 40) -> tuple[bytes, list[bytes]]:
+def long_answer(events: int = HOLD_BYTES // 50) -> tuple[bytes, list[bytes]]:
     """An answer whose body is well past `HOLD_BYTES` (held past its first chunks), and its events."""
     payloads = [b'{"token":%d,"text":"%s"}' % (i, b"w" * 60) for i in range(events)] + [b"[DONE]"]
     body = b"".join(chunk(b"data: " + p + b"\n\n") for p in payloads) + b"0\r\n\r\n"
