@@ -19,6 +19,7 @@ from router.engine.errors import ENGINE_ERROR, IDLE_TIMEOUT, PROTOCOL, UpstreamE
 from router.engine.stream import UpstreamStream
 from support.polling import eventually
 from support.ports import site_port
+from support.raw_server import RawServer, chunk, writes
 
 
 def event(payload: bytes) -> bytes:
@@ -78,6 +79,29 @@ async def test_next_chunks_returns_everything_received_in_one_read(serve_sse: Se
         stream.finish()
     finally:
         await client.close()
+
+
+async def test_an_answer_written_at_once_past_the_held_bound_is_read_whole_in_order() -> None:
+    # Its first read holds the head and every chunk: read to its first chunks, the rest when
+    # the reader asks (router/engine/http1.py); the connection is reused after it.
+    payloads = [b'{"n":%d,"text":"%s"}' % (i, b"w" * 80) for i in range(200)]
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer += b"".join(chunk(event(p)) for p in [*payloads, b"[DONE]"]) + b"0\r\n\r\n"
+    server = RawServer(writes(answer))
+    await server.start()
+    client = UpstreamClient(TimeoutsConfig())
+    try:
+        for _ in range(2):
+            stream = await client.open_stream("b", server.url, "/v1/completions", {})
+            got = []
+            while batch := await stream.next_payloads():
+                got += batch
+            assert got == payloads
+            stream.finish()
+        assert server.connections == 1
+    finally:
+        await client.close()
+        await server.stop()
 
 
 @pytest.mark.parametrize(
