@@ -6,8 +6,9 @@ it took 1.2-2.4x the CPU of this client (16- and 256-chunk streams, docs/BENCHMA
 10-25% of the router's CPU per streamed request. Here the protocol de-chunks the body in
 `data_received` and feeds the SSE decoder directly; the leg's reader is woken by one
 future, only when it is waiting, and not at all for events its `direct` callback relays
-there (plain token chunks go to the client from this callback). One response at a time,
-no pipelining.
+there (plain token chunks go to the client from this callback); an answer read at once is
+read to its first chunks and the rest held for the same relay (`HOLD_BYTES`). One response
+at a time, no pipelining.
 
 The response head is parsed strictly (router/engine/response_head.py); the body is
 chunked, Content-Length or read to close. A connection goes back to its pool
