@@ -240,13 +240,15 @@ class LegConnection(asyncio.Protocol):
                 return b""  # the read broke the grammar: nothing after it is read
             data = data[left:]
         waiter, direct = self.waiter, self.direct_chunked
-        # Not past events the reader has yet to take, nor an event the decoder carries over.
-        if direct is None or self.events or waiter is None or waiter.done() or self.raw is not None:
-            return data
-        if not self.decoder.idle:
+        if direct is None or waiter is None or waiter.done() or not self._all_taken():
             return data
         taken = direct(data)
         return data[taken:] if taken else data
+
+    def _all_taken(self) -> bool:
+        """A read may be offered on its bytes: not past events the reader has yet to take,
+        nor an event the decoder carries over (nor an answer kept whole or an error's body)."""
+        return not self.events and self.raw is None and self.decoder.idle
 
     def read_held(self, offer: Callable[[bytes], int]) -> None:
         """The held bytes (`HOLD_BYTES`) read now: `offer` takes what it can of their start on
@@ -255,7 +257,7 @@ class LegConnection(asyncio.Protocol):
         data, self.held = self.held, b""
         if not data or self.closed:
             return
-        if not self.events and self.decoder.idle and self._chunks.between_chunks and self.failure is None:
+        if self._all_taken() and self._chunks.between_chunks and self.failure is None:
             data = data[offer(data) :]
         if data:
             self._body(data)
