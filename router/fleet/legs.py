@@ -6,11 +6,17 @@ ITL SLO, splits whose KV is on its way."""
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed
 from router.routing.goodput import Slo, prefill_stalls
 from router.routing.speed_learner import OWN_FIT_SAMPLES, SpeedLearner
+
+# Legs remembered per engine, (order sent, clock, prompt tokens), for the prompts sent
+# behind a leg that shared its last prefill step (`EngineLegs.sent_behind`).
+RECENT_SENDS = 256
 
 
 @dataclass(slots=True)
@@ -42,6 +48,10 @@ class LegTicket:
     # engine's KV-event index fresh): its speed sample is taken at its first token, not at its end.
     known_hits: tuple[int, int] | None = None
     taught: bool = False  # its first-token sample has taught the speed
+    sent_no: int = 0  # its place in the order of legs sent to its engine (`EngineLegs.opened`)
+    # Prompt tokens of legs sent to its engine behind it while its prefill's last chunk
+    # could still take them in (`last_step_window`), counted at its first token.
+    behind_tokens: int = 0
 
     @property
     def nothing_ahead(self) -> bool:
@@ -74,6 +84,8 @@ class EngineLegs:
     awaiting_kv: list[LegTicket] = field(default_factory=list)
     # Legs sent and without a first token, oldest first (keyed by id: tickets compare by value).
     unanswered: dict[int, LegTicket] = field(default_factory=dict)
+    sent: int = 0  # legs sent so far
+    recent: deque[tuple[int, float, int]] = field(default_factory=lambda: deque(maxlen=RECENT_SENDS))
 
     @property
     def prefilling_since(self) -> float:
@@ -83,6 +95,9 @@ class EngineLegs:
         return float("inf") if oldest is None else oldest.sent_at
 
     def opened(self, ticket: LegTicket) -> None:
+        self.sent += 1
+        ticket.sent_no = self.sent
+        self.recent.append((self.sent, ticket.sent_at, ticket.tokens))
         self.unanswered[id(ticket)] = ticket
         if ticket.kv_deadline is not None:
             self.awaiting_kv.append(ticket)
@@ -99,6 +114,16 @@ class EngineLegs:
             ticket.clean_epoch = self.epoch
             self.clean += 1
 
+    def sent_behind(self, ticket: LegTicket, until: float) -> int:
+        """Prompt tokens of the legs sent here after `ticket` and before `until` (clock)."""
+        total = 0
+        for sent_no, sent_at, tokens in reversed(self.recent):
+            if sent_no <= ticket.sent_no:
+                break
+            if sent_at < until:
+                total += tokens
+        return total
+
     def kv_awaited_s(self, now: float) -> tuple[float, ...]:
         """Seconds until each awaited split's TTFT SLO runs out."""
         return tuple(t.kv_deadline - now for t in self.awaiting_kv if t.kv_deadline is not None)
@@ -114,7 +139,27 @@ class EngineLegs:
             self.clean -= 1
 
 
-def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens: int, held_tokens: int) -> float | None:
+def last_step_window(speed: EngineSpeed, tokens: int, decoding: float, chunk: float) -> float:
+    """Seconds from sending a prompt of `tokens` to an engine with nothing queued until its
+    last prefill chunk is scheduled: its chunks before it, each a full step of `chunk` tokens."""
+    return max(math.ceil(tokens / chunk) - 1, 0) * speed.ttft(chunk, decoding)
+
+
+def last_step_share(lacking: int, behind: int, chunk: float) -> int:
+    """Prompt tokens of legs sent behind a leg that its engine computed in the leg's last
+    prefill step. vLLM fills each step's token budget (`chunk`, max_num_batched_tokens) from
+    its waiting queue in arrival order, so a prompt of several chunks whose last is short
+    shares that step with prompts sent behind it while its earlier chunks ran (`behind`),
+    and its first token waits for their tokens too."""
+    if lacking <= chunk:
+        return 0
+    last = lacking - (math.ceil(lacking / chunk) - 1) * chunk
+    return int(min(chunk - last, max(behind, 0)))
+
+
+def first_token_sample(
+    learner: SpeedLearner, ticket: LegTicket, lacking_tokens: int, held_tokens: int, chunk: float
+) -> float | None:
     """One speed sample from a leg that reached its first token, now that its usage says
     how many prompt tokens it lacked and held. Returns the observed seconds to first
     token. The held tokens' load time (CPU tier) is the scraped counters' to explain,
@@ -126,16 +171,19 @@ def first_token_sample(learner: SpeedLearner, ticket: LegTicket, lacking_tokens:
     whole until its first token, however much of it the engine has computed, so a leg sent
     late in another's prefill reads as fast (4,954 + 3,155 tokens in 1.2 s, where 4,954
     alone took 1.7 s). Such samples held the learned per-token cost at 180-245 us where
-    the engines took 333 (bench/RESULTS.md)."""
+    the engines took 333 (bench/RESULTS.md). What the engine computed of prompts sent
+    behind it in its last prefill step (`last_step_share`) is counted with its own tokens:
+    taken as its own, a burst's 586-token prompt that took 2.4 s (its second step filled by
+    the prompts behind it) taught 4.4 ms a token where the engine took 2.7."""
     if ticket.first_token_at is None:
         return None
     seconds = ticket.first_token_at - ticket.sent_at
     if ticket.nothing_ahead and not ticket.taught:
         ticket.taught = True
         loading = learner.speed(ticket.backend).held_cost_s(held_tokens)
-        learner.observe_first_token(
-            ticket.backend, max(lacking_tokens, 0), ticket.decoding, max(seconds - loading, 0.0)
-        )
+        lacking = max(lacking_tokens, 0)
+        computed = lacking + last_step_share(lacking, ticket.behind_tokens, chunk)
+        learner.observe_first_token(ticket.backend, computed, ticket.decoding, max(seconds - loading, 0.0))
     return seconds
 
 

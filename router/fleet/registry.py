@@ -40,7 +40,7 @@ from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
-from router.fleet.legs import decode_sample, first_token_sample, queued_ahead, stalls_decoding
+from router.fleet.legs import decode_sample, first_token_sample, last_step_window, queued_ahead, stalls_decoding
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -48,6 +48,8 @@ from router.routing.goodput import Slo
 from router.routing.kv_index import KvIndex
 from router.routing.snapshot import BackendView, ClusterSnapshot
 from router.routing.speed_learner import SpeedLearner
+
+DEFAULT_SLO = Slo()
 
 log = logging.getLogger("cachehit_router.backends")
 
@@ -209,6 +211,11 @@ class BackendRegistry:
         s.queued_tokens += ticket.tokens
         return ticket
 
+    @property
+    def chunk_tokens(self) -> float:
+        """vLLM's prefill chunk (max_num_batched_tokens: routing.prefill_chunk_tokens)."""
+        return (self.slo or DEFAULT_SLO).chunk_tokens
+
     def first_token(self, ticket: LegTicket, at: float | None = None) -> None:
         """The leg's first token arrived: its prefill left the engine's queue."""
         if ticket.first_token_at is not None or ticket.closed:
@@ -227,8 +234,12 @@ class BackendRegistry:
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = s.scraped_decoding
             ticket.prefilled_at_first = s.prefilled_tokens
+            chunk = self.chunk_tokens
+            if ticket.nothing_ahead and ticket.tokens > chunk:  # a speed sample whose last step others may share
+                until = ticket.sent_at + last_step_window(speed, ticket.tokens, ticket.decoding, chunk)
+                ticket.behind_tokens = s.legs.sent_behind(ticket, until)
             if ticket.known_hits is not None:  # a sample now, seconds before its usage arrives
-                first_token_sample(self.learner, ticket, *ticket.known_hits)
+                first_token_sample(self.learner, ticket, *ticket.known_hits, chunk)
 
     def close_leg(self, ticket: LegTicket) -> None:
         """The leg ended (finished, failed, cancelled). Safe to call more than once."""
@@ -248,7 +259,7 @@ class BackendRegistry:
 
     def learn_first_token(self, ticket: LegTicket, lacking_tokens: int, held_tokens: int = 0) -> float | None:
         """A leg's first-token speed sample (legs.py); the observed seconds to first token."""
-        return first_token_sample(self.learner, ticket, lacking_tokens, held_tokens)
+        return first_token_sample(self.learner, ticket, lacking_tokens, held_tokens, self.chunk_tokens)
 
     def learn_decode(self, ticket: LegTicket, tokens: int) -> None:
         """A decode-step sample of an ended leg that generated `tokens` (legs.py)."""

@@ -9,10 +9,11 @@ from collections.abc import Callable
 import pytest
 
 from router.config.schema import BackendConfig, HealthConfig
+from router.fleet.legs import last_step_share
 from router.fleet.registry import BackendRegistry
 from router.routing.costmodel import EngineSpeed
 from router.routing.goodput import Slo
-from router.routing.speed_learner import OWN_FIT_SAMPLES
+from router.routing.speed_learner import OWN_FIT_SAMPLES, SpeedLearner
 from support.snapshots import registry_view
 
 
@@ -117,6 +118,40 @@ def test_a_leg_whose_hits_were_known_when_sent_teaches_at_its_first_token_and_on
     assert r.learner._engines["d0"].samples == 1
     r.learn_first_token(other, 3000)
     assert r.learner._engines["d0"].samples == 2
+
+
+def test_a_prompts_last_step_is_shared_with_the_prompts_sent_behind_it_up_to_the_chunk() -> None:
+    assert last_step_share(300, 1000, 512) == 0  # one step, its own
+    assert last_step_share(600, 1000, 512) == 424  # the second step: 88 of its tokens, 424 of theirs
+    assert last_step_share(600, 100, 512) == 100
+    assert last_step_share(1024, 1000, 512) == 0  # two full steps
+    assert last_step_share(0, 1000, 512) == 0
+
+
+def test_a_speed_sample_counts_what_prompts_sent_behind_it_added_to_its_last_step() -> None:
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    r.slo = Slo(chunk_tokens=512)
+    leg = r.open_leg("d0", 600, known_hits=(600, 0))
+    # Its first step (512 tokens) is predicted at 0.02 + 512 x 100 us = 71 ms: a prompt sent
+    # by then joins its second; one sent after that waits for the next.
+    now[0] = 0.05
+    r.open_leg("d0", 400)
+    now[0] = 0.1
+    r.open_leg("d0", 300)
+    now[0] = 0.5
+    r.first_token(leg)
+    assert leg.behind_tokens == 400
+    expected = SpeedLearner()
+    expected.observe_first_token("d0", 600 + 400, 0.0, 0.5)
+    assert r.learner.speed("d0") == expected.speed("d0")
+    # A prompt of one chunk shares no step with those behind it: nothing is counted.
+    now[0] = 1.0
+    one = r.open_leg("d0", 500)
+    r.open_leg("d0", 400)
+    now[0] = 1.2
+    r.first_token(one)
+    assert one.behind_tokens == 0
 
 
 def _measured(r: BackendRegistry, name: str) -> EngineSpeed:
