@@ -49,8 +49,8 @@ class LegTicket:
     known_hits: tuple[int, int] | None = None
     taught: bool = False  # its first-token sample has taught the speed
     sent_no: int = 0  # its place in the order of legs sent to its engine (`EngineLegs.opened`)
-    # Prompt tokens of legs sent to its engine behind it while its prefill's last chunk
-    # could still take them in (`last_step_window`), counted at its first token.
+    # Prompt tokens of legs sent to its engine behind it before its prefill's last chunk was
+    # scheduled (`behind_in_last_step`), counted at its first token.
     behind_tokens: int = 0
 
     @property
@@ -139,10 +139,26 @@ class EngineLegs:
             self.clean -= 1
 
 
-def last_step_window(speed: EngineSpeed, tokens: int, decoding: float, chunk: float) -> float:
-    """Seconds from sending a prompt of `tokens` to an engine with nothing queued until its
-    last prefill chunk is scheduled: its chunks before it, each a full step of `chunk` tokens."""
-    return max(math.ceil(tokens / chunk) - 1, 0) * speed.ttft(chunk, decoding)
+def behind_in_last_step(legs: EngineLegs, ticket: LegTicket, seconds: float, chunk: float) -> int:
+    """Prompt tokens of legs sent behind `ticket` (nothing queued ahead of it) before its
+    prefill's last chunk was scheduled, at most what that step had room for; `seconds`: its
+    observed time to first token. Its steps are taken to last in proportion to their tokens
+    (a step's fixed cost is small beside a full chunk's), so the last began after
+    (chunks before it) / (all tokens of its steps) of that time. The speed learned so far
+    cannot say when: it may be the prior, off by an order of magnitude. The start depends on
+    the tokens it gets, which depend on the start: two rounds bracket them, and their mean
+    is taken."""
+    lacking = ticket.tokens
+    if lacking <= chunk:
+        return 0
+    before_last = (math.ceil(lacking / chunk) - 1) * chunk
+    room = before_last + chunk - lacking
+
+    def behind(shared: float) -> int:
+        return min(legs.sent_behind(ticket, ticket.sent_at + seconds * before_last / (lacking + shared)), int(room))
+
+    most = behind(0.0)
+    return (most + behind(most)) // 2
 
 
 def last_step_share(lacking: int, behind: int, chunk: float) -> int:

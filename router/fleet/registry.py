@@ -40,7 +40,7 @@ from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
-from router.fleet.legs import decode_sample, first_token_sample, last_step_window, queued_ahead, stalls_decoding
+from router.fleet.legs import behind_in_last_step, decode_sample, first_token_sample, queued_ahead, stalls_decoding
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -236,8 +236,7 @@ class BackendRegistry:
             ticket.prefilled_at_first = s.prefilled_tokens
             chunk = self.chunk_tokens
             if ticket.nothing_ahead and ticket.tokens > chunk:  # a speed sample whose last step others may share
-                until = ticket.sent_at + last_step_window(speed, ticket.tokens, ticket.decoding, chunk)
-                ticket.behind_tokens = s.legs.sent_behind(ticket, until)
+                ticket.behind_tokens = behind_in_last_step(s.legs, ticket, t - ticket.sent_at, chunk)
             if ticket.known_hits is not None:  # a sample now, seconds before its usage arrives
                 first_token_sample(self.learner, ticket, *ticket.known_hits, chunk)
 

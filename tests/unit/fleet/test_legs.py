@@ -133,25 +133,43 @@ def test_a_speed_sample_counts_what_prompts_sent_behind_it_added_to_its_last_ste
     r = _registry(lambda: now[0])
     r.slo = Slo(chunk_tokens=512)
     leg = r.open_leg("d0", 600, known_hits=(600, 0))
-    # Its first step (512 tokens) is predicted at 0.02 + 512 x 100 us = 71 ms: a prompt sent
-    # by then joins its second; one sent after that waits for the next.
-    now[0] = 0.05
+    # Its first token comes at 1.0 s: with 400 tokens of another prompt in its last step, that
+    # step began after 512 / 1,000 of it. A prompt sent by then joins; one sent at 0.9 s
+    # (after even 512 / 600 of it) does not.
+    now[0] = 0.2
     r.open_leg("d0", 400)
-    now[0] = 0.1
+    now[0] = 0.9
     r.open_leg("d0", 300)
-    now[0] = 0.5
+    now[0] = 1.0
     r.first_token(leg)
     assert leg.behind_tokens == 400
     expected = SpeedLearner()
-    expected.observe_first_token("d0", 600 + 400, 0.0, 0.5)
+    expected.observe_first_token("d0", 600 + 400, 0.0, 1.0)
     assert r.learner.speed("d0") == expected.speed("d0")
     # A prompt of one chunk shares no step with those behind it: nothing is counted.
-    now[0] = 1.0
+    now[0] = 2.0
     one = r.open_leg("d0", 500)
     r.open_leg("d0", 400)
-    now[0] = 1.2
+    now[0] = 2.2
     r.first_token(one)
     assert one.behind_tokens == 0
+
+
+def test_what_a_last_step_shares_is_bounded_by_its_room_and_bracketed_by_when_it_began() -> None:
+    now = [0.0]
+    r = _registry(lambda: now[0])
+    r.slo = Slo(chunk_tokens=512)
+    leg = r.open_leg("d0", 600)
+    for at, tokens in ((0.1, 300), (0.3, 100), (0.7, 300)):
+        now[0] = at
+        r.open_leg("d0", tokens)
+    now[0] = 1.0
+    r.first_token(leg)
+    # Taken as its own tokens alone, its last step began at 0.85 s: 700 tokens were behind
+    # it by then, 424 of them fit. With those 424 it began at 0.50 s: 400 behind. The mean.
+    assert leg.behind_tokens == 412
+    r.learn_first_token(leg, 600)
+    assert r.learner._engines["d0"].samples == 1
 
 
 def _measured(r: BackendRegistry, name: str) -> EngineSpeed:
