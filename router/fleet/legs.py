@@ -15,7 +15,7 @@ from router.routing.goodput import Slo, prefill_stalls
 from router.routing.speed_learner import OWN_FIT_SAMPLES, SpeedLearner
 
 # Legs remembered per engine, (order sent, clock, prompt tokens), for the prompts sent
-# behind a leg that shared its last prefill step (`EngineLegs.sent_behind`).
+# behind a leg that may have shared its last prefill step (`EngineLegs.sent_behind`).
 RECENT_SENDS = 256
 
 
@@ -49,9 +49,9 @@ class LegTicket:
     known_hits: tuple[int, int] | None = None
     taught: bool = False  # its first-token sample has taught the speed
     sent_no: int = 0  # its place in the order of legs sent to its engine (`EngineLegs.opened`)
-    # Prompt tokens of legs sent to its engine behind it before its prefill's last chunk was
-    # scheduled (`behind_in_last_step`), counted at its first token.
-    behind_tokens: int = 0
+    # Legs sent to its engine behind it before its first token, (seconds after it, prompt
+    # tokens), where it may teach the speed: some may have shared its last prefill step.
+    behind: tuple[tuple[float, int], ...] = ()
 
     @property
     def nothing_ahead(self) -> bool:
@@ -114,15 +114,16 @@ class EngineLegs:
             ticket.clean_epoch = self.epoch
             self.clean += 1
 
-    def sent_behind(self, ticket: LegTicket, until: float) -> int:
-        """Prompt tokens of the legs sent here after `ticket` and before `until` (clock)."""
-        total = 0
+    def sent_behind(self, ticket: LegTicket, until: float) -> tuple[tuple[float, int], ...]:
+        """The legs sent here after `ticket` and before `until` (clock), in the order sent:
+        (seconds after it, prompt tokens)."""
+        behind = []
         for sent_no, sent_at, tokens in reversed(self.recent):
             if sent_no <= ticket.sent_no:
                 break
             if sent_at < until:
-                total += tokens
-        return total
+                behind.append((sent_at - ticket.sent_at, tokens))
+        return tuple(reversed(behind))
 
     def kv_awaited_s(self, now: float) -> tuple[float, ...]:
         """Seconds until each awaited split's TTFT SLO runs out."""
@@ -139,38 +140,29 @@ class EngineLegs:
             self.clean -= 1
 
 
-def behind_in_last_step(legs: EngineLegs, ticket: LegTicket, seconds: float, chunk: float) -> int:
-    """Prompt tokens of legs sent behind `ticket` (nothing queued ahead of it) before its
-    prefill's last chunk was scheduled, at most what that step had room for; `seconds`: its
-    observed time to first token. Its steps are taken to last in proportion to their tokens
-    (a step's fixed cost is small beside a full chunk's), so the last began after
-    (chunks before it) / (all tokens of its steps) of that time. The speed learned so far
-    cannot say when: it may be the prior, off by an order of magnitude. The start depends on
-    the tokens it gets, which depend on the start: two rounds bracket them, and their mean
-    is taken."""
-    lacking = ticket.tokens
-    if lacking <= chunk:
+def last_step_share(lacking: int, seconds: float, behind: tuple[tuple[float, int], ...], chunk: float) -> int:
+    """Prompt tokens of legs sent behind a leg (`behind`: seconds after it, tokens) that its
+    engine computed in the leg's last prefill step; `seconds`: its time to first token.
+
+    vLLM fills each step's token budget (`chunk`, max_num_batched_tokens) from its waiting
+    queue in arrival order, so a prompt of several chunks whose last is short shares that
+    step with prompts sent while its earlier chunks ran, and its first token waits for
+    their tokens too. Its steps are taken to last in proportion to their tokens (a step's
+    fixed cost is small beside a full chunk's), so the last began after (chunks before it)
+    / (all tokens of its steps) of its time; the speed learned so far cannot say when (it
+    may be the prior, off by an order of magnitude). That start depends on the tokens it
+    took, which depend on the start: two rounds bracket them, and their mean is taken."""
+    if lacking <= chunk or not behind:
         return 0
     before_last = (math.ceil(lacking / chunk) - 1) * chunk
-    room = before_last + chunk - lacking
+    room = int(before_last + chunk - lacking)
 
-    def behind(shared: float) -> int:
-        return min(legs.sent_behind(ticket, ticket.sent_at + seconds * before_last / (lacking + shared)), int(room))
+    def taken(shared: float) -> int:
+        start = seconds * before_last / (lacking + shared)
+        return min(sum(tokens for after, tokens in behind if after < start), room)
 
-    most = behind(0.0)
-    return (most + behind(most)) // 2
-
-
-def last_step_share(lacking: int, behind: int, chunk: float) -> int:
-    """Prompt tokens of legs sent behind a leg that its engine computed in the leg's last
-    prefill step. vLLM fills each step's token budget (`chunk`, max_num_batched_tokens) from
-    its waiting queue in arrival order, so a prompt of several chunks whose last is short
-    shares that step with prompts sent behind it while its earlier chunks ran (`behind`),
-    and its first token waits for their tokens too."""
-    if lacking <= chunk:
-        return 0
-    last = lacking - (math.ceil(lacking / chunk) - 1) * chunk
-    return int(min(chunk - last, max(behind, 0)))
+    most = taken(0.0)
+    return (most + taken(most)) // 2
 
 
 def first_token_sample(
@@ -188,7 +180,7 @@ def first_token_sample(
     late in another's prefill reads as fast (4,954 + 3,155 tokens in 1.2 s, where 4,954
     alone took 1.7 s). Such samples held the learned per-token cost at 180-245 us where
     the engines took 333 (bench/RESULTS.md). What the engine computed of prompts sent
-    behind it in its last prefill step (`last_step_share`) is counted with its own tokens:
+    behind it in its last prefill step (`last_step_share`) counts with its own tokens:
     taken as its own, a burst's 586-token prompt that took 2.4 s (its second step filled by
     the prompts behind it) taught 4.4 ms a token where the engine took 2.7."""
     if ticket.first_token_at is None:
@@ -198,7 +190,7 @@ def first_token_sample(
         ticket.taught = True
         loading = learner.speed(ticket.backend).held_cost_s(held_tokens)
         lacking = max(lacking_tokens, 0)
-        computed = lacking + last_step_share(lacking, ticket.behind_tokens, chunk)
+        computed = lacking + last_step_share(lacking, seconds, ticket.behind, chunk)
         learner.observe_first_token(ticket.backend, computed, ticket.decoding, max(seconds - loading, 0.0))
     return seconds
 

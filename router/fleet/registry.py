@@ -40,7 +40,7 @@ from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
-from router.fleet.legs import behind_in_last_step, decode_sample, first_token_sample, queued_ahead, stalls_decoding
+from router.fleet.legs import decode_sample, first_token_sample, queued_ahead, stalls_decoding
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -234,11 +234,10 @@ class BackendRegistry:
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = s.scraped_decoding
             ticket.prefilled_at_first = s.prefilled_tokens
-            chunk = self.chunk_tokens
-            if ticket.nothing_ahead and ticket.tokens > chunk:  # a speed sample whose last step others may share
-                ticket.behind_tokens = behind_in_last_step(s.legs, ticket, t - ticket.sent_at, chunk)
+            if ticket.nothing_ahead and not ticket.taught:  # a speed sample to come
+                ticket.behind = s.legs.sent_behind(ticket, t)
             if ticket.known_hits is not None:  # a sample now, seconds before its usage arrives
-                first_token_sample(self.learner, ticket, *ticket.known_hits, chunk)
+                first_token_sample(self.learner, ticket, *ticket.known_hits, self.chunk_tokens)
 
     def close_leg(self, ticket: LegTicket) -> None:
         """The leg ended (finished, failed, cancelled). Safe to call more than once."""

@@ -120,56 +120,39 @@ def test_a_leg_whose_hits_were_known_when_sent_teaches_at_its_first_token_and_on
     assert r.learner._engines["d0"].samples == 2
 
 
-def test_a_prompts_last_step_is_shared_with_the_prompts_sent_behind_it_up_to_the_chunk() -> None:
-    assert last_step_share(300, 1000, 512) == 0  # one step, its own
-    assert last_step_share(600, 1000, 512) == 424  # the second step: 88 of its tokens, 424 of theirs
-    assert last_step_share(600, 100, 512) == 100
-    assert last_step_share(1024, 1000, 512) == 0  # two full steps
-    assert last_step_share(0, 1000, 512) == 0
+def test_a_prompts_last_step_is_shared_with_the_prompts_sent_while_its_earlier_chunks_ran() -> None:
+    behind = ((0.2, 400), (0.9, 300))
+    assert last_step_share(300, 1.0, behind, 512) == 0  # one step, its own
+    # 600 tokens in 1.0 s: its last step began after 512 / 600 of it (0.85 s) with its own
+    # tokens alone, after 512 / 1,000 (0.51 s) with the 400 sent at 0.2 s: both rounds agree.
+    assert last_step_share(600, 1.0, behind, 512) == 400
+    assert last_step_share(600, 1.0, ((0.1, 300), (0.3, 100), (0.7, 300)), 512) == (424 + 400) // 2
+    assert last_step_share(1024, 1.0, behind, 512) == 0  # two full steps: no room
+    assert last_step_share(600, 1.0, (), 512) == 0
 
 
 def test_a_speed_sample_counts_what_prompts_sent_behind_it_added_to_its_last_step() -> None:
     now = [0.0]
     r = _registry(lambda: now[0])
     r.slo = Slo(chunk_tokens=512)
-    leg = r.open_leg("d0", 600, known_hits=(600, 0))
-    # Its first token comes at 1.0 s: with 400 tokens of another prompt in its last step, that
-    # step began after 512 / 1,000 of it. A prompt sent by then joins; one sent at 0.9 s
-    # (after even 512 / 600 of it) does not.
+    leg = r.open_leg("d0", 100)  # the router guessed 100 tokens; its usage will say 600
     now[0] = 0.2
     r.open_leg("d0", 400)
     now[0] = 0.9
     r.open_leg("d0", 300)
     now[0] = 1.0
     r.first_token(leg)
-    assert leg.behind_tokens == 400
+    now[0] = 1.5
+    r.open_leg("d0", 200)  # after its first token: not behind it
+    assert leg.behind == ((0.2, 400), (0.9, 300))
+    r.learn_first_token(leg, 600)
     expected = SpeedLearner()
     expected.observe_first_token("d0", 600 + 400, 0.0, 1.0)
     assert r.learner.speed("d0") == expected.speed("d0")
-    # A prompt of one chunk shares no step with those behind it: nothing is counted.
-    now[0] = 2.0
-    one = r.open_leg("d0", 500)
-    r.open_leg("d0", 400)
-    now[0] = 2.2
-    r.first_token(one)
-    assert one.behind_tokens == 0
-
-
-def test_what_a_last_step_shares_is_bounded_by_its_room_and_bracketed_by_when_it_began() -> None:
-    now = [0.0]
-    r = _registry(lambda: now[0])
-    r.slo = Slo(chunk_tokens=512)
-    leg = r.open_leg("d0", 600)
-    for at, tokens in ((0.1, 300), (0.3, 100), (0.7, 300)):
-        now[0] = at
-        r.open_leg("d0", tokens)
-    now[0] = 1.0
-    r.first_token(leg)
-    # Taken as its own tokens alone, its last step began at 0.85 s: 700 tokens were behind
-    # it by then, 424 of them fit. With those 424 it began at 0.50 s: 400 behind. The mean.
-    assert leg.behind_tokens == 412
-    r.learn_first_token(leg, 600)
-    assert r.learner._engines["d0"].samples == 1
+    # A leg queued behind another teaches nothing, so nothing is kept for it.
+    queued = r.open_leg("d0", 500)
+    r.first_token(queued)
+    assert queued.behind == ()
 
 
 def _measured(r: BackendRegistry, name: str) -> EngineSpeed:
