@@ -9,8 +9,9 @@ configured per workload: each starts at a prior and follows the measurements:
   (router/fleet/legs.py says why a queued leg is not); a prompt of several prefill chunks
   counts with it the tokens of prompts sent behind it that shared its last step. A
   per-engine recursive least-squares fit with exponential forgetting (`OnlineLinear`,
-  router/routing/online_fit.py), robust to outliers (residuals clipped at a few times their running size: a preemption or
-  a stall must not teach the model that every token is slow).
+  router/routing/online_fit.py), robust to outliers (residuals clipped at a few times
+  their running size: a preemption or a stall must not teach the model that every token
+  is slow).
   Engines of a fleet are usually alike, so every sample also feeds one fleet-wide fit; an
   engine with fewer than `OWN_FIT_SAMPLES` samples of its own is predicted by the fleet's
   (an engine judged by the prior while its peers are measured would be wrongly skipped or
