@@ -185,4 +185,13 @@ def fallback_direct(plan: Plan) -> FallbackPlan:
         prefill_tokens=plan.prefill_tokens,
         predicted_ttft_s=plan.predicted_ttft_s,
         reason=RouteReason.DIRECT,
+        alternative=runner_up_figures(plan),
     )
+
+
+def runner_up_figures(plan: Plan) -> str:
+    """A direct choice's runner-up for the log line ("next d1 ttft=275ms"; "tied ...": the
+    model could not tell the two apart and the strategy's tie rule chose)."""
+    if plan.runner_up is None or plan.runner_up_ttft_s is None:
+        return ""
+    return f"{'tied' if plan.tied else 'next'} {plan.runner_up} ttft={plan.runner_up_ttft_s * 1000:.0f}ms"

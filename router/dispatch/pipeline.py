@@ -32,7 +32,7 @@ from router.answer.chunk_bytes import unary_answer_problem
 from router.answer.shaper import ResponseShaper
 from router.config.schema import Config
 from router.dispatch.client_errors import client_error
-from router.dispatch.context import Leg, LegOutcome, RequestContext
+from router.dispatch.context import Leg, LegOutcome, RequestContext, fallback_direct
 from router.dispatch.placement import LegPlacer
 from router.dispatch.prompt_index import PromptIndex
 from router.dispatch.pump import DirectWriter, Emit, EmitRaw, pump, pump_raw
@@ -49,7 +49,7 @@ from router.engine.wire import (
 )
 from router.fleet.adapters import is_adapter
 from router.fleet.registry import BackendRegistry
-from router.names import Route
+from router.names import Route, RouteReason
 from router.observability import tracing
 from router.observability.record import RequestRecord
 from router.routing.planning import RouteQuery, Strategy
@@ -318,6 +318,7 @@ class Dispatcher:
             self.registry.record_success(name)
             self.strategy.on_routed(ctx.query, name)
             ctx.record_leg(Route.DIRECT, name)
+            ctx.record_placement(RouteReason.DIRECT, fallback_direct(plan))
             ctx.record_first_token(loop.time())
             return raw
         if last_error is not None:

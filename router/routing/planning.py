@@ -16,7 +16,7 @@ measured speed). Ties rotate with a per-request salt so equal engines share traf
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from router.config.checks import Problems
@@ -92,6 +92,11 @@ class Plan:
     placed: bool = True
     # Why the request races or not (a RaceReason), for the log line and the metric.
     race_reason: str = ""
+    # The direct choice's runner-up and its predicted seconds, for the log line; `tied`:
+    # the model could not tell it from the choice (the tie rule chose).
+    runner_up: str | None = None
+    runner_up_ttft_s: float | None = None
+    tied: bool = False
 
     @property
     def empty(self) -> bool:
@@ -105,18 +110,47 @@ def predicted_ttft(b: BackendView, lacking: float, prompt_tokens: float | None =
     return costmodel.ttft(b.speed, b.queued_tokens, b.decoding, lacking, held)
 
 
+def ranked(
+    candidates: Sequence[BackendView],
+    lacking: Callable[[BackendView], float],
+    salt: int = 0,
+    prompt_tokens: float | None = None,
+) -> tuple[int, list[float]]:
+    """Index of the backend with the least predicted time to first token, and every
+    backend's prediction; equal predictions rotate with `salt` (KV usage breaks ties first:
+    more room, fewer preemptions)."""
+    n = len(candidates)
+    costs = [predicted_ttft(b, lacking(b), prompt_tokens) for b in candidates]
+    return min(range(n), key=lambda i: (costs[i], candidates[i].kv_usage, (i - salt) % n)), costs
+
+
 def fastest(
     candidates: Sequence[BackendView],
     lacking: Callable[[BackendView], float],
     salt: int = 0,
     prompt_tokens: float | None = None,
 ) -> tuple[BackendView, float]:
-    """The backend with the least predicted time to first token, and that time; equal
-    predictions rotate with `salt` (KV usage breaks ties first: more room, fewer preemptions)."""
-    n = len(candidates)
-    costs = [predicted_ttft(b, lacking(b), prompt_tokens) for b in candidates]
-    best = min(range(n), key=lambda i: (costs[i], candidates[i].kv_usage, (i - salt) % n))
+    """The backend with the least predicted time to first token, and that time (`ranked`)."""
+    best, costs = ranked(candidates, lacking, salt, prompt_tokens)
     return candidates[best], costs[best]
+
+
+def runner_up(costs: Sequence[float], chosen: int) -> int | None:
+    """Index of the least prediction other than the chosen one's (None: no other)."""
+    others = [i for i in range(len(costs)) if i != chosen]
+    return min(others, key=costs.__getitem__) if others else None
+
+
+def with_runner_up(
+    plan: Plan, candidates: Sequence[BackendView], costs: Sequence[float], chosen: int, tolerance_s: float = 0.0
+) -> Plan:
+    """`plan` with the runner-up of a direct choice among `candidates` named, for the log:
+    tied when predicted within `tolerance_s` of the choice (the tie rule chose)."""
+    other = runner_up(costs, chosen)
+    if other is None:
+        return plan
+    tied = costs[other] - costs[chosen] <= tolerance_s
+    return replace(plan, runner_up=candidates[other].name, runner_up_ttft_s=costs[other], tied=tied)
 
 
 class Strategy(Protocol):
@@ -209,10 +243,12 @@ def direct_plan(
     """Send to the candidate with the least predicted time to first token, each lacking
     the prompt minus its expected hit."""
     n = query.tokens(snap)
-    best, seconds = fastest(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
-    return Plan(
-        direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)), predicted_ttft_s=seconds
+    i, costs = ranked(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
+    best = candidates[i]
+    plan = Plan(
+        direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)), predicted_ttft_s=costs[i]
     )
+    return with_runner_up(plan, candidates, costs, i)
 
 
 def race_value(

@@ -15,12 +15,26 @@ from support.polling import eventually
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "least_loaded", "prefix_tree"])
-async def test_other_strategies_route_directly(make_cluster: MakeCluster, strategy: str) -> None:
+async def test_other_strategies_route_directly(
+    make_cluster: MakeCluster, strategy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="cachehit_router.requests")
     c = await make_cluster(decoders=2, prefillers=1, routing={"strategy": strategy})
-    for i in range(4):
-        status, _ = await c.complete({"model": MODEL, "prompt": long_prompt(f"s{i}", 100), "max_tokens": 2})
+    for i in range(4):  # forwarded whole, then streamed, in turn
+        send = c.stream if i % 2 else c.complete
+        status, _ = await send({"model": MODEL, "prompt": long_prompt(f"s{i}", 100), "max_tokens": 2})
         assert status == 200
     assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 4}
+    # Each log line says why: the strategy's own choice and, where it ranks the engines by
+    # the cost model, the next best with its prediction (round robin ranks nothing).
+    lines = [r.__dict__["request"] for r in caplog.records if r.name == "cachehit_router.requests"]
+    assert [rec["route_reason"] for rec in lines] == ["direct"] * 4
+    for rec in lines:
+        other = {"d0": "d1", "d1": "d0"}[rec["winner"]]
+        if strategy == "round_robin":
+            assert "route_alternative" not in rec, rec
+        else:
+            assert rec["route_alternative"].split()[:2] in (["next", other], ["tied", other]), rec
     served = await c.engine_metrics("vllm:request_success_total")
     assert served["p0"] == 0
     assert served["d0"] + served["d1"] == 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.routing.planning import RouteQuery, fastest, race_value
+from router.routing.planning import RouteQuery, direct_plan, fastest, race_value, runner_up
 from router.routing.policies.least_loaded import LeastLoadedStrategy
 from router.routing.policies.prefix_tree import PrefixTreeStrategy
 from router.routing.policies.probe import ProbeStrategy
@@ -63,3 +63,19 @@ def test_a_prompts_hits_are_known_only_from_the_index_for_a_tokenized_prompt() -
     assert q.known_hits("d1", 40) is None
     assert q.known_hits("d2", 100) is None  # its index is not fresh
     assert RouteQuery("m", "x", indexed={"d0": 0.0}).known_hits("d0", 100) is None  # not tokenized
+
+
+def test_a_direct_plan_names_the_next_best_engine() -> None:
+    s = snap(view("d0", queued=500), view("d1", queued=100), view("d2", queued=300))
+    plan = direct_plan(Q, s, list(s.backends), {})
+    assert (plan.direct, plan.runner_up, plan.tied) == ("d1", "d2", False)
+    assert plan.runner_up_ttft_s is not None
+    assert plan.predicted_ttft_s is not None
+    assert plan.runner_up_ttft_s > plan.predicted_ttft_s
+    # Equal predictions: the runner-up is tied (the salt chose between them).
+    s = snap(view("d0"), view("d1"))
+    plan = direct_plan(Q, s, list(s.backends), {})
+    assert plan.tied
+    assert {plan.direct, plan.runner_up} == {"d0", "d1"}
+    assert runner_up([1.0], 0) is None
+    assert runner_up([3.0, 1.0, 2.0], 1) == 2

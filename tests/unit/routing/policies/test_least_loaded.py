@@ -79,3 +79,20 @@ def test_load_breaks_affinity_past_the_bound_or_the_tie() -> None:
     crowded = int(LOAD_BOUND * 4) + 2
     s = snap(view(home, inflight=crowded, decoding=1), view(other))
     assert strategy.plan(q, s).direct == other
+
+
+def test_the_plan_names_its_runner_up_and_whether_the_tie_rule_chose() -> None:
+    strategy = LeastLoadedStrategy(R)
+    q = _prompt(7, 0)
+    # 300 tokens queued on one engine: the model tells the two apart.
+    plan = strategy.plan(q, snap(view("d0", queued=300), view("d1")))
+    assert (plan.direct, plan.runner_up, plan.tied) == ("d1", "d0", False)
+    assert plan.runner_up_ttft_s == predicted_ttft(view("d0", queued=300), 600, 600)
+    # Idle engines tie: the prompt's hash chose, and the plan says so.
+    plan = strategy.plan(q, snap(view("d0"), view("d1"), view("d2")))
+    assert plan.tied
+    assert plan.runner_up in {"d0", "d1", "d2"} - {plan.direct}
+    # One engine: nobody to compare with.
+    plan = strategy.plan(q, snap(view("d0")))
+    assert plan.runner_up is None
+    assert not plan.tied
