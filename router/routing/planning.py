@@ -16,7 +16,7 @@ measured speed). Ties rotate with a per-request salt so equal engines share traf
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from router.config.checks import Problems
@@ -141,16 +141,16 @@ def runner_up(costs: Sequence[float], chosen: int) -> int | None:
     return min(others, key=costs.__getitem__) if others else None
 
 
-def with_runner_up(
-    plan: Plan, candidates: Sequence[BackendView], costs: Sequence[float], chosen: int, tolerance_s: float = 0.0
-) -> Plan:
-    """`plan` with the runner-up of a direct choice among `candidates` named, for the log:
-    tied when predicted within `tolerance_s` of the choice (the tie rule chose)."""
+def runner_up_of(
+    candidates: Sequence[BackendView], costs: Sequence[float], chosen: int, tolerance_s: float = 0.0
+) -> tuple[str | None, float | None, bool]:
+    """A direct choice's runner-up among `candidates` for the log: its name, its predicted
+    seconds, and whether it was tied with the choice (within `tolerance_s`: the strategy's
+    tie rule chose). (None, None, False) with nobody else."""
     other = runner_up(costs, chosen)
     if other is None:
-        return plan
-    tied = costs[other] - costs[chosen] <= tolerance_s
-    return replace(plan, runner_up=candidates[other].name, runner_up_ttft_s=costs[other], tied=tied)
+        return None, None, False
+    return candidates[other].name, costs[other], costs[other] - costs[chosen] <= tolerance_s
 
 
 class Strategy(Protocol):
@@ -245,10 +245,15 @@ def direct_plan(
     n = query.tokens(snap)
     i, costs = ranked(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
     best = candidates[i]
-    plan = Plan(
-        direct=best.name, prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)), predicted_ttft_s=costs[i]
+    other, other_s, tied = runner_up_of(candidates, costs, i)
+    return Plan(
+        direct=best.name,
+        prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)),
+        predicted_ttft_s=costs[i],
+        runner_up=other,
+        runner_up_ttft_s=other_s,
+        tied=tied,
     )
-    return with_runner_up(plan, candidates, costs, i)
 
 
 def race_value(
