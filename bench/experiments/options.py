@@ -135,6 +135,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="ITL SLO for goodput: no gap between tokens longer (also the router's)",
     )
     g.add_argument(
+        "--max-ttft-stretch",
+        type=float,
+        default=0.0,
+        help="routing.max_ttft_stretch (0: no bound on how late goodput's triage places a request)",
+    )
+    g.add_argument(
         "--engines-per-process",
         type=int,
         default=1,
@@ -199,6 +205,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         "slo_ttft_ms": float(a.slo_ttft_ms),
         "slo_itl_ms": float(getattr(a, "slo_itl_ms", 100.0)),
         "prefill_chunk_tokens": int(sim.max_num_batched_tokens),
+        "max_ttft_stretch": float(getattr(a, "max_ttft_stretch", 0.0)),
         **({"split": SPLIT_MODES[mode]} if mode in SPLIT_MODES else {}),
     }
     for k, v in router_over.items():

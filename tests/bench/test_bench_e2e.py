@@ -124,6 +124,18 @@ def test_generated_router_config_is_valid() -> None:
     assert [b.role for b in cfg.backends] == ["decode", "decode", "prefill"]
 
 
+def test_the_routing_flags_reach_the_router_config(tmp_path: Path) -> None:
+    # The SLOs, the engines' chunk and the triage's bound go to the router as routing keys.
+    a = build_parser().parse_args(["replay", *TINY, "--out", str(tmp_path), "--max-ttft-stretch", "6"])
+    spec = run_spec_from_args(a, "probe_split_never", tmp_path)
+    text = router_toml(8000, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], spec.router)
+    cfg = parse_checked(tomllib.loads(text))
+    assert cfg.routing.max_ttft_stretch == 6.0
+    assert cfg.routing.split == "never"
+    assert cfg.routing.slo_ttft_ms == a.slo_ttft_ms
+    assert cfg.routing.prefill_chunk_tokens == spec.sim.max_num_batched_tokens
+
+
 def test_generated_router_config_declares_the_decoders_dp_ranks_or_hides_them() -> None:
     decoders = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     declared = parse_checked(tomllib.loads(router_toml(8000, decoders, [], RouterOptions(), None, 2)))
