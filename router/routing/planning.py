@@ -135,21 +135,17 @@ def fastest(
     return candidates[best], costs[best]
 
 
-def runner_up(costs: Sequence[float], chosen: int) -> int | None:
-    """Index of the least prediction other than the chosen one's (None: no other)."""
-    others = [i for i in range(len(costs)) if i != chosen]
-    return min(others, key=costs.__getitem__) if others else None
-
-
 def runner_up_of(
     candidates: Sequence[BackendView], costs: Sequence[float], chosen: int, tolerance_s: float = 0.0
 ) -> tuple[str | None, float | None, bool]:
-    """A direct choice's runner-up among `candidates` for the log: its name, its predicted
-    seconds, and whether it was tied with the choice (within `tolerance_s`: the strategy's
-    tie rule chose). (None, None, False) with nobody else."""
-    other = runner_up(costs, chosen)
-    if other is None:
+    """A direct choice's runner-up among `candidates` for the log: the least prediction
+    other than the chosen one's, its engine's name, and whether it was tied with the choice
+    (within `tolerance_s`: the strategy's tie rule chose). (None, None, False) with nobody
+    else."""
+    others = [i for i in range(len(costs)) if i != chosen]
+    if not others:
         return None, None, False
+    other = min(others, key=costs.__getitem__)
     return candidates[other].name, costs[other], costs[other] - costs[chosen] <= tolerance_s
 
 

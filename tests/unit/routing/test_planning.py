@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.routing.planning import RouteQuery, direct_plan, fastest, race_value, runner_up
+from router.routing.planning import RouteQuery, direct_plan, fastest, race_value, runner_up_of
 from router.routing.policies.least_loaded import LeastLoadedStrategy
 from router.routing.policies.prefix_tree import PrefixTreeStrategy
 from router.routing.policies.probe import ProbeStrategy
@@ -77,5 +77,7 @@ def test_a_direct_plan_names_the_next_best_engine() -> None:
     plan = direct_plan(Q, s, list(s.backends), {})
     assert plan.tied
     assert {plan.direct, plan.runner_up} == {"d0", "d1"}
-    assert runner_up([1.0], 0) is None
-    assert runner_up([3.0, 1.0, 2.0], 1) == 2
+    assert runner_up_of([view("d0")], [1.0], 0) == (None, None, False)
+    views = [view("d0"), view("d1"), view("d2")]
+    assert runner_up_of(views, [3.0, 1.0, 2.0], 1) == ("d2", 2.0, False)
+    assert runner_up_of(views, [3.0, 1.0, 2.0], 1, tolerance_s=1.0) == ("d2", 2.0, True)
