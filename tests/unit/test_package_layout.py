@@ -32,7 +32,6 @@ NO_UNIT_TEST = {
     "config/parse.py": "tests/integration/test_config.py, tests/unit/config/test_discovery.py",
     "config/schema.py": "dataclasses read through parse_config: tests/integration/test_config.py",
     "config/launch.py": "[[engines]] and [launcher] read through parse_config: tests/integration/test_config.py, tests/launcher",
-    "dispatch/context.py": "through the Dispatcher: tests/unit/dispatch/test_pipeline.py",
     "engine/errors.py": "an exception type, read by every leg test",
     "engine/stream.py": "a streamed leg over HTTP: tests/integration/test_upstream_stream.py",
     "fleet/capability.py": "asks a running engine: tests/integration/test_capability.py",
