@@ -99,6 +99,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-seqs", type=int, default=0, help="per engine (default: simulator's)")
     g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="every engine's token budget per step (vLLM's prefill chunk) at full size, scaled "
+        "with the trace's lengths as the rest (default 8192: vLLM's); also the router's "
+        "routing.prefill_chunk_tokens",
+    )
+    g.add_argument(
         "--cpu-offload-x",
         type=float,
         default=0.0,
@@ -189,6 +197,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     sim.arrival_check = not a.no_arrival_check
     if a.max_num_seqs:
         sim.max_num_seqs = a.max_num_seqs
+    if getattr(a, "max_num_batched_tokens", 0):
+        sim.max_num_batched_tokens = max(16, round(a.max_num_batched_tokens * w.length_scale))
     sim.cpu_offload_x = getattr(a, "cpu_offload_x", 0.0)
     sim.data_parallel_size = getattr(a, "data_parallel_size", 1)
     min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))

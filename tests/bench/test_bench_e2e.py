@@ -134,6 +134,12 @@ def test_the_routing_flags_reach_the_router_config(tmp_path: Path) -> None:
     assert cfg.routing.split == "never"
     assert cfg.routing.slo_ttft_ms == a.slo_ttft_ms
     assert cfg.routing.prefill_chunk_tokens == spec.sim.max_num_batched_tokens
+    # A smaller step budget for the engines, at full size: scaled like the trace's lengths,
+    # and the router models the same chunk.
+    a = build_parser().parse_args(["replay", *TINY, "--out", str(tmp_path), "--max-num-batched-tokens", "2048"])
+    spec = run_spec_from_args(a, "probe", tmp_path)
+    assert spec.sim.max_num_batched_tokens == max(16, round(2048 * spec.workload.length_scale))
+    assert spec.router.extra_routing["prefill_chunk_tokens"] == spec.sim.max_num_batched_tokens
 
 
 def test_generated_router_config_declares_the_decoders_dp_ranks_or_hides_them() -> None:
