@@ -135,18 +135,26 @@ def fastest(
     return candidates[best], costs[best]
 
 
-def runner_up_of(
-    candidates: Sequence[BackendView], costs: Sequence[float], chosen: int, tolerance_s: float = 0.0
-) -> tuple[str | None, float | None, bool]:
-    """A direct choice's runner-up among `candidates` for the log: the least prediction
-    other than the chosen one's, its engine's name, and whether it was tied with the choice
-    (within `tolerance_s`: the strategy's tie rule chose). (None, None, False) with nobody
-    else."""
+def chosen_plan(
+    candidates: Sequence[BackendView],
+    costs: Sequence[float],
+    chosen: int,
+    prefill_tokens: int,
+    tolerance_s: float = 0.0,
+) -> Plan:
+    """The plan sending to `candidates[chosen]`, predicted `costs[chosen]`, with its
+    runner-up for the log: the least prediction of the others (none with nobody else), and
+    whether it was tied with the choice (within `tolerance_s`: the strategy's tie rule chose)."""
     others = [i for i in range(len(costs)) if i != chosen]
-    if not others:
-        return None, None, False
-    other = min(others, key=costs.__getitem__)
-    return candidates[other].name, costs[other], costs[other] - costs[chosen] <= tolerance_s
+    other = min(others, key=costs.__getitem__) if others else None
+    return Plan(
+        direct=candidates[chosen].name,
+        prefill_tokens=prefill_tokens,
+        predicted_ttft_s=costs[chosen],
+        runner_up=None if other is None else candidates[other].name,
+        runner_up_ttft_s=None if other is None else costs[other],
+        tied=other is not None and costs[other] - costs[chosen] <= tolerance_s,
+    )
 
 
 class Strategy(Protocol):
@@ -240,16 +248,7 @@ def direct_plan(
     the prompt minus its expected hit."""
     n = query.tokens(snap)
     i, costs = ranked(candidates, lambda b: n - hits.get(b.name, 0.0), query.salt, n)
-    best = candidates[i]
-    other, other_s, tied = runner_up_of(candidates, costs, i)
-    return Plan(
-        direct=best.name,
-        prefill_tokens=round(max(n - hits.get(best.name, 0.0), 0.0)),
-        predicted_ttft_s=costs[i],
-        runner_up=other,
-        runner_up_ttft_s=other_s,
-        tied=tied,
-    )
+    return chosen_plan(candidates, costs, i, round(max(n - hits.get(candidates[i].name, 0.0), 0.0)))
 
 
 def race_value(

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from router.config.checks import Problems
 from router.config.schema import RoutingConfig
-from router.routing.planning import NoSettings, Plan, RouteQuery, decoders_for, predicted_ttft, runner_up_of
+from router.routing.planning import NoSettings, Plan, RouteQuery, chosen_plan, decoders_for, predicted_ttft
 from router.routing.snapshot import BackendView, ClusterSnapshot
 
 # Predictions closer than this are not told apart: the typical scatter of an observed
@@ -92,15 +92,7 @@ class LeastLoadedStrategy:
         costs = [predicted_ttft(b, n, n) for b in decoders]
         own_s = min(b.speed.ttft(n, 0.0) for b in decoders)
         chosen = tied_choice(query, decoders, costs, own_s)
-        other, other_s, tied = runner_up_of(decoders, costs, chosen, tie_tolerance_s(own_s))
-        return Plan(
-            direct=decoders[chosen].name,
-            prefill_tokens=round(n),
-            predicted_ttft_s=costs[chosen],
-            runner_up=other,
-            runner_up_ttft_s=other_s,
-            tied=tied,
-        )
+        return chosen_plan(decoders, costs, chosen, round(n), tie_tolerance_s(own_s))
 
     def on_routed(self, query: RouteQuery, backend: str) -> None:
         pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from router.routing.planning import RouteQuery, direct_plan, fastest, race_value, runner_up_of
+from router.routing.planning import RouteQuery, chosen_plan, direct_plan, fastest, race_value
 from router.routing.policies.least_loaded import LeastLoadedStrategy
 from router.routing.policies.prefix_tree import PrefixTreeStrategy
 from router.routing.policies.probe import ProbeStrategy
@@ -77,7 +77,11 @@ def test_a_direct_plan_names_the_next_best_engine() -> None:
     plan = direct_plan(Q, s, list(s.backends), {})
     assert plan.tied
     assert {plan.direct, plan.runner_up} == {"d0", "d1"}
-    assert runner_up_of([view("d0")], [1.0], 0) == (None, None, False)
+    lone = chosen_plan([view("d0")], [1.0], 0, 100)
+    assert (lone.direct, lone.prefill_tokens, lone.predicted_ttft_s) == ("d0", 100, 1.0)
+    assert (lone.runner_up, lone.runner_up_ttft_s, lone.tied) == (None, None, False)
     views = [view("d0"), view("d1"), view("d2")]
-    assert runner_up_of(views, [3.0, 1.0, 2.0], 1) == ("d2", 2.0, False)
-    assert runner_up_of(views, [3.0, 1.0, 2.0], 1, tolerance_s=1.0) == ("d2", 2.0, True)
+    plan = chosen_plan(views, [3.0, 1.0, 2.0], 1, 100)
+    assert (plan.direct, plan.runner_up, plan.runner_up_ttft_s, plan.tied) == ("d1", "d2", 2.0, False)
+    plan = chosen_plan(views, [3.0, 1.0, 2.0], 1, 100, tolerance_s=1.0)
+    assert (plan.runner_up, plan.runner_up_ttft_s, plan.tied) == ("d2", 2.0, True)
