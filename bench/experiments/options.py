@@ -93,6 +93,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--engines", "-K", type=int, default=4, help="decode engines (default %(default)s)")
     g.add_argument("--prefill", "-P", type=int, default=1, help="prefill engines (default %(default)s)")
+    g.add_argument(
+        "--decoders-prefill",
+        action="store_true",
+        help='the decode engines are NIXL producers too (kv_both, router role "both"): a split '
+        "may prefill on one decoder and decode on another, besides the --prefill engines",
+    )
     g.add_argument("--speed", type=float, default=0.0, help="simulator time compression (default: trace 3, others 1)")
     g.add_argument(
         "--num-gpu-blocks", type=int, default=0, help="KV blocks per engine (default: scaled from the workload)"
@@ -226,6 +232,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         workload=w,
         engines=a.engines,
         prefill=a.prefill,
+        decoders_prefill=getattr(a, "decoders_prefill", False),
         sim=sim,
         router=ropts,
         slo_ttft_ms=a.slo_ttft_ms,

@@ -139,7 +139,7 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
     router_cores, other_cores = _pinning(spec)
     own_affinity = os.sched_getaffinity(0)
     procs = ProcessSet(spec.out / "logs")
-    cluster = Cluster(procs, [], [])
+    cluster = Cluster(procs, [], [], decoders_prefill=spec.decoders_prefill)
     try:
         await cluster.start_engines(
             spec.engines,

@@ -16,6 +16,7 @@ class RunSpec:
     workload: WorkloadSpec
     engines: int = 4
     prefill: int = 1
+    decoders_prefill: bool = False  # the decoders are NIXL producers too (role "both")
     sim: SimOptions = field(default_factory=SimOptions)
     router: RouterOptions = field(default_factory=RouterOptions)
     slo_ttft_ms: float = 1000.0

@@ -121,6 +121,7 @@ def router_toml(
     opts: RouterOptions,
     kv_events: dict[str, tuple[str, str]] | None = None,
     data_parallel_size: int = 1,
+    decoders_prefill: bool = False,  # the decoders are producers too (role "both")
 ) -> str:
     """`kv_events`: engine URL -> (event endpoint, replay endpoint), subscribed to when the
     strategy reads the index (only then: the others would pay for an index they ignore)."""
@@ -135,9 +136,8 @@ def router_toml(
         **opts.extra_routing,
     }
     dp = {"data_parallel_size": data_parallel_size} if data_parallel_size > 1 and opts.declare_data_parallel else {}
-    backends = [
-        {"name": f"d{i}", "url": url, "role": "decode", "models": [MODEL], **dp} for i, url in enumerate(decoders)
-    ]
+    role = "both" if decoders_prefill else "decode"
+    backends = [{"name": f"d{i}", "url": url, "role": role, "models": [MODEL], **dp} for i, url in enumerate(decoders)]
     backends += [
         {"name": f"p{i}", "url": url, "role": "prefill", "models": [MODEL]} for i, url in enumerate(prefillers)
     ]
@@ -214,6 +214,7 @@ class Cluster:
     # Engine URL -> (KV-event endpoint, replay endpoint) of the engines started.
     kv_events: dict[str, tuple[str, str]] = field(default_factory=dict)
     data_parallel_size: int = 1  # of the decode servers (SimOptions.data_parallel_size)
+    decoders_prefill: bool = False  # the decoders are NIXL producers too (kv_both), set before start_engines
 
     @property
     def engines(self) -> list[str]:
@@ -229,13 +230,14 @@ class Cluster:
         extra_decoder: tuple[str, ...] = (),
     ) -> None:
         self.data_parallel_size = sim.data_parallel_size
-        for role, n, out in (("consumer", k, self.decoders), ("producer", p, self.prefillers)):
+        decoder_role = "both" if self.decoders_prefill else "consumer"
+        for role, n, out in ((decoder_role, k, self.decoders), ("producer", p, self.prefillers)):
             if n <= 0:
                 continue
             ports = free_ports(n)
             step = engines_per_process or n
             # A decode server's DP ranks publish on its ports plus their rank (vLLM's offsets).
-            dp = sim.data_parallel_size if role == "consumer" else 1
+            dp = sim.data_parallel_size if (decoder := out is self.decoders) else 1
             dp_args = ("--data-parallel-size", str(dp)) if dp > 1 else ()
             for j in range(0, n, step):
                 group = ports[j : j + step]
@@ -263,10 +265,10 @@ class Cluster:
                     "--kv-events-config",
                     json.dumps(events),
                     *sim.args(),
-                    *(extra_decoder if role == "consumer" else ()),
+                    *(extra_decoder if decoder else ()),
                     *dp_args,
                 ]
-                proc = self.procs.start(f"sim-{role}-{j}", pinned(cmd, cores))
+                proc = self.procs.start(f"sim-{'consumer' if decoder else role}-{j}", pinned(cmd, cores))
                 for _ in group:
                     self._owners.append(proc)
                 self.engine_procs.append(proc)
@@ -281,8 +283,8 @@ class Cluster:
         port = port or free_ports(1)[0]
         work_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any traffic
         cfg = work_dir / "router.toml"
-        dp = self.data_parallel_size
-        cfg.write_text(router_toml(port, self.decoders, self.prefillers, opts, self.kv_events, dp))
+        dp, both = self.data_parallel_size, self.decoders_prefill
+        cfg.write_text(router_toml(port, self.decoders, self.prefillers, opts, self.kv_events, dp, both))
         self.router = self.procs.start(
             "router", pinned([*router_command(), "--config", str(cfg), "--no-engines"], cores)
         )

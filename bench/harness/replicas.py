@@ -48,7 +48,13 @@ async def start_replicas(
             cfg = work_dir / f"{name}.toml"
             cfg.write_text(
                 router_toml(
-                    port, cluster.decoders, cluster.prefillers, opts, cluster.kv_events, cluster.data_parallel_size
+                    port,
+                    cluster.decoders,
+                    cluster.prefillers,
+                    opts,
+                    cluster.kv_events,
+                    cluster.data_parallel_size,
+                    cluster.decoders_prefill,
                 )
             )
             cmd = [*router_command(), "--config", str(cfg), "--no-engines"]

@@ -142,6 +142,22 @@ def test_the_routing_flags_reach_the_router_config(tmp_path: Path) -> None:
     assert spec.router.extra_routing["prefill_chunk_tokens"] == spec.sim.max_num_batched_tokens
 
 
+def test_decoders_that_prefill_too_split_prompts_between_them(tmp_path: Path) -> None:
+    # --decoders-prefill: the decoders are NIXL producers too (kv_both, router role "both");
+    # with no producer of its own, every split prefills on one decoder and decodes on another.
+    a = build_parser().parse_args(["replay", *TINY, "--out", str(tmp_path), "--decoders-prefill", "--prefill", "0"])
+    spec = run_spec_from_args(a, "probe_split_always", tmp_path)
+    assert spec.decoders_prefill
+    text = router_toml(8000, ["http://127.0.0.1:1", "http://127.0.0.1:2"], [], spec.router, None, 1, True)
+    assert [b.role for b in parse_checked(tomllib.loads(text)).backends] == ["both", "both"]
+    s = asyncio.run(run_replay(spec))
+    assert s["errors"] == 0, s["error_examples"]
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "router.log").read_text().splitlines() if x.startswith("{")]
+    splits = [x for x in lines if x.get("route") == "pd"]
+    assert splits, s["routes"]
+    assert all(x["prefill"] in ("d0", "d1") and x["winner"] != x["prefill"] for x in splits)
+
+
 def test_generated_router_config_declares_the_decoders_dp_ranks_or_hides_them() -> None:
     decoders = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     declared = parse_checked(tomllib.loads(router_toml(8000, decoders, [], RouterOptions(), None, 2)))
