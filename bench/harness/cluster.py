@@ -1,9 +1,7 @@
 """A simulated cluster as subprocesses: K decode engines, P prefill engines, and a router
-in front (ours with a generated TOML, vllm-router, or none), with metric scraping.
-
-The engines of one role share one process (`python -m engine_launcher.sim --port A --port B`),
-unless `engines_per_process` says otherwise; the router is its own process so its CPU time
-and memory are measured from outside (psutil on its PID).
+in front (ours with a generated TOML, vllm-router, or none), with metric scraping. Engines
+of one role share a process (`python -m engine_launcher.sim --port A --port B`) by
+`engines_per_process`; the router is its own, its CPU and memory measured from outside.
 """
 
 from __future__ import annotations
