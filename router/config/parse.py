@@ -203,6 +203,7 @@ def parse_backends(p: Problems, raw: Any) -> list[BackendConfig]:
             continue
         p.check(check_url, f"{key}.url", b.url)
         p.check(check_positive, f"{key}.prefill_tokens_per_s", b.prefill_tokens_per_s, allow_zero=True)
+        p.check(check_positive, f"{key}.prefill_chunk_tokens", b.prefill_chunk_tokens, allow_zero=True)
         p.check(check_one_of, f"{key}.role", b.role, Role)
         check_backend_kv_events(p, key, b)
         if b.data_parallel_size < 1:

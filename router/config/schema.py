@@ -186,6 +186,10 @@ class BackendConfig:
     # Expected prefill speed of this engine (its hardware), where the cost model's fit of
     # it starts; 0: routing.prior_prefill_tokens_per_s. Measurements replace it.
     prefill_tokens_per_s: float = 0.0
+    # Its prefill chunk (vLLM --max-num-batched-tokens) where it differs from the fleet's
+    # (routing.prefill_chunk_tokens; 0: that): e.g. decoders with a small chunk, whose steps
+    # stall their sequences less, and producers with a large one, whose steps stall nobody.
+    prefill_chunk_tokens: int = 0
     # The engine's KV-event stream (vLLM --kv-events-config: its ZMQ PUB endpoint, replay
     # ROUTER endpoint and topic); empty: not subscribed (router/fleet/kv_events.py).
     kv_events_endpoint: str = ""

@@ -195,13 +195,14 @@ def first_token_sample(
     return seconds
 
 
-def stalls_decoding(learner: SpeedLearner, ticket: LegTicket, slo: Slo | None) -> bool:
-    """Does the leg's prefill make its engine's steps longer than the ITL SLO (measured speeds)?
-    Most legs prefill nothing (a race's probes): no speed is looked up for them."""
+def stalls_decoding(learner: SpeedLearner, ticket: LegTicket, slo: Slo | None, chunk: float) -> bool:
+    """Does the leg's prefill, in chunks of `chunk` tokens, make its engine's steps longer
+    than the ITL SLO (measured speeds)? Most legs prefill nothing (a race's probes): no
+    speed is looked up for them."""
     if slo is None or ticket.tokens <= 0:
         return False
     name = ticket.backend
-    return prefill_stalls(learner.speed(name), learner.itl(name), ticket.decoding, ticket.tokens, slo)
+    return prefill_stalls(learner.speed(name), learner.itl(name), ticket.decoding, ticket.tokens, slo, chunk)
 
 
 def decode_sample(

@@ -115,6 +115,7 @@ class BackendRegistry:
                     s.decoding - s.legs.clean,
                     s.legs.kv_awaited_s(now) if s.legs.awaiting_kv else (),
                     s.legs.prefilling_since,
+                    self.chunk_of(s),
                 )
             )
         return ClusterSnapshot(
@@ -202,7 +203,7 @@ class BackendRegistry:
         ahead, whole = self._queued_tokens(s, now, self.learner.speed(name))
         ticket = LegTicket(name, max(int(tokens), 0), ahead, s.scraped_decoding, now, whole)
         ticket.known_hits = known_hits
-        ticket.stalls = stalls_decoding(self.learner, ticket, self.slo)
+        ticket.stalls = stalls_decoding(self.learner, ticket, self.slo, self.chunk_of(s))
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
         self.acquire(name)
@@ -211,10 +212,10 @@ class BackendRegistry:
         s.queued_tokens += ticket.tokens
         return ticket
 
-    @property
-    def chunk_tokens(self) -> float:
-        """vLLM's prefill chunk (max_num_batched_tokens: routing.prefill_chunk_tokens)."""
-        return (self.slo or DEFAULT_SLO).chunk_tokens
+    def chunk_of(self, s: BackendState) -> float:
+        """The engine's prefill chunk (vLLM's max_num_batched_tokens): its own
+        (`[[backends]] prefill_chunk_tokens`), else the fleet's (routing.prefill_chunk_tokens)."""
+        return float(s.config.prefill_chunk_tokens) or (self.slo or DEFAULT_SLO).chunk_tokens
 
     def first_token(self, ticket: LegTicket, at: float | None = None) -> None:
         """The leg's first token arrived: its prefill left the engine's queue."""
@@ -237,7 +238,7 @@ class BackendRegistry:
             if ticket.nothing_ahead and not ticket.taught:  # a speed sample to come
                 ticket.behind = s.legs.sent_behind(ticket, t)
             if ticket.known_hits is not None:  # a sample now, seconds before its usage arrives
-                first_token_sample(self.learner, ticket, *ticket.known_hits, self.chunk_tokens)
+                first_token_sample(self.learner, ticket, *ticket.known_hits, self.chunk_of(s))
 
     def close_leg(self, ticket: LegTicket) -> None:
         """The leg ended (finished, failed, cancelled). Safe to call more than once."""
@@ -257,7 +258,9 @@ class BackendRegistry:
 
     def learn_first_token(self, ticket: LegTicket, lacking_tokens: int, held_tokens: int = 0) -> float | None:
         """A leg's first-token speed sample (legs.py); the observed seconds to first token."""
-        return first_token_sample(self.learner, ticket, lacking_tokens, held_tokens, self.chunk_tokens)
+        s = self.states.get(ticket.backend)
+        chunk = self.chunk_of(s) if s is not None else (self.slo or DEFAULT_SLO).chunk_tokens
+        return first_token_sample(self.learner, ticket, lacking_tokens, held_tokens, chunk)
 
     def learn_decode(self, ticket: LegTicket, tokens: int) -> None:
         """A decode-step sample of an ended leg that generated `tokens` (legs.py)."""

@@ -55,9 +55,9 @@ from router.routing.snapshot import BackendView
 
 @readonly
 class Slo:
-    """The two SLOs of goodput, in seconds, vLLM's prefill chunk (max_num_batched_tokens),
-    and how much later than its soonest start a request that misses anyway may be placed
-    (`best`; 0: no bound)."""
+    """The two SLOs of goodput, in seconds, the fleet's prefill chunk (vLLM's
+    max_num_batched_tokens; an engine's own is its view's `chunk_tokens`), and how much later
+    than its soonest start a request that misses anyway may be placed (`best`; 0: no bound)."""
 
     ttft_s: float = 2.0
     itl_s: float = 0.1
@@ -109,18 +109,17 @@ def step_past_itl(step: costmodel.ItlSpeed, decoding: float, extra_step_s: float
 
 
 def prefill_stalls(
-    speed: costmodel.EngineSpeed, step: costmodel.ItlSpeed, decoding: float, tokens: float, slo: Slo
+    speed: costmodel.EngineSpeed, step: costmodel.ItlSpeed, decoding: float, tokens: float, slo: Slo, chunk: float
 ) -> bool:
-    """Does a leg prefilling `tokens` on an engine with `decoding` sequences make its steps
-    longer than the ITL SLO (the test `pushed_past_itl` applies to a direct placement)?"""
-    return tokens > 0 and step_past_itl(
-        step, decoding + 1.0, costmodel.prefill_stall_s(speed, tokens, slo.chunk_tokens), slo
-    )
+    """Does a leg prefilling `tokens` on an engine with `decoding` sequences and a prefill
+    chunk of `chunk` tokens make its steps longer than the ITL SLO (the test
+    `pushed_past_itl` applies to a direct placement)?"""
+    return tokens > 0 and step_past_itl(step, decoding + 1.0, costmodel.prefill_stall_s(speed, tokens, chunk), slo)
 
 
 def direct(view: BackendView, lacking: float, ttft_s: float, slo: Slo) -> Placement:
     """Computed and decoded on `view`, which lacks `lacking` of the prompt."""
-    stall = costmodel.prefill_stall_s(view.speed, lacking, slo.chunk_tokens)
+    stall = costmodel.prefill_stall_s(view.speed, lacking, view.chunk_tokens)
     return Placement(
         decode=view.name,
         prefill=None,
@@ -143,7 +142,7 @@ def pushed_past_ttft(view: BackendView, ttft_s: float) -> float:
 
 def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: float, slo: Slo) -> Placement:
     """Prefilled on `producer`, KV over NIXL, decoded on `consumer`."""
-    stall = costmodel.prefill_stall_s(producer.speed, prompt, slo.chunk_tokens)
+    stall = costmodel.prefill_stall_s(producer.speed, prompt, producer.chunk_tokens)
     return Placement(
         decode=consumer.name,
         prefill=producer.name,

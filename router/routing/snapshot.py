@@ -61,6 +61,8 @@ class BackendView:
     # clock; inf: none): a prompt sent there since may still be computing, so the engine's
     # rejection cannot report it yet (router/dispatch/placement.py `fallback_after_race`).
     prefilling_since: float = float("inf")
+    # Its prefill chunk (vLLM's max_num_batched_tokens): a prefill's stall of each step.
+    chunk_tokens: float = 8192.0
 
     @property
     def load(self) -> float:

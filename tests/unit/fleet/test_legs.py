@@ -70,6 +70,23 @@ def test_a_stalling_prefill_counts_the_legs_decoding_beside_it_as_past_the_itl_s
     assert not r.open_leg("d0", 5000).stalls
 
 
+def test_an_engines_own_prefill_chunk_bounds_its_stalls_and_shows_in_its_view() -> None:
+    # The fleet's chunk is 8,192 tokens; d1's engine runs 512 (vLLM --max-num-batched-tokens):
+    # a 5,000-token prefill there adds 51 ms to a step, not 500 ms, and stalls nobody.
+    r = BackendRegistry(
+        [
+            BackendConfig("d0", "http://d0", prefill_tokens_per_s=10_000.0),
+            BackendConfig("d1", "http://d1", prefill_tokens_per_s=10_000.0, prefill_chunk_tokens=512),
+        ],
+        HealthConfig(),
+        clock=lambda: 0.0,
+    )
+    r.slo = Slo(ttft_s=1.0, itl_s=0.1, chunk_tokens=8192)
+    assert (registry_view(r, "d0").chunk_tokens, registry_view(r, "d1").chunk_tokens) == (8192, 512)
+    assert r.open_leg("d0", 5000).stalls
+    assert not r.open_leg("d1", 5000).stalls
+
+
 def test_a_split_s_place_on_its_decoder_counts_down_its_slo_until_the_decode_leg_takes_it() -> None:
     now = [10.0]
     r = _registry(lambda: now[0])

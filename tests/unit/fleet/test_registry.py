@@ -284,6 +284,7 @@ def _views_by_keyword(r: BackendRegistry, now: float) -> tuple[BackendView, ...]
             stalled=s.decoding - s.legs.clean,
             kv_awaited_s=s.legs.kv_awaited_s(now),
             prefilling_since=s.legs.prefilling_since,
+            chunk_tokens=r.chunk_of(s),
         )
         for s in r.states.values()
     )

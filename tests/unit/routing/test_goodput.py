@@ -27,7 +27,7 @@ def test_a_prefill_on_a_busy_decoder_pushes_its_running_sequences_past_the_itl_s
 def test_chunked_prefill_bounds_the_stall_of_each_step() -> None:
     d = replace(view("d", decoding=10), itl=STEP)
     assert costmodel.prefill_stall_s(SPEED, 5000, 512) == 512 * SPEED.per_token_s
-    assert goodput.direct(d, 5000, 0.6, goodput.Slo(2.0, 0.1, 512)).stalled == 0
+    assert goodput.direct(replace(d, chunk_tokens=512), 5000, 0.6, SLO).stalled == 0
 
 
 def test_sequences_already_past_the_slo_are_not_counted_again() -> None:
@@ -46,10 +46,11 @@ def test_a_prefill_stalls_exactly_when_a_direct_placement_pushes_sequences() -> 
     # With 10 decoding, a step takes 11.1 ms with the new sequence: 889 tokens more fill the SLO.
     for tokens, stalls in [(1000, True), (900, True), (880, False), (100, False), (0, False)]:
         d = replace(view("d", decoding=10), itl=STEP)
-        assert goodput.prefill_stalls(SPEED, STEP, 10, tokens, SLO) == stalls
+        assert goodput.prefill_stalls(SPEED, STEP, 10, tokens, SLO, 8192) == stalls
         assert (goodput.direct(d, tokens, 0.2, SLO).stalled > 0) == stalls
     # Nobody decoding: the prefill stalls whoever starts decoding beside it.
-    assert goodput.prefill_stalls(SPEED, STEP, 0, 1000, SLO)
+    assert goodput.prefill_stalls(SPEED, STEP, 0, 1000, SLO, 8192)
+    assert not goodput.prefill_stalls(SPEED, STEP, 0, 1000, SLO, 512)  # 51 ms more a step: within
 
 
 def test_a_prefill_ahead_of_splits_awaiting_their_kv_loses_those_it_makes_late() -> None:
