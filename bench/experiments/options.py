@@ -113,6 +113,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "routing.prefill_chunk_tokens",
     )
     g.add_argument(
+        "--decoder-max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="the decode engines' own step budget at full size, scaled the same way (default: "
+        "--max-num-batched-tokens'), given to the router as their [[backends]] prefill_chunk_tokens: "
+        "a small chunk on the decoders, whose steps stall their sequences, beside the producers' large one",
+    )
+    g.add_argument(
         "--cpu-offload-x",
         type=float,
         default=0.0,
@@ -205,6 +213,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         sim.max_num_seqs = a.max_num_seqs
     if getattr(a, "max_num_batched_tokens", 0):
         sim.max_num_batched_tokens = max(16, round(a.max_num_batched_tokens * w.length_scale))
+    if getattr(a, "decoder_max_num_batched_tokens", 0):
+        sim.decoder_max_num_batched_tokens = max(16, round(a.decoder_max_num_batched_tokens * w.length_scale))
     sim.cpu_offload_x = getattr(a, "cpu_offload_x", 0.0)
     sim.data_parallel_size = getattr(a, "data_parallel_size", 1)
     min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))
@@ -224,6 +234,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         "max_ttft_stretch": float(getattr(a, "max_ttft_stretch", 0.0)),
         **({"split": SPLIT_MODES[mode]} if mode in SPLIT_MODES else {}),
     }
+    if sim.decoder_max_num_batched_tokens:
+        ropts.decoder_keys = {"prefill_chunk_tokens": int(sim.decoder_max_num_batched_tokens)}
     for k, v in router_over.items():
         setattr(ropts, k, v)
     return RunSpec(

@@ -18,6 +18,8 @@ import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness.procs import PY, Proc, ProcessSet, free_port_run, free_ports, pinned, wait_http
+from bench.harness.sim_options import MODEL as MODEL  # re-exported: the bench's users import both here
+from bench.harness.sim_options import SimOptions as SimOptions
 from router.config.schema import RoutingConfig, ServerConfig
 from router.routing.policies import POLICIES
 from router.routing.policies.probe import ProbeSettings
@@ -26,63 +28,7 @@ _ROUTING = RoutingConfig()
 _PROBE = ProbeSettings()
 _SERVER = ServerConfig()
 
-MODEL = "sim-model"
 SCRAPE_INTERVAL_S = 0.5  # of /metrics in bench runs (the router's default is 1 s)
-
-
-@dataclass
-class SimOptions:
-    """Flags of every simulated engine (see `python -m engine_launcher.sim --help`)."""
-
-    speed: float = 1.0
-    block_size: int = 16
-    num_gpu_blocks: int = 28000
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 8192  # lowered to what the KV cache holds, as the simulator requires
-    prefill_token_s: float | None = None
-    kv_transfer_token_s: float | None = None
-    # CPU tier of each engine, as a multiple of its GPU KV capacity (0: none), and its load cost.
-    cpu_offload_x: float = 0.0
-    cpu_load_token_s: float | None = None
-    arrival_check: bool = True
-    seed: int = 0
-    # Decode servers' DP ranks (vLLM --data-parallel-size): KV caches behind each decode port.
-    data_parallel_size: int = 1
-    extra: tuple[str, ...] = ()
-
-    def args(self) -> list[str]:
-        a = [
-            "--model",
-            MODEL,
-            "--speed",
-            repr(self.speed),
-            "--block-size",
-            str(self.block_size),
-            "--num-gpu-blocks",
-            str(self.num_gpu_blocks),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-            "--max-num-batched-tokens",
-            str(self.max_num_batched_tokens),
-            "--max-model-len",
-            str(min(self.max_model_len, (self.num_gpu_blocks - 1) * self.block_size)),
-            "--seed",
-            str(self.seed),
-            "--arrival-check" if self.arrival_check else "--no-arrival-check",
-            "--log-level",
-            "warning",
-        ]
-        if self.prefill_token_s is not None:
-            a += ["--prefill-token-s", repr(self.prefill_token_s)]
-        if self.kv_transfer_token_s is not None:
-            a += ["--kv-transfer-token-s", repr(self.kv_transfer_token_s)]
-        if self.cpu_offload_x > 0:
-            gpu_tokens = (self.num_gpu_blocks - 1) * self.block_size
-            a += ["--cpu-offload-tokens", str(round(self.cpu_offload_x * gpu_tokens))]
-            if self.cpu_load_token_s is not None:
-                a += ["--cpu-load-token-s", repr(self.cpu_load_token_s)]
-        return a + list(self.extra)
 
 
 @dataclass
@@ -104,6 +50,7 @@ class RouterOptions:
     declare_data_parallel: bool = True
     extra_routing: dict[str, Any] = field(default_factory=dict[str, Any])
     extra_server: dict[str, Any] = field(default_factory=dict[str, Any])
+    decoder_keys: dict[str, Any] = field(default_factory=dict[str, Any])  # every decoder's [[backends]]
 
 
 def reads_index(strategy: str) -> bool:
@@ -133,9 +80,10 @@ def router_toml(
         "max_probes": int(opts.max_probes),
         **opts.extra_routing,
     }
-    dp = {"data_parallel_size": data_parallel_size} if data_parallel_size > 1 and opts.declare_data_parallel else {}
-    role = "both" if decoders_prefill else "decode"
-    backends = [{"name": f"d{i}", "url": url, "role": role, "models": [MODEL], **dp} for i, url in enumerate(decoders)]
+    keys = {"role": "both" if decoders_prefill else "decode", "models": [MODEL], **opts.decoder_keys}
+    if data_parallel_size > 1 and opts.declare_data_parallel:
+        keys["data_parallel_size"] = data_parallel_size
+    backends = [{"name": f"d{i}", "url": url, **keys} for i, url in enumerate(decoders)]
     backends += [
         {"name": f"p{i}", "url": url, "role": "prefill", "models": [MODEL]} for i, url in enumerate(prefillers)
     ]
@@ -262,7 +210,7 @@ class Cluster:
                     role,
                     "--kv-events-config",
                     json.dumps(events),
-                    *sim.args(),
+                    *sim.args(decoder),
                     *(extra_decoder if decoder else ()),
                     *dp_args,
                 ]

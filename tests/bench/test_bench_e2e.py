@@ -140,6 +140,17 @@ def test_the_routing_flags_reach_the_router_config(tmp_path: Path) -> None:
     spec = run_spec_from_args(a, "probe", tmp_path)
     assert spec.sim.max_num_batched_tokens == max(16, round(2048 * spec.workload.length_scale))
     assert spec.router.extra_routing["prefill_chunk_tokens"] == spec.sim.max_num_batched_tokens
+    # The decoders' own step budget: their engines' flag and their [[backends]] chunk, the
+    # producers' left at the fleet's.
+    a = build_parser().parse_args(["replay", *TINY, "--out", str(tmp_path), "--decoder-max-num-batched-tokens", "512"])
+    spec = run_spec_from_args(a, "probe", tmp_path)
+    chunk = max(16, round(512 * spec.workload.length_scale))
+    assert spec.sim.args(decoder=True)[spec.sim.args(decoder=True).index("--max-num-batched-tokens") + 1] == str(chunk)
+    assert spec.sim.args()[spec.sim.args().index("--max-num-batched-tokens") + 1] == "8192"
+    text = router_toml(8000, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], spec.router)
+    cfg = parse_checked(tomllib.loads(text))
+    assert [b.prefill_chunk_tokens for b in cfg.backends] == [chunk, 0]
+    assert cfg.routing.prefill_chunk_tokens == 8192
 
 
 def test_decoders_that_prefill_too_split_prompts_between_them(tmp_path: Path) -> None:
