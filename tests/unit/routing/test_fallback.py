@@ -141,6 +141,16 @@ def test_split_auto_keeps_prefills_off_a_decoder_whose_sequences_it_would_stall(
     assert (idle.prefill, idle.reason) == (None, "goodput_direct")
 
 
+def test_a_decoder_with_a_small_prefill_chunk_computes_a_prompt_its_sequences_barely_notice() -> None:
+    # The same 10 sequences on d0 as above, but its engine prefills 256 tokens a step: the
+    # 1,000-token prefill adds ~26 ms to each of four steps, within the ITL SLO, so the
+    # prompt is computed there, sooner than a split.
+    small = snap(replace(view("d0", decoding=10), chunk_tokens=256), view("p0", decodes=False, prefills=True))
+    fb = _planned(plan_fallback(Q, small, R, 1000))
+    assert (fb.prefill, fb.decode, fb.reason, fb.lost) == (None, "d0", "goodput_direct", 0)
+    assert fb.alternative.startswith("split p0>d0 ")
+
+
 def test_split_never_computes_on_a_decoder() -> None:
     s = snap(view("d0", decoding=10), view("p0", decodes=False, prefills=True))
     fb = _planned(plan_fallback(Q, s, replace(R, split=SplitMode.NEVER), 1000))
