@@ -60,11 +60,6 @@ def test_defaults_are_safe() -> None:
             "non-negative",
         ),
         (
-            {"backends": [{"name": "d0", "url": "http://h", "prefill_chunk_tokens": 51.2}]},
-            "backends[0].prefill_chunk_tokens",
-            "integer",
-        ),
-        (
             {"backends": [{"name": "d0", "url": "http://h", "kv_events_endpoint": "http://h:5557"}]},
             "backends[0].kv_events_endpoint",
             "tcp://host:port",
