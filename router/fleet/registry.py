@@ -212,10 +212,14 @@ class BackendRegistry:
         s.queued_tokens += ticket.tokens
         return ticket
 
+    @property
+    def fleet_chunk(self) -> float:
+        """The fleet's prefill chunk (vLLM's max_num_batched_tokens: routing.prefill_chunk_tokens)."""
+        return (self.slo or DEFAULT_SLO).chunk_tokens
+
     def chunk_of(self, s: BackendState) -> float:
-        """The engine's prefill chunk (vLLM's max_num_batched_tokens): its own
-        (`[[backends]] prefill_chunk_tokens`), else the fleet's (routing.prefill_chunk_tokens)."""
-        return float(s.config.prefill_chunk_tokens) or (self.slo or DEFAULT_SLO).chunk_tokens
+        """The engine's prefill chunk: its own (`[[backends]] prefill_chunk_tokens`), else the fleet's."""
+        return float(s.config.prefill_chunk_tokens) or self.fleet_chunk
 
     def first_token(self, ticket: LegTicket, at: float | None = None) -> None:
         """The leg's first token arrived: its prefill left the engine's queue."""
@@ -259,7 +263,7 @@ class BackendRegistry:
     def learn_first_token(self, ticket: LegTicket, lacking_tokens: int, held_tokens: int = 0) -> float | None:
         """A leg's first-token speed sample (legs.py); the observed seconds to first token."""
         s = self.states.get(ticket.backend)
-        chunk = self.chunk_of(s) if s is not None else (self.slo or DEFAULT_SLO).chunk_tokens
+        chunk = self.chunk_of(s) if s is not None else self.fleet_chunk
         return first_token_sample(self.learner, ticket, lacking_tokens, held_tokens, chunk)
 
     def learn_decode(self, ticket: LegTicket, tokens: int) -> None:
