@@ -177,13 +177,13 @@ class Cluster:
     ) -> None:
         self.data_parallel_size = sim.data_parallel_size
         decoder_role = "both" if self.decoders_prefill else "consumer"
-        for role, n, out in ((decoder_role, k, self.decoders), ("producer", p, self.prefillers)):
+        for role, n, out, decoder in ((decoder_role, k, self.decoders, True), ("producer", p, self.prefillers, False)):
             if n <= 0:
                 continue
             ports = free_ports(n)
             step = engines_per_process or n
             # A decode server's DP ranks publish on its ports plus their rank (vLLM's offsets).
-            dp = sim.data_parallel_size if (decoder := out is self.decoders) else 1
+            dp = sim.data_parallel_size if decoder else 1
             dp_args = ("--data-parallel-size", str(dp)) if dp > 1 else ()
             for j in range(0, n, step):
                 group = ports[j : j + step]
@@ -214,7 +214,8 @@ class Cluster:
                     *(extra_decoder if decoder else ()),
                     *dp_args,
                 ]
-                proc = self.procs.start(f"sim-{'consumer' if decoder else role}-{j}", pinned(cmd, cores))
+                # Named by what they serve, whatever their kv_role: a decoder's log is sim-consumer-*.
+                proc = self.procs.start(f"sim-{'consumer' if decoder else 'producer'}-{j}", pinned(cmd, cores))
                 for _ in group:
                     self._owners.append(proc)
                 self.engine_procs.append(proc)
