@@ -14,7 +14,8 @@ K decode engines under a workload of n requests arriving over span_s seconds is
 
     rho = (sum of w over the requests) / span_s / K
 
-(engine-seconds of work per second, per engine). `m` is taken two ways: every prompt token
+(engine-seconds of work per second, per engine; K counts engines at `speed`, so a fleet whose
+decoders run at shares f_i of it has K = sum of f_i). `m` is taken two ways: every prompt token
 (`utilisation`: the load the workload brings when nothing is cached, a property of the
 workload alone, which the suite sets rates by; a router lowers it with prefix hits) and the
 prompt tokens an infinite shared cache would still compute (`utilisation_oracle`: the load
@@ -92,7 +93,7 @@ def offered_load(
     output_tokens: Sequence[int],
     span_s: float,
     sim: SimOptions,
-    engines: int,
+    engines: float,
     prefill: int = 0,
 ) -> Load:
     """Load of n requests (prompt, oracle hit and output tokens of each) arriving over span_s."""

@@ -121,6 +121,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         "a small chunk on the decoders, whose steps stall their sequences, beside the producers' large one",
     )
     g.add_argument(
+        "--decoder-speed-factors",
+        default="",
+        help="the first decode engines' speeds as shares of --speed, comma-separated, the others "
+        "at 1 (e.g. 0.5: one engine of half the others' speed, as an older GPU; default: all "
+        "alike). The router is not told: it learns each engine's speed",
+    )
+    g.add_argument(
         "--cpu-offload-x",
         type=float,
         default=0.0,
@@ -204,6 +211,21 @@ def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
     )
 
 
+def speed_factors(text: str, engines: int) -> tuple[float, ...]:
+    """--decoder-speed-factors: a positive share for each decode engine (empty: all alike)."""
+    if not text:
+        return ()
+    try:
+        factors = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--decoder-speed-factors: numbers separated by commas, got {text!r}") from None
+    if len(factors) > engines or not all(f > 0 for f in factors):
+        raise SystemExit(
+            f"--decoder-speed-factors: up to {engines} positive numbers (the decode engines'), got {text!r}"
+        )
+    return factors + (1.0,) * (engines - len(factors))
+
+
 def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_over: Any) -> RunSpec:
     w = workload_from_args(a)
     speed = a.speed or (3.0 if w.kind == "trace" else 1.0)
@@ -216,6 +238,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
     if getattr(a, "decoder_max_num_batched_tokens", 0):
         sim.decoder_max_num_batched_tokens = max(16, round(a.decoder_max_num_batched_tokens * w.length_scale))
     sim.cpu_offload_x = getattr(a, "cpu_offload_x", 0.0)
+    sim.decoder_speed_factors = speed_factors(getattr(a, "decoder_speed_factors", ""), a.engines)
     sim.data_parallel_size = getattr(a, "data_parallel_size", 1)
     min_pd = a.min_pd_prompt_tokens if a.min_pd_prompt_tokens >= 0 else max(1, round(256 * w.length_scale))
     ropts = RouterOptions(

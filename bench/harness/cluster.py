@@ -187,6 +187,8 @@ class Cluster:
             dp_args = ("--data-parallel-size", str(dp)) if dp > 1 else ()
             for j in range(0, n, step):
                 group = ports[j : j + step]
+                if decoder and len({sim.speed_of(i) for i in range(j, j + len(group))}) > 1:
+                    raise ValueError("decoders of different speeds need one engine per process")
                 # Every engine publishes its KV events (vLLM's --kv-events-config), whatever
                 # the mode: the engines are the same for every mode of a run.
                 ev, rp = free_port_run(len(group) * dp), free_port_run(len(group) * dp)
@@ -210,7 +212,7 @@ class Cluster:
                     role,
                     "--kv-events-config",
                     json.dumps(events),
-                    *sim.args(decoder),
+                    *sim.args(j if decoder else None),
                     *(extra_decoder if decoder else ()),
                     *dp_args,
                 ]

@@ -27,16 +27,25 @@ class SimOptions:
     seed: int = 0
     # Decode servers' DP ranks (vLLM --data-parallel-size): KV caches behind each decode port.
     data_parallel_size: int = 1
+    # Each decode engine's speed as a share of `speed`, in order (empty: all alike): a fleet
+    # of mixed hardware, or one engine slowed by a neighbour.
+    decoder_speed_factors: tuple[float, ...] = ()
     extra: tuple[str, ...] = ()
 
-    def args(self, decoder: bool = False) -> list[str]:
-        """`decoder`: a decode engine's (its own step budget, where set)."""
-        budget = (decoder and self.decoder_max_num_batched_tokens) or self.max_num_batched_tokens
+    def speed_of(self, decoder: int | None) -> float:
+        """The time compression of decode engine `decoder` (its index), or of a producer (None)."""
+        if decoder is None or not self.decoder_speed_factors:
+            return self.speed
+        return self.speed * self.decoder_speed_factors[decoder]
+
+    def args(self, decoder: int | None = None) -> list[str]:
+        """`decoder`: a decode engine's index (its own step budget and speed, where set)."""
+        budget = (decoder is not None and self.decoder_max_num_batched_tokens) or self.max_num_batched_tokens
         a = [
             "--model",
             MODEL,
             "--speed",
-            repr(self.speed),
+            repr(self.speed_of(decoder)),
             "--block-size",
             str(self.block_size),
             "--num-gpu-blocks",

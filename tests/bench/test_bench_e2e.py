@@ -145,7 +145,7 @@ def test_the_routing_flags_reach_the_router_config(tmp_path: Path) -> None:
     a = build_parser().parse_args(["replay", *TINY, "--out", str(tmp_path), "--decoder-max-num-batched-tokens", "512"])
     spec = run_spec_from_args(a, "probe", tmp_path)
     chunk = max(16, round(512 * spec.workload.length_scale))
-    assert spec.sim.args(decoder=True)[spec.sim.args(decoder=True).index("--max-num-batched-tokens") + 1] == str(chunk)
+    assert spec.sim.args(decoder=0)[spec.sim.args(decoder=0).index("--max-num-batched-tokens") + 1] == str(chunk)
     assert spec.sim.args()[spec.sim.args().index("--max-num-batched-tokens") + 1] == "8192"
     text = router_toml(8000, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], spec.router)
     cfg = parse_checked(tomllib.loads(text))

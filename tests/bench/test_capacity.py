@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.cli import build_parser
-from bench.experiments import capacity, suite
+from bench.experiments import capacity, suite, suite_workloads
 from bench.harness.cluster import SimOptions
 from engine_launcher.sim.config import TimingModel
 
@@ -72,7 +72,7 @@ def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path: Path, name: st
     from bench.workloads import trace_gen as tg
 
     tg.write(trace, tg.generate(tg.TraceParams(duration_s=200.0)))
-    wd = suite.BY_NAME[name]
+    wd = suite_workloads.BY_NAME[name]
     assert wd.target is not None  # each of these aims at a utilisation
     a = _suite_args(tmp_path, "--requests", "60", "--trace", str(trace))
     ns = suite.replay_args(a, wd, tmp_path / name)
@@ -98,15 +98,17 @@ def test_suite_sets_the_rate_for_its_target_utilisation(tmp_path: Path, name: st
 
 def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path: Path) -> None:
     a = _suite_args(tmp_path, "--requests", "200")
-    near = suite.set_rate(suite.replay_args(a, suite.BY_NAME["low-reuse"], tmp_path), suite.BY_NAME["low-reuse"])
-    ns = suite.replay_args(a, suite.BY_NAME["bursty"], tmp_path)
-    bursty = suite.set_rate(ns, suite.BY_NAME["bursty"])
+    near = suite.set_rate(
+        suite.replay_args(a, suite_workloads.BY_NAME["low-reuse"], tmp_path), suite_workloads.BY_NAME["low-reuse"]
+    )
+    ns = suite.replay_args(a, suite_workloads.BY_NAME["bursty"], tmp_path)
+    bursty = suite.set_rate(ns, suite_workloads.BY_NAME["bursty"])
     assert near is not None  # both open-loop: a rate is set
     assert bursty is not None
-    assert (ns.burst_on_s, ns.burst_off_s) == suite.BY_NAME["bursty"].bursts
+    assert (ns.burst_on_s, ns.burst_off_s) == suite_workloads.BY_NAME["bursty"].bursts
     assert bursty["time_scale"] == pytest.approx(near["time_scale"])
     # Same requests and mean rate (the last burst may end early: within one on/off period).
-    period = sum(suite.BY_NAME["bursty"].bursts)
+    period = sum(suite_workloads.BY_NAME["bursty"].bursts)
     assert abs(bursty["span_s"] - near["span_s"]) < period
     assert bursty["work_s"] == pytest.approx(near["work_s"])
 
@@ -114,22 +116,46 @@ def test_bursty_keeps_the_near_capacity_mean_rate(tmp_path: Path) -> None:
 def test_cpu_tier_workload_runs_small_gpus_with_a_cpu_tier_unless_the_suite_says_otherwise(tmp_path: Path) -> None:
     from bench.experiments.options import run_spec_from_args
 
-    wd = suite.BY_NAME["cpu-tier"]
+    wd = suite_workloads.BY_NAME["cpu-tier"]
     ns = suite.replay_args(_suite_args(tmp_path), wd, tmp_path)
     sim = run_spec_from_args(ns, "probe", tmp_path).sim
-    assert sim.num_gpu_blocks == suite.CPU_TIER_GPU_BLOCKS
+    assert sim.num_gpu_blocks == suite_workloads.CPU_TIER_GPU_BLOCKS
     assert sim.cpu_offload_x == 8.0
     assert "--cpu-offload-tokens" in sim.args()
     # The suite's own cluster flags win; the other workloads keep the simulator's defaults.
     ns = suite.replay_args(_suite_args(tmp_path, "--num-gpu-blocks", "900", "--cpu-offload-x", "2"), wd, tmp_path)
     assert (ns.num_gpu_blocks, ns.cpu_offload_x) == (900, 2.0)
-    ns = suite.replay_args(_suite_args(tmp_path), suite.BY_NAME["low-reuse"], tmp_path)
+    ns = suite.replay_args(_suite_args(tmp_path), suite_workloads.BY_NAME["low-reuse"], tmp_path)
     assert (ns.num_gpu_blocks, ns.cpu_offload_x) == (0, 0.0)
 
 
+def test_mixed_speed_slows_one_decoder_and_sets_the_rate_for_the_fleet_it_leaves(tmp_path: Path) -> None:
+    from bench.experiments.options import run_spec_from_args
+
+    wd = suite_workloads.BY_NAME["mixed-speed"]
+    a = _suite_args(tmp_path, "--requests", "60")
+    ns = suite.replay_args(a, wd, tmp_path)
+    sim = run_spec_from_args(ns, "probe", tmp_path).sim
+    # The first decoder at half the others' speed; the producer at the fleet's.
+    speeds = [float(sim.args(i)[sim.args(i).index("--speed") + 1]) for i in range(4)]
+    assert speeds == [wd.speed * 0.5, wd.speed, wd.speed, wd.speed]
+    assert float(sim.args()[sim.args().index("--speed") + 1]) == wd.speed
+    # Its rate is set for 3.5 engines' worth: 3.5 / 4 of low-reuse's, the same requests.
+    load = suite.set_rate(ns, wd)
+    alike = suite.set_rate(suite.replay_args(a, suite_workloads.BY_NAME["low-reuse"], tmp_path), wd)
+    assert load is not None
+    assert alike is not None
+    assert load["offered_rps"] == pytest.approx(alike["offered_rps"] * 3.5 / 4, rel=1e-6)
+    # Bad factors are named: more than the engines, or not positive.
+    for bad in ("1,1,1,1,1", "0", "fast"):
+        flags = build_parser().parse_args(["replay", "--out", str(tmp_path), "--decoder-speed-factors", bad])
+        with pytest.raises(SystemExit, match="--decoder-speed-factors"):
+            run_spec_from_args(flags, "probe", tmp_path)
+
+
 def test_closed_loop_multiturn_has_no_utilisation(tmp_path: Path) -> None:
-    ns = suite.replay_args(_suite_args(tmp_path), suite.BY_NAME["multiturn"], tmp_path)
-    assert suite.set_rate(ns, suite.BY_NAME["multiturn"]) is None
+    ns = suite.replay_args(_suite_args(tmp_path), suite_workloads.BY_NAME["multiturn"], tmp_path)
+    assert suite.set_rate(ns, suite_workloads.BY_NAME["multiturn"]) is None
 
 
 def test_default_trace_is_generated_inside_the_repository(tmp_path: Path) -> None:
