@@ -111,6 +111,7 @@ def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict[str, Any] | None
         "engines": ns.engines,
         "prefill": ns.prefill,
         "speed": ns.speed,
+        "decoder_speed_factors": getattr(ns, "decoder_speed_factors", ""),
         "target": wd.target,
         "time_scale": ns.time_scale,
         "rate": ns.rate,

@@ -157,10 +157,12 @@ def load_line(name: str, load: dict[str, Any] | None) -> str:
         return f"{name}: closed loop (each turn waits for the previous answer), utilisation not set"
     pd = load.get("pd_prefill_utilisation")
     pd_oracle, share = load.get("pd_prefill_utilisation_oracle"), load.get("decoder_prefill_share")
+    factors = load.get("decoder_speed_factors")
+    mixed = f" (the first at {factors} of it, the fleet's capacity counted so)" if factors else ""
     return (
         f"{name}: {load['requests']} requests over {load['span_s']:.0f} s ({load['offered_rps']:.2f} req/s), "
         f"utilisation {load['utilisation']:.2f} of K={load['engines']} decode engines at speed "
-        f"{load['speed']:g} ({load['utilisation_oracle']:.2f} with the oracle's hits)"
+        f"{load['speed']:g}{mixed} ({load['utilisation_oracle']:.2f} with the oracle's hits)"
         + (f"; P/D prefill engines {pd:.2f} if every request fell back" if pd is not None else "")
         + (
             f" ({pd_oracle:.2f} with the oracle's hits: decoders compute at least {share:.0%} of the prompt work"
