@@ -1,6 +1,5 @@
 """`OnlineLinear`: y ~ theta . x learned online, the fit behind every speed the cost model
-reads (router/routing/speed_learner.py says which), and `SpeedRatio`: an engine's speed
-against such a fit, learned from few samples.
+reads (router/routing/speed_learner.py says which).
 
 Recursive least squares with exponential forgetting, residuals clipped once warmed up,
 the covariance bounded by the prior's. Updates of the two- and three-coefficient fits (the
@@ -127,43 +126,3 @@ class OnlineLinear:
         # followed within a dozen samples, a lone outlier barely moves it.
         self._resid = abs(r) if self.samples == 0 else 0.9 * self._resid + 0.1 * abs(r_used)
         return r_used
-
-
-# Pseudo-samples at ratio 1 a `SpeedRatio` starts with: one engine's first samples scatter
-# by tens of percent under load, and two keep a single odd one from halving or doubling
-# what the engine is predicted to take.
-RATIO_PRIOR_SAMPLES = 2.0
-# A ratio's samples lose half their weight after ~14 newer ones: an engine a neighbour slowed
-# for a while is judged by its recent samples.
-RATIO_FORGET = 0.95
-# One sample counts at most this many times (or this fraction of) the prediction.
-RATIO_CLIP = 4.0
-
-
-class SpeedRatio:
-    """How much longer than a reference fit an engine takes for the same work: sum of its
-    observed times over the sum of what the reference predicted for them, with forgetting,
-    shrunk towards 1 by `RATIO_PRIOR_SAMPLES` pseudo-samples.
-
-    One coefficient instead of a fit's three: a slower GPU is slower in every term, and one
-    number is learned from a handful of samples where three take a couple of dozen."""
-
-    __slots__ = ("observed", "predicted", "weight")
-
-    def __init__(self) -> None:
-        self.observed = self.predicted = self.weight = 0.0
-
-    def observe(self, observed: float, predicted: float) -> None:
-        if not predicted > 0.0 or observed < 0.0:
-            return
-        clipped = min(max(observed, predicted / RATIO_CLIP), predicted * RATIO_CLIP)
-        self.observed = RATIO_FORGET * self.observed + clipped
-        self.predicted = RATIO_FORGET * self.predicted + predicted
-        self.weight = RATIO_FORGET * self.weight + 1.0
-
-    @property
-    def value(self) -> float:
-        if self.weight <= 0.0:
-            return 1.0
-        prior = RATIO_PRIOR_SAMPLES * self.predicted / self.weight  # pseudo-samples of the mean size
-        return (self.observed + prior) / (self.predicted + prior)

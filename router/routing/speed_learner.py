@@ -15,10 +15,8 @@ configured per workload: each starts at a prior and follows the measurements:
   Engines of a fleet are usually alike, so every sample also feeds one fleet-wide fit; an
   engine with fewer than `OWN_FIT_SAMPLES` samples of its own is predicted by the fleet's
   (an engine judged by the prior while its peers are measured would be wrongly skipped or
-  wrongly chosen) times its own `SpeedRatio` (its times over the fleet fit's predictions
-  for them: one number, right within a handful of samples, for an engine that is not like
-  the others, an older GPU or a noisy neighbour's), and its own fit starts from the
-  fleet's; its per-token cost stays within `OWN_FIT_SPREAD` of the fleet's. An engine configured with its
+  wrongly chosen), and its own fit starts from the fleet's; its per-token cost stays within
+  `OWN_FIT_SPREAD` of the fleet's. An engine configured with its
   own speed (`[[backends]] prefill_tokens_per_s`: other hardware) starts from that instead.
   The fleet fit starts at the routing prior.
 - transfer: decode legs that pulled their KV, (prompt tokens) -> seconds to first token.
@@ -26,9 +24,7 @@ configured per workload: each starts at a prior and follows the measurements:
   (mean decoding sequences over its life) -> its mean gap between tokens, less the stall
   of the prefills its engine computed meanwhile (their tokens times the engine's per-token
   prefill cost, over the leg's gaps: `b` explains those). Fitted per engine like the
-  speed, pooled over the fleet (times the engine's own ratio for decode steps, apart from
-  its prefill's: decoding is bound by memory, prefill by compute) until an engine has
-  `OWN_FIT_SAMPLES` of its own.
+  speed, pooled over the fleet until an engine has `OWN_FIT_SAMPLES` of its own.
 - characters per token and the mean prompt length: from the engines' usage reports.
 - what a held token costs (`EngineSpeed.held_per_token_s`): an engine with a CPU tier
   (vLLM's OffloadingConnector) loads part of its hits from host memory before the request
@@ -51,7 +47,7 @@ from dataclasses import dataclass, field
 
 from router.config.schema import RoutingConfig
 from router.routing.costmodel import MIN_PER_TOKEN_S, EngineSpeed, ItlSpeed, TransferSpeed
-from router.routing.online_fit import OnlineLinear, SpeedRatio
+from router.routing.online_fit import OnlineLinear
 
 # Samples an engine needs before its own fit replaces the fleet's: three coefficients from
 # samples that scatter by hundreds of milliseconds under load need a couple of dozen.
@@ -83,13 +79,6 @@ def speed_prior(routing: RoutingConfig) -> SpeedPrior:
         per_token_s=1.0 / routing.prior_prefill_tokens_per_s,
         transfer_per_token_s=1.0 / routing.prior_kv_transfer_tokens_per_s,
     )
-
-
-def _ratio(ratios: dict[str, SpeedRatio], engine: str) -> SpeedRatio:
-    known = ratios.get(engine)
-    if known is None:
-        known = ratios[engine] = SpeedRatio()
-    return known
 
 
 def _ewma(old: float, new: float, alpha: float) -> float:
@@ -125,9 +114,6 @@ class SpeedLearner:
     _transfer: OnlineLinear | None = None
     _steps: dict[str, OnlineLinear] = field(default_factory=dict)
     _fleet_step: OnlineLinear | None = None
-    # Per engine: its first-token times and its decode steps over the fleet fits' predictions.
-    _ratios: dict[str, SpeedRatio] = field(default_factory=dict)
-    _step_ratios: dict[str, SpeedRatio] = field(default_factory=dict)
     # Per engine: last scraped (device hits, host hits, load seconds) and the learned
     # (share of hits from the CPU tier, seconds per CPU-hit token).
     _tier_counters: dict[str, tuple[float, float, float]] = field(default_factory=dict)
@@ -195,10 +181,8 @@ class SpeedLearner:
         stall = max(self.speed(engine).per_token_s, MIN_PER_TOKEN_S) * max(prefilled, 0.0)
         gap = max(seconds - stall, 0.0) / gaps
         x = (1.0, max(float(decoding), 1.0))
-        fleet = self._step_fit(None)
-        _ratio(self._step_ratios, engine).observe(gap, fleet.predict(x))
         self._step_fit(engine).observe(x, gap)
-        fleet.observe(x, gap)
+        self._step_fit(None).observe(x, gap)
 
     def observe_first_token(self, engine: str, prefill_tokens: float, decoding: float, seconds: float) -> None:
         if seconds >= 0.0 and prefill_tokens >= 0.0:
@@ -206,9 +190,7 @@ class SpeedLearner:
             x = (1.0, float(prefill_tokens), float(decoding))
             self._engine(engine).observe(x, seconds)
             if engine not in self.engine_per_token_s:
-                fleet = self._fleet_fit()
-                _ratio(self._ratios, engine).observe(seconds, fleet.predict(x))
-                fleet.observe(x, seconds)
+                self._fleet_fit().observe(x, seconds)
 
     def observe_transfer(self, tokens: float, seconds: float) -> None:
         if seconds >= 0.0 and tokens > 0:
@@ -279,8 +261,7 @@ class SpeedLearner:
             return EngineSpeed(p.intercept_s, self.engine_per_token_s[engine], p.per_decode_s, 0, held)
         if fit is None or (fit.samples < OWN_FIT_SAMPLES and not own_prior):
             a, b, c = self._fleet_fit().theta
-            r = self._ratio_of(self._ratios, engine)
-            return EngineSpeed(a * r, b * r, c * r, 0 if fit is None else fit.samples, held)
+            return EngineSpeed(a, b, c, 0 if fit is None else fit.samples, held)
         a, b, c = fit.theta
         if not own_prior:  # an engine configured as other hardware is judged on its own
             fleet = max(self._fleet_fit().theta[1], MIN_PER_TOKEN_S)
@@ -291,15 +272,9 @@ class SpeedLearner:
         fit = self._steps.get(engine)
         if fit is None or fit.samples < OWN_FIT_SAMPLES:
             e, c = self._step_fit(None).theta
-            r = self._ratio_of(self._step_ratios, engine)
-            return ItlSpeed(e * r, c * r, 0 if fit is None else fit.samples)
+            return ItlSpeed(e, c, 0 if fit is None else fit.samples)
         e, c = fit.theta
         return ItlSpeed(e, c, fit.samples)
-
-    @staticmethod
-    def _ratio_of(ratios: dict[str, SpeedRatio], engine: str) -> float:
-        known = ratios.get(engine)
-        return 1.0 if known is None else known.value
 
     def transfer(self) -> TransferSpeed:
         if self._transfer is None:
@@ -319,7 +294,5 @@ class SpeedLearner:
         self._engines.pop(engine, None)
         self._speeds.pop(engine, None)
         self._steps.pop(engine, None)
-        self._ratios.pop(engine, None)
-        self._step_ratios.pop(engine, None)
         self._tier_counters.pop(engine, None)
         self._tier_cost.pop(engine, None)

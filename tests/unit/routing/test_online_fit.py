@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import random
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.routing.online_fit import OnlineLinear, SpeedRatio
+from router.routing.online_fit import OnlineLinear
 
 
 def _engine(rng: random.Random, a: float, b: float, c: float, noise: float) -> tuple[float, float, float]:
@@ -75,19 +74,3 @@ def test_the_written_out_updates_are_the_general_form(three: bool, samples: list
             reference._resid,
             reference.samples,
         )
-
-
-def test_a_speed_ratio_starts_at_one_and_takes_a_few_samples_to_move_far() -> None:
-    ratio = SpeedRatio()
-    assert ratio.value == 1.0
-    ratio.observe(4.0, 1.0)  # one sample at 4x: shrunk by the two pseudo-samples at 1x
-    assert ratio.value == pytest.approx((4.0 + 2.0) / (1.0 + 2.0))
-    for _ in range(30):
-        ratio.observe(2.0, 1.0)
-    assert ratio.value == pytest.approx(2.0, rel=0.1)
-    # A stall of 100x the prediction counts as 4x; a sample with no prediction not at all.
-    spiked = SpeedRatio()
-    spiked.observe(100.0, 1.0)
-    assert spiked.value == pytest.approx(2.0)
-    spiked.observe(1.0, 0.0)
-    assert spiked.weight == 1.0

@@ -126,35 +126,3 @@ def test_an_engines_speed_as_read_follows_every_sample_and_scrape() -> None:
     assert learner.speed("c").per_token_s == pytest.approx(1e-3)
     learner.forget_engine("c")
     assert learner.speed("c").per_token_s == learner.speed("b").per_token_s
-
-
-def test_an_engine_unlike_the_others_is_predicted_by_its_own_speed_within_a_few_samples() -> None:
-    # Three engines alike and one at half their speed (an older GPU): before the slow one has
-    # samples enough for a fit of its own, it is the fleet's fit times its own ratio.
-    learner = SpeedLearner()
-    rng = random.Random(7)
-    for _ in range(30):
-        for name in ("d1", "d2", "d3"):
-            w, d, y = _engine(rng, 0.01, 1e-4, 1e-3, 0.001)
-            learner.observe_first_token(name, w, d, y)
-            learner.observe_decode(name, d, 50, 50 * (0.01 + 2e-4 * d), 0)
-    for _ in range(5):
-        w, d, y = _engine(rng, 0.02, 2e-4, 2e-3, 0.001)
-        learner.observe_first_token("d0", w, d, y)
-        learner.observe_decode("d0", d, 50, 50 * 2 * (0.01 + 2e-4 * d), 0)
-    assert learner.speed("d0").samples == 5  # not yet its own fit
-
-    def first_token_s(name: str) -> float:
-        s = learner.speed(name)
-        return s.intercept_s + s.per_token_s * 4000 + s.per_decode_s * 32
-
-    def step_s(name: str) -> float:
-        return learner.itl(name).step_s + learner.itl(name).per_seq_s * 32
-
-    assert first_token_s("d0") > 1.5 * first_token_s("d1")
-    assert first_token_s("d1") == pytest.approx(0.01 + 1e-4 * 4000 + 1e-3 * 32, rel=0.1)
-    assert step_s("d0") > 1.5 * step_s("d1")
-    # An engine the router has no samples of is predicted as the fleet.
-    assert first_token_s("new") == pytest.approx(first_token_s("d1"), rel=0.05)
-    learner.forget_engine("d0")
-    assert first_token_s("d0") == first_token_s("new")
