@@ -276,6 +276,8 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         engines_per_process=getattr(a, "engines_per_process", 1),
         routers=getattr(a, "routers", 1),
         restart_engine_at=getattr(a, "restart_engine_at", 0.0),
+        slow_engine_at=getattr(a, "slow_engine_at", 0.0),
+        slowdown=getattr(a, "slowdown", 2.0),
     )
 
 
@@ -335,6 +337,15 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
         help="restart one decode engine S seconds into the run (its cache is lost); "
         "summary.json gets the hit ratio before and per 25 requests after",
     )
+    p.add_argument(
+        "--slow-engine-at",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="S seconds into the run, one decode engine's steps start taking --slowdown times as "
+        "long (a neighbour on its GPU); the router is not told",
+    )
+    p.add_argument("--slowdown", type=float, default=2.0, help="with --slow-engine-at (default %(default)s)")
     p.add_argument("--out", required=True)
     p.add_argument("--label", help="name of the run in compare tables (default: the mode)")
     p.add_argument("--full", action="store_true", help="the whole trace (default: first 400 requests)")

@@ -38,7 +38,7 @@ from bench.harness.cluster import Cluster, RouterOptions, counters_delta, engine
 from bench.harness.loadgen import run_open_loop, run_sessions
 from bench.harness.modes import ALL_MODES, EXTERNAL_MODES, ORACLE, OUR_MODES, SMG_MODES, strategy_of
 from bench.harness.procs import ProcessSet, RSSSampler, cpu_list
-from bench.harness.replicas import Samplers, recovery, restart_engine_at, scrape_all, start_replicas
+from bench.harness.replicas import Samplers, recovery, restart_engine_at, scrape_all, slow_engine_at, start_replicas
 from bench.reports.rundir import load_requests, parse_router_log, write_outputs
 from bench.workloads import generators as wl
 from bench.workloads.spec import build_requests, build_sessions
@@ -147,6 +147,7 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
             spec.sim,
             cores=other_cores,
             engines_per_process=spec.engines_per_process,
+            extra_decoder=("--enable-admin",) if spec.slow_engine_at > 0 else (),
         )
         urls: list[str] | None = None
         if spec.routers > 1 or spec.mode in SMG_MODES:
@@ -190,6 +191,11 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
             if spec.restart_engine_at > 0
             else None
         )
+        slow = (
+            asyncio.ensure_future(slow_engine_at(cluster, spec.slow_engine_at, spec.slowdown))
+            if spec.slow_engine_at > 0
+            else None
+        )
         if sessions is not None:
             results, prompts, wall = await run_sessions(urls or cluster.url, sessions)
         else:
@@ -198,6 +204,8 @@ async def run_replay(spec: RunSpec) -> dict[str, Any]:
             prompts = None
         if restart is not None:
             base["restart"] = await restart
+        if slow is not None:
+            base["slowdown"] = await slow
         router_cpu, router_rss = (await sampler.stop()) if sampler else (None, None)
         await asyncio.sleep(0.2)
         async with aiohttp.ClientSession() as s:

@@ -124,6 +124,16 @@ WORKLOADS: tuple[SuiteWorkload, ...] = (
         cluster=(("decoder_speed_factors", "0.5"),),
     ),
     SuiteWorkload(
+        "noisy-neighbour",
+        "a speed learned once: 8 s in, one decoder of four starts taking twice as long a step "
+        "(another tenant on its GPU), the traffic at 85% of the four engines' capacity as before",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+        cluster=(("slow_engine_at", 8.0),),
+    ),
+    SuiteWorkload(
         "many-tenants",
         "approximate indexes and races spent where the answer is known: 150 shared 1,500-token "
         "system prompts, 5 questions each, at 40 requests/s, engines that each hold about a third",

@@ -113,6 +113,17 @@ async def restart_engine_at(cluster: Cluster, delay_s: float, engine: int = 0) -
     return {"engine": url, "down_at_s": round(down, 3), "up_at_s": round(time.monotonic() - t0, 3)}
 
 
+async def slow_engine_at(cluster: Cluster, delay_s: float, factor: float, engine: int = 0) -> dict[str, Any]:
+    """After `delay_s`, make decode engine `engine`'s steps `factor` times as long (the
+    simulator's slowdown fault; its engines started with --enable-admin)."""
+    await asyncio.sleep(delay_s)
+    url = cluster.decoders[engine]
+    async with aiohttp.ClientSession() as s, s.post(url + "/_sim/faults", json={"slowdown": factor}) as r:
+        r.raise_for_status()
+    print(f"  engine {url} slowed {factor:g}x at {delay_s:.1f} s", file=sys.stderr)
+    return {"engine": url, "slowed_at_s": delay_s, "slowdown": factor}
+
+
 def recovery(rows: list[dict[str, Any]], restart_s: float, window: int = 25, windows: int = 6) -> dict[str, Any]:
     """Hit ratio (cached prompt tokens reported to the client over prompt tokens; a request
     that went prefill/decode counts as computed) of the 100 requests sent before the

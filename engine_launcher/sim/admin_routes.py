@@ -53,7 +53,10 @@ class AdminRoutes:
             faults.validate()
         except (orjson.JSONDecodeError, TypeError, ValueError) as e:
             return error_response(ApiError(str(e)))
-        self.config.faults = faults
+        # Changed in place: the engines (each DP rank's config a copy of the server's) share
+        # this one object, and a new one would reach the server's routes only.
+        for k, v in dataclasses.asdict(faults).items():
+            setattr(self.config.faults, k, v)
         return json_response(dataclasses.asdict(faults))
 
 

@@ -72,12 +72,19 @@ class FaultConfig:
     # sent this many tokens.
     stall_after_tokens: int = 0
     stall_seconds: float = 0.0
+    # Every engine step takes this many times what the timing model says: a GPU shared with
+    # another tenant, or throttled; set at runtime, it is an engine slowing down mid-run.
+    slowdown: float = 0.0
+
+    @property
+    def step_factor(self) -> float:
+        return self.slowdown or 1.0
 
     def validate(self) -> None:
         if not 0.0 <= self.error_rate <= 1.0:
             raise ValueError(f"fault error_rate must be in [0, 1], got {self.error_rate}")
-        if self.exit_after_tokens < 0 or self.stall_after_tokens < 0 or self.stall_seconds < 0:
-            raise ValueError("fault counts and durations must be >= 0")
+        if min(self.exit_after_tokens, self.stall_after_tokens, self.stall_seconds, self.slowdown) < 0:
+            raise ValueError("fault counts, durations and the slowdown must be >= 0")
 
 
 @dataclass

@@ -13,7 +13,7 @@ A step, as in vLLM V1's `Scheduler.schedule()` (vllm/v1/core/sched/scheduler.py)
 2. if nothing was preempted, waiting requests are admitted in order while the budget and
    `max_num_seqs` allow: prefix-cache lookup, cache-hit threshold check (before any block
    is allocated), then block allocation (a long prompt is prefilled in chunks);
-3. the step "runs" for `timing.step_seconds(prefill tokens, decoding sequences) / speed`;
+3. the step "runs" for `timing.step_seconds(prefill tokens, decoding sequences) / speed` (x a slowdown fault's);
 4. every request whose computed tokens reach its length samples one token.
 
 Timing model (config.py): step time = step_overhead_s + prefill_token_s x tokens prefilled +
@@ -193,8 +193,8 @@ class SimEngine(KvTransferMixin):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 continue
-            seconds = self.config.timing.step_seconds(prefill_tokens, decode_seqs)
-            seconds /= self.config.speed
+            timed = self.config.timing.step_seconds(prefill_tokens, decode_seqs) * self.config.faults.step_factor
+            seconds = timed / self.config.speed
             self.stats.busy_model_seconds += seconds
             # A deadline rather than a plain sleep: oversleeping one step (timer granularity,
             # a busy machine) shortens the next ones, so model time stays accurate on

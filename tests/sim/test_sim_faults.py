@@ -128,3 +128,23 @@ async def test_engines_built_from_one_config_do_not_share_faults(http: aiohttp.C
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_slowdown_set_at_runtime_makes_every_step_that_much_longer(
+    make_engine: MakeEngine, http: aiohttp.ClientSession
+) -> None:
+    eng = await make_engine(enable_admin=True, speed=50.0)
+
+    async def modelled_s(token: int) -> float:  # a prompt of its own: nothing cached
+        before = eng.engine.stats.busy_model_seconds
+        body = {"prompt": [token] * 64, "max_tokens": 8, "ignore_eos": True}
+        status, _ = await post(http, eng.url + "/v1/completions", body)
+        assert status == 200
+        return eng.engine.stats.busy_model_seconds - before
+
+    alone = await modelled_s(9)
+    status, faults = await post(http, eng.url + "/_sim/faults", {"slowdown": 3.0})
+    assert (status, faults["slowdown"]) == (200, 3.0)
+    assert await modelled_s(7) == pytest.approx(3 * alone)
+    status, _ = await post(http, eng.url + "/_sim/faults", {"slowdown": -1})
+    assert status == 400
