@@ -120,8 +120,9 @@ async def slow_engine_at(cluster: Cluster, delay_s: float, factor: float, engine
     url = cluster.decoders[engine]
     async with aiohttp.ClientSession() as s, s.post(url + "/_sim/faults", json={"slowdown": factor}) as r:
         r.raise_for_status()
+        faults = await r.json()
     print(f"  engine {url} slowed {factor:g}x at {delay_s:.1f} s", file=sys.stderr)
-    return {"engine": url, "slowed_at_s": delay_s, "slowdown": factor}
+    return {"engine": url, "slowed_at_s": delay_s, "slowdown": faults["slowdown"]}  # as the engine took it
 
 
 def recovery(rows: list[dict[str, Any]], restart_s: float, window: int = 25, windows: int = 6) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Router replicas and engine restarts in the bench (bench/fleet.py), end to end on a tiny
-scale, and the recovery figure on hand-made rows."""
+"""Router replicas, engine restarts and an engine slowed mid-run in the bench
+(bench/fleet.py, bench/harness/replicas.py), end to end on a tiny scale, and the recovery
+figure on hand-made rows."""
 
 from __future__ import annotations
 
@@ -79,6 +80,17 @@ def test_two_replicas_of_our_router_and_an_engine_restart(tmp_path: Path) -> Non
     assert s["recovery"]["after"]
     assert s["recovery"]["before_100"] is not None
     assert (tmp_path / "probe" / "logs" / "sim-consumer-0-restarted.log").exists()
+
+
+def test_an_engine_slowed_mid_run_takes_the_slowdown(tmp_path: Path) -> None:
+    a = build_parser().parse_args(
+        ["replay", *TINY, "--slow-engine-at", "0.5", "--slowdown", "3", "--out", str(tmp_path)]
+    )
+    s = asyncio.run(run_replay(run_spec_from_args(a, "round_robin", tmp_path / "rr")))
+    assert (s["requests"], s["errors"]) == (24, 0), s.get("error_examples")
+    # The first decoder's faults route answered with the slowdown it now runs at.
+    assert s["slowdown"]["slowdown"] == 3.0
+    assert s["slowdown"]["slowed_at_s"] == 0.5
 
 
 def _summary(hit: float, p50: float, p99: float, **kw: Any) -> dict[str, Any]:
