@@ -28,7 +28,7 @@ class SimOptions:
     # Decode servers' DP ranks (vLLM --data-parallel-size): KV caches behind each decode port.
     data_parallel_size: int = 1
     # Each decode engine's speed as a share of `speed`, in order (empty: all alike): a fleet
-    # of mixed hardware, or one engine slowed by a neighbour.
+    # of mixed hardware (an engine slowed mid-run is the simulator's slowdown fault instead).
     decoder_speed_factors: tuple[float, ...] = ()
     extra: tuple[str, ...] = ()
 
