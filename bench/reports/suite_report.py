@@ -44,7 +44,10 @@ COLUMNS = [
     ("pred_abs_err_p50_ms", "pred |err| p50 ms"),
     ("pred_bias_p50_ms", "pred bias p50 ms"),
     ("pred_rel_err_p50", "pred rel err p50"),
+    ("pred_engine_ratio", "pred/obs by engine"),
 ]
+# Requests an engine must have served for its own pred/obs median to count.
+ENGINE_MIN_REQUESTS = 5
 ND = {
     "hit_ratio": 3,
     "oracle_hit_ratio": 3,
@@ -65,21 +68,37 @@ def model_accuracy(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Errors of the cost model's TTFT prediction over the requests that carry one:
     error = predicted_ttft_ms - observed, observed = the router's own TTFT of the request
     (`router_ttft_ms`, from the same log line as the prediction). Medians of |error|, of the
-    signed error (bias: > 0 means the model predicts too slow) and of |error| / observed."""
+    signed error (bias: > 0 means the model predicts too slow) and of |error| / observed;
+    and per engine (the one that decoded: `winner`) the median of predicted / observed,
+    the lowest and highest of those (an engine the model takes for faster or slower than it
+    is, which the fleet's medians hide), over engines of `ENGINE_MIN_REQUESTS` requests or more."""
     pairs = [
         (r["predicted_ttft_ms"], r["router_ttft_ms"])
         for r in requests
         if r.get("predicted_ttft_ms") is not None and r.get("router_ttft_ms") is not None
     ]
     if not pairs:
-        return {"pred_requests": 0, "pred_abs_err_p50_ms": None, "pred_bias_p50_ms": None, "pred_rel_err_p50": None}
+        return {
+            "pred_requests": 0,
+            "pred_abs_err_p50_ms": None,
+            "pred_bias_p50_ms": None,
+            "pred_rel_err_p50": None,
+            "pred_engine_ratio": None,
+        }
     errs = [p - o for p, o in pairs]
     rel = [abs(p - o) / o for p, o in pairs if o > 0]
+    by_engine: dict[str, list[float]] = {}
+    for r in requests:
+        p, o, engine = r.get("predicted_ttft_ms"), r.get("router_ttft_ms"), r.get("winner")
+        if p is not None and o and engine:
+            by_engine.setdefault(engine, []).append(p / o)
+    ratios = [m for v in by_engine.values() if len(v) >= ENGINE_MIN_REQUESTS and (m := median(v)) is not None]
     return {
         "pred_requests": len(pairs),
         "pred_abs_err_p50_ms": rnd(median(abs(e) for e in errs), 2),
         "pred_bias_p50_ms": rnd(median(errs), 2),
         "pred_rel_err_p50": rnd(median(rel), 4),
+        "pred_engine_ratio": f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else None,
     }
 
 

@@ -66,8 +66,19 @@ def test_model_accuracy_medians_of_absolute_signed_and_relative_error() -> None:
     assert acc["pred_abs_err_p50_ms"] == pytest.approx((10 + 50) / 2)  # |e| = 5, 10, 50, 300
     assert acc["pred_bias_p50_ms"] == pytest.approx((-5 + 10) / 2)  # e = -50, -5, 10, 300
     assert acc["pred_rel_err_p50"] == pytest.approx((0.1 + 0.25) / 2)  # 0.1, 0.1, 0.25, 3.0
+    assert acc["pred_engine_ratio"] is None  # no engine named
     none = model_accuracy([{"router_ttft_ms": 5.0, "ttft_ms": 6.0}])
-    assert none == {"pred_requests": 0, "pred_abs_err_p50_ms": None, "pred_bias_p50_ms": None, "pred_rel_err_p50": None}
+    assert none["pred_requests"] == 0
+    assert none["pred_abs_err_p50_ms"] is None
+    assert none["pred_engine_ratio"] is None
+
+
+def test_model_accuracy_shows_the_engine_predicted_furthest_from_its_times() -> None:
+    # d0 is predicted at half its times, d1 right; d2 served too few requests to judge.
+    rows: list[dict[str, Any]] = [{"predicted_ttft_ms": 50.0, "router_ttft_ms": 100.0, "winner": "d0"}] * 5
+    rows += [{"predicted_ttft_ms": 100.0, "router_ttft_ms": 100.0, "winner": "d1"}] * 6
+    rows += [{"predicted_ttft_ms": 900.0, "router_ttft_ms": 100.0, "winner": "d2"}] * 4
+    assert model_accuracy(rows)["pred_engine_ratio"] == "0.50-1.00"
 
 
 def test_route_shares_and_rows() -> None:
