@@ -1,9 +1,10 @@
 """The routing suite: every routing mode on every suite workload, in one run, one table.
 
 `python -m bench suite --out DIR [--quick] [--workloads a,b] [--modes m1,m2]` replays each
-workload of `WORKLOADS` (bench/experiments/suite_workloads.py) through each mode (`bench/experiments/replay.py`, a fresh cluster per mode) and
-writes `DIR/suite.md`, `DIR/suite.json` and `DIR/regret.png` (`bench/reports/suite_report.py`), with
-each run's own directory in `DIR/<workload>/<mode>/`. Every routing change must hold its
+workload of `WORKLOADS` (bench/experiments/suite_workloads.py) through each mode
+(`bench/experiments/replay.py`, a fresh cluster per mode) and writes `DIR/suite.md`,
+`DIR/suite.json` and `DIR/regret.png` (`bench/reports/suite_report.py`), with each run's own
+directory in `DIR/<workload>/<mode>/`. Every routing change must hold its
 TTFT regret on this table (docs/BENCHMARKS.md, "suite"). With `--repeat N` each workload
 runs N rounds into `DIR/<workload>/r<k>/<mode>/` and the table gives medians over rounds and
 per-round paired ratios, `--control MODE` an A/A pair as their noise floor
@@ -111,7 +112,7 @@ def set_rate(ns: argparse.Namespace, wd: SuiteWorkload) -> dict[str, Any] | None
         "engines": ns.engines,
         "prefill": ns.prefill,
         "speed": ns.speed,
-        "decoder_speed_factors": getattr(ns, "decoder_speed_factors", ""),
+        "decoder_speed_factors": ns.decoder_speed_factors,
         "target": wd.target,
         "time_scale": ns.time_scale,
         "rate": ns.rate,
