@@ -142,7 +142,8 @@ def test_mixed_speed_slows_one_decoder_and_sets_the_rate_for_the_fleet_it_leaves
     assert float(sim.args()[sim.args().index("--speed") + 1]) == wd.speed
     # Its rate is set for 3.5 engines' worth: 3.5 / 4 of low-reuse's, the same requests.
     load = suite.set_rate(ns, wd)
-    alike = suite.set_rate(suite.replay_args(a, suite_workloads.BY_NAME["low-reuse"], tmp_path), wd)
+    low_reuse = suite_workloads.BY_NAME["low-reuse"]
+    alike = suite.set_rate(suite.replay_args(a, low_reuse, tmp_path), low_reuse)
     assert load is not None
     assert alike is not None
     assert load["offered_rps"] == pytest.approx(alike["offered_rps"] * 3.5 / 4, rel=1e-6)
