@@ -37,7 +37,7 @@ Rejected because the router cannot honour them (400, param named):
 Differences from vLLM a client can notice:
 - a type error (`max_tokens: "many"`) is a 400 with `type: "BadRequestError"` and
   `param: "max_tokens"`, where vLLM's pydantic layer says `"Bad Request"`/`"body.max_tokens"`;
-- JSON with a lone surrogate escape (`"\ud800"`) is a 400: orjson refuses it, and it could
+- JSON with a lone surrogate escape (`"\\ud800"`) is a 400: orjson refuses it, and it could
   not be re-encoded as UTF-8 for the engine anyway (Python's json would accept it);
 - integral floats (`max_tokens: 16.0`) are not accepted where an integer is expected;
 - a body nested deeper than `MAX_JSON_DEPTH` (128) levels is a 400 (the router could not

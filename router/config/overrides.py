@@ -73,13 +73,13 @@ def layer(raw: dict[str, Any], env: Mapping[str, str], flags: Mapping[str, Any] 
             for t in out.get(array, []) if isinstance(out.get(array), list) else []:
                 if isinstance(t, dict) and not t.get("api_key"):
                     t["api_key"] = backend_key
-    for dotted, value in (flags or {}).items():
-        if value is None:
+    for dotted, given in (flags or {}).items():
+        if given is None:
             continue
         table, key = dotted.split(".", 1)
         section = out.setdefault(table, {})
         if isinstance(section, dict):
-            section[key] = value
+            section[key] = given
     if problems:
         raise ConfigError(*problems)
     return out

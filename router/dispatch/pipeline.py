@@ -294,6 +294,7 @@ class Dispatcher:
                 if plan.predicted_ttft_s is not None
                 else None
             )
+            raw: bytes | None = None
             try:
                 raw = await self.client.post_raw(
                     name, cfg.url, ctx.path, ctx.body, api_key=cfg.api_key, total_deadline=ctx.deadline
@@ -304,11 +305,12 @@ class Dispatcher:
                     raise client_error(e, self.timeouts) from None
                 last_error = e
                 ctx.tried.add(name)
-                continue
             finally:
                 if timer is not None:
                     timer.cancel()
                 self.registry.close_leg(ticket)
+            if raw is None:
+                continue
             problem = unary_answer_problem(raw, spec.max_tokens)
             if problem is not None:  # a broken engine's answer is not a success: elsewhere
                 last_error = UpstreamError(name, PROTOCOL, problem)

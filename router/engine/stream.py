@@ -150,7 +150,7 @@ class UpstreamStream:
         self._reader: asyncio.Task[Any] | None = None  # the task waiting for data
         self._expired = False
         self.chunks_read = 0
-        self._span = None  # the leg's trace span (router/observability/tracing.py), ended on close
+        self._span: Any = None  # the leg's trace span (router/observability/tracing.py), ended on close
         self._relay: Callable[[deque[bytes]], bool] | None = None
         self._relay_chunked: Callable[[bytes], tuple[int, int]] | None = None
 
