@@ -26,8 +26,8 @@ class RunSpec:
     engines_per_process: int = 1
     routers: int = 1  # router replicas; requests round robin over them (bench/harness/replicas.py)
     restart_engine_at: float = 0.0  # > 0: restart one decode engine this many seconds in
-    slow_engine_at: float = 0.0  # > 0: one decode engine this many times slower from then on
-    slowdown: float = 2.0
+    slow_engine_at: float = 0.0  # > 0: this many seconds in, one decode engine's steps slow down
+    slowdown: float = 2.0  # by this factor (the simulator's slowdown fault)
 
 
 def default_sim(w: WorkloadSpec, speed: float, num_gpu_blocks: int | None = None) -> SimOptions:
