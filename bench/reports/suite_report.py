@@ -72,12 +72,13 @@ def model_accuracy(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
     and per engine (the one that decoded: `winner`) the median of predicted / observed,
     the lowest and highest of those (an engine the model takes for faster or slower than it
     is, which the fleet's medians hide), over engines of `ENGINE_MIN_REQUESTS` requests or more."""
-    pairs = [
-        (r["predicted_ttft_ms"], r["router_ttft_ms"])
+    # (predicted, observed, engine that decoded) of every request that carries both figures.
+    rows = [
+        (r["predicted_ttft_ms"], r["router_ttft_ms"], r.get("winner"))
         for r in requests
         if r.get("predicted_ttft_ms") is not None and r.get("router_ttft_ms") is not None
     ]
-    if not pairs:
+    if not rows:
         return {
             "pred_requests": 0,
             "pred_abs_err_p50_ms": None,
@@ -85,16 +86,15 @@ def model_accuracy(requests: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "pred_rel_err_p50": None,
             "pred_engine_ratio": None,
         }
-    errs = [p - o for p, o in pairs]
-    rel = [abs(p - o) / o for p, o in pairs if o > 0]
+    errs = [p - o for p, o, _ in rows]
+    rel = [abs(p - o) / o for p, o, _ in rows if o > 0]
     by_engine: dict[str, list[float]] = {}
-    for r in requests:
-        p, o, engine = r.get("predicted_ttft_ms"), r.get("router_ttft_ms"), r.get("winner")
-        if p is not None and o and engine:
+    for p, o, engine in rows:
+        if o and engine:
             by_engine.setdefault(engine, []).append(p / o)
     ratios = [m for v in by_engine.values() if len(v) >= ENGINE_MIN_REQUESTS and (m := median(v)) is not None]
     return {
-        "pred_requests": len(pairs),
+        "pred_requests": len(rows),
         "pred_abs_err_p50_ms": rnd(median(abs(e) for e in errs), 2),
         "pred_bias_p50_ms": rnd(median(errs), 2),
         "pred_rel_err_p50": rnd(median(rel), 4),
