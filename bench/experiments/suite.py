@@ -42,11 +42,12 @@ from bench.workloads.spec import build_requests
 T = TypeVar("T")
 
 
-def cluster_keys() -> list[str]:
-    """The cluster flags of `replay` (add_cluster_args): the suite passes them through."""
+def cluster_defaults() -> dict[str, Any]:
+    """The cluster flags of `replay` (add_cluster_args) with their defaults: the suite passes
+    them through."""
     p = argparse.ArgumentParser()
     add_cluster_args(p)
-    return list(vars(p.parse_args([])))
+    return vars(p.parse_args([]))
 
 
 def replay_args(a: argparse.Namespace, wd: SuiteWorkload, out: Path) -> argparse.Namespace:
@@ -54,11 +55,12 @@ def replay_args(a: argparse.Namespace, wd: SuiteWorkload, out: Path) -> argparse
     p = argparse.ArgumentParser()
     add_replay_args(p)
     ns = p.parse_args(["--out", str(out), *wd.flags, *(wd.quick_flags if a.quick else ())])
-    for k in cluster_keys():
+    defaults = cluster_defaults()
+    for k in defaults:
         setattr(ns, k, getattr(a, k))
     ns.speed = a.speed or wd.speed
     for k, v in wd.cluster:
-        if not getattr(a, k, None):  # the suite's own flag wins where it has one
+        if getattr(a, k, None) == defaults.get(k):  # the suite's own flag wins where it is given
             setattr(ns, k, v)
     ns.trace, ns.seed = a.trace, a.seed
     if a.requests:

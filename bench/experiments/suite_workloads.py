@@ -113,6 +113,17 @@ WORKLOADS: tuple[SuiteWorkload, ...] = (
         cluster=(("num_gpu_blocks", CPU_TIER_GPU_BLOCKS), ("cpu_offload_x", 8.0)),
     ),
     SuiteWorkload(
+        "ample-producers",
+        "goodput's triage where producers idle: four of them, enough to prefill every prompt "
+        "(~0.8 of their capacity if all were split), beside the decoders at 85%; a prompt late "
+        "wherever it goes should not queue on a decoder while a producer stands free",
+        TRACE_HEAD,
+        ("--limit", "130"),
+        TRACE_SPEED,
+        target=0.85,
+        cluster=(("prefill", 4),),
+    ),
+    SuiteWorkload(
         "mixed-speed",
         "policies that take engines to be alike (round robin's equal shares, a fleet-wide speed): "
         "one decoder of four runs at half the others' speed, as an older GPU beside new ones, at "

@@ -171,3 +171,19 @@ def test_default_trace_is_generated_inside_the_repository(tmp_path: Path) -> Non
     assert set(first) == {"timestamp", "input_length", "output_length", "hash_ids"}
     a = build_parser().parse_args(["replay", "--out", str(tmp_path), "--trace", "other.jsonl"])
     assert workload_from_args(a).trace == "other.jsonl"
+
+
+def test_ample_producers_runs_four_producers_at_the_low_reuse_rate(tmp_path: Path) -> None:
+    wd = suite_workloads.BY_NAME["ample-producers"]
+    a = _suite_args(tmp_path, "--requests", "60")
+    ns = suite.replay_args(a, wd, tmp_path)
+    assert ns.prefill == 4
+    ample = suite.set_rate(ns, wd)
+    low = suite.set_rate(suite.replay_args(a, suite_workloads.BY_NAME["low-reuse"], tmp_path), wd)
+    assert ample is not None
+    assert low is not None
+    # The decoders' utilisation sets the rate: the producers added take nothing from it.
+    assert ample["offered_rps"] == pytest.approx(low["offered_rps"])
+    assert ample["pd_prefill_utilisation"] == pytest.approx(low["pd_prefill_utilisation"] / 4)
+    # A --prefill other than the default wins.
+    assert suite.replay_args(_suite_args(tmp_path, "--prefill", "2"), wd, tmp_path).prefill == 2
