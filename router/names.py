@@ -107,6 +107,8 @@ class RouteReason(StrEnum):
     DIRECT = "direct"  # the strategy's own choice, no fallback weighed
     GOODPUT_DIRECT = "goodput_direct"  # computed on a decoder: loses the fewest requests
     GOODPUT_SPLIT = "goodput_split"  # prefill/decode: loses the fewest requests
+    # Predicted to miss an SLO wherever it goes: prefilled on an idle producer, another idle
+    SPARE_PRODUCER = "spare_producer"
     SPLIT_ALWAYS = "split_always"  # routing.split = "always"
     SPLIT_NEVER = "split_never"  # routing.split = "never"
     NO_PRODUCER = "no_producer"  # no prefill engine to split with

@@ -114,6 +114,10 @@ class RoutingConfig:
     # times its soonest predicted start (router/routing/goodput.py `best`); 0: no bound
     # (the most goodput; a bound trades much of it for a shorter tail: docs/CONFIG.md).
     max_ttft_stretch: float = 0.0
+    # Such a request may be split through an idle producer while another stays idle
+    # (router/routing/goodput.py `spare_producers`): no queue on a decoder, no stalls, at a
+    # few requests' goodput on busy fleets (docs/CONFIG.md); false: never split, the triage's.
+    spare_producers: bool = True
     # The engines' prefill chunk (vLLM's max_num_batched_tokens): a prefill computed on a
     # decoder stalls each of its steps by at most this many tokens' worth.
     prefill_chunk_tokens: int = 8192

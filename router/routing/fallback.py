@@ -17,7 +17,8 @@ over the one cost model (router/routing/costmodel.py):
 With `routing.split = "auto"` the choice is goodput's (router/routing/goodput.py): the
 placement predicted to keep the most requests, this one and those decoding on the engines
 it touches, within both SLOs (`routing.slo_ttft_ms`, `routing.slo_itl_ms`); ties go to the
-least predicted TTFT. A split is considered only when a prefill backend other than the
+least predicted TTFT; a split predicted to miss the request's own SLO is weighed only on a
+producer to spare (`goodput.spare_producers`). A split is considered only when a prefill backend other than the
 decoder exists and the decoder would lack at least `min_pd_prompt_tokens` (an operator's
 floor: below it a KV transfer is never worth its moving parts). `routing.split = "always"`
 takes the split whenever there is one (the fastest pair), `"never"` never splits.
@@ -136,10 +137,12 @@ def plan_fallback(
     best_split = min(splits, key=lambda p: p.ttft_s)  # stable: the producer finishing sooner first
     if routing.split == SplitMode.ALWAYS:
         return _plan(best_split, routing, slo, RouteReason.SPLIT_ALWAYS, goodput.best(directs, slo))
-    chosen = goodput.best([*directs, *(p for p in splits if goodput.worth_splitting(p, slo))], slo)
+    spare = goodput.spare_producers(producers) if routing.spare_producers else frozenset()
+    chosen = goodput.best([*directs, *(p for p in splits if goodput.worth_splitting(p, slo, spare))], slo)
     if chosen.prefill is None:
         return _plan(chosen, routing, slo, RouteReason.GOODPUT_DIRECT, goodput.best(splits, slo))
-    return _plan(chosen, routing, slo, RouteReason.GOODPUT_SPLIT, goodput.best(directs, slo))
+    reason = RouteReason.SPARE_PRODUCER if chosen.misses(slo) else RouteReason.GOODPUT_SPLIT
+    return _plan(chosen, routing, slo, reason, goodput.best(directs, slo))
 
 
 def _plan(

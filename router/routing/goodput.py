@@ -21,7 +21,8 @@ The candidate that loses the fewest requests (the new one counts one if it misse
 SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. The
 count is of this moment only, so a split predicted past the request's own SLO is no
 candidate (`worth_splitting`): its loss is certain and its prefill lengthens the
-producer's queue that every later split waits in. Traded for running sequences, each
+producer's queue that every later split waits in (unless producers are idle to spare:
+`spare_producers`). Traded for running sequences, each
 split makes the next request face the same trade on a longer queue until every split
 misses (measured: a producer's queue grew to 35 s); kept within the SLO, the producer
 takes what it can serve in time, and the decoders the rest. (Placing a request that
@@ -153,9 +154,29 @@ def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: f
     )
 
 
-def worth_splitting(split: Placement, slo: Slo) -> bool:
-    """A split is a candidate only while it meets the request's own SLOs (module docstring)."""
-    return not split.misses(slo)
+def worth_splitting(split: Placement, slo: Slo, spare: frozenset[str] = frozenset()) -> bool:
+    """A split is a candidate while it meets the request's own SLOs (module docstring), or
+    when its producer is one of the `spare` ones (`spare_producers`): a prefill nobody waits
+    behind costs no later split its time."""
+    return not split.misses(slo) or split.prefill in spare
+
+
+def idle(view: BackendView) -> bool:
+    """Nothing waits on the engine's queue and no prefill of ours is in flight there."""
+    return view.queued_tokens <= 0.0 and view.prefilling == 0
+
+
+def spare_producers(producers: Sequence[BackendView]) -> frozenset[str]:
+    """The producers a split predicted to miss its own SLO may take: the idle ones, when at
+    least two are idle. Such a request is lost wherever it goes; on a decoder it stalls the
+    sequences there (or joins the queue of one whose sequences are stalled already, the
+    triage's sacrifice, where it waits for seconds), while on an idle producer it stalls
+    nobody and waits for nothing. What keeps this from the producer's queue the triage
+    protects (module docstring) is the second idle producer: the next request that can
+    still make its SLO finds one free. With one producer (or a busy fleet of them) the set
+    is empty and nothing changes."""
+    names = [p.name for p in producers if idle(p)]
+    return frozenset(names) if len(names) >= 2 else frozenset()
 
 
 def best(candidates: Sequence[Placement], slo: Slo) -> Placement:

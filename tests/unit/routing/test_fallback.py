@@ -114,16 +114,17 @@ def test_with_nobody_decoding_the_fallback_is_the_least_predicted_time_of_every_
     assert fb is not None
     assert fb.predicted_ttft_s is not None
     options = [ttft(b.speed, b.queued_tokens, 0, prompt - hits.get(b.name, 0)) for b in d]
-    # Nobody decodes, so nobody is stalled: goodput's choice is the least predicted time,
-    # among the splits only those within the TTFT SLO (a later one only lengthens the
-    # producer's queue).
     splits = [
-        pd_ttft(x.speed, x.queued_tokens, 0, prompt, b.speed, b.queued_tokens, 0, s.transfer, prompt)
+        (pd_ttft(x.speed, x.queued_tokens, 0, prompt, b.speed, b.queued_tokens, 0, s.transfer, prompt), x)
         for x in p
         for b in d
         if prompt >= R.min_pd_prompt_tokens and prompt - hits.get(b.name, 0) >= R.min_pd_prompt_tokens
     ]
-    options += [t for t in splits if t <= R.slo_ttft_ms / 1000.0]
+    # Nobody decodes, so nobody is stalled: goodput's choice is the least predicted time,
+    # among the splits those within the TTFT SLO (a later one only lengthens the producer's
+    # queue), or through an idle producer when two are idle (a producer to spare).
+    spare = [x.queued_tokens == 0 for x in p].count(True) >= 2
+    options += [t for t, x in splits if t <= R.slo_ttft_ms / 1000.0 or (spare and x.queued_tokens == 0)]
     assert abs(fb.predicted_ttft_s - min(options)) < 1e-12
     assert (fb.prefill is not None) == (fb.predicted_ttft_s < min(options[: len(d)]))
 
@@ -173,6 +174,30 @@ def test_split_auto_never_queues_a_split_past_the_ttft_slo() -> None:
     fb = _planned(plan_fallback(Q, s, R, 1000))
     assert (fb.prefill, fb.reason, fb.lost) == (None, "goodput_direct", 10)
     assert "split p0>d0" in fb.alternative
+
+
+def test_a_prompt_late_wherever_it_goes_takes_a_producer_to_spare_over_the_triage() -> None:
+    # 30,000 tokens: 3 s of prefill anywhere, past the 2 s TTFT SLO. d0's sequences are past
+    # the ITL SLO already (the triage's sacrifice, with 20,000 tokens queued), d1's would be
+    # pushed past it. With one producer, or one of two busy, the split is no candidate and
+    # the prompt joins d0's queue; with two idle producers one is to spare, and the split
+    # loses only the request itself, sooner.
+    sacrificed = replace(view("d0", decoding=10, queued=20_000), stalled=10.0)
+    fresh = view("d1", decoding=10)
+    idle_p = [view(f"p{i}", decodes=False, prefills=True) for i in range(2)]
+    one = _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0]), R, 30_000))
+    assert (one.prefill, one.decode, one.reason, one.lost) == (None, "d0", "goodput_direct", 1)
+    busy = replace(idle_p[1], queued_tokens=5_000.0)
+    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0], busy), R, 30_000)).prefill is None
+    fb = _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), R, 30_000))
+    assert (fb.prefill, fb.reason, fb.lost) == ("p0", "spare_producer", 1)
+    assert fb.predicted_ttft_s is not None
+    assert one.predicted_ttft_s is not None
+    assert fb.predicted_ttft_s < one.predicted_ttft_s
+    assert "direct d0" in fb.alternative
+    # An operator who wants the triage's count alone turns it off.
+    off = replace(R, spare_producers=False)
+    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), off, 30_000)).prefill is None
 
 
 def test_a_prompt_whose_split_is_in_flight_follows_it_through_its_producer() -> None:

@@ -126,3 +126,22 @@ def test_a_request_that_misses_anyway_waits_at_most_the_stretch_over_its_soonest
     soonest = goodput.direct(fresh, 8000, 0.5, SLO)
     assert (on_time.lost(SLO), soonest.lost(SLO)) == (0, 8)
     assert goodput.best([soonest, on_time], bounded) is on_time
+
+
+def test_producers_are_to_spare_while_two_are_idle() -> None:
+    idle = [view(f"p{i}", decodes=False, prefills=True) for i in range(3)]
+    assert goodput.spare_producers(idle) == {"p0", "p1", "p2"}
+    queued = replace(idle[0], queued_tokens=100.0)
+    prefilling = replace(idle[1], prefilling=1)
+    assert goodput.spare_producers([queued, *idle[1:]]) == {"p1", "p2"}
+    assert goodput.spare_producers([queued, prefilling, idle[2]]) == frozenset()  # the last idle one is kept
+    assert goodput.spare_producers(idle[:1]) == frozenset()
+
+
+def test_a_split_late_anyway_is_weighed_only_on_a_producer_to_spare() -> None:
+    prod = view("p", decodes=False, prefills=True)
+    late = goodput.split(prod, replace(view("d"), itl=STEP), 30_000, 3.5, SLO)
+    assert late.misses(SLO)
+    assert not goodput.worth_splitting(late, SLO)
+    assert goodput.worth_splitting(late, SLO, frozenset({"p"}))
+    assert not goodput.worth_splitting(late, SLO, frozenset({"other"}))
