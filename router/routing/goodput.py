@@ -167,15 +167,16 @@ def idle(view: BackendView) -> bool:
 
 
 def spare_producers(producers: Sequence[BackendView]) -> frozenset[str]:
-    """The producers a split predicted to miss its own SLO may take: the idle ones, when at
-    least two are idle. Such a request is lost wherever it goes; on a decoder it stalls the
+    """The producers a split predicted to miss its own SLO may take: the idle prefill-only
+    ones, when at least two are idle. Such a request is lost wherever it goes; on a decoder it stalls the
     sequences there (or joins the queue of one whose sequences are stalled already, the
     triage's sacrifice, where it waits for seconds), while on an idle producer it stalls
     nobody and waits for nothing. What keeps this from the producer's queue the triage
     protects (module docstring) is the second idle producer: the next request that can
-    still make its SLO finds one free. With one producer (or a busy fleet of them) the set
-    is empty and nothing changes."""
-    names = [p.name for p in producers if idle(p)]
+    still make its SLO finds one free. A decoder that also prefills (role `both`) is never
+    to spare: the sequences sent there while it computes a late prompt would be stalled by
+    it. With one producer (or a busy fleet of them) the set is empty and nothing changes."""
+    names = [p.name for p in producers if idle(p) and not p.decodes]
     return frozenset(names) if len(names) >= 2 else frozenset()
 
 

@@ -136,6 +136,9 @@ def test_producers_are_to_spare_while_two_are_idle() -> None:
     assert goodput.spare_producers([queued, *idle[1:]]) == {"p1", "p2"}
     assert goodput.spare_producers([queued, prefilling, idle[2]]) == frozenset()  # the last idle one is kept
     assert goodput.spare_producers(idle[:1]) == frozenset()
+    # Decoders that prefill too are never to spare: what is sent there next would be stalled.
+    both = [view(f"b{i}", prefills=True) for i in range(2)]
+    assert goodput.spare_producers([*both, idle[0]]) == frozenset()
 
 
 def test_a_split_late_anyway_is_weighed_only_on_a_producer_to_spare() -> None:
