@@ -66,6 +66,38 @@ async def test_a_request_not_worth_racing_still_splits_when_the_model_says_so(
     assert await c.wait_idle() == {"d0": 0, "d1": 0, "p0": 0}
 
 
+@pytest.mark.parametrize("spare", [True, False])
+async def test_a_request_late_wherever_it_goes_is_split_through_a_producer_to_spare(
+    make_cluster: MakeCluster, caplog: pytest.LogCaptureFixture, spare: bool
+) -> None:
+    caplog.set_level(logging.INFO, logger="cachehit_router.requests")
+    # A 1 ms TTFT SLO: every placement misses it. With two idle producers one is to spare,
+    # so the split (it stalls nobody, and its first token comes sooner under these priors)
+    # takes it; turned off, a split past the SLO is no candidate and the decoder computes it.
+    c = await make_cluster(
+        decoders=1,
+        prefillers=2,
+        per_backend=PD_PREFERRED,
+        routing={"slo_ttft_ms": 1.0, "spare_producers": spare},
+    )
+    status, out = await c.complete({"model": MODEL, "prompt": long_prompt("late", 300), "max_tokens": 6})
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] == 6
+    (rec,) = [r.__dict__["request"] for r in caplog.records if r.name == "cachehit_router.requests"]
+    ext = await c.engine_metrics("vllm:external_prefix_cache_hits_total")
+    if spare:
+        assert c.routes() == {"probe_hit": 0, "pd": 1, "direct": 0}
+        assert rec["route_reason"] == "spare_producer", rec
+        assert rec["predicted_lost"] == 1, rec
+        assert rec["prefill"] in ("p0", "p1"), rec
+        assert ext["d0"] >= 300 - 16  # the decoder pulled the prompt's KV from the producer
+    else:
+        assert c.routes() == {"probe_hit": 0, "pd": 0, "direct": 1}
+        assert rec["route_reason"] == "goodput_direct", rec
+        assert ext["d0"] == 0
+    assert await c.wait_idle() == {"d0": 0, "p0": 0, "p1": 0}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_failed_kv_transfer_is_recomputed_on_the_decoder(make_cluster: MakeCluster, stream: bool) -> None:
     # The producer's lease ends before the consumer pulls: with vLLM's default
