@@ -170,9 +170,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="routing.max_ttft_stretch (0: no bound on how late goodput's triage places a request)",
     )
     g.add_argument(
-        "--no-spare-producers",
+        "--spare-producers",
         action="store_true",
-        help="routing.spare_producers = false: a request late wherever it goes is never split",
+        help="routing.spare_producers = true: a request late wherever it goes may be split "
+        "through an idle producer while another stays idle",
     )
     g.add_argument(
         "--engines-per-process",
@@ -260,7 +261,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         "slo_itl_ms": float(getattr(a, "slo_itl_ms", 100.0)),
         "prefill_chunk_tokens": int(sim.max_num_batched_tokens),
         "max_ttft_stretch": float(getattr(a, "max_ttft_stretch", 0.0)),
-        "spare_producers": not getattr(a, "no_spare_producers", False),
+        "spare_producers": bool(getattr(a, "spare_producers", False)),
         **({"split": SPLIT_MODES[mode]} if mode in SPLIT_MODES else {}),
     }
     if sim.decoder_max_num_batched_tokens:

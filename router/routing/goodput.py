@@ -21,8 +21,8 @@ The candidate that loses the fewest requests (the new one counts one if it misse
 SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. The
 count is of this moment only, so a split predicted past the request's own SLO is no
 candidate (`worth_splitting`): its loss is certain and its prefill lengthens the
-producer's queue that every later split waits in (unless producers are idle to spare:
-`spare_producers`). Traded for running sequences, each
+producer's queue that every later split waits in (unless producers are idle to spare and
+the operator allows it: `spare_producers`). Traded for running sequences, each
 split makes the next request face the same trade on a longer queue until every split
 misses (measured: a producer's queue grew to 35 s); kept within the SLO, the producer
 takes what it can serve in time, and the decoders the rest. (Placing a request that
@@ -173,7 +173,9 @@ def spare_producers(producers: Sequence[BackendView]) -> frozenset[str]:
     triage's sacrifice, where it waits for seconds), while on an idle producer it stalls
     nobody and waits for nothing. What keeps this from the producer's queue the triage
     protects (module docstring) is the second idle producer: the next request that can
-    still make its SLO finds one free. A decoder that also prefills (role `both`) is never
+    still make its SLO finds one free (while several arrive together they may not: on a fleet
+    whose producers could not prefill every prompt this costs goodput, so it is an operator's
+    choice, routing.spare_producers). A decoder that also prefills (role `both`) is never
     to spare: the sequences sent there while it computes a late prompt would be stalled by
     it. With one producer (or a busy fleet of them) the set is empty and nothing changes."""
     names = [p.name for p in producers if idle(p) and not p.decodes]

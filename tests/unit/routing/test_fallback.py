@@ -102,15 +102,16 @@ def test_fallback_decoder_weighs_the_partial_hit_against_the_queue() -> None:
     st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 4000)), min_size=1, max_size=5),
     st.lists(st.integers(0, 20_000), max_size=2),
     st.integers(1, 8000),
+    st.booleans(),
 )
 def test_with_nobody_decoding_the_fallback_is_the_least_predicted_time_of_every_option(
-    decoders: list[tuple[int, int]], producers: list[int], prompt: int
+    decoders: list[tuple[int, int]], producers: list[int], prompt: int, spare_on: bool
 ) -> None:
     d = [view(f"d{i}", queued=q) for i, (q, _) in enumerate(decoders)]
     p = [view(f"p{i}", decodes=False, prefills=True, queued=q) for i, q in enumerate(producers)]
     hits = {f"d{i}": min(h, prompt) for i, (_, h) in enumerate(decoders) if h}
     s = snap(*d, *p)
-    fb = plan_fallback(Q, s, R, prompt, hits=hits)
+    fb = plan_fallback(Q, s, replace(R, spare_producers=spare_on), prompt, hits=hits)
     assert fb is not None
     assert fb.predicted_ttft_s is not None
     options = [ttft(b.speed, b.queued_tokens, 0, prompt - hits.get(b.name, 0)) for b in d]
@@ -122,8 +123,8 @@ def test_with_nobody_decoding_the_fallback_is_the_least_predicted_time_of_every_
     ]
     # Nobody decodes, so nobody is stalled: goodput's choice is the least predicted time,
     # among the splits those within the TTFT SLO (a later one only lengthens the producer's
-    # queue), or through an idle producer when two are idle (a producer to spare).
-    spare = [x.queued_tokens == 0 for x in p].count(True) >= 2
+    # queue), or, with routing.spare_producers, through an idle producer while two are idle.
+    spare = spare_on and [x.queued_tokens == 0 for x in p].count(True) >= 2
     options += [t for t, x in splits if t <= R.slo_ttft_ms / 1000.0 or (spare and x.queued_tokens == 0)]
     assert abs(fb.predicted_ttft_s - min(options)) < 1e-12
     assert (fb.prefill is not None) == (fb.predicted_ttft_s < min(options[: len(d)]))
@@ -179,25 +180,25 @@ def test_split_auto_never_queues_a_split_past_the_ttft_slo() -> None:
 def test_a_prompt_late_wherever_it_goes_takes_a_producer_to_spare_over_the_triage() -> None:
     # 30,000 tokens: 3 s of prefill anywhere, past the 2 s TTFT SLO. d0's sequences are past
     # the ITL SLO already (the triage's sacrifice, with 20,000 tokens queued), d1's would be
-    # pushed past it. With one producer, or one of two busy, the split is no candidate and
-    # the prompt joins d0's queue; with two idle producers one is to spare, and the split
-    # loses only the request itself, sooner.
+    # pushed past it. With routing.spare_producers on: with one producer, or one of two busy,
+    # the split is no candidate and the prompt joins d0's queue; with two idle producers one
+    # is to spare, and the split loses only the request itself, sooner.
     sacrificed = replace(view("d0", decoding=10, queued=20_000), stalled=10.0)
     fresh = view("d1", decoding=10)
     idle_p = [view(f"p{i}", decodes=False, prefills=True) for i in range(2)]
-    one = _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0]), R, 30_000))
+    on = replace(R, spare_producers=True)
+    one = _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0]), on, 30_000))
     assert (one.prefill, one.decode, one.reason, one.lost) == (None, "d0", "goodput_direct", 1)
     busy = replace(idle_p[1], queued_tokens=5_000.0)
-    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0], busy), R, 30_000)).prefill is None
-    fb = _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), R, 30_000))
+    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0], busy), on, 30_000)).prefill is None
+    fb = _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), on, 30_000))
     assert (fb.prefill, fb.reason, fb.lost) == ("p0", "spare_producer", 1)
     assert fb.predicted_ttft_s is not None
     assert one.predicted_ttft_s is not None
     assert fb.predicted_ttft_s < one.predicted_ttft_s
     assert "direct d0" in fb.alternative
-    # An operator who wants the triage's count alone turns it off.
-    off = replace(R, spare_producers=False)
-    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), off, 30_000)).prefill is None
+    # Off (the default), the triage's count alone decides.
+    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), R, 30_000)).prefill is None
 
 
 def test_a_prompt_whose_split_is_in_flight_follows_it_through_its_producer() -> None:
