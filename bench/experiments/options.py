@@ -171,9 +171,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--spare-producers",
-        action="store_true",
-        help="routing.spare_producers = true: a request late wherever it goes may be split "
-        "through an idle producer while another stays idle",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="routing.spare_producers: whether a request late wherever it goes may be split "
+        "through an idle producer while another stays idle (default %(default)s)",
     )
     g.add_argument(
         "--engines-per-process",
@@ -261,7 +262,7 @@ def run_spec_from_args(a: argparse.Namespace, mode: str, out: Path, **router_ove
         "slo_itl_ms": float(getattr(a, "slo_itl_ms", 100.0)),
         "prefill_chunk_tokens": int(sim.max_num_batched_tokens),
         "max_ttft_stretch": float(getattr(a, "max_ttft_stretch", 0.0)),
-        "spare_producers": bool(getattr(a, "spare_producers", False)),
+        "spare_producers": str(getattr(a, "spare_producers", "auto")),
         **({"split": SPLIT_MODES[mode]} if mode in SPLIT_MODES else {}),
     }
     if sim.decoder_max_num_batched_tokens:

@@ -129,6 +129,7 @@ def parse_routing(p: Problems, raw: Any) -> RoutingConfig | None:
         return None
     routing = dataclasses.replace(routing, policy_keys=policy_keys)
     p.check(check_one_of, "routing.split", routing.split, SplitMode)
+    p.check(check_one_of, "routing.spare_producers", routing.spare_producers, SplitMode)
     p.check(check_positive, "routing.slo_ttft_ms", routing.slo_ttft_ms)
     p.check(check_positive, "routing.slo_itl_ms", routing.slo_itl_ms)
     p.check(check_stretch, "routing.max_ttft_stretch", routing.max_ttft_stretch)

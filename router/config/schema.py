@@ -115,10 +115,11 @@ class RoutingConfig:
     # (the most goodput; a bound trades much of it for a shorter tail: docs/CONFIG.md).
     max_ttft_stretch: float = 0.0
     # Such a request may be split through an idle producer while another stays idle
-    # (router/routing/goodput.py `spare_producers`): no queue on a decoder, no stalls. Pays
-    # where the producers could take every prompt; costs goodput where they could not
-    # (docs/CONFIG.md), hence off unless an operator knows the fleet is the first kind.
-    spare_producers: bool = False
+    # (router/routing/goodput.py `spare_producers`): no queue on a decoder, no stalls. It pays
+    # where the producers could take every prompt and costs goodput where they could not:
+    # "auto" while the prompt work placed lately is within the producers' learned speed,
+    # "always", "never" (docs/CONFIG.md).
+    spare_producers: SplitMode = SplitMode.AUTO
     # The engines' prefill chunk (vLLM's max_num_batched_tokens): a prefill computed on a
     # decoder stalls each of its steps by at most this many tokens' worth.
     prefill_chunk_tokens: int = 8192

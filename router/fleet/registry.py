@@ -41,6 +41,7 @@ from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.legs import decode_sample, first_token_sample, queued_ahead, stalls_decoding
+from router.fleet.prompt_work import PromptWork
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -67,6 +68,8 @@ class BackendRegistry:
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
     slo: Slo | None = None  # goodput's SLOs (routing.slo_*): which prefills stall decoding past them
+    # The prompt work the engines computed for this router lately (router/fleet/prompt_work.py).
+    prompt_work: PromptWork = field(default_factory=PromptWork)
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
     # Headers each request to a backend carries (a DP rank's; the upstream client reads it).
     backend_headers: dict[str, dict[str, str]] = field(default_factory=dict, init=False)
@@ -126,6 +129,7 @@ class BackendRegistry:
             learner.race_saving_share,
             learner.race_saving_share_unplaced,
             frozenset(adapters),
+            self.prompt_work.tokens_per_s(now),
         )
 
     def _queued_tokens(self, s: BackendState, now: float, speed: EngineSpeed) -> tuple[float, float]:
@@ -237,6 +241,8 @@ class BackendRegistry:
             s.decoding += 1
             s.legs.first_token(ticket)
             s.prefilled_tokens += ticket.tokens
+            if ticket.tokens:
+                self.prompt_work.add(ticket.tokens, t)
             ticket.decoding_at_first = s.scraped_decoding
             ticket.prefilled_at_first = s.prefilled_tokens
             if ticket.nothing_ahead and not ticket.taught:  # a speed sample to come

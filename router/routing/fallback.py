@@ -138,7 +138,13 @@ def plan_fallback(
     best_split = min(splits, key=lambda p: p.ttft_s)  # stable: the producer finishing sooner first
     if routing.split == SplitMode.ALWAYS:
         return _plan(best_split, routing, slo, RouteReason.SPLIT_ALWAYS, goodput.best(directs, slo))
-    spare = goodput.spare_producers(producers) if routing.spare_producers else frozenset()
+    spare = (
+        frozenset()
+        if routing.spare_producers == SplitMode.NEVER
+        else goodput.spare_producers(
+            producers, None if routing.spare_producers == SplitMode.ALWAYS else snap.prompt_tokens_per_s
+        )
+    )
     chosen = goodput.best([*directs, *(p for p in splits if goodput.worth_splitting(p, slo, spare))], slo)
     if chosen.prefill is None:
         return _plan(chosen, routing, slo, RouteReason.GOODPUT_DIRECT, goodput.best(splits, slo))

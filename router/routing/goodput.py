@@ -166,7 +166,7 @@ def idle(view: BackendView) -> bool:
     return view.queued_tokens <= 0.0 and view.prefilling == 0
 
 
-def spare_producers(producers: Sequence[BackendView]) -> frozenset[str]:
+def spare_producers(producers: Sequence[BackendView], prompt_tokens_per_s: float | None = None) -> frozenset[str]:
     """The producers a split predicted to miss its own SLO may take: the idle prefill-only
     ones, when at least two are idle. Such a request is lost wherever it goes; on a decoder it stalls the
     sequences there (or joins the queue of one whose sequences are stalled already, the
@@ -177,9 +177,25 @@ def spare_producers(producers: Sequence[BackendView]) -> frozenset[str]:
     whose producers could not prefill every prompt this costs goodput, so it is an operator's
     choice, routing.spare_producers). A decoder that also prefills (role `both`) is never
     to spare: the sequences sent there while it computes a late prompt would be stalled by
-    it. With one producer (or a busy fleet of them) the set is empty and nothing changes."""
-    names = [p.name for p in producers if idle(p) and not p.decodes]
-    return frozenset(names) if len(names) >= 2 else frozenset()
+    it. With one producer (or a busy fleet of them) the set is empty and nothing changes.
+
+    With `prompt_tokens_per_s` (routing.spare_producers = "auto"), only while the producers
+    could prefill that much prompt work by themselves (their learned speeds, summed): where
+    they could not, producer time is what the on-time prompts queue for, and a late one
+    holding it cost 0.03-0.09 of goodput with two producers (bench/RESULTS.md, "Producers
+    to spare")."""
+    own = [p for p in producers if not p.decodes]
+    names = [p.name for p in own if idle(p)]
+    if len(names) < 2:
+        return frozenset()
+    if prompt_tokens_per_s is not None and prompt_tokens_per_s >= prefill_capacity(own):
+        return frozenset()
+    return frozenset(names)
+
+
+def prefill_capacity(producers: Sequence[BackendView]) -> float:
+    """Prompt tokens per second the producers prefill together at their learned speeds."""
+    return sum(1.0 / max(p.speed.per_token_s, costmodel.MIN_PER_TOKEN_S) for p in producers)
 
 
 def best(candidates: Sequence[Placement], slo: Slo) -> Placement:

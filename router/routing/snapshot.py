@@ -86,6 +86,8 @@ class ClusterSnapshot:
     race_saving_share_unplaced: float = 0.5  # the same for prompts the memory places nowhere
     # Every LoRA adapter some engine holds: a request naming one goes only where it is listed.
     adapters: frozenset[str] = frozenset()
+    # Prompt tokens the engines computed for this router per second lately (router/fleet/prompt_work.py).
+    prompt_tokens_per_s: float = 0.0
 
     def serves(self, b: BackendView, model: str | None) -> bool:
         """Does `b` serve `model`? An adapter only where it is listed; a base model also

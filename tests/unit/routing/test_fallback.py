@@ -111,7 +111,8 @@ def test_with_nobody_decoding_the_fallback_is_the_least_predicted_time_of_every_
     p = [view(f"p{i}", decodes=False, prefills=True, queued=q) for i, q in enumerate(producers)]
     hits = {f"d{i}": min(h, prompt) for i, (_, h) in enumerate(decoders) if h}
     s = snap(*d, *p)
-    fb = plan_fallback(Q, s, replace(R, spare_producers=spare_on), prompt, hits=hits)
+    mode = SplitMode.ALWAYS if spare_on else SplitMode.NEVER
+    fb = plan_fallback(Q, s, replace(R, spare_producers=mode), prompt, hits=hits)
     assert fb is not None
     assert fb.predicted_ttft_s is not None
     options = [ttft(b.speed, b.queued_tokens, 0, prompt - hits.get(b.name, 0)) for b in d]
@@ -186,7 +187,7 @@ def test_a_prompt_late_wherever_it_goes_takes_a_producer_to_spare_over_the_triag
     sacrificed = replace(view("d0", decoding=10, queued=20_000), stalled=10.0)
     fresh = view("d1", decoding=10)
     idle_p = [view(f"p{i}", decodes=False, prefills=True) for i in range(2)]
-    on = replace(R, spare_producers=True)
+    on = replace(R, spare_producers=SplitMode.ALWAYS)
     one = _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0]), on, 30_000))
     assert (one.prefill, one.decode, one.reason, one.lost) == (None, "d0", "goodput_direct", 1)
     busy = replace(idle_p[1], queued_tokens=5_000.0)
@@ -197,8 +198,14 @@ def test_a_prompt_late_wherever_it_goes_takes_a_producer_to_spare_over_the_triag
     assert one.predicted_ttft_s is not None
     assert fb.predicted_ttft_s < one.predicted_ttft_s
     assert "direct d0" in fb.alternative
-    # Off (the default), the triage's count alone decides.
-    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), R, 30_000)).prefill is None
+    # "never": the triage's count alone decides. "auto" (the default): while the prompt work
+    # placed lately is within the producers' speed (two at 10,000 tokens/s here).
+    never = replace(R, spare_producers=SplitMode.NEVER)
+    assert _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), never, 30_000)).prefill is None
+    within = replace(snap(sacrificed, fresh, *idle_p), prompt_tokens_per_s=19_000.0)
+    assert _planned(plan_fallback(Q, within, R, 30_000)).reason == "spare_producer"
+    beyond = replace(within, prompt_tokens_per_s=21_000.0)
+    assert _planned(plan_fallback(Q, beyond, R, 30_000)).prefill is None
 
 
 def test_a_prompt_whose_split_is_in_flight_follows_it_through_its_producer() -> None:

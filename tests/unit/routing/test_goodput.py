@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from router.routing import costmodel, goodput
 from router.routing.costmodel import ItlSpeed
 from support.snapshots import SPEED, view
@@ -136,6 +138,11 @@ def test_producers_are_to_spare_while_two_are_idle() -> None:
     assert goodput.spare_producers([queued, *idle[1:]]) == {"p1", "p2"}
     assert goodput.spare_producers([queued, prefilling, idle[2]]) == frozenset()  # the last idle one is kept
     assert goodput.spare_producers(idle[:1]) == frozenset()
+    # With the prompt work placed lately: only while the producers could prefill it alone
+    # (three at SPEED's 10,000 tokens/s).
+    assert goodput.prefill_capacity(idle) == pytest.approx(30_000.0)
+    assert goodput.spare_producers(idle, 29_000.0) == {"p0", "p1", "p2"}
+    assert goodput.spare_producers(idle, 31_000.0) == frozenset()
     # Decoders that prefill too are never to spare: what is sent there next would be stalled.
     both = [view(f"b{i}", prefills=True) for i in range(2)]
     assert goodput.spare_producers([*both, idle[0]]) == frozenset()

@@ -1,0 +1,43 @@
+"""The prompt work this router has had engines compute, as tokens per second: what goodput's
+producers to spare are judged against (router/routing/goodput.py `spare_producers`).
+
+An exponentially decayed sum over about the last `window_s`, read as a rate with the
+start-up bias removed (before a window has passed, the sum holds less than a window's
+worth: divided by the time it has covered, not by the whole window, it is not read low).
+Counted at each leg's first token, once per prompt (a split's producer leg; a decode leg
+adds nothing), so a race's losers are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# About one burst and its silence in the suite's bursty traffic, a few prompts' prefills.
+WINDOW_S = 10.0
+
+
+@dataclass(slots=True)
+class PromptWork:
+    window_s: float = WINDOW_S
+    _sum: float = 0.0
+    _at: float | None = None  # the last sample
+    _since: float | None = None  # the first sample
+
+    def add(self, tokens: float, now: float) -> None:
+        if self._since is None:
+            self._since = now
+        self._sum = self._decayed(now) + tokens
+        self._at = now
+
+    def tokens_per_s(self, now: float) -> float:
+        if self._since is None:
+            return 0.0
+        covered = self.window_s * -math.expm1(-max(now - self._since, 0.0) / self.window_s)
+        # The first prompts cover next to no time: counted over 1 s at least, not as a flood.
+        return self._decayed(now) / max(covered, min(1.0, self.window_s))
+
+    def _decayed(self, now: float) -> float:
+        if self._at is None or now <= self._at:
+            return self._sum
+        return self._sum * math.exp(-(now - self._at) / self.window_s)
