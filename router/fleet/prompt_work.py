@@ -4,8 +4,10 @@ producers to spare are judged against (router/routing/goodput.py `spare_producer
 An exponentially decayed sum over about the last `window_s`, read as a rate with the
 start-up bias removed (before a window has passed, the sum holds less than a window's
 worth: divided by the time it has covered, not by the whole window, it is not read low).
-Counted at each leg's first token, once per prompt (a split's producer leg; a decode leg
-adds nothing), so a race's losers are not counted.
+Counted as each leg that will prefill is sent (`BackendRegistry.open_leg`: a split's
+producer leg, a decoder computing a prompt; probes and decode legs carry no tokens), so
+it is the work asked for, not the work done: counted at first tokens, the rate could not
+pass what the engines complete, which is what it must tell apart from the demand.
 """
 
 from __future__ import annotations

@@ -214,6 +214,8 @@ class BackendRegistry:
         if s.queued_tokens <= 0:
             s.queue_since = now
         s.queued_tokens += ticket.tokens
+        if ticket.tokens:
+            self.prompt_work.add(ticket.tokens, now)
         return ticket
 
     @property
@@ -241,8 +243,6 @@ class BackendRegistry:
             s.decoding += 1
             s.legs.first_token(ticket)
             s.prefilled_tokens += ticket.tokens
-            if ticket.tokens:
-                self.prompt_work.add(ticket.tokens, t)
             ticket.decoding_at_first = s.scraped_decoding
             ticket.prefilled_at_first = s.prefilled_tokens
             if ticket.nothing_ahead and not ticket.taught:  # a speed sample to come

@@ -168,22 +168,19 @@ def idle(view: BackendView) -> bool:
 
 def spare_producers(producers: Sequence[BackendView], prompt_tokens_per_s: float | None = None) -> frozenset[str]:
     """The producers a split predicted to miss its own SLO may take: the idle prefill-only
-    ones, when at least two are idle. Such a request is lost wherever it goes; on a decoder it stalls the
-    sequences there (or joins the queue of one whose sequences are stalled already, the
-    triage's sacrifice, where it waits for seconds), while on an idle producer it stalls
-    nobody and waits for nothing. What keeps this from the producer's queue the triage
-    protects (module docstring) is the second idle producer: the next request that can
-    still make its SLO finds one free (while several arrive together they may not: on a fleet
-    whose producers could not prefill every prompt this costs goodput, so it is an operator's
-    choice, routing.spare_producers). A decoder that also prefills (role `both`) is never
-    to spare: the sequences sent there while it computes a late prompt would be stalled by
-    it. With one producer (or a busy fleet of them) the set is empty and nothing changes.
+    ones, when at least two are idle. Such a request is lost wherever it goes; on a decoder
+    it stalls the sequences there (or, the triage's sacrifice, joins the queue of one whose
+    sequences are stalled already and waits there for seconds), while on an idle producer
+    it stalls nobody and waits for nothing. What keeps it from the producer time the triage
+    protects (module docstring) is the second idle producer, free for the next request that
+    can still make its SLO. A decoder that also prefills (role `both`) is never to spare:
+    the sequences sent there while it computes a late prompt would be stalled by it.
 
     With `prompt_tokens_per_s` (routing.spare_producers = "auto"), only while the producers
-    could prefill that much prompt work by themselves (their learned speeds, summed): where
-    they could not, producer time is what the on-time prompts queue for, and a late one
-    holding it cost 0.03-0.09 of goodput with two producers (bench/RESULTS.md, "Producers
-    to spare")."""
+    could prefill that much prompt work by themselves (`prefill_capacity`): where they could
+    not, on-time prompts arrive behind a late one faster than one idle producer serves them,
+    and holding producers for late ones cost 0.03-0.09 of goodput with two producers
+    (bench/RESULTS.md, "Producers to spare")."""
     own = [p for p in producers if not p.decodes]
     names = [p.name for p in own if idle(p)]
     if len(names) < 2:
@@ -194,8 +191,10 @@ def spare_producers(producers: Sequence[BackendView], prompt_tokens_per_s: float
 
 
 def prefill_capacity(producers: Sequence[BackendView]) -> float:
-    """Prompt tokens per second the producers prefill together at their learned speeds."""
-    return sum(1.0 / max(p.speed.per_token_s, costmodel.MIN_PER_TOKEN_S) for p in producers)
+    """Prompt tokens per second the producers prefill together at their measured speeds; one
+    not measured yet counts nothing (its speed is the configured prior, a guess that must
+    not give producer time away)."""
+    return sum(1.0 / max(p.speed.per_token_s, costmodel.MIN_PER_TOKEN_S) for p in producers if p.speed.samples)
 
 
 def best(candidates: Sequence[Placement], slo: Slo) -> Placement:

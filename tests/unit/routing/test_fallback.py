@@ -186,7 +186,7 @@ def test_a_prompt_late_wherever_it_goes_takes_a_producer_to_spare_over_the_triag
     # is to spare, and the split loses only the request itself, sooner.
     sacrificed = replace(view("d0", decoding=10, queued=20_000), stalled=10.0)
     fresh = view("d1", decoding=10)
-    idle_p = [view(f"p{i}", decodes=False, prefills=True) for i in range(2)]
+    idle_p = [view(f"p{i}", decodes=False, prefills=True, speed=replace(SPEED, samples=3)) for i in range(2)]
     on = replace(R, spare_producers=SplitMode.ALWAYS)
     one = _planned(plan_fallback(Q, snap(sacrificed, fresh, idle_p[0]), on, 30_000))
     assert (one.prefill, one.decode, one.reason, one.lost) == (None, "d0", "goodput_direct", 1)
@@ -199,7 +199,7 @@ def test_a_prompt_late_wherever_it_goes_takes_a_producer_to_spare_over_the_triag
     assert fb.predicted_ttft_s < one.predicted_ttft_s
     assert "direct d0" in fb.alternative
     # "never": the triage's count alone decides. "auto" (the default): while the prompt work
-    # placed lately is within the producers' speed (two at 10,000 tokens/s here).
+    # placed lately is within the producers' measured speed (two at 10,000 tokens/s here).
     never = replace(R, spare_producers=SplitMode.NEVER)
     assert _planned(plan_fallback(Q, snap(sacrificed, fresh, *idle_p), never, 30_000)).prefill is None
     within = replace(snap(sacrificed, fresh, *idle_p), prompt_tokens_per_s=19_000.0)

@@ -139,7 +139,10 @@ def test_producers_are_to_spare_while_two_are_idle() -> None:
     assert goodput.spare_producers([queued, prefilling, idle[2]]) == frozenset()  # the last idle one is kept
     assert goodput.spare_producers(idle[:1]) == frozenset()
     # With the prompt work placed lately: only while the producers could prefill it alone
-    # (three at SPEED's 10,000 tokens/s).
+    # (three measured at SPEED's 10,000 tokens/s; unmeasured, a producer counts nothing).
+    assert goodput.prefill_capacity(idle) == 0.0
+    assert goodput.spare_producers(idle, 1.0) == frozenset()
+    idle = [replace(p, speed=replace(SPEED, samples=3)) for p in idle]
     assert goodput.prefill_capacity(idle) == pytest.approx(30_000.0)
     assert goodput.spare_producers(idle, 29_000.0) == {"p0", "p1", "p2"}
     assert goodput.spare_producers(idle, 31_000.0) == frozenset()
