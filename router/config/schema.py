@@ -117,7 +117,7 @@ class RoutingConfig:
     # Such a request may be split through an idle producer while another stays idle
     # (router/routing/goodput.py `spare_producers`): no queue on a decoder, no stalls. It pays
     # where the producers could take every prompt and costs goodput where they could not:
-    # "auto" while the prompt work placed lately is within the producers' learned speed,
+    # "auto" while the prompt work placed lately is within the producers' measured speed,
     # "always", "never" (docs/CONFIG.md).
     spare_producers: SplitMode = SplitMode.AUTO
     # The engines' prefill chunk (vLLM's max_num_batched_tokens): a prefill computed on a

@@ -1,5 +1,5 @@
-"""The prompt work this router has had engines compute, as tokens per second: what goodput's
-producers to spare are judged against (router/routing/goodput.py `spare_producers`).
+"""The prompt work this router has asked of its engines lately, as tokens per second: what
+goodput's producers to spare are judged against (router/routing/goodput.py `spare_producers`).
 
 An exponentially decayed sum over about the last `window_s`, read as a rate with the
 start-up bias removed (before a window has passed, the sum holds less than a window's

@@ -68,7 +68,7 @@ class BackendRegistry:
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
     slo: Slo | None = None  # goodput's SLOs (routing.slo_*): which prefills stall decoding past them
-    # The prompt work the engines computed for this router lately (router/fleet/prompt_work.py).
+    # The prompt work asked of the engines lately (router/fleet/prompt_work.py).
     prompt_work: PromptWork = field(default_factory=PromptWork)
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
     # Headers each request to a backend carries (a DP rank's; the upstream client reads it).

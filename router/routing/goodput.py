@@ -21,8 +21,8 @@ The candidate that loses the fewest requests (the new one counts one if it misse
 SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. The
 count is of this moment only, so a split predicted past the request's own SLO is no
 candidate (`worth_splitting`): its loss is certain and its prefill lengthens the
-producer's queue that every later split waits in (unless producers are idle to spare and
-the operator allows it: `spare_producers`). Traded for running sequences, each
+producer's queue that every later split waits in (unless producers are idle to spare while
+they could prefill every prompt: `spare_producers`). Traded for running sequences, each
 split makes the next request face the same trade on a longer queue until every split
 misses (measured: a producer's queue grew to 35 s); kept within the SLO, the producer
 takes what it can serve in time, and the decoders the rest. (Placing a request that
