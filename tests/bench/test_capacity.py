@@ -179,7 +179,8 @@ def test_ample_producers_runs_four_producers_at_the_low_reuse_rate(tmp_path: Pat
     ns = suite.replay_args(a, wd, tmp_path)
     assert ns.prefill == 4
     ample = suite.set_rate(ns, wd)
-    low = suite.set_rate(suite.replay_args(a, suite_workloads.BY_NAME["low-reuse"], tmp_path), wd)
+    low_reuse = suite_workloads.BY_NAME["low-reuse"]
+    low = suite.set_rate(suite.replay_args(a, low_reuse, tmp_path), low_reuse)
     assert ample is not None
     assert low is not None
     # The decoders' utilisation sets the rate: the producers added take nothing from it.
