@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.config.schema import BackendConfig
+from router.fleet.event_sequences import EventSequences
 from router.fleet.legs import EngineLegs
 from router.fleet.others import OthersLoad
 from router.names import BreakerState
@@ -41,6 +42,8 @@ class BackendState:
     legs: EngineLegs = field(default_factory=EngineLegs)  # what the legs mean for goodput (legs.py)
     # Requests the scrapes saw beyond this router's own legs: other replicas' traffic.
     others: OthersLoad = field(default_factory=OthersLoad)
+    # ... and as its KV events show them, between scrapes (fed by router/fleet/kv_events.py).
+    sequences: EventSequences = field(default_factory=EventSequences)
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
     # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
     adapters: tuple[str, ...] = ()

@@ -40,6 +40,7 @@ import zmq.asyncio
 
 from router.config.schema import BackendConfig, KvEventsConfig
 from router.engine.kv_events_wire import DecodeError, decode_batch, decode_seq, parse_replay_reply, replay_request
+from router.fleet.event_sequences import follow_sequences
 from router.fleet.registry import BackendRegistry, BackendState
 from router.routing.kv_index import KvIndex
 
@@ -237,6 +238,9 @@ class KvEvents:
                 "backend %s: KV-event sequence went back (%d after %d): engine restarted", st.name, seq, st.last_live
             )
             self.index.clear(st.name)
+            state = self.registry.states.get(st.name)
+            if state is not None:
+                state.sequences.cleared()
             st.expected = 0
         st.last_live = seq
         if st.expected is None:  # no replay socket: the stream starts here
@@ -247,7 +251,7 @@ class KvEvents:
             await self._catch_up(st, seq)
         if seq < st.expected:
             return  # a replay brought it already
-        batch = self._apply(st, payload)
+        batch = self._apply(st, payload, live=True)
         st.expected = seq + 1
         st.synced = True
         if batch is not None:
@@ -257,7 +261,7 @@ class KvEvents:
         """Batches expected..upto-1, from the replay socket; what it cannot give is lost."""
         assert st.expected is not None
         if st.config.kv_events_replay_endpoint:
-            await self._replay(st)
+            await self._replay(st, live=True)  # the batches the PUB socket dropped: recent
         if st.expected < upto:
             st.lost += 1
             log.warning(
@@ -277,9 +281,10 @@ class KvEvents:
             st.synced = True
             st.last_recv = self.clock()
 
-    async def _replay(self, st: KvStream) -> bool:
+    async def _replay(self, st: KvStream, live: bool = False) -> bool:
         """Apply the batches the replay socket has from `st.expected` on; True once it
-        answered them all (its end marker)."""
+        answered them all (its end marker). `live`: they fill a gap in the live stream (what
+        the engine runs now), not its history."""
         assert self._ctx is not None
         assert st.expected is not None
         dealer = self._ctx.socket(zmq.DEALER)
@@ -308,13 +313,15 @@ class KvEvents:
                     self.index.clear(st.name)
                 first = False
                 if seq >= st.expected:
-                    self._apply(st, payload)
+                    self._apply(st, payload, live)
                     st.expected = seq + 1
         finally:
             dealer.close(linger=0)
 
-    def _apply(self, st: KvStream, payload: bytes) -> float | None:
-        """Decode and index one batch; its publication time, None if it did not decode."""
+    def _apply(self, st: KvStream, payload: bytes, live: bool = False) -> float | None:
+        """Decode and index one batch; its publication time, None if it did not decode. A
+        live batch is also what the engine runs now (router/fleet/event_sequences.py); a
+        replayed one is history."""
         try:
             batch, skipped = decode_batch(payload)
             rank = st.config.data_parallel_rank
@@ -322,6 +329,10 @@ class KvEvents:
                 # Another DP rank's cache (an endpoint not offset by the rank): not this backend's.
                 raise ValueError(f"a batch of DP rank {batch.data_parallel_rank}, not {rank}: check kv_events_endpoint")
             self.index.apply(st.name, batch)
+            if live:
+                state = self.registry.states.get(st.name)
+                if state is not None:
+                    follow_sequences(state.sequences, batch.events, self.clock())
         except (DecodeError, ValueError, TypeError) as e:
             self._decode_error(st, e)
             return None

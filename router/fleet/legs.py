@@ -52,6 +52,7 @@ class LegTicket:
     # Legs sent to its engine behind it before its first token, (seconds after it, prompt
     # tokens), where it may teach the speed: some may have shared its last prefill step.
     behind: tuple[tuple[float, int], ...] = ()
+    owes_chain: bool = False  # it holds a credit for a chain of KV blocks (router/fleet/event_sequences.py)
 
     @property
     def nothing_ahead(self) -> bool:

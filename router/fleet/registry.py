@@ -106,13 +106,13 @@ class BackendRegistry:
                     s.kv_usage,
                     s.draining,
                     self._queued_tokens(s, now, speed)[0],
-                    s.decoding + s.others.decoding(now),
+                    s.decoding + max(s.others.decoding(now), s.sequences.others_running(now)),
                     s.prefilling,
                     speed,
                     s.threshold_capable is not False,
                     kv_fresh is not None and kv_fresh(s, now),
                     removed.get(name, 0.0),
-                    s.others.seen(now),
+                    s.others.seen(now) or s.sequences.others_seen(now),
                     s.adapters,
                     learner.itl(name),
                     s.decoding - s.legs.clean,
@@ -210,6 +210,9 @@ class BackendRegistry:
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo, self.chunk_of(s))
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
+        if ticket.tokens and s.config.kv_events_endpoint:
+            ticket.owes_chain = True  # it will store blocks: the chain it begins is this router's
+            s.sequences.owe(now)
         self.acquire(name)
         if s.queued_tokens <= 0:
             s.queue_since = now
@@ -242,6 +245,9 @@ class BackendRegistry:
             s.queue_since = t  # the legs sent before it are through too
             s.decoding += 1
             s.legs.first_token(ticket)
+            if not ticket.owes_chain and s.config.kv_events_endpoint:  # a probe taken, a decode leg
+                ticket.owes_chain = True
+                s.sequences.owe(t, at_first_token=True)
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = s.scraped_decoding
             ticket.prefilled_at_first = s.prefilled_tokens
@@ -259,6 +265,8 @@ class BackendRegistry:
         if s is None:
             return
         s.legs.closed(ticket)
+        if ticket.owes_chain:
+            s.sequences.settle(self.clock())
         if ticket.first_token_at is None:
             s.queued_tokens -= ticket.tokens
         else:

@@ -37,6 +37,13 @@ class _KvBlocks(Protocol):
     def orphans(self) -> int: ...
 
 
+class SequenceGauges(Protocol):
+    @property
+    def began_others(self) -> int: ...
+    @property
+    def block_s(self) -> float: ...
+
+
 class KvIndexGauges(Protocol):
     def stats(self, backend: str) -> _KvBlocks: ...
 
@@ -89,7 +96,23 @@ class KvEventGauges:
             registry=r,
         )
 
-    def bind(self, st: KvStreamGauges, index: KvIndexGauges, fresh: Callable[[], bool]) -> None:
+        self.others_sequences = Gauge(
+            "cachehit_router_kv_events_others_sequences",
+            "Sequences begun on the engine that this router did not send, as its KV events show them "
+            "(other replicas', clients that bypass the router)",
+            ["backend"],
+            registry=r,
+        )
+        self.block_seconds = Gauge(
+            "cachehit_router_kv_events_block_seconds",
+            "Measured time between two decoded blocks of one sequence (a running sequence's window is twice it)",
+            ["backend"],
+            registry=r,
+        )
+
+    def bind(
+        self, st: KvStreamGauges, index: KvIndexGauges, fresh: Callable[[], bool], sequences: SequenceGauges
+    ) -> None:
         name = st.name
         self.lag.labels(name).set_function(lambda: st.lag_s)
         self.fresh.labels(name).set_function(lambda: 1 if fresh() else 0)
@@ -100,11 +123,14 @@ class KvEventGauges:
         self.blocks.labels(name, "gpu").set_function(lambda: index.stats(name).gpu_blocks)
         self.blocks.labels(name, "cpu").set_function(lambda: index.stats(name).cpu_blocks)
         self.orphans.labels(name).set_function(lambda: index.stats(name).orphans)
+        self.others_sequences.labels(name).set_function(lambda: sequences.began_others)
+        self.block_seconds.labels(name).set_function(lambda: sequences.block_s)
 
     def unbind(self, name: str) -> None:
         for medium in ("gpu", "cpu"):
             with contextlib.suppress(KeyError):
                 self.blocks.remove(name, medium)
-        for gauge in (self.lag, self.fresh, self.gaps, self.replays, self.restarts, self.decode_errors, self.orphans):
+        gauges = (self.lag, self.fresh, self.gaps, self.replays, self.restarts, self.decode_errors, self.orphans)
+        for gauge in (*gauges, self.others_sequences, self.block_seconds):
             with contextlib.suppress(KeyError):
                 gauge.remove(name)

@@ -171,7 +171,7 @@ class RouterState:
         stream = kv.subscribe(s)
         if stream is not None:
             registry = self.registry
-            self.metrics.kv.bind(stream, kv.index, lambda: kv.fresh(s, registry.clock()))
+            self.metrics.kv.bind(stream, kv.index, lambda: kv.fresh(s, registry.clock()), s.sequences)
 
     def _backend_removed(self, name: str) -> None:
         if self.kv_events is not None:

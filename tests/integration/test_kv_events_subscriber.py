@@ -208,6 +208,38 @@ async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_r
     await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)} and stream.synced, what="rebuilt")
 
 
+async def test_live_chains_no_leg_of_this_router_began_are_others_sequences_and_a_rebuild_adds_none(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
+    state = await router_with()
+    assert state.monitor is not None
+    await state.monitor.stop()  # its checks (nothing listens) are driven by hand below
+    pub, registry = publishers[0], registry_of(state)
+    await joined(state, "e0", pub)
+    stream, seqs = kv_events_of(state).streams["e0"], registry.states["e0"].sequences
+    pub.publish(block(0), block(1))  # a prompt's block and the next, chained: one sequence
+    await eventually(lambda: seqs.began_others == 1, what="another replica's sequence")
+    view = registry.snapshot().get("e0")
+    assert view is not None
+    assert view.others_seen
+    assert 'cachehit_router_kv_events_others_sequences{backend="e0"} 1.0' in state.metrics.exposition().decode()
+    ticket = registry.open_leg("e0", 8)  # this router's own prompt there...
+    applied = stream.batches
+    pub.publish(stored([b"own0", b"own1"], list(range(8))))  # ... begins its own chain
+    await eventually(lambda: stream.batches > applied, what="its blocks' batch applied")
+    assert seqs.began_others == 1
+    registry.close_leg(ticket)
+    # The engine's history, replayed when it answers again, is not what it runs now.
+    registry.record_scrape("e0", {}, None)
+    await eventually(lambda: stream.seen_healthy, what="seen healthy")
+    registry.record_scrape_failure("e0", "refused")
+    await eventually(lambda: stream.was_down, what="seen down")
+    asked = len(pub.replay_requests)
+    registry.record_scrape("e0", {}, None)
+    await eventually(lambda: pub.replay_requests[asked:] == [0] and stream.synced, what="rebuilt from 0")
+    assert seqs.began_others == 1
+
+
 async def test_a_payload_that_does_not_decode_is_counted_and_the_stream_goes_on(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:

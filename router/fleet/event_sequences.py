@@ -1,0 +1,177 @@
+"""Sequences running on an engine that this router did not send, as the engine's KV events
+show them: other router replicas' traffic (and clients that bypass the router) seen as it
+happens, not only at the next scrape.
+
+Why: the scrapes (router/fleet/others.py) come every 0.5-1 s; at low load the last one
+mostly saw none of others' traffic, so a cold prompt went where another replica had just
+started a sequence, and its prefill stalled that sequence past the ITL SLO.
+
+What the events say: an engine with prefix caching stores every full block a sequence
+computes, its prompt's and, as it decodes, its output's (vLLM caches decoded blocks too),
+each `BlockStored` chained to the block before it by `parent_block_hash`. A chain whose
+tail keeps growing is a sequence running there; a chain that begins (no parent, or a parent
+that is no chain's tail: a prefix shared with other prompts) is a sequence that began.
+
+Whose: a beginning is this router's if one of its legs there still owes one (a credit).
+A leg sent to prefill tokens owes one from when it is sent; a leg with nothing to prefill
+when sent (a probe, a split's decode leg) from its first token, when the engine took it,
+and that credit may also claim a beginning of the last `REPAY_S` counted as others' (the
+event can arrive before the first token it goes with). A leg that ends without its
+beginning leaves its credit for `GRACE_S` (its events may still be on their way). Counted
+credits, not matched prompts: no hashing of the router's own prompts on the hot path.
+
+Live: others' chains that grew within the window, `WINDOW_BLOCKS` times the engine's
+measured time between two one-block stores of a chain (its decode speed for a block), so
+a sequence that finished stops counting within about two blocks' time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.fleet.others import OTHERS_SEEN_S
+
+EngineHash = bytes | int
+_GPU_MEDIA = (None, "GPU")  # a CPU tier's copy of a block is no sequence growing
+
+# A credit taken up by a beginning read this long before it (the event beat the first token).
+REPAY_S = 0.5
+# A credit left by a leg that ended without its beginning: its last events in flight.
+GRACE_S = 0.5
+# A live chain grew within this many of its engine's block times.
+WINDOW_BLOCKS = 2.0
+# The block time before any was measured: 16-32 tokens at a GPU's 20-30 ms.
+PRIOR_BLOCK_S = 0.5
+MIN_WINDOW_S, MAX_WINDOW_S = 0.05, 5.0
+BLOCK_WEIGHT = 0.1  # each one-block store's weight in the block time's mean
+# Chains whose tail grew within this long are still known (a slow one's next block is
+# still its own); the rest are forgotten, at most MAX_TAILS kept.
+RETAIN_S = 30.0
+MAX_TAILS = 65_536
+
+
+@dataclass(slots=True)
+class EventSequences:
+    """One engine's chains of stored blocks, and whose each one is."""
+
+    block_s: float = PRIOR_BLOCK_S
+    block_samples: int = 0
+    began_others: int = 0  # sequences others began there, ever (a gauge reads it)
+    last_others_at: float = -1e9  # when others last began one (clock)
+    # Every chain's tail -> (last stored at, began at, others'), oldest store first.
+    _tails: dict[EngineHash, tuple[float, float, bool]] = field(default_factory=dict)
+    _live: dict[EngineHash, float] = field(default_factory=dict)  # others' tails -> last stored, within the window
+    _credits: int = 0  # beginnings owed by open legs
+    _credited_open: int = 0  # open legs that took a credit
+    _left: deque[float] = field(default_factory=deque)  # credits of ended legs, expiring then
+
+    # --- the router's own legs ---------------------------------------------------------------
+    def owe(self, now: float, at_first_token: bool = False) -> None:
+        """A leg of this router there will begin a chain (see the module's docstring); one
+        credited at its first token may claim a beginning already counted as others'."""
+        self._credited_open += 1
+        if not (at_first_token and self._repay(now)):
+            self._credits += 1
+
+    def settle(self, now: float) -> None:
+        """A leg that took a credit ended: an unspent credit lingers for `GRACE_S`."""
+        self._credited_open = max(self._credited_open - 1, 0)
+        if self._credits > self._credited_open:
+            self._credits -= 1
+            self._left.append(now + GRACE_S)
+
+    def _repay(self, now: float) -> bool:
+        """Claim others' youngest beginning of the last `REPAY_S`, if any."""
+        tails = self._tails
+        for tail, (stored, began, others) in reversed(tails.items()):
+            if now - stored > REPAY_S:
+                return False  # ordered by the last store, and a chain begins before it grows
+            if others and now - began <= REPAY_S:
+                tails[tail] = (stored, began, False)
+                self._live.pop(tail, None)
+                self.began_others -= 1
+                return True
+        return False
+
+    def _own_beginning(self, now: float) -> bool:
+        if self._credits > 0:
+            self._credits -= 1
+            return True
+        left = self._left
+        while left and left[0] < now:
+            left.popleft()
+        if left:
+            left.popleft()
+            return True
+        return False
+
+    # --- the engine's events -----------------------------------------------------------------
+    def stored(self, parent: EngineHash | None, tail: EngineHash, blocks: int, now: float) -> None:
+        """A GPU `BlockStored` of `blocks` blocks ending in `tail`, chained after `parent`."""
+        tails = self._tails
+        if parent is not None:
+            entry = tails.pop(parent, None)
+            if entry is not None:
+                gap = now - entry[0]
+                if blocks == 1 and 0.0 < gap <= MAX_WINDOW_S:  # a decoded block: the block time
+                    self.block_s += BLOCK_WEIGHT * (gap - self.block_s)
+                    self.block_samples += 1
+                others = entry[2]
+                if not others or gap <= self.window_s:
+                    tails[tail] = (now, entry[1], others)
+                    if others:
+                        self._live.pop(parent, None)
+                        self._live[tail] = now
+                    self._forget(now)
+                    return
+                # Others' chain idle past the window, taken up again (a conversation's next
+                # turn, perhaps through this router): a beginning, whoever's it is.
+        others = not self._own_beginning(now)
+        tails[tail] = (now, now, others)
+        if others:
+            self._live[tail] = now
+            self.began_others += 1
+            self.last_others_at = now
+        self._forget(now)
+
+    def cleared(self) -> None:
+        """The engine's cache is gone (a reset, a restart): no chain grows any more."""
+        self._tails.clear()
+        self._live.clear()
+
+    def _forget(self, now: float) -> None:
+        tails = self._tails
+        while tails and (len(tails) > MAX_TAILS or now - next(iter(tails.values()))[0] > RETAIN_S):
+            del tails[next(iter(tails))]
+
+    # --- what the planners read --------------------------------------------------------------
+    @property
+    def window_s(self) -> float:
+        return min(max(WINDOW_BLOCKS * self.block_s, MIN_WINDOW_S), MAX_WINDOW_S)
+
+    def others_running(self, now: float) -> int:
+        """Others' chains that grew within the window: their sequences running there now."""
+        live, window = self._live, self.window_s
+        while live and now - next(iter(live.values())) > window:
+            del live[next(iter(live))]
+        return len(live)
+
+    def others_seen(self, now: float) -> bool:
+        """Has the engine begun others' sequences lately (the router's memory of it is then
+        incomplete: router/fleet/others.py)?"""
+        return now - self.last_others_at <= OTHERS_SEEN_S
+
+
+def follow_sequences(seqs: EventSequences, events: Iterable[Any], now: float) -> None:
+    """A live batch's events (router/engine/kv_events_wire.py) into `seqs`."""
+    for ev in events:
+        kind = getattr(ev, "kind", "")
+        if kind == "stored":
+            hashes = ev.block_hashes
+            if hashes and not ev.group_idx and ev.medium in _GPU_MEDIA:
+                seqs.stored(ev.parent_block_hash, hashes[-1], len(hashes), now)
+        elif kind == "cleared":
+            seqs.cleared()
