@@ -137,6 +137,9 @@ def summarize(
         s["probe_losers"] = int(losers)
         s["probe_deadline_expiries"] = int(expired)
         s["loser_tokens"] = int(d("cachehit_router_probe_loser_tokens_total"))
+        # Sequences the engines' KV events showed that the router (each replica) did not send:
+        # other replicas'; with one router, chains its own legs began and it failed to claim.
+        s["others_sequences_seen"] = int(d("cachehit_router_kv_events_others_sequences"))
         s["router_routes"] = {
             route: int(
                 sum(
