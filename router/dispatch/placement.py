@@ -279,7 +279,10 @@ class LegPlacer:
         # Its place in the engine's load is taken before this task yields: plans made meanwhile see it.
         known = ctx.query.known_hits(fb.decode, tokens) if fb.prefill is None else None
         held = (
-            self.registry.open_leg(fb.decode, tokens, known_hits=known) if fb.decode in self.registry.states else None
+            # A decode leg stores the blocks it pulls: its chain is this router's from the start.
+            self.registry.open_leg(fb.decode, tokens, known_hits=known, stores_blocks=fb.prefill is not None or None)
+            if fb.decode in self.registry.states
+            else None
         )
         try:
             result = await run_race(

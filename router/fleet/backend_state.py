@@ -11,6 +11,7 @@ from router.fleet.event_sequences import EventSequences
 from router.fleet.legs import EngineLegs
 from router.fleet.others import OthersLoad
 from router.names import BreakerState
+from router.routing.costmodel import EngineSpeed
 
 
 @dataclass
@@ -60,3 +61,10 @@ class BackendState:
         as the last scrape saw them (what a leg's speed samples are taken against; a plan
         reads `OthersLoad.decoding`, which may count more)."""
         return self.decoding + self.others.running
+
+    def others_decoding(self, now: float, speed: EngineSpeed) -> float:
+        """Others' sequences there, as the scrapes and the KV events show them, and their
+        prompts the events cannot show yet (router/fleet/event_sequences.py)."""
+        seqs = self.sequences
+        shown = max(self.others.decoding(now), seqs.others_running(now))
+        return shown + seqs.unseen_prefills(now, speed.intercept_s, speed.per_token_s)

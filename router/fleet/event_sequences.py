@@ -23,6 +23,12 @@ credits, not matched prompts: no hashing of the router's own prompts on the hot 
 Live: others' chains that grew within the window, `WINDOW_BLOCKS` times the engine's
 measured time between two one-block stores of a chain (its decode speed for a block), so
 a sequence that finished stops counting within about two blocks' time.
+
+Unseen: a prompt's first blocks are stored when its first prefill step ends, so others'
+prompts still computing show nothing yet. How many there are is expected from what the
+events showed lately: others' beginnings per second and the prompt tokens they computed
+per second (the blocks of each beginning), times the engine's seconds per prompt and per
+token (`unseen_prefills`): the share of its time spent on others' prompts not yet shown.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.fleet.others import OTHERS_SEEN_S
+from router.fleet.prompt_work import PromptWork
 
 EngineHash = bytes | int
 _GPU_MEDIA = (None, "GPU")  # a CPU tier's copy of a block is no sequence growing
@@ -61,12 +68,16 @@ class EventSequences:
     block_samples: int = 0
     began_others: int = 0  # sequences others began there, ever (a gauge reads it)
     last_others_at: float = -1e9  # when others last began one (clock)
-    # Every chain's tail -> (last stored at, began at, others'), oldest store first.
-    _tails: dict[EngineHash, tuple[float, float, bool]] = field(default_factory=dict)
+    # Every chain's tail -> (last stored at, began at, others', its first store's tokens),
+    # the oldest store first.
+    _tails: dict[EngineHash, tuple[float, float, bool, int]] = field(default_factory=dict)
     _live: dict[EngineHash, float] = field(default_factory=dict)  # others' tails -> last stored, within the window
     _credits: int = 0  # beginnings owed by open legs
     _credited_open: int = 0  # open legs that took a credit
     _left: deque[float] = field(default_factory=deque)  # credits of ended legs, expiring then
+    # Others' beginnings per second, and the prompt tokens of their first stores per second.
+    _began: PromptWork = field(default_factory=PromptWork)
+    _began_tokens: PromptWork = field(default_factory=PromptWork)
 
     # --- the router's own legs ---------------------------------------------------------------
     def owe(self, now: float, at_first_token: bool = False) -> None:
@@ -86,13 +97,15 @@ class EventSequences:
     def _repay(self, now: float) -> bool:
         """Claim others' youngest beginning of the last `REPAY_S`, if any."""
         tails = self._tails
-        for tail, (stored, began, others) in reversed(tails.items()):
+        for tail, (stored, began, others, first) in reversed(tails.items()):
             if now - stored > REPAY_S:
                 return False  # ordered by the last store, and a chain begins before it grows
             if others and now - began <= REPAY_S:
-                tails[tail] = (stored, began, False)
+                tails[tail] = (stored, began, False, first)
                 self._live.pop(tail, None)
                 self.began_others -= 1
+                self._began.add(-1.0, now)
+                self._began_tokens.add(-float(first), now)
                 return True
         return False
 
@@ -109,8 +122,9 @@ class EventSequences:
         return False
 
     # --- the engine's events -----------------------------------------------------------------
-    def stored(self, parent: EngineHash | None, tail: EngineHash, blocks: int, now: float) -> None:
-        """A GPU `BlockStored` of `blocks` blocks ending in `tail`, chained after `parent`."""
+    def stored(self, parent: EngineHash | None, tail: EngineHash, blocks: int, now: float, tokens: int = 0) -> None:
+        """A GPU `BlockStored` of `blocks` blocks (`tokens` tokens) ending in `tail`, chained
+        after `parent`."""
         tails = self._tails
         if parent is not None:
             entry = tails.pop(parent, None)
@@ -121,7 +135,7 @@ class EventSequences:
                     self.block_samples += 1
                 others = entry[2]
                 if not others or gap <= self.window_s:
-                    tails[tail] = (now, entry[1], others)
+                    tails[tail] = (now, entry[1], others, entry[3])
                     if others:
                         self._live.pop(parent, None)
                         self._live[tail] = now
@@ -130,11 +144,13 @@ class EventSequences:
                 # Others' chain idle past the window, taken up again (a conversation's next
                 # turn, perhaps through this router): a beginning, whoever's it is.
         others = not self._own_beginning(now)
-        tails[tail] = (now, now, others)
+        tails[tail] = (now, now, others, tokens)
         if others:
             self._live[tail] = now
             self.began_others += 1
             self.last_others_at = now
+            self._began.add(1.0, now)
+            self._began_tokens.add(float(tokens), now)
         self._forget(now)
 
     def cleared(self) -> None:
@@ -159,6 +175,15 @@ class EventSequences:
             del live[next(iter(live))]
         return len(live)
 
+    def unseen_prefills(self, now: float, per_prompt_s: float, per_token_s: float) -> float:
+        """Others' prompts expected to be computing there now, not yet shown by a store: the
+        rate they began at lately times each one's fixed cost, plus the rate of their prompt
+        tokens times the cost of one (the engine's speed)."""
+        if now - self.last_others_at > OTHERS_SEEN_S:
+            return 0.0
+        began, tokens = self._began.tokens_per_s(now), self._began_tokens.tokens_per_s(now)
+        return max(began * per_prompt_s + tokens * per_token_s, 0.0)
+
     def others_seen(self, now: float) -> bool:
         """Has the engine begun others' sequences lately (the router's memory of it is then
         incomplete: router/fleet/others.py)?"""
@@ -172,6 +197,6 @@ def follow_sequences(seqs: EventSequences, events: Iterable[Any], now: float) ->
         if kind == "stored":
             hashes = ev.block_hashes
             if hashes and not ev.group_idx and ev.medium in _GPU_MEDIA:
-                seqs.stored(ev.parent_block_hash, hashes[-1], len(hashes), now)
+                seqs.stored(ev.parent_block_hash, hashes[-1], len(hashes), now, len(hashes) * ev.block_size)
         elif kind == "cleared":
             seqs.cleared()

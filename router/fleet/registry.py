@@ -106,7 +106,7 @@ class BackendRegistry:
                     s.kv_usage,
                     s.draining,
                     self._queued_tokens(s, now, speed)[0],
-                    s.decoding + max(s.others.decoding(now), s.sequences.others_running(now)),
+                    s.decoding + s.others_decoding(now, speed),
                     s.prefilling,
                     speed,
                     s.threshold_capable is not False,
@@ -197,12 +197,19 @@ class BackendRegistry:
 
     # --- legs: token-level load and speed samples -------------------------------------
     def open_leg(
-        self, name: str, tokens: int = 0, kv_wait_s: float | None = None, known_hits: tuple[int, int] | None = None
+        self,
+        name: str,
+        tokens: int = 0,
+        kv_wait_s: float | None = None,
+        known_hits: tuple[int, int] | None = None,
+        stores_blocks: bool | None = None,
     ) -> LegTicket:
         """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
         (0 for a probe: an acceptor's prefill is done by the time it answers); `kv_wait_s`: a
         split's place on its decoder, its TTFT SLO running out in that many seconds;
-        `known_hits`: (lacking, held) tokens, known exactly (legs.py)."""
+        `known_hits`: (lacking, held) tokens, known exactly (legs.py); `stores_blocks`: it
+        will store KV blocks (default: it has tokens to prefill), so the chain of blocks it
+        begins there is this router's (event_sequences.py; otherwise from its first token)."""
         s, now = self.states[name], self.clock()
         ahead, whole = self._queued_tokens(s, now, self.learner.speed(name))
         ticket = LegTicket(name, max(int(tokens), 0), ahead, s.scraped_decoding, now, whole)
@@ -210,7 +217,7 @@ class BackendRegistry:
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo, self.chunk_of(s))
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
-        if ticket.tokens and s.config.kv_events_endpoint:
+        if (ticket.tokens > 0 if stores_blocks is None else stores_blocks) and s.config.kv_events_endpoint:
             ticket.owes_chain = True  # it will store blocks: the chain it begins is this router's
             s.sequences.owe(now)
         self.acquire(name)

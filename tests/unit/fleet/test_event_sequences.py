@@ -150,7 +150,7 @@ def test_a_live_batch_counts_gpu_blocks_of_the_first_group_only() -> None:
 
     def stored(parent: int | None, hashes: list[int], medium: str | None = "GPU", group: int | None = 0) -> object:
         return SimpleNamespace(
-            kind="stored", block_hashes=hashes, parent_block_hash=parent, medium=medium, group_idx=group
+            kind="stored", block_hashes=hashes, parent_block_hash=parent, medium=medium, group_idx=group, block_size=16
         )
 
     events = [
@@ -192,3 +192,16 @@ def test_with_one_router_every_chain_its_legs_begin_is_its_own(
         seqs.settle(now)
     assert seqs.began_others == 0
     assert seqs.others_running(now) == 0
+
+
+def test_others_prompts_still_computing_are_expected_from_the_rate_they_began_at() -> None:
+    seqs = EventSequences()
+    assert seqs.unseen_prefills(0.0, 0.02, 1e-4) == 0.0  # nobody else seen
+    for i in range(10):  # ten prompts of others over 5 s, 2,048 tokens computed each
+        seqs.stored(None, i, 64, i * 0.5, tokens=2048)
+    rate = seqs.unseen_prefills(5.0, 0.02, 1e-4)
+    # ~2 a second: ~2 * (20 ms + 2,048 tokens at 0.1 ms) = ~0.45 computing at any moment.
+    assert 0.3 < rate < 0.6
+    seqs.owe(4.5 + REPAY_S / 2, at_first_token=True)  # the last one was this router's after all
+    assert seqs.unseen_prefills(4.5 + REPAY_S / 2, 0.02, 1e-4) < rate
+    assert seqs.unseen_prefills(4.5 + OTHERS_SEEN_S + 1.0, 0.02, 1e-4) == 0.0

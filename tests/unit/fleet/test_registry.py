@@ -129,15 +129,23 @@ def test_sequences_the_kv_events_show_beyond_our_own_legs_are_other_replicas() -
     r.first_token(probe)  # taken: its chain, whenever it comes, is ours too
     seqs.stored(9, 2, 2, now[0])
     assert registry_view(r, "d0").decoding == 2.0
-    seqs.stored(None, 3, 4, now[0])  # nobody's leg here: another replica's
+    seqs.stored(None, 3, 4, now[0], tokens=64)  # nobody's leg here: another replica's
+    # ... and, as others begin prompts there, some are expected computing unseen.
+    speed = r.learner.speed("d0")
+    unseen = seqs.unseen_prefills(now[0], speed.intercept_s, speed.per_token_s)
+    assert unseen == pytest.approx(1.0 * speed.intercept_s + 64 * speed.per_token_s)  # one, over 1 s at least
     view = registry_view(r, "d0")
-    assert (view.decoding, view.others_seen) == (3.0, True)
+    assert view.decoding == pytest.approx(3.0 + unseen)
+    assert view.others_seen
     r.close_leg(mine)
     r.close_leg(probe)
-    assert registry_view(r, "d0").decoding == 1.0
-    now[0] = 10.0  # it stopped growing: finished
+    assert registry_view(r, "d0").decoding == pytest.approx(1.0 + unseen)
+    now[0] = 10.0  # it stopped growing: finished; the rate of others' prompts decays
     view = registry_view(r, "d0")
-    assert (view.decoding, view.others_seen) == (0.0, True)
+    assert view.decoding < unseen
+    assert view.others_seen
+    now[0] = 100.0  # nobody else's traffic for a while: nothing expected
+    assert registry_view(r, "d0").decoding == 0.0
 
 
 def test_without_kv_events_legs_owe_no_chains() -> None:
