@@ -271,18 +271,16 @@ class LegPlacer:
     ) -> RaceResult:
         """The fallback's decode leg: a one-engine race (same verdict logic); the leg's own
         first-token timeout bounds it."""
-        if fb.prefill is not None:
+        if fb.prefill is not None:  # a decode leg: it stores the blocks it pulls, a chain of this router's
             assert kv_params is not None
-            body, tokens = decode_leg_body(ctx.body, kv_params, fb.decode_threshold), 0
+            body, tokens, known, stores = decode_leg_body(ctx.body, kv_params, fb.decode_threshold), 0, None, True
         else:
-            body, tokens = streamed_leg_body(ctx.body, fb.decode_threshold), fb.prefill_tokens
+            body, tokens, stores = streamed_leg_body(ctx.body, fb.decode_threshold), fb.prefill_tokens, None
+            known = ctx.query.known_hits(fb.decode, tokens)
         # Its place in the engine's load is taken before this task yields: plans made meanwhile see it.
-        known = ctx.query.known_hits(fb.decode, tokens) if fb.prefill is None else None
+        reg = self.registry
         held = (
-            # A decode leg stores the blocks it pulls: its chain is this router's from the start.
-            self.registry.open_leg(fb.decode, tokens, known_hits=known, stores_blocks=fb.prefill is not None or None)
-            if fb.decode in self.registry.states
-            else None
+            reg.open_leg(fb.decode, tokens, known_hits=known, stores_blocks=stores) if fb.decode in reg.states else None
         )
         try:
             result = await run_race(
@@ -378,9 +376,8 @@ class LegPlacer:
         return open_leg
 
     def _state(self, name: str) -> BackendState:
-        """A planned backend's state; one removed from the fleet or drained (an operator's
-        drain, a removal that began) since the plan was made fails like an engine that is
-        gone: no new leg goes there."""
+        """A planned backend's state; one removed from the fleet or drained since the plan
+        was made fails like an engine that is gone: no new leg goes there."""
         state = self.registry.accepting(name)
         if state is None:
             raise UpstreamError(name, CONNECT, "removed from the fleet or drained")

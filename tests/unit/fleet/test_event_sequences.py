@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.config.schema import BackendConfig, HealthConfig
 from router.fleet.event_sequences import (
     GRACE_S,
     PRIOR_BLOCK_S,
@@ -18,6 +19,8 @@ from router.fleet.event_sequences import (
     follow_sequences,
 )
 from router.fleet.others import OTHERS_SEEN_S
+from router.fleet.registry import BackendRegistry
+from support.snapshots import registry_view
 
 
 def grow(seqs: EventSequences, chain: list[int], now: float, blocks: int = 1) -> None:
@@ -205,3 +208,46 @@ def test_others_prompts_still_computing_are_expected_from_the_rate_they_began_at
     seqs.owe(4.5 + REPAY_S / 2, at_first_token=True)  # the last one was this router's after all
     assert seqs.unseen_prefills(4.5 + REPAY_S / 2, 0.02, 1e-4) < rate
     assert seqs.unseen_prefills(4.5 + OTHERS_SEEN_S + 1.0, 0.02, 1e-4) == 0.0
+
+
+def test_sequences_the_kv_events_show_beyond_our_own_legs_are_other_replicas() -> None:
+    """Between scrapes, a chain of stored blocks that none of this router's legs began is
+    another replica's sequence: counted decoding on the engine, which serves others' traffic."""
+    now = [0.0]
+    r = BackendRegistry(
+        [BackendConfig("d0", "http://d0", kv_events_endpoint="tcp://d0:5557")], HealthConfig(), clock=lambda: now[0]
+    )
+    seqs = r.states["d0"].sequences
+    mine = r.open_leg("d0", 500)  # it will store blocks: it owes a chain
+    probe = r.open_leg("d0", 0)  # a probe owes one only once taken, at its first token
+    seqs.stored(None, 1, 4, now[0])  # mine's prompt
+    view = registry_view(r, "d0")
+    assert (view.decoding, view.others_seen) == (0.0, False)
+    r.first_token(mine)
+    r.first_token(probe)  # taken: its chain, whenever it comes, is ours too
+    seqs.stored(9, 2, 2, now[0])
+    assert registry_view(r, "d0").decoding == 2.0
+    seqs.stored(None, 3, 4, now[0], tokens=64)  # nobody's leg here: another replica's
+    # ... and, as others begin prompts there, some are expected computing unseen.
+    speed = r.learner.speed("d0")
+    unseen = seqs.unseen_prefills(now[0], speed.intercept_s, speed.per_token_s)
+    assert unseen == pytest.approx(1.0 * speed.intercept_s + 64 * speed.per_token_s)  # one, over 1 s at least
+    view = registry_view(r, "d0")
+    assert view.decoding == pytest.approx(3.0 + unseen)
+    assert view.others_seen
+    r.close_leg(mine)
+    r.close_leg(probe)
+    assert registry_view(r, "d0").decoding == pytest.approx(1.0 + unseen)
+    now[0] = 10.0  # it stopped growing: finished; the rate of others' prompts decays
+    view = registry_view(r, "d0")
+    assert view.decoding < unseen
+    assert view.others_seen
+    now[0] = 100.0  # nobody else's traffic for a while: nothing expected
+    assert registry_view(r, "d0").decoding == 0.0
+
+
+def test_without_kv_events_legs_owe_no_chains() -> None:
+    r = BackendRegistry([BackendConfig("d0", "http://d0")], HealthConfig(), clock=lambda: 0.0)
+    t = r.open_leg("d0", 500)
+    r.first_token(t)
+    assert not t.owes_chain

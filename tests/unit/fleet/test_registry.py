@@ -112,49 +112,6 @@ def test_legs_that_ended_while_a_scrape_was_read_are_not_other_replicas_sequence
     assert (r.states["d0"].others.running, r.states["d0"].others.seen(0.0)) == (2.0, True)
 
 
-def test_sequences_the_kv_events_show_beyond_our_own_legs_are_other_replicas() -> None:
-    """Between scrapes, a chain of stored blocks that none of this router's legs began is
-    another replica's sequence: counted decoding on the engine, which serves others' traffic."""
-    now = [0.0]
-    r = BackendRegistry(
-        [BackendConfig("d0", "http://d0", kv_events_endpoint="tcp://d0:5557")], HealthConfig(), clock=lambda: now[0]
-    )
-    seqs = r.states["d0"].sequences
-    mine = r.open_leg("d0", 500)  # it will store blocks: it owes a chain
-    probe = r.open_leg("d0", 0)  # a probe owes one only once taken, at its first token
-    seqs.stored(None, 1, 4, now[0])  # mine's prompt
-    view = registry_view(r, "d0")
-    assert (view.decoding, view.others_seen) == (0.0, False)
-    r.first_token(mine)
-    r.first_token(probe)  # taken: its chain, whenever it comes, is ours too
-    seqs.stored(9, 2, 2, now[0])
-    assert registry_view(r, "d0").decoding == 2.0
-    seqs.stored(None, 3, 4, now[0], tokens=64)  # nobody's leg here: another replica's
-    # ... and, as others begin prompts there, some are expected computing unseen.
-    speed = r.learner.speed("d0")
-    unseen = seqs.unseen_prefills(now[0], speed.intercept_s, speed.per_token_s)
-    assert unseen == pytest.approx(1.0 * speed.intercept_s + 64 * speed.per_token_s)  # one, over 1 s at least
-    view = registry_view(r, "d0")
-    assert view.decoding == pytest.approx(3.0 + unseen)
-    assert view.others_seen
-    r.close_leg(mine)
-    r.close_leg(probe)
-    assert registry_view(r, "d0").decoding == pytest.approx(1.0 + unseen)
-    now[0] = 10.0  # it stopped growing: finished; the rate of others' prompts decays
-    view = registry_view(r, "d0")
-    assert view.decoding < unseen
-    assert view.others_seen
-    now[0] = 100.0  # nobody else's traffic for a while: nothing expected
-    assert registry_view(r, "d0").decoding == 0.0
-
-
-def test_without_kv_events_legs_owe_no_chains() -> None:
-    r = _registry(lambda: 0.0)
-    t = r.open_leg("d0", 500)
-    r.first_token(t)
-    assert not t.owes_chain
-
-
 def test_a_backend_added_at_run_time_starts_from_its_own_configured_speed_and_removal_forgets_it() -> None:
     r = _registry(lambda: 0.0)
     r.add(BackendConfig("late", "http://late", prefill_tokens_per_s=2000.0))
