@@ -142,6 +142,7 @@ class LegPlacer:
                 plan.deadline_per_prompt_token_s,
             )
         self._record_race(ctx, result)
+        self.registry.may_have_stored(tickets.get(b) for b in result.dropped())  # they may have stored blocks
         return RaceOutcome(plan, result, tickets, sent, loop.time() - sent)
 
     def _race_won(self, ctx: RequestContext, race: RaceOutcome) -> Leg:
@@ -269,8 +270,7 @@ class LegPlacer:
     async def _single(
         self, ctx: RequestContext, fb: FallbackPlan, kv_params: dict[str, Any] | None, tickets: dict[str, LegTicket]
     ) -> RaceResult:
-        """The fallback's decode leg: a one-engine race (same verdict logic); the leg's own
-        first-token timeout bounds it."""
+        """The fallback's decode leg: a one-engine race (same verdict logic), bounded by its first-token timeout."""
         if fb.prefill is not None:  # a decode leg: it stores the blocks it pulls, a chain of this router's
             assert kv_params is not None
             body, tokens, known, stores = decode_leg_body(ctx.body, kv_params, fb.decode_threshold), 0, None, True

@@ -45,6 +45,10 @@ class RaceResult:
     winner: ProbeOutcome | None
     outcomes: list[ProbeOutcome]
 
+    def dropped(self) -> list[str]:
+        """Engines whose probe was dropped once they may have begun on it (lost, expired)."""
+        return [o.backend for o in self.outcomes if o.verdict in (Verdict.LOST, Verdict.EXPIRED)]
+
     def by_verdict(self, verdict: Verdict) -> list[ProbeOutcome]:
         return [o for o in self.outcomes if o.verdict == verdict]
 

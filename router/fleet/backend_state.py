@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from router.config.schema import BackendConfig
 from router.fleet.event_sequences import EventSequences
-from router.fleet.legs import EngineLegs
+from router.fleet.legs import EngineLegs, LegTicket
 from router.fleet.others import OthersLoad
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -68,3 +68,13 @@ class BackendState:
         seqs = self.sequences
         shown = max(self.others.decoding(now), seqs.others_running(now))
         return shown + seqs.unseen_prefills(now, speed.intercept_s, speed.per_token_s)
+
+    def owe_chain(self, ticket: LegTicket, now: float, at_first_token: bool = False) -> None:
+        """The leg stores KV blocks there: the chain it begins is this router's (see
+        router/fleet/event_sequences.py for when a leg owes one)."""
+        if ticket.owes_chain or not self.config.kv_events_endpoint:
+            return
+        ticket.owes_chain = True
+        self.sequences.owe(now, at_first_token)
+        if ticket.closed:  # owed after it ended: its events may still be on their way
+            self.sequences.settle(now)

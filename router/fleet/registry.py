@@ -217,9 +217,8 @@ class BackendRegistry:
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo, self.chunk_of(s))
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
-        if (ticket.tokens > 0 if stores_blocks is None else stores_blocks) and s.config.kv_events_endpoint:
-            ticket.owes_chain = True  # it will store blocks: the chain it begins is this router's
-            s.sequences.owe(now)
+        if ticket.tokens > 0 if stores_blocks is None else stores_blocks:
+            s.owe_chain(ticket, now)
         self.acquire(name)
         if s.queued_tokens <= 0:
             s.queue_since = now
@@ -252,9 +251,7 @@ class BackendRegistry:
             s.queue_since = t  # the legs sent before it are through too
             s.decoding += 1
             s.legs.first_token(ticket)
-            if not ticket.owes_chain and s.config.kv_events_endpoint:  # a probe taken, a decode leg
-                ticket.owes_chain = True
-                s.sequences.owe(t, at_first_token=True)
+            s.owe_chain(ticket, t, at_first_token=True)  # a probe taken: it stores blocks too
             s.prefilled_tokens += ticket.tokens
             ticket.decoding_at_first = s.scraped_decoding
             ticket.prefilled_at_first = s.prefilled_tokens
@@ -262,6 +259,14 @@ class BackendRegistry:
                 ticket.behind = s.legs.sent_behind(ticket, t)
             if ticket.known_hits is not None:  # a sample now, seconds before its usage arrives
                 first_token_sample(self.learner, ticket, *ticket.known_hits, self.chunk_of(s))
+
+    def may_have_stored(self, tickets: Iterable[LegTicket | None]) -> None:
+        """Race legs dropped once their engine may have begun on them (lost, expired): the
+        blocks they stored are this router's too."""
+        now = self.clock()
+        for t in tickets:
+            if t is not None and (s := self.states.get(t.backend)) is not None:
+                s.owe_chain(t, now, at_first_token=True)
 
     def close_leg(self, ticket: LegTicket) -> None:
         """The leg ended (finished, failed, cancelled). Safe to call more than once."""

@@ -34,6 +34,7 @@ async def test_the_first_acceptor_wins_and_the_others_are_stopped() -> None:
         "silent": Verdict.LOST,
     }
     assert all(s.aborted for s in others)
+    assert sorted(result.dropped()) == ["silent", "slow"]  # they may have begun computing
 
 
 async def test_two_acceptors_in_one_wake_up_one_wins_the_other_is_closed() -> None:
@@ -96,6 +97,7 @@ async def test_silent_engines_expire_at_the_deadline() -> None:
     assert result.winner is None
     assert {o.backend: o.verdict for o in result.outcomes} == {"d0": Verdict.REJECTED, "d1": Verdict.EXPIRED}
     assert next(s for s in up.streams if s.backend == "d1").aborted
+    assert result.dropped() == ["d1"]  # a rejection computed nothing
 
 
 async def test_a_rejection_reporting_the_prompt_length_extends_the_deadline() -> None:

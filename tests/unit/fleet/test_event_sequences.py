@@ -251,3 +251,25 @@ def test_without_kv_events_legs_owe_no_chains() -> None:
     t = r.open_leg("d0", 500)
     r.first_token(t)
     assert not t.owes_chain
+
+
+def test_a_race_leg_dropped_once_its_engine_took_it_owes_the_chain_it_may_have_begun() -> None:
+    now = [0.0]
+    r = BackendRegistry(
+        [BackendConfig("d0", "http://d0", kv_events_endpoint="tcp://d0:5557")], HealthConfig(), clock=lambda: now[0]
+    )
+    seqs = r.states["d0"].sequences
+    loser = r.open_leg("d0", 0)
+    seqs.stored(None, 1, 2, now[0])  # its blocks, before the race dropped it
+    assert seqs.began_others == 1
+    r.close_leg(loser)
+    r.may_have_stored([loser, None])
+    assert seqs.began_others == 0
+    expired = r.open_leg("d0", 0)
+    r.close_leg(expired)
+    r.may_have_stored([expired])
+    r.may_have_stored([expired])  # owed once
+    now[0] = GRACE_S / 2
+    seqs.stored(None, 2, 2, now[0])  # its blocks, after the race dropped it
+    seqs.stored(None, 3, 2, now[0])  # and somebody else's
+    assert seqs.began_others == 1
