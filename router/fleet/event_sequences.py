@@ -17,8 +17,11 @@ A leg sent to prefill tokens owes one from when it is sent; a leg with nothing t
 when sent (a probe, a split's decode leg) from its first token, when the engine took it,
 and that credit may also claim a beginning of the last `REPAY_S` counted as others' (the
 event can arrive before the first token it goes with). A leg that ends without its
-beginning leaves its credit for `GRACE_S` (its events may still be on their way). Counted
+beginning leaves its credit for `GRACE_S` (its events may still be on their way); a race's
+leg dropped once its engine may have begun on it (lost, expired) owes one then. Counted
 credits, not matched prompts: no hashing of the router's own prompts on the hot path.
+Blocks stored again (the same hashes: a preempted sequence computing what it lost) are no
+beginning: they are their first owner's.
 
 Live: others' chains that grew within the window, `WINDOW_BLOCKS` times the engine's
 measured time between two one-block stores of a chain (its decode speed for a block), so
@@ -34,7 +37,7 @@ token (`unseen_prefills`): the share of its time spent on others' prompts not ye
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +61,7 @@ BLOCK_WEIGHT = 0.1  # each one-block store's weight in the block time's mean
 # still its own); the rest are forgotten, at most MAX_TAILS kept.
 RETAIN_S = 30.0
 MAX_TAILS = 65_536
+MAX_BLOCKS = 65_536  # blocks remembered, whose storing again is no beginning (a million tokens)
 
 
 @dataclass(slots=True)
@@ -75,6 +79,7 @@ class EventSequences:
     _credits: int = 0  # beginnings owed by open legs
     _credited_open: int = 0  # open legs that took a credit
     _left: deque[float] = field(default_factory=deque)  # credits of ended legs, expiring then
+    _blocks: dict[EngineHash, bool] = field(default_factory=dict)  # blocks stored lately -> others'
     # Others' beginnings per second, and the prompt tokens of their first stores per second.
     _began: PromptWork = field(default_factory=PromptWork)
     _began_tokens: PromptWork = field(default_factory=PromptWork)
@@ -122,15 +127,30 @@ class EventSequences:
         return False
 
     # --- the engine's events -----------------------------------------------------------------
-    def stored(self, parent: EngineHash | None, tail: EngineHash, blocks: int, now: float, tokens: int = 0) -> None:
-        """A GPU `BlockStored` of `blocks` blocks (`tokens` tokens) ending in `tail`, chained
-        after `parent`."""
-        tails = self._tails
+    def stored(self, parent: EngineHash | None, hashes: Sequence[EngineHash], now: float, tokens: int = 0) -> None:
+        """A GPU `BlockStored` of blocks `hashes` (`tokens` tokens), chained after `parent`."""
+        tails, tail = self._tails, hashes[-1]
+        again = self._blocks.get(hashes[0])
+        if again is not None:
+            # A block this engine stored before, stored again: a sequence computing again what
+            # it lost (preempted, its blocks evicted), or another prompt of the same tokens.
+            # The same owner's, unless a leg of this router still owes its beginning.
+            others = again and not self._own_beginning(now)
+            entry = tails.pop(parent, None) if parent is not None else None
+            tails[tail] = (now, now if entry is None else entry[1], others, tokens if entry is None else entry[3])
+            live = self._live
+            live.pop(tail, None)
+            if parent is not None:
+                live.pop(parent, None)
+            if others:
+                live[tail] = now
+            self._remember(hashes, others, now)
+            return
         if parent is not None:
             entry = tails.pop(parent, None)
             if entry is not None:
                 gap = now - entry[0]
-                if blocks == 1 and 0.0 < gap <= MAX_WINDOW_S:  # a decoded block: the block time
+                if len(hashes) == 1 and 0.0 < gap <= MAX_WINDOW_S:  # a decoded block: the block time
                     self.block_s += BLOCK_WEIGHT * (gap - self.block_s)
                     self.block_samples += 1
                 others = entry[2]
@@ -139,7 +159,7 @@ class EventSequences:
                     if others:
                         self._live.pop(parent, None)
                         self._live[tail] = now
-                    self._forget(now)
+                    self._remember(hashes, others, now)
                     return
                 # Others' chain idle past the window, taken up again (a conversation's next
                 # turn, perhaps through this router): a beginning, whoever's it is.
@@ -151,17 +171,22 @@ class EventSequences:
             self.last_others_at = now
             self._began.add(1.0, now)
             self._began_tokens.add(float(tokens), now)
-        self._forget(now)
+        self._remember(hashes, others, now)
+
+    def _remember(self, hashes: Sequence[EngineHash], others: bool, now: float) -> None:
+        blocks = self._blocks
+        blocks.update(dict.fromkeys(hashes, others))
+        while len(blocks) > MAX_BLOCKS:
+            del blocks[next(iter(blocks))]
+        tails = self._tails
+        while tails and (len(tails) > MAX_TAILS or now - next(iter(tails.values()))[0] > RETAIN_S):
+            del tails[next(iter(tails))]
 
     def cleared(self) -> None:
         """The engine's cache is gone (a reset, a restart): no chain grows any more."""
         self._tails.clear()
         self._live.clear()
-
-    def _forget(self, now: float) -> None:
-        tails = self._tails
-        while tails and (len(tails) > MAX_TAILS or now - next(iter(tails.values()))[0] > RETAIN_S):
-            del tails[next(iter(tails))]
+        self._blocks.clear()
 
     # --- what the planners read --------------------------------------------------------------
     @property
@@ -197,6 +222,6 @@ def follow_sequences(seqs: EventSequences, events: Iterable[Any], now: float) ->
         if kind == "stored":
             hashes = ev.block_hashes
             if hashes and not ev.group_idx and ev.medium in _GPU_MEDIA:
-                seqs.stored(ev.parent_block_hash, hashes[-1], len(hashes), now, len(hashes) * ev.block_size)
+                seqs.stored(ev.parent_block_hash, hashes, now, len(hashes) * ev.block_size)
         elif kind == "cleared":
             seqs.cleared()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -22,13 +23,15 @@ from router.fleet.others import OTHERS_SEEN_S
 from router.fleet.registry import BackendRegistry
 from support.snapshots import registry_view
 
+_hashes = itertools.count(1_000_000)
+
 
 def grow(seqs: EventSequences, chain: list[int], now: float, blocks: int = 1) -> None:
-    """The engine stored `blocks` more blocks of the sequence whose blocks are `chain`."""
+    """The engine stored `blocks` more blocks (new hashes) of the sequence whose blocks are `chain`."""
     parent = chain[-1] if chain else None
-    new = [max(chain, default=0) * 1000 + i + 1 for i in range(blocks)]
+    new = [next(_hashes) for _ in range(blocks)]
     chain.extend(new)
-    seqs.stored(parent, new[-1], blocks, now)
+    seqs.stored(parent, new, now)
 
 
 def test_a_prompt_the_router_did_not_send_is_others_sequence_while_it_grows() -> None:
@@ -201,7 +204,7 @@ def test_others_prompts_still_computing_are_expected_from_the_rate_they_began_at
     seqs = EventSequences()
     assert seqs.unseen_prefills(0.0, 0.02, 1e-4) == 0.0  # nobody else seen
     for i in range(10):  # ten prompts of others over 5 s, 2,048 tokens computed each
-        seqs.stored(None, i, 64, i * 0.5, tokens=2048)
+        seqs.stored(None, list(range(i * 100, i * 100 + 64)), i * 0.5, tokens=2048)
     rate = seqs.unseen_prefills(5.0, 0.02, 1e-4)
     # ~2 a second: ~2 * (20 ms + 2,048 tokens at 0.1 ms) = ~0.45 computing at any moment.
     assert 0.3 < rate < 0.6
@@ -220,14 +223,14 @@ def test_sequences_the_kv_events_show_beyond_our_own_legs_are_other_replicas() -
     seqs = r.states["d0"].sequences
     mine = r.open_leg("d0", 500)  # it will store blocks: it owes a chain
     probe = r.open_leg("d0", 0)  # a probe owes one only once taken, at its first token
-    seqs.stored(None, 1, 4, now[0])  # mine's prompt
+    seqs.stored(None, list(range(1000, 1004)), now[0])  # mine's prompt
     view = registry_view(r, "d0")
     assert (view.decoding, view.others_seen) == (0.0, False)
     r.first_token(mine)
     r.first_token(probe)  # taken: its chain, whenever it comes, is ours too
-    seqs.stored(9, 2, 2, now[0])
+    seqs.stored(9, list(range(2000, 2002)), now[0])
     assert registry_view(r, "d0").decoding == 2.0
-    seqs.stored(None, 3, 4, now[0], tokens=64)  # nobody's leg here: another replica's
+    seqs.stored(None, list(range(3000, 3004)), now[0], tokens=64)  # nobody's leg here: another replica's
     # ... and, as others begin prompts there, some are expected computing unseen.
     speed = r.learner.speed("d0")
     unseen = seqs.unseen_prefills(now[0], speed.intercept_s, speed.per_token_s)
@@ -260,7 +263,7 @@ def test_a_race_leg_dropped_once_its_engine_took_it_owes_the_chain_it_may_have_b
     )
     seqs = r.states["d0"].sequences
     loser = r.open_leg("d0", 0)
-    seqs.stored(None, 1, 2, now[0])  # its blocks, before the race dropped it
+    seqs.stored(None, list(range(1000, 1002)), now[0])  # its blocks, before the race dropped it
     assert seqs.began_others == 1
     r.close_leg(loser)
     r.may_have_stored([loser, None])
@@ -270,6 +273,26 @@ def test_a_race_leg_dropped_once_its_engine_took_it_owes_the_chain_it_may_have_b
     r.may_have_stored([expired])
     r.may_have_stored([expired])  # owed once
     now[0] = GRACE_S / 2
-    seqs.stored(None, 2, 2, now[0])  # its blocks, after the race dropped it
-    seqs.stored(None, 3, 2, now[0])  # and somebody else's
+    seqs.stored(None, list(range(2000, 2002)), now[0])  # its blocks, after the race dropped it
+    seqs.stored(None, list(range(3000, 3002)), now[0])  # and somebody else's
     assert seqs.began_others == 1
+
+
+def test_blocks_stored_again_are_the_same_sequence_computing_again_not_a_beginning() -> None:
+    seqs = EventSequences()
+    seqs.owe(0.0)
+    chain: list[int] = []
+    grow(seqs, chain, 0.0, blocks=6)  # this router's prompt
+    grow(seqs, chain, 0.1)
+    # Preempted, its last blocks evicted; computed again, they are stored again after the
+    # prefix it kept: the same hashes.
+    seqs.stored(chain[3], chain[4:], 0.5)
+    assert seqs.began_others == 0
+    assert seqs.others_running(0.5) == 0
+    theirs: list[int] = []
+    grow(seqs, theirs, 1.0, blocks=3)  # another replica's
+    seqs.stored(None, theirs, 1.2)  # computed again: still theirs, still one sequence
+    assert (seqs.began_others, seqs.others_running(1.2)) == (1, 1)
+    seqs.owe(1.3)  # a leg of this router sent a prompt of the same tokens
+    seqs.stored(None, theirs, 1.4)  # after the engine evicted them: this router's now
+    assert seqs.others_running(1.4) == 0
