@@ -62,12 +62,20 @@ class BackendState:
         reads `OthersLoad.decoding`, which may count more)."""
         return self.decoding + self.others.running
 
-    def others_decoding(self, now: float, speed: EngineSpeed) -> float:
+    @property
+    def follows_sequences(self) -> bool:
+        """A decoder whose KV events the router follows: its sequences are seen as they run."""
+        return self.config.decodes and bool(self.config.kv_events_endpoint)
+
+    def others_decoding(self, now: float, speed: EngineSpeed, fleet: tuple[float, float]) -> float:
         """Others' sequences there, as the scrapes and the KV events show them, and their
-        prompts the events cannot show yet (router/fleet/event_sequences.py)."""
+        prompts the events cannot show yet (router/fleet/event_sequences.py; `fleet`: the
+        decoders' mean rates of others' prompts)."""
         seqs = self.sequences
         shown = max(self.others.decoding(now), seqs.others_running(now))
-        return shown + seqs.unseen_prefills(now, speed.intercept_s, speed.per_token_s)
+        if not self.follows_sequences:
+            return shown
+        return shown + seqs.unseen_prefills(now, speed.intercept_s, speed.per_token_s, fleet)
 
     def owe_chain(self, ticket: LegTicket, now: float, at_first_token: bool = False) -> None:
         """The leg stores KV blocks there: the chain it begins is this router's (see

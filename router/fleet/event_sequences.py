@@ -200,14 +200,22 @@ class EventSequences:
             del live[next(iter(live))]
         return len(live)
 
-    def unseen_prefills(self, now: float, per_prompt_s: float, per_token_s: float) -> float:
-        """Others' prompts expected to be computing there now, not yet shown by a store: the
-        rate they began at lately times each one's fixed cost, plus the rate of their prompt
-        tokens times the cost of one (the engine's speed)."""
+    def others_rates(self, now: float) -> tuple[float, float]:
+        """Others' beginnings per second there lately, and their first stores' tokens per second."""
         if now - self.last_others_at > OTHERS_SEEN_S:
-            return 0.0
-        began, tokens = self._began.tokens_per_s(now), self._began_tokens.tokens_per_s(now)
-        return max(began * per_prompt_s + tokens * per_token_s, 0.0)
+            return 0.0, 0.0
+        return max(self._began.tokens_per_s(now), 0.0), max(self._began_tokens.tokens_per_s(now), 0.0)
+
+    def unseen_prefills(
+        self, now: float, per_prompt_s: float, per_token_s: float, fleet: tuple[float, float] = (0.0, 0.0)
+    ) -> float:
+        """Others' prompts expected to be computing there now, not yet shown by a store: the
+        rate they begin at times each one's fixed cost, plus the rate of their prompt tokens
+        times the cost of one (the engine's speed). The rate is the engine's own or, where
+        higher, the decoders' mean (`fleet_rates`): an engine that shows none of others'
+        prompts yet is as likely as any to be getting one (their routers see it idle too)."""
+        began, tokens = self.others_rates(now)
+        return max(began, fleet[0]) * per_prompt_s + max(tokens, fleet[1]) * per_token_s
 
     def others_seen(self, now: float) -> bool:
         """Has the engine begun others' sequences lately (the router's memory of it is then
@@ -225,3 +233,11 @@ def follow_sequences(seqs: EventSequences, events: Iterable[Any], now: float) ->
                 seqs.stored(ev.parent_block_hash, hashes, now, len(hashes) * ev.block_size)
         elif kind == "cleared":
             seqs.cleared()
+
+
+def fleet_rates(engines: Iterable[EventSequences], now: float) -> tuple[float, float]:
+    """The mean over the decoders that publish events of others' beginnings and tokens per second."""
+    rates = [e.others_rates(now) for e in engines]
+    if not rates:
+        return 0.0, 0.0
+    return sum(r[0] for r in rates) / len(rates), sum(r[1] for r in rates) / len(rates)

@@ -331,7 +331,7 @@ class KvEvents:
             self.index.apply(st.name, batch)
             if live:
                 state = self.registry.states.get(st.name)
-                if state is not None and state.config.decodes:  # sequences a prefill could stall
+                if state is not None and state.follows_sequences:  # sequences a prefill could stall
                     follow_sequences(state.sequences, batch.events, self.clock())
         except (DecodeError, ValueError, TypeError) as e:
             self._decode_error(st, e)

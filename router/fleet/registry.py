@@ -39,6 +39,7 @@ from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
+from router.fleet.event_sequences import fleet_rates
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.legs import decode_sample, first_token_sample, queued_ahead, stalls_decoding
 from router.fleet.prompt_work import PromptWork
@@ -86,6 +87,7 @@ class BackendRegistry:
         now, views, learner, kv_fresh = self.clock(), [], self.learner, self.kv_fresh
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}  # one pass
         adapters: set[str] = set()
+        fleet = fleet_rates((s.sequences for s in self.states.values() if s.follows_sequences), now)
         for s in self.states.values():
             if s.adapters:
                 adapters.update(s.adapters)
@@ -106,7 +108,7 @@ class BackendRegistry:
                     s.kv_usage,
                     s.draining,
                     self._queued_tokens(s, now, speed)[0],
-                    s.decoding + s.others_decoding(now, speed),
+                    s.decoding + s.others_decoding(now, speed, fleet),
                     s.prefilling,
                     speed,
                     s.threshold_capable is not False,
@@ -207,9 +209,8 @@ class BackendRegistry:
         """A leg is being sent to `name` that will prefill about `tokens` prompt tokens
         (0 for a probe: an acceptor's prefill is done by the time it answers); `kv_wait_s`: a
         split's place on its decoder, its TTFT SLO running out in that many seconds;
-        `known_hits`: (lacking, held) tokens, known exactly (legs.py); `stores_blocks`: it
-        will store KV blocks (default: it has tokens to prefill), so the chain of blocks it
-        begins there is this router's (event_sequences.py; otherwise from its first token)."""
+        `known_hits`: (lacking, held) tokens, known exactly (legs.py); `stores_blocks`: the
+        chain of KV blocks it begins is this router's from now (default: if it has tokens)."""
         s, now = self.states[name], self.clock()
         ahead, whole = self._queued_tokens(s, now, self.learner.speed(name))
         ticket = LegTicket(name, max(int(tokens), 0), ahead, s.scraped_decoding, now, whole)

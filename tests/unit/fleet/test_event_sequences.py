@@ -17,6 +17,7 @@ from router.fleet.event_sequences import (
     RETAIN_S,
     WINDOW_BLOCKS,
     EventSequences,
+    fleet_rates,
     follow_sequences,
 )
 from router.fleet.others import OTHERS_SEEN_S
@@ -296,3 +297,16 @@ def test_blocks_stored_again_are_the_same_sequence_computing_again_not_a_beginni
     seqs.owe(1.3)  # a leg of this router sent a prompt of the same tokens
     seqs.stored(None, theirs, 1.4)  # after the engine evicted them: this router's now
     assert seqs.others_running(1.4) == 0
+
+
+def test_an_engine_that_shows_none_of_others_prompts_expects_the_decoders_mean() -> None:
+    busy, quiet = EventSequences(), EventSequences()
+    for i in range(4):  # others began four 2,048-token prompts on one engine, none on the other
+        busy.stored(None, list(range(i * 100, i * 100 + 64)), 0.25 * i, tokens=2048)
+    fleet = fleet_rates([busy, quiet], 1.0)
+    assert fleet == pytest.approx((busy.others_rates(1.0)[0] / 2, busy.others_rates(1.0)[1] / 2))
+    assert quiet.unseen_prefills(1.0, 0.02, 1e-4) == 0.0
+    expected = quiet.unseen_prefills(1.0, 0.02, 1e-4, fleet)
+    assert expected == pytest.approx(fleet[0] * 0.02 + fleet[1] * 1e-4)
+    assert busy.unseen_prefills(1.0, 0.02, 1e-4, fleet) > expected  # its own rate, higher
+    assert fleet_rates([], 1.0) == (0.0, 0.0)
