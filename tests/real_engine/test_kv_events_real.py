@@ -258,3 +258,26 @@ async def test_probe_skips_the_race_when_the_index_knows(
         assert rec["race_reason"] == "memory_knows", rec
         assert rec["probes"] == 0, rec
         assert rec["winner"] == NAME, rec
+
+
+async def test_a_request_sent_around_the_router_is_another_replicas_sequence(kv_events_engine: EngineProcess) -> None:
+    """vLLM stores a sequence's decoded blocks as it generates them, each chained to the one
+    before: the router's own request grows a chain of its own (its decoded blocks time the
+    engine's block), and one sent to the engine directly is counted as others'."""
+    async with Router(kv_events_engine, "probe") as r:
+        seqs = registry_of(r.state).states[NAME].sequences
+        before = seqs.began_others
+        own = ids(6, 2 * BLOCK + 8)
+        await r.post("/v1/completions", {"prompt": own, "max_tokens": 3 * BLOCK, "ignore_eos": True})
+        await eventually(lambda: seqs.block_samples >= 2, within=EVENTS_WITHIN_S, what="its decoded blocks stored")
+        assert seqs.began_others == before, "the router's own request counted as another's"
+        theirs = ids(7, 2 * BLOCK + 8)
+        body = {"model": MODEL, "prompt": theirs, "max_tokens": 2 * BLOCK, "ignore_eos": True, "temperature": 0}
+        status, out = await asyncio.to_thread(post_json, kv_events_engine.base_url, "/v1/completions", body)
+        assert status == 200, out
+        await eventually(lambda: seqs.began_others == before + 1, within=EVENTS_WITHIN_S, what="others' sequence")
+        view = registry_of(r.state).snapshot().get(NAME)
+        assert view is not None
+        assert view.others_seen
+        gauge = f'cachehit_router_kv_events_others_sequences{{backend="{NAME}"}} {before + 1}.0'
+        assert gauge in r.state.metrics.exposition().decode()
