@@ -45,10 +45,15 @@ class BackendState:
     others: OthersLoad = field(default_factory=OthersLoad)
     # ... and as its KV events show them, between scrapes (fed by router/fleet/kv_events.py).
     sequences: EventSequences = field(default_factory=EventSequences)
+    # A decoder whose KV events the router follows: its sequences are seen as they run.
+    follows_sequences: bool = field(init=False, default=False)
     threshold_capable: bool | None = None  # router/fleet/capability.py; None: not checked yet
     # LoRA adapters among `models` (/v1/models lists them with a parent; router/fleet/adapters.py).
     adapters: tuple[str, ...] = ()
     adapters_changed: int = 0  # counts the router's own loads and unloads (a check read before one is stale)
+
+    def __post_init__(self) -> None:
+        self.follows_sequences = self.config.decodes and bool(self.config.kv_events_endpoint)
 
     @property
     def prefilling(self) -> int:
@@ -62,25 +67,20 @@ class BackendState:
         reads `OthersLoad.decoding`, which may count more)."""
         return self.decoding + self.others.running
 
-    @property
-    def follows_sequences(self) -> bool:
-        """A decoder whose KV events the router follows: its sequences are seen as they run."""
-        return self.config.decodes and bool(self.config.kv_events_endpoint)
-
     def others_decoding(self, now: float, speed: EngineSpeed, fleet: tuple[float, float]) -> float:
         """Others' sequences there, as the scrapes and the KV events show them, and their
         prompts the events cannot show yet (router/fleet/event_sequences.py; `fleet`: the
         decoders' mean rates of others' prompts)."""
+        if not self.follows_sequences:
+            return self.others.decoding(now)
         seqs = self.sequences
         shown = max(self.others.decoding(now), seqs.others_running(now))
-        if not self.follows_sequences:
-            return shown
         return shown + seqs.unseen_prefills(now, speed.intercept_s, speed.per_token_s, fleet)
 
     def owe_chain(self, ticket: LegTicket, now: float, at_first_token: bool = False) -> None:
         """The leg stores KV blocks there: the chain it begins is this router's (see
         router/fleet/event_sequences.py for when a leg owes one)."""
-        if ticket.owes_chain or not self.config.kv_events_endpoint:
+        if ticket.owes_chain or not self.follows_sequences:
             return
         ticket.owes_chain = True
         self.sequences.owe(now, at_first_token)

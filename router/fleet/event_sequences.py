@@ -235,9 +235,9 @@ def follow_sequences(seqs: EventSequences, events: Iterable[Any], now: float) ->
             seqs.cleared()
 
 
-def fleet_rates(engines: Iterable[EventSequences], now: float) -> tuple[float, float]:
+def fleet_rates(engines: Sequence[EventSequences], now: float) -> tuple[float, float]:
     """The mean over the decoders that publish events of others' beginnings and tokens per second."""
-    rates = [e.others_rates(now) for e in engines]
-    if not rates:
+    if not engines:
         return 0.0, 0.0
+    rates = [e.others_rates(now) for e in engines]
     return sum(r[0] for r in rates) / len(rates), sum(r[1] for r in rates) / len(rates)

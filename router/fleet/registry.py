@@ -87,7 +87,7 @@ class BackendRegistry:
         now, views, learner, kv_fresh = self.clock(), [], self.learner, self.kv_fresh
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}  # one pass
         adapters: set[str] = set()
-        fleet = fleet_rates((s.sequences for s in self.states.values() if s.follows_sequences), now)
+        fleet = fleet_rates([s.sequences for s in self.states.values() if s.follows_sequences], now)
         for s in self.states.values():
             if s.adapters:
                 adapters.update(s.adapters)
@@ -218,7 +218,7 @@ class BackendRegistry:
         ticket.stalls = stalls_decoding(self.learner, ticket, self.slo, self.chunk_of(s))
         ticket.kv_deadline = None if kv_wait_s is None else now + kv_wait_s
         s.legs.opened(ticket)
-        if ticket.tokens > 0 if stores_blocks is None else stores_blocks:
+        if s.follows_sequences and (ticket.tokens > 0 if stores_blocks is None else stores_blocks):
             s.owe_chain(ticket, now)
         self.acquire(name)
         if s.queued_tokens <= 0:
