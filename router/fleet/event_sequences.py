@@ -99,6 +99,10 @@ class EventSequences:
             self._credits -= 1
             self._left.append(now + GRACE_S)
 
+    def owed(self, now: float) -> int:
+        """Beginnings this router's legs still owe there (open, or ended within `GRACE_S`)."""
+        return self._credits + sum(1 for t in self._left if t >= now)
+
     def _repay(self, now: float) -> bool:
         """Claim others' youngest beginning of the last `REPAY_S`, if any."""
         tails = self._tails

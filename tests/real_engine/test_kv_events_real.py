@@ -232,13 +232,29 @@ async def test_probe_skips_the_race_when_the_index_knows(
     caplog.set_level(logging.INFO, logger="cachehit_router")
     # A new router: its index is rebuilt from the engine's replay socket.
     async with Router(kv_events_engine, "probe") as r:
+        # Sent twice through the router, the engine serving nobody else: the second time
+        # its memory says what the index would (it placed the prompt itself a moment ago and
+        # the engine lost no block since); no lookup, no race.
+        g = ids(8, 3 * BLOCK + 10)
+        await r.post("/v1/completions", {"prompt": g})
+        await r.shows(g, full_blocks(len(g)))
+        caplog.clear()
+        await r.post("/v1/completions", {"prompt": g})
+        (rec,) = records(caplog)
+        assert rec["race_reason"] == "memory_knows", rec
+        assert rec["probes"] == 0, rec
         e = ids(5, 3 * BLOCK + 10)
+        # (The repeat stored no block: its leg's credit lingers a moment; one stored in that
+        # moment would be counted the router's.)
+        seqs = registry_of(r.state).states[NAME].sequences
+        await eventually(lambda: seqs.owed(registry_of(r.state).clock()) == 0, what="no beginning owed")
         # Sent to the engine directly: this router's memory knows nothing of it, only the
         # engine's events do.
         body = {"model": MODEL, "prompt": e, "max_tokens": 1, "temperature": 0}
         status, out = await asyncio.to_thread(post_json, kv_events_engine.base_url, "/v1/completions", body)
         assert status == 200, out
         await r.shows(e, full_blocks(len(e)))
+        assert seqs.others_seen(registry_of(r.state).clock())  # a sequence it did not send
         caplog.clear()
         again = await r.post("/v1/completions", {"prompt": e})
         (rec,) = records(caplog)
@@ -250,12 +266,13 @@ async def test_probe_skips_the_race_when_the_index_knows(
             again["usage"],
         )
         assert out["usage"]["prompt_tokens"] == len(e)
-        # Sent again: the router placed it itself a moment ago and the engine lost no block
-        # since, so its memory says what the index would; no lookup, no race.
+        # Sent again: the router placed it itself a moment ago, but the engine now serves
+        # traffic it did not send (the request above, seen in its KV events), so its memory
+        # may miss what others stored there: the index is asked; still no race.
         caplog.clear()
         await r.post("/v1/completions", {"prompt": e})
         (rec,) = records(caplog)
-        assert rec["race_reason"] == "memory_knows", rec
+        assert rec["race_reason"] == "index_knows", rec
         assert rec["probes"] == 0, rec
         assert rec["winner"] == NAME, rec
 

@@ -94,6 +94,8 @@ def test_a_leg_that_ends_before_its_blocks_leaves_its_credit_for_the_grace_time(
     assert seqs.began_others == 0
     seqs.owe(2.0)
     seqs.settle(2.0)
+    assert seqs.owed(2.0) == 1
+    assert seqs.owed(2.0 + GRACE_S + 0.1) == 0
     grow(seqs, [], 2.0 + GRACE_S + 0.1, blocks=2)  # too late to be that leg's
     assert seqs.began_others == 1
 
