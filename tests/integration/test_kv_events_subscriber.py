@@ -187,35 +187,44 @@ async def test_a_restarted_publisher_clears_and_rebuilds(
     assert pub.replay_requests[-1] == 0
 
 
-async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_replay(
-    router_with: RouterWith, publishers: list[KvPublisher]
-) -> None:
+async def checked_by_hand(router_with: RouterWith, publishers: list[KvPublisher]) -> tuple[RouterState, KvPublisher]:
+    """A started router following one publisher ("e0"), its stream live, its health checks
+    stopped (nothing listens): the test drives them by hand."""
     state = await router_with()
     assert state.monitor is not None
-    await state.monitor.stop()  # its checks (nothing listens) are driven by hand below
-    pub, registry = publishers[0], registry_of(state)
-    await joined(state, "e0", pub)
-    stream = kv_events_of(state).streams["e0"]
-    pub.publish(block(0), block(1))
-    await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="indexed")
+    await state.monitor.stop()
+    await joined(state, "e0", publishers[0])
+    return state, publishers[0]
+
+
+async def down_and_back(state: RouterState, pub: KvPublisher) -> None:
+    """Engine "e0" seen healthy, then down, then answering again (its checks driven by hand):
+    until its stream has been rebuilt from a replay from 0."""
+    registry, stream = registry_of(state), kv_events_of(state).streams["e0"]
     registry.record_scrape("e0", {}, None)
     await eventually(lambda: stream.seen_healthy, what="seen healthy")
     registry.record_scrape_failure("e0", "refused")
     await eventually(lambda: stream.was_down, what="seen down")
     asked = len(pub.replay_requests)
     registry.record_scrape("e0", {}, None)
-    await eventually(lambda: pub.replay_requests[asked:] == [0], what="a replay from 0")
-    await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)} and stream.synced, what="rebuilt")
+    await eventually(lambda: pub.replay_requests[asked:] == [0] and stream.synced, what="rebuilt from a replay from 0")
+
+
+async def test_an_engine_answering_again_after_it_was_down_is_rebuilt_from_its_replay(
+    router_with: RouterWith, publishers: list[KvPublisher]
+) -> None:
+    state, pub = await checked_by_hand(router_with, publishers)
+    pub.publish(block(0), block(1))
+    await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="indexed")
+    await down_and_back(state, pub)
+    await eventually(lambda: hits(state) == {"e0": KvHit(8, 0)}, what="rebuilt")
 
 
 async def test_live_chains_no_leg_of_this_router_began_are_others_sequences_and_a_rebuild_adds_none(
     router_with: RouterWith, publishers: list[KvPublisher]
 ) -> None:
-    state = await router_with()
-    assert state.monitor is not None
-    await state.monitor.stop()  # its checks (nothing listens) are driven by hand below
-    pub, registry = publishers[0], registry_of(state)
-    await joined(state, "e0", pub)
+    state, pub = await checked_by_hand(router_with, publishers)
+    registry = registry_of(state)
     stream, seqs = kv_events_of(state).streams["e0"], registry.states["e0"].sequences
     pub.publish(block(0), block(1))  # a prompt's block and the next, chained: one sequence
     await eventually(lambda: seqs.began_others == 1, what="another replica's sequence")
@@ -230,13 +239,7 @@ async def test_live_chains_no_leg_of_this_router_began_are_others_sequences_and_
     assert seqs.began_others == 1
     registry.close_leg(ticket)
     # The engine's history, replayed when it answers again, is not what it runs now.
-    registry.record_scrape("e0", {}, None)
-    await eventually(lambda: stream.seen_healthy, what="seen healthy")
-    registry.record_scrape_failure("e0", "refused")
-    await eventually(lambda: stream.was_down, what="seen down")
-    asked = len(pub.replay_requests)
-    registry.record_scrape("e0", {}, None)
-    await eventually(lambda: pub.replay_requests[asked:] == [0] and stream.synced, what="rebuilt from 0")
+    await down_and_back(state, pub)
     assert seqs.began_others == 1
 
 
