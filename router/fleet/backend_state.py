@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.config.schema import BackendConfig
-from router.fleet.event_sequences import EventSequences
+from router.fleet.event_sequences import EventSequences, Rates, unseen_prefills
 from router.fleet.legs import EngineLegs, LegTicket
 from router.fleet.others import OthersLoad
 from router.names import BreakerState
@@ -67,15 +67,15 @@ class BackendState:
         reads `OthersLoad.decoding`, which may count more)."""
         return self.decoding + self.others.running
 
-    def others_decoding(self, now: float, speed: EngineSpeed, fleet: tuple[float, float]) -> float:
+    def others_decoding(self, now: float, speed: EngineSpeed, own: Rates | None, fleet: Rates) -> float:
         """Others' sequences there, as the scrapes and the KV events show them, and their
-        prompts the events cannot show yet (router/fleet/event_sequences.py; `fleet`: the
-        decoders' mean rates of others' prompts)."""
-        if not self.follows_sequences:
+        prompts the events cannot show yet (router/fleet/event_sequences.py; `own`: the
+        engine's `others_rates`, None where its sequences are not followed; `fleet`: the
+        decoders' mean)."""
+        if own is None:
             return self.others.decoding(now)
-        seqs = self.sequences
-        shown = max(self.others.decoding(now), seqs.others_running(now))
-        return shown + seqs.unseen_prefills(now, speed.intercept_s, speed.per_token_s, fleet)
+        shown = max(self.others.decoding(now), self.sequences.others_running(now))
+        return shown + unseen_prefills(own, fleet, speed.intercept_s, speed.per_token_s)
 
     def owe_chain(self, ticket: LegTicket, now: float, at_first_token: bool = False) -> None:
         """The leg stores KV blocks there: the chain it begins is this router's (see

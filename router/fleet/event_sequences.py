@@ -204,22 +204,11 @@ class EventSequences:
             del live[next(iter(live))]
         return len(live)
 
-    def others_rates(self, now: float) -> tuple[float, float]:
+    def others_rates(self, now: float) -> Rates:
         """Others' beginnings per second there lately, and their first stores' tokens per second."""
         if now - self.last_others_at > OTHERS_SEEN_S:
             return 0.0, 0.0
         return max(self._began.tokens_per_s(now), 0.0), max(self._began_tokens.tokens_per_s(now), 0.0)
-
-    def unseen_prefills(
-        self, now: float, per_prompt_s: float, per_token_s: float, fleet: tuple[float, float] = (0.0, 0.0)
-    ) -> float:
-        """Others' prompts expected to be computing there now, not yet shown by a store: the
-        rate they begin at times each one's fixed cost, plus the rate of their prompt tokens
-        times the cost of one (the engine's speed). The rate is the engine's own or, where
-        higher, the decoders' mean (`fleet_rates`): an engine that shows none of others'
-        prompts yet is as likely as any to be getting one (their routers see it idle too)."""
-        began, tokens = self.others_rates(now)
-        return max(began, fleet[0]) * per_prompt_s + max(tokens, fleet[1]) * per_token_s
 
     def others_seen(self, now: float) -> bool:
         """Has the engine begun others' sequences lately (the router's memory of it is then
@@ -239,9 +228,20 @@ def follow_sequences(seqs: EventSequences, events: Iterable[Any], now: float) ->
             seqs.cleared()
 
 
-def fleet_rates(engines: Sequence[EventSequences], now: float) -> tuple[float, float]:
-    """The mean over the decoders that publish events of others' beginnings and tokens per second."""
-    if not engines:
+Rates = tuple[float, float]  # others' beginnings per second, their first stores' tokens per second
+
+
+def fleet_rates(rates: Sequence[Rates]) -> Rates:
+    """The mean over the decoders that publish events of their `others_rates`."""
+    if not rates:
         return 0.0, 0.0
-    rates = [e.others_rates(now) for e in engines]
     return sum(r[0] for r in rates) / len(rates), sum(r[1] for r in rates) / len(rates)
+
+
+def unseen_prefills(own: Rates, fleet: Rates, per_prompt_s: float, per_token_s: float) -> float:
+    """Others' prompts expected to be computing on an engine now, not yet shown by a store:
+    the rate they begin at times each one's fixed cost, plus the rate of their prompt tokens
+    times the cost of one (the engine's speed). The rate is the engine's own (`own`) or,
+    where higher, the decoders' mean (`fleet`): an engine that shows none of others' prompts
+    yet is as likely as any to be getting one (their routers see it idle too)."""
+    return max(own[0], fleet[0]) * per_prompt_s + max(own[1], fleet[1]) * per_token_s

@@ -87,7 +87,8 @@ class BackendRegistry:
         now, views, learner, kv_fresh = self.clock(), [], self.learner, self.kv_fresh
         removed = self.kv_index.last_removals() if self.kv_index is not None else {}  # one pass
         adapters: set[str] = set()
-        fleet = fleet_rates([s.sequences for s in self.states.values() if s.follows_sequences], now)
+        rates = {n: s.sequences.others_rates(now) for n, s in self.states.items() if s.follows_sequences}
+        fleet = fleet_rates(list(rates.values()))
         for s in self.states.values():
             if s.adapters:
                 adapters.update(s.adapters)
@@ -108,7 +109,7 @@ class BackendRegistry:
                     s.kv_usage,
                     s.draining,
                     self._queued_tokens(s, now, speed)[0],
-                    s.decoding + s.others_decoding(now, speed, fleet),
+                    s.decoding + s.others_decoding(now, speed, rates.get(name), fleet),
                     s.prefilling,
                     speed,
                     s.threshold_capable is not False,
@@ -262,8 +263,7 @@ class BackendRegistry:
                 first_token_sample(self.learner, ticket, *ticket.known_hits, self.chunk_of(s))
 
     def may_have_stored(self, tickets: Iterable[LegTicket | None]) -> None:
-        """Race legs dropped once their engine may have begun on them (lost, expired): the
-        blocks they stored are this router's too."""
+        """Race legs dropped once their engine may have begun on them (lost, expired): theirs too."""
         now = self.clock()
         for t in tickets:
             if t is not None and (s := self.states.get(t.backend)) is not None:

@@ -19,6 +19,7 @@ from router.fleet.event_sequences import (
     EventSequences,
     fleet_rates,
     follow_sequences,
+    unseen_prefills,
 )
 from router.fleet.others import OTHERS_SEEN_S
 from router.fleet.registry import BackendRegistry
@@ -205,15 +206,15 @@ def test_with_one_router_every_chain_its_legs_begin_is_its_own(
 
 def test_others_prompts_still_computing_are_expected_from_the_rate_they_began_at() -> None:
     seqs = EventSequences()
-    assert seqs.unseen_prefills(0.0, 0.02, 1e-4) == 0.0  # nobody else seen
+    assert unseen_prefills(seqs.others_rates(0.0), (0.0, 0.0), 0.02, 1e-4) == 0.0  # nobody else seen
     for i in range(10):  # ten prompts of others over 5 s, 2,048 tokens computed each
         seqs.stored(None, list(range(i * 100, i * 100 + 64)), i * 0.5, tokens=2048)
-    rate = seqs.unseen_prefills(5.0, 0.02, 1e-4)
+    rate = unseen_prefills(seqs.others_rates(5.0), (0.0, 0.0), 0.02, 1e-4)
     # ~2 a second: ~2 * (20 ms + 2,048 tokens at 0.1 ms) = ~0.45 computing at any moment.
     assert 0.3 < rate < 0.6
     seqs.owe(4.5 + REPAY_S / 2, at_first_token=True)  # the last one was this router's after all
-    assert seqs.unseen_prefills(4.5 + REPAY_S / 2, 0.02, 1e-4) < rate
-    assert seqs.unseen_prefills(4.5 + OTHERS_SEEN_S + 1.0, 0.02, 1e-4) == 0.0
+    assert unseen_prefills(seqs.others_rates(4.5 + REPAY_S / 2), (0.0, 0.0), 0.02, 1e-4) < rate
+    assert unseen_prefills(seqs.others_rates(4.5 + OTHERS_SEEN_S + 1.0), (0.0, 0.0), 0.02, 1e-4) == 0.0
 
 
 def test_sequences_the_kv_events_show_beyond_our_own_legs_are_other_replicas() -> None:
@@ -236,7 +237,7 @@ def test_sequences_the_kv_events_show_beyond_our_own_legs_are_other_replicas() -
     seqs.stored(None, list(range(3000, 3004)), now[0], tokens=64)  # nobody's leg here: another replica's
     # ... and, as others begin prompts there, some are expected computing unseen.
     speed = r.learner.speed("d0")
-    unseen = seqs.unseen_prefills(now[0], speed.intercept_s, speed.per_token_s)
+    unseen = unseen_prefills(seqs.others_rates(now[0]), (0.0, 0.0), speed.intercept_s, speed.per_token_s)
     assert unseen == pytest.approx(1.0 * speed.intercept_s + 64 * speed.per_token_s)  # one, over 1 s at least
     view = registry_view(r, "d0")
     assert view.decoding == pytest.approx(3.0 + unseen)
@@ -305,10 +306,10 @@ def test_an_engine_that_shows_none_of_others_prompts_expects_the_decoders_mean()
     busy, quiet = EventSequences(), EventSequences()
     for i in range(4):  # others began four 2,048-token prompts on one engine, none on the other
         busy.stored(None, list(range(i * 100, i * 100 + 64)), 0.25 * i, tokens=2048)
-    fleet = fleet_rates([busy, quiet], 1.0)
+    fleet = fleet_rates([busy.others_rates(1.0), quiet.others_rates(1.0)])
     assert fleet == pytest.approx((busy.others_rates(1.0)[0] / 2, busy.others_rates(1.0)[1] / 2))
-    assert quiet.unseen_prefills(1.0, 0.02, 1e-4) == 0.0
-    expected = quiet.unseen_prefills(1.0, 0.02, 1e-4, fleet)
+    assert unseen_prefills(quiet.others_rates(1.0), (0.0, 0.0), 0.02, 1e-4) == 0.0
+    expected = unseen_prefills(quiet.others_rates(1.0), fleet, 0.02, 1e-4)
     assert expected == pytest.approx(fleet[0] * 0.02 + fleet[1] * 1e-4)
-    assert busy.unseen_prefills(1.0, 0.02, 1e-4, fleet) > expected  # its own rate, higher
-    assert fleet_rates([], 1.0) == (0.0, 0.0)
+    assert unseen_prefills(busy.others_rates(1.0), fleet, 0.02, 1e-4) > expected  # its own rate, higher
+    assert fleet_rates([]) == (0.0, 0.0)
