@@ -41,8 +41,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.fleet.decayed_rate import DecayedRate
 from router.fleet.others import OTHERS_SEEN_S
-from router.fleet.prompt_work import PromptWork
 
 EngineHash = bytes | int
 _GPU_MEDIA = (None, "GPU")  # a CPU tier's copy of a block is no sequence growing
@@ -81,8 +81,8 @@ class EventSequences:
     _left: deque[float] = field(default_factory=deque)  # credits of ended legs, expiring then
     _blocks: dict[EngineHash, bool] = field(default_factory=dict)  # blocks stored lately -> others'
     # Others' beginnings per second, and the prompt tokens of their first stores per second.
-    _began: PromptWork = field(default_factory=PromptWork)
-    _began_tokens: PromptWork = field(default_factory=PromptWork)
+    _began: DecayedRate = field(default_factory=DecayedRate)
+    _began_tokens: DecayedRate = field(default_factory=DecayedRate)
 
     # --- the router's own legs ---------------------------------------------------------------
     def owe(self, now: float, at_first_token: bool = False) -> None:
@@ -208,7 +208,7 @@ class EventSequences:
         """Others' beginnings per second there lately, and their first stores' tokens per second."""
         if now - self.last_others_at > OTHERS_SEEN_S:
             return 0.0, 0.0
-        return max(self._began.tokens_per_s(now), 0.0), max(self._began_tokens.tokens_per_s(now), 0.0)
+        return max(self._began.per_s(now), 0.0), max(self._began_tokens.per_s(now), 0.0)
 
     def others_seen(self, now: float) -> bool:
         """Has the engine begun others' sequences lately (the router's memory of it is then

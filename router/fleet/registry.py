@@ -39,10 +39,10 @@ from router.config.data_parallel import rank_headers
 from router.config.schema import BackendConfig, HealthConfig
 from router.engine.scrape import HITS_DEVICE, HITS_HOST, KV_USAGE, OFFLOAD_LOAD_TIME, RUNNING, WAITING
 from router.fleet.backend_state import BackendState as BackendState  # re-exported: its users import it here
+from router.fleet.decayed_rate import DecayedRate
 from router.fleet.event_sequences import fleet_rates
 from router.fleet.legs import LegTicket as LegTicket  # re-exported: where legs were always imported from
 from router.fleet.legs import decode_sample, first_token_sample, queued_ahead, stalls_decoding
-from router.fleet.prompt_work import PromptWork
 from router.fleet.stalls import StallWatch
 from router.names import BreakerState
 from router.routing.costmodel import EngineSpeed
@@ -69,8 +69,8 @@ class BackendRegistry:
     # The engines' KV block index (router/dispatch/prompt_index.py matches prompts with it); None: no streams.
     kv_index: KvIndex | None = None
     slo: Slo | None = None  # goodput's SLOs (routing.slo_*): which prefills stall decoding past them
-    # The prompt work asked of the engines lately (router/fleet/prompt_work.py).
-    prompt_work: PromptWork = field(default_factory=PromptWork)
+    # The prompt work asked of the engines lately, tokens per second (router/fleet/decayed_rate.py).
+    prompt_work: DecayedRate = field(default_factory=DecayedRate)
     states: dict[str, BackendState] = field(default_factory=dict, init=False)
     # Headers each request to a backend carries (a DP rank's; the upstream client reads it).
     backend_headers: dict[str, dict[str, str]] = field(default_factory=dict, init=False)
@@ -132,7 +132,7 @@ class BackendRegistry:
             learner.race_saving_share,
             learner.race_saving_share_unplaced,
             frozenset(adapters),
-            self.prompt_work.tokens_per_s(now),
+            self.prompt_work.per_s(now),
         )
 
     def _queued_tokens(self, s: BackendState, now: float, speed: EngineSpeed) -> tuple[float, float]:

@@ -86,7 +86,7 @@ class ClusterSnapshot:
     race_saving_share_unplaced: float = 0.5  # the same for prompts the memory places nowhere
     # Every LoRA adapter some engine holds: a request naming one goes only where it is listed.
     adapters: frozenset[str] = frozenset()
-    # Prompt tokens per second this router asked its engines to prefill lately (router/fleet/prompt_work.py).
+    # Prompt tokens per second this router asked its engines to prefill lately (router/fleet/decayed_rate.py).
     prompt_tokens_per_s: float = 0.0
 
     def serves(self, b: BackendView, model: str | None) -> bool:
