@@ -109,6 +109,9 @@ class RouteReason(StrEnum):
     GOODPUT_SPLIT = "goodput_split"  # prefill/decode: loses the fewest requests
     # Predicted to miss an SLO wherever it goes: prefilled on an idle producer, another idle
     SPARE_PRODUCER = "spare_producer"
+    # Tied with a decoder on goodput's count, split through an idle producer: it delays the
+    # sequences decoding on that decoder less than the prefill there would
+    IDLE_PRODUCER = "idle_producer"
     SPLIT_ALWAYS = "split_always"  # routing.split = "always"
     SPLIT_NEVER = "split_never"  # routing.split = "never"
     NO_PRODUCER = "no_producer"  # no prefill engine to split with

@@ -127,6 +127,12 @@ def prefill_stall_s(speed: EngineSpeed, tokens: float, chunk: float) -> float:
     return max(speed.per_token_s, MIN_PER_TOKEN_S) * min(max(tokens, 0.0), max(chunk, 1.0))
 
 
+def prefill_delay_s(speed: EngineSpeed, tokens: float) -> float:
+    """What computing `tokens` of prefill adds, over all its steps, to the time each
+    sequence decoding on the engine waits for its tokens (`prefill_stall_s` per step)."""
+    return max(speed.per_token_s, MIN_PER_TOKEN_S) * max(tokens, 0.0)
+
+
 def ttft(speed: EngineSpeed, queued_tokens: float, decoding: float, lacking: float, held: float = 0.0) -> float:
     """Predicted seconds to the first token of a request whose engine lacks `lacking`
     prompt tokens and holds `held`, with `queued_tokens` of prefill ahead and `decoding`

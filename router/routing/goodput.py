@@ -76,6 +76,9 @@ class Placement:
     itl_s: float  # the request's predicted gap between tokens
     stalled: float  # running sequences it pushes past the ITL SLO
     lacking: float = 0.0  # what the computing engine prefills
+    # What its prefill adds to the waits of the sequences decoding beside it, summed over
+    # them (a direct placement's; a prefill-only producer runs no sequences).
+    delay_s: float = 0.0
 
     def misses(self, slo: Slo) -> bool:
         """The request itself is predicted past its TTFT or ITL SLO."""
@@ -128,6 +131,7 @@ def direct(view: BackendView, lacking: float, ttft_s: float, slo: Slo) -> Placem
         itl_s=costmodel.itl(view.itl, view.decoding),
         stalled=pushed_past_itl(view, stall, 1.0, slo) + pushed_past_ttft(view, ttft_s),
         lacking=lacking,
+        delay_s=max(view.decoding, 0.0) * costmodel.prefill_delay_s(view.speed, lacking),
     )
 
 
@@ -152,6 +156,31 @@ def split(producer: BackendView, consumer: BackendView, prompt: float, ttft_s: f
         stalled=pushed_past_itl(producer, stall, 0.0, slo) + pushed_past_itl(consumer, 0.0, 1.0, slo),
         lacking=prompt,
     )
+
+
+def on_idle_producer(
+    chosen: Placement, splits: Sequence[Placement], idle_producers: frozenset[str], slo: Slo
+) -> Placement | None:
+    """A split through an idle producer that delays the fleet less than `chosen`, a direct
+    placement goodput's count ties it with: its own TTFT later by less than the time the
+    direct prefill would add to the waits of the sequences decoding beside it, summed
+    (`Placement.delay_s`), and no request more lost. A stall within the ITL SLO loses
+    nobody, so the count alone sends every cold prompt to a decoder, whose sequences then
+    each wait that prefill's time; an idle producer's time is free (nothing queued behind
+    it, no later split waits for this one), so the prompt goes there. Producers with a
+    queue are left to goodput's count: there the split's prefill lengthens the wait of
+    every later split."""
+    if chosen.prefill is not None or chosen.delay_s <= 0.0:
+        return None
+    fits = [
+        p
+        for p in splits
+        if p.prefill in idle_producers
+        and not p.misses(slo)
+        and p.lost(slo) <= chosen.lost(slo)
+        and p.ttft_s - chosen.ttft_s < chosen.delay_s
+    ]
+    return min(fits, key=lambda p: p.ttft_s) if fits else None
 
 
 def worth_splitting(split: Placement, slo: Slo, spare: frozenset[str] = frozenset()) -> bool:

@@ -146,12 +146,31 @@ def test_split_auto_keeps_prefills_off_a_decoder_whose_sequences_it_would_stall(
 
 def test_a_decoder_with_a_small_prefill_chunk_computes_a_prompt_its_sequences_barely_notice() -> None:
     # The same 10 sequences on d0 as above, but its engine prefills 256 tokens a step: the
-    # 1,000-token prefill adds ~26 ms to each of four steps, within the ITL SLO, so the
-    # prompt is computed there, sooner than a split.
-    small = snap(replace(view("d0", decoding=10), chunk_tokens=256), view("p0", decodes=False, prefills=True))
+    # 1,000-token prefill adds ~26 ms to each of four steps, within the ITL SLO. With a queue
+    # on the producer the prompt is computed there, sooner than a split.
+    d0 = replace(view("d0", decoding=10), chunk_tokens=256)
+    small = snap(d0, view("p0", decodes=False, prefills=True, queued=200))
     fb = _planned(plan_fallback(Q, small, R, 1000))
     assert (fb.prefill, fb.decode, fb.reason, fb.lost) == (None, "d0", "goodput_direct", 0)
     assert fb.alternative.startswith("split p0>d0 ")
+
+
+def test_a_prompt_goes_to_an_idle_producer_where_it_delays_the_decoders_sequences_more() -> None:
+    # d0's 10 sequences would each wait ~104 ms more over the prefill's four steps (none past
+    # the ITL SLO: goodput's count ties); the split through the idle p0 is later for the
+    # request by less than that sum, so it goes there.
+    d0 = replace(view("d0", decoding=10), chunk_tokens=256)
+    fb = _planned(plan_fallback(Q, snap(d0, view("p0", decodes=False, prefills=True)), R, 1000))
+    assert (fb.prefill, fb.decode, fb.reason, fb.lost) == ("p0", "d0", "idle_producer", 0)
+    assert fb.alternative.startswith("direct d0 ")
+    # One sequence: it would wait the prefill's ~100 ms, more than the split's first token
+    # is later (the transfer, ~14 ms). Nothing decoding: nobody waits, the sooner first token.
+    for decoding, split in ((1, "p0"), (0, None)):
+        d = replace(view("d0", decoding=decoding), chunk_tokens=256)
+        assert _planned(plan_fallback(Q, snap(d, view("p0", decodes=False, prefills=True)), R, 1000)).prefill == split
+    # A decoder that also prefills is no idle producer: its own sequences would wait.
+    both = view("b0", decodes=True, prefills=True)
+    assert _planned(plan_fallback(Q, snap(d0, both), R, 1000)).reason != "idle_producer"
 
 
 def test_split_never_computes_on_a_decoder() -> None:
