@@ -17,7 +17,9 @@ over the one cost model (router/routing/costmodel.py):
 With `routing.split = "auto"` the choice is goodput's (router/routing/goodput.py): the
 placement predicted to keep the most requests, this one and those decoding on the engines
 it touches, within both SLOs (`routing.slo_ttft_ms`, `routing.slo_itl_ms`); ties go to the
-least predicted TTFT; a split predicted to miss the request's own SLO is weighed only on a
+least predicted TTFT, or to a split through an idle producer that delays the direct
+placement's running sequences less than it delays its own first token
+(`goodput.on_idle_producer`); a split predicted to miss the request's own SLO is weighed only on a
 producer to spare (`goodput.spare_producers`, with `routing.spare_producers`). A split is
 considered only when a prefill backend other than the decoder exists and the decoder
 would lack at least `min_pd_prompt_tokens` (an operator's floor: below it a KV transfer is

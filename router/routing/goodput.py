@@ -18,7 +18,10 @@ Each candidate placement is predicted with the one cost model (router/routing/co
   that this prefill makes late: their decode legs arrive behind it (`pushed_past_ttft`).
 
 The candidate that loses the fewest requests (the new one counts one if it misses either
-SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT. The
+SLO, each pushed running sequence one) wins; ties go to the least predicted TTFT, except
+that a direct placement winning a tie yields to a split through an idle producer that
+delays the fleet less (`on_idle_producer`: the sequences beside a prefill each wait its
+whole time, within the SLO or not). The
 count is of this moment only, so a split predicted past the request's own SLO is no
 candidate (`worth_splitting`): its loss is certain and its prefill lengthens the
 producer's queue that every later split waits in (unless producers are idle to spare while
@@ -166,10 +169,10 @@ def on_idle_producer(
     direct prefill would add to the waits of the sequences decoding beside it, summed
     (`Placement.delay_s`), and no request more lost. A stall within the ITL SLO loses
     nobody, so the count alone sends every cold prompt to a decoder, whose sequences then
-    each wait that prefill's time; an idle producer's time is free (nothing queued behind
-    it, no later split waits for this one), so the prompt goes there. Producers with a
-    queue are left to goodput's count: there the split's prefill lengthens the wait of
-    every later split."""
+    each wait that prefill's time; an idle producer's time is free now (nothing queued,
+    no prefill of ours in flight), so the prompt goes there. Producers with a queue are
+    left to goodput's count: there the split's prefill would add to a wait that later
+    splits inherit, which the count of this moment cannot weigh."""
     if chosen.prefill is not None or chosen.delay_s <= 0.0:
         return None
     fits = [

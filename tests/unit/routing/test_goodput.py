@@ -158,3 +158,28 @@ def test_a_split_late_anyway_is_weighed_only_on_a_producer_to_spare() -> None:
     assert not goodput.worth_splitting(late, SLO)
     assert goodput.worth_splitting(late, SLO, frozenset({"p"}))
     assert not goodput.worth_splitting(late, SLO, frozenset({"other"}))
+
+
+def test_a_direct_placement_delays_each_sequence_beside_it_by_its_whole_prefill() -> None:
+    d = replace(view("d", decoding=4), itl=STEP)
+    # 1,000 tokens at 100 us each, over as many steps as the chunk makes: 0.1 s for each of 4.
+    for chunk in (8192, 256):
+        assert goodput.direct(replace(d, chunk_tokens=chunk), 1000, 0.2, SLO).delay_s == pytest.approx(0.4)
+    assert goodput.direct(replace(d, decoding=0), 1000, 0.2, SLO).delay_s == 0
+
+
+def test_an_idle_producer_takes_a_tie_when_the_split_delays_the_fleet_less() -> None:
+    chosen = goodput.Placement("d", None, ttft_s=0.1, itl_s=0.01, stalled=0, delay_s=0.4)
+    soon = goodput.Placement("d", "p", ttft_s=0.3, itl_s=0.01, stalled=0)
+    late = goodput.Placement("d", "q", ttft_s=0.6, itl_s=0.01, stalled=0)  # 0.5 s later: more than 0.4
+    idle = frozenset({"p", "q"})
+    assert goodput.on_idle_producer(chosen, [late, soon], idle, SLO) == soon
+    assert goodput.on_idle_producer(chosen, [late], idle, SLO) is None
+    # Only idle producers; never a split that loses more, or misses its own SLO.
+    assert goodput.on_idle_producer(chosen, [soon], frozenset({"q"}), SLO) is None
+    assert goodput.on_idle_producer(chosen, [replace(soon, stalled=1)], idle, SLO) is None
+    missing = replace(chosen, ttft_s=1.9, delay_s=5.0)
+    assert goodput.on_idle_producer(missing, [replace(soon, ttft_s=2.5)], idle, SLO) is None
+    # Nothing to trade: nobody decodes beside the direct placement, or it is a split already.
+    assert goodput.on_idle_producer(replace(chosen, delay_s=0.0), [soon], idle, SLO) is None
+    assert goodput.on_idle_producer(soon, [soon], idle, SLO) is None
