@@ -76,7 +76,8 @@ async def test_whole_and_streamed_answers_have_vllms_anthropic_shape(make_cluste
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_warm_engine_wins_the_race(make_cluster: MakeCluster, stream: bool) -> None:
-    c = await make_cluster(decoders=2, routing={"race": "always"})
+    # A deadline no loaded machine reaches: an expired probe is another path (its own tests).
+    c = await make_cluster(decoders=2, routing={"race": "always", "probe_deadline_ms": 10_000})
     warm = _body("warm", max_tokens=4)
     status, _ = await c.complete(warm, MESSAGES)  # d0 or d1 now holds the prompt
     assert status == 200
