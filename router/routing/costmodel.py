@@ -124,7 +124,7 @@ def prefill_stall_s(speed: EngineSpeed, tokens: float, chunk: float) -> float:
     """What computing `tokens` of prefill adds to each of the engine's next steps (every
     sequence decoding there waits that long more for its next token), chunked prefill
     spreading it over steps of at most `chunk` tokens."""
-    return max(speed.per_token_s, MIN_PER_TOKEN_S) * min(max(tokens, 0.0), max(chunk, 1.0))
+    return prefill_delay_s(speed, min(tokens, max(chunk, 1.0)))
 
 
 def prefill_delay_s(speed: EngineSpeed, tokens: float) -> float:

@@ -148,8 +148,7 @@ def plan_fallback(
         )
     )
     chosen = goodput.best([*directs, *(p for p in splits if goodput.worth_splitting(p, slo, spare))], slo)
-    idle = frozenset(p.name for p in producers if not p.decodes and goodput.idle(p))
-    freer = goodput.on_idle_producer(chosen, splits, idle, slo)
+    freer = goodput.on_idle_producer(chosen, splits, goodput.idle_producers(producers), slo)
     if freer is not None:
         return _plan(freer, routing, slo, RouteReason.IDLE_PRODUCER, chosen)
     if chosen.prefill is None:

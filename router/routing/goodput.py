@@ -213,13 +213,19 @@ def spare_producers(producers: Sequence[BackendView], prompt_tokens_per_s: float
     not, on-time prompts arrive behind a late one faster than one idle producer serves them,
     and holding producers for late ones cost 0.03-0.09 of goodput with two producers
     (bench/RESULTS.md, "Producers to spare")."""
-    own = [p for p in producers if not p.decodes]
-    names = [p.name for p in own if idle(p)]
+    names = idle_producers(producers)
     if len(names) < 2:
         return frozenset()
+    own = [p for p in producers if not p.decodes]
     if prompt_tokens_per_s is not None and prompt_tokens_per_s >= prefill_capacity(own):
         return frozenset()
-    return frozenset(names)
+    return names
+
+
+def idle_producers(producers: Sequence[BackendView]) -> frozenset[str]:
+    """The prefill-only producers with nothing queued and no prefill of ours in flight (a
+    decoder that also prefills runs sequences a prefill there would stall)."""
+    return frozenset(p.name for p in producers if not p.decodes and idle(p))
 
 
 def prefill_capacity(producers: Sequence[BackendView]) -> float:
