@@ -162,6 +162,12 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        self.slow = Gauge(
+            "cachehit_router_backend_slow",
+            "1 while the backend is avoided because its answers stall (health.slow_engine_s)",
+            ["backend"],
+            registry=r,
+        )
         self.queued_tokens = Gauge(
             "cachehit_router_backend_queued_prefill_tokens",
             "Prompt tokens this router sent that have not reached their first token",
@@ -224,13 +230,15 @@ class RouterMetrics:
 
     # The per-backend and per-tenant gauges read their object's state when scraped:
     # nothing to do on the request path, and always the current values.
-    def bind_backend(self, s: BackendGauges, learner: SpeedGauges) -> None:
+    def bind_backend(self, s: BackendGauges, learner: SpeedGauges, slow: Callable[[], bool]) -> None:
+        """`slow`: whether the backend is avoided now for stalling (router/fleet/stalls.py)."""
         name = s.config.name
         self._gone.pop(name, None)
         self.inflight.labels(name).set_function(lambda: s.inflight)
         self.healthy.labels(name).set_function(lambda: 1 if s.healthy and s.breaker != BreakerState.OPEN else 0)
         self.breaker.labels(name).set_function(lambda: BREAKER_STATE_VALUE[s.breaker])
         self.draining.labels(name).set_function(lambda: 1 if s.draining else 0)
+        self.slow.labels(name).set_function(lambda: 1 if slow() else 0)
         self.queued_tokens.labels(name).set_function(lambda: s.queued_tokens)
         self.prefill_speed.labels(name).set_function(lambda: 1.0 / max(learner.speed(name).per_token_s, 1e-9))
         self.threshold_capable.labels(name).set_function(
@@ -246,6 +254,7 @@ class RouterMetrics:
             self.healthy,
             self.breaker,
             self.draining,
+            self.slow,
             self.queued_tokens,
             self.prefill_speed,
             self.threshold_capable,

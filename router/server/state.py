@@ -166,11 +166,11 @@ class RouterState:
     def _backend_added(self, s: BackendState) -> None:
         assert self.registry is not None
         assert self.kv_events is not None
-        self.metrics.bind_backend(s, self.registry.learner)
+        registry = self.registry
+        self.metrics.bind_backend(s, registry.learner, lambda: registry.stalls.slow(s.config.name, registry.clock()))
         kv = self.kv_events
         stream = kv.subscribe(s)
         if stream is not None:
-            registry = self.registry
             self.metrics.kv.bind(stream, kv.index, lambda: kv.fresh(s, registry.clock()), s.sequences)
 
     def _backend_removed(self, name: str) -> None:

@@ -60,7 +60,7 @@ class ChurnMachine(RuleBasedStateMachine):
         self.fleet = Fleet(
             self.registry,
             self.monitor,
-            on_added=lambda s: self.metrics.bind_backend(s, self.registry.learner),
+            on_added=lambda s: self.metrics.bind_backend(s, self.registry.learner, lambda: False),
             on_removed=self.metrics.unbind_backend,
             initial={},
         )

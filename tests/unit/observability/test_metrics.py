@@ -59,7 +59,7 @@ def _series_of(metrics: RouterMetrics, backend: str) -> list[str]:
 def test_a_removed_backend_leaves_no_series_behind() -> None:
     metrics = RouterMetrics()
     for name in ("gone", "kept"):
-        metrics.bind_backend(_Backend(_Named(name)), _Learner())
+        metrics.bind_backend(_Backend(_Named(name)), _Learner(), lambda: False)
     metrics.record(_record_touching("gone", "kept"))
     assert any("probe_rejections" in line for line in _series_of(metrics, "gone"))
     assert any("upstream_errors" in line for line in _series_of(metrics, "gone"))
@@ -72,9 +72,18 @@ def test_a_removed_backend_leaves_no_series_behind() -> None:
         assert any(family in line for line in kept), family
 
 
+def test_the_slow_gauge_reads_the_stall_watch_when_scraped() -> None:
+    metrics = RouterMetrics()
+    slow = {"d0": False}
+    metrics.bind_backend(_Backend(_Named("d0")), _Learner(), lambda: slow["d0"])
+    assert 'cachehit_router_backend_slow{backend="d0"} 0.0' in _series_of(metrics, "d0")
+    slow["d0"] = True
+    assert 'cachehit_router_backend_slow{backend="d0"} 1.0' in _series_of(metrics, "d0")
+
+
 def test_a_request_ending_after_its_engine_left_does_not_bring_the_series_back() -> None:
     metrics = RouterMetrics()
-    metrics.bind_backend(_Backend(_Named("gone")), _Learner())
+    metrics.bind_backend(_Backend(_Named("gone")), _Learner(), lambda: False)
     metrics.unbind_backend("gone")
     metrics.record(_record_touching("gone"))
     assert _series_of(metrics, "gone") == []
@@ -82,9 +91,9 @@ def test_a_request_ending_after_its_engine_left_does_not_bring_the_series_back()
 
 def test_a_backend_added_again_under_its_name_is_counted_again() -> None:
     metrics = RouterMetrics()
-    metrics.bind_backend(_Backend(_Named("back")), _Learner())
+    metrics.bind_backend(_Backend(_Named("back")), _Learner(), lambda: False)
     metrics.unbind_backend("back")
-    metrics.bind_backend(_Backend(_Named("back")), _Learner())
+    metrics.bind_backend(_Backend(_Named("back")), _Learner(), lambda: False)
     metrics.record(_record_touching("back"))
     assert any("probe_rejections" in line for line in _series_of(metrics, "back"))
 
